@@ -1,0 +1,99 @@
+"""The ``slipstream`` command line.
+
+Example::
+
+    slipstream serve --model-repository ./models --http-port 8000 --grpc-port 8001
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from slipstream import __version__
+from slipstream.config import ServerSettings, format_validation_error
+
+
+def _help(field: str) -> str:
+    description = ServerSettings.model_fields[field].description or ""
+    default = ServerSettings.model_fields[field].default
+    if default is None or callable(default) or field == "model_repository":
+        return description
+    return f"{description} [default: {default}]"
+
+
+@click.group()
+@click.version_option(__version__, prog_name="slipstream")
+def main() -> None:
+    """Slipstream: profile, optimize and serve models over the Open Inference Protocol."""
+
+
+@main.command()
+@click.option(
+    "--model-repository",
+    type=click.Path(path_type=Path),
+    required=True,
+    help=_help("model_repository"),
+)
+@click.option("--host", default="0.0.0.0", help=_help("host"))
+@click.option("--http-port", type=int, default=8000, help=_help("http_port"))
+@click.option("--grpc-port", type=int, default=8001, help=_help("grpc_port"))
+@click.option(
+    "--model-control-mode",
+    type=click.Choice(["none", "explicit", "poll"]),
+    default="none",
+    help=_help("model_control_mode"),
+)
+@click.option("--load-model", "load_models", multiple=True, help=_help("load_models"))
+@click.option(
+    "--repository-poll-secs", type=float, default=15.0, help=_help("repository_poll_secs")
+)
+@click.option(
+    "--max-request-bytes", type=int, default=64 * 1024 * 1024, help=_help("max_request_bytes")
+)
+@click.option("--shutdown-timeout-s", type=float, default=30.0, help=_help("shutdown_timeout_s"))
+@click.option(
+    "--strict-readiness/--no-strict-readiness", default=True, help=_help("strict_readiness")
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    help=_help("log_level"),
+)
+def serve(**options: Any) -> None:
+    """Serve every model of a repository over V2 HTTP and gRPC.
+
+    \b
+    Example:
+      slipstream serve --model-repository ./models --http-port 8000 --grpc-port 8001
+      curl localhost:8000/v2/models/digits
+    """  # fmt: skip
+    options["load_models"] = list(options["load_models"])
+    try:
+        settings = ServerSettings(**options)
+    except ValidationError as exc:
+        raise click.BadParameter(format_validation_error("option", exc)) from None
+    if not settings.model_repository.is_dir():
+        raise click.BadParameter(
+            f"{settings.model_repository} is not a directory", param_hint="--model-repository"
+        )
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from slipstream.server.runner import serve as run_server
+
+    try:
+        import uvloop
+
+        uvloop.run(run_server(settings))
+    except ImportError:  # pragma: no cover - uvloop is absent on Windows
+        asyncio.run(run_server(settings))

@@ -1,0 +1,236 @@
+"""Validated settings: the per-model ``config.yaml`` and the server's own options.
+
+Model config keys follow Triton's names (``max_batch_size``,
+``dynamic_batching.max_queue_delay_microseconds``, ``instance_group``, ...) so Triton users
+can bring what they know. Every model is validated on load; a bad key fails that model's
+load with a message naming the key, and other models are unaffected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from slipstream.protocol.datatypes import from_config_datatype
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TensorConfig(_Strict):
+    """One input or output: name, V2 datatype, dims without the batch dim when batching."""
+
+    name: str = Field(min_length=1)
+    data_type: str = Field(description="TYPE_FP32 (Triton) or FP32 (V2) spelling")
+    dims: list[int] = Field(description="shape without the batch dim; -1 for variable")
+    # Triton: an optional input may be left out of a request.
+    optional: bool = False
+
+    @field_validator("data_type")
+    @classmethod
+    def _normalise_datatype(cls, value: str) -> str:
+        return from_config_datatype(value)
+
+    @field_validator("dims")
+    @classmethod
+    def _check_dims(cls, dims: list[int]) -> list[int]:
+        for d in dims:
+            if d < -1 or d == 0:
+                raise ValueError(f"each dim must be -1 (variable) or > 0, got {d}")
+        return dims
+
+
+class DynamicBatching(_Strict):
+    """Queue and batching policy of one model version."""
+
+    max_queue_delay_microseconds: int = Field(
+        0,
+        ge=0,
+        description="How long the oldest request may wait for a fuller batch; 0 never waits.",
+    )
+    preferred_batch_size: list[int] = Field(
+        default_factory=list, description="Batch sizes worth waiting for (with a delay)."
+    )
+    max_queue_size: int = Field(
+        1024, ge=1, description="Requests queued beyond this are refused with 503."
+    )
+    default_timeout_microseconds: int = Field(
+        0, ge=0, description="Queue timeout of requests that set none; 0 means no timeout."
+    )
+    priority_levels: int = Field(0, ge=0, description="Number of priority levels; 0 = off.")
+    default_priority_level: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_priorities(self) -> DynamicBatching:
+        if self.priority_levels and not 1 <= self.default_priority_level <= self.priority_levels:
+            if self.default_priority_level == 0:
+                self.default_priority_level = (self.priority_levels + 1) // 2
+            else:
+                raise ValueError(f"default_priority_level must be within 1..{self.priority_levels}")
+        return self
+
+
+class InstanceGroup(_Strict):
+    """How many copies of the model run batches in parallel."""
+
+    count: int = Field(1, ge=1, le=64)
+    kind: Literal["KIND_CPU", "KIND_GPU", "KIND_AUTO"] = "KIND_CPU"
+    name: str = ""
+
+
+class VersionPolicy(_Strict):
+    """Which version directories to serve: exactly one of latest / all / specific."""
+
+    latest: dict[str, int] | None = None
+    all: dict[str, Any] | None = None
+    specific: dict[str, list[int]] | None = None
+
+    @model_validator(mode="after")
+    def _one_policy(self) -> VersionPolicy:
+        chosen = [k for k in ("latest", "all", "specific") if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"set only one of latest / all / specific, got {chosen}")
+        if self.latest is not None:
+            n = self.latest.get("num_versions", 1)
+            if set(self.latest) - {"num_versions"} or n < 1:
+                raise ValueError("latest takes {num_versions: N} with N >= 1")
+        if self.specific is not None and set(self.specific) != {"versions"}:
+            raise ValueError("specific takes {versions: [1, 2, ...]}")
+        return self
+
+    def select(self, available: list[int]) -> list[int]:
+        """Versions to serve among the available ones, ascending."""
+        ordered = sorted(available)
+        if self.all is not None:
+            return ordered
+        if self.specific is not None:
+            wanted = set(self.specific["versions"])
+            return [v for v in ordered if v in wanted]
+        n = (self.latest or {}).get("num_versions", 1)
+        return ordered[-n:]
+
+
+class WarmupInput(_Strict):
+    data_type: str
+    dims: list[int]
+    zero_data: bool = False
+    random_data: bool = False
+
+    @field_validator("data_type")
+    @classmethod
+    def _normalise_datatype(cls, value: str) -> str:
+        return from_config_datatype(value)
+
+
+class WarmupSample(_Strict):
+    """One synthetic request run before the model is declared READY."""
+
+    name: str = "warmup"
+    batch_size: int = Field(1, ge=1)
+    inputs: dict[str, WarmupInput] = Field(default_factory=dict)
+    count: int = Field(1, ge=1, le=1000)
+
+
+class ModelConfig(_Strict):
+    """The ``config.yaml`` of one model (shared by all its versions)."""
+
+    name: str = ""
+    backend: str = Field("", description="onnxruntime, torch or sklearn; default by file type")
+    platform: str = ""
+    default_model_filename: str = ""
+    max_batch_size: int | None = Field(
+        None, ge=0, description="0 = no batching; omitted = taken from the model file"
+    )
+    input: list[TensorConfig] = Field(default_factory=list)
+    output: list[TensorConfig] = Field(default_factory=list)
+    dynamic_batching: DynamicBatching = Field(default_factory=DynamicBatching)
+    instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
+    version_policy: VersionPolicy = Field(default_factory=VersionPolicy)
+    model_warmup: list[WarmupSample] = Field(default_factory=list)
+    parameters: dict[str, str] = Field(
+        default_factory=dict, description="backend options, e.g. intra_op_thread_count"
+    )
+
+    @field_validator("instance_group", mode="before")
+    @classmethod
+    def _group_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, dict) else value
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _flatten_parameters(cls, value: Any) -> Any:
+        # Triton writes parameters as {key: {string_value: "..."}}; accept both forms.
+        if not isinstance(value, dict):
+            return value
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            if isinstance(item, dict) and set(item) == {"string_value"}:
+                item = item["string_value"]
+            flat[key] = item if isinstance(item, str) else str(item)
+        return flat
+
+    @property
+    def instance_count(self) -> int:
+        return sum(group.count for group in self.instance_group)
+
+
+class ConfigError(ValueError):
+    """A model's config.yaml is invalid; the message names the key and the problem."""
+
+
+def format_validation_error(source: str, error: ValidationError) -> str:
+    """One line per problem: ``source: key.path: message``."""
+    lines = []
+    for problem in error.errors():
+        key = ".".join(str(part) for part in problem["loc"]) or "(top level)"
+        lines.append(f"{source}: {key}: {problem['msg']}")
+    return "; ".join(lines)
+
+
+def parse_model_config(data: Any, source: str) -> ModelConfig:
+    """Validate a parsed config.yaml; raise ConfigError naming the offending key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys, got {type(data).__name__}")
+    try:
+        return ModelConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(source, exc)) from None
+
+
+class ServerSettings(_Strict):
+    """Options of ``slipstream serve``; each field's description is its --help text."""
+
+    model_repository: Path = Field(description="Directory laid out as <model>/<version>/model.*")
+    host: str = Field("0.0.0.0", description="Address the HTTP and gRPC servers bind to.")
+    http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 disables HTTP).")
+    grpc_port: int = Field(8001, ge=0, le=65535, description="gRPC port (0 disables gRPC).")
+    model_control_mode: Literal["none", "explicit", "poll"] = Field(
+        "none",
+        description="none: load every model at start; explicit: load/unload via the "
+        "repository API (and --load-model); poll: also reload when files change.",
+    )
+    load_models: list[str] = Field(
+        default_factory=list, description="Models to load at start in explicit mode."
+    )
+    repository_poll_secs: float = Field(
+        15.0, gt=0, description="How often poll mode rescans the repository."
+    )
+    max_request_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Larger request bodies are refused with 413."
+    )
+    shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, how long in-flight requests may take to finish."
+    )
+    strict_readiness: bool = Field(
+        True,
+        description="Report not ready while any model failed to load (Triton's default); "
+        "with --no-strict-readiness, ready once loading is done.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Logging level; debug logs every request with its id."
+    )

@@ -1,0 +1,67 @@
+"""The errors a request can end in, each mapped to one HTTP status and one gRPC code.
+
+A bad request is a :class:`ClientError` subclass: it is answered and the server goes on.
+Anything else raised while serving is an internal fault: logged once and answered 500
+without its details.
+"""
+
+from __future__ import annotations
+
+
+class SlipstreamError(Exception):
+    """Base of every error Slipstream answers a client with."""
+
+    http_status = 500
+    # Name of the grpc.StatusCode member, kept as a string so protocol code stays pure.
+    grpc_code = "INTERNAL"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ClientError(SlipstreamError):
+    """The request itself is wrong: fixing it is up to the client."""
+
+
+class InvalidRequest(ClientError):
+    """Malformed request: bad JSON, unknown tensor, wrong dtype or shape."""
+
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class PayloadTooLarge(ClientError):
+    """The request body exceeds the server's size limit."""
+
+    http_status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class ModelNotFound(ClientError):
+    """Unknown model or version."""
+
+    http_status = 404
+    grpc_code = "NOT_FOUND"
+
+
+class Unavailable(SlipstreamError):
+    """The model cannot take the request now: not ready, or its queue is full."""
+
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        # Seconds a client should wait before retrying; sent as Retry-After.
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeout(Unavailable):
+    """The request waited in the queue past its timeout and was never run."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class InternalError(SlipstreamError):
+    """A fault inside the server; the message shown to clients is generic."""

@@ -1,0 +1,1 @@
+"""Metrics, the V2 statistics extension, and logging helpers."""

@@ -1,0 +1,1 @@
+"""Wire formats: pure functions between bytes and InferRequest / InferResponse."""

@@ -1,0 +1,143 @@
+"""V2 REST bodies other than inference: metadata, model config, statistics, repository.
+
+Shapes follow the Open Inference Protocol and Triton's extensions so that tritonclient
+and perf_analyzer read them unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slipstream.config import ModelConfig, TensorConfig
+from slipstream.observability.stats import ModelStats, StatDuration
+from slipstream.protocol.datatypes import to_config_datatype
+from slipstream.serving.service import (
+    ModelMetadata,
+    RepositoryEntry,
+    ServerMetadata,
+    TensorMetadata,
+)
+
+
+def server_metadata_json(meta: ServerMetadata) -> dict[str, Any]:
+    return {"name": meta.name, "version": meta.version, "extensions": meta.extensions}
+
+
+def _tensor_json(tensor: TensorMetadata) -> dict[str, Any]:
+    return {"name": tensor.name, "datatype": tensor.datatype, "shape": tensor.shape}
+
+
+def model_metadata_json(meta: ModelMetadata) -> dict[str, Any]:
+    return {
+        "name": meta.name,
+        "versions": meta.versions,
+        "platform": meta.platform,
+        "inputs": [_tensor_json(t) for t in meta.inputs],
+        "outputs": [_tensor_json(t) for t in meta.outputs],
+    }
+
+
+def _config_tensor_json(tensor: TensorConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": tensor.name,
+        "data_type": to_config_datatype(tensor.data_type),
+        "dims": tensor.dims,
+    }
+    if tensor.optional:
+        out["optional"] = True
+    return out
+
+
+def model_config_json(config: ModelConfig) -> dict[str, Any]:
+    """The completed config in Triton's JSON form (TYPE_* datatypes, queue policy nested)."""
+    batching = config.dynamic_batching
+    policy = config.version_policy
+    if policy.all is not None:
+        version_policy: dict[str, Any] = {"all": {}}
+    elif policy.specific is not None:
+        version_policy = {"specific": {"versions": policy.specific["versions"]}}
+    else:
+        version_policy = {"latest": {"num_versions": (policy.latest or {}).get("num_versions", 1)}}
+    return {
+        "name": config.name,
+        "platform": config.platform,
+        "backend": config.backend,
+        "max_batch_size": config.max_batch_size or 0,
+        "input": [_config_tensor_json(t) for t in config.input],
+        "output": [_config_tensor_json(t) for t in config.output],
+        "version_policy": version_policy,
+        "instance_group": [
+            {"name": g.name or f"{config.name}_{i}", "kind": g.kind, "count": g.count}
+            for i, g in enumerate(config.instance_group)
+        ],
+        "dynamic_batching": {
+            "preferred_batch_size": batching.preferred_batch_size,
+            "max_queue_delay_microseconds": batching.max_queue_delay_microseconds,
+            "priority_levels": batching.priority_levels,
+            "default_priority_level": batching.default_priority_level,
+            "default_queue_policy": {
+                "max_queue_size": batching.max_queue_size,
+                "default_timeout_microseconds": batching.default_timeout_microseconds,
+            },
+        },
+        "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},
+        "model_warmup": [w.model_dump() for w in config.model_warmup],
+    }
+
+
+_INFER_STAT_NAMES = (
+    "success", "fail", "queue", "compute_input", "compute_infer",
+    "compute_output", "cache_hit", "cache_miss",
+)  # fmt: skip
+
+
+_INFER_STAT_NAMES = (
+    "success", "fail", "queue", "compute_input", "compute_infer",
+    "compute_output", "cache_hit", "cache_miss",
+)  # fmt: skip
+
+
+def _duration(d: StatDuration) -> dict[str, int]:
+    return {"count": d.count, "ns": d.ns}
+
+
+def model_stats_json(stats: list[ModelStats]) -> dict[str, Any]:
+    out = []
+    for s in stats:
+        infer = s.inference_stats
+        out.append(
+            {
+                "name": s.name,
+                "version": s.version,
+                "last_inference": s.last_inference_ms,
+                "inference_count": s.inference_count,
+                "execution_count": s.execution_count,
+                "inference_stats": {
+                    name: _duration(getattr(infer, name)) for name in _INFER_STAT_NAMES
+                },
+                "batch_stats": [
+                    {
+                        "batch_size": b.batch_size,
+                        "compute_input": _duration(b.compute_input),
+                        "compute_infer": _duration(b.compute_infer),
+                        "compute_output": _duration(b.compute_output),
+                    }
+                    for b in s.batch_stats
+                ],
+            }
+        )
+    return {"model_stats": out}
+
+
+def repository_index_json(entries: list[RepositoryEntry]) -> list[dict[str, str]]:
+    out = []
+    for entry in entries:
+        item = {"name": entry.name}
+        if entry.version:
+            item["version"] = entry.version
+        if entry.state:
+            item["state"] = entry.state
+        if entry.reason:
+            item["reason"] = entry.reason
+        out.append(item)
+    return out

@@ -1,0 +1,1 @@
+"""Reading a Triton-style model repository and completing model configs."""

@@ -1,0 +1,88 @@
+"""Completing a model's config from its file, as Triton's auto-complete does.
+
+What the user wrote wins; what they left out comes from the backend's signature. The
+config and the file must agree (names, datatypes, ranks): a mismatch fails the load with
+a message naming the tensor, so requests never reach a model that cannot run them.
+"""
+
+from __future__ import annotations
+
+from slipstream.config import ConfigError, ModelConfig, TensorConfig
+from slipstream.runtime.base import ModelSignature, TensorSpec
+
+# max_batch_size given to models whose file has a dynamic first dim and whose config
+# sets none: large enough that the batcher can amortise per-batch costs under load.
+DEFAULT_MAX_BATCH_SIZE = 64
+
+_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch"}
+
+
+def complete_config(config: ModelConfig, signature: ModelSignature, backend: str) -> ModelConfig:
+    """A copy of ``config`` with every field filled in and checked against the file."""
+    done = config.model_copy(deep=True)
+    done.backend = backend
+    done.platform = done.platform or _PLATFORMS.get(backend, backend)
+    has_signature = bool(signature.inputs and signature.outputs)
+    if done.max_batch_size is None:
+        if has_signature:
+            dynamic = signature.batch_dim_is_dynamic
+            done.max_batch_size = DEFAULT_MAX_BATCH_SIZE if dynamic else 0
+        else:
+            done.max_batch_size = 0
+    batching = done.max_batch_size > 0
+    if not has_signature:
+        if not done.input or not done.output:
+            raise ConfigError(
+                f"{config.name}: the {backend} model file does not declare its tensors; "
+                "list input and output (name, data_type, dims) in config.yaml"
+            )
+        return done
+    done.input = _complete(done.input, signature.inputs, batching, "input")
+    done.output = _complete(done.output, signature.outputs, batching, "output")
+    return done
+
+
+def _complete(
+    given: list[TensorConfig], specs: tuple[TensorSpec, ...], batching: bool, kind: str
+) -> list[TensorConfig]:
+    by_name = {spec.name: spec for spec in specs}
+    if not given:
+        return [_from_spec(spec, batching, kind) for spec in specs]
+    for tensor in given:
+        spec = by_name.get(tensor.name)
+        if spec is None:
+            known = ", ".join(by_name)
+            raise ConfigError(f"{kind} {tensor.name!r}: not in the model file (it has {known})")
+        _check_agrees(tensor, spec, batching, kind)
+    return given
+
+
+def _from_spec(spec: TensorSpec, batching: bool, kind: str) -> TensorConfig:
+    if batching and (not spec.shape or spec.shape[0] != -1):
+        raise ConfigError(
+            f"{kind} {spec.name!r}: max_batch_size > 0 needs a variable first dim, "
+            f"the file declares shape {list(spec.shape)}; set max_batch_size: 0"
+        )
+    dims = list(spec.shape[1:] if batching else spec.shape)
+    return TensorConfig(name=spec.name, data_type=spec.datatype, dims=dims)
+
+
+def _check_agrees(tensor: TensorConfig, spec: TensorSpec, batching: bool, kind: str) -> None:
+    if tensor.data_type != spec.datatype:
+        raise ConfigError(
+            f"{kind} {tensor.name!r}: data_type {tensor.data_type} in config.yaml but "
+            f"{spec.datatype} in the model file"
+        )
+    file_dims = spec.shape[1:] if batching else spec.shape
+    if spec.shape and len(file_dims) != len(tensor.dims):
+        raise ConfigError(
+            f"{kind} {tensor.name!r}: dims {tensor.dims} in config.yaml do not match the model "
+            f"file's shape {list(spec.shape)}"
+            + (" (the batch dim is implied by max_batch_size > 0)" if batching else "")
+        )
+    for config_dim, file_dim in zip(tensor.dims, file_dims, strict=False):
+        if file_dim != -1 and config_dim not in (-1, file_dim):
+            raise ConfigError(
+                f"{kind} {tensor.name!r}: dims {tensor.dims} in config.yaml do not match the "
+                f"model file's shape {list(spec.shape)}"
+            )

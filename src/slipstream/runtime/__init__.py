@@ -1,0 +1,55 @@
+"""Backends that execute a model: ONNX Runtime (default), torch, scikit-learn."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from slipstream.runtime.base import Backend, BackendUnavailable
+
+# backend name -> (module, class, pip extra that provides its dependency)
+_BACKENDS: dict[str, tuple[str, str, str]] = {
+    "onnxruntime": ("slipstream.runtime.onnx", "OnnxBackend", ""),
+    "torch": ("slipstream.runtime.torch", "TorchBackend", "torch"),
+    "sklearn": ("slipstream.runtime.sklearn", "SklearnBackend", "sklearn"),
+}
+
+# model file extension -> default backend name
+_BY_EXTENSION: dict[str, str] = {
+    ".onnx": "onnxruntime",
+    ".pt": "torch",
+    ".pt2": "torch",
+    ".joblib": "sklearn",
+    ".pkl": "sklearn",
+}
+
+BACKEND_NAMES = tuple(_BACKENDS)
+MODEL_EXTENSIONS = tuple(_BY_EXTENSION)
+
+
+def backend_for_file(path: Path) -> str:
+    """Default backend name for a model file, by extension."""
+    try:
+        return _BY_EXTENSION[path.suffix.lower()]
+    except KeyError:
+        known = ", ".join(_BY_EXTENSION)
+        raise ValueError(f"{path.name}: unknown model file type; expected one of {known}") from None
+
+
+def get_backend(name: str) -> type[Backend]:
+    """The Backend class for ``name``; BackendUnavailable names the extra to install."""
+    try:
+        module_name, class_name, extra = _BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"backend: unknown backend {name!r}; expected one of {', '.join(_BACKENDS)}"
+        ) from None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"backend {name!r} needs an optional dependency ({exc.name} is missing): "
+            f"pip install 'slipstream[{extra}]'"
+        ) from None
+    backend: type[Backend] = getattr(module, class_name)
+    return backend

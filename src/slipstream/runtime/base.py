@@ -1,0 +1,102 @@
+"""The contract every runtime backend fulfils.
+
+A :class:`Backend` is one loaded copy (an *instance*) of a model file. The scheduler owns
+several instances of a model version and hands each one batch at a time:
+
+* ``signature()`` tells what the file itself declares: input and output names, V2
+  datatypes and full shapes (batch dim included, -1 for variable dims). The repository
+  completes a missing ``config.yaml`` from it, as Triton's auto-complete does.
+* ``run(inputs, output_names)`` executes one batch. ``inputs`` maps every input name to
+  an array whose first dim is the batch when the model batches; the result maps each
+  requested output name to an array with the same leading batch dim. ``run`` is called
+  from one thread at a time per instance, never from the event loop when
+  ``releases_gil`` is True (ONNX Runtime, torch): those get a dedicated thread each, so
+  the event loop keeps accepting requests while a batch computes.
+* ``close()`` frees what the instance holds.
+
+Backends raise :class:`slipstream.errors.InvalidRequest` for inputs the model refuses
+(wrong rank, out-of-range values the runtime rejects); any other exception fails the
+batch as an internal error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor as the model file declares it."""
+
+    name: str
+    # V2 datatype name: FP32, INT64, BYTES, ...
+    datatype: str
+    # Full shape including the batch dim; -1 marks a variable dim.
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSignature:
+    """Inputs and outputs of a model file, in declaration order."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def batch_dim_is_dynamic(self) -> bool:
+        """True when every input and output has a variable first dim (a batch axis)."""
+        specs = self.inputs + self.outputs
+        return bool(specs) and all(s.shape and s.shape[0] == -1 for s in specs)
+
+
+class Backend(ABC):
+    """One loaded instance of a model; see the module docstring for the contract."""
+
+    # Backend name as written in config.yaml's ``backend:``.
+    name: ClassVar[str]
+    # Model file extensions this backend is the default for.
+    file_extensions: ClassVar[tuple[str, ...]] = ()
+    # True when run() releases the GIL, so it gets a dedicated thread per instance.
+    releases_gil: ClassVar[bool] = True
+
+    @classmethod
+    @abstractmethod
+    def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> Backend:
+        """Load one instance from ``path`` with backend options from config ``parameters``.
+
+        ``instance_count`` is how many instances of this model will run side by side,
+        so thread pools can be sized to share the cores between them.
+        """
+
+    @abstractmethod
+    def signature(self) -> ModelSignature:
+        """Inputs and outputs declared by the model file."""
+
+    @abstractmethod
+    def run(
+        self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
+    ) -> dict[str, np.ndarray]:
+        """Execute one batch and return the requested outputs."""
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to free explicitly
+        """Free what this instance holds."""
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend's optional dependency is not installed; the message names the extra."""
+
+
+def usable_cpu_count() -> int:
+    """Cores this process may run on (respects taskset / cgroup affinity)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,114 @@
+"""ONNX Runtime backend, the default for ``.onnx`` files.
+
+Thread defaults favour the batcher over ORT's own parallelism: the cores this process may
+use are shared out among the model's instances, and ORT's spin-waiting is off, because a
+spinning worker steals the core the event loop needs to accept the next requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
+
+# ONNX Runtime type strings -> V2 datatypes.
+_ORT_TO_V2 = {
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+    "tensor(string)": "BYTES",
+}
+
+_GRAPH_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def _spec(arg: ort.NodeArg) -> TensorSpec:
+    datatype = _ORT_TO_V2.get(arg.type)
+    if datatype is None:
+        raise ValueError(f"tensor {arg.name!r} has unsupported type {arg.type}")
+    # Symbolic dims ("batch", "seq") and unknown dims are variable.
+    shape = tuple(d if isinstance(d, int) and d > 0 else -1 for d in (arg.shape or []))
+    return TensorSpec(name=arg.name, datatype=datatype, shape=shape)
+
+
+def session_options(parameters: dict[str, str], instance_count: int) -> ort.SessionOptions:
+    """SessionOptions from config ``parameters`` (intra_op_thread_count, ...)."""
+    options = ort.SessionOptions()
+    default_threads = max(1, usable_cpu_count() // max(1, instance_count))
+    options.intra_op_num_threads = int(parameters.get("intra_op_thread_count", default_threads))
+    options.inter_op_num_threads = int(parameters.get("inter_op_thread_count", 1))
+    spinning = parameters.get("allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+    level = parameters.get("graph_optimization_level", "all")
+    if level not in _GRAPH_LEVELS:
+        raise ValueError(
+            f"parameters.graph_optimization_level: {level!r}; expected one of "
+            + ", ".join(_GRAPH_LEVELS)
+        )
+    options.graph_optimization_level = _GRAPH_LEVELS[level]
+    return options
+
+
+class OnnxBackend(Backend):
+    """One ONNX Runtime InferenceSession on the CPU execution provider."""
+
+    name = "onnxruntime"
+    file_extensions = (".onnx",)
+    releases_gil = True
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self._session = session
+        self._signature = ModelSignature(
+            inputs=tuple(_spec(a) for a in session.get_inputs()),
+            outputs=tuple(_spec(a) for a in session.get_outputs()),
+        )
+        self._string_inputs = {s.name for s in self._signature.inputs if s.datatype == "BYTES"}
+
+    @classmethod
+    def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> OnnxBackend:
+        options = session_options(parameters, instance_count)
+        session = ort.InferenceSession(
+            str(path), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+        return cls(session)
+
+    def signature(self) -> ModelSignature:
+        return self._signature
+
+    def run(
+        self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
+    ) -> dict[str, np.ndarray]:
+        feed = inputs
+        if self._string_inputs:
+            # ORT string tensors take str objects; V2 BYTES arrive as bytes.
+            feed = dict(inputs)
+            for name in self._string_inputs:
+                feed[name] = np.vectorize(_as_str, otypes=[object])(inputs[name])
+        names = list(output_names)
+        results = self._session.run(names, feed)
+        return dict(zip(names, results, strict=True))
+
+    def close(self) -> None:
+        del self._session
+
+
+def _as_str(value: object) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)

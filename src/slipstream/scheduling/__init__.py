@@ -1,0 +1,1 @@
+"""Queues and dynamic batching, one per loaded model version."""

@@ -1,0 +1,395 @@
+"""Per-model-version queue and dynamic batcher.
+
+One :class:`Batcher` owns a model version's instances and its queue. Its loop is event
+driven rather than a polling task: every arrival and every finished batch calls
+:meth:`Batcher._schedule`, which does three steps while an instance is free:
+
+1. pick what to run (:meth:`_next_batch`: everything compatible that is queued, up to
+   ``max_batch_size``; with a queue delay, wait for a full or preferred batch first);
+2. execute it on the instance's own thread (:func:`_execute`: gather, run, split);
+3. resolve each request's future when the batch returns (:meth:`_finish`).
+
+With ``max_queue_delay_microseconds = 0`` it never waits on purpose, so a lone request
+runs at once and batches grow only with load. Queue policy: priority levels (1 is the
+highest), a per-request or default timeout after which a queued request is failed and
+never run, and ``max_queue_size`` beyond which arrivals are refused at once (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from slipstream.config import ModelConfig
+from slipstream.errors import (
+    ClientError,
+    InternalError,
+    InvalidRequest,
+    RequestTimeout,
+    SlipstreamError,
+    Unavailable,
+)
+from slipstream.observability.metrics import ModelMetrics
+from slipstream.observability.stats import ModelStatsRecorder
+from slipstream.runtime.base import Backend
+
+logger = logging.getLogger(__name__)
+
+Arrays = dict[str, np.ndarray]
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    """One queued request."""
+
+    inputs: Arrays
+    # Rows this request adds to a batch (its first dim; 1 for non-batching models).
+    rows: int
+    # Non-batch shapes of the inputs: only requests with equal keys share a batch.
+    shape_key: tuple[tuple[int, ...], ...]
+    # Index into Batcher._queues (0 = highest priority).
+    level: int
+    future: asyncio.Future[Arrays]
+    enqueue_ns: int
+    timeout_handle: asyncio.TimerHandle | None = None
+    # Set when the request leaves the queue for an instance.
+    dispatch_ns: int = 0
+
+
+@dataclass(slots=True)
+class _BatchResult:
+    """What a worker thread hands back for one batch."""
+
+    # Per request: its outputs, or the exception that failed it.
+    outcomes: list[Arrays | BaseException]
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+    rows: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Instance:
+    backend: Backend
+    # One thread per instance: runs never overlap on an instance, and the GIL-releasing
+    # runtimes compute while the event loop goes on accepting requests.
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="slipstream-instance")
+    )
+
+
+class Batcher:
+    """The queue and instances of one model version; see the module docstring."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        instances: Sequence[Backend],
+        output_names: Sequence[str],
+        metrics: ModelMetrics,
+        stats: ModelStatsRecorder,
+    ) -> None:
+        batching = config.dynamic_batching
+        self._max_batch_size = max(1, config.max_batch_size or 0)
+        self._batches = bool(config.max_batch_size)
+        self._delay_ns = batching.max_queue_delay_microseconds * 1000
+        self._preferred = sorted(s for s in batching.preferred_batch_size if s > 0)
+        self._max_queue_size = batching.max_queue_size
+        self._default_timeout_us = batching.default_timeout_microseconds
+        self._levels = max(1, batching.priority_levels)
+        self._default_level = max(1, batching.default_priority_level) - 1
+        self._queues: list[deque[_Pending]] = [deque() for _ in range(self._levels)]
+        self._num_pending = 0
+        self._pending_rows = 0
+        self._instances = [_Instance(backend) for backend in instances]
+        self._free = list(self._instances)
+        self._busy = 0
+        self._output_names = list(output_names)
+        self._metrics = metrics
+        self._stats = stats
+        self._delay_timer: asyncio.TimerHandle | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+
+    @property
+    def num_pending(self) -> int:
+        """Requests waiting in the queue (not yet on an instance)."""
+        return self._num_pending
+
+    async def submit(
+        self,
+        inputs: Arrays,
+        rows: int,
+        shape_key: tuple[tuple[int, ...], ...],
+        priority: int = 0,
+        timeout_us: int = 0,
+    ) -> Arrays:
+        """Queue one validated request and wait for its outputs (full batch-dim arrays)."""
+        if self._closed:
+            raise Unavailable("model is unloading; retry on another version", retry_after_s=1)
+        if self._num_pending >= self._max_queue_size:
+            self._metrics.request_failure["queue_full"].inc()
+            raise Unavailable(
+                f"queue is full ({self._max_queue_size} requests waiting); retry later",
+                retry_after_s=1,
+            )
+        if priority > self._levels:
+            raise _bad_priority(priority, self._levels)
+        loop = asyncio.get_running_loop()
+        pending = _Pending(
+            inputs=inputs,
+            rows=rows,
+            shape_key=shape_key,
+            level=priority - 1 if priority else self._default_level,
+            future=loop.create_future(),
+            enqueue_ns=time.monotonic_ns(),
+        )
+        timeout_us = timeout_us or self._default_timeout_us
+        if timeout_us:
+            pending.timeout_handle = loop.call_later(timeout_us / 1e6, self._expire, pending)
+        self._queues[pending.level].append(pending)
+        self._num_pending += 1
+        self._pending_rows += rows
+        self._idle.clear()
+        self._schedule()
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            # The client went away: a request still queued is dropped, never run.
+            if self._remove(pending):
+                self._metrics.request_failure["cancelled"].inc()
+            raise
+
+    async def close(self, timeout_s: float) -> None:
+        """Stop taking requests, let queued and running ones finish (bounded), free all."""
+        self._closed = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            logger.warning("unload: requests still running after %.1f s", timeout_s)
+        for queue in self._queues:
+            while queue:
+                pending = queue.popleft()
+                self._cancel_timeout(pending)
+                if not pending.future.done():
+                    pending.future.set_exception(Unavailable("model was unloaded"))
+        self._num_pending = self._pending_rows = 0
+        for instance in self._instances:
+            instance.executor.shutdown(wait=True)
+            instance.backend.close()
+
+    # -- the loop: schedule, execute, finish ------------------------------------------
+
+    def _schedule(self) -> None:
+        while self._free and self._num_pending:
+            batch = self._next_batch()
+            if not batch:
+                return
+            instance = self._free.pop()
+            self._busy += 1
+            self._metrics.pending_requests.set(self._num_pending)
+            loop = asyncio.get_running_loop()
+            done = loop.run_in_executor(
+                instance.executor, _execute, instance.backend, batch, self._output_names
+            )
+            done.add_done_callback(functools.partial(self._finish, instance, batch))
+
+    def _next_batch(self) -> list[_Pending]:
+        """Take the next batch off the queue, or [] to wait for the delay timer."""
+        capacity = self._max_batch_size if self._batches else 1
+        if self._delay_ns and self._pending_rows < capacity:
+            fitting = [size for size in self._preferred if size <= self._pending_rows]
+            if fitting:
+                capacity = fitting[-1]
+            else:
+                oldest_ns = min(q[0].enqueue_ns for q in self._queues if q)
+                wait_ns = oldest_ns + self._delay_ns - time.monotonic_ns()
+                if wait_ns > 0:
+                    self._arm_delay_timer(wait_ns)
+                    return []
+        return self._collect(capacity)
+
+    def _collect(self, capacity: int) -> list[_Pending]:
+        """Highest priority first, oldest first: requests that fit and share shapes."""
+        now_ns = time.monotonic_ns()
+        batch: list[_Pending] = []
+        rows = 0
+        key: tuple[tuple[int, ...], ...] | None = None
+        for queue in self._queues:
+            skipped: list[_Pending] = []
+            while queue and rows < capacity and len(skipped) < 64:
+                pending = queue.popleft()
+                if key is None:
+                    key = pending.shape_key
+                if pending.shape_key != key or rows + pending.rows > capacity:
+                    skipped.append(pending)
+                    continue
+                self._cancel_timeout(pending)
+                pending.dispatch_ns = now_ns
+                batch.append(pending)
+                rows += pending.rows
+            queue.extendleft(reversed(skipped))
+            if rows >= capacity:
+                break
+        self._num_pending -= len(batch)
+        self._pending_rows -= rows
+        return batch
+
+    def _finish(
+        self, instance: _Instance, batch: list[_Pending], done: asyncio.Future[_BatchResult]
+    ) -> None:
+        self._free.append(instance)
+        self._busy -= 1
+        try:
+            result = done.result()
+        except BaseException as exc:  # the worker itself failed (e.g. shut down)
+            result = _BatchResult(outcomes=[exc] * len(batch))
+        self._record(batch, result)
+        for pending, outcome in zip(batch, result.outcomes, strict=True):
+            if pending.future.done():  # cancelled while it ran
+                continue
+            if isinstance(outcome, BaseException):
+                pending.future.set_exception(_as_served_error(outcome))
+            else:
+                pending.future.set_result(outcome)
+        self._schedule()
+        self._metrics.pending_requests.set(self._num_pending)
+        if not self._busy and not self._num_pending:
+            self._idle.set()
+
+    def _record(self, batch: list[_Pending], result: _BatchResult) -> None:
+        if not result.rows:
+            return
+        compute_ns = result.input_ns + result.infer_ns + result.output_ns
+        self._stats.record_batch(
+            batch_size=result.rows,
+            num_requests=len(batch),
+            input_ns=result.input_ns,
+            infer_ns=result.infer_ns,
+            output_ns=result.output_ns,
+            end_ms=int(time.time() * 1000),
+        )
+        metrics = self._metrics
+        metrics.execution_count.inc()
+        metrics.inference_count.inc(result.rows)
+        metrics.batch_size.observe(result.rows)
+        metrics.compute_duration.observe(compute_ns / 1e9)
+        for pending in batch:
+            queue_ns = pending.dispatch_ns - pending.enqueue_ns
+            metrics.queue_duration.observe(queue_ns / 1e9)
+            self._stats.record_queue(queue_ns)
+
+    # -- queue housekeeping -------------------------------------------------------------
+
+    def _expire(self, pending: _Pending) -> None:
+        pending.timeout_handle = None
+        if self._remove(pending):
+            self._metrics.request_failure["timeout"].inc()
+            waited_us = (time.monotonic_ns() - pending.enqueue_ns) // 1000
+            pending.future.set_exception(
+                RequestTimeout(f"request timed out after waiting {waited_us} us in the queue")
+            )
+
+    def _remove(self, pending: _Pending) -> bool:
+        """Drop a request that is still queued; False when it already left the queue."""
+        if pending.dispatch_ns:
+            return False
+        try:
+            self._queues[pending.level].remove(pending)
+        except ValueError:
+            return False
+        self._cancel_timeout(pending)
+        self._num_pending -= 1
+        self._pending_rows -= pending.rows
+        if not self._busy and not self._num_pending:
+            self._idle.set()
+        return True
+
+    @staticmethod
+    def _cancel_timeout(pending: _Pending) -> None:
+        if pending.timeout_handle is not None:
+            pending.timeout_handle.cancel()
+            pending.timeout_handle = None
+
+    def _arm_delay_timer(self, wait_ns: int) -> None:
+        if self._delay_timer is not None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def fire() -> None:
+            self._delay_timer = None
+            self._schedule()
+
+        self._delay_timer = loop.call_later(wait_ns / 1e9, fire)
+
+
+def _execute(backend: Backend, batch: list[_Pending], output_names: list[str]) -> _BatchResult:
+    """Worker thread: gather the batch, run it, split the outputs back per request."""
+    t0 = time.perf_counter_ns()
+    if len(batch) == 1:
+        inputs = batch[0].inputs
+    else:
+        inputs = {name: np.concatenate([p.inputs[name] for p in batch]) for name in batch[0].inputs}
+    t1 = time.perf_counter_ns()
+    try:
+        outputs = backend.run(inputs, output_names)
+    except Exception as exc:
+        if len(batch) == 1:
+            return _BatchResult(outcomes=[exc])
+        # One bad request must not fail the others: rerun them one by one.
+        return _isolate_failure(backend, batch, output_names)
+    t2 = time.perf_counter_ns()
+    outcomes: list[Arrays | BaseException]
+    if len(batch) == 1:
+        outcomes = [outputs]
+    else:
+        outcomes = []
+        start = 0
+        for pending in batch:
+            end = start + pending.rows
+            outcomes.append({name: array[start:end] for name, array in outputs.items()})
+            start = end
+    t3 = time.perf_counter_ns()
+    rows = sum(p.rows for p in batch)
+    return _BatchResult(outcomes, t1 - t0, t2 - t1, t3 - t2, rows)
+
+
+def _isolate_failure(
+    backend: Backend, batch: list[_Pending], output_names: list[str]
+) -> _BatchResult:
+    outcomes: list[Arrays | BaseException] = []
+    t0 = time.perf_counter_ns()
+    for pending in batch:
+        try:
+            outcomes.append(backend.run(pending.inputs, output_names))
+        except Exception as exc:
+            outcomes.append(exc)
+    infer_ns = time.perf_counter_ns() - t0
+    rows = sum(p.rows for p in batch)
+    return _BatchResult(outcomes, 0, infer_ns, 0, rows)
+
+
+def _as_served_error(exc: BaseException) -> BaseException:
+    """Client errors pass through; anything else is logged once and answered generically."""
+    if isinstance(exc, SlipstreamError):
+        return exc
+    logger.error("model execution failed", exc_info=exc)
+    return InternalError("model execution failed; see the server log")
+
+
+def _bad_priority(priority: int, levels: int) -> ClientError:
+    if levels == 1:
+        return InvalidRequest(
+            f"parameters.priority: {priority} but the model has no priority levels; "
+            "set dynamic_batching.priority_levels in its config.yaml, or send priority 0"
+        )
+    return InvalidRequest(f"parameters.priority: {priority}; expected 0..{levels}")

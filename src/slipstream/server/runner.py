@@ -1,0 +1,88 @@
+"""Running the HTTP and gRPC front ends in one event loop, and stopping them gracefully.
+
+On SIGTERM or SIGINT: stop accepting connections, let in-flight requests finish (bounded
+by ``shutdown_timeout_s``), unload the models, and return so the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+
+import uvicorn
+
+from slipstream.config import ServerSettings
+from slipstream.server.http import HttpApp
+from slipstream.serving.core import ModelServer
+
+logger = logging.getLogger(__name__)
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handling: :func:`serve` owns shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set or a termination signal arrives."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+    service = ModelServer(settings)
+    http_server = None
+    if settings.http_port:
+        app = HttpApp(service, service.metrics, settings.max_request_bytes)
+        http_server = _UvicornServer(
+            uvicorn.Config(
+                app,
+                host=settings.host,
+                port=settings.http_port,
+                loop="none",
+                http="httptools",
+                lifespan="off",
+                access_log=False,
+                log_level=settings.log_level,
+                timeout_graceful_shutdown=int(settings.shutdown_timeout_s) or None,
+                backlog=4096,
+            )
+        )
+    grpc_server = None
+    if settings.grpc_port:
+        from slipstream.server.grpc import build_grpc_server
+
+        grpc_server, grpc_port = build_grpc_server(
+            service, settings.host, settings.grpc_port, settings.max_request_bytes
+        )
+        await grpc_server.start()
+        logger.info("gRPC server listening on %s:%d", settings.host, grpc_port)
+
+    http_task = asyncio.create_task(http_server.serve()) if http_server else None
+    # Models load while the servers already answer health/live (ready comes after).
+    start_task = asyncio.create_task(service.start())
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({start_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if start_task.done() and start_task.exception() is None:
+        logger.info("Slipstream is ready: HTTP port %s, gRPC port %s",
+                    settings.http_port or "off", settings.grpc_port or "off")  # fmt: skip
+    await stop_task
+    logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
+                settings.shutdown_timeout_s)  # fmt: skip
+    if not start_task.done():
+        start_task.cancel()
+    if http_server is not None:
+        http_server.should_exit = True
+    if grpc_server is not None:
+        await grpc_server.stop(grace=settings.shutdown_timeout_s)
+    if http_task is not None:
+        await http_task
+    await service.stop()
+    logger.info("shutdown complete")

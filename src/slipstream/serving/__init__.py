@@ -1,0 +1,1 @@
+"""The model-serving facade shared by the HTTP and gRPC front ends."""

@@ -1,0 +1,204 @@
+"""The serving core: the InferenceService both front ends call."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from prometheus_client import Counter
+
+from slipstream import __version__
+from slipstream.config import ModelConfig, ServerSettings
+from slipstream.errors import (
+    ClientError,
+    InvalidRequest,
+    ModelNotFound,
+    SlipstreamError,
+    Unavailable,
+)
+from slipstream.observability.metrics import ServerMetrics
+from slipstream.observability.stats import ModelStats
+from slipstream.serving.manager import ModelManager
+from slipstream.serving.model import ModelVersion
+from slipstream.serving.service import (
+    InferenceService,
+    ModelMetadata,
+    RepositoryEntry,
+    ServerMetadata,
+)
+from slipstream.types import InferRequest, InferResponse
+
+logger = logging.getLogger(__name__)
+
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_configuration",
+    "model_repository",
+    "statistics",
+    "schedule_policy",
+]
+
+
+class ModelServer(InferenceService):
+    """Routes requests to loaded model versions; owns the model manager."""
+
+    def __init__(self, settings: ServerSettings, metrics: ServerMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or ServerMetrics()
+        self.models = ModelManager(
+            settings.model_repository, self.metrics, settings.shutdown_timeout_s
+        )
+        self._started = False
+        self._stopping = False
+        self._poll_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the models the control mode asks for; start polling in poll mode."""
+        mode = self.settings.model_control_mode
+        if mode == "explicit":
+            for name in self.settings.load_models:
+                await self.models.load(name)
+        else:
+            await self.models.load_all()
+        if mode == "poll":
+            self._poll_task = asyncio.create_task(self._poll_forever())
+        self._started = True
+
+    async def stop(self) -> None:
+        """Refuse new work, let queued and running requests finish, unload everything."""
+        self._stopping = True
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+        await self.models.close()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_secs)
+            try:
+                await self.models.poll_once()
+            except Exception:
+                logger.exception("repository poll failed")
+
+    # -- health and metadata -------------------------------------------------------------
+
+    def is_live(self) -> bool:
+        return not self._stopping
+
+    def is_ready(self) -> bool:
+        if not self._started or self._stopping or self.models.pending_work():
+            return False
+        return not (self.settings.strict_readiness and self.models.has_failures())
+
+    def server_metadata(self) -> ServerMetadata:
+        return ServerMetadata("slipstream", __version__, list(EXTENSIONS))
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self.models.resolve(name, version)
+        except SlipstreamError:
+            return False
+        return True
+
+    def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
+        model = self._resolve_for_metadata(name, version)
+        return model.metadata(self.models.loaded_versions(name))
+
+    def model_config(self, name: str, version: str = "") -> ModelConfig:
+        return self._resolve_for_metadata(name, version).config
+
+    def _resolve_for_metadata(self, name: str, version: str) -> ModelVersion:
+        try:
+            return self.models.resolve(name, version)
+        except Unavailable as exc:
+            # Metadata of a model that is not loaded is unknown: answer as Triton does.
+            raise ModelNotFound(exc.message) from None
+
+    def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
+        if name:
+            if version:
+                return [self._resolve_for_metadata(name, version).stats.snapshot()]
+            models = [m for m in self.models.all_loaded() if m.name == name]
+            if not models:
+                self._resolve_for_metadata(name, version)
+        else:
+            models = self.models.all_loaded()
+        return [m.stats.snapshot() for m in sorted(models, key=lambda m: (m.name, m.version))]
+
+    # -- inference -----------------------------------------------------------------------
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        if self._stopping:
+            raise Unavailable("server is shutting down", retry_after_s=1)
+        model = self.models.resolve(request.model_name, request.model_version)
+        started_ns = time.perf_counter_ns()
+        metrics = model.metrics
+        try:
+            prepared = model.prepare(request)
+            outputs = await model.batcher.submit(
+                prepared.inputs,
+                prepared.rows,
+                prepared.shape_key,
+                request.priority,
+                request.timeout_us,
+            )
+        except asyncio.CancelledError:
+            model.stats.record_request(ok=False, total_ns=time.perf_counter_ns() - started_ns)
+            raise
+        except SlipstreamError as exc:
+            model.stats.record_request(ok=False, total_ns=time.perf_counter_ns() - started_ns)
+            _count_failure(metrics.request_failure, exc)
+            raise
+        elapsed_ns = time.perf_counter_ns() - started_ns
+        model.stats.record_request(ok=True, total_ns=elapsed_ns)
+        metrics.request_success.inc()
+        metrics.request_duration.observe(elapsed_ns / 1e9)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "request id=%r model=%s version=%s rows=%d took %.3f ms",
+                request.id, model.name, model.version_str, prepared.rows, elapsed_ns / 1e6,
+            )  # fmt: skip
+        return InferResponse(
+            model_name=model.name,
+            model_version=model.version_str,
+            outputs={name: outputs[name] for name in prepared.output_names},
+            id=request.id,
+        )
+
+    # -- repository ----------------------------------------------------------------------
+
+    def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
+        return self.models.index(ready_only)
+
+    async def load_model(self, name: str) -> None:
+        self._check_explicit("load")
+        await self.models.load(name)
+        failures = self.models.failures(name)
+        if failures:
+            raise InvalidRequest(f"failed to load model {name!r}: {failures}")
+
+    async def unload_model(self, name: str) -> None:
+        self._check_explicit("unload")
+        await self.models.unload(name)
+
+    def _check_explicit(self, action: str) -> None:
+        if self.settings.model_control_mode != "explicit":
+            raise InvalidRequest(
+                f"explicit model {action} is not allowed in model control mode "
+                f"{self.settings.model_control_mode!r}; start the server with "
+                "--model-control-mode explicit"
+            )
+
+
+def _count_failure(counters: dict[str, Counter], exc: SlipstreamError) -> None:
+    if isinstance(exc, Unavailable):
+        return  # queue-full and timeout are counted by the batcher, where they happen
+    if isinstance(exc, ModelNotFound):
+        reason = "not_found"
+    elif isinstance(exc, ClientError):
+        reason = "bad_request"
+    else:
+        reason = "internal"
+    counters[reason].inc()

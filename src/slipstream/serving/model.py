@@ -1,0 +1,231 @@
+"""One loaded model version: its completed config, instances, batcher and request checks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from slipstream.config import ConfigError, ModelConfig, TensorConfig, WarmupSample
+from slipstream.errors import InvalidRequest
+from slipstream.observability.metrics import ModelMetrics
+from slipstream.observability.stats import ModelStatsRecorder
+from slipstream.protocol.datatypes import V2_TO_NUMPY, numpy_dtype
+from slipstream.repository.autocomplete import complete_config
+from slipstream.runtime import backend_for_file, get_backend
+from slipstream.runtime.base import Backend
+from slipstream.scheduling.batcher import Batcher
+from slipstream.serving.service import ModelMetadata, TensorMetadata
+from slipstream.types import InferRequest
+
+logger = logging.getLogger(__name__)
+
+ShapeKey = tuple[tuple[int, ...], ...]
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A request checked against the model: ready for the batcher."""
+
+    # Inputs in the model's declared order, with the model's dtypes.
+    inputs: dict[str, np.ndarray]
+    rows: int
+    shape_key: ShapeKey
+    # Output names to return, in response order.
+    output_names: list[str]
+
+
+class ModelVersion:
+    """A loaded, warmed-up model version; build one with :meth:`load`."""
+
+    def __init__(
+        self,
+        name: str,
+        version: int,
+        config: ModelConfig,
+        instances: list[Backend],
+        metrics: ModelMetrics,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.version_str = str(version)
+        self.config = config
+        self.metrics = metrics
+        self.stats = ModelStatsRecorder(name, self.version_str)
+        self._inputs = {t.name: t for t in config.input}
+        self._input_dtypes = {t.name: V2_TO_NUMPY[t.data_type] for t in config.input}
+        self._required = [t.name for t in config.input if not t.optional]
+        self._output_names = [t.name for t in config.output]
+        self._batching = bool(config.max_batch_size)
+        self.batcher = Batcher(config, instances, self._output_names, metrics, self.stats)
+        self._instances = instances
+
+    @classmethod
+    async def load(
+        cls, name: str, version: int, path: Path, config: ModelConfig, metrics: ModelMetrics
+    ) -> ModelVersion:
+        """Load every instance off the event loop, complete the config, warm up."""
+        backend_name = config.backend or backend_for_file(path)
+        backend_cls = get_backend(backend_name)
+        count = config.instance_count
+
+        def load_instances() -> list[Backend]:
+            return [backend_cls.load(path, config.parameters, count) for _ in range(count)]
+
+        started = time.perf_counter()
+        instances = await asyncio.to_thread(load_instances)
+        try:
+            completed = complete_config(config, instances[0].signature(), backend_name)
+            model = cls(name, version, completed, instances, metrics)
+            await asyncio.to_thread(model._warm_up)
+        except BaseException:
+            for instance in instances:
+                instance.close()
+            raise
+        metrics.model_load_duration.set(time.perf_counter() - started)
+        return model
+
+    # -- requests ----------------------------------------------------------------------
+
+    def prepare(self, request: InferRequest) -> PreparedRequest:
+        """Check names, dtypes and shapes against the config; InvalidRequest says what is wrong."""
+        inputs: dict[str, np.ndarray] = {}
+        rows = 1
+        key: list[tuple[int, ...]] = []
+        for name, array in request.inputs.items():
+            tensor = self._inputs.get(name)
+            if tensor is None:
+                known = ", ".join(self._inputs)
+                raise InvalidRequest(
+                    f"input {name!r}: model {self.name!r} has no such input (inputs: {known})"
+                )
+            array = self._check_dtype(tensor, array)
+            rows = self._check_shape(tensor, array, rows, first=not inputs)
+            inputs[name] = array
+        for name in self._required:
+            if name not in inputs:
+                raise InvalidRequest(f"input {name!r}: missing; model {self.name!r} requires it")
+        # Model order, so every request of a batch builds the same key.
+        ordered = {t: inputs[t] for t in self._inputs if t in inputs}
+        for array in ordered.values():
+            key.append(array.shape[1:] if self._batching else array.shape)
+        return PreparedRequest(ordered, rows, tuple(key), self._requested_outputs(request))
+
+    def _check_dtype(self, tensor: TensorConfig, array: np.ndarray) -> np.ndarray:
+        expected = self._input_dtypes[tensor.name]
+        if array.dtype == expected:
+            return array
+        if tensor.data_type == "BYTES" and array.dtype.kind in "OSU":
+            return array.astype(object)
+        got = _datatype_name(array.dtype)
+        raise InvalidRequest(
+            f"input {tensor.name!r}: datatype {got} but the model expects {tensor.data_type}"
+        )
+
+    def _check_shape(self, tensor: TensorConfig, array: np.ndarray, rows: int, first: bool) -> int:
+        dims = tensor.dims
+        shape = array.shape
+        expected = ([-1] if self._batching else []) + dims
+        if len(shape) != len(expected) or any(
+            d != -1 and s != d for s, d in zip(shape, expected, strict=False)
+        ):
+            raise InvalidRequest(
+                f"input {tensor.name!r}: shape {list(shape)} does not match the model's "
+                f"{expected} (-1 = any size"
+                + (", first dim is the batch" if self._batching else "")
+                + ")"
+            )
+        if not self._batching:
+            return 1
+        batch = int(shape[0])
+        if not 1 <= batch <= (self.config.max_batch_size or 0):
+            raise InvalidRequest(
+                f"input {tensor.name!r}: batch size {batch} outside 1..{self.config.max_batch_size}"
+                " (max_batch_size)"
+            )
+        if not first and batch != rows:
+            raise InvalidRequest(
+                f"input {tensor.name!r}: batch size {batch} differs from the other inputs' {rows}"
+            )
+        return batch
+
+    def _requested_outputs(self, request: InferRequest) -> list[str]:
+        if not request.outputs:
+            return self._output_names
+        names = []
+        for output in request.outputs:
+            if output.name not in self._output_names:
+                known = ", ".join(self._output_names)
+                raise InvalidRequest(
+                    f"output {output.name!r}: model {self.name!r} has no such output "
+                    f"(outputs: {known})"
+                )
+            names.append(output.name)
+        return names
+
+    # -- metadata ------------------------------------------------------------------------
+
+    def tensor_metadata(self) -> tuple[list[TensorMetadata], list[TensorMetadata]]:
+        lead = [-1] if self._batching else []
+        return (
+            [TensorMetadata(t.name, t.data_type, lead + t.dims) for t in self.config.input],
+            [TensorMetadata(t.name, t.data_type, lead + t.dims) for t in self.config.output],
+        )
+
+    def metadata(self, versions: list[str]) -> ModelMetadata:
+        inputs, outputs = self.tensor_metadata()
+        return ModelMetadata(self.name, versions, self.config.platform, inputs, outputs)
+
+    # -- warm-up -------------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        """Run the configured warm-up samples (or one zero sample) on every instance."""
+        samples = self.config.model_warmup
+        configured = bool(samples)
+        if not samples:
+            samples = [WarmupSample(name="default", batch_size=1)]
+        for instance in self._instances:
+            for sample in samples:
+                inputs = self._warmup_inputs(sample)
+                try:
+                    for _ in range(sample.count):
+                        instance.run(inputs, self._output_names)
+                except Exception as exc:
+                    if configured:
+                        raise ConfigError(
+                            f"model_warmup {sample.name!r}: the model failed on it: {exc}"
+                        ) from None
+                    # A zero-filled guess may be invalid input for some models: not fatal.
+                    logger.warning("%s: default warm-up skipped (%s)", self.name, exc)
+                    return
+
+    def _warmup_inputs(self, sample: WarmupSample) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(0)
+        lead = [sample.batch_size] if self._batching else []
+        inputs = {}
+        for tensor in self.config.input:
+            given = sample.inputs.get(tensor.name)
+            dims = given.dims if given else [max(d, 1) for d in tensor.dims]
+            dtype = numpy_dtype(given.data_type if given else tensor.data_type)
+            shape = lead + dims
+            if dtype == np.object_:
+                inputs[tensor.name] = np.full(shape, b"", dtype=object)
+            elif given and given.random_data:
+                inputs[tensor.name] = rng.random(shape).astype(dtype)
+            else:
+                inputs[tensor.name] = np.zeros(shape, dtype=dtype)
+        unknown = set(sample.inputs) - set(self._inputs)
+        if unknown:
+            raise ConfigError(f"model_warmup {sample.name!r}: unknown inputs {sorted(unknown)}")
+        return inputs
+
+
+def _datatype_name(dtype: np.dtype[np.generic]) -> str:
+    for name, candidate in V2_TO_NUMPY.items():
+        if candidate == dtype:
+            return name
+    return str(dtype)

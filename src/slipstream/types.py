@@ -1,0 +1,58 @@
+"""Plain data passed between the parts of the request path.
+
+Protocol decoders build an :class:`InferRequest`; the scheduler and the runtime turn it
+into an :class:`InferResponse`; protocol encoders write that back to the wire. Tensors
+are numpy arrays throughout (BYTES tensors are ``dtype=object`` arrays of ``bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    """One output the client asked for."""
+
+    name: str
+    # True/False: the client asked for binary / JSON encoding of this output;
+    # None: follow the request-level default.
+    binary_data: bool | None = None
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """One inference request, decoded from any wire protocol."""
+
+    model_name: str
+    # "" means "let the router pick" (the latest ready version).
+    model_version: str
+    # Input name -> array; the first dim is the batch dim when the model batches.
+    inputs: dict[str, np.ndarray]
+    # Client-chosen id, echoed in the response ("" when none was given).
+    id: str = ""
+    # None means every output of the model, JSON-encoded unless binary_data_output.
+    outputs: list[RequestedOutput] | None = None
+    # 0 means the model's default priority level; 1 is the highest.
+    priority: int = 0
+    # 0 means the model's default timeout; otherwise a queue deadline in microseconds.
+    timeout_us: int = 0
+    # HTTP only: encode every output as binary unless the output says otherwise.
+    binary_data_output: bool = False
+    # Any other request parameters, passed through untouched.
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferResponse:
+    """The result of one :class:`InferRequest`."""
+
+    model_name: str
+    model_version: str
+    # Output name -> array, in the order the outputs should be written.
+    outputs: dict[str, np.ndarray]
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
