@@ -1,0 +1,293 @@
+"""The dynamic batcher with a fake backend: batching, queue policy, failure isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from slipstream.config import parse_model_config
+from slipstream.errors import InternalError, InvalidRequest, RequestTimeout, Unavailable
+from slipstream.observability.metrics import ServerMetrics
+from slipstream.observability.stats import ModelStatsRecorder
+from slipstream.runtime.base import Backend, ModelSignature
+from slipstream.scheduling.batcher import Batcher
+
+
+class FakeBackend(Backend):
+    """Doubles its input; records each batch; can be slowed down or made to fail."""
+
+    name = "fake"
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.batches: list[np.ndarray] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.running = 0
+        self.max_running = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> FakeBackend:
+        return cls()
+
+    def signature(self) -> ModelSignature:
+        return ModelSignature((), ())
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, Any]:
+        with self._lock:
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        try:
+            self.gate.wait(5)
+            time.sleep(self.delay_s)
+            x = inputs["x"]
+            self.batches.append(x.copy())
+            if np.any(x < 0):
+                raise InvalidRequest("input 'x': negative values are not allowed")
+            if np.any(x == 999):
+                raise RuntimeError("boom")
+            return {"y": x * 2}
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def make_batcher(
+    backends: list[FakeBackend], **batching: Any
+) -> tuple[Batcher, ModelStatsRecorder, ServerMetrics]:
+    config = parse_model_config(
+        {
+            "max_batch_size": batching.pop("max_batch_size", 8),
+            "dynamic_batching": batching,
+        },
+        "test",
+    )
+    metrics = ServerMetrics()
+    stats = ModelStatsRecorder("m", "1")
+    batcher = Batcher(config, backends, ["y"], metrics.for_model("m", "1"), stats)
+    return batcher, stats, metrics
+
+
+def rows(*values: float) -> np.ndarray:
+    return np.array([[v] for v in values], dtype=np.float32)
+
+
+KEY = ((1,),)
+
+
+async def test_lone_request_runs_at_once_and_returns_its_rows() -> None:
+    backend = FakeBackend()
+    batcher, stats, _ = make_batcher([backend])
+    out = await batcher.submit({"x": rows(1, 2)}, 2, KEY)
+    np.testing.assert_array_equal(out["y"], rows(2, 4))
+    assert stats.snapshot().execution_count == 1
+
+
+async def test_concurrent_requests_are_batched_and_split_back_exactly() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()  # hold the first batch so the rest queue up
+    batcher, stats, _ = make_batcher([backend])
+    first = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await asyncio.sleep(0.05)
+    others = [
+        asyncio.ensure_future(batcher.submit({"x": rows(*range(i, i + n))}, n, KEY))
+        for i, n in ((10, 1), (20, 3), (30, 2))
+    ]
+    await asyncio.sleep(0.05)
+    backend.gate.set()
+    await first
+    results = await asyncio.gather(*others)
+    np.testing.assert_array_equal(results[0]["y"], rows(20))
+    np.testing.assert_array_equal(results[1]["y"], rows(40, 42, 44))
+    np.testing.assert_array_equal(results[2]["y"], rows(60, 62))
+    # The three queued requests ran as one batch of 6 rows.
+    assert [len(b) for b in backend.batches] == [1, 6]
+    snapshot = stats.snapshot()
+    assert (snapshot.execution_count, snapshot.inference_count) == (2, 7)
+    assert [b.batch_size for b in snapshot.batch_stats] == [1, 6]
+
+
+async def test_batches_never_exceed_max_batch_size() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher([backend], max_batch_size=4)
+    tasks = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in range(11)]
+    await asyncio.sleep(0.05)
+    backend.gate.set()
+    results = await asyncio.gather(*tasks)
+    assert [float(r["y"][0, 0]) for r in results] == [2.0 * i for i in range(11)]
+    assert max(len(b) for b in backend.batches) <= 4
+    assert sum(len(b) for b in backend.batches) == 11
+
+
+async def test_requests_with_different_shapes_are_not_mixed() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher([backend])
+    first = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await asyncio.sleep(0.02)
+    wide = np.ones((1, 3), dtype=np.float32)
+    tasks = [
+        asyncio.ensure_future(batcher.submit({"x": rows(1)}, 1, KEY)),
+        asyncio.ensure_future(batcher.submit({"x": wide}, 1, ((3,),))),
+        asyncio.ensure_future(batcher.submit({"x": rows(2)}, 1, KEY)),
+    ]
+    await asyncio.sleep(0.02)
+    backend.gate.set()
+    await first
+    results = await asyncio.gather(*tasks)
+    np.testing.assert_array_equal(results[1]["y"], wide * 2)
+    assert sorted(b.shape for b in backend.batches) == [(1, 1), (1, 3), (2, 1)]
+
+
+async def test_queue_delay_waits_for_a_preferred_batch() -> None:
+    backend = FakeBackend()
+    batcher, _, _ = make_batcher(
+        [backend], max_queue_delay_microseconds=200_000, preferred_batch_size=[4]
+    )
+    started = time.perf_counter()
+    tasks = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in range(4)]
+    await asyncio.gather(*tasks)
+    # Four requests form the preferred size at once: no need to wait out the delay.
+    assert time.perf_counter() - started < 0.15
+    assert [len(b) for b in backend.batches] == [4]
+
+    started = time.perf_counter()
+    await batcher.submit({"x": rows(9)}, 1, KEY)
+    # A lone request waits for the delay, then runs anyway.
+    assert time.perf_counter() - started >= 0.18
+
+
+async def test_full_queue_is_refused_at_once_with_retry_after() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, metrics = make_batcher([backend], max_queue_size=2)
+    running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await asyncio.sleep(0.02)
+    queued = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in (1, 2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(Unavailable) as refused:
+        await batcher.submit({"x": rows(3)}, 1, KEY)
+    assert refused.value.retry_after_s == 1
+    assert "queue is full" in refused.value.message
+    backend.gate.set()
+    await asyncio.gather(running, *queued)
+    sample = metrics.registry.get_sample_value(
+        "slipstream_request_failure_total", {"model": "m", "version": "1", "reason": "queue_full"}
+    )
+    assert sample == 1
+
+
+async def test_timed_out_request_fails_and_never_runs() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher([backend])
+    running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await asyncio.sleep(0.02)
+    with pytest.raises(RequestTimeout, match="timed out"):
+        await batcher.submit({"x": rows(5)}, 1, KEY, timeout_us=30_000)
+    backend.gate.set()
+    await running
+    await batcher.submit({"x": rows(6)}, 1, KEY)
+    ran = np.concatenate(backend.batches).ravel().tolist()
+    assert 5.0 not in ran and ran == [0.0, 6.0]
+
+
+async def test_default_timeout_comes_from_config() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher([backend], default_timeout_microseconds=20_000)
+    running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await asyncio.sleep(0.01)
+    with pytest.raises(RequestTimeout):
+        await batcher.submit({"x": rows(1)}, 1, KEY)
+    backend.gate.set()
+    # The first request left the queue before its deadline, so it ran and succeeded.
+    np.testing.assert_array_equal((await running)["y"], rows(0))
+
+
+async def test_cancelled_request_is_dropped_from_the_queue() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher([backend])
+    running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await asyncio.sleep(0.02)
+    abandoned = asyncio.ensure_future(batcher.submit({"x": rows(7)}, 1, KEY))
+    await asyncio.sleep(0.01)
+    assert batcher.num_pending == 1
+    abandoned.cancel()
+    await asyncio.sleep(0)
+    assert batcher.num_pending == 0
+    backend.gate.set()
+    await running
+    assert 7.0 not in np.concatenate(backend.batches).ravel().tolist()
+
+
+async def test_higher_priority_runs_first() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher([backend], max_batch_size=1, priority_levels=2)
+    running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await asyncio.sleep(0.02)
+    low = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY, 2)) for i in (1, 2)]
+    high = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY, 1)) for i in (3, 4)]
+    await asyncio.sleep(0.01)
+    backend.gate.set()
+    await asyncio.gather(running, *low, *high)
+    order = [float(b[0, 0]) for b in backend.batches]
+    assert order == [0.0, 3.0, 4.0, 1.0, 2.0]
+
+
+async def test_unknown_priority_level_is_a_client_error() -> None:
+    batcher, _, _ = make_batcher([FakeBackend()])
+    with pytest.raises(InvalidRequest, match="priority_levels"):
+        await batcher.submit({"x": rows(0)}, 1, KEY, priority=3)
+
+
+async def test_one_bad_request_does_not_fail_its_batch() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher([backend])
+    running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await asyncio.sleep(0.02)
+    good = asyncio.ensure_future(batcher.submit({"x": rows(1)}, 1, KEY))
+    bad = asyncio.ensure_future(batcher.submit({"x": rows(-1)}, 1, KEY))
+    broken = asyncio.ensure_future(batcher.submit({"x": rows(999)}, 1, KEY))
+    await asyncio.sleep(0.01)
+    backend.gate.set()
+    await running
+    np.testing.assert_array_equal((await good)["y"], rows(2))
+    with pytest.raises(InvalidRequest, match="negative"):
+        await bad
+    with pytest.raises(InternalError) as internal:
+        await broken
+    assert "boom" not in internal.value.message  # internals are not leaked
+
+
+async def test_instances_run_batches_in_parallel() -> None:
+    backends = [FakeBackend(delay_s=0.1), FakeBackend(delay_s=0.1)]
+    batcher, _, _ = make_batcher(backends, max_batch_size=1)
+    started = time.perf_counter()
+    await asyncio.gather(*(batcher.submit({"x": rows(i)}, 1, KEY) for i in range(4)))
+    elapsed = time.perf_counter() - started
+    assert all(len(b.batches) == 2 for b in backends)
+    assert elapsed < 0.35  # 4 runs of 0.1 s on 2 instances, not 0.4 s in series
+
+
+async def test_close_finishes_queued_work_then_refuses() -> None:
+    backend = FakeBackend(delay_s=0.05)
+    batcher, _, _ = make_batcher([backend], max_batch_size=1)
+    tasks = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    await batcher.close(timeout_s=5)
+    assert len(await asyncio.gather(*tasks)) == 3
+    with pytest.raises(Unavailable):
+        await batcher.submit({"x": rows(0)}, 1, KEY)
