@@ -61,6 +61,13 @@ class DynamicBatching(_Strict):
         0, ge=0, description="Queue timeout of requests that set none; 0 means no timeout."
     )
     priority_levels: int = Field(0, ge=0, description="Number of priority levels; 0 = off.")
+    inline_execution_max_microseconds: int = Field(
+        300,
+        ge=0,
+        description="Slipstream: a lone batch of a model whose recent runs took less than "
+        "this runs on the event loop instead of its instance thread (saves the hand-off "
+        "latency); 0 always uses the thread.",
+    )
     default_priority_level: int = Field(0, ge=0)
 
     @model_validator(mode="after")

@@ -33,6 +33,7 @@ class FakeBackend(Backend):
         self.running = 0
         self.max_running = 0
         self._lock = threading.Lock()
+        self.threads: set[str] = set()
 
     @classmethod
     def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> FakeBackend:
@@ -46,6 +47,7 @@ class FakeBackend(Backend):
             self.running += 1
             self.max_running = max(self.max_running, self.running)
         try:
+            self.threads.add(threading.current_thread().name)
             self.gate.wait(5)
             time.sleep(self.delay_s)
             x = inputs["x"]
@@ -63,6 +65,8 @@ class FakeBackend(Backend):
 def make_batcher(
     backends: list[FakeBackend], **batching: Any
 ) -> tuple[Batcher, ModelStatsRecorder, ServerMetrics]:
+    # Tests that hold a batch at the gate need it on a thread, never inline on the loop.
+    batching.setdefault("inline_execution_max_microseconds", 0)
     config = parse_model_config(
         {
             "max_batch_size": batching.pop("max_batch_size", 8),
@@ -291,3 +295,14 @@ async def test_close_finishes_queued_work_then_refuses() -> None:
     assert len(await asyncio.gather(*tasks)) == 3
     with pytest.raises(Unavailable):
         await batcher.submit({"x": rows(0)}, 1, KEY)
+
+
+async def test_fast_lone_batches_run_inline_and_busy_ones_on_threads() -> None:
+    backend = FakeBackend()
+    batcher, _, _ = make_batcher([backend], inline_execution_max_microseconds=1_000_000)
+    for i in range(3):
+        out = await batcher.submit({"x": rows(i)}, 1, KEY)
+        np.testing.assert_array_equal(out["y"], rows(2 * i))
+    # The first batch measured the model on its thread; the next ones ran on the loop.
+    assert backend.threads == {"slipstream-instance_0", threading.current_thread().name}
+    assert len(backend.batches) == 3

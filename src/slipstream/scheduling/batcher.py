@@ -6,7 +6,9 @@ driven rather than a polling task: every arrival and every finished batch calls
 
 1. pick what to run (:meth:`_next_batch`: everything compatible that is queued, up to
    ``max_batch_size``; with a queue delay, wait for a full or preferred batch first);
-2. execute it on the instance's own thread (:func:`_execute`: gather, run, split);
+2. execute it on the instance's own thread (:func:`_execute`: gather, run, split), or,
+   when it is the only work in sight and the model runs in microseconds, right on the
+   event loop, where two thread hand-offs would cost more than the run itself;
 3. resolve each request's future when the batch returns (:meth:`_finish`).
 
 With ``max_queue_delay_microseconds = 0`` it never waits on purpose, so a lone request
@@ -112,7 +114,10 @@ class Batcher:
         self._instances = [_Instance(backend) for backend in instances]
         self._free = list(self._instances)
         self._busy = 0
-        self._output_names = list(output_names)
+        self._outputs = list(output_names)
+        self._inline_max_ns = batching.inline_execution_max_microseconds * 1000
+        # -1 until measured: the first batch always runs on an instance thread.
+        self._recent_run_ns = -1
         self._metrics = metrics
         self._stats = stats
         self._delay_timer: asyncio.TimerHandle | None = None
@@ -197,11 +202,23 @@ class Batcher:
             instance = self._free.pop()
             self._busy += 1
             self._metrics.pending_requests.set(self._num_pending)
+            if self._runs_inline():
+                # Nothing else is waiting and the model is fast: running here saves the
+                # two thread hand-offs (~30-70 us), more than the loop is blocked for.
+                self._finish(instance, batch, _execute(instance.backend, batch, self._outputs))
+                continue
             loop = asyncio.get_running_loop()
             done = loop.run_in_executor(
-                instance.executor, _execute, instance.backend, batch, self._output_names
+                instance.executor, _execute, instance.backend, batch, self._outputs
             )
-            done.add_done_callback(functools.partial(self._finish, instance, batch))
+            done.add_done_callback(functools.partial(self._on_thread_done, instance, batch))
+
+    def _runs_inline(self) -> bool:
+        return (
+            self._busy == 1
+            and not self._num_pending
+            and 0 <= self._recent_run_ns <= self._inline_max_ns
+        )
 
     def _next_batch(self) -> list[_Pending]:
         """Take the next batch off the queue, or [] to wait for the delay timer."""
@@ -244,15 +261,19 @@ class Batcher:
         self._pending_rows -= rows
         return batch
 
-    def _finish(
+    def _on_thread_done(
         self, instance: _Instance, batch: list[_Pending], done: asyncio.Future[_BatchResult]
     ) -> None:
-        self._free.append(instance)
-        self._busy -= 1
         try:
             result = done.result()
         except BaseException as exc:  # the worker itself failed (e.g. shut down)
             result = _BatchResult(outcomes=[exc] * len(batch))
+        self._finish(instance, batch, result)
+        self._schedule()
+
+    def _finish(self, instance: _Instance, batch: list[_Pending], result: _BatchResult) -> None:
+        self._free.append(instance)
+        self._busy -= 1
         self._record(batch, result)
         for pending, outcome in zip(batch, result.outcomes, strict=True):
             if pending.future.done():  # cancelled while it ran
@@ -261,7 +282,6 @@ class Batcher:
                 pending.future.set_exception(_as_served_error(outcome))
             else:
                 pending.future.set_result(outcome)
-        self._schedule()
         self._metrics.pending_requests.set(self._num_pending)
         if not self._busy and not self._num_pending:
             self._idle.set()
@@ -270,6 +290,9 @@ class Batcher:
         if not result.rows:
             return
         compute_ns = result.input_ns + result.infer_ns + result.output_ns
+        # Smoothed run time decides whether the next lone batch may run inline.
+        recent = self._recent_run_ns
+        self._recent_run_ns = compute_ns if recent < 0 else (3 * recent + compute_ns) // 4
         self._stats.record_batch(
             batch_size=result.rows,
             num_requests=len(batch),
