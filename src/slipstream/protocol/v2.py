@@ -1,0 +1,565 @@
+"""The Open Inference Protocol (V2) REST wire codec, with Triton's binary tensor extension.
+
+Pure functions between HTTP bodies and :class:`~slipstream.types.InferRequest` /
+:class:`~slipstream.types.InferResponse`; no I/O. The HTTP server calls:
+
+>>> body = b'{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[1,2]}]}'
+>>> request = decode_infer_request(body, None, "m", "1")
+>>> request.inputs["x"]
+array([1., 2.], dtype=float32)
+>>> response = InferResponse("m", "1", {"y": request.inputs["x"] * 2})
+>>> body, json_header_length = encode_infer_response(response, request)
+>>> body[-60:], json_header_length
+(b'"name":"y","datatype":"FP32","shape":[2],"data":[2.0,4.0]}]}', None)
+
+Binary extension: with an ``Inference-Header-Content-Length: N`` header, the first N
+bytes of the body are the JSON and the rest holds, back to back in input order, the raw
+data of every input whose ``parameters`` carry ``binary_data_size``: little-endian,
+row-major, no padding; a BOOL element is one byte; a BYTES element is a 4-byte
+little-endian length followed by its bytes. Responses use the same layout.
+
+Contracts and limitations worth knowing:
+
+- Fixed-size inputs decoded from binary data are zero-copy views of ``body`` and so are
+  read-only when ``body`` is ``bytes``; backends must not write into their inputs.
+- JSON numbers are checked against the datatype without per-element Python work: a
+  string, ``null`` or ``true`` in FP32 data, ``1.5`` in INT32 data, ``300`` in UINT8 data
+  or ``1e39`` in FP32 data are rejected rather than coerced.
+- NaN and infinity have no JSON spelling: JSON outputs write them as ``null``, which a
+  JSON request cannot send back (use binary data for such tensors).
+- A BYTES output whose elements are not valid UTF-8 cannot be written as a JSON string;
+  asking for it as JSON is answered with :class:`InvalidRequest` telling the client to
+  ask for ``"binary_data": true``.
+- Every platform Slipstream runs on (x86-64, aarch64) is little-endian, so the wire
+  byte order is the native one and fixed-size tensors are read and written as is.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, cast
+
+import numpy as np
+import orjson
+
+from slipstream.errors import InvalidRequest
+from slipstream.protocol.datatypes import V2_ITEM_SIZE, numpy_dtype, v2_datatype
+from slipstream.types import InferRequest, InferResponse, RequestedOutput
+
+__all__ = ["decode_infer_request", "encode_error", "encode_infer_response"]
+
+# Length prefix of one BYTES element in binary data.
+_LENGTH_PREFIX = struct.Struct("<I")
+_INT64_MAX = 2**63 - 1
+# Request parameters that become InferRequest fields; the rest pass through.
+_RESERVED_PARAMETERS = frozenset({"priority", "timeout", "binary_data_output"})
+# Target dtype kind -> kinds np.asarray may infer from JSON values and still be accepted:
+# ints fit float tensors (JSON writes 1.0 as 1), but floats never truncate into ints and
+# booleans only fill BOOL.
+_ACCEPTED_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
+_EXPECTED_VALUES = {"b": "true/false", "i": "integers", "u": "integers", "f": "numbers"}
+_FOUND_VALUES = {
+    "b": "booleans",
+    "i": "integers",
+    "u": "integers",
+    "f": "non-integer numbers",
+    "U": "strings",
+    "O": "nulls, objects, mixed values or integers beyond 64 bits",
+}
+_DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+
+
+def decode_infer_request(
+    body: bytes, header_length: int | None, model_name: str, model_version: str
+) -> InferRequest:
+    """Decode a V2 REST inference request body.
+
+    ``header_length`` is the ``Inference-Header-Content-Length`` HTTP header (None when
+    absent: the whole body is JSON). Raises :class:`InvalidRequest`, naming the field,
+    for anything malformed.
+
+    >>> req = decode_infer_request(
+    ...     b'{"id":"7","inputs":[{"name":"t","shape":[1],"datatype":"BYTES","data":["hi"]}]}',
+    ...     None, "m", "")
+    >>> req.id, req.inputs["t"]
+    ('7', array([b'hi'], dtype=object))
+    """
+    view = memoryview(body)
+    if header_length is None:
+        header, binary = view, None
+    else:
+        if type(header_length) is not int or not 0 <= header_length <= len(view):
+            raise InvalidRequest(
+                f"Inference-Header-Content-Length: {header_length!r} is not a length "
+                f"within the {len(view)}-byte body"
+            )
+        header, binary = view[:header_length], view[header_length:]
+    doc = _load_json(header)
+    # Some clients send "id": null for "no id"; treat it as absent.
+    request_id = doc.get("id")
+    if request_id is None:
+        request_id = ""
+    elif not isinstance(request_id, str):
+        raise InvalidRequest(f"id: expected a string, got {_show(request_id)}")
+    priority, timeout_us, binary_data_output, parameters = _decode_parameters(doc.get("parameters"))
+    return InferRequest(
+        model_name=model_name,
+        model_version=model_version,
+        inputs=_decode_inputs(doc.get("inputs"), binary),
+        id=request_id,
+        outputs=_decode_requested_outputs(doc.get("outputs")),
+        priority=priority,
+        timeout_us=timeout_us,
+        binary_data_output=binary_data_output,
+        parameters=parameters,
+    )
+
+
+def encode_infer_response(
+    response: InferResponse, request: InferRequest
+) -> tuple[bytes, int | None]:
+    """Encode a V2 REST inference response; returns ``(body, json_header_length)``.
+
+    ``json_header_length`` is None when every output is JSON (send the body as
+    ``application/json``); otherwise send ``Inference-Header-Content-Length:
+    <json_header_length>`` and ``application/octet-stream``. An output is binary when
+    its requested output says ``binary_data: true``, or says nothing and the request set
+    ``binary_data_output``.
+
+    >>> req = InferRequest("m", "1", {}, binary_data_output=True)
+    >>> out = InferResponse("m", "1", {"y": np.ones(2, np.uint8)})
+    >>> body, json_header_length = encode_infer_response(out, req)
+    >>> body[json_header_length - 38 :]
+    b'"parameters":{"binary_data_size":2}}]}\\x01\\x01'
+    """
+    choices = None
+    if request.outputs:
+        choices = {out.name: out.binary_data for out in request.outputs}
+    outputs: list[dict[str, Any]] = []
+    payloads: list[Any] = []
+    for name, array in response.outputs.items():
+        if not array.dtype.isnative:
+            array = array.astype(array.dtype.newbyteorder("="))
+        datatype = v2_datatype(array.dtype)
+        binary = None if choices is None else choices.get(name)
+        if binary is None:
+            binary = request.binary_data_output
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": array.shape}
+        if binary:
+            payload, size = _binary_payload(array, datatype)
+            entry["parameters"] = {"binary_data_size": size}
+            payloads.append(payload)
+        elif datatype == "BYTES":
+            entry["data"] = _json_strings(name, array)
+        else:
+            # ravel() is a view for C-contiguous arrays and a contiguous copy otherwise,
+            # which is what orjson needs to write the array without a Python list.
+            entry["data"] = array.ravel()
+        outputs.append(entry)
+    doc: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+    }
+    response_id = response.id or request.id
+    if response_id:
+        doc["id"] = response_id
+    if response.parameters:
+        doc["parameters"] = response.parameters
+    doc["outputs"] = outputs
+    header = orjson.dumps(doc, default=_json_default, option=_DUMPS_OPTIONS)
+    if not payloads:
+        return header, None
+    return b"".join([header, *payloads]), len(header)
+
+
+def encode_error(message: str) -> bytes:
+    """The V2 error body.
+
+    >>> encode_error('no model "m"')
+    b'{"error":"no model \\\\"m\\\\""}'
+    """
+    return orjson.dumps({"error": message})
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+def _load_json(header: memoryview) -> dict[str, Any]:
+    try:
+        doc = orjson.loads(header)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequest(f"request body: expected a JSON object, got {_show(doc)}")
+    return doc
+
+
+def _decode_parameters(raw: Any) -> tuple[int, int, bool, dict[str, Any]]:
+    """Split request parameters into (priority, timeout_us, binary_data_output, rest)."""
+    if raw is None:
+        return 0, 0, False, {}
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"parameters: expected an object, got {_show(raw)}")
+    priority = raw.get("priority", 0)
+    if type(priority) is not int or priority < 0:
+        raise InvalidRequest(
+            f"parameters.priority: expected a non-negative integer, got {_show(priority)}"
+        )
+    # Triton's name and unit: "timeout" in microseconds.
+    timeout_us = raw.get("timeout", 0)
+    if type(timeout_us) is not int or timeout_us < 0:
+        raise InvalidRequest(
+            "parameters.timeout: expected a non-negative integer of microseconds, "
+            f"got {_show(timeout_us)}"
+        )
+    binary_data_output = raw.get("binary_data_output", False)
+    if type(binary_data_output) is not bool:
+        raise InvalidRequest(
+            "parameters.binary_data_output: expected true or false, "
+            f"got {_show(binary_data_output)}"
+        )
+    rest = {key: value for key, value in raw.items() if key not in _RESERVED_PARAMETERS}
+    return priority, timeout_us, binary_data_output, rest
+
+
+def _decode_requested_outputs(raw: Any) -> list[RequestedOutput] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise InvalidRequest(f"outputs: expected a list, got {_show(raw)}")
+    requested: list[RequestedOutput] = []
+    seen: set[str] = set()
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"outputs[{index}]: expected an object, got {_show(item)}")
+        name = item.get("name")
+        if not isinstance(name, str):
+            raise InvalidRequest(f"outputs[{index}].name: expected a string, got {_show(name)}")
+        if name in seen:
+            raise InvalidRequest(f"outputs: output {name!r} is requested more than once")
+        seen.add(name)
+        params = _tensor_parameters(f"output {name!r}", item.get("parameters"))
+        if "classification" in params:
+            raise InvalidRequest(
+                f"output {name!r}: the classification extension is not supported; "
+                "request the raw output and take the top classes on the client"
+            )
+        binary_data = params.get("binary_data")
+        if binary_data is not None and type(binary_data) is not bool:
+            raise InvalidRequest(
+                f"output {name!r}: parameters.binary_data: expected true or false, "
+                f"got {_show(binary_data)}"
+            )
+        requested.append(RequestedOutput(name, binary_data))
+    return requested or None
+
+
+def _tensor_parameters(where: str, raw: Any) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"{where}: parameters: expected an object, got {_show(raw)}")
+    if "shared_memory_region" in raw:
+        raise InvalidRequest(
+            f"{where}: the shared memory extension is not supported; send the tensor "
+            "in the body (binary_data_size) instead"
+        )
+    return raw
+
+
+def _decode_inputs(raw: Any, binary: memoryview | None) -> dict[str, np.ndarray]:
+    if raw is None:
+        raise InvalidRequest("inputs: required field is missing; expected a list of tensors")
+    if not isinstance(raw, list):
+        raise InvalidRequest(f"inputs: expected a list, got {_show(raw)}")
+    inputs: dict[str, np.ndarray] = {}
+    offset = 0  # into `binary`: inputs' binary data follow each other in input order
+    for index, item in enumerate(raw):
+        name, array, offset = _decode_input(index, item, binary, offset)
+        if name in inputs:
+            raise InvalidRequest(f"inputs: input {name!r} appears more than once")
+        inputs[name] = array
+    if binary is not None and offset != len(binary):
+        raise InvalidRequest(
+            f"binary data: the body holds {len(binary)} bytes after the JSON header but "
+            f"the inputs' binary_data_size add up to {offset}"
+        )
+    return inputs
+
+
+def _decode_input(
+    index: int, raw: Any, binary: memoryview | None, offset: int
+) -> tuple[str, np.ndarray, int]:
+    """Decode one input; returns (name, array, offset past its binary data)."""
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"inputs[{index}]: expected an object, got {_show(raw)}")
+    name = raw.get("name")
+    if not isinstance(name, str):
+        raise InvalidRequest(f"inputs[{index}].name: expected a string, got {_show(name)}")
+    where = f"input {name!r}"
+    shape = _decode_shape(where, raw.get("shape"))
+    # numpy_dtype rejects anything but a known datatype name, so it is a str past here.
+    datatype = cast(str, raw.get("datatype"))
+    dtype = numpy_dtype(datatype, field=f"{where}: datatype")
+    count = math.prod(shape)
+    size = _tensor_parameters(where, raw.get("parameters")).get("binary_data_size")
+    data = raw.get("data")
+    if size is None:
+        if data is None:
+            raise InvalidRequest(f"{where}: needs either 'data' or parameters.binary_data_size")
+        if not isinstance(data, list):
+            raise InvalidRequest(f"{where}: data: expected a list, got {_show(data)}")
+        if datatype == "BYTES":
+            flat = _bytes_from_json(where, data, count, shape)
+        else:
+            flat = _numeric_from_json(where, data, count, shape, datatype, dtype)
+    else:
+        if data is not None:
+            raise InvalidRequest(f"{where}: has both 'data' and parameters.binary_data_size")
+        _check_binary_size(where, size, binary, offset)
+        assert binary is not None  # checked above; tells mypy
+        chunk = binary[offset : offset + size]
+        offset += size
+        if datatype == "BYTES":
+            flat = _bytes_from_binary(where, chunk, count)
+        else:
+            flat = _fixed_from_binary(where, chunk, count, shape, datatype, dtype)
+    try:
+        return name, flat.reshape(shape), offset
+    except ValueError as exc:  # only zero-size shapes too big for numpy reach here
+        raise InvalidRequest(f"{where}: shape {shape} is not supported: {exc}") from None
+
+
+def _check_binary_size(where: str, size: Any, binary: memoryview | None, offset: int) -> None:
+    if type(size) is not int or size < 0:
+        raise InvalidRequest(
+            f"{where}: parameters.binary_data_size: expected a non-negative integer, "
+            f"got {_show(size)}"
+        )
+    if binary is None:
+        raise InvalidRequest(
+            f"{where}: has binary_data_size but the request has no "
+            "Inference-Header-Content-Length header to say where the JSON ends"
+        )
+    if size > len(binary) - offset:
+        raise InvalidRequest(
+            f"{where}: binary_data_size is {size} but only {len(binary) - offset} bytes "
+            "of binary data are left in the body"
+        )
+
+
+def _decode_shape(where: str, raw: Any) -> list[int]:
+    if not isinstance(raw, list) or not all(
+        type(dim) is int and 0 <= dim <= _INT64_MAX for dim in raw
+    ):
+        raise InvalidRequest(
+            f"{where}: shape: expected a list of non-negative integers, got {_show(raw)}"
+        )
+    return raw
+
+
+def _count_error(where: str, shape: list[int], count: int, got: int) -> InvalidRequest:
+    return InvalidRequest(f"{where}: shape {shape} needs {count} elements, got {got}")
+
+
+def _numeric_from_json(
+    where: str, data: list[Any], count: int, shape: list[int], datatype: str, dtype: np.dtype[Any]
+) -> np.ndarray:
+    """A flat array of `dtype` from JSON numbers, checked without a per-element loop."""
+    # Let numpy infer the dtype first: asking for `dtype` directly would parse "1.5"
+    # into 1.5 and truncate 1.5 into 1. The inferred kind tells what the JSON held.
+    try:
+        natural = np.asarray(data)
+    except ValueError:
+        raise InvalidRequest(
+            f"{where}: data: expected a flat or evenly nested list of {datatype} values"
+        ) from None
+    if natural.size != count:
+        raise _count_error(where, shape, count, natural.size)
+    if count == 0:
+        return np.empty(0, dtype)
+    kind = dtype.kind
+    if kind in "iu" and natural.dtype.kind in "fO":
+        # numpy infers float64 (or object) when values span int64 and uint64 ranges, as
+        # UINT64 data may; such data, and data that is simply wrong, takes the slow path.
+        return _exact_integers(where, data, datatype, dtype)
+    if natural.dtype.kind not in _ACCEPTED_KINDS[kind]:
+        found = _FOUND_VALUES.get(natural.dtype.kind, str(natural.dtype))
+        raise InvalidRequest(
+            f"{where}: {datatype} data must be {_EXPECTED_VALUES[kind]}, got {found}"
+        )
+    if natural.dtype == dtype:
+        return natural.ravel()
+    if np.can_cast(natural.dtype, dtype):
+        return natural.astype(dtype).ravel()
+    if kind == "f":
+        try:
+            with np.errstate(over="raise"):
+                return natural.astype(dtype).ravel()
+        except FloatingPointError:
+            raise InvalidRequest(f"{where}: a value is out of range for {datatype}") from None
+    # Integers into a narrower integer type: check the range once instead of per element.
+    info = np.iinfo(dtype)
+    low, high = natural.min(), natural.max()
+    if low < info.min or high > info.max:
+        raise InvalidRequest(
+            f"{where}: values from {low} to {high} do not fit {datatype} ({info.min} to {info.max})"
+        )
+    return natural.astype(dtype).ravel()
+
+
+def _exact_integers(where: str, data: list[Any], datatype: str, dtype: np.dtype[Any]) -> np.ndarray:
+    flat = np.array(data, dtype=object).ravel().tolist()
+    bad = next((value for value in flat if type(value) is not int), None)
+    if bad is not None:
+        raise InvalidRequest(f"{where}: {datatype} data must be integers, got {_show(bad)}")
+    try:
+        return np.array(flat, dtype=dtype)
+    except OverflowError:
+        info = np.iinfo(dtype)
+        raise InvalidRequest(
+            f"{where}: a value does not fit {datatype} ({info.min} to {info.max})"
+        ) from None
+
+
+def _bytes_from_json(where: str, data: list[Any], count: int, shape: list[int]) -> np.ndarray:
+    if data and isinstance(data[0], list):
+        # An object array flattens nested lists of strings in C; ragged nesting leaves
+        # lists as elements, which the str check below rejects.
+        try:
+            data = np.array(data, dtype=object).ravel().tolist()
+        except ValueError:
+            raise InvalidRequest(f"{where}: data: expected an evenly nested list") from None
+    if len(data) != count:
+        raise _count_error(where, shape, count, len(data))
+    try:
+        items = [value.encode() for value in data]
+    except (AttributeError, UnicodeEncodeError):
+        bad = next((value for value in data if not isinstance(value, str)), None)
+        raise InvalidRequest(
+            f"{where}: BYTES data must be strings of valid Unicode, got {_show(bad)}"
+        ) from None
+    array = np.empty(count, dtype=object)
+    array[:] = items
+    return array
+
+
+def _fixed_from_binary(
+    where: str, chunk: memoryview, count: int, shape: list[int], datatype: str, dtype: np.dtype[Any]
+) -> np.ndarray:
+    expected = count * V2_ITEM_SIZE[datatype]
+    if len(chunk) != expected:
+        raise InvalidRequest(
+            f"{where}: binary_data_size is {len(chunk)} but shape {shape} of {datatype} "
+            f"needs {expected} bytes"
+        )
+    if count == 0:
+        return np.empty(0, dtype)
+    array = np.frombuffer(chunk, dtype=dtype)
+    if not array.flags.aligned:
+        # The JSON header has any length, so the data often starts at an odd address;
+        # one copy here spares every backend from handling misaligned buffers.
+        array = array.copy()
+    if datatype == "BOOL" and array.view(np.uint8).max() > 1:
+        raise InvalidRequest(f"{where}: BOOL binary data must hold bytes 0 or 1")
+    return array
+
+
+def _bytes_from_binary(where: str, chunk: memoryview, count: int) -> np.ndarray:
+    end = len(chunk)
+    # Every element takes at least its 4-byte length, which bounds `count` before any
+    # allocation sized by it.
+    if count * _LENGTH_PREFIX.size > end:
+        raise InvalidRequest(
+            f"{where}: binary_data_size {end} is too small for {count} BYTES elements"
+        )
+    raw = chunk.tobytes()  # one copy, so that each element is a cheap bytes slice
+    unpack = _LENGTH_PREFIX.unpack_from
+    items: list[bytes] = []
+    pos = 0
+    while pos < end and len(items) < count:
+        if pos + 4 > end:
+            raise InvalidRequest(f"{where}: BYTES element {len(items)} has a truncated length")
+        (length,) = unpack(raw, pos)
+        pos += 4
+        if pos + length > end:
+            raise InvalidRequest(
+                f"{where}: BYTES element {len(items)} of {length} bytes runs past the "
+                f"binary_data_size of {end}"
+            )
+        items.append(raw[pos : pos + length])
+        pos += length
+    if len(items) != count or pos != end:
+        raise InvalidRequest(
+            f"{where}: binary data holds {len(items)} BYTES elements in {pos} of {end} "
+            f"bytes; the shape needs {count} elements filling all {end} bytes"
+        )
+    array = np.empty(count, dtype=object)
+    array[:] = items
+    return array
+
+
+# ---------------------------------------------------------------------------- encoding
+
+
+def _binary_payload(array: np.ndarray, datatype: str) -> tuple[Any, int]:
+    """(bytes-like payload, its size) of one binary output."""
+    if datatype != "BYTES":
+        # bytes.join reads a C-contiguous array's buffer directly, saving a tobytes() copy.
+        contiguous = np.ascontiguousarray(array)
+        return contiguous, contiguous.nbytes
+    pack = _LENGTH_PREFIX.pack
+    parts: list[bytes] = []
+    for item in _bytes_elements(array):
+        parts.append(pack(len(item)))
+        parts.append(item)
+    payload = b"".join(parts)
+    return payload, len(payload)
+
+
+def _bytes_elements(array: np.ndarray) -> list[bytes]:
+    items: list[bytes] = []
+    for item in array.ravel().tolist():
+        if isinstance(item, bytes):
+            items.append(item)
+        elif isinstance(item, str):
+            items.append(item.encode())
+        else:
+            raise ValueError(
+                f"BYTES output elements must be bytes or str, got {type(item).__name__}"
+            )
+    return items
+
+
+def _json_strings(name: str, array: np.ndarray) -> list[str]:
+    items: list[Any] = array.ravel().tolist()
+    try:
+        return [item if isinstance(item, str) else item.decode() for item in items]
+    except UnicodeDecodeError:
+        raise InvalidRequest(
+            f"output {name!r} holds bytes that are not valid UTF-8, which a JSON string "
+            'cannot carry; request it with parameters {"binary_data": true}'
+        ) from None
+    except AttributeError:
+        bad = next(item for item in items if not isinstance(item, (str, bytes)))
+        raise ValueError(
+            f"BYTES output elements must be bytes or str, got {type(bad).__name__}"
+        ) from None
+
+
+def _json_default(value: Any) -> Any:
+    # orjson hands over what it cannot write natively: arrays it cannot serialize in C
+    # (unaligned ones) and numpy scalars in response parameters.
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+def _show(value: Any) -> str:
+    """A short description of a bad value for error messages."""
+    try:
+        text = orjson.dumps(value, default=repr).decode()
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes
+        text = type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
