@@ -1,0 +1,332 @@
+"""The torch backend: TorchScript archives (``.pt``) and torch.export programs (``.pt2``).
+
+Where the signature comes from:
+
+* ``.pt2`` (``torch.export.save``): from the exported program itself. Input names are
+  the ``forward`` parameter names; outputs are named after the returned structure: the
+  keys of a returned dict, ``output`` for a single tensor, ``output_0``, ``output_1``, ...
+  for a tuple. Dims exported as dynamic (``torch.export.Dim``) are -1; export the batch
+  dim as dynamic or the model is served without batching.
+* ``.pt`` (TorchScript) carries no reliable tensor signature. A model may declare one
+  by embedding ``slipstream_signature.json`` in the archive (see
+  :func:`signature_to_json`)::
+
+      torch.jit.save(scripted, "model.pt", _extra_files={
+          SIGNATURE_FILE: signature_to_json(ModelSignature(
+              inputs=(TensorSpec("input", "FP32", (-1, 256)),),
+              outputs=(TensorSpec("output", "FP32", (-1, 10)),),
+          ))
+      })
+
+  Without it, ``signature()`` returns no inputs and no outputs, and the repository
+  requires ``input`` and ``output`` in ``config.yaml``. ``run()`` then passes the inputs
+  to ``forward`` positionally in the order of the ``inputs`` dict (config order), and
+  maps a returned tuple positionally onto ``output_names``, which must then list every
+  output in the order ``forward`` returns them. A returned dict is matched by key.
+
+Parameters (config.yaml ``parameters``):
+
+* ``intra_op_thread_count``: torch's intra-op threads; default: usable cores divided by
+  the instance count. torch keeps one count per process, so the last torch model
+  loaded sets it for all of them.
+* ``device``: ``cpu`` (default) or ``cuda`` / ``cuda:N``.
+
+Example config.yaml for a TorchScript model without an embedded signature::
+
+    backend: torch
+    max_batch_size: 32
+    input: [{name: input, data_type: TYPE_FP32, dims: [256]}]
+    output: [{name: output, data_type: TYPE_FP32, dims: [10]}]
+    parameters: {intra_op_thread_count: "4"}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from slipstream.errors import InvalidRequest
+from slipstream.protocol.datatypes import from_config_datatype, v2_datatype
+from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
+
+logger = logging.getLogger(__name__)
+
+# Name of the signature file a TorchScript archive may embed (torch.jit.save _extra_files).
+SIGNATURE_FILE = "slipstream_signature.json"
+
+_KNOWN_PARAMETERS = ("intra_op_thread_count", "device")
+
+# A loaded ScriptModule or an exported program's module: called with positional tensors.
+_Model = Callable[..., Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TorchParameters:
+    """The backend options read from config.yaml ``parameters``."""
+
+    # Threads torch uses inside one op (process-wide in torch).
+    intra_op_thread_count: int
+    # Where the model's weights live and its batches run.
+    device: torch.device
+
+    @classmethod
+    def parse(cls, parameters: Mapping[str, str], instance_count: int) -> TorchParameters:
+        """Validate ``parameters``; ValueError names the offending key and value."""
+        unknown = sorted(set(parameters) - set(_KNOWN_PARAMETERS))
+        if unknown:
+            raise ValueError(
+                f"parameters: unknown torch backend parameter(s) {', '.join(unknown)}; "
+                f"expected {', '.join(_KNOWN_PARAMETERS)}"
+            )
+        default_threads = max(1, usable_cpu_count() // max(1, instance_count))
+        raw_threads = parameters.get("intra_op_thread_count", str(default_threads))
+        try:
+            threads = int(raw_threads)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ValueError(
+                f"parameters.intra_op_thread_count: expected a positive integer, "
+                f"got {raw_threads!r}"
+            )
+        raw_device = parameters.get("device", "cpu")
+        try:
+            device = torch.device(raw_device)
+        except RuntimeError:
+            device = torch.device("meta")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"parameters.device: expected cpu, cuda or cuda:N, got {raw_device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"parameters.device: {raw_device!r} requested but this torch build sees "
+                "no CUDA device; set device: cpu or install a CUDA build of torch"
+            )
+        return cls(intra_op_thread_count=threads, device=device)
+
+
+class TorchBackend(Backend):
+    """One loaded TorchScript module or exported program; see the module docstring."""
+
+    name: ClassVar[str] = "torch"
+    file_extensions: ClassVar[tuple[str, ...]] = (".pt", ".pt2")
+    # TorchScript drops the GIL for the whole forward; exported programs drop it per op.
+    releases_gil: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        model: _Model,
+        signature: ModelSignature,
+        parameters: TorchParameters,
+    ) -> None:
+        self._model: _Model | None = model
+        self._signature = signature
+        self._device = parameters.device
+        self._input_names = tuple(spec.name for spec in signature.inputs)
+        self._output_names = tuple(spec.name for spec in signature.outputs)
+
+    @classmethod
+    def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> TorchBackend:
+        options = TorchParameters.parse(parameters, instance_count)
+        if torch.get_num_threads() != options.intra_op_thread_count:
+            torch.set_num_threads(options.intra_op_thread_count)
+            logger.debug("torch intra-op threads set to %d", options.intra_op_thread_count)
+        if path.suffix.lower() == ".pt2":
+            model, signature = _load_exported(path, options.device)
+        else:
+            model, signature = _load_torchscript(path, options.device)
+        return cls(model, signature, options)
+
+    def signature(self) -> ModelSignature:
+        return self._signature
+
+    def run(
+        self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
+    ) -> dict[str, np.ndarray]:
+        if self._model is None:
+            raise RuntimeError("torch backend: run() called after close()")
+        names = self._input_names or tuple(inputs)
+        tensors = [self._to_tensor(name, inputs) for name in names]
+        with torch.inference_mode():
+            result = self._model(*tensors)
+            named = self._name_outputs(result, output_names)
+            return {name: _to_numpy(named, name) for name in output_names}
+
+    def close(self) -> None:
+        self._model = None
+
+    def _to_tensor(self, name: str, inputs: dict[str, np.ndarray]) -> torch.Tensor:
+        try:
+            array = inputs[name]
+        except KeyError:
+            raise InvalidRequest(f"inputs: missing input {name!r}") from None
+        if array.dtype.kind in ("O", "U", "S"):
+            raise InvalidRequest(f"inputs.{name}: the torch backend takes no BYTES tensors")
+        # Wire decoders hand out read-only views of the request body, which torch cannot
+        # wrap without a warning (and a model may write to its inputs in place).
+        # Batches of several requests are fresh arrays already, so only single-request
+        # batches pay for this copy.
+        if not (array.flags.writeable and array.flags.c_contiguous):
+            array = np.array(array, order="C")
+        tensor = torch.from_numpy(array)
+        return tensor if self._device.type == "cpu" else tensor.to(self._device)
+
+    def _name_outputs(self, result: Any, output_names: Sequence[str]) -> dict[str, Any]:
+        if isinstance(result, Mapping):
+            return {str(key): value for key, value in result.items()}
+        values: list[Any] = list(result) if isinstance(result, (tuple, list)) else [result]
+        names = self._output_names or tuple(output_names)
+        if len(values) != len(names):
+            source = "the model's signature" if self._output_names else "output_names"
+            raise RuntimeError(
+                f"torch backend: the model returned {len(values)} output(s) but "
+                f"{source} lists {len(names)} ({', '.join(names)}); list every output in "
+                "config.yaml `output` in the order forward() returns them"
+            )
+        return dict(zip(names, values, strict=True))
+
+
+def _to_numpy(named: dict[str, Any], name: str) -> np.ndarray:
+    try:
+        value = named[name]
+    except KeyError:
+        raise RuntimeError(
+            f"torch backend: the model returned no output {name!r}; "
+            f"it returned {', '.join(named) or 'nothing'}"
+        ) from None
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(
+            f"torch backend: output {name!r} is a {type(value).__name__}, not a tensor"
+        )
+    if value.dtype == torch.bfloat16:  # numpy has no bfloat16
+        value = value.float()
+    array: np.ndarray = value.detach().cpu().numpy()
+    return array
+
+
+def _load_torchscript(path: Path, device: torch.device) -> tuple[_Model, ModelSignature]:
+    extra_files: dict[str, Any] = {SIGNATURE_FILE: ""}
+    try:
+        module = torch.jit.load(  # type: ignore[no-untyped-call]
+            str(path), map_location=device, _extra_files=extra_files
+        )
+    except RuntimeError as exc:
+        raise ValueError(
+            f"{path.name}: not a TorchScript archive ({str(exc).splitlines()[0]}); save the "
+            "model with torch.jit.script(model).save(path), or export it with "
+            "torch.export.save(torch.export.export(model, args), 'model.pt2')"
+        ) from None
+    module.eval()
+    declared = extra_files[SIGNATURE_FILE]
+    if not declared:
+        return module, ModelSignature(inputs=(), outputs=())
+    text = declared.decode() if isinstance(declared, bytes) else str(declared)
+    return module, signature_from_json(text, source=f"{path.name}:{SIGNATURE_FILE}")
+
+
+def _load_exported(path: Path, device: torch.device) -> tuple[_Model, ModelSignature]:
+    try:
+        program = torch.export.load(str(path))
+    # torch.export.load falls back to the legacy zip format, whose errors are BadZipFile.
+    except (RuntimeError, zipfile.BadZipFile) as exc:
+        raise ValueError(
+            f"{path.name}: not a torch.export program ({str(exc).splitlines()[0]}); save it "
+            "with torch.export.save(torch.export.export(model, args), 'model.pt2')"
+        ) from None
+    module = program.module()
+    if device.type != "cpu":
+        module = module.to(device)
+    return module, _exported_signature(program)
+
+
+def _exported_signature(program: Any) -> ModelSignature:
+    """Names, dtypes and shapes of an ExportedProgram's user inputs and outputs."""
+    nodes = {node.name: node for node in program.graph.nodes}
+    input_specs = tuple(
+        _fake_tensor_spec(name, nodes[name].meta.get("val"))
+        for name in program.graph_signature.user_inputs
+    )
+    output_node = next(node for node in program.graph.nodes if node.op == "output")
+    user_output_count = len(program.graph_signature.user_outputs)
+    # User outputs come last, after any buffer mutations the graph also returns.
+    returned = list(output_node.args[0])[-user_output_count:] if user_output_count else []
+    names = _output_names(program.call_spec.out_spec, len(returned))
+    output_specs = tuple(
+        _fake_tensor_spec(name, getattr(node, "meta", {}).get("val"))
+        for name, node in zip(names, returned, strict=True)
+    )
+    return ModelSignature(
+        inputs=tuple(s for s in input_specs if s is not None),
+        outputs=tuple(s for s in output_specs if s is not None),
+    )
+
+
+def _output_names(out_spec: Any, count: int) -> list[str]:
+    """Output names from the pytree spec of what forward() returns."""
+    if out_spec is not None and out_spec.type is dict and len(out_spec.context) == count:
+        return [str(key) for key in out_spec.context]
+    if count == 1 and out_spec is not None and out_spec.is_leaf():
+        return ["output"]
+    return [f"output_{i}" for i in range(count)]
+
+
+def _fake_tensor_spec(name: str, value: Any) -> TensorSpec | None:
+    """A TensorSpec from a node's fake tensor; symbolic dims become -1."""
+    if not isinstance(value, torch.Tensor):
+        return None  # a non-tensor input or output (int, None): not servable over V2
+    # bfloat16 has no numpy dtype; run() returns such outputs as FP32.
+    dtype = torch.float32 if value.dtype == torch.bfloat16 else value.dtype
+    numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
+    shape = tuple(dim if isinstance(dim, int) else -1 for dim in value.shape)
+    return TensorSpec(name=name, datatype=v2_datatype(numpy_dtype), shape=shape)
+
+
+def signature_to_json(signature: ModelSignature) -> str:
+    """The ``slipstream_signature.json`` text that declares a TorchScript model's signature.
+
+    Example::
+
+        sig = ModelSignature(
+            inputs=(TensorSpec("input", "FP32", (-1, 4)),),
+            outputs=(TensorSpec("output", "FP32", (-1, 3)),),
+        )
+        torch.jit.save(scripted, "model.pt", _extra_files={SIGNATURE_FILE: signature_to_json(sig)})
+    """
+
+    def specs(items: tuple[TensorSpec, ...]) -> list[dict[str, Any]]:
+        return [{"name": s.name, "datatype": s.datatype, "shape": list(s.shape)} for s in items]
+
+    return json.dumps({"inputs": specs(signature.inputs), "outputs": specs(signature.outputs)})
+
+
+def signature_from_json(text: str, source: str = SIGNATURE_FILE) -> ModelSignature:
+    """Parse :func:`signature_to_json` output; ValueError names the bad entry."""
+    try:
+        data = json.loads(text)
+        return ModelSignature(
+            inputs=tuple(_spec_from_json(item) for item in data["inputs"]),
+            outputs=tuple(_spec_from_json(item) for item in data["outputs"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{source}: invalid signature ({exc}); expected "
+            '{"inputs": [{"name": ..., "datatype": "FP32", "shape": [-1, 4]}], "outputs": [...]}'
+        ) from None
+
+
+def _spec_from_json(item: dict[str, Any]) -> TensorSpec:
+    shape = tuple(int(dim) for dim in item["shape"])
+    if any(dim < -1 or dim == 0 for dim in shape):
+        raise ValueError(f"{item['name']}: each dim must be -1 or > 0, got {list(shape)}")
+    return TensorSpec(
+        name=str(item["name"]),
+        datatype=from_config_datatype(str(item["datatype"])),
+        shape=shape,
+    )
