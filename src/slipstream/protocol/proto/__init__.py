@@ -1,0 +1,1 @@
+"""Protobuf messages of the V2 gRPC API (generated from inference.proto; see README)."""

@@ -1,0 +1,1 @@
+"""Network front ends: the HTTP and gRPC servers in front of the serving core."""

@@ -1,0 +1,276 @@
+"""The V2 gRPC front end: ``inference.GRPCInferenceService`` on grpc.aio.
+
+Each RPC decodes its message with :mod:`slipstream.protocol.grpc_codec`, calls one
+method of the :class:`InferenceService`, and encodes the result. A
+:class:`SlipstreamError` becomes its own status code and message; anything else is
+logged here, once, and answered INTERNAL without its details.
+
+The method handlers are registered by hand under the service name clients call,
+``inference.GRPCInferenceService``: our messages live in the protobuf package
+``slipstream.inference`` (so they never clash with tritonclient's ``inference.*`` in
+one process), and a generated stub would serve the wrong paths.
+
+Example::
+
+    server, port = build_grpc_server(service, "0.0.0.0", 8001, 64 * 1024 * 1024)
+    await server.start()  # on the event loop that serves requests
+    await server.wait_for_termination()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, NoReturn
+
+import grpc
+
+from slipstream.errors import InvalidRequest, SlipstreamError, Unavailable
+from slipstream.protocol import grpc_codec
+from slipstream.protocol.proto import inference_pb2 as pb
+from slipstream.serving.service import InferenceService
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+
+# What clients see for an internal fault; the details stay in the server log.
+_INTERNAL_MESSAGE = "internal error while serving the request; see the server log"
+
+_Unary = Callable[[Any], Awaitable[Any]]
+
+
+def build_grpc_server(
+    service: InferenceService, host: str, port: int, max_message_bytes: int
+) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server (not started) serving ``service``, and the port it bound.
+
+    ``port`` 0 picks a free port. Call this on the event loop that will run the server,
+    since grpc.aio binds the server to the running loop. Raises OSError when the
+    address cannot be bound.
+    """
+    frontend = _GrpcFrontend(service)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC sets SO_REUSEPORT by default, which lets a second server bind the
+            # same port silently and steal half the connections; fail loudly instead.
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, frontend.method_handlers()),)
+    )
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound_port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(
+            f"gRPC server could not bind {address} ({exc}); is the port in use? "
+            "Choose another with --grpc-port"
+        ) from None
+    if not bound_port:
+        raise OSError(f"gRPC server could not bind {address}; choose another with --grpc-port")
+    return server, int(bound_port)
+
+
+class _GrpcFrontend:
+    """The RPC implementations: each takes a request message and returns its answer."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self._service = service
+
+    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        unary: dict[str, _Unary] = {
+            "ServerLive": self.server_live,
+            "ServerReady": self.server_ready,
+            "ModelReady": self.model_ready,
+            "ServerMetadata": self.server_metadata,
+            "ModelMetadata": self.model_metadata,
+            "ModelInfer": self.model_infer,
+            "ModelConfig": self.model_config,
+            "ModelStatistics": self.model_statistics,
+            "RepositoryIndex": self.repository_index,
+            "RepositoryModelLoad": self.repository_model_load,
+            "RepositoryModelUnload": self.repository_model_unload,
+        }
+        handlers = {}
+        # Each unary RPC <Name> takes <Name>Request and answers <Name>Response, except
+        # that ModelInfer returns its answer already serialised.
+        for name, call in unary.items():
+            response_type = getattr(pb, f"{name}Response")
+            serializer = None if name == "ModelInfer" else response_type.SerializeToString
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                _unary_behavior(name, call),
+                request_deserializer=getattr(pb, f"{name}Request").FromString,
+                response_serializer=serializer,
+            )
+        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            self.model_stream_infer,
+            request_deserializer=pb.ModelInferRequest.FromString,
+            response_serializer=None,  # answers are serialised already
+        )
+        return handlers
+
+    # ------------------------------------------------------------ health and metadata
+
+    async def server_live(self, request: pb.ServerLiveRequest) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self._service.is_live())
+
+    async def server_ready(self, request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._service.is_ready())
+
+    async def model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=self._service.model_ready(request.name, request.version))
+
+    async def server_metadata(self, request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
+        return grpc_codec.encode_server_metadata(self._service.server_metadata())
+
+    async def model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
+        metadata = self._service.model_metadata(request.name, request.version)
+        return grpc_codec.encode_model_metadata(metadata)
+
+    async def model_config(self, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
+        config = self._service.model_config(request.name, request.version)
+        return grpc_codec.encode_model_config(config)
+
+    async def model_statistics(
+        self, request: pb.ModelStatisticsRequest
+    ) -> pb.ModelStatisticsResponse:
+        stats = self._service.model_statistics(request.name, request.version)
+        return grpc_codec.encode_model_statistics(stats)
+
+    # ------------------------------------------------------------ inference
+
+    async def model_infer(self, request: pb.ModelInferRequest) -> bytes:
+        # Serialised here rather than by grpc: see grpc_codec.serialize_infer_response.
+        response = await self._service.infer(grpc_codec.decode_infer_request(request))
+        return grpc_codec.serialize_infer_response(response)
+
+    async def model_stream_infer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[bytes]:
+        """Answer each request on the stream as soon as it completes, in any order.
+
+        Requests run concurrently (a slow one does not hold back the rest); one task
+        reads the stream while this generator is the only writer, since grpc.aio allows
+        one write at a time. Clients match answers to requests by their ``id``.
+        """
+        # Serialised ModelStreamInferResponse messages; None once every request is answered.
+        answers: asyncio.Queue[bytes | None] = asyncio.Queue()
+        in_flight: set[asyncio.Task[None]] = set()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            answers.put_nowait(await self._stream_answer(request))
+
+        async def read_requests() -> None:
+            try:
+                async for request in requests:
+                    task = asyncio.create_task(answer(request))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                if in_flight:
+                    await asyncio.wait(list(in_flight))
+            finally:
+                # Wakes the writer below even when reading failed.
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while (item := await answers.get()) is not None:
+                yield item
+            await reader  # re-raises a failure to read the stream
+        finally:
+            reader.cancel()
+            for task in list(in_flight):
+                task.cancel()
+
+    async def _stream_answer(self, request: pb.ModelInferRequest) -> bytes:
+        # A failed request is answered on the stream; the stream itself stays open.
+        try:
+            response = await self._service.infer(grpc_codec.decode_infer_request(request))
+            return grpc_codec.serialize_stream_infer_response(response)
+        except SlipstreamError as exc:
+            message = exc.message
+        except Exception:
+            logger.exception("gRPC ModelStreamInfer request failed")
+            message = _INTERNAL_MESSAGE
+        return pb.ModelStreamInferResponse(error_message=message).SerializeToString()
+
+    # ------------------------------------------------------------ repository
+
+    async def repository_index(
+        self, request: pb.RepositoryIndexRequest
+    ) -> pb.RepositoryIndexResponse:
+        _check_repository_name(request.repository_name)
+        entries = self._service.repository_index(ready_only=request.ready)
+        return grpc_codec.encode_repository_index(entries)
+
+    async def repository_model_load(
+        self, request: pb.RepositoryModelLoadRequest
+    ) -> pb.RepositoryModelLoadResponse:
+        _check_repository_name(request.repository_name)
+        _check_no_load_parameters(request.model_name, request.parameters)
+        await self._service.load_model(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def repository_model_unload(
+        self, request: pb.RepositoryModelUnloadRequest
+    ) -> pb.RepositoryModelUnloadResponse:
+        _check_repository_name(request.repository_name)
+        # Triton's only unload parameter, unload_dependents, means nothing without
+        # ensembles, so unload parameters are accepted and ignored.
+        await self._service.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+
+def _check_repository_name(name: str) -> None:
+    if name:
+        raise InvalidRequest(
+            f"repository_name {name!r}: Slipstream serves a single repository; "
+            "leave repository_name empty"
+        )
+
+
+def _check_no_load_parameters(
+    model_name: str, parameters: Mapping[str, pb.ModelRepositoryParameter]
+) -> None:
+    # Triton lets a load carry a config override or model files; Slipstream reads both
+    # from the repository only, and silently ignoring them would load the wrong model.
+    if parameters:
+        names = ", ".join(sorted(parameters))
+        raise InvalidRequest(
+            f"load of model '{model_name}': parameters ({names}) are not supported; "
+            "put the config and files in the model repository instead"
+        )
+
+
+def _unary_behavior(name: str, call: _Unary) -> Callable[[Any, Any], Awaitable[Any]]:
+    """Wrap one RPC so errors become gRPC statuses."""
+
+    async def behavior(request: Any, context: Any) -> Any:
+        try:
+            return await call(request)
+        except SlipstreamError as exc:
+            await _abort_with(context, exc)
+        except Exception:
+            logger.exception("gRPC %s failed", name)
+            await _abort(context, grpc.StatusCode.INTERNAL, _INTERNAL_MESSAGE)
+
+    return behavior
+
+
+async def _abort_with(context: Any, error: SlipstreamError) -> NoReturn:
+    trailers: tuple[tuple[str, str], ...] = ()
+    if isinstance(error, Unavailable) and error.retry_after_s is not None:
+        trailers = (("retry-after", str(error.retry_after_s)),)
+    await _abort(context, grpc.StatusCode[error.grpc_code], error.message, trailers)
+
+
+async def _abort(
+    context: Any, code: Any, message: str, trailers: tuple[tuple[str, str], ...] = ()
+) -> NoReturn:
+    await context.abort(code, message, trailers)
+    raise AssertionError("grpc.aio context.abort always raises")
