@@ -94,6 +94,7 @@ def serve(**options: Any) -> None:
     try:
         import uvloop
 
-        uvloop.run(run_server(settings))
+        exit_code = uvloop.run(run_server(settings))
     except ImportError:  # pragma: no cover - uvloop is absent on Windows
-        asyncio.run(run_server(settings))
+        exit_code = asyncio.run(run_server(settings))
+    sys.exit(exit_code)

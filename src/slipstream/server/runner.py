@@ -11,6 +11,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
@@ -29,8 +30,8 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
-async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set or a termination signal arrives."""
+async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> int:
+    """Serve until ``stop`` is set or a termination signal arrives; return the exit code."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -59,30 +60,67 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     if settings.grpc_port:
         from slipstream.server.grpc import build_grpc_server
 
-        grpc_server, grpc_port = build_grpc_server(
-            service, settings.host, settings.grpc_port, settings.max_request_bytes
-        )
+        try:
+            grpc_server, grpc_port = build_grpc_server(
+                service, settings.host, settings.grpc_port, settings.max_request_bytes
+            )
+        except OSError as exc:
+            logger.error("%s", exc)
+            return 1
         await grpc_server.start()
         logger.info("gRPC server listening on %s:%d", settings.host, grpc_port)
 
-    http_task = asyncio.create_task(http_server.serve()) if http_server else None
+    http_task = asyncio.create_task(_serve_http(http_server)) if http_server else None
     # Models load while the servers already answer health/live (ready comes after).
     start_task = asyncio.create_task(service.start())
     stop_task = asyncio.create_task(stop.wait())
-    await asyncio.wait({start_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-    if start_task.done() and start_task.exception() is None:
-        logger.info("Slipstream is ready: HTTP port %s, gRPC port %s",
-                    settings.http_port or "off", settings.grpc_port or "off")  # fmt: skip
-    await stop_task
+    exit_code = await _run_until_stopped(start_task, stop_task, http_task, settings)
     logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
                 settings.shutdown_timeout_s)  # fmt: skip
-    if not start_task.done():
-        start_task.cancel()
+    for task in (start_task, stop_task):
+        task.cancel()
     if http_server is not None:
         http_server.should_exit = True
     if grpc_server is not None:
         await grpc_server.stop(grace=settings.shutdown_timeout_s)
     if http_task is not None:
-        await http_task
+        await asyncio.gather(http_task, return_exceptions=True)
     await service.stop()
     logger.info("shutdown complete")
+    return exit_code
+
+
+async def _serve_http(server: _UvicornServer) -> None:
+    try:
+        await server.serve()
+    except SystemExit:
+        # uvicorn exits the process when it cannot bind; turn that into a failed task.
+        raise OSError("HTTP server could not start (is the port in use?)") from None
+    if not server.started:
+        raise OSError("HTTP server could not start (is the port in use?)")
+
+
+async def _run_until_stopped(
+    start_task: asyncio.Task[None],
+    stop_task: asyncio.Task[bool],
+    http_task: asyncio.Task[None] | None,
+    settings: ServerSettings,
+) -> int:
+    """Wait for a stop signal; 0 on a requested stop, 1 when a front end died."""
+    watched: set[asyncio.Task[Any]] = {start_task, stop_task}
+    if http_task is not None:
+        watched.add(http_task)
+    while True:
+        done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        if stop_task in done:
+            return 0
+        if http_task in done:
+            logger.error("%s; shutting down", http_task.exception() or "HTTP server stopped")
+            return 1
+        if start_task in done:
+            watched.discard(start_task)
+            if start_task.exception() is not None:
+                logger.error("model loading failed: %s", start_task.exception())
+                return 1
+            logger.info("Slipstream is ready: HTTP port %s, gRPC port %s",
+                        settings.http_port or "off", settings.grpc_port or "off")  # fmt: skip
