@@ -306,3 +306,16 @@ async def test_fast_lone_batches_run_inline_and_busy_ones_on_threads() -> None:
     # The first batch measured the model on its thread; the next ones ran on the loop.
     assert backend.threads == {"slipstream-instance_0", threading.current_thread().name}
     assert len(backend.batches) == 3
+
+
+async def test_preferred_size_caps_batches_without_a_delay() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher([backend], preferred_batch_size=[2])
+    running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await asyncio.sleep(0.02)
+    queued = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in range(5)]
+    await asyncio.sleep(0.01)
+    backend.gate.set()
+    await asyncio.gather(running, *queued)
+    assert [len(b) for b in backend.batches] == [1, 2, 2, 1]

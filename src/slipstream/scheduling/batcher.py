@@ -221,18 +221,22 @@ class Batcher:
         )
 
     def _next_batch(self) -> list[_Pending]:
-        """Take the next batch off the queue, or [] to wait for the delay timer."""
+        """Take the next batch off the queue, or [] to wait for the delay timer.
+
+        A preferred batch size that the queue can fill is dispatched at once, even with
+        no delay: for compute-bound models past their cache-friendly size, a batch of
+        the preferred size finishes more rows per second than one big batch.
+        """
         capacity = self._max_batch_size if self._batches else 1
+        fitting = [size for size in self._preferred if size <= min(self._pending_rows, capacity)]
+        if fitting:
+            return self._collect(fitting[-1])
         if self._delay_ns and self._pending_rows < capacity:
-            fitting = [size for size in self._preferred if size <= self._pending_rows]
-            if fitting:
-                capacity = fitting[-1]
-            else:
-                oldest_ns = min(q[0].enqueue_ns for q in self._queues if q)
-                wait_ns = oldest_ns + self._delay_ns - time.monotonic_ns()
-                if wait_ns > 0:
-                    self._arm_delay_timer(wait_ns)
-                    return []
+            oldest_ns = min(q[0].enqueue_ns for q in self._queues if q)
+            wait_ns = oldest_ns + self._delay_ns - time.monotonic_ns()
+            if wait_ns > 0:
+                self._arm_delay_timer(wait_ns)
+                return []
         return self._collect(capacity)
 
     def _collect(self, capacity: int) -> list[_Pending]:
