@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from slipstream.errors import InvalidRequest
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
 
 # ONNX Runtime type strings -> V2 datatypes.
@@ -101,7 +102,13 @@ class OnnxBackend(Backend):
             # ORT string tensors take str objects; V2 BYTES arrive as bytes.
             feed = dict(inputs)
             for name in self._string_inputs:
-                feed[name] = np.vectorize(_as_str, otypes=[object])(inputs[name])
+                try:
+                    feed[name] = np.vectorize(_as_str, otypes=[object])(inputs[name])
+                except UnicodeDecodeError:
+                    raise InvalidRequest(
+                        f"input {name!r}: BYTES elements must be valid UTF-8 for this model's "
+                        "string input"
+                    ) from None
         names = list(output_names)
         results = self._session.run(names, feed)
         return dict(zip(names, results, strict=True))

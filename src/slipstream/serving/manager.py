@@ -56,6 +56,8 @@ class ModelManager:
         """The version a request should run on: the given one, or the newest ready one."""
         state = self._models.get(name)
         if state is None:
+            if (self.repository / name).is_dir():
+                raise Unavailable(_not_loaded(name))
             raise ModelNotFound(f"model {name!r} is not in the repository")
         if not version:
             if state.versions:
@@ -76,8 +78,9 @@ class ModelManager:
     def _not_ready(self, state: ModelState, what: str) -> Unavailable:
         if state.transition:
             return Unavailable(f"model {what!r} is {state.transition.lower()}", retry_after_s=1)
-        reason = "; ".join(state.failures.values()) or "it is not loaded"
-        return Unavailable(f"model {what!r} is not ready: {reason}")
+        if not state.failures:
+            return Unavailable(_not_loaded(state.name))
+        return Unavailable(f"model {what!r} is not ready: {'; '.join(state.failures.values())}")
 
     def loaded_versions(self, name: str) -> list[str]:
         state = self._models.get(name)
@@ -244,3 +247,10 @@ class ModelManager:
             if name not in on_disk:
                 await self.unload(name)
                 self._models.pop(name, None)
+
+
+def _not_loaded(name: str) -> str:
+    return (
+        f"model {name!r} is in the repository but not loaded; load it with "
+        f"POST /v2/repository/models/{name}/load (--model-control-mode explicit)"
+    )

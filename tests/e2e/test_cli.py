@@ -1,0 +1,106 @@
+"""The ``slipstream`` command as a user runs it: help, argument errors, serve and stop."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.utils import RemoteServer, slipstream_command
+
+SERVE_OPTIONS = [
+    "--model-repository",
+    "--host",
+    "--http-port",
+    "--grpc-port",
+    "--model-control-mode",
+    "--load-model",
+    "--repository-poll-secs",
+    "--max-request-bytes",
+    "--shutdown-timeout-s",
+    "--no-strict-readiness",
+    "--log-level",
+]
+
+
+def run_cli(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*slipstream_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def test_help_lists_the_commands() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    assert "serve" in result.stdout
+    assert "Usage:" in result.stdout
+
+
+def test_version() -> None:
+    from slipstream import __version__
+
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert __version__ in result.stdout
+
+
+def test_serve_help_lists_every_option_with_its_default() -> None:
+    result = run_cli("serve", "--help")
+    assert result.returncode == 0, result.stderr
+    for option in SERVE_OPTIONS:
+        assert option in result.stdout, f"{option} missing from serve --help"
+    assert "none|explicit|poll" in result.stdout
+    assert "[default: 8000]" in result.stdout  # defaults come from the settings model
+
+
+def test_missing_repository_exits_non_zero_naming_it(tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_repo"
+    result = run_cli("serve", "--model-repository", str(missing), "--http-port", "0")
+    assert result.returncode != 0
+    assert str(missing) in result.stderr
+    assert "--model-repository" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_repository_option_is_required() -> None:
+    result = run_cli("serve")
+    assert result.returncode != 0
+    assert "--model-repository" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--model-control-mode", "sometimes"], "--model-control-mode"),
+        (["--http-port", "eighty"], "--http-port"),
+        (["--http-port", "70000"], "http_port"),
+        (["--max-request-bytes", "10"], "max_request_bytes"),
+        (["--log-level", "loud"], "--log-level"),
+    ],
+)
+def test_invalid_option_values_exit_non_zero_naming_the_option(
+    tmp_path: Path, args: list[str], fragment: str
+) -> None:
+    result = run_cli("serve", "--model-repository", str(tmp_path), *args)
+    assert result.returncode != 0
+    assert fragment in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_an_empty_repository_and_stop_on_sigint(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    with RemoteServer(repo, log_dir=tmp_path) as server:
+        assert httpx.get(server.url("/v2/health/ready"), timeout=10).status_code == 200
+        index = httpx.post(server.url("/v2/repository/index"), timeout=10).json()
+        assert index == []
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGINT)  # Ctrl-C: the same graceful stop as SIGTERM
+        assert server.wait() == 0, server.log_tail()

@@ -1,0 +1,376 @@
+"""Model lifecycle and process lifecycle: control modes, version policies, shutdown, polling.
+
+Each scenario runs a real ``slipstream serve`` (see tests/utils.py) and talks to it with
+the stock tritonclient or raw httpx, as a deployment would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.models import (
+    ADD_SUB_WIDTH,
+    SLOW_WIDTH,
+    build_add_constant,
+    build_add_sub,
+    build_identity,
+    build_slow,
+    run_onnx,
+    write_config,
+)
+from tests.utils import RemoteServer
+
+CLIENT_TIMEOUT_S = 60.0
+BROKEN_KEY = "dynamic_batchin"
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``condition`` every 0.1 s; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.1)
+
+
+def assert_error(response: httpx.Response, status: int | tuple[int, ...], *fragments: str) -> str:
+    statuses = status if isinstance(status, tuple) else (status,)
+    assert response.status_code in statuses, response.text
+    message = response.json()["error"]
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in error {message!r}"
+    return str(message)
+
+
+def fp32_body(name: str, array: np.ndarray) -> bytes:
+    tensor = {"name": name, "shape": list(array.shape), "datatype": "FP32", "data": array.ravel()}
+    return orjson.dumps({"inputs": [tensor]}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def add_sub_body() -> bytes:
+    row = np.ones((1, ADD_SUB_WIDTH), np.float32)
+    tensors = [
+        {"name": name, "shape": [1, ADD_SUB_WIDTH], "datatype": "FP32", "data": row.ravel()}
+        for name in ("INPUT0", "INPUT1")
+    ]
+    return orjson.dumps({"inputs": tensors}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def index_by_name(http: httpx.Client) -> dict[str, list[dict[str, Any]]]:
+    response = http.post("/v2/repository/index")
+    assert response.status_code == 200, response.text
+    entries: dict[str, list[dict[str, Any]]] = {}
+    for entry in response.json():
+        entries.setdefault(entry["name"], []).append(entry)
+    return entries
+
+
+def states(http: httpx.Client, name: str) -> set[str]:
+    return {entry.get("state", "") for entry in index_by_name(http).get(name, [])}
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+# ---------------------------------------------------------------------------- explicit mode
+
+
+@pytest.fixture(scope="module")
+def explicit_server(
+    tmp_path_factory: pytest.TempPathFactory, log_dir: Path
+) -> Iterator[RemoteServer]:
+    repo = tmp_path_factory.mktemp("explicit")
+    build_add_sub(repo)
+    build_identity(repo, "FP32", name="identity")
+    build_add_sub(repo, "broken")
+    write_config(repo, "broken", {BROKEN_KEY: {}})
+    args = ["--model-control-mode", "explicit", "--load-model", "add_sub"]
+    with RemoteServer(repo, args, log_dir=log_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def explicit_http(explicit_server: RemoteServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=explicit_server.http_url, timeout=CLIENT_TIMEOUT_S) as session:
+        yield session
+
+
+def test_explicit_mode_loads_only_the_requested_models(explicit_http: httpx.Client) -> None:
+    assert states(explicit_http, "add_sub") == {"READY"}
+    assert "READY" not in states(explicit_http, "identity")
+    assert "READY" not in states(explicit_http, "broken")
+    assert explicit_http.post("/v2/models/add_sub/infer", content=add_sub_body()).status_code == 200
+    response = explicit_http.post(
+        "/v2/models/identity/infer", content=fp32_body("INPUT0", np.ones((1, 3), np.float32))
+    )
+    # The model is in the repository, just not loaded: the message says so.
+    message = assert_error(response, (404, 503), "identity")
+    assert "load" in message, message
+    ready_only = explicit_http.post("/v2/repository/index", json={"ready": True}).json()
+    assert [entry["name"] for entry in ready_only] == ["add_sub"]
+
+
+def test_load_infer_unload_and_reload(explicit_server: RemoteServer) -> None:
+    client = httpclient.InferenceServerClient(explicit_server.http_address)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    try:
+        assert not client.is_model_ready("identity")
+        client.load_model("identity")
+        assert client.is_model_ready("identity")
+        tensor = httpclient.InferInput("INPUT0", [2, 3], "FP32")
+        tensor.set_data_from_numpy(x)
+        np.testing.assert_array_equal(client.infer("identity", [tensor]).as_numpy("OUTPUT0"), x)
+        index = {e["name"]: e for e in client.get_model_repository_index()}
+        assert index["identity"]["state"] == "READY"
+
+        client.unload_model("identity")
+        assert not client.is_model_ready("identity")
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("identity", [tensor])
+        assert info.value.status() in ("404", "503")
+        assert "identity" in str(info.value.message())
+        index = {e["name"]: e for e in client.get_model_repository_index()}
+        assert index["identity"].get("state") != "READY"
+        # The other model was never touched.
+        assert client.is_model_ready("add_sub")
+
+        client.load_model("identity")
+        np.testing.assert_array_equal(client.infer("identity", [tensor]).as_numpy("OUTPUT0"), x)
+    finally:
+        client.close()
+
+
+def test_load_and_unload_of_a_missing_model_are_404(explicit_http: httpx.Client) -> None:
+    assert_error(explicit_http.post("/v2/repository/models/no_such/load"), 404, "no_such")
+    assert_error(explicit_http.post("/v2/repository/models/no_such/unload"), 404, "no_such")
+
+
+def test_failed_load_names_the_key_and_strict_readiness_follows_it(
+    explicit_http: httpx.Client,
+) -> None:
+    assert explicit_http.get("/v2/health/ready").status_code == 200
+    response = explicit_http.post("/v2/repository/models/broken/load")
+    assert_error(response, 400, "broken", BROKEN_KEY)
+    (entry,) = index_by_name(explicit_http)["broken"]
+    assert entry["state"] == "UNAVAILABLE"
+    assert BROKEN_KEY in entry["reason"]
+    try:
+        # Strict readiness (the default): a model that failed to load makes the server
+        # not ready, while it stays live and the other models keep serving.
+        assert explicit_http.get("/v2/health/ready").status_code == 503
+        assert explicit_http.get("/v2/health/live").status_code == 200
+        assert (
+            explicit_http.post("/v2/models/add_sub/infer", content=add_sub_body()).status_code
+            == 200
+        )
+    finally:
+        assert explicit_http.post("/v2/repository/models/broken/unload").status_code == 200
+    assert explicit_http.get("/v2/health/ready").status_code == 200
+
+
+def test_load_model_that_does_not_exist_at_startup_is_reported(
+    tmp_path: Path, log_dir: Path
+) -> None:
+    repo = tmp_path / "repo"
+    build_add_sub(repo)
+    args = ["--model-control-mode", "explicit", "--load-model", "no_such_model"]
+    server = RemoteServer(repo, args, log_dir=log_dir, wait_for=None)
+    server.start()
+    proc = server.proc
+    assert proc is not None
+    try:
+        # Either the process fails fast (Triton's behaviour) or it keeps running, not
+        # ready; in both cases the log must say which model could not be loaded.
+        wait_for(
+            lambda: proc.poll() is not None or "no_such_model" in server.log_text(),
+            10.0,
+            "a startup error naming no_such_model",
+        )
+        try:
+            exit_code: int | None = proc.wait(3.0)  # a failing-fast server is exiting now
+        except subprocess.TimeoutExpired:
+            exit_code = None
+        if exit_code is None:
+            assert httpx.get(server.url("/v2/health/ready"), timeout=5).status_code == 503
+        else:
+            assert exit_code != 0, server.log_tail()
+        assert "no_such_model" in server.log_text(), server.log_tail()
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------------- mode none, versions
+
+
+@pytest.fixture(scope="module")
+def versions_server(
+    tmp_path_factory: pytest.TempPathFactory, log_dir: Path
+) -> Iterator[RemoteServer]:
+    repo = tmp_path_factory.mktemp("versions")
+    build_add_sub(repo)
+    policies: dict[str, dict[str, Any] | None] = {
+        "latest": None,  # no config: Triton's default, the latest version only
+        "latest_two": {"version_policy": {"latest": {"num_versions": 2}}},
+        "all": {"version_policy": {"all": {}}},
+        "specific": {"version_policy": {"specific": {"versions": [1, 3]}}},
+    }
+    for name, config in policies.items():
+        for version in (1, 2, 3):
+            # Version v adds 10 * v: every answer says which version computed it.
+            build_add_constant(repo, name, version, 10.0 * version)
+        if config is not None:
+            write_config(repo, name, config)
+    with RemoteServer(repo, log_dir=log_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def versions_http(versions_server: RemoteServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=versions_server.http_url, timeout=CLIENT_TIMEOUT_S) as session:
+        yield session
+
+
+def test_load_and_unload_are_refused_in_mode_none(versions_http: httpx.Client) -> None:
+    for action in ("load", "unload"):
+        response = versions_http.post(f"/v2/repository/models/add_sub/{action}")
+        assert_error(response, 400, "--model-control-mode")
+    assert versions_http.post("/v2/models/add_sub/infer", content=add_sub_body()).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("model", "served"),
+    [("latest", [3]), ("latest_two", [2, 3]), ("all", [1, 2, 3]), ("specific", [1, 3])],
+)
+def test_version_policy_selects_the_served_versions(
+    versions_http: httpx.Client, model: str, served: list[int]
+) -> None:
+    metadata = versions_http.get(f"/v2/models/{model}").json()
+    assert metadata["versions"] == [str(v) for v in served]
+    x = np.array([[0.0, 1.0, 2.0, 3.0]], np.float32)
+    body = fp32_body("INPUT0", x)
+    for version in (1, 2, 3):
+        response = versions_http.post(f"/v2/models/{model}/versions/{version}/infer", content=body)
+        if version not in served:
+            assert_error(response, 404, model, str(version))
+            continue
+        assert response.status_code == 200, response.text
+        doc = response.json()
+        assert doc["model_version"] == str(version)
+        np.testing.assert_array_equal(doc["outputs"][0]["data"], (x + 10.0 * version).ravel())
+        assert versions_http.get(f"/v2/models/{model}/versions/{version}/ready").status_code == 200
+    # Without a version, the newest served one answers.
+    default = versions_http.post(f"/v2/models/{model}/infer", content=body).json()
+    assert default["model_version"] == str(max(served))
+    index = index_by_name(versions_http)[model]
+    assert sorted(int(e["version"]) for e in index if e["state"] == "READY") == served
+
+
+def test_versions_match_onnxruntime(versions_http: httpx.Client, tmp_path: Path) -> None:
+    x = np.array([[0.5, -1.0, 2.0, 8.0]], np.float32)
+    reference = build_add_constant(tmp_path, "ref", 2, 20.0)
+    response = versions_http.post("/v2/models/all/versions/2/infer", content=fp32_body("INPUT0", x))
+    served = np.array(response.json()["outputs"][0]["data"], np.float32).reshape(1, 4)
+    np.testing.assert_array_equal(served, run_onnx(reference, {"INPUT0": x})["OUTPUT0"])
+
+
+# ---------------------------------------------------------------------------- shutdown
+
+
+def test_sigterm_lets_running_and_queued_requests_finish_and_exits_0(
+    tmp_path: Path, log_dir: Path
+) -> None:
+    repo = tmp_path / "repo"
+    # ~2x the usual slow model: both requests are still in the server when SIGTERM arrives.
+    path = build_slow(repo, "slow", {"max_batch_size": 1}, iterations=1200)
+    xs = [
+        np.random.default_rng(seed).standard_normal((1, SLOW_WIDTH), np.float32) for seed in (0, 1)
+    ]
+    expected = [run_onnx(path, {"INPUT0": x})["OUTPUT0"] for x in xs]
+    server = RemoteServer(repo, ["--shutdown-timeout-s", "30"], log_dir=log_dir)
+    with server, ThreadPoolExecutor(2) as pool:
+        clients = [httpx.Client(base_url=server.http_url, timeout=CLIENT_TIMEOUT_S) for _ in xs]
+        for session in clients:  # connect now: a new connection after SIGTERM is refused
+            assert session.get("/v2/health/live").status_code == 200
+        sent = threading.Barrier(len(xs) + 1)
+
+        def infer(session: httpx.Client, x: np.ndarray) -> httpx.Response:
+            sent.wait(10)
+            return session.post("/v2/models/slow/infer", content=fp32_body("INPUT0", x))
+
+        # The first request runs, the second waits in the queue (max_batch_size 1).
+        in_flight = [pool.submit(infer, s, x) for s, x in zip(clients, xs, strict=True)]
+        sent.wait(10)
+        time.sleep(0.1)
+        server.terminate()
+        responses = [future.result() for future in in_flight]
+        for session in clients:
+            session.close()
+        for response, want in zip(responses, expected, strict=True):
+            assert response.status_code == 200, response.text
+            served = np.array(response.json()["outputs"][0]["data"], np.float32).reshape(1, -1)
+            np.testing.assert_array_equal(served, want)
+        assert server.wait() == 0, server.log_tail()
+    assert "shutdown complete" in server.log_text()
+
+
+# ---------------------------------------------------------------------------- poll mode
+
+
+def test_poll_mode_loads_added_models_and_unloads_removed_ones(
+    tmp_path: Path, log_dir: Path
+) -> None:
+    repo = tmp_path / "repo"
+    build_add_sub(repo)
+    args = ["--model-control-mode", "poll", "--repository-poll-secs", "0.5"]
+    with (
+        RemoteServer(repo, args, log_dir=log_dir) as server,
+        httpx.Client(base_url=server.http_url, timeout=CLIENT_TIMEOUT_S) as http,
+    ):
+
+        def ready(model: str) -> bool:
+            return http.get(f"/v2/models/{model}/ready").status_code == 200
+
+        assert ready("add_sub")
+        assert not ready("identity")
+        # Build outside the repository, then move in at once: no half-written model.
+        staging = tmp_path / "staging"
+        build_identity(staging, "INT32", name="identity")
+        os.rename(staging / "identity", repo / "identity")
+        wait_for(lambda: ready("identity"), 10.0, "the added model becoming ready")
+        x = np.array([[1, -2, 3]], np.int32)
+        body = {
+            "inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "INT32", "data": [1, -2, 3]}]
+        }
+        response = http.post("/v2/models/identity/infer", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"][0]["data"] == x.ravel().tolist()
+
+        # A new version directory replaces the served one (default policy: latest only).
+        build_add_sub(staging, version=2)
+        os.rename(staging / "add_sub" / "2", repo / "add_sub" / "2")
+        wait_for(
+            lambda: http.get("/v2/models/add_sub").json().get("versions") == ["2"],
+            10.0,
+            "version 2 of add_sub being served",
+        )
+
+        shutil.rmtree(repo / "identity")
+        wait_for(lambda: not ready("identity"), 10.0, "the removed model being unloaded")
+        assert ready("add_sub")

@@ -1,0 +1,202 @@
+"""Small ONNX models written into a model repository for the server tests.
+
+Every builder writes ``REPO/<name>/<version>/model.onnx`` (plus ``config.yaml`` when
+given one) and returns the model file's path, so a test can run the very same file in
+ONNX Runtime in-process and compare what the server answers with it.
+
+    repo = tmp_path / "models"
+    build_add_sub(repo)
+    build_identity(repo, "FP16")          # model "identity_fp16"
+    build_slow(repo, "slow", {"max_batch_size": 8})
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+
+# Opset and IR version every ONNX Runtime >= 1.18 reads.
+_OPSET = 17
+_IR_VERSION = 8
+
+# V2 datatype -> ONNX element type, for every V2 datatype ONNX has.
+V2_TO_ONNX: dict[str, int] = {
+    "BOOL": TensorProto.BOOL,
+    "UINT8": TensorProto.UINT8,
+    "UINT16": TensorProto.UINT16,
+    "UINT32": TensorProto.UINT32,
+    "UINT64": TensorProto.UINT64,
+    "INT8": TensorProto.INT8,
+    "INT16": TensorProto.INT16,
+    "INT32": TensorProto.INT32,
+    "INT64": TensorProto.INT64,
+    "FP16": TensorProto.FLOAT16,
+    "FP32": TensorProto.FLOAT,
+    "FP64": TensorProto.DOUBLE,
+    "BYTES": TensorProto.STRING,
+}
+NUMERIC_DATATYPES = [name for name in V2_TO_ONNX if name != "BYTES"]
+
+# Width of add_sub's inputs and outputs: [batch, ADD_SUB_WIDTH].
+ADD_SUB_WIDTH = 16
+# Width of the slow model's input: [batch, SLOW_WIDTH] FP32.
+SLOW_WIDTH = 1024
+# Fixed shape of the non-batching model's input and output.
+FIXED_SHAPE = (2, 4)
+
+
+def _save(model: onnx.ModelProto, repo: Path, name: str, version: int) -> Path:
+    model.ir_version = _IR_VERSION
+    onnx.checker.check_model(model)
+    path = repo / name / str(version) / "model.onnx"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def _model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _OPSET)])
+
+
+def write_config(repo: Path, name: str, config: dict[str, Any] | str) -> Path:
+    """Write ``REPO/<name>/config.yaml`` from a mapping, or verbatim from a string."""
+    path = repo / name / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
+    return path
+
+
+def build_add_sub(repo: Path, name: str = "add_sub", version: int = 1) -> Path:
+    """INPUT0, INPUT1 FP32 [-1, 16] -> OUTPUT0 = sum, OUTPUT1 = difference. No config."""
+    shape: list[str | int] = ["batch", ADD_SUB_WIDTH]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
+        ],
+        name,
+        [
+            helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info("INPUT1", TensorProto.FLOAT, shape),
+        ],
+        [
+            helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info("OUTPUT1", TensorProto.FLOAT, shape),
+        ],
+    )
+    return _save(_model(graph), repo, name, version)
+
+
+def identity_name(datatype: str) -> str:
+    """Repository name of the identity model of one V2 datatype."""
+    return f"identity_{datatype.lower()}"
+
+
+def build_identity(repo: Path, datatype: str, name: str | None = None) -> Path:
+    """INPUT0 -> OUTPUT0 unchanged, of one V2 datatype, shape [-1, -1]. No config."""
+    element = V2_TO_ONNX[datatype]
+    shape: list[str | int] = ["batch", "width"]
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+        identity_name(datatype),
+        [helper.make_tensor_value_info("INPUT0", element, shape)],
+        [helper.make_tensor_value_info("OUTPUT0", element, shape)],
+    )
+    return _save(_model(graph), repo, name or identity_name(datatype), 1)
+
+
+def build_slow(
+    repo: Path,
+    name: str,
+    config: dict[str, Any] | None = None,
+    iterations: int = 600,
+    width: int = SLOW_WIDTH,
+) -> Path:
+    """INPUT0 FP32 [-1, width] -> OUTPUT0: a Loop of ``iterations`` MatMuls by a permutation.
+
+    About 100 ms per run of one row on one core (intra_op_thread_count "1" is always
+    set): long enough that requests sent while it runs are still queued. A Loop rather
+    than a chain of nodes keeps the session's load time at milliseconds, and a
+    permutation matrix keeps every value exact, so outputs equal ONNX Runtime's.
+    """
+    perm = np.random.default_rng(0).permutation(width)
+    weights = np.zeros((width, width), np.float32)
+    weights[np.arange(width), perm] = 1.0
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("MatMul", ["hidden_in", "W"], ["hidden_out"]),
+        ],
+        f"{name}_step",
+        [
+            helper.make_tensor_value_info("iteration", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("hidden_in", TensorProto.FLOAT, None),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("hidden_out", TensorProto.FLOAT, None),
+        ],
+    )
+    shape: list[str | int] = ["batch", width]
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["iterations", "", "INPUT0"], ["OUTPUT0"], body=body)],
+        name,
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, shape)],
+        [
+            numpy_helper.from_array(weights, "W"),
+            numpy_helper.from_array(np.array(iterations, np.int64), "iterations"),
+        ],
+    )
+    full_config: dict[str, Any] = dict(config or {})
+    full_config["parameters"] = {"intra_op_thread_count": "1", **full_config.get("parameters", {})}
+    write_config(repo, name, full_config)
+    return _save(_model(graph), repo, name, 1)
+
+
+def build_fixed(repo: Path, name: str = "fixed") -> Path:
+    """A non-batching model: INPUT0 FP32 of fixed shape [2, 4] -> OUTPUT0 = 2 * INPUT0."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["INPUT0", "INPUT0"], ["OUTPUT0"])],
+        name,
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, list(FIXED_SHAPE))],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, list(FIXED_SHAPE))],
+    )
+    return _save(_model(graph), repo, name, 1)
+
+
+def build_add_constant(repo: Path, name: str, version: int, constant: float) -> Path:
+    """INPUT0 FP32 [-1, 4] -> OUTPUT0 = INPUT0 + constant; tells versions apart."""
+    shape: list[str | int] = ["batch", 4]
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["INPUT0", "C"], ["OUTPUT0"])],
+        name,
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, shape)],
+        [numpy_helper.from_array(np.array(constant, np.float32), "C")],
+    )
+    return _save(_model(graph), repo, name, version)
+
+
+def run_onnx(path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run a model file in-process with ONNX Runtime: the reference for served outputs."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feed = {name: _for_ort(array) for name, array in inputs.items()}
+    names = [output.name for output in session.get_outputs()]
+    return dict(zip(names, session.run(names, feed), strict=True))
+
+
+def _for_ort(array: np.ndarray) -> np.ndarray:
+    # ONNX Runtime string tensors take str elements; V2 BYTES tensors hold bytes.
+    if array.dtype != np.object_:
+        return array
+    text = np.empty(array.shape, dtype=object)
+    text.flat[:] = [item.decode() if isinstance(item, bytes) else item for item in array.flat]
+    return text
