@@ -98,3 +98,23 @@ def serve(**options: Any) -> None:
     except ImportError:  # pragma: no cover - uvloop is absent on Windows
         exit_code = asyncio.run(run_server(settings))
     sys.exit(exit_code)
+
+
+def _register_tool_commands() -> None:
+    """Commands that live beside the serving path (bench/, ...), imported only if present."""
+    import importlib
+
+    for module_name, command_name in (
+        ("slipstream.bench.cli", "bench"),
+        ("slipstream.bench.profile_cli", "profile"),
+    ):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                continue  # that tool is not part of this build yet
+            raise
+        main.add_command(getattr(module, command_name))
+
+
+_register_tool_commands()
