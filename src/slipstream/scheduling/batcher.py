@@ -119,6 +119,7 @@ class Batcher:
         # -1 until measured: the first batch always runs on an instance thread.
         self._recent_run_ns = -1
         self._metrics = metrics
+        metrics.pending_requests = lambda: self._num_pending
         self._stats = stats
         self._delay_timer: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
@@ -142,7 +143,7 @@ class Batcher:
         if self._closed:
             raise Unavailable("model is unloading; retry on another version", retry_after_s=1)
         if self._num_pending >= self._max_queue_size:
-            self._metrics.request_failure["queue_full"].inc()
+            self._metrics.count_failure("queue_full")
             raise Unavailable(
                 f"queue is full ({self._max_queue_size} requests waiting); retry later",
                 retry_after_s=1,
@@ -171,7 +172,7 @@ class Batcher:
         except asyncio.CancelledError:
             # The client went away: a request still queued is dropped, never run.
             if self._remove(pending):
-                self._metrics.request_failure["cancelled"].inc()
+                self._metrics.count_failure("cancelled")
             raise
 
     async def close(self, timeout_s: float) -> None:
@@ -201,7 +202,6 @@ class Batcher:
                 return
             instance = self._free.pop()
             self._busy += 1
-            self._metrics.pending_requests.set(self._num_pending)
             if self._runs_inline():
                 # Nothing else is waiting and the model is fast: running here saves the
                 # two thread hand-offs (~30-70 us), more than the loop is blocked for.
@@ -286,7 +286,6 @@ class Batcher:
                 pending.future.set_exception(_as_served_error(outcome))
             else:
                 pending.future.set_result(outcome)
-        self._metrics.pending_requests.set(self._num_pending)
         if not self._busy and not self._num_pending:
             self._idle.set()
 
@@ -306,8 +305,8 @@ class Batcher:
             end_ms=int(time.time() * 1000),
         )
         metrics = self._metrics
-        metrics.execution_count.inc()
-        metrics.inference_count.inc(result.rows)
+        metrics.execution_count += 1
+        metrics.inference_count += result.rows
         metrics.batch_size.observe(result.rows)
         metrics.compute_duration.observe(compute_ns / 1e9)
         for pending in batch:
@@ -320,7 +319,7 @@ class Batcher:
     def _expire(self, pending: _Pending) -> None:
         pending.timeout_handle = None
         if self._remove(pending):
-            self._metrics.request_failure["timeout"].inc()
+            self._metrics.count_failure("timeout")
             waited_us = (time.monotonic_ns() - pending.enqueue_ns) // 1000
             pending.future.set_exception(
                 RequestTimeout(f"request timed out after waiting {waited_us} us in the queue")

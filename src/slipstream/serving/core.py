@@ -6,8 +6,6 @@ import asyncio
 import logging
 import time
 
-from prometheus_client import Counter
-
 from slipstream import __version__
 from slipstream.config import ModelConfig, ServerSettings
 from slipstream.errors import (
@@ -17,7 +15,7 @@ from slipstream.errors import (
     SlipstreamError,
     Unavailable,
 )
-from slipstream.observability.metrics import ServerMetrics
+from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.model import ModelVersion
@@ -149,11 +147,11 @@ class ModelServer(InferenceService):
             raise
         except SlipstreamError as exc:
             model.stats.record_request(ok=False, total_ns=time.perf_counter_ns() - started_ns)
-            _count_failure(metrics.request_failure, exc)
+            _count_failure(metrics, exc)
             raise
         elapsed_ns = time.perf_counter_ns() - started_ns
         model.stats.record_request(ok=True, total_ns=elapsed_ns)
-        metrics.request_success.inc()
+        metrics.request_success += 1
         metrics.request_duration.observe(elapsed_ns / 1e9)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
@@ -192,7 +190,7 @@ class ModelServer(InferenceService):
             )
 
 
-def _count_failure(counters: dict[str, Counter], exc: SlipstreamError) -> None:
+def _count_failure(metrics: ModelMetrics, exc: SlipstreamError) -> None:
     if isinstance(exc, Unavailable):
         return  # queue-full and timeout are counted by the batcher, where they happen
     if isinstance(exc, ModelNotFound):
@@ -201,4 +199,4 @@ def _count_failure(counters: dict[str, Counter], exc: SlipstreamError) -> None:
         reason = "bad_request"
     else:
         reason = "internal"
-    counters[reason].inc()
+    metrics.count_failure(reason)

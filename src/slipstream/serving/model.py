@@ -86,7 +86,7 @@ class ModelVersion:
             for instance in instances:
                 instance.close()
             raise
-        metrics.model_load_duration.set(time.perf_counter() - started)
+        metrics.model_load_duration_s = time.perf_counter() - started
         return model
 
     # -- requests ----------------------------------------------------------------------
