@@ -1,0 +1,1 @@
+"""``slipstream bench``: a load generator and profiler for Open Inference Protocol servers."""

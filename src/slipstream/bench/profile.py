@@ -1,0 +1,604 @@
+"""In-process profile of one model file: the raw runtime's ceiling, per batch size.
+
+No server: the model is loaded through the server's own :class:`Backend` classes and
+run in a loop at each batch size. Warm-up runs are discarded, then runs are timed until
+the time budget is spent; the result holds median and tail latency, throughput (rows
+run / time spent running), the best batch size, the memory footprint and, for ONNX
+Runtime, the top operators from ORT's own profiler. With one intra-op thread (the
+default) every figure is per core: the ceiling a server pinned to that core can approach.
+
+Random inputs follow the signature's datatypes. Integer inputs are drawn from [0, 1000)
+so token-id lookups stay inside any realistic vocabulary, except names that look like
+masks (ones), token-type / segment ids (zeros) and position ids (0, 1, 2, ...).
+
+Example::
+
+    from slipstream.bench.profile import profile_model
+
+    result = profile_model(
+        "models/minilm/1/model.onnx",
+        batch_sizes=[1, 8, 32],
+        shapes={"input_ids": [128], "attention_mask": [128]},
+        threads=1,
+        seconds=2.0,
+    )
+    print(result.best_batch_size, result.best_throughput_infer_per_s)
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slipstream.bench.profile_report import (
+    BatchProfile,
+    OpProfile,
+    OpTime,
+    ProfileInput,
+    ProfileResult,
+    describe_environment,
+)
+from slipstream.protocol.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
+from slipstream.runtime import backend_for_file, get_backend
+from slipstream.runtime.base import Backend, ModelSignature, TensorSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "BatchProfile",
+    "OpProfile",
+    "OpTime",
+    "ProfileError",
+    "ProfileInput",
+    "ProfileResult",
+    "plan_inputs",
+    "profile_model",
+    "summarize_ort_trace",
+]
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# Integer inputs (token ids, ...) are drawn from [0, INT_INPUT_HIGH).
+INT_INPUT_HIGH = 1000
+# The ORT trace grows by a few events per node per run; this bounds its size.
+MAX_OP_PROFILE_RUNS = 200
+# Timed runs between two RSS samples (a sample costs ~20 us, outside the timed region).
+_RSS_SAMPLE_EVERY = 32
+# How each kind of non-integer random input is made (see _value_rule), as reported.
+_VALUE_SOURCES = {
+    "ones": "ones (mask)",
+    "zeros": "zeros (token type ids)",
+    "positions": "0, 1, 2, ... along the last dim (position ids)",
+    "normal": "random normal",
+    "booleans": "random booleans",
+    "bytes": "the bytes b'slipstream'",
+}
+_MB = 1024 * 1024
+# Backend parameters that set the intra-op threads ({} is the count); one inter-op
+# thread, as the server runs each instance.
+_THREAD_PARAMETERS = {
+    "onnxruntime": {"intra_op_thread_count": "{}", "inter_op_thread_count": "1"},
+    "torch": {"intra_op_thread_count": "{}"},
+}
+
+
+class ProfileError(ValueError):
+    """The model cannot be profiled as asked; the message names the option that fixes it."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Timing:
+    """How long to run each batch size."""
+
+    seconds: float
+    warmup_runs: int
+    min_runs: int
+
+
+def profile_model(
+    path: Path | str,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    threads: int = 1,
+    seconds: float = 1.0,
+    *,
+    backend: str | None = None,
+    datatypes: Mapping[str, str] | None = None,
+    input_data: Mapping[str, np.ndarray] | None = None,
+    top_ops: int = 10,
+    op_profile: bool = True,
+    warmup_runs: int = 2,
+    min_runs: int = 3,
+    on_batch: Callable[[BatchProfile], None] | None = None,
+) -> ProfileResult:
+    """Profile ``path`` in-process at each of ``batch_sizes``; see the module docstring.
+
+    ``shapes`` gives the dims after the batch dim for inputs whose dims are variable
+    (``{"input_ids": [128]}``); ``datatypes`` the V2 datatype of inputs a signature-less
+    model does not declare (default FP32). ``input_data`` (arrays by input name, e.g. a
+    loaded ``.npz``) replaces the random inputs; its rows are taken or tiled to each batch
+    size. ``on_batch`` is called as each batch size finishes (for progress output).
+    Raises :class:`ProfileError` when the inputs cannot be made or every batch size fails.
+    """
+    path = Path(path)
+    timing = _Timing(seconds=seconds, warmup_runs=warmup_runs, min_runs=min_runs)
+    _check_settings(list(batch_sizes), threads, seconds, timing, top_ops)
+    backend_name = backend or backend_for_file(path)
+    backend_class = get_backend(backend_name)
+    data = None if input_data is None else {k: np.asarray(v) for k, v in input_data.items()}
+    inputs = _InputOptions(shapes or {}, datatypes or {}, data)
+    memory = _RssTracker()
+    measured = _measure(backend_class, path, threads, batch_sizes, inputs, timing, memory, on_batch)
+    notes = list(measured.notes)
+    best = _best_batch(measured.batches)
+    op_result = None
+    if op_profile and backend_name == "onnxruntime":
+        feed = {name: array[: best.batch_size] for name, array in measured.pool.items()}
+        op_result = _ort_op_profile(path, threads, feed, measured.output_names, timing, top_ops)
+    elif op_profile:
+        notes.append(f"no op profile: it comes from ONNX Runtime's profiler, not {backend_name}")
+    return ProfileResult(
+        model_path=str(path),
+        backend=backend_name,
+        threads=threads if backend_name in _THREAD_PARAMETERS else None,
+        seconds_per_batch=seconds,
+        warmup_runs=warmup_runs,
+        batching=measured.batching,
+        inputs=measured.plans,
+        batches=measured.batches,
+        best_batch_size=best.batch_size,
+        best_throughput_infer_per_s=best.throughput_infer_per_s or 0.0,
+        model_size_mb=path.stat().st_size / _MB,
+        baseline_rss_mb=memory.baseline_mb,
+        load_rss_increase_mb=measured.loaded_rss_mb - memory.baseline_mb,
+        peak_rss_mb=memory.peak_mb,
+        peak_rss_increase_mb=memory.peak_mb - memory.baseline_mb,
+        op_profile=op_result,
+        notes=tuple(notes),
+        environment=describe_environment(backend_name),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _InputOptions:
+    """What the caller said about the inputs (see profile_model)."""
+
+    shapes: Mapping[str, Sequence[int]]
+    datatypes: Mapping[str, str]
+    data: Mapping[str, np.ndarray] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    """What the timed runs produced, and what the op profile reuses."""
+
+    plans: tuple[ProfileInput, ...]
+    batching: bool
+    batches: tuple[BatchProfile, ...]
+    # Inputs at the largest batch size (or the fixed shape); batches are slices of it.
+    pool: dict[str, np.ndarray]
+    output_names: list[str]
+    # Process RSS right after loading the model.
+    loaded_rss_mb: float
+    notes: tuple[str, ...]
+
+
+def _measure(
+    backend_class: type[Backend],
+    path: Path,
+    threads: int,
+    batch_sizes: Sequence[int],
+    options: _InputOptions,
+    timing: _Timing,
+    memory: _RssTracker,
+    on_batch: Callable[[BatchProfile], None] | None,
+) -> _Measured:
+    """Load the model, then time each batch size in turn."""
+    model, notes = _load_backend(backend_class, path, threads)
+    loaded_rss_mb = memory.sample()
+    try:
+        signature = model.signature()
+        plans, batching = plan_inputs(signature, options.shapes, options.datatypes, options.data)
+        fixed = _fixed_batch_size(plans)
+        sizes = sorted(set(batch_sizes)) if batching else sorted({*batch_sizes, fixed})
+        pool = _input_pool(plans, batching, max(sizes), options.data)
+        output_names = [spec.name for spec in signature.outputs] or ["output"]
+        batches = []
+        for size in sizes:
+            if not batching and size != fixed:
+                reason = f"the model's first dim is fixed at {fixed}"
+                batch = BatchProfile(batch_size=size, status="not_applicable", reason=reason)
+            else:
+                feed = {name: array[:size] for name, array in pool.items()} if batching else pool
+                batch = _time_batch(model, feed, output_names, size, timing, memory)
+            batches.append(batch)
+            if on_batch is not None:
+                on_batch(batch)
+    finally:
+        model.close()
+    return _Measured(
+        plans, batching, tuple(batches), pool, output_names, loaded_rss_mb, tuple(notes)
+    )
+
+
+def _check_settings(
+    batch_sizes: Sequence[int], threads: int, seconds: float, timing: _Timing, top_ops: int
+) -> None:
+    problems = [
+        f"{name}: expected {want}, got {got}"
+        for name, ok, want, got in (
+            ("batch_sizes", bool(batch_sizes) and min(batch_sizes) >= 1, "sizes >= 1", batch_sizes),
+            ("threads", threads >= 1, ">= 1", threads),
+            ("seconds", seconds > 0, "> 0", seconds),
+            ("warmup_runs", timing.warmup_runs >= 0, ">= 0", timing.warmup_runs),
+            ("min_runs", timing.min_runs >= 1, ">= 1", timing.min_runs),
+            ("top_ops", top_ops >= 0, ">= 0", top_ops),
+        )
+        if not ok
+    ]
+    if problems:
+        raise ProfileError("; ".join(problems))
+
+
+def _load_backend(
+    backend_class: type[Backend], path: Path, threads: int
+) -> tuple[Backend, list[str]]:
+    notes: list[str] = []
+    parameters = _thread_parameters(backend_class.name, threads)
+    if backend_class.name not in _THREAD_PARAMETERS:
+        notes.append(
+            f"threads not applied: the {backend_class.name} backend has no thread setting "
+            "(numpy / BLAS use their own defaults)"
+        )
+    return backend_class.load(path, parameters, 1), notes
+
+
+def _thread_parameters(backend_name: str, threads: int) -> dict[str, str]:
+    return {
+        key: value.format(threads)
+        for key, value in _THREAD_PARAMETERS.get(backend_name, {}).items()
+    }
+
+
+# --- inputs -------------------------------------------------------------------------
+
+
+def plan_inputs(
+    signature: ModelSignature,
+    shapes: Mapping[str, Sequence[int]],
+    datatypes: Mapping[str, str],
+    data: Mapping[str, np.ndarray] | None,
+) -> tuple[tuple[ProfileInput, ...], bool]:
+    """What to feed each input, and whether the model batches (every first dim variable).
+
+    A model that declares no inputs (TorchScript without an embedded signature) takes
+    its inputs, in order, from ``data`` or else from ``shapes`` and ``datatypes``.
+    """
+    specs = signature.inputs or _user_specs(shapes, datatypes, data)
+    known = {spec.name for spec in specs}
+    for name in (*shapes, *(data or {})):
+        if name not in known:
+            raise ProfileError(
+                f"{name!r} is not an input of the model; its inputs are {sorted(known)}"
+            )
+    batching = all(spec.shape and spec.shape[0] == -1 for spec in specs)
+    plans = tuple(_plan_input(spec, batching, shapes.get(spec.name), data) for spec in specs)
+    return plans, batching
+
+
+def _user_specs(
+    shapes: Mapping[str, Sequence[int]],
+    datatypes: Mapping[str, str],
+    data: Mapping[str, np.ndarray] | None,
+) -> tuple[TensorSpec, ...]:
+    """Inputs of a model that declares none, in the order the user gave them."""
+    if data is not None:
+        return tuple(TensorSpec(n, v2_datatype(a.dtype), (-1,) * a.ndim) for n, a in data.items())
+    if not shapes:
+        raise ProfileError(
+            "the model file declares no inputs (TorchScript without an embedded signature): "
+            "pass --shape NAME:D1,D2[:DATATYPE] for each forward() argument, in order, or "
+            "--input-data FILE.npz"
+        )
+    return tuple(
+        TensorSpec(name, from_config_datatype(datatypes.get(name, "FP32")), (-1,) * (len(dims) + 1))
+        for name, dims in shapes.items()
+    )
+
+
+def _plan_input(
+    spec: TensorSpec,
+    batching: bool,
+    given: Sequence[int] | None,
+    data: Mapping[str, np.ndarray] | None,
+) -> ProfileInput:
+    declared = spec.shape[1:] if batching else spec.shape
+    if data is not None:
+        if spec.name not in data:
+            raise ProfileError(f"--input-data has no array {spec.name!r}; it needs every input")
+        array = data[spec.name]
+        dims = tuple(array.shape[1:]) if batching else tuple(array.shape)
+        source = "--input-data rows, taken or tiled to the batch size"
+    elif given is not None:
+        dims = tuple(int(d) for d in given)
+        source = _random_source(spec)
+    else:
+        dims = declared
+        source = _random_source(spec)
+    if len(dims) != len(declared) or any(
+        want not in (-1, got) for want, got in zip(declared, dims, strict=False)
+    ):
+        where = "dims after the batch dim" if batching else "shape"
+        raise ProfileError(
+            f"input {spec.name!r}: {where} {list(dims)} do not fit the declared "
+            f"{list(declared)} (full shape {list(spec.shape)})"
+        )
+    if any(d < 1 for d in dims):
+        example = ",".join("128" if d == -1 else str(d) for d in declared)
+        raise ProfileError(
+            f"input {spec.name!r} has variable dims {list(declared)} beyond the batch dim; "
+            f"pass --shape {spec.name}:{example} (or shapes={{{spec.name!r}: [...]}})"
+        )
+    shape = (-1, *dims) if batching else dims
+    return ProfileInput(name=spec.name, datatype=spec.datatype, shape=shape, source=source)
+
+
+def _value_rule(name: str, dtype: np.dtype[Any]) -> str:
+    """Which of _VALUE_SOURCES feeds an input; see the module docstring."""
+    lowered = name.lower()
+    if dtype.kind in "iu":
+        if "mask" in lowered:
+            return "ones"
+        if "token_type" in lowered or "segment" in lowered:
+            return "zeros"
+        return "positions" if "position" in lowered else "integers"
+    return {"f": "normal", "b": "booleans"}.get(dtype.kind, "bytes")
+
+
+def _random_source(spec: TensorSpec) -> str:
+    dtype = V2_TO_NUMPY[spec.datatype]
+    rule = _value_rule(spec.name, dtype)
+    if rule == "integers":
+        return f"random integers in [0, {_int_high(dtype)})"
+    return _VALUE_SOURCES[rule]
+
+
+def _int_high(dtype: np.dtype[Any]) -> int:
+    return min(INT_INPUT_HIGH, int(np.iinfo(dtype).max) + 1)
+
+
+def _fixed_batch_size(plans: tuple[ProfileInput, ...]) -> int:
+    """Rows one run of a fixed-shape model holds: the shared first dim, else 1."""
+    firsts = {plan.shape[0] if plan.shape else 1 for plan in plans}
+    return firsts.pop() if len(firsts) == 1 and min(firsts) > 0 else 1
+
+
+def _input_pool(
+    plans: tuple[ProfileInput, ...],
+    batching: bool,
+    rows: int,
+    data: Mapping[str, np.ndarray] | None,
+) -> dict[str, np.ndarray]:
+    """One array per input with ``rows`` rows (or the fixed shape); batches are slices."""
+    rng = np.random.default_rng(0)
+    pool = {}
+    for plan in plans:
+        shape = (rows, *plan.shape[1:]) if batching else plan.shape
+        dtype = V2_TO_NUMPY[plan.datatype]
+        if data is not None:
+            if data[plan.name].size == 0:
+                raise ProfileError(f"--input-data array {plan.name!r} is empty")
+            # np.resize repeats whole rows in order: the rows tiled to the batch size.
+            pool[plan.name] = np.ascontiguousarray(np.resize(data[plan.name], shape), dtype=dtype)
+        else:
+            pool[plan.name] = _random_array(plan.name, shape, dtype, rng)
+    return pool
+
+
+def _random_array(
+    name: str, shape: tuple[int, ...], dtype: np.dtype[Any], rng: np.random.Generator
+) -> np.ndarray:
+    rule = _value_rule(name, dtype)
+    if rule in ("ones", "zeros", "positions"):
+        last = np.arange(shape[-1] if shape else 1, dtype=dtype)
+        values = {"ones": np.ones_like(last), "zeros": np.zeros_like(last), "positions": last}
+        return np.broadcast_to(values[rule], shape).copy()
+    if rule == "integers":
+        return rng.integers(0, _int_high(dtype), size=shape, dtype=dtype)
+    if rule == "normal":
+        return rng.standard_normal(shape).astype(dtype)
+    if rule == "booleans":
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    return np.full(shape, b"slipstream", dtype=object)
+
+
+# --- timing and memory --------------------------------------------------------------
+
+
+class _RssTracker:
+    """Process RSS at load time and its peak, sampled between runs.
+
+    ONNX Runtime's arena keeps the memory a run allocated, so a sample taken after a
+    run includes that run's peak; backends without an arena may peak higher inside a run.
+    """
+
+    def __init__(self) -> None:
+        import psutil  # type: ignore[import-untyped,unused-ignore]
+
+        self._process: Any = psutil.Process()
+        gc.collect()
+        self.baseline_mb = self._rss_mb()
+        self.peak_mb = self.baseline_mb
+
+    def _rss_mb(self) -> float:
+        return float(self._process.memory_info().rss) / _MB
+
+    def sample(self) -> float:
+        """Current RSS in MB; updates the peak."""
+        rss_mb = self._rss_mb()
+        self.peak_mb = max(self.peak_mb, rss_mb)
+        return rss_mb
+
+
+def _run_for(
+    run_once: Callable[[], object],
+    timing: _Timing,
+    max_runs: int | None = None,
+    between_runs: Callable[[int], None] | None = None,
+) -> list[float]:
+    """Warm up, then run until ``timing.seconds`` of wall time is spent; run times in s."""
+    for _ in range(timing.warmup_runs):
+        run_once()
+    clock = time.perf_counter
+    latencies_s: list[float] = []
+    deadline = clock() + timing.seconds
+    while (clock() < deadline or len(latencies_s) < timing.min_runs) and (
+        max_runs is None or len(latencies_s) < max_runs
+    ):
+        start = clock()
+        run_once()
+        latencies_s.append(clock() - start)
+        if between_runs is not None:
+            between_runs(len(latencies_s))
+    return latencies_s
+
+
+def _time_batch(
+    model: Backend,
+    inputs: dict[str, np.ndarray],
+    output_names: list[str],
+    batch_size: int,
+    timing: _Timing,
+    memory: _RssTracker,
+) -> BatchProfile:
+    def sample_rss(runs: int) -> None:
+        if runs % _RSS_SAMPLE_EVERY == 0:
+            memory.sample()
+
+    try:
+        latencies_s = _run_for(lambda: model.run(inputs, output_names), timing, None, sample_rss)
+    except Exception as exc:  # a batch size the model or the memory cannot take
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        logger.debug("batch size %d failed", batch_size, exc_info=True)
+        reason = f"{type(exc).__name__}: {message}"
+        return BatchProfile(batch_size=batch_size, status="failed", reason=reason)
+    memory.sample()
+    latencies_ms = np.asarray(latencies_s) * 1000.0
+    p50, p90, p99 = np.percentile(latencies_ms, [50, 90, 99])
+    return BatchProfile(
+        batch_size=batch_size,
+        status="ok",
+        runs=len(latencies_s),
+        throughput_infer_per_s=batch_size * len(latencies_s) / float(sum(latencies_s)),
+        p50_throughput_infer_per_s=batch_size * 1000.0 / float(p50),
+        p50_ms=float(p50),
+        p90_ms=float(p90),
+        p99_ms=float(p99),
+        mean_ms=float(latencies_ms.mean()),
+        min_ms=float(latencies_ms.min()),
+        max_ms=float(latencies_ms.max()),
+    )
+
+
+def _best_batch(batches: Sequence[BatchProfile]) -> BatchProfile:
+    measured = [batch for batch in batches if batch.status == "ok"]
+    if not measured:
+        failures = "; ".join(f"batch {b.batch_size}: {b.reason}" for b in batches)
+        raise ProfileError(f"no batch size could run ({failures})")
+    return max(measured, key=lambda batch: batch.throughput_infer_per_s or 0.0)
+
+
+# --- operator profile (ONNX Runtime) ------------------------------------------------
+
+
+def _ort_op_profile(
+    path: Path,
+    threads: int,
+    inputs: dict[str, np.ndarray],
+    output_names: list[str],
+    timing: _Timing,
+    top_n: int,
+) -> OpProfile:
+    """Run a second, profiling session (so its overhead stays out of the timed figures)."""
+    import onnxruntime as ort
+
+    from slipstream.runtime.onnx import OnnxBackend, session_options
+
+    batch_size = next(iter(inputs.values())).shape[0] if inputs else 1
+    with tempfile.TemporaryDirectory(prefix="slipstream-profile-") as tmp:
+        options = session_options(_thread_parameters("onnxruntime", threads), 1)
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tmp) / "ort")
+        session = ort.InferenceSession(
+            str(path), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+        model = OnnxBackend(session)
+        _run_for(lambda: model.run(inputs, output_names), timing, MAX_OP_PROFILE_RUNS)
+        trace_path = session.end_profiling()
+        events = json.loads(Path(trace_path).read_text())
+        model.close()
+    return summarize_ort_trace(events, timing.warmup_runs, top_n, batch_size)
+
+
+def summarize_ort_trace(
+    events: list[dict[str, Any]], skip_runs: int, top_n: int, batch_size: int
+) -> OpProfile:
+    """Aggregate an ORT profiler trace (its JSON list of events) by op type and by node.
+
+    Node events named ``<node>_kernel_time`` carry the kernel's duration (``dur``, us)
+    and its ``args.op_name``; ``model_run`` session events mark each run, so the first
+    ``skip_runs`` runs (warm-up) are left out by timestamp.
+    """
+    runs = sorted(
+        (e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+        key=lambda e: int(e["ts"]),
+    )[skip_runs:]
+    cutoff_us = int(runs[0]["ts"]) if runs else float("inf")
+    # name -> [op type, total us, calls]
+    by_type: dict[str, list[Any]] = {}
+    by_node: dict[str, list[Any]] = {}
+    for event in events:
+        name = str(event.get("name", ""))
+        if event.get("cat") != "Node" or not name.endswith("_kernel_time"):
+            continue
+        if int(event["ts"]) >= cutoff_us:
+            op_type = str(event.get("args", {}).get("op_name", "?"))
+            node = name.removesuffix("_kernel_time")
+            for table, key in ((by_type, op_type), (by_node, node)):
+                row = table.setdefault(key, [op_type, 0.0, 0])
+                row[1] += float(event.get("dur", 0))
+                row[2] += 1
+    kernel_us = sum(row[1] for row in by_type.values())
+    count = max(1, len(runs))
+
+    def top(table: dict[str, list[Any]]) -> tuple[OpTime, ...]:
+        ranked = sorted(table.items(), key=lambda item: -float(item[1][1]))[:top_n]
+        return tuple(
+            OpTime(
+                name=name,
+                op_type=op_type,
+                total_ms=total_us / 1000.0,
+                ms_per_run=total_us / 1000.0 / count,
+                calls=calls,
+                share=total_us / kernel_us if kernel_us else 0.0,
+            )
+            for name, (op_type, total_us, calls) in ranked
+        )
+
+    return OpProfile(
+        batch_size=batch_size,
+        runs=len(runs),
+        run_mean_ms=sum(float(e.get("dur", 0)) for e in runs) / 1000.0 / count,
+        kernel_mean_ms=kernel_us / 1000.0 / count,
+        top_ops=top(by_type),
+        top_nodes=top(by_node),
+    )
