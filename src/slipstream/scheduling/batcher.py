@@ -7,14 +7,16 @@ driven rather than a polling task: every arrival and every finished batch calls
 1. pick what to run (:meth:`_next_batch`: everything compatible that is queued, up to
    ``max_batch_size``; with a queue delay, wait for a full or preferred batch first);
 2. execute it on the instance's own thread (:func:`_execute`: gather, run, split), or,
-   when it is the only work in sight and the model runs in microseconds, right on the
-   event loop, where two thread hand-offs would cost more than the run itself;
+   for a lone request on a model that runs in microseconds, right on the event loop,
+   where two thread hand-offs would cost more than the run itself;
 3. resolve each request's future when the batch returns (:meth:`_finish`).
 
-With ``max_queue_delay_microseconds = 0`` it never waits on purpose, so a lone request
-runs at once and batches grow only with load. Queue policy: priority levels (1 is the
-highest), a per-request or default timeout after which a queued request is failed and
-never run, and ``max_queue_size`` beyond which arrivals are refused at once (503).
+With ``max_queue_delay_microseconds = 0`` it never waits on purpose: an arrival is
+dispatched at the end of the event-loop iteration that decoded it, so a lone request
+runs at once, requests read in the same poll share a batch, and batches grow with load.
+Queue policy: priority levels (1 is the highest), a per-request or default timeout after
+which a queued request is failed and never run, and ``max_queue_size`` beyond which
+arrivals are refused at once (503).
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class Batcher:
         metrics.pending_requests = lambda: self._num_pending
         self._stats = stats
         self._delay_timer: asyncio.TimerHandle | None = None
+        # A dispatch is scheduled for the end of the current loop iteration.
+        self._dispatch_soon = False
         self._idle = asyncio.Event()
         self._idle.set()
         self._closed = False
@@ -166,7 +170,12 @@ class Batcher:
         self._num_pending += 1
         self._pending_rows += rows
         self._idle.clear()
-        self._schedule()
+        if not self._dispatch_soon:
+            # Dispatch at the end of this loop iteration, not now: requests that arrived
+            # together (read from several sockets in one poll) are still being decoded,
+            # and they should join this batch rather than wait for the next one.
+            self._dispatch_soon = True
+            loop.call_soon(self._deferred_schedule)
         try:
             return await pending.future
         except asyncio.CancelledError:
@@ -195,6 +204,10 @@ class Batcher:
 
     # -- the loop: schedule, execute, finish ------------------------------------------
 
+    def _deferred_schedule(self) -> None:
+        self._dispatch_soon = False
+        self._schedule()
+
     def _schedule(self) -> None:
         while self._free and self._num_pending:
             batch = self._next_batch()
@@ -202,9 +215,9 @@ class Batcher:
                 return
             instance = self._free.pop()
             self._busy += 1
-            if self._runs_inline():
-                # Nothing else is waiting and the model is fast: running here saves the
-                # two thread hand-offs (~30-70 us), more than the loop is blocked for.
+            if self._runs_inline(batch):
+                # A lone request on a fast model: running it here saves the two thread
+                # hand-offs (~30-70 us), more than the loop is blocked for.
                 self._finish(instance, batch, _execute(instance.backend, batch, self._outputs))
                 continue
             loop = asyncio.get_running_loop()
@@ -213,9 +226,10 @@ class Batcher:
             )
             done.add_done_callback(functools.partial(self._on_thread_done, instance, batch))
 
-    def _runs_inline(self) -> bool:
+    def _runs_inline(self, batch: list[_Pending]) -> bool:
         return (
-            self._busy == 1
+            len(batch) == 1
+            and self._busy == 1
             and not self._num_pending
             and 0 <= self._recent_run_ns <= self._inline_max_ns
         )
