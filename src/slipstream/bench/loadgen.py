@@ -1,0 +1,348 @@
+"""The worker process: drives its share of a load level and reports each window.
+
+A level reads as its steps: wait for the shared start, run the load (closed loop:
+``concurrency`` virtual users each with one request outstanding; open loop: a scheduler
+sending at the planned times), cut a window on each boundary, then stop, drain and
+report. Recording a request is an append to a list; the histogram is built once per
+window, so the hot loop does no numpy work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+import traceback
+from array import array
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import psutil
+
+from slipstream.bench.clients import InferClient, make_client
+from slipstream.bench.messages import (
+    LevelDone,
+    Ready,
+    RunLevel,
+    Shutdown,
+    StopLevel,
+    WindowSample,
+    WorkerFailed,
+    WorkerPlan,
+)
+from slipstream.bench.stats import LatencyHistogram, arrival_gaps_s, corrected_latency_s
+
+# Open loop: a send this close to its scheduled time goes now. Event-loop timers wake up
+# to ~1 ms late (epoll and libuv timeouts are whole milliseconds); sending up to that
+# much early, and counting its latency from the actual send, keeps timer slack out of
+# the measured latency.
+EARLY_SEND_S = 0.001
+# A send later than this after its schedule counts as late.
+LATE_SEND_S = 0.001
+# Time allowed past the request timeout for outstanding requests to finish at the end.
+_DRAIN_GRACE_S = 2.0
+
+
+class Pipe(Protocol):
+    """The worker's end of its pipe to the coordinator (a multiprocessing Connection)."""
+
+    def send(self, obj: Any) -> None: ...
+
+    def recv(self) -> Any: ...
+
+    def poll(self) -> bool: ...
+
+    def fileno(self) -> int: ...
+
+
+# Makes the worker's client for a level: (plan, most outstanding requests) -> client.
+ClientFactory = Callable[[WorkerPlan, int], InferClient]
+
+
+def default_client(plan: WorkerPlan, outstanding: int) -> InferClient:
+    return make_client(
+        plan.endpoint, plan.model, plan.version, plan.requests, plan.timeout_s, outstanding
+    )
+
+
+class WindowRecorder:
+    """Counts for one window; swapped for a fresh one at every boundary."""
+
+    __slots__ = (
+        "_batch_sizes",
+        "errors",
+        "inflight_cap_waits",
+        "late_sends",
+        "latencies_s",
+        "max_send_lag_s",
+        "ok_inferences",
+        "ok_requests",
+        "sent",
+    )
+
+    def __init__(self, batch_sizes: list[int]) -> None:
+        self._batch_sizes = batch_sizes
+        self.latencies_s = array("d")
+        self.ok_requests = 0
+        self.ok_inferences = 0
+        self.errors: dict[str, int] = {}
+        self.sent = 0
+        self.late_sends = 0
+        self.max_send_lag_s = 0.0
+        self.inflight_cap_waits = 0
+
+    def record(self, index: int, latency_s: float, error: str | None) -> None:
+        if error is None:
+            self.latencies_s.append(latency_s)
+            self.ok_requests += 1
+            self.ok_inferences += self._batch_sizes[index]
+        else:
+            self.errors[error] = self.errors.get(error, 0) + 1
+
+    def record_send(self, lag_s: float) -> None:
+        self.sent += 1
+        if lag_s > LATE_SEND_S:
+            self.late_sends += 1
+            self.max_send_lag_s = max(self.max_send_lag_s, lag_s)
+
+    def histogram(self) -> LatencyHistogram:
+        return LatencyHistogram.from_latencies(np.frombuffer(self.latencies_s, np.float64))
+
+
+def worker_main(conn: Pipe, plan: WorkerPlan) -> None:
+    """Entry point of a spawned worker process."""
+    # Ctrl-C reaches the whole process group; the coordinator stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker = Worker(conn, plan)
+    try:
+        if plan.endpoint.protocol == "grpc":
+            # grpc.aio measured faster on asyncio's own loop than on uvloop.
+            asyncio.run(worker.serve())
+        else:
+            _run_fast(worker)
+    except Exception:
+        with contextlib.suppress(OSError):
+            conn.send(WorkerFailed(plan.worker_id, traceback.format_exc()))
+
+
+def _run_fast(worker: Worker) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is absent on Windows
+        asyncio.run(worker.serve())
+        return
+    uvloop.run(worker.serve())
+
+
+class Worker:
+    """One process's share of the load, driven by the coordinator's commands."""
+
+    def __init__(
+        self, conn: Pipe, plan: WorkerPlan, client_factory: ClientFactory = default_client
+    ) -> None:
+        self._conn = conn
+        self._plan = plan
+        self._client_factory = client_factory
+        self._batch_sizes = [r.batch_size for r in plan.requests]
+        self._process = psutil.Process()
+        self._recorder = WindowRecorder(self._batch_sizes)
+        self._stops: dict[int, asyncio.Event] = {}
+        self._inflight = 0
+        self._rng = np.random.default_rng(plan.seed + 7919 * plan.worker_id)
+
+    async def serve(self) -> None:
+        """Run levels as the coordinator asks until Shutdown (or its pipe closes)."""
+        commands: asyncio.Queue[object] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._conn.fileno(), self._read_commands, commands)
+        self._conn.send(Ready(self._plan.worker_id))
+        levels: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                command = await commands.get()
+                if isinstance(command, RunLevel):
+                    self._stops.setdefault(command.level_id, asyncio.Event())
+                    task = asyncio.create_task(self.run_level(command))
+                    levels.add(task)
+                    task.add_done_callback(levels.discard)
+                elif isinstance(command, StopLevel):
+                    stop = self._stops.get(command.level_id)
+                    if stop is not None:
+                        stop.set()
+                elif isinstance(command, Shutdown):
+                    break
+        finally:
+            loop.remove_reader(self._conn.fileno())
+            for stop in self._stops.values():
+                stop.set()
+            if levels:
+                await asyncio.wait(levels, timeout=self._plan.timeout_s + _DRAIN_GRACE_S)
+
+    def _read_commands(self, commands: asyncio.Queue[object]) -> None:
+        try:
+            while self._conn.poll():
+                commands.put_nowait(self._conn.recv())
+        except (EOFError, OSError):  # the coordinator is gone
+            commands.put_nowait(Shutdown())
+
+    # ------------------------------------------------------------------ one level
+
+    async def run_level(self, command: RunLevel) -> None:
+        """Measure one level, sending a WindowSample per window, then LevelDone."""
+        self._stops.setdefault(command.level_id, asyncio.Event())
+        try:
+            await self._measure(command)
+        except Exception:
+            self._conn.send(WorkerFailed(self._plan.worker_id, traceback.format_exc()))
+        finally:
+            self._stops.pop(command.level_id, None)
+
+    async def _measure(self, command: RunLevel) -> None:
+        plan = self._plan
+        stop = self._stops[command.level_id]
+        client = self._client_factory(plan, command.concurrency or command.max_inflight)
+        await _sleep_until(command.start_at)
+        self._recorder = WindowRecorder(self._batch_sizes)
+        cpu_s = self._cpu_s()
+        drivers = self._start_drivers(client, command, stop)
+        window_start = command.start_at
+        index = -1 if command.warmup_s > 0 else 0
+        while index < command.max_windows:
+            end = command.start_at + command.warmup_s + (index + 1) * command.window_s
+            if await _wait_until_or_stopped(end, stop):
+                break
+            now, cpu_now = time.monotonic(), self._cpu_s()
+            self._cut_window(client, command, index, window_start, now, cpu_now - cpu_s)
+            window_start, cpu_s = now, cpu_now
+            index += 1
+        stop.set()
+        await self._drain(drivers)
+        await client.close()
+        self._conn.send(LevelDone(plan.worker_id, command.level_id))
+
+    def _start_drivers(
+        self, client: InferClient, command: RunLevel, stop: asyncio.Event
+    ) -> list[asyncio.Task[None]]:
+        if command.concurrency:
+            users = range(command.first_user, command.first_user + command.concurrency)
+            return [asyncio.create_task(self._closed_user(client, u, stop)) for u in users]
+        return [asyncio.create_task(self._open_loop(client, command, stop))]
+
+    def _cut_window(
+        self,
+        client: InferClient,
+        command: RunLevel,
+        index: int,
+        start_s: float,
+        end_s: float,
+        cpu_s: float,
+    ) -> None:
+        recorder, self._recorder = self._recorder, WindowRecorder(self._batch_sizes)
+        sample = WindowSample(
+            worker_id=self._plan.worker_id,
+            level_id=command.level_id,
+            window_index=index,
+            start_s=start_s,
+            end_s=end_s,
+            ok_requests=recorder.ok_requests,
+            ok_inferences=recorder.ok_inferences,
+            latency=recorder.histogram(),
+            errors=recorder.errors,
+            error_examples={k: client.error_examples.get(k, "") for k in recorder.errors},
+            cpu_s=cpu_s,
+            sent=recorder.sent,
+            late_sends=recorder.late_sends,
+            max_send_lag_s=recorder.max_send_lag_s,
+            inflight_cap_waits=recorder.inflight_cap_waits,
+        )
+        self._conn.send(sample)
+
+    async def _drain(self, drivers: list[asyncio.Task[None]]) -> None:
+        """Let outstanding requests finish (they time out at worst), then cancel."""
+        _, pending = await asyncio.wait(drivers, timeout=self._plan.timeout_s + _DRAIN_GRACE_S)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+    def _cpu_s(self) -> float:
+        times = self._process.cpu_times()
+        return float(times.user + times.system)
+
+    # ------------------------------------------------------------------ the loops
+
+    async def _closed_user(self, client: InferClient, user: int, stop: asyncio.Event) -> None:
+        """One virtual user: a request, its response, the next request, at once."""
+        count = len(self._batch_sizes)
+        index = user % count
+        monotonic = time.monotonic
+        while not stop.is_set():
+            started = monotonic()
+            error = await client.infer(index)
+            self._recorder.record(index, monotonic() - started, error)
+            index = (index + 1) % count
+
+    async def _open_loop(self, client: InferClient, command: RunLevel, stop: asyncio.Event) -> None:
+        """Send on schedule whatever the responses do; latency counts from the schedule."""
+        gaps = arrival_gaps_s(command.request_rate, self._plan.distribution, self._rng)
+        scheduled = command.start_at + command.phase_s
+        count = len(self._batch_sizes)
+        index = self._plan.worker_id % count
+        slot_freed = asyncio.Event()
+        requests: set[asyncio.Task[None]] = set()
+        monotonic = time.monotonic
+        while not stop.is_set():
+            now = monotonic()
+            if scheduled > now + EARLY_SEND_S:
+                await asyncio.sleep(scheduled - now - EARLY_SEND_S)
+                continue
+            if self._inflight >= command.max_inflight:
+                self._recorder.inflight_cap_waits += 1
+                slot_freed.clear()
+                await slot_freed.wait()
+                continue
+            task = asyncio.create_task(self._open_request(client, index, scheduled, slot_freed))
+            requests.add(task)
+            task.add_done_callback(requests.discard)
+            index = (index + 1) % count
+            scheduled += next(gaps)
+            if scheduled < now:
+                await asyncio.sleep(0)  # behind schedule: let responses be read meanwhile
+        if requests:
+            await asyncio.wait(requests)
+
+    async def _open_request(
+        self, client: InferClient, index: int, scheduled_s: float, slot_freed: asyncio.Event
+    ) -> None:
+        sent = time.monotonic()
+        self._recorder.record_send(sent - scheduled_s)
+        self._inflight += 1
+        try:
+            error = await client.infer(index)
+        finally:
+            self._inflight -= 1
+            slot_freed.set()
+        latency_s = corrected_latency_s(scheduled_s, sent, time.monotonic())
+        self._recorder.record(index, latency_s, error)
+
+
+async def _sleep_until(deadline: float) -> None:
+    delay = deadline - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def _wait_until_or_stopped(deadline: float, stop: asyncio.Event) -> bool:
+    """Wait until ``deadline``; True if ``stop`` was set first."""
+    delay = deadline - time.monotonic()
+    if stop.is_set():
+        return True
+    if delay <= 0:
+        return False
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=delay)
+    except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
+        return False
+    return True

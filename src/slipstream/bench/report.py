@@ -1,0 +1,203 @@
+"""Showing a benchmark: live progress and tables on the terminal, JSON and CSV files.
+
+Charts (``--report out.html`` / ``.png``) are in :mod:`slipstream.bench.charts`, which
+imports matplotlib only when asked for.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+from rich.table import Table
+
+from slipstream.bench.results import BenchResult, LevelResult, WindowTotals
+from slipstream.bench.settings import LoadLevel
+
+# Columns of the CSV file, in order: every scalar figure of a level.
+CSV_FIELDS = [
+    f.name
+    for f in dataclasses.fields(LevelResult)
+    if f.name not in ("errors_by_code", "error_examples", "warnings")
+] + ["errors_by_code", "warnings"]
+
+
+# ----------------------------------------------------------------------- live progress
+
+
+class RichProgress:
+    """A progress bar per level (windows done) with the last window's figures."""
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=20),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[figures]}"),
+            console=console,
+            transient=True,
+        )
+        self._task: Any = None
+
+    def __enter__(self) -> RichProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def level_started(self, level: LoadLevel, workers: int, max_windows: int) -> None:
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+        plural = "s" if workers > 1 else ""
+        self._task = self._progress.add_task(
+            f"{level.label} ({workers} worker{plural})",
+            total=max_windows,
+            figures="warming up",
+        )
+
+    def window_done(self, level: LoadLevel, window: WindowTotals, stable: bool) -> None:
+        p99 = window.latency.percentile_s(99) * 1000
+        errors = sum(window.errors.values())
+        figures = (
+            f"{window.throughput_infer_per_s:,.0f} infer/s  p99 {p99:.2f} ms"
+            + (f"  {errors} errors" if errors else "")
+            + ("  stable" if stable else "")
+        )
+        self._progress.update(self._task, advance=1, figures=figures)
+
+    def level_done(self, result: LevelResult) -> None:
+        p99 = "-" if result.p99_ms is None else f"{result.p99_ms:.2f} ms"
+        self._console.print(
+            f"[green]done[/] {result.label}: {result.throughput_infer_per_s:,.1f} infer/s, "
+            f"p99 {p99}, {result.errors} errors, {result.windows_measured} windows"
+            + (" (not stable)" if any(w.startswith("not stable") for w in result.warnings) else "")
+        )
+
+    def note(self, message: str) -> None:
+        self._console.print(f"[yellow]{message}[/]")
+
+
+# ----------------------------------------------------------------------- terminal tables
+
+
+def terminal_console(stderr: bool = False) -> Console:
+    """A console as wide as the terminal, or 200 columns when output is not one (a file,
+    a pipe, CI logs): the tables stay one line per level."""
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else 200)
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def print_tables(result: BenchResult, console: Console) -> None:
+    """Throughput and latency, then the server breakdown and resources, then warnings."""
+    title = (
+        f"{result.model} over {result.protocol} at {result.url}, batch size {result.batch_size}"
+        + (f", {result.distribution} arrivals" if result.distribution else "")
+    )
+    main = Table(title=title, title_justify="left")
+    main.add_column(_load_header(result))
+    for name in ("infer/s", "req/s", "avg ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms"):
+        main.add_column(name, justify="right")
+    main.add_column("errors", justify="right")
+    for level in result.levels:
+        main.add_row(
+            _load_cell(level),
+            _num(level.throughput_infer_per_s, 1),
+            _num(level.throughput_req_per_s, 1),
+            *(_num(v, 3) for v in _latencies(level)),
+            _errors_cell(level),
+        )
+    console.print(main)
+    console.print(_breakdown_table(result))
+    for level in result.levels:
+        for key, example in level.error_examples.items():
+            console.print(f"[red]{level.label}: {key}[/]: {example[:300]}")
+        for warning in level.warnings:
+            console.print(f"[yellow]warning[/] {level.label}: {warning}")
+    for warning in result.warnings:
+        console.print(f"[yellow]warning[/] {warning}")
+
+
+def _load_header(result: BenchResult) -> str:
+    return "concurrency" if result.distribution is None else "req/s asked"
+
+
+def _load_cell(level: LevelResult) -> str:
+    if level.concurrency is not None:
+        return str(level.concurrency)
+    return f"{level.request_rate:g}"
+
+
+def _latencies(level: LevelResult) -> list[float | None]:
+    return [level.avg_ms, level.p50_ms, level.p90_ms, level.p95_ms, level.p99_ms, level.max_ms]
+
+
+def _errors_cell(level: LevelResult) -> str:
+    if not level.errors:
+        return "0"
+    return ", ".join(f"{key}: {count}" for key, count in level.errors_by_code.items())
+
+
+def _breakdown_table(result: BenchResult) -> Table:
+    table = Table(title="Server breakdown (ms per request) and resources", title_justify="left")
+    columns = [_load_header(result), "queue", "compute in", "compute infer", "compute out"]
+    columns += ["overhead", "batch", "client CPU%", "server CPU%", "server RSS MB"]
+    if any(level.cost_per_1m_infer is not None for level in result.levels):
+        columns.append("$ / 1M infer")
+    for index, name in enumerate(columns):
+        table.add_column(name, justify="left" if index == 0 else "right")
+    for level in result.levels:
+        row = [
+            _load_cell(level),
+            _num(level.server_queue_ms, 3),
+            _num(level.server_compute_input_ms, 3),
+            _num(level.server_compute_infer_ms, 3),
+            _num(level.server_compute_output_ms, 3),
+            _num(level.server_overhead_ms, 3),
+            _num(level.server_avg_batch_size, 1),
+            _num(level.client_cpu_pct, 0),
+            _num(level.server_cpu_pct, 0),
+            _num(level.server_rss_mb, 0),
+        ]
+        if len(columns) > len(row):
+            row.append(_num(level.cost_per_1m_infer, 4))
+        table.add_row(*row)
+    return table
+
+
+# ----------------------------------------------------------------------- files
+
+
+def result_dict(result: BenchResult) -> dict[str, Any]:
+    """The whole result as plain JSON-ready data."""
+    return dataclasses.asdict(result)
+
+
+def write_json(result: BenchResult, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result_dict(result), indent=2, allow_nan=False) + "\n")
+
+
+def write_csv(result: BenchResult, path: Path) -> None:
+    """One row per load level; errors by code as ``key=count`` pairs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for level in result.levels:
+            row = {name: getattr(level, name) for name in CSV_FIELDS}
+            row["errors_by_code"] = "; ".join(f"{k}={v}" for k, v in level.errors_by_code.items())
+            row["warnings"] = " | ".join(level.warnings)
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})

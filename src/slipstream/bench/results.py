@@ -1,0 +1,318 @@
+"""Figures of a benchmark: per window (summed over workers) and per load level.
+
+A level's figures cover the windows it reports: the last 3 once stable (perf_analyzer
+reports the stable windows), or every window of a ``--duration`` run. Names are the
+JSON / CSV column names, with units in them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from slipstream.bench.messages import WindowSample
+from slipstream.bench.server_stats import ProcessUsage, ServerBreakdown
+from slipstream.bench.settings import LoadLevel
+from slipstream.bench.stats import LatencyHistogram, merge_histograms
+
+# A worker above this share of one core is taken as saturated.
+SATURATED_CPU_PCT = 90.0
+# Open loop: warn when more than this share of sends left over 1 ms late...
+LATE_SEND_SHARE = 0.01
+# ... or fewer than this share of the asked rate was sent.
+SEND_RATE_SHARE = 0.95
+
+
+@dataclass
+class WindowTotals:
+    """One measurement window, summed over the worker processes."""
+
+    index: int
+    # Mean over workers of their window's length (they cut within a millisecond).
+    duration_s: float
+    ok_requests: int
+    ok_inferences: int
+    latency: LatencyHistogram
+    errors: dict[str, int]
+    error_examples: dict[str, str]
+    # CPU seconds of each worker in the window, by worker id.
+    cpu_s_by_worker: dict[int, float]
+    sent: int = 0
+    late_sends: int = 0
+    max_send_lag_s: float = 0.0
+    inflight_cap_waits: int = 0
+
+    @property
+    def throughput_req_per_s(self) -> float:
+        return self.ok_requests / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def throughput_infer_per_s(self) -> float:
+        return self.ok_inferences / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def max_worker_cpu_pct(self) -> float:
+        if self.duration_s <= 0 or not self.cpu_s_by_worker:
+            return 0.0
+        return 100 * max(self.cpu_s_by_worker.values()) / self.duration_s
+
+
+def merge_samples(samples: list[WindowSample]) -> WindowTotals:
+    """The workers' samples of one window as one."""
+    errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for sample in samples:
+        for key, count in sample.errors.items():
+            errors[key] = errors.get(key, 0) + count
+        for key, message in sample.error_examples.items():
+            examples.setdefault(key, message)
+    return WindowTotals(
+        index=samples[0].window_index,
+        duration_s=sum(s.end_s - s.start_s for s in samples) / len(samples),
+        ok_requests=sum(s.ok_requests for s in samples),
+        ok_inferences=sum(s.ok_inferences for s in samples),
+        latency=merge_histograms([s.latency for s in samples]),
+        errors=errors,
+        error_examples=examples,
+        cpu_s_by_worker={s.worker_id: s.cpu_s for s in samples},
+        sent=sum(s.sent for s in samples),
+        late_sends=sum(s.late_sends for s in samples),
+        max_send_lag_s=max(s.max_send_lag_s for s in samples),
+        inflight_cap_waits=sum(s.inflight_cap_waits for s in samples),
+    )
+
+
+@dataclass
+class LevelResult:
+    """Every figure of one load level; ``None`` where a figure does not apply or the
+    server does not offer it."""
+
+    concurrency: int | None
+    request_rate: float | None
+    workers: int
+    # Windows the figures cover, and windows measured in all (a stable level reports
+    # its last 3).
+    windows: int
+    windows_measured: int
+    stable: bool
+    duration_s: float
+    requests: int
+    inferences: int
+    errors: int
+    errors_by_code: dict[str, int]
+    error_examples: dict[str, str]
+    throughput_infer_per_s: float
+    throughput_req_per_s: float
+    avg_ms: float | None
+    p50_ms: float | None
+    p90_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+    # Open loop: requests actually sent per second, and how late the late ones were.
+    send_rate_per_s: float | None = None
+    late_sends: int = 0
+    max_send_lag_ms: float | None = None
+    # Server statistics extension, means per request.
+    server_queue_ms: float | None = None
+    server_compute_input_ms: float | None = None
+    server_compute_infer_ms: float | None = None
+    server_compute_output_ms: float | None = None
+    # The server's own end-to-end time per request.
+    server_request_ms: float | None = None
+    # Client-observed mean latency minus queue and compute in the server.
+    server_overhead_ms: float | None = None
+    server_avg_batch_size: float | None = None
+    # CPU of the load generator: all workers in percent of one core, and the busiest.
+    client_cpu_pct: float = 0.0
+    client_max_worker_cpu_pct: float = 0.0
+    server_cpu_pct: float | None = None
+    server_rss_mb: float | None = None
+    cost_per_1m_infer: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return LoadLevel(self.concurrency, self.request_rate).label
+
+
+@dataclass
+class BenchResult:
+    """A whole run: what was measured and one result per load level."""
+
+    url: str
+    model: str
+    model_version: str
+    protocol: str
+    batch_size: int
+    distribution: str | None
+    levels: list[LevelResult]
+    # Warnings about the run as a whole (per-level ones are in each level).
+    warnings: list[str] = field(default_factory=list)
+    # The settings as given, for the JSON record.
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LevelInputs:
+    """What the coordinator measured for one level, turned into a LevelResult here."""
+
+    level: LoadLevel
+    workers: int
+    windows: list[WindowTotals]
+    # Windows measured in all, the reported ones being the last of them.
+    windows_measured: int
+    stable: bool
+    # Whether the stability rule applied (False for a --duration run).
+    stability_required: bool
+    stability_pct: float
+    server: ServerBreakdown | None
+    server_process: ProcessUsage | None
+    price_per_hour: float | None
+    # True when auto mode would have added a worker but no core was left.
+    workers_capped: bool
+
+
+def level_result(inputs: LevelInputs) -> LevelResult:
+    windows = inputs.windows
+    duration_s = sum(w.duration_s for w in windows)
+    latency = merge_histograms([w.latency for w in windows])
+    errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for window in windows:
+        for key, count in window.errors.items():
+            errors[key] = errors.get(key, 0) + count
+        for key, message in window.error_examples.items():
+            examples.setdefault(key, message)
+    requests = sum(w.ok_requests for w in windows)
+    inferences = sum(w.ok_inferences for w in windows)
+    throughput_infer = inferences / duration_s if duration_s > 0 else 0.0
+    result = LevelResult(
+        concurrency=inputs.level.concurrency,
+        request_rate=inputs.level.request_rate,
+        workers=inputs.workers,
+        windows=len(windows),
+        windows_measured=inputs.windows_measured,
+        stable=inputs.stable,
+        duration_s=duration_s,
+        requests=requests,
+        inferences=inferences,
+        errors=sum(errors.values()),
+        errors_by_code=dict(sorted(errors.items())),
+        error_examples=examples,
+        throughput_infer_per_s=throughput_infer,
+        throughput_req_per_s=requests / duration_s if duration_s > 0 else 0.0,
+        avg_ms=_ms(latency.mean_s),
+        p50_ms=_ms(latency.percentile_s(50)),
+        p90_ms=_ms(latency.percentile_s(90)),
+        p95_ms=_ms(latency.percentile_s(95)),
+        p99_ms=_ms(latency.percentile_s(99)),
+        max_ms=_ms(latency.max_s) if latency.count else None,
+    )
+    _add_client_figures(result, windows, duration_s)
+    _add_server_figures(result, inputs)
+    if inputs.price_per_hour is not None and throughput_infer > 0:
+        result.cost_per_1m_infer = inputs.price_per_hour / (throughput_infer * 3600) * 1e6
+    result.warnings = level_warnings(result, inputs)
+    return result
+
+
+def _ms(seconds: float) -> float | None:
+    return None if math.isnan(seconds) or math.isinf(seconds) else seconds * 1000
+
+
+def _add_client_figures(
+    result: LevelResult, windows: list[WindowTotals], duration_s: float
+) -> None:
+    cpu_by_worker: dict[int, float] = {}
+    for window in windows:
+        for worker, cpu_s in window.cpu_s_by_worker.items():
+            cpu_by_worker[worker] = cpu_by_worker.get(worker, 0.0) + cpu_s
+    if duration_s > 0 and cpu_by_worker:
+        result.client_cpu_pct = 100 * sum(cpu_by_worker.values()) / duration_s
+        result.client_max_worker_cpu_pct = 100 * max(cpu_by_worker.values()) / duration_s
+    if result.request_rate is not None:
+        sent = sum(w.sent for w in windows)
+        result.send_rate_per_s = sent / duration_s if duration_s > 0 else 0.0
+        result.late_sends = sum(w.late_sends for w in windows)
+        lag_s = max((w.max_send_lag_s for w in windows), default=0.0)
+        result.max_send_lag_ms = lag_s * 1000
+
+
+def _add_server_figures(result: LevelResult, inputs: LevelInputs) -> None:
+    server = inputs.server
+    if server is not None and server.requests > 0:
+        result.server_queue_ms = server.queue_ms
+        result.server_compute_input_ms = server.compute_input_ms
+        result.server_compute_infer_ms = server.compute_infer_ms
+        result.server_compute_output_ms = server.compute_output_ms
+        result.server_request_ms = server.request_ms
+        result.server_avg_batch_size = server.avg_batch_size
+        server_ms = server.server_ms
+        if server_ms is not None and result.avg_ms is not None:
+            result.server_overhead_ms = result.avg_ms - server_ms
+    if inputs.server_process is not None:
+        result.server_cpu_pct = inputs.server_process.cpu_pct
+        result.server_rss_mb = inputs.server_process.rss_mb
+
+
+def level_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
+    """What a reader must know before trusting this level's figures."""
+    warnings = []
+    if result.client_max_worker_cpu_pct >= SATURATED_CPU_PCT:
+        advice = (
+            "no free core was left for another worker" if inputs.workers_capped else "try --workers"
+        )
+        warnings.append(
+            f"client saturated: a load-generator process used "
+            f"{result.client_max_worker_cpu_pct:.0f}% of a core, so the throughput may be the "
+            f"client's limit rather than the server's ({advice})"
+        )
+    if result.request_rate is not None:
+        warnings.extend(_open_loop_warnings(result, inputs))
+    if inputs.stability_required and not inputs.stable:
+        warnings.append(
+            f"not stable: throughput or mean latency of the last 3 windows varied by more "
+            f"than {inputs.stability_pct:g}% after {inputs.windows_measured} windows; figures are "
+            "over the last 3 (more --max-windows or a longer --window-s may settle it)"
+        )
+    if result.requests == 0:
+        warnings.append("every request failed: " + _error_summary(result))
+    return warnings
+
+
+def _open_loop_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
+    warnings = []
+    rate = result.request_rate or 0.0
+    sent_rate = result.send_rate_per_s or 0.0
+    sent = sent_rate * result.duration_s
+    cap_waits = sum(w.inflight_cap_waits for w in inputs.windows)
+    if cap_waits:
+        cause = (
+            "the in-flight cap (--max-inflight) was reached: the server does not keep up "
+            "with this rate"
+        )
+    else:
+        cause = (
+            f"the client was busy (busiest worker at {result.client_max_worker_cpu_pct:.0f}% CPU)"
+        )
+    if sent_rate < SEND_RATE_SHARE * rate:
+        warnings.append(f"open loop sent {sent_rate:.0f} req/s of the {rate:g} asked: {cause}")
+    if sent > 0 and result.late_sends > LATE_SEND_SHARE * sent:
+        warnings.append(
+            f"open loop: {100 * result.late_sends / sent:.1f}% of requests were sent over 1 ms "
+            f"late (worst {result.max_send_lag_ms or 0:.1f} ms): {cause}; their latency "
+            "counts from the scheduled time"
+        )
+    return warnings
+
+
+def _error_summary(result: LevelResult) -> str:
+    if not result.errors_by_code:
+        return "no request completed"
+    parts = []
+    for key, count in result.errors_by_code.items():
+        example = result.error_examples.get(key, "")
+        parts.append(f"{key} x{count}" + (f" ({example[:200]})" if example else ""))
+    return "; ".join(parts)

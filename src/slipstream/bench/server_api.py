@@ -1,0 +1,212 @@
+"""The coordinator's few calls besides inference: metadata, config and statistics.
+
+These run between measurements, never on the hot path, so they are plain blocking
+calls: ``urllib`` for HTTP and a synchronous gRPC channel. Config and statistics are
+Triton extensions other V2 servers may lack; without them the run goes on with the
+batch dim inferred from the metadata and no server breakdown.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from abc import ABC, abstractmethod
+from typing import Any
+
+import orjson
+
+from slipstream.bench.clients import model_path
+from slipstream.bench.errors import BenchError, ServerUnreachable
+from slipstream.bench.inputs import ModelSignature, signature_from_metadata
+from slipstream.bench.messages import Endpoint
+from slipstream.bench.server_stats import StatsSnapshot, snapshot_from_json, snapshot_from_proto
+
+_SERVICE = "/inference.GRPCInferenceService/"
+
+
+class ServerApi(ABC):
+    """Metadata and statistics of the model under test."""
+
+    def __init__(self, endpoint: Endpoint, model: str, version: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self.version = version
+        self.timeout_s = timeout_s
+        # False once the server showed it has no statistics extension: stop asking.
+        self._stats_offered = True
+
+    def signature(self) -> ModelSignature:
+        """The model's signature; raises BenchError when it cannot be served."""
+        metadata = self._metadata()
+        self._check_ready()
+        return signature_from_metadata(metadata, self._max_batch_size())
+
+    def stats_snapshot(self) -> StatsSnapshot | None:
+        """Cumulative statistics now, or None when the server does not offer them."""
+        if not self._stats_offered:
+            return None
+        snapshot = self._stats()
+        if snapshot is None:
+            self._stats_offered = False
+        return snapshot
+
+    def close(self) -> None:  # noqa: B027 - most APIs hold nothing to close
+        """Release connections."""
+
+    @abstractmethod
+    def _metadata(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def _check_ready(self) -> None: ...
+
+    @abstractmethod
+    def _max_batch_size(self) -> int | None: ...
+
+    @abstractmethod
+    def _stats(self) -> StatsSnapshot | None: ...
+
+    def _unreachable(self, reason: str) -> ServerUnreachable:
+        how = "host:port" if self.endpoint.protocol == "grpc" else "http://host:port"
+        return ServerUnreachable(
+            f"cannot reach the server at {self.endpoint.address} over "
+            f"{self.endpoint.protocol} ({reason}); is it running, and is {how} the right "
+            f"address for --protocol {self.endpoint.protocol}?"
+        )
+
+
+def connect_api(endpoint: Endpoint, model: str, version: str, timeout_s: float) -> ServerApi:
+    if endpoint.protocol == "grpc":
+        return GrpcServerApi(endpoint, model, version, timeout_s)
+    return HttpServerApi(endpoint, model, version, timeout_s)
+
+
+class HttpServerApi(ServerApi):
+    def _get(self, suffix: str) -> tuple[int, bytes]:
+        url = self.endpoint.origin + model_path(self.endpoint, self.model, self.version) + suffix
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
+                return int(response.status), response.read()
+        except urllib.error.HTTPError as exc:
+            return int(exc.code), exc.read()
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise self._unreachable(str(reason)) from None
+
+    def _metadata(self) -> dict[str, Any]:
+        status, body = self._get("")
+        if status != 200:
+            raise BenchError(
+                f"GET model metadata of {self.model!r} answered {status}: "
+                f"{body.decode(errors='replace')[:300]}; check --model and --model-version"
+            )
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise self._unreachable("the model metadata is not JSON") from None
+        if not isinstance(doc, dict):
+            raise self._unreachable("the model metadata is not a JSON object")
+        return doc
+
+    def _check_ready(self) -> None:
+        status, _ = self._get("/ready")
+        if status != 200:
+            raise BenchError(f"model {self.model!r} is not ready (GET .../ready answered {status})")
+
+    def _max_batch_size(self) -> int | None:
+        status, body = self._get("/config")
+        if status != 200:
+            return None
+        try:
+            value = orjson.loads(body).get("max_batch_size")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        return int(value) if isinstance(value, int) else None
+
+    def _stats(self) -> StatsSnapshot | None:
+        status, body = self._get("/stats")
+        if status != 200:
+            return None
+        try:
+            return snapshot_from_json(orjson.loads(body), self.version)
+        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+            return None
+
+
+class GrpcServerApi(ServerApi):
+    def __init__(self, endpoint: Endpoint, model: str, version: str, timeout_s: float) -> None:
+        super().__init__(endpoint, model, version, timeout_s)
+        import grpc
+
+        from slipstream.protocol.proto import inference_pb2 as pb
+
+        self._grpc: Any = grpc
+        self._pb: Any = pb
+        if endpoint.tls:
+            credentials = grpc.ssl_channel_credentials()
+            self._channel = grpc.secure_channel(endpoint.address, credentials)
+        else:
+            self._channel = grpc.insecure_channel(endpoint.address)
+
+    def _call(self, method: str, request: Any, response_type: Any) -> Any:
+        call = self._channel.unary_unary(
+            _SERVICE + method,
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=response_type.FromString,
+        )
+        return call(request, timeout=self.timeout_s)
+
+    def _metadata(self) -> dict[str, Any]:
+        pb = self._pb
+        request = pb.ModelMetadataRequest(name=self.model, version=self.version)
+        try:
+            reply = self._call("ModelMetadata", request, pb.ModelMetadataResponse)
+        except self._grpc.RpcError as exc:
+            if exc.code() in (
+                self._grpc.StatusCode.UNAVAILABLE,
+                self._grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                raise self._unreachable(exc.details() or exc.code().name) from None
+            raise BenchError(
+                f"ModelMetadata of {self.model!r} failed with {exc.code().name}: "
+                f"{exc.details()}; check --model and --model-version"
+            ) from None
+        return {
+            "name": reply.name,
+            "inputs": [_tensor(t) for t in reply.inputs],
+            "outputs": [_tensor(t) for t in reply.outputs],
+        }
+
+    def _check_ready(self) -> None:
+        pb = self._pb
+        request = pb.ModelReadyRequest(name=self.model, version=self.version)
+        try:
+            reply = self._call("ModelReady", request, pb.ModelReadyResponse)
+        except self._grpc.RpcError as exc:
+            raise BenchError(f"ModelReady of {self.model!r} failed: {exc.details()}") from None
+        if not reply.ready:
+            raise BenchError(f"model {self.model!r} is not ready")
+
+    def _max_batch_size(self) -> int | None:
+        pb = self._pb
+        request = pb.ModelConfigRequest(name=self.model, version=self.version)
+        try:
+            reply = self._call("ModelConfig", request, pb.ModelConfigResponse)
+        except self._grpc.RpcError:
+            return None
+        return int(reply.config.max_batch_size)
+
+    def _stats(self) -> StatsSnapshot | None:
+        pb = self._pb
+        request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
+        try:
+            reply = self._call("ModelStatistics", request, pb.ModelStatisticsResponse)
+        except self._grpc.RpcError:
+            return None
+        return snapshot_from_proto(reply, self.version)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _tensor(tensor: Any) -> dict[str, Any]:
+    return {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
