@@ -249,27 +249,36 @@ def compute_duration_s(settings: Settings, connections: int, best: float | None)
 def run_compute(settings: Settings, paths: dict[str, Path]) -> tuple[list[Row], list[Ratio], Any]:
     """Figure 1: MiniLM served seq/s at 1, 8, 64 connections / ORT best-batch seq/s.
 
+    The ceiling is measured right before each served level, on the same core while the
+    (idle) server waits: this machine's speed drifts by 10-30% over minutes, so one
+    ceiling taken at the start would compare levels against a different machine.
     Served throughput here is connections / mean latency (Little's law, exact for wrk's
-    closed loop): at 64 connections responses come back 64 at a time, about once a
-    second, so counting completions in a 10 s window would be off by up to a whole batch.
+    closed loop): at 64 connections responses come back a batch at a time, so counting
+    completions in a window would be off by up to a whole batch.
     """
     if "minilm" not in paths:
         print("!! compute: no minilm model (examples/build_models.py) - figure skipped")
         return [], [], {}
-    ceiling = measure_ceiling(settings, "minilm", paths["minilm"])
-    best = max(ceiling.values()) if ceiling else None
     body = models.json_body(models.sample_inputs("minilm"))
-    cases = [
-        Case("json", body, c, compute_duration_s(settings, c, best)) for c in COMPUTE_CONNECTIONS
-    ]
-    ours = slipstream_spec(single_model_repo(settings, "minilm"))
-    rows = measure_server(settings, "compute", ours, "minilm", cases)
-    ratios = []
-    for c in COMPUTE_CONNECTIONS:
-        result = _result(rows, "slipstream", "json", c)
-        served = result.closed_loop_per_s if result and result.requests >= 2 * c else None
-        ratios.append(_ratio(f"minilm c{c}: served / ORT best batch", served, best, 0.95))
-    return rows, ratios, {"samples_per_s": ceiling, "best": best}
+    spec = slipstream_spec(single_model_repo(settings, "minilm"))
+    url = spec.url("/v2/models/minilm/infer")
+    rows: list[Row] = []
+    ratios: list[Ratio] = []
+    ceilings: dict[str, Any] = {}
+    print(f"-- compute: {spec.label} (minilm), ceiling re-measured before each level")
+    log_path = settings.work_dir / "logs" / f"compute-{spec.label}.log"
+    with running(spec, settings.server_core, log_path):
+        for c in COMPUTE_CONNECTIONS:
+            ceiling = measure_ceiling(settings, "minilm", paths["minilm"])
+            best = max(ceiling.values()) if ceiling else None
+            ceilings[f"c{c}"] = {"samples_per_s": ceiling, "best": best}
+            case = Case("json", body, c, compute_duration_s(settings, c, best))
+            row = _measure_case(settings, "compute", spec.label, url, case)
+            rows.append(row)
+            result = row.result
+            served = result.closed_loop_per_s if result and result.requests >= 2 * c else None
+            ratios.append(_ratio(f"minilm c{c}: served / ORT best batch", served, best, 0.95))
+    return rows, ratios, ceilings
 
 
 def overhead_cases(servers: str) -> list[Case]:
