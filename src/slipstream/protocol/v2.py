@@ -47,7 +47,12 @@ from slipstream.errors import InvalidRequest
 from slipstream.protocol.datatypes import V2_ITEM_SIZE, numpy_dtype, v2_datatype
 from slipstream.types import InferRequest, InferResponse, RequestedOutput
 
-__all__ = ["decode_infer_request", "encode_error", "encode_infer_response"]
+__all__ = [
+    "decode_infer_request",
+    "encode_error",
+    "encode_infer_response",
+    "load_json_object",
+]
 
 # Length prefix of one BYTES element in binary data.
 _LENGTH_PREFIX = struct.Struct("<I")
@@ -95,7 +100,7 @@ def decode_infer_request(
                 f"within the {len(view)}-byte body"
             )
         header, binary = view[:header_length], view[header_length:]
-    doc = _load_json(header)
+    doc = load_json_object(header)
     # Some clients send "id": null for "no id"; treat it as absent.
     request_id = doc.get("id")
     if request_id is None:
@@ -185,7 +190,8 @@ def encode_error(message: str) -> bytes:
 # ---------------------------------------------------------------------------- decoding
 
 
-def _load_json(header: memoryview) -> dict[str, Any]:
+def load_json_object(header: memoryview | bytes) -> dict[str, Any]:
+    """Parse a request body that must be a JSON object; InvalidRequest otherwise."""
     try:
         doc = orjson.loads(header)
     except orjson.JSONDecodeError as exc:

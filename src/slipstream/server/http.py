@@ -85,7 +85,7 @@ class HttpApp:
 
     async def _repository_route(self, parts: list[str], body: bytes) -> HttpResponse:
         service = self._service
-        options = _json_object(body) if body.strip() else {}
+        options = v2.load_json_object(body) if body.strip() else {}
         if parts == ["index"]:
             ready_only = bool(options.get("ready", False))
             return _json(v2_meta.repository_index_json(service.repository_index(ready_only)))
@@ -153,13 +153,3 @@ def _int_header(value: bytes, name: str) -> int:
             f"header {name}: {value.decode('latin-1')!r} is not a non-negative integer"
         )
     return int(value)
-
-
-def _json_object(body: bytes) -> dict[str, Any]:
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return value
