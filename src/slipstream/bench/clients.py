@@ -213,6 +213,20 @@ class HttpClient(InferClient):
         self._ssl = ssl.create_default_context() if endpoint.tls else None
         self._watchdog: asyncio.Task[None] | None = None
 
+    @property
+    def payloads(self) -> list[bytes]:
+        """Every request as the bytes written to the socket."""
+        return self._payloads
+
+    @property
+    def blocking_ok(self) -> bool:
+        """Plain HTTP: the blocking single-connection user can send these payloads."""
+        return self._ssl is None
+
+    def note(self, key: str, message: str) -> str:
+        """Record an error example under ``key`` (for drivers outside this client)."""
+        return self._note(key, message)
+
     async def infer(self, index: int) -> str | None:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._expire_slow_requests())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import threading
 import time
 import traceback
 from array import array
@@ -21,7 +22,8 @@ from typing import Any, Protocol
 import numpy as np
 import psutil
 
-from slipstream.bench.clients import InferClient, make_client
+from slipstream.bench.blocking import BlockingHttpUser
+from slipstream.bench.clients import HttpClient, InferClient, make_client
 from slipstream.bench.messages import (
     LevelDone,
     Ready,
@@ -148,6 +150,7 @@ class Worker:
         self._batch_sizes = [r.batch_size for r in plan.requests]
         self._process = psutil.Process()
         self._recorder = WindowRecorder(self._batch_sizes)
+        self._record_lock = threading.Lock()
         self._stops: dict[int, asyncio.Event] = {}
         self._inflight = 0
         self._rng = np.random.default_rng(plan.seed + 7919 * plan.worker_id)
@@ -225,6 +228,12 @@ class Worker:
     def _start_drivers(
         self, client: InferClient, command: RunLevel, stop: asyncio.Event
     ) -> list[asyncio.Task[None]]:
+        if command.concurrency == 1 and isinstance(client, HttpClient) and client.blocking_ok:
+            user = BlockingHttpUser(
+                self._plan.endpoint, client.payloads, self._plan.timeout_s, client.note
+            )
+            run = asyncio.to_thread(user.run, stop, self._record_locked, command.first_user)
+            return [asyncio.create_task(run)]
         if command.concurrency:
             users = range(command.first_user, command.first_user + command.concurrency)
             return [asyncio.create_task(self._closed_user(client, u, stop)) for u in users]
@@ -239,7 +248,8 @@ class Worker:
         end_s: float,
         cpu_s: float,
     ) -> None:
-        recorder, self._recorder = self._recorder, WindowRecorder(self._batch_sizes)
+        with self._record_lock:
+            recorder, self._recorder = self._recorder, WindowRecorder(self._batch_sizes)
         sample = WindowSample(
             worker_id=self._plan.worker_id,
             level_id=command.level_id,
@@ -272,6 +282,11 @@ class Worker:
         return float(times.user + times.system)
 
     # ------------------------------------------------------------------ the loops
+
+    def _record_locked(self, index: int, latency_s: float, error: str | None) -> None:
+        """Record from the blocking user's thread, never into a window being cut."""
+        with self._record_lock:
+            self._recorder.record(index, latency_s, error)
 
     async def _closed_user(self, client: InferClient, user: int, stop: asyncio.Event) -> None:
         """One virtual user: a request, its response, the next request, at once."""
