@@ -107,6 +107,7 @@ def _register_tool_commands() -> None:
     for module_name, command_name in (
         ("slipstream.bench.cli", "bench"),
         ("slipstream.bench.profile_cli", "profile"),
+        ("slipstream.optimize.cli", "optimize"),
     ):
         try:
             module = importlib.import_module(module_name)

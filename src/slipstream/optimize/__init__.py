@@ -1,0 +1,31 @@
+"""Model optimization with an accuracy gate (``slipstream optimize``).
+
+Passes transform an ONNX file (``passes``), the gate compares the result with the
+original on validation data (``gate``), and ``core.optimize_model`` writes the result as
+a new repository version with an ``optimization.json`` record.
+"""
+
+from slipstream.optimize.core import (
+    OptimizationResult,
+    OptimizeError,
+    OptimizeRequest,
+    SpeedResult,
+    optimize_model,
+)
+from slipstream.optimize.data import DataError, Dataset, load_dataset
+from slipstream.optimize.gate import GateResult
+from slipstream.optimize.passes import PassRecord, PassSettings
+
+__all__ = [
+    "DataError",
+    "Dataset",
+    "GateResult",
+    "OptimizationResult",
+    "OptimizeError",
+    "OptimizeRequest",
+    "PassRecord",
+    "PassSettings",
+    "SpeedResult",
+    "load_dataset",
+    "optimize_model",
+]

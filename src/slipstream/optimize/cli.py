@@ -1,0 +1,222 @@
+"""``slipstream optimize``: transform a model, gate it on accuracy, write a new version.
+
+rich is imported when the command runs, so ``slipstream --help`` works without it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, get_args
+
+import click
+
+from slipstream.optimize.gate import METRIC_NAMES
+from slipstream.optimize.passes import CalibrationMethodName, GraphLevel
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from slipstream.optimize.core import OptimizationResult
+
+
+def _parse_batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str) -> list[int]:
+    try:
+        sizes = sorted({int(item) for item in value.split(",") if item.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise click.BadParameter(f"{value!r}: expected positive integers like 1,8,32")
+    return sizes
+
+
+def _parse_shapes(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> Any:
+    from slipstream.bench.profile_cli import parse_shape
+
+    return {name: list(dims) for name, dims, _ in (parse_shape(text) for text in value)}
+
+
+@click.command()
+@click.option(
+    "--model",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="An ONNX file, or REPO/NAME (its newest version's model.onnx).",
+)
+@click.option(
+    "--repository",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Model repository the new version is written into.",
+)
+@click.option("--name", required=True, help="Model name (directory) in the repository.")
+@click.option(
+    "--passes",
+    required=True,
+    help="Comma-separated passes: graph, fp16, int8-dynamic, int8-static. "
+    "They run in that order whatever order is given.",
+)
+@click.option(
+    "--validation",
+    type=click.Path(path_type=Path, exists=True),
+    required=True,
+    help="Validation rows: .npz, a directory of .npy files, or a V2 JSON request "
+    "file; arrays named like the inputs, plus optional 'labels'.",
+)
+@click.option(
+    "--calibration",
+    type=click.Path(path_type=Path, exists=True),
+    help="Calibration rows for int8-static [default: split off the validation rows].",
+)
+@click.option(
+    "--metric",
+    type=click.Choice(METRIC_NAMES),
+    help="Gate metric [default: top1 with labels, agreement for classifiers, "
+    "cosine for embeddings].",
+)
+@click.option(
+    "--max-drop",
+    type=float,
+    help="Largest accepted drop: percentage points for top1/agreement, 1-cosine "
+    "for cosine, absolute error for mae/maxae [default: 1.0, 1.0, 0.01, 0.01, 0.1].",
+)
+@click.option("--output", "output_name", help="Model output the gate compares [default: first].")
+@click.option(
+    "--batch-size",
+    "batch_sizes",
+    default="1,8",
+    callback=_parse_batch_sizes,
+    show_default=True,
+    help="Batch sizes the before/after speed profile measures.",
+)
+@click.option(
+    "--shape",
+    "shapes",
+    multiple=True,
+    callback=_parse_shapes,
+    help="NAME:D1,D2 dims after the batch dim of a variable-dim input (repeatable).",
+)
+@click.option(
+    "--graph-level",
+    type=click.Choice(get_args(GraphLevel)),
+    default="basic",
+    show_default=True,
+    help="graph pass level: basic keeps standard ONNX ops (portable, quantizable); "
+    "extended writes ONNX Runtime-only fused ops.",
+)
+@click.option(
+    "--op-types",
+    default="MatMul",
+    show_default=True,
+    help="Comma-separated op types the int8 passes quantize.",
+)
+@click.option(
+    "--per-channel/--no-per-channel",
+    default=True,
+    show_default=True,
+    help="int8-dynamic: one weight scale per output channel.",
+)
+@click.option(
+    "--calibration-method",
+    type=click.Choice(get_args(CalibrationMethodName)),
+    default="minmax",
+    show_default=True,
+    help="int8-static activation range method.",
+)
+@click.option(
+    "--profile-seconds",
+    type=float,
+    default=0.3,
+    show_default=True,
+    help="Timed seconds per batch size in the before/after speed profile.",
+)
+def optimize(**options: Any) -> None:
+    """Optimize a model, check its accuracy, and write it as a new version.
+
+    \b
+    Example:
+      slipstream optimize --model models/mlp --repository models --name mlp \\
+          --passes graph,int8-dynamic --validation val.npz
+    """  # fmt: skip
+    from rich.console import Console
+
+    from slipstream.optimize.core import OptimizeError, OptimizeRequest, optimize_model
+    from slipstream.optimize.passes import PassSettings
+
+    settings = PassSettings(
+        graph_level=options["graph_level"],
+        int8_op_types=tuple(t.strip() for t in options["op_types"].split(",") if t.strip()),
+        per_channel=options["per_channel"],
+        calibration_method=options["calibration_method"],
+    )
+    request = OptimizeRequest(
+        model=options["model"],
+        repository=options["repository"],
+        name=options["name"],
+        passes=options["passes"].split(","),
+        validation=options["validation"],
+        calibration=options["calibration"],
+        metric=options["metric"],
+        max_drop=options["max_drop"],
+        output_name=options["output_name"],
+        settings=settings,
+        batch_sizes=options["batch_sizes"],
+        shapes=options["shapes"],
+        profile_seconds=options["profile_seconds"],
+    )
+    console = Console(stderr=True)
+    try:
+        result = _run_with_progress(request, optimize_model, console)
+    except OptimizeError as exc:
+        raise click.UsageError(str(exc)) from None
+    _report(result, console)
+    if not result.gate.passed:
+        sys.exit(1)
+
+
+def _run_with_progress(request: Any, run: Any, console: Console) -> OptimizationResult:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console
+    ) as progress:
+        tasks: dict[str, Any] = {}
+
+        def on_progress(task: str, done: int, total: int) -> None:
+            if task not in tasks:
+                tasks[task] = progress.add_task(f"{task} (rows)", total=total)
+            progress.update(tasks[task], completed=done)
+
+        result: OptimizationResult = run(request, on_progress)
+    return result
+
+
+def _report(result: OptimizationResult, console: Console) -> None:
+    from rich.table import Table
+
+    console.print(f"passes: {', '.join(record.name for record in result.passes)}")
+    console.print(
+        f"size: {result.size_bytes_before / 1e6:.2f} MB -> {result.size_bytes_after / 1e6:.2f} MB"
+    )
+    if result.speed_before:
+        table = Table("batch", "p50 ms before", "p50 ms after", "infer/s before", "infer/s after")
+        for before, after in zip(result.speed_before, result.speed_after, strict=True):
+            table.add_row(
+                str(before.batch_size),
+                _fmt(before.p50_ms),
+                _fmt(after.p50_ms),
+                _fmt(before.throughput_infer_per_s),
+                _fmt(after.throughput_infer_per_s),
+            )
+        console.print(table)
+    for note in result.notes:
+        console.print(f"note: {note}")
+    console.print(result.gate.summary)
+    if result.version_dir is not None:
+        console.print(f"wrote {result.version_dir / 'model.onnx'} (version {result.version})")
+    else:
+        console.print("nothing written: the optimized model did not pass the accuracy gate")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

@@ -1,0 +1,329 @@
+"""``optimize_model``: transform a model, gate it on accuracy, write it as a new version.
+
+Example::
+
+    from slipstream.optimize import OptimizeRequest, optimize_model
+
+    result = optimize_model(OptimizeRequest(
+        model=Path("models/mlp/1/model.onnx"),
+        repository=Path("models"),
+        name="mlp",
+        passes=["graph", "int8-dynamic"],
+        validation=Path("digits_val.npz"),
+    ))
+    print(result.gate.summary, result.version_dir)
+
+Nothing is written unless the optimized model passes the gate; then
+``REPO/NAME/<next>/model.onnx`` and ``optimization.json`` are written (and
+``REPO/NAME/config.yaml`` when the model has none), the version directory appearing
+whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slipstream.optimize.data import Dataset, load_dataset
+from slipstream.optimize.gate import (
+    DEFAULT_MAX_DROP,
+    GateResult,
+    MetricName,
+    choose_metric,
+    compare_outputs,
+    judge,
+    run_model,
+)
+from slipstream.optimize.passes import PassContext, PassRecord, PassSettings, order_passes, run_pass
+
+__all__ = [
+    "OptimizationResult",
+    "OptimizeError",
+    "OptimizeRequest",
+    "SpeedResult",
+    "optimize_model",
+    "resolve_source",
+]
+
+ProgressCallback = Callable[[str, int, int], None]
+# Calibration rows taken from the validation data when no --calibration is given;
+# never more than half of it, so the gate still judges rows the quantizer did not see.
+DEFAULT_CALIBRATION_ROWS = 128
+RECORD_NAME = "optimization.json"
+
+
+class OptimizeError(ValueError):
+    """The optimization cannot run as asked; the message names the option that fixes it."""
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizeRequest:
+    """Everything ``optimize_model`` needs; the CLI options map one to one."""
+
+    # An ONNX file, or REPO/NAME (its newest version's model.onnx).
+    model: Path
+    # The model repository the new version is written into.
+    repository: Path
+    # The model's directory name in the repository.
+    name: str
+    # Pass names, in any order (see optimize.passes.PASS_ORDER).
+    passes: Sequence[str]
+    # Rows the gate compares the two models on (.npz, .npy directory or V2 JSON).
+    validation: Path
+    # Rows for int8-static calibration; default: a split of the validation rows.
+    calibration: Path | None = None
+    # Gate metric; default chosen from the data and the output (see optimize.gate).
+    metric: MetricName | None = None
+    # Largest accepted drop; default per metric (see optimize.gate.DEFAULT_MAX_DROP).
+    max_drop: float | None = None
+    # The model output the gate compares; default its first output.
+    output_name: str | None = None
+    settings: PassSettings = field(default_factory=PassSettings)
+    # Batch sizes the speed profile measures, before and after.
+    batch_sizes: Sequence[int] = (1, 8)
+    # Dims after the batch dim for variable-dim inputs, as for ``slipstream profile``.
+    shapes: Mapping[str, Sequence[int]] | None = None
+    # Seconds of timed runs per batch size in the speed profile.
+    profile_seconds: float = 0.3
+    # Skip the speed profile (the tuner measures speed itself).
+    measure_speed: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedResult:
+    """One batch size's speed with one model file (one intra-op thread)."""
+
+    batch_size: int
+    p50_ms: float | None
+    p99_ms: float | None
+    throughput_infer_per_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizationResult:
+    """What ``optimize_model`` did; ``to_record()`` is the optimization.json content."""
+
+    source_model: str
+    passes: list[PassRecord]
+    gate: GateResult
+    size_bytes_before: int
+    size_bytes_after: int
+    # Empty when measure_speed was off or the gate failed.
+    speed_before: list[SpeedResult]
+    speed_after: list[SpeedResult]
+    tool_versions: dict[str, str]
+    # How the validation / calibration rows were chosen.
+    data: dict[str, Any]
+    notes: list[str]
+    # The version written, or None when the gate failed and nothing was written.
+    version: int | None = None
+    version_dir: Path | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["version_dir"] = None if self.version_dir is None else str(self.version_dir)
+        return record
+
+
+def resolve_source(model: Path) -> Path:
+    """An ONNX file as given, or a model directory's newest version's model.onnx."""
+    if model.is_file():
+        return model
+    if model.is_dir():
+        versions = sorted(
+            int(entry.name)
+            for entry in model.iterdir()
+            if entry.is_dir() and entry.name.isdigit() and (entry / "model.onnx").is_file()
+        )
+        if versions:
+            return model / str(versions[-1]) / "model.onnx"
+        raise OptimizeError(f"--model: {model} has no version directory with a model.onnx")
+    raise OptimizeError(f"--model: {model} does not exist")
+
+
+def optimize_model(
+    request: OptimizeRequest, on_progress: ProgressCallback | None = None
+) -> OptimizationResult:
+    """Run the passes, gate the result, and write it as a new version if it passes."""
+    source = resolve_source(request.model)
+    if source.suffix.lower() != ".onnx":
+        raise OptimizeError(f"--model: {source} is not an ONNX file (.onnx)")
+    try:
+        names = order_passes(list(request.passes))
+    except ValueError as exc:
+        raise OptimizeError(str(exc)) from None
+    validation, calibration, data_record = _datasets(request, source)
+    with tempfile.TemporaryDirectory(prefix="slipstream-optimize-") as scratch:
+        work = Path(scratch)
+        current, records = source, []
+        for index, name in enumerate(names):
+            target = work / f"{index}-{name}.onnx"
+            later = tuple(names[index + 1 :])
+            context = PassContext(request.settings, calibration, on_progress, later)
+            records.append(run_pass(name, current, target, context))
+            current = target
+        gate = _gate(request, source, current, validation, on_progress)
+        result = OptimizationResult(
+            source_model=str(source),
+            passes=records,
+            gate=gate,
+            size_bytes_before=source.stat().st_size,
+            size_bytes_after=current.stat().st_size,
+            speed_before=[],
+            speed_after=[],
+            tool_versions=_tool_versions(),
+            data=data_record,
+            notes=[],
+        )
+        if not gate.passed:
+            return result
+        if request.measure_speed:
+            result = _with_speed(result, request, source, current, names)
+        return _write_version(result, request, current)
+
+
+def _datasets(
+    request: OptimizeRequest, source: Path
+) -> tuple[Dataset, Dataset | None, dict[str, Any]]:
+    import onnx
+
+    graph = onnx.load(str(source), load_external_data=False).graph
+    initializers = {init.name for init in graph.initializer}
+    input_names = [value.name for value in graph.input if value.name not in initializers]
+    try:
+        validation = load_dataset(request.validation, input_names)
+        if request.calibration is not None:
+            calibration: Dataset | None = load_dataset(request.calibration, input_names)
+        elif "int8-static" in request.passes:
+            rows = min(DEFAULT_CALIBRATION_ROWS, validation.num_rows // 2)
+            if rows < 1:
+                raise OptimizeError("--validation: too few rows to split off calibration rows")
+            calibration = validation.rows(0, rows)
+            validation = validation.rows(rows, validation.num_rows)
+        else:
+            calibration = None
+    except ValueError as exc:
+        raise OptimizeError(str(exc)) from None
+    record = {
+        "validation": validation.source,
+        "validation_rows": validation.num_rows,
+        "calibration": None if calibration is None else calibration.source,
+        "calibration_rows": None if calibration is None else calibration.num_rows,
+    }
+    return validation, calibration, record
+
+
+def _gate(
+    request: OptimizeRequest,
+    source: Path,
+    optimized: Path,
+    data: Dataset,
+    on_progress: ProgressCallback | None,
+) -> GateResult:
+    try:
+        name, before = run_model(source, data, request.output_name, on_progress, "original")
+    except Exception as exc:  # ORT raises its own exception types for bad feeds
+        raise OptimizeError(f"--validation: the original model cannot run it: {exc}") from None
+    _, after = run_model(optimized, data, name, on_progress, "optimized")
+    try:
+        metric, reason = choose_metric(request.metric, data.labels is not None, name, before)
+    except ValueError as exc:
+        raise OptimizeError(str(exc)) from None
+    max_drop = DEFAULT_MAX_DROP[metric] if request.max_drop is None else request.max_drop
+    values = compare_outputs(metric, max_drop, before, after, data.labels)
+    return judge(metric, reason, name, data.num_rows, max_drop, values)
+
+
+def _with_speed(
+    result: OptimizationResult,
+    request: OptimizeRequest,
+    source: Path,
+    optimized: Path,
+    names: list[str],
+) -> OptimizationResult:
+    before = _speed(source, request)
+    after = _speed(optimized, request)
+    notes = list(result.notes)
+    ratios = [
+        a.p50_ms / b.p50_ms
+        for b, a in zip(before, after, strict=True)
+        if a.p50_ms is not None and b.p50_ms
+    ]
+    if ratios:
+        median = sorted(ratios)[len(ratios) // 2]
+        faster = "faster" if median < 1 else "slower"
+        notes.append(
+            f"on this CPU with one thread the optimized model is {faster}: p50 latency "
+            f"x{median:.2f} of the original's (median over batch sizes)"
+        )
+        if "fp16" in names and median >= 1:
+            notes.append("fp16 is slower on this CPU; it pays off on GPUs with FP16 units")
+    return _replace(result, speed_before=before, speed_after=after, notes=notes)
+
+
+def _speed(path: Path, request: OptimizeRequest) -> list[SpeedResult]:
+    from slipstream.bench.profile import profile_model
+
+    profile = profile_model(
+        path,
+        batch_sizes=list(request.batch_sizes),
+        shapes=request.shapes,
+        threads=1,
+        seconds=request.profile_seconds,
+        op_profile=False,
+    )
+    return [
+        SpeedResult(batch.batch_size, batch.p50_ms, batch.p99_ms, batch.throughput_infer_per_s)
+        for batch in profile.batches
+    ]
+
+
+def _write_version(
+    result: OptimizationResult, request: OptimizeRequest, optimized: Path
+) -> OptimizationResult:
+    model_dir = request.repository / request.name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    existing = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+    version = max(existing, default=0) + 1
+    final = model_dir / str(version)
+    result = _replace(result, version=version, version_dir=final)
+    # Build the version beside its final name, then rename: a polling server never sees
+    # a version directory without its model file.
+    staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=model_dir))
+    try:
+        shutil.copyfile(optimized, staging / "model.onnx")
+        (staging / RECORD_NAME).write_text(json.dumps(result.to_record(), indent=2) + "\n")
+        staging.rename(final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if not any((model_dir / name).exists() for name in ("config.yaml", "config.yml")):
+        (model_dir / "config.yaml").write_text(
+            f"# Written by slipstream optimize; the rest is read from the model file.\n"
+            f"name: {request.name}\nbackend: onnxruntime\n"
+        )
+    return result
+
+
+def _replace(result: OptimizationResult, **changes: Any) -> OptimizationResult:
+    from dataclasses import replace
+
+    return replace(result, **changes)
+
+
+def _tool_versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+
+    from slipstream import __version__
+
+    return {
+        "onnx": onnx.__version__,
+        "onnxruntime": str(onnxruntime.__version__),
+        "slipstream": __version__,
+    }
