@@ -97,7 +97,7 @@ def test_a_model_that_fails_the_gate_exits_non_zero_and_writes_nothing(
     assert sorted(p.name for p in (repo / "digits").iterdir()) == ["1"]
 
 
-def test_prune_is_refused_with_a_clear_message(
+def test_prune_of_an_onnx_model_is_refused_with_a_clear_message(
     repo_and_data: tuple[Path, Path, np.ndarray],
 ) -> None:
     repo, validation, _ = repo_and_data
@@ -108,4 +108,47 @@ def test_prune_is_refused_with_a_clear_message(
     outcome = CliRunner().invoke(main, args)
 
     assert outcome.exit_code == 2
-    assert "prune is not implemented yet" in outcome.output
+    assert "prune needs a PyTorch model" in outcome.output
+
+
+def test_distill_from_the_command_line_writes_version_2(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    digits = load_digits()
+    x, y = (digits.data / 16.0).astype(np.float32), digits.target.astype(np.int64)
+    np.savez(tmp_path / "train.npz", pixels=x[:1200], labels=y[:1200])
+    np.savez(tmp_path / "val.npz", pixels=x[1200:], labels=y[1200:])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/unit/test_optimize_torch.py::one_torch_thread
+    try:
+        torch.manual_seed(0)
+        teacher = torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+        )
+        optimizer = torch.optim.Adam(teacher.parameters(), lr=3e-3)
+        inputs, labels = torch.from_numpy(x[:1200]), torch.from_numpy(y[:1200])
+        for _ in range(15):
+            for start in range(0, 1200, 64):
+                rows = slice(start, start + 64)
+                loss = torch.nn.functional.cross_entropy(teacher(inputs[rows]), labels[rows])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        torch.save(teacher.eval(), tmp_path / "teacher.pt")
+        repo = tmp_path / "models"
+        build_digits_linear(repo)  # version 1 exists: distill writes version 2
+        args = [
+            "optimize", "--model", str(tmp_path / "teacher.pt"), "--repository", str(repo),
+            "--name", "digits", "--passes", "distill", "--student", "mlp-tiny",
+            "--train", str(tmp_path / "train.npz"), "--validation", str(tmp_path / "val.npz"),
+            "--epochs", "30", "--batch-size", "1,8", "--profile-seconds", "0.05",
+            "--max-drop", "3",  # accuracy is tests/unit/test_optimize_torch.py's concern
+        ]  # fmt: skip
+        outcome = CliRunner().invoke(main, args)
+    finally:
+        torch.set_num_threads(threads)
+
+    assert outcome.exit_code == 0, outcome.output
+    assert "accuracy gate (top1) passed" in outcome.output and "version 2" in outcome.output
+    record = json.loads((repo / "digits" / "2" / "optimization.json").read_text())
+    assert record["passes"][0]["name"] == "distill"
+    assert record["size_bytes_after"] < record["size_bytes_before"] / 2

@@ -184,7 +184,7 @@ def test_refused_pass_and_top1_without_labels_name_the_fix(
     digits: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
     source_repo, validation, unlabelled = digits
-    with pytest.raises(OptimizeError, match="prune is not implemented yet"):
+    with pytest.raises(OptimizeError, match="prune needs a PyTorch model"):
         optimize_model(_request(source_repo, validation, passes=["prune"]))
     with pytest.raises(OptimizeError, match="--metric top1 needs labels"):
         optimize_model(_request(source_repo, unlabelled, repository=tmp_path, metric="top1"))

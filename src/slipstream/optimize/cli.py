@@ -41,7 +41,9 @@ def _parse_shapes(_ctx: click.Context, _param: click.Parameter, value: tuple[str
     "--model",
     type=click.Path(path_type=Path),
     required=True,
-    help="An ONNX file, or REPO/NAME (its newest version's model.onnx).",
+    help="An ONNX file, or REPO/NAME (its newest version's model.onnx); for prune and "
+    "distill a PyTorch whole module saved with torch.save(module, 'model.pt') "
+    "(loaded with weights_only=False: only files you trust).",
 )
 @click.option(
     "--repository",
@@ -53,8 +55,8 @@ def _parse_shapes(_ctx: click.Context, _param: click.Parameter, value: tuple[str
 @click.option(
     "--passes",
     required=True,
-    help="Comma-separated passes: graph, fp16, int8-dynamic, int8-static. "
-    "They run in that order whatever order is given.",
+    help="Comma-separated passes: prune or distill (PyTorch models), graph, fp16, "
+    "int8-dynamic, int8-static. They run in that order whatever order is given.",
 )
 @click.option(
     "--validation",
@@ -67,6 +69,47 @@ def _parse_shapes(_ctx: click.Context, _param: click.Parameter, value: tuple[str
     "--calibration",
     type=click.Path(path_type=Path, exists=True),
     help="Calibration rows for int8-static [default: split off the validation rows].",
+)
+@click.option(
+    "--train",
+    type=click.Path(path_type=Path, exists=True),
+    help="Labelled rows (same formats as --validation) prune fine-tunes on and distill "
+    "trains the student on [prune without it: no fine-tuning].",
+)
+@click.option(
+    "--student",
+    default="mlp-medium",
+    show_default=True,
+    help="distill: a preset (mlp-tiny, mlp-small, mlp-medium, cnn-small), "
+    "package.module:factory called with (input_shape, num_classes), or a .pt module.",
+)
+@click.option(
+    "--prune-ratio",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=0.5,
+    show_default=True,
+    help="prune: share of each layer's channels / neurons removed (smallest L1 norm).",
+)
+@click.option(
+    "--epochs",
+    type=click.IntRange(min=1),
+    default=30,
+    show_default=True,
+    help="prune fine-tuning / distill training passes over the --train rows.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(0, min_open=True),
+    default=4.0,
+    show_default=True,
+    help="distill: softmax temperature for teacher and student.",
+)
+@click.option(
+    "--alpha",
+    type=click.FloatRange(0, 1),
+    default=0.7,
+    show_default=True,
+    help="distill: weight of the teacher (KL) loss; 1 - alpha weighs the label loss.",
 )
 @click.option(
     "--metric",
@@ -137,6 +180,8 @@ def optimize(**options: Any) -> None:
     Example:
       slipstream optimize --model models/mlp --repository models --name mlp \\
           --passes graph,int8-dynamic --validation val.npz
+      slipstream optimize --model teacher.pt --repository models --name digits \\
+          --passes distill --student mlp-tiny --train train.npz --validation val.npz
     """  # fmt: skip
     from rich.console import Console
 
@@ -148,6 +193,11 @@ def optimize(**options: Any) -> None:
         int8_op_types=tuple(t.strip() for t in options["op_types"].split(",") if t.strip()),
         per_channel=options["per_channel"],
         calibration_method=options["calibration_method"],
+        prune_ratio=options["prune_ratio"],
+        student=options["student"],
+        epochs=options["epochs"],
+        temperature=options["temperature"],
+        alpha=options["alpha"],
     )
     request = OptimizeRequest(
         model=options["model"],
@@ -156,6 +206,7 @@ def optimize(**options: Any) -> None:
         passes=options["passes"].split(","),
         validation=options["validation"],
         calibration=options["calibration"],
+        train=options["train"],
         metric=options["metric"],
         max_drop=options["max_drop"],
         output_name=options["output_name"],
@@ -184,7 +235,8 @@ def _run_with_progress(request: Any, run: Any, console: Console) -> Optimization
 
         def on_progress(task: str, done: int, total: int) -> None:
             if task not in tasks:
-                tasks[task] = progress.add_task(f"{task} (rows)", total=total)
+                label = task if "(" in task else f"{task} (rows)"
+                tasks[task] = progress.add_task(label, total=total)
             progress.update(tasks[task], completed=done)
 
         result: OptimizationResult = run(request, on_progress)

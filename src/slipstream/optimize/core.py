@@ -13,6 +13,15 @@ Example::
     ))
     print(result.gate.summary, result.version_dir)
 
+PyTorch models (a whole module saved with ``torch.save(module, "model.pt")``) take the
+``prune`` or ``distill`` pass first; see ``optimize.torch_passes``::
+
+    optimize_model(OptimizeRequest(
+        model=Path("teacher.pt"), repository=Path("models"), name="digits",
+        passes=["distill"], validation=Path("val.npz"), train=Path("train.npz"),
+        settings=PassSettings(student="mlp-small", epochs=30),
+    ))
+
 Nothing is written unless the optimized model passes the gate; then
 ``REPO/NAME/<next>/model.onnx`` and ``optimization.json`` are written (and
 ``REPO/NAME/config.yaml`` when the model has none), the version directory appearing
@@ -27,9 +36,9 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slipstream.optimize.data import Dataset, load_dataset
+from slipstream.optimize.data import LABELS_NAME, Dataset, array_names, load_dataset
 from slipstream.optimize.gate import (
     DEFAULT_MAX_DROP,
     GateResult,
@@ -39,7 +48,17 @@ from slipstream.optimize.gate import (
     judge,
     run_model,
 )
-from slipstream.optimize.passes import PassContext, PassRecord, PassSettings, order_passes, run_pass
+from slipstream.optimize.passes import (
+    PYTORCH_PASSES,
+    PassContext,
+    PassRecord,
+    PassSettings,
+    order_passes,
+    run_pass,
+)
+
+if TYPE_CHECKING:
+    from slipstream.optimize.torch_passes import TorchPassOutput
 
 __all__ = [
     "OptimizationResult",
@@ -65,7 +84,8 @@ class OptimizeError(ValueError):
 class OptimizeRequest:
     """Everything ``optimize_model`` needs; the CLI options map one to one."""
 
-    # An ONNX file, or REPO/NAME (its newest version's model.onnx).
+    # An ONNX file, REPO/NAME (its newest version's model.onnx), or for prune / distill
+    # a PyTorch whole module saved with torch.save(module, "model.pt").
     model: Path
     # The model repository the new version is written into.
     repository: Path
@@ -77,6 +97,8 @@ class OptimizeRequest:
     validation: Path
     # Rows for int8-static calibration; default: a split of the validation rows.
     calibration: Path | None = None
+    # Labelled rows prune fine-tunes on and distill trains the student on.
+    train: Path | None = None
     # Gate metric; default chosen from the data and the output (see optimize.gate).
     metric: MetricName | None = None
     # Largest accepted drop; default per metric (see optimize.gate.DEFAULT_MAX_DROP).
@@ -151,40 +173,94 @@ def optimize_model(
 ) -> OptimizationResult:
     """Run the passes, gate the result, and write it as a new version if it passes."""
     source = resolve_source(request.model)
-    if source.suffix.lower() != ".onnx":
-        raise OptimizeError(f"--model: {source} is not an ONNX file (.onnx)")
     try:
         names = order_passes(list(request.passes))
     except ValueError as exc:
         raise OptimizeError(str(exc)) from None
-    validation, calibration, data_record = _datasets(request, source)
+    torch_pass = names[0] if names[0] in PYTORCH_PASSES else None
+    _check_source(source, torch_pass)
     with tempfile.TemporaryDirectory(prefix="slipstream-optimize-") as scratch:
         work = Path(scratch)
-        current, records = source, []
+        reference, current, records, versions = source, source, [], _tool_versions()
+        if torch_pass is not None:
+            output = _run_torch_pass(request, torch_pass, source, work, on_progress)
+            reference, current = output.reference, output.optimized
+            records, names = [output.record], names[1:]
+            versions.update(output.tool_versions)
+        validation, calibration, data_record = _datasets(request, reference)
         for index, name in enumerate(names):
             target = work / f"{index}-{name}.onnx"
             later = tuple(names[index + 1 :])
             context = PassContext(request.settings, calibration, on_progress, later)
             records.append(run_pass(name, current, target, context))
             current = target
-        gate = _gate(request, source, current, validation, on_progress)
+        gate = _gate(request, reference, current, validation, on_progress)
         result = OptimizationResult(
             source_model=str(source),
             passes=records,
             gate=gate,
-            size_bytes_before=source.stat().st_size,
+            size_bytes_before=reference.stat().st_size,
             size_bytes_after=current.stat().st_size,
             speed_before=[],
             speed_after=[],
-            tool_versions=_tool_versions(),
+            tool_versions=versions,
             data=data_record,
             notes=[],
         )
+        if torch_pass is not None:
+            result.notes.append(
+                "sizes and speeds before are the original PyTorch model's, exported to ONNX"
+            )
         if not gate.passed:
             return result
         if request.measure_speed:
-            result = _with_speed(result, request, source, current, names)
+            result = _with_speed(result, request, reference, current, names)
         return _write_version(result, request, current)
+
+
+def _check_source(source: Path, torch_pass: str | None) -> None:
+    from slipstream.optimize.torch_passes import TORCH_SUFFIXES
+
+    suffix = source.suffix.lower()
+    if torch_pass is not None and suffix not in TORCH_SUFFIXES:
+        raise OptimizeError(
+            f"--model: {torch_pass} needs a PyTorch model (.pt saved with "
+            f"torch.save(module, path)); {source} is not one"
+        )
+    if torch_pass is None and suffix in TORCH_SUFFIXES:
+        raise OptimizeError(
+            f"--model: {source} is a PyTorch model; the ONNX passes need an ONNX file "
+            "(or add prune or distill to --passes, which export it)"
+        )
+    if torch_pass is None and suffix != ".onnx":
+        raise OptimizeError(f"--model: {source} is not an ONNX file (.onnx)")
+
+
+def _run_torch_pass(
+    request: OptimizeRequest,
+    name: str,
+    source: Path,
+    work: Path,
+    on_progress: ProgressCallback | None,
+) -> TorchPassOutput:
+    from slipstream.optimize.torch_passes import run_torch_pass
+
+    try:
+        found = [n for n in array_names(request.validation) if n != LABELS_NAME]
+        if len(found) != 1:
+            raise OptimizeError(
+                f"--validation: a PyTorch model takes one input; the data has arrays "
+                f"{', '.join(found) or 'none'} besides labels, expected exactly one"
+            )
+        input_name = found[0]
+        sample = load_dataset(request.validation, [input_name]).inputs[input_name][:2]
+        train = None if request.train is None else load_dataset(request.train, [input_name])
+        io_names = (input_name, request.output_name or "logits")
+        return run_torch_pass(
+            name, source, work, request.settings, io_names, sample, train, on_progress
+        )
+    except ValueError as exc:  # PassError, DataError
+        raise OptimizeError(str(exc)) from None
 
 
 def _datasets(

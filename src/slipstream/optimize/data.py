@@ -20,7 +20,7 @@ import numpy as np
 from slipstream.errors import InvalidRequest
 from slipstream.protocol.v2 import decode_infer_request
 
-__all__ = ["LABELS_NAME", "DataError", "Dataset", "load_dataset"]
+__all__ = ["LABELS_NAME", "DataError", "Dataset", "array_names", "load_dataset"]
 
 # The array holding the expected class per row, in every format.
 LABELS_NAME = "labels"
@@ -56,16 +56,7 @@ class Dataset:
 
 def load_dataset(path: Path, input_names: Sequence[str]) -> Dataset:
     """Read ``path`` (.npz, directory of .npy, or V2 JSON) for a model with ``input_names``."""
-    if path.is_dir():
-        arrays = _read_npy_directory(path)
-    elif path.suffix.lower() == ".npz":
-        arrays = _read_npz(path)
-    elif path.suffix.lower() == ".json":
-        arrays = _read_v2_json(path)
-    elif not path.exists():
-        raise DataError(f"{path}: no such file or directory")
-    else:
-        raise DataError(f"{path}: expected a .npz file, a directory of .npy files or a .json file")
+    arrays = _read_arrays(path)
     labels = arrays.pop(LABELS_NAME, None)
     missing = [name for name in input_names if name not in arrays]
     if missing:
@@ -79,6 +70,24 @@ def load_dataset(path: Path, input_names: Sequence[str]) -> Dataset:
         labels = labels.reshape(len(labels), -1)[:, 0] if labels.ndim > 1 else labels
         labels = labels.astype(np.int64)
     return Dataset(inputs=inputs, labels=labels, source=str(path))
+
+
+def array_names(path: Path) -> list[str]:
+    """The names of the arrays in ``path`` (labels included), for a model whose input
+    names are not known yet (a PyTorch model is named after its data on export)."""
+    return sorted(_read_arrays(path))
+
+
+def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+    if path.is_dir():
+        return _read_npy_directory(path)
+    if path.suffix.lower() == ".npz":
+        return _read_npz(path)
+    if path.suffix.lower() == ".json":
+        return _read_v2_json(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    raise DataError(f"{path}: expected a .npz file, a directory of .npy files or a .json file")
 
 
 def _check_rows(path: Path, inputs: dict[str, np.ndarray], labels: np.ndarray | None) -> None:

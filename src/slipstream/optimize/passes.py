@@ -1,7 +1,9 @@
 """The model transformations of ``slipstream optimize``, one function per pass.
 
 Each pass reads one ONNX file and writes another; it never touches the repository.
-Passes run in a fixed order whatever order they are asked in: ``graph`` first (it
+Passes run in a fixed order whatever order they are asked in: the PyTorch passes
+``prune`` or ``distill`` first (see ``optimize.torch_passes``; they read a PyTorch model
+and write ONNX), then ``graph`` (it
 folds constants and removes nodes the quantizers would otherwise have to handle), then
 one precision pass (``fp16``, ``int8-dynamic`` or ``int8-static``), as quantizing an
 FP16 model or converting a quantized one to FP16 is not meaningful.
@@ -24,9 +26,9 @@ from slipstream.optimize.data import Dataset
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "NOT_IMPLEMENTED_PASSES",
     "PASS_ORDER",
     "PRECISION_PASSES",
+    "PYTORCH_PASSES",
     "PassContext",
     "PassError",
     "PassRecord",
@@ -35,10 +37,10 @@ __all__ = [
     "run_pass",
 ]
 
-PASS_ORDER = ("graph", "fp16", "int8-dynamic", "int8-static")
+PASS_ORDER = ("prune", "distill", "graph", "fp16", "int8-dynamic", "int8-static")
 PRECISION_PASSES = frozenset({"fp16", "int8-dynamic", "int8-static"})
-# Named in the issue, not built yet; refused with a message rather than "unknown pass".
-NOT_IMPLEMENTED_PASSES = frozenset({"prune", "distill"})
+# Passes that read a PyTorch model; at most one runs, first (see optimize.torch_passes).
+PYTORCH_PASSES = frozenset({"prune", "distill"})
 CalibrationMethodName = Literal["minmax", "entropy", "percentile"]
 GraphLevel = Literal["basic", "extended"]
 # Why the default graph level is "basic", kept in the record next to the setting.
@@ -79,6 +81,23 @@ class PassSettings:
     calibration_batch_size: int = 16
     # fp16: keep FP32 inputs and outputs so clients need not change what they send.
     fp16_keep_io_types: bool = True
+    # prune: share of each layer's output channels / neurons removed (smallest L1 norm).
+    prune_ratio: float = 0.5
+    # distill: a preset (mlp-tiny, mlp-small, mlp-medium, cnn-small), a
+    # package.module:factory called with (input_shape, num_classes), or a .pt module.
+    student: str = "mlp-medium"
+    # prune (with --train) / distill: passes over the training rows.
+    epochs: int = 30
+    # distill: softens teacher and student distributions; higher shares more of the
+    # teacher's "dark knowledge" about similar classes.
+    temperature: float = 4.0
+    # distill: weight of the soft (teacher) loss; 1 - alpha goes to the label loss.
+    alpha: float = 0.7
+    # prune / distill: Adam learning rate and rows per step.
+    learning_rate: float = 3e-3
+    train_batch_size: int = 64
+    # prune / distill: seed for initialization and row order, so runs repeat.
+    seed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +129,6 @@ class PassRecord:
 def order_passes(names: list[str]) -> list[str]:
     """Validate pass names and put them in the order they run in (see module docstring)."""
     cleaned = [name.strip().lower() for name in names if name.strip()]
-    refused = sorted(set(cleaned) & NOT_IMPLEMENTED_PASSES)
-    if refused:
-        raise PassError(
-            f"--passes: {', '.join(refused)} is not implemented yet; available passes: "
-            + ", ".join(PASS_ORDER)
-        )
     unknown = sorted(set(cleaned) - set(PASS_ORDER))
     if unknown:
         raise PassError(
@@ -128,6 +141,10 @@ def order_passes(names: list[str]) -> list[str]:
     if len(precision) > 1:
         raise PassError(
             f"--passes: {' and '.join(precision)} both set the precision; choose one of them"
+        )
+    if len(set(cleaned) & PYTORCH_PASSES) > 1:
+        raise PassError(
+            "--passes: prune and distill both start from the PyTorch model; choose one of them"
         )
     return [name for name in PASS_ORDER if name in cleaned]
 
