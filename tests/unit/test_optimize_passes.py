@@ -16,6 +16,7 @@ from slipstream.optimize.passes import (
     PassContext,
     PassError,
     PassSettings,
+    even_batch_size,
     order_passes,
     run_pass,
 )
@@ -164,3 +165,21 @@ def test_passes_run_in_a_fixed_order() -> None:
 def test_bad_pass_lists_are_refused(names: list[str], message: str) -> None:
     with pytest.raises(PassError, match=message):
         order_passes(names)
+
+
+@pytest.mark.parametrize("method", ["entropy", "percentile"])
+def test_histogram_calibration_takes_any_row_count(
+    method: str, model: Path, rows: np.ndarray, tmp_path: Path
+) -> None:
+    # 30 rows in batches of 16 once left a short last batch that ORT's histogram
+    # calibrators could not stack; every row must still be used.
+    context = PassContext(
+        PassSettings(calibration_method=method, calibration_batch_size=16),
+        calibration=Dataset({"x": rows[:30]}, None, "rows"),
+    )
+    record = run_pass("int8-static", model, tmp_path / "q.onnx", context)
+    assert record.settings["calibration_rows"] == 30
+
+
+def test_even_batch_size() -> None:
+    assert [even_batch_size(total, 16) for total in (32, 30, 17, 5, 0)] == [16, 15, 1, 5, 1]

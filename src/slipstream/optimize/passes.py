@@ -283,6 +283,19 @@ def _sort_topologically(graph: onnx.GraphProto) -> None:
     graph.node.extend(copies)
 
 
+def even_batch_size(total: int, wanted: int) -> int:
+    """The largest batch size <= ``wanted`` that divides ``total`` rows evenly.
+
+    ONNX Runtime's histogram calibrators (entropy, percentile) stack every batch's
+    activations into one array and fail on a shorter last batch, so all batches are
+    made the same size rather than dropping rows.
+    """
+    for size in range(max(1, min(wanted, total)), 0, -1):
+        if total % size == 0:
+            return size
+    return 1
+
+
 class _CalibrationReader:
     """Feeds calibration rows to ``quantize_static`` in batches (a CalibrationDataReader)."""
 
@@ -293,7 +306,7 @@ class _CalibrationReader:
         on_progress: Callable[[str, int, int], None] | None,
     ) -> None:
         self._data = data
-        self._batch_size = max(1, batch_size)
+        self._batch_size = even_batch_size(data.num_rows, batch_size)
         self._on_progress = on_progress
         self._batches = self._iterate()
 
