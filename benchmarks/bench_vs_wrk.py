@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slipstream.bench.inputs import ModelSignature, RequestInputs, TensorSpec, read_input_data
+from slipstream.bench.payloads import encode_request
+
 from loadgen import (
     WRK_INSTALL_HINT,
     LoadResult,
@@ -38,9 +41,6 @@ from loadgen import (
 )
 from models import RequestBody, build_repository, sample_inputs
 from servers import ServerSpec, free_port, running
-
-from slipstream.bench.inputs import ModelSignature, RequestInputs, TensorSpec, read_input_data
-from slipstream.bench.payloads import encode_request
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BENCH_EXE = Path(sys.executable).parent / "slipstream"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from models import RequestBody
 
 WRK_INSTALL_HINT = "wrk is not installed: run `apt-get update && apt-get install -y wrk`"

@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
-import models
 from slipstream.bench.profile import profile_model
 from slipstream.optimize import OptimizeRequest, PassSettings, optimize_model
+
+import models
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"  # git-ignored

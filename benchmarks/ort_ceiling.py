@@ -19,6 +19,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 import orjson
+
 from models import sample_inputs
 
 

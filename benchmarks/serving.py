@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import models
 import orjson
+
+import models
 from loadgen import WRK_INSTALL_HINT, LoadResult, measure_level, write_lua_script, wrk_available
 from servers import ServerSpec, ensure_venv, free_port, post, running
 
