@@ -15,6 +15,7 @@ import click
 from pydantic import ValidationError
 
 from slipstream.bench.settings import BenchSettings
+from slipstream.cli_params import shapes_option
 
 _INSTALL_HINT = "pip install 'slipstream[bench]'"
 
@@ -45,23 +46,6 @@ def _float_list(_ctx: click.Context, _param: click.Parameter, value: str | None)
         raise click.BadParameter(f"{value!r}: expected numbers like 100,500") from None
 
 
-def _shapes(
-    _ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
-) -> dict[str, list[int]]:
-    shapes = {}
-    for text in values:
-        name, _, dims = text.rpartition(":")
-        try:
-            shapes[name] = [int(d) for d in dims.split(",") if d.strip()]
-        except ValueError:
-            shapes[name] = []
-        if not name or not shapes[name] or min(shapes[name]) < 1:
-            raise click.BadParameter(
-                f"{text!r}: expected NAME:D1,D2 with positive dims, e.g. input_ids:128"
-            )
-    return shapes
-
-
 _FILE = click.Path(path_type=Path, dir_okay=False)
 
 
@@ -85,7 +69,7 @@ _FILE = click.Path(path_type=Path, dir_okay=False)
     help=_help("distribution"),
 )
 @click.option("--batch-size", "-b", type=int, default=1, help=_help("batch_size"))
-@click.option("--shape", "shapes", multiple=True, callback=_shapes, help=_help("shapes"))
+@click.option("--shape", "shapes", multiple=True, callback=shapes_option, help=_help("shapes"))
 @click.option("--input-data", type=click.Path(path_type=Path), help=_help("input_data"))
 @click.option("--warmup-s", type=float, default=1.0, help=_help("warmup_s"))
 @click.option("--window-s", type=float, default=2.0, help=_help("window_s"))

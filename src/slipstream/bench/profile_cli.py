@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from slipstream.cli_params import batch_sizes_option, parse_shape
 from slipstream.runtime import BACKEND_NAMES
 
 if TYPE_CHECKING:
@@ -23,33 +24,6 @@ if TYPE_CHECKING:
 _INSTALL_HINT = "pip install 'slipstream[bench]'"
 # Node names are paths ("/encoder/layer.5/output/dense/MatMul"): their end tells most.
 _NODE_NAME_WIDTH = 40
-
-
-def _parse_batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str) -> list[int]:
-    try:
-        sizes = sorted({int(item) for item in value.split(",") if item.strip()})
-    except ValueError:
-        sizes = []
-    if not sizes or sizes[0] < 1:
-        raise click.BadParameter(f"{value!r}: expected positive integers like 1,2,4,8")
-    return sizes
-
-
-def parse_shape(text: str) -> tuple[str, tuple[int, ...], str | None]:
-    """``name:d1,d2[:DATATYPE]`` -> (name, dims after the batch dim, datatype or None)."""
-    parts = text.split(":")
-    if len(parts) not in (2, 3) or not parts[0]:
-        raise click.BadParameter(
-            f"{text!r}: expected NAME:D1,D2 (dims after the batch dim), e.g. input_ids:128",
-            param_hint="--shape",
-        )
-    try:
-        dims = tuple(int(d) for d in parts[1].split(",") if d.strip())
-    except ValueError:
-        dims = (0,)
-    if any(d < 1 for d in dims):
-        raise click.BadParameter(f"{text!r}: dims must be positive integers", param_hint="--shape")
-    return parts[0], dims, parts[2].upper() if len(parts) == 3 else None
 
 
 def _check_report(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
@@ -109,7 +83,7 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
     "--batch-sizes",
     default="1,2,4,8,16,32,64",
     show_default=True,
-    callback=_parse_batch_sizes,
+    callback=batch_sizes_option,
     help="Comma-separated batch sizes to time.",
 )
 @click.option(

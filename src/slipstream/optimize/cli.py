@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import click
 
+from slipstream.cli_params import batch_sizes_option, shapes_option
 from slipstream.optimize.gate import METRIC_NAMES
 from slipstream.optimize.passes import CalibrationMethodName, GraphLevel
 
@@ -18,22 +19,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from slipstream.optimize.core import OptimizationResult
-
-
-def _parse_batch_sizes(_ctx: click.Context, _param: click.Parameter, value: str) -> list[int]:
-    try:
-        sizes = sorted({int(item) for item in value.split(",") if item.strip()})
-    except ValueError:
-        sizes = []
-    if not sizes or sizes[0] < 1:
-        raise click.BadParameter(f"{value!r}: expected positive integers like 1,8,32")
-    return sizes
-
-
-def _parse_shapes(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> Any:
-    from slipstream.bench.profile_cli import parse_shape
-
-    return {name: list(dims) for name, dims, _ in (parse_shape(text) for text in value)}
 
 
 @click.command()
@@ -128,7 +113,7 @@ def _parse_shapes(_ctx: click.Context, _param: click.Parameter, value: tuple[str
     "--batch-size",
     "batch_sizes",
     default="1,8",
-    callback=_parse_batch_sizes,
+    callback=batch_sizes_option,
     show_default=True,
     help="Batch sizes the before/after speed profile measures.",
 )
@@ -136,7 +121,7 @@ def _parse_shapes(_ctx: click.Context, _param: click.Parameter, value: tuple[str
     "--shape",
     "shapes",
     multiple=True,
-    callback=_parse_shapes,
+    callback=shapes_option,
     help="NAME:D1,D2 dims after the batch dim of a variable-dim input (repeatable).",
 )
 @click.option(

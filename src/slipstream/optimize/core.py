@@ -56,6 +56,7 @@ from slipstream.optimize.passes import (
     order_passes,
     run_pass,
 )
+from slipstream.repository.layout import read_model_directory
 
 if TYPE_CHECKING:
     from slipstream.optimize.torch_passes import TorchPassOutput
@@ -157,11 +158,11 @@ def resolve_source(model: Path) -> Path:
     if model.is_file():
         return model
     if model.is_dir():
-        versions = sorted(
-            int(entry.name)
-            for entry in model.iterdir()
-            if entry.is_dir() and entry.name.isdigit() and (entry / "model.onnx").is_file()
-        )
+        versions = [
+            v
+            for v in read_model_directory(model).versions
+            if (model / str(v) / "model.onnx").is_file()
+        ]
         if versions:
             return model / str(versions[-1]) / "model.onnx"
         raise OptimizeError(f"--model: {model} has no version directory with a model.onnx")
@@ -364,8 +365,7 @@ def _write_version(
 ) -> OptimizationResult:
     model_dir = request.repository / request.name
     model_dir.mkdir(parents=True, exist_ok=True)
-    existing = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()]
-    version = max(existing, default=0) + 1
+    version = max(read_model_directory(model_dir).versions, default=0) + 1
     final = model_dir / str(version)
     result = _replace(result, version=version, version_dir=final)
     # Build the version beside its final name, then rename: a polling server never sees
