@@ -31,13 +31,6 @@ class InvalidRequest(ClientError):
     grpc_code = "INVALID_ARGUMENT"
 
 
-class PayloadTooLarge(ClientError):
-    """The request body exceeds the server's size limit."""
-
-    http_status = 413
-    grpc_code = "RESOURCE_EXHAUSTED"
-
-
 class ModelNotFound(ClientError):
     """Unknown model or version."""
 

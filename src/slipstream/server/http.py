@@ -26,8 +26,8 @@ _BINARY = b"application/octet-stream"
 _HEADER_LENGTH = b"inference-header-content-length"
 
 
-def _json(value: Any, status: int = 200) -> HttpResponse:
-    return HttpResponse(status, orjson.dumps(value))
+def _json(value: Any) -> HttpResponse:
+    return HttpResponse(200, orjson.dumps(value))
 
 
 def _empty(status: int) -> HttpResponse:

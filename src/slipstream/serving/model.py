@@ -14,7 +14,7 @@ from slipstream.config import ConfigError, ModelConfig, TensorConfig, WarmupSamp
 from slipstream.errors import InvalidRequest
 from slipstream.observability.metrics import ModelMetrics
 from slipstream.observability.stats import ModelStatsRecorder
-from slipstream.protocol.datatypes import V2_TO_NUMPY, numpy_dtype
+from slipstream.protocol.datatypes import V2_TO_NUMPY, numpy_dtype, v2_datatype
 from slipstream.repository.autocomplete import complete_config
 from slipstream.runtime import backend_for_file, get_backend
 from slipstream.runtime.base import Backend
@@ -121,7 +121,10 @@ class ModelVersion:
             return array
         if tensor.data_type == "BYTES" and array.dtype.kind in "OSU":
             return array.astype(object)
-        got = _datatype_name(array.dtype)
+        try:
+            got = v2_datatype(array.dtype)
+        except ValueError:
+            got = str(array.dtype)
         raise InvalidRequest(
             f"input {tensor.name!r}: datatype {got} but the model expects {tensor.data_type}"
         )
@@ -222,10 +225,3 @@ class ModelVersion:
         if unknown:
             raise ConfigError(f"model_warmup {sample.name!r}: unknown inputs {sorted(unknown)}")
         return inputs
-
-
-def _datatype_name(dtype: np.dtype[np.generic]) -> str:
-    for name, candidate in V2_TO_NUMPY.items():
-        if candidate == dtype:
-            return name
-    return str(dtype)
