@@ -141,11 +141,43 @@ class WarmupSample(_Strict):
     count: int = Field(1, ge=1, le=1000)
 
 
+# Backends served by the OpenAI lane (slipstream.llm) rather than the V2 tensor lane.
+GENERATIVE_BACKENDS = ("transformers",)
+
+
+class GenerationSettings(_Strict):
+    """``generation:`` in the config.yaml of a generative model: the KV-cache budget.
+
+    The cache is allocated once, at load: ``num_blocks`` blocks of ``block_size`` tokens
+    (per layer, keys and values). Sequences get blocks as they grow and give them back
+    when they finish; a request that could never fit is refused with a 400, and one that
+    does not fit now waits (up to ``max_queue_size`` waiting, then 503).
+    """
+
+    block_size: int = Field(16, ge=4, le=1024, description="tokens per KV-cache block")
+    num_blocks: int = Field(512, ge=1, description="blocks in the KV cache")
+    max_batch_tokens: int = Field(
+        256, ge=16, description="tokens one forward step may process (prefill chunks + decodes)"
+    )
+    max_num_seqs: int = Field(32, ge=1, description="sequences decoded together at most")
+    max_queue_size: int = Field(
+        256, ge=1, description="sequences waiting for the cache before new ones get 503"
+    )
+    max_model_len: int = Field(
+        0, ge=0, description="prompt + completion tokens at most; 0 = the model's own limit"
+    )
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
 class ModelConfig(_Strict):
     """The ``config.yaml`` of one model (shared by all its versions)."""
 
     name: str = ""
-    backend: str = Field("", description="onnxruntime, torch or sklearn; default by file type")
+    backend: str = Field(
+        "", description="onnxruntime, torch, sklearn or transformers; default by file type"
+    )
     platform: str = ""
     default_model_filename: str = ""
     max_batch_size: int | None = Field(
@@ -160,6 +192,10 @@ class ModelConfig(_Strict):
     parameters: dict[str, str] = Field(
         default_factory=dict, description="backend options, e.g. intra_op_thread_count"
     )
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    # Embedding models: the tokenizer file (in the model directory) that
+    # /v1/embeddings uses to turn text into the model's input_ids and attention_mask.
+    tokenizer: str = ""
 
     @field_validator("instance_group", mode="before")
     @classmethod
@@ -178,6 +214,10 @@ class ModelConfig(_Strict):
                 item = item["string_value"]
             flat[key] = item if isinstance(item, str) else str(item)
         return flat
+
+    @property
+    def generative(self) -> bool:
+        return self.backend in GENERATIVE_BACKENDS
 
     @property
     def instance_count(self) -> int:

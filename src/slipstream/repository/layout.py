@@ -81,6 +81,14 @@ def read_config(model: ModelDirectory) -> ModelConfig:
     return config
 
 
+def is_generative(model: ModelDirectory) -> bool:
+    """Whether the OpenAI lane (slipstream.llm) serves this model rather than the V2 lane."""
+    try:
+        return read_config(model).generative
+    except ConfigError:
+        return False
+
+
 def model_file(version_dir: Path, config: ModelConfig) -> Path:
     """The model file inside a version directory."""
     if config.default_model_filename:

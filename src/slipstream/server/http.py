@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -17,8 +17,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from slipstream.errors import InvalidRequest, ModelNotFound, SlipstreamError
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta
-from slipstream.server.http_server import HttpRequest, HttpResponse
+from slipstream.server.http_server import HttpRequest, HttpResponse, StreamingResponse
 from slipstream.serving.service import InferenceService
+
+if TYPE_CHECKING:
+    from slipstream.server.openai import OpenAIApp
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +40,17 @@ def _empty(status: int) -> HttpResponse:
 class HttpApp:
     """The V2 REST API, Triton's extensions and /metrics, as one request handler."""
 
-    def __init__(self, service: InferenceService, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, service: InferenceService, metrics: ServerMetrics, openai: OpenAIApp | None = None
+    ) -> None:
         self._service = service
         self._metrics = metrics
+        self._openai = openai
 
-    async def handle(self, request: HttpRequest) -> HttpResponse:
+    async def handle(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
         """Answer one request; a SlipstreamError becomes its status and {"error": ...}."""
+        if self._openai is not None and request.path.startswith("/v1/"):
+            return await self._openai.handle(request)
         try:
             return await self._dispatch(request)
         except SlipstreamError as exc:

@@ -10,7 +10,8 @@ inference work is dropped without a watcher task per request.
 Covered: keep-alive and HTTP/1.0, pipelined requests (answered in order), chunked
 request bodies, ``Expect: 100-continue``, HEAD, a body size limit enforced from the
 headers before the body is read, write back-pressure, an idle keep-alive timeout, and a
-graceful shutdown that lets in-flight requests finish.
+graceful shutdown that lets in-flight requests finish, and streamed responses
+(:class:`StreamingResponse`, chunked) for server-sent events.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import cast
@@ -54,7 +55,22 @@ class HttpResponse:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
-Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+@dataclass(slots=True)
+class StreamingResponse:
+    """A response whose body is produced while it is sent (server-sent events).
+
+    Written with chunked transfer encoding, one chunk per item, each flushed as it comes.
+    If the client disconnects, the iterator is closed, so its ``finally`` blocks run at
+    once (the LLM engine frees the sequence's KV-cache blocks there).
+    """
+
+    status: int
+    chunks: AsyncIterator[bytes]
+    content_type: bytes = b"text/event-stream"
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse | StreamingResponse]]
 ErrorBody = Callable[[str], bytes]
 
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
@@ -234,7 +250,11 @@ class _Connection(asyncio.Protocol):
             except Exception:
                 logger.exception("unhandled error on %s %s", request.method, request.path)
                 response = HttpResponse(500, self._server._error_body("internal server error"))
-            await self._write(request, response, keep_alive)
+            if isinstance(response, StreamingResponse):
+                if not await self._write_stream(request, response, keep_alive):
+                    return
+            else:
+                await self._write(request, response, keep_alive)
             if not keep_alive:
                 self._close()
                 return
@@ -247,19 +267,46 @@ class _Connection(asyncio.Protocol):
             return
         if not self._writable.is_set():
             await self._writable.wait()
-        status = _STATUS_LINES.get(response.status) or (
-            f"HTTP/1.1 {response.status} Unknown\r\n".encode()
-        )
-        parts = [status, b"content-type: ", response.content_type, b"\r\ncontent-length: ",
-                 str(len(response.body)).encode(), b"\r\n"]  # fmt: skip
-        for name, value in response.headers:
-            parts += (name, b": ", value, b"\r\n")
-        if not keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts.append(b"\r\n")
+        parts = _head(response.status, response.content_type, response.headers, keep_alive)
+        parts[-1:-1] = (b"content-length: ", str(len(response.body)).encode(), b"\r\n")
         if request.method != "HEAD":
             parts.append(response.body)
         self._transport.write(b"".join(parts))
+
+    async def _write_stream(
+        self, request: HttpRequest, response: StreamingResponse, keep_alive: bool
+    ) -> bool:
+        """Send a streamed body; False when the connection went away part-way."""
+        chunks = response.chunks
+        try:
+            if self._transport is None or self._closing:
+                return False
+            parts = _head(response.status, response.content_type, response.headers, keep_alive)
+            parts[-1:-1] = (b"cache-control: no-cache\r\n", b"transfer-encoding: chunked\r\n")
+            self._transport.write(b"".join(parts))
+            if request.method == "HEAD":
+                return True
+            async for chunk in chunks:
+                if not chunk:
+                    continue
+                if not self._writable.is_set():
+                    await self._writable.wait()
+                if self._transport is None or self._closing:
+                    return False
+                self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            if self._transport is None or self._closing:
+                return False
+            self._transport.write(b"0\r\n\r\n")
+            return True
+        except Exception:
+            # Headers are out: the only honest signal left is to cut the connection.
+            logger.exception("stream for %s %s failed part-way", request.method, request.path)
+            self._close()
+            return False
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     # -- closing -------------------------------------------------------------------------
 
@@ -299,3 +346,17 @@ class _Connection(asyncio.Protocol):
         idle = (self._worker is None or self._worker.done()) and not self._requests
         if idle and self._last_active < deadline:
             self._close()
+
+
+def _head(
+    status: int, content_type: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
+) -> list[bytes]:
+    """Status line and headers, ending with the blank line (the last item)."""
+    line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
+    parts = [line, b"content-type: ", content_type, b"\r\n"]
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return parts

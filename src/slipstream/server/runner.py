@@ -17,6 +17,7 @@ from slipstream.config import ServerSettings
 from slipstream.protocol.v2 import encode_error
 from slipstream.server.http import HttpApp
 from slipstream.server.http_server import HttpServer
+from slipstream.server.openai import OpenAIApp
 from slipstream.serving.core import ModelServer
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     service = ModelServer(settings)
     http_server = None
     if settings.http_port:
-        app = HttpApp(service, service.metrics)
+        openai_app = OpenAIApp(service.generative, service, settings.model_repository)
+        app = HttpApp(service, service.metrics, openai_app)
         http_server = HttpServer(
             app.handle, max_body_bytes=settings.max_request_bytes, error_body=encode_error
         )

@@ -15,8 +15,10 @@ from slipstream.errors import (
     SlipstreamError,
     Unavailable,
 )
+from slipstream.llm.service import LlmModels
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.observability.stats import ModelStats
+from slipstream.repository.layout import is_generative, read_model_directory
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.service import (
@@ -47,6 +49,8 @@ class ModelServer(InferenceService):
         self.models = ModelManager(
             settings.model_repository, self.metrics, settings.shutdown_timeout_s
         )
+        # Generative models (backend: transformers), served by the OpenAI routes.
+        self.generative = LlmModels(settings.model_repository, self.metrics.registry)
         self._started = False
         self._stopping = False
         self._poll_task: asyncio.Task[None] | None = None
@@ -56,11 +60,15 @@ class ModelServer(InferenceService):
     async def start(self) -> None:
         """Load the models the control mode asks for; start polling in poll mode."""
         mode = self.settings.model_control_mode
+        only = set(self.settings.load_models) if mode == "explicit" else None
+        generative = asyncio.create_task(self.generative.load_all(only))
         if mode == "explicit":
             for name in self.settings.load_models:
-                await self.models.load(name)
+                if not is_generative(read_model_directory(self.settings.model_repository / name)):
+                    await self.models.load(name)
         else:
             await self.models.load_all()
+        await generative
         if mode == "poll":
             self._poll_task = asyncio.create_task(self._poll_forever())
         self._started = True
@@ -70,7 +78,7 @@ class ModelServer(InferenceService):
         self._stopping = True
         if self._poll_task is not None:
             self._poll_task.cancel()
-        await self.models.close()
+        await asyncio.gather(self.models.close(), self.generative.close())
 
     async def _poll_forever(self) -> None:
         while True:
@@ -87,6 +95,8 @@ class ModelServer(InferenceService):
 
     def is_ready(self) -> bool:
         if not self._started or self._stopping or self.models.pending_work():
+            return False
+        if not self.generative.is_ready():
             return False
         return not (self.settings.strict_readiness and self.models.has_failures())
 

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slipstream.config import ConfigError, ModelConfig
-from slipstream.errors import ModelNotFound, Unavailable
+from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.repository.layout import (
     ModelDirectory,
+    is_generative,
     list_models,
     model_file,
     read_config,
@@ -105,7 +106,7 @@ class ModelManager:
 
     def index(self, ready_only: bool = False) -> list[RepositoryEntry]:
         try:
-            on_disk = list_models(self.repository)
+            on_disk = self._tensor_models()
         except FileNotFoundError:
             on_disk = {}
         entries = []
@@ -127,8 +128,13 @@ class ModelManager:
 
     # -- loading and unloading ---------------------------------------------------------
 
+    def _tensor_models(self) -> dict[str, ModelDirectory]:
+        """The repository's models minus the generative ones (slipstream.llm serves those)."""
+        found = list_models(self.repository)
+        return {name: d for name, d in found.items() if not is_generative(d)}
+
     async def load_all(self) -> None:
-        names = list(list_models(self.repository))
+        names = list(self._tensor_models())
         await asyncio.gather(*(self.load(name) for name in names))
 
     async def load(self, name: str) -> None:
@@ -138,6 +144,11 @@ class ModelManager:
             path = self.repository / name
             if not path.is_dir():
                 raise ModelNotFound(f"model {name!r} is not in the repository {self.repository}")
+            if is_generative(read_model_directory(path)):
+                raise InvalidRequest(
+                    f"model {name!r} is generative: it is served by the OpenAI routes (/v1/...) "
+                    "and loaded at start-up"
+                )
             state = self._models.setdefault(name, ModelState(name))
             state.transition = "LOADING"
             try:
@@ -233,7 +244,7 @@ class ModelManager:
 
     async def poll_once(self) -> None:
         """Load new or changed models, unload removed ones."""
-        on_disk = list_models(self.repository)
+        on_disk = self._tensor_models()
         for name, directory in on_disk.items():
             state = self._models.get(name)
             if (

@@ -1,0 +1,127 @@
+"""The contract every generation engine fulfils, whatever runs the model underneath.
+
+An engine owns a model, its tokenizer and its KV cache. It takes prompt token ids and
+sampling settings and streams back new token ids, one :class:`EngineStep` per decode
+step that produced tokens for that sequence. Text (detokenization, stop strings) and
+the OpenAI wire format live above it, in :mod:`slipstream.llm.service`, so a vLLM or
+llama.cpp engine only has to implement this module's :class:`Engine`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from slipstream.errors import InvalidRequest
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` means greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 means no top-k cut.
+    top_k: int = 0
+    # Set: the sampled sequence depends only on the seed and the prompt, never on which
+    # other sequences share the batch.
+    seed: int | None = None
+    # Keep generating past the end-of-sequence token (benchmarks use it).
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStep:
+    """New tokens for one sequence; ``finish_reason`` is set on its last step."""
+
+    token_ids: Sequence[int]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """The KV cache and the sequences using it, at one instant."""
+
+    block_size: int
+    blocks_total: int
+    blocks_used: int
+    # Tokens whose keys and values sit in the used blocks.
+    tokens_cached: int
+    running: int
+    waiting: int
+
+    @property
+    def blocks_free(self) -> int:
+        return self.blocks_total - self.blocks_used
+
+    @property
+    def utilization(self) -> float:
+        """Token slots holding a token / token slots in blocks handed to sequences."""
+        reserved = self.blocks_used * self.block_size
+        return self.tokens_cached / reserved if reserved else 0.0
+
+
+class Engine(ABC):
+    """A loaded generative model; see the module docstring."""
+
+    #: Longest prompt + completion the model takes, in tokens.
+    max_model_len: int
+    #: Token capacity of the KV cache; one sequence can never exceed it.
+    cache_tokens: int
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` as a completion prompt (special tokens as the model wants)."""
+
+    @abstractmethod
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat, rendered by the model's chat template, ready to answer."""
+
+    @abstractmethod
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, special tokens dropped."""
+
+    def admit(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a request before it streams: 400 if it can never fit, 503 if full now."""
+        if prompt_tokens == 0:
+            raise InvalidRequest("prompt: must contain at least one token")
+        needed = prompt_tokens + max_tokens
+        if needed > self.max_model_len:
+            raise InvalidRequest(
+                f"max_tokens: prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{needed} exceeds the model's context length of {self.max_model_len} tokens"
+            )
+        if needed > self.cache_tokens:
+            raise InvalidRequest(
+                f"max_tokens: prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{needed} tokens can never fit the KV cache of {self.cache_tokens} tokens "
+                "(generation.num_blocks x generation.block_size in config.yaml)"
+            )
+        self._check_queue()
+
+    @abstractmethod
+    def _check_queue(self) -> None:
+        """Raise :class:`~slipstream.errors.Unavailable` when no more sequences may wait."""
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[EngineStep]:
+        """Stream the completion of one prompt.
+
+        Raises :class:`~slipstream.errors.Unavailable` at once when the waiting queue
+        is full. Closing the iterator early cancels the sequence and frees its cache.
+        """
+
+    @abstractmethod
+    def cache_stats(self) -> CacheStats: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...

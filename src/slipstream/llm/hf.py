@@ -1,0 +1,284 @@
+"""The transformers engine: continuous batching over a paged KV cache.
+
+It drives the ``ContinuousBatchingManager`` and ``PagedAttentionCache`` that
+transformers ships (iteration-level scheduling, fixed-size cache blocks with per-sequence
+block tables, preemption by recompute when blocks run out) rather than re-implementing
+them. What this module adds is what a server needs around it: admission control with a
+bounded waiting queue, per-request sampling settings (greedy, temperature, top-p, top-k,
+seed) on one shared batch, asyncio streaming, cancellation, and cache statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slipstream.errors import InternalError, InvalidRequest, Unavailable
+from slipstream.llm.engine import CacheStats, Engine, EngineStep, FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from slipstream.config import GenerationSettings
+
+logger = logging.getLogger(__name__)
+
+# Placeholders that make transformers build the per-request temperature, top-k and top-p
+# processors (it skips any whose default is a no-op). Every request sets all three.
+_PLACEHOLDER_SAMPLING = {"temperature": 0.5, "top_k": 50, "top_p": 0.9}
+
+
+class TransformersEngine(Engine):
+    """A causal LM from a Hugging Face directory or a GGUF file; see the module docstring."""
+
+    def __init__(self, model: Any, tokenizer: Any, settings: GenerationSettings) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        self._model = model
+        self._tokenizer = tokenizer
+        self._settings = settings
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        position_limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
+        self.max_model_len = min(settings.max_model_len or position_limit, position_limit)
+        self.cache_tokens = settings.num_blocks * settings.block_size
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        generation = GenerationConfig(  # type: ignore[no-untyped-call]
+            do_sample=True,
+            eos_token_id=sorted(self.eos_token_ids) or -1,
+            pad_token_id=tokenizer.pad_token_id,
+            max_new_tokens=settings.default_max_tokens,
+            **_PLACEHOLDER_SAMPLING,
+        )
+        batching = ContinuousBatchingConfig(
+            page_size=settings.block_size,
+            num_blocks=settings.num_blocks,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_requests_per_batch=settings.max_num_seqs,
+            per_request_processors=True,
+            # Prefix sharing would make two sequences hold one block: utilisation
+            # accounting and "cancel frees its blocks" both assume one owner per block.
+            allow_block_sharing=False,
+            scheduler_type="fifo",
+        )
+        self._manager = model.init_continuous_batching(
+            generation_config=generation, continuous_batching_config=batching
+        )
+        _add_seeded_sampling(self._manager)
+        self._waiting: set[str] = set()
+        self._running: set[str] = set()
+        self._manager.start()
+
+    # -- text ----------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise InvalidRequest(
+                "messages: this model has no chat template; use /v1/completions with a prompt"
+            )
+        try:
+            encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # jinja raises for roles or orders a template refuses
+            raise InvalidRequest(f"messages: the chat template refused them: {exc}") from exc
+        ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
+        return [int(i) for i in ids]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    # -- generation ----------------------------------------------------------------------
+
+    def _check_queue(self) -> None:
+        limit = self._settings.max_queue_size
+        if len(self._waiting) >= limit:
+            raise Unavailable(
+                f"{len(self._waiting)} sequences are already waiting for the KV cache "
+                f"(generation.max_queue_size {limit}); retry later",
+                retry_after_s=1,
+            )
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[EngineStep]:
+        self._check_queue()
+        request_id = uuid.uuid4().hex
+        outputs: asyncio.Queue[Any] = asyncio.Queue()
+        manager = self._manager
+        manager.register_result_handler(request_id, outputs.put_nowait)
+        submitted = manager.add_request(
+            prompt_ids,
+            request_id=request_id,
+            max_new_tokens=params.max_tokens,
+            streaming=True,
+            eos_token_id=-1 if params.ignore_eos else sorted(self.eos_token_ids) or -1,
+            **self._sampling_kwargs(params),
+        )
+        if submitted is None:
+            self._drop_handler(request_id)
+            raise Unavailable("the generation engine is stopping or has failed", retry_after_s=5)
+        self._waiting.add(request_id)
+        sent = 0
+        finished = False
+        try:
+            while True:
+                output = await outputs.get()
+                if output.error is not None:
+                    finished = True
+                    raise InternalError(f"generation failed: {output.error}")
+                if sent == 0:
+                    self._waiting.discard(request_id)
+                    self._running.add(request_id)
+                tokens = output.generated_tokens
+                new = tokens[sent:]
+                sent = len(tokens)
+                if output.is_finished():
+                    finished = True
+                    reason: FinishReason = "length" if sent >= params.max_tokens else "stop"
+                    yield EngineStep(new, reason)
+                    return
+                if new:
+                    yield EngineStep(new)
+        finally:
+            self._waiting.discard(request_id)
+            self._running.discard(request_id)
+            if not finished:
+                # The client went away or a stop string matched: free the blocks now.
+                manager.cancel_request(request_id)
+                self._drop_handler(request_id)
+
+    def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        if params.greedy:
+            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+        kwargs: dict[str, Any] = {
+            "temperature": float(params.temperature),
+            "top_k": int(min(params.top_k, self.vocab_size) or self.vocab_size),
+            "top_p": float(params.top_p),
+        }
+        if params.seed is not None:
+            kwargs["seed"] = int(params.seed)
+        return kwargs
+
+    def _drop_handler(self, request_id: str) -> None:
+        router = self._manager.output_router
+        with router._lock:
+            router.result_handlers.pop(request_id, None)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def cache_stats(self) -> CacheStats:
+        block_size = self._settings.block_size
+        processor = self._manager.batch_processor
+        if processor is None:
+            return CacheStats(block_size, self._settings.num_blocks, 0, 0, 0, len(self._waiting))
+        cache = processor.cache
+        total = used = 0
+        for allocator in cache.cache_allocators.values():
+            free = cache.pool.count_free_blocks(allocator.index)
+            free += cache.pool.num_free_sectors * allocator.blocks_per_sector
+            total += allocator.num_blocks
+            used += allocator.num_blocks - free
+        tokens = 0
+        # Read without a lock from the generation thread: a snapshot, off by a step at most.
+        for state in list(processor.scheduler.active_requests.values()):
+            tokens += int(getattr(state, "position_offset", 0))
+        return CacheStats(block_size, total, used, tokens, len(self._running), len(self._waiting))
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._manager.stop, block=True)
+
+
+def load_transformers_engine(path: Path, settings: GenerationSettings) -> TransformersEngine:
+    """Load a model directory (``config.json`` + weights) or a ``.gguf`` file. Blocking."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    dtype = getattr(torch, settings.dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        where, extra = str(path.parent), {"gguf_file": path.name}
+    elif path.is_dir() and (path / "config.json").is_file():
+        where, extra = str(path), {}
+    else:
+        raise ValueError(
+            f"{path}: expected a .gguf file or a Hugging Face model directory with config.json"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(where, **extra)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **extra)
+    model.eval()  # type: ignore[no-untyped-call]
+    return TransformersEngine(model, tokenizer, settings)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(i for i in ids if i >= 0)
+
+
+def _add_seeded_sampling(manager: Any) -> None:
+    """Append a processor that makes a request's samples depend only on its seed.
+
+    transformers samples the whole batch with one ``torch.multinomial`` call, so a seed
+    cannot be per request there. For rows that carry a seed, this processor draws the
+    token itself with the Gumbel-max trick (argmax of logits plus Gumbel noise from a
+    generator seeded by the request's seed and position) and leaves only that token
+    possible, so the shared sampler must pick it.
+    """
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+    )
+
+    class SeededSampling(ContinuousBatchingLogitsProcessor):
+        supported_kwargs = {"seed": int}  # noqa: RUF012 - transformers' own class layout
+        ignored_kwargs: tuple[str, ...] = ()
+
+        def fill_defaults(self, int32_tensor: Any) -> None:
+            int32_tensor.fill_(-1)
+
+        def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
+            import torch
+
+            keys = []
+            for request in requests_with_new_token:
+                state = request.state
+                seed = state.logit_processor_kwargs.get("seed")
+                keys.append(-1 if seed is None else _step_key(seed, state.generated_len()))
+            return torch.tensor(keys, dtype=torch.int32)
+
+        def __call__(self, scores: Any, tensor_arg: Any) -> Any:
+            import torch
+
+            keys = tensor_arg[: scores.size(0)]
+            rows = torch.nonzero(keys >= 0).flatten().tolist()
+            for row in rows:
+                generator = torch.Generator().manual_seed(int(keys[row]))
+                uniform = torch.rand(scores.size(1), generator=generator).clamp_(min=1e-20)
+                noisy = scores[row] - torch.log(-torch.log(uniform))
+                pick = int(torch.argmax(noisy))
+                scores[row].fill_(-math.inf)
+                scores[row, pick] = 0.0
+            return scores
+
+    processors = manager.logit_processor
+    processors.logits_processor.append(SeededSampling())
+    processors.tensors_required += 1
+    processors._retrieve_processors_kwargs()
+    processors.do_processing = True
+
+
+def _step_key(seed: int, step: int) -> int:
+    """A non-negative int32 from (seed, step): distinct streams per position."""
+    mixed = (seed * 0x9E3779B1 + step * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF
+    return mixed & 0x7FFFFFFF

@@ -1,0 +1,228 @@
+"""The generative models of a repository, and text generation with metrics.
+
+Every model directory whose ``config.yaml`` names a generative backend
+(``backend: transformers``) is loaded here, beside (not inside) the V2 model manager:
+its requests are token streams, not tensor batches. One version is served per model,
+the newest the version policy selects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from slipstream.config import ConfigError, ModelConfig
+from slipstream.errors import ModelNotFound, Unavailable
+from slipstream.llm.engine import CacheStats, Engine, SamplingParams
+from slipstream.llm.text import TextDelta, stream_text
+from slipstream.observability.llm_metrics import LlmMetrics
+from slipstream.repository.layout import list_models, read_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One sequence to generate: choice ``index`` of a response."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stops: Sequence[str] = ()
+
+
+class LlmModels:
+    """Loads the repository's generative models and runs generation on them."""
+
+    def __init__(self, repository: Path, registry: CollectorRegistry) -> None:
+        self.repository = repository
+        self._engines: dict[str, Engine] = {}
+        self._created: dict[str, int] = {}
+        self._default_max_tokens: dict[str, int] = {}
+        self._loading: set[str] = set()
+        self._failures: dict[str, str] = {}
+        self.metrics = LlmMetrics(registry, self.cache_stats)
+
+    # -- loading -------------------------------------------------------------------------
+
+    async def load_all(self, only: set[str] | None = None) -> None:
+        """Load every generative model (or those named in ``only``)."""
+        try:
+            directories = list_models(self.repository)
+        except FileNotFoundError:
+            return
+        wanted = []
+        for name, directory in directories.items():
+            try:
+                config = read_config(directory)
+            except ConfigError:
+                continue  # the V2 manager reports a broken config.yaml
+            if config.generative and (only is None or name in only):
+                wanted.append((name, directory.path, list(directory.versions), config))
+        self._loading.update(name for name, *_ in wanted)
+        await asyncio.gather(*(self._load(*item) for item in wanted))
+
+    async def _load(self, name: str, path: Path, versions: list[int], config: ModelConfig) -> None:
+        try:
+            selected = config.version_policy.select(versions)
+            if not selected:
+                raise ConfigError(f"{name}: no version directory to serve (found {versions})")
+            source = _model_source(path / str(max(selected)), config)
+            engine = await asyncio.to_thread(_load_engine, source, config)
+        except Exception as exc:
+            self._failures[name] = f"{type(exc).__name__}: {exc}"
+            logger.error("generative model %s failed to load: %s", name, exc)
+        else:
+            self._engines[name] = engine
+            self._created[name] = int(time.time())
+            self._default_max_tokens[name] = config.generation.default_max_tokens
+            logger.info("generative model %s is READY (%s)", name, source)
+        finally:
+            self._loading.discard(name)
+
+    async def close(self) -> None:
+        engines, self._engines = self._engines, {}
+        await asyncio.gather(*(engine.close() for engine in engines.values()))
+
+    # -- lookup --------------------------------------------------------------------------
+
+    def models(self) -> list[tuple[str, int]]:
+        """(name, created unix time) of every ready model."""
+        return sorted(self._created.items())
+
+    def is_ready(self) -> bool:
+        return not self._loading
+
+    def engine(self, name: str) -> Engine:
+        engine = self._engines.get(name)
+        if engine is not None:
+            return engine
+        if name in self._loading:
+            raise Unavailable(f"model {name!r} is still loading", retry_after_s=5)
+        if name in self._failures:
+            raise Unavailable(f"model {name!r} failed to load: {self._failures[name]}")
+        served = ", ".join(self._engines) or "none"
+        raise ModelNotFound(f"model: {name!r} is not a generative model here (served: {served})")
+
+    def default_max_tokens(self, name: str) -> int:
+        return self._default_max_tokens.get(name, 256)
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        return {name: engine.cache_stats() for name, engine in self._engines.items()}
+
+    # -- generation ----------------------------------------------------------------------
+
+    def admit(self, model: str, jobs: Sequence[Job]) -> Engine:
+        """Check every job fits before anything is sent (400/503 come before a stream)."""
+        engine = self.engine(model)
+        for job in jobs:
+            engine.admit(len(job.prompt_ids), job.params.max_tokens)
+        return engine
+
+    async def generate(
+        self, model: str, jobs: Sequence[Job], arrived: float
+    ) -> AsyncIterator[tuple[int, TextDelta]]:
+        """Run the jobs concurrently; yield (job index, delta) as deltas come.
+
+        ``arrived`` is the request's ``time.perf_counter()`` at arrival, for TTFT and
+        end-to-end latency. Closing the iterator cancels every unfinished sequence.
+        """
+        engine = self.engine(model)
+        if len(jobs) == 1:
+            job = jobs[0]
+            async for delta in self._one(model, engine, job, arrived):
+                yield job.index, delta
+            return
+        merged: asyncio.Queue[tuple[int, TextDelta] | BaseException | None] = asyncio.Queue()
+
+        async def pump(job: Job) -> None:
+            try:
+                async for delta in self._one(model, engine, job, arrived):
+                    merged.put_nowait((job.index, delta))
+            except Exception as exc:
+                merged.put_nowait(exc)
+            finally:
+                merged.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(job)) for job in jobs]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(
+        self, model: str, engine: Engine, job: Job, arrived: float
+    ) -> AsyncIterator[TextDelta]:
+        metrics = self.metrics
+        metrics.prompt_tokens.labels(model).inc(len(job.prompt_ids))
+        steps = engine.generate(job.prompt_ids, job.params)
+        previous_tokens = 0
+        previous_at = arrived
+        outcome = "cancelled"
+        try:
+            async for delta in stream_text(steps, engine.decode, job.stops):
+                now = time.perf_counter()
+                new = delta.completion_tokens - previous_tokens
+                if new > 0:
+                    if previous_tokens == 0:
+                        metrics.ttft.labels(model).observe(now - arrived)
+                    else:
+                        gap = (now - previous_at) / new
+                        for _ in range(new):
+                            metrics.itl.labels(model).observe(gap)
+                    metrics.generation_tokens.labels(model).inc(new)
+                    previous_tokens, previous_at = delta.completion_tokens, now
+                if delta.finish_reason is not None:
+                    outcome = delta.finish_reason
+                    metrics.e2e.labels(model).observe(now - arrived)
+                yield delta
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            metrics.requests.labels(model, outcome).inc()
+
+
+def _model_source(version_dir: Path, config: ModelConfig) -> Path:
+    """The GGUF file or Hugging Face directory inside a version directory."""
+    if config.default_model_filename:
+        path = version_dir / config.default_model_filename
+        if not path.exists():
+            raise ConfigError(f"default_model_filename: {path} does not exist")
+        return path
+    if (version_dir / "config.json").is_file():
+        return version_dir
+    ggufs = sorted(version_dir.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    found = ", ".join(p.name for p in sorted(version_dir.iterdir())) or "nothing"
+    raise ConfigError(
+        f"{version_dir}: expected one .gguf file or a Hugging Face model directory "
+        f"(config.json + weights); found {found}"
+    )
+
+
+def _load_engine(source: Path, config: ModelConfig) -> Engine:
+    if config.backend == "transformers":
+        from slipstream.llm.hf import load_transformers_engine
+
+        return load_transformers_engine(source, config.generation)
+    raise ConfigError(f"backend: {config.backend!r} is not a generative backend")

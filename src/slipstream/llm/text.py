@@ -1,0 +1,88 @@
+"""From token ids to text deltas: incremental detokenization and stop strings.
+
+Engine-independent, so every engine streams text the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from slipstream.llm.engine import EngineStep, FinishReason
+
+# What a decoder emits for bytes that do not yet form a whole UTF-8 character.
+_PARTIAL = "\ufffd"
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """New text of one sequence; the last delta carries ``finish_reason``."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: FinishReason | None = None
+
+
+class StopMatcher:
+    """Finds the first stop string in a growing text and holds back text that may start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._longest = max((len(s) for s in self._stops), default=0)
+
+    def find(self, text: str, start: int) -> int:
+        """Index of the earliest stop string that ends at or after ``start``, or -1."""
+        best = -1
+        begin = max(0, start - self._longest + 1)
+        for stop in self._stops:
+            at = text.find(stop, begin)
+            if at != -1 and (best == -1 or at < best):
+                best = at
+        return best
+
+    def safe_end(self, text: str) -> int:
+        """How much of ``text`` can be sent: all but a tail that may begin a stop string."""
+        for keep in range(min(self._longest - 1, len(text)), 0, -1):
+            tail = text[-keep:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return len(text) - keep
+        return len(text)
+
+
+async def stream_text(
+    steps: AsyncIterator[EngineStep],
+    decode: Callable[[Sequence[int]], str],
+    stops: Sequence[str] = (),
+) -> AsyncIterator[TextDelta]:
+    """Turn engine steps into text deltas, ending at EOS, max_tokens or a stop string.
+
+    The whole completion is re-decoded each step (tokenizers merge pieces across token
+    boundaries, so decoding tokens one by one gives wrong spaces); the text sent is held
+    back while it ends in a partial UTF-8 character or a possible stop-string prefix. A
+    stop string is not sent; generation is cancelled as soon as it appears.
+    """
+    matcher = StopMatcher(stops)
+    tokens: list[int] = []
+    sent = 0
+    try:
+        async for step in steps:
+            tokens.extend(step.token_ids)
+            text = decode(tokens)
+            if matcher.find(text, sent) != -1:
+                cut = matcher.find(text, sent)
+                yield TextDelta(text[sent:cut], len(tokens), "stop")
+                return
+            if step.finish_reason is not None:
+                yield TextDelta(text[sent:], len(tokens), step.finish_reason)
+                return
+            end = len(text)
+            while end > sent and text[end - 1] == _PARTIAL:
+                end -= 1
+            end = sent + matcher.safe_end(text[sent:end])
+            if end > sent:
+                yield TextDelta(text[sent:end], len(tokens))
+                sent = end
+    finally:
+        aclose = getattr(steps, "aclose", None)
+        if aclose is not None:
+            await aclose()

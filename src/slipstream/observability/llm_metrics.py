@@ -1,0 +1,92 @@
+"""Prometheus metrics of the generative lane.
+
+Histograms (so p99 aggregates across replicas) of time to first token, inter-token
+latency and end-to-end latency; token and request counters; and, read from each engine
+at scrape time, running and waiting sequences and the KV cache's block usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from slipstream.llm.engine import CacheStats
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class LlmMetrics:
+    """The generative lane's metrics, registered in the server's registry."""
+
+    def __init__(
+        self, registry: CollectorRegistry, engines: Callable[[], dict[str, CacheStats]]
+    ) -> None:
+        labels = ["model"]
+        self.ttft = Histogram(
+            "slipstream_llm_time_to_first_token_seconds",
+            "Time from request arrival to the first generated token",
+            labels, buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "slipstream_llm_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of one sequence",
+            labels, buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "slipstream_llm_e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            labels, buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "slipstream_llm_prompt_tokens", "Prompt tokens processed", labels, registry=registry
+        )
+        self.generation_tokens = Counter(
+            "slipstream_llm_generation_tokens", "Tokens generated", labels, registry=registry
+        )
+        self.requests = Counter(
+            "slipstream_llm_requests",
+            "Finished generation requests by finish reason (stop, length, cancelled, error)",
+            ["model", "finish_reason"], registry=registry,
+        )  # fmt: skip
+        registry.register(_CacheCollector(engines))
+
+
+class _CacheCollector(Collector):
+    def __init__(self, engines: Callable[[], dict[str, CacheStats]]) -> None:
+        self._engines = engines
+
+    def collect(self) -> Iterable[Metric]:
+        families = {
+            "running": GaugeMetricFamily(
+                "slipstream_llm_sequences_running", "Sequences being decoded", labels=["model"]
+            ),
+            "waiting": GaugeMetricFamily(
+                "slipstream_llm_sequences_waiting",
+                "Sequences admitted but not yet scheduled",
+                labels=["model"],
+            ),
+            "used": GaugeMetricFamily(
+                "slipstream_llm_kv_cache_blocks_used", "KV-cache blocks held", labels=["model"]
+            ),
+            "free": GaugeMetricFamily(
+                "slipstream_llm_kv_cache_blocks_free", "KV-cache blocks free", labels=["model"]
+            ),
+            "utilization": GaugeMetricFamily(
+                "slipstream_llm_kv_cache_utilization",
+                "Cached tokens / token slots in the blocks held",
+                labels=["model"],
+            ),
+        }
+        for model, stats in self._engines().items():
+            families["running"].add_metric([model], stats.running)
+            families["waiting"].add_metric([model], stats.waiting)
+            families["used"].add_metric([model], stats.blocks_used)
+            families["free"].add_metric([model], stats.blocks_free)
+            families["utilization"].add_metric([model], stats.utilization)
+        return list(families.values())

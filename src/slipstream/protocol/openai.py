@@ -1,0 +1,308 @@
+"""The OpenAI API's wire format: request schemas with validation, response builders.
+
+Pure codec, no I/O. Fields OpenAI defines but Slipstream does not implement (logprobs,
+penalties, logit_bias, tools, ...) are refused with a 400 naming the field, never
+silently ignored; unknown extra fields are ignored as OpenAI-compatible servers do.
+``top_k`` and ``ignore_eos`` are accepted as the vLLM extensions of the same names.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from slipstream.errors import InvalidRequest, SlipstreamError
+
+MAX_CHOICES = 16
+MAX_STOPS = 4
+
+_PARAM = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS:
+            raise InvalidRequest(f"stop: at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        return stops
+
+    def check_supported(self) -> None:
+        if self.presence_penalty or self.frequency_penalty:
+            field = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            raise InvalidRequest(f"{field}: penalties are not supported; leave it at 0")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias: not supported")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options: only allowed when stream is true")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise InvalidRequest("logprobs: not supported by this server")
+        if self.echo:
+            raise InvalidRequest("echo: not supported by this server")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of: only 1 is supported")
+        if self.suffix:
+            raise InvalidRequest("suffix: not supported by this server")
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, as text or as token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequest("prompt: must not be empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        content = self.content
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            return content
+        pieces = []
+        for number, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise InvalidRequest(
+                    f"messages[{index}].content[{number}]: only text parts are supported, "
+                    f"got type {part.type!r}"
+                )
+            pieces.append(part.text)
+        return "".join(pieces)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise InvalidRequest("logprobs: not supported by this server")
+        if self.tools:
+            raise InvalidRequest("tools: tool calling is not supported by this server")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest("response_format: only {'type': 'text'} is supported")
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(self.messages)
+        ]
+
+
+class EmbeddingRequest(_Request):
+    model: str = Field(min_length=1)
+    input: str | list[str] = Field(min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    def texts(self) -> list[str]:
+        if self.dimensions is not None:
+            raise InvalidRequest("dimensions: not supported; embeddings have the model's width")
+        texts = [self.input] if isinstance(self.input, str) else list(self.input)
+        for index, text in enumerate(texts):
+            if not text:
+                raise InvalidRequest(f"input[{index}]: must be a non-empty string")
+        return texts
+
+
+def parse(body: bytes, schema: type[_Request]) -> Any:
+    """Validate a JSON body; InvalidRequest names the first bad field."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"body: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("body: expected a JSON object")
+    try:
+        request = schema.model_validate(data)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        field = ".".join(str(part) for part in problem["loc"]) or "body"
+        raise InvalidRequest(f"{field}: {problem['msg']}") from None
+    check = getattr(request, "check_supported", None)
+    if check is not None:
+        check()
+    return request
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion(
+    rid: str, created: int, model: str, texts: list[tuple[str, str]], use: dict[str, int]
+) -> bytes:
+    """A text_completion; ``texts`` holds (text, finish_reason) per choice."""
+    choices = [
+        {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+        for i, (text, reason) in enumerate(texts)
+    ]
+    return orjson.dumps({"id": rid, "object": "text_completion", "created": created,
+                         "model": model, "choices": choices, "usage": use})  # fmt: skip
+
+
+def chat_completion(
+    rid: str, created: int, model: str, texts: list[tuple[str, str]], use: dict[str, int]
+) -> bytes:
+    choices = [
+        {"index": i, "message": {"role": "assistant", "content": text},
+         "logprobs": None, "finish_reason": reason}
+        for i, (text, reason) in enumerate(texts)
+    ]  # fmt: skip
+    return orjson.dumps({"id": rid, "object": "chat.completion", "created": created,
+                         "model": model, "choices": choices, "usage": use})  # fmt: skip
+
+
+def sse(payload: Any) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def completion_chunk(
+    rid: str, created: int, model: str, index: int, text: str, reason: str | None
+) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": None,
+                         "finish_reason": reason}]}  # fmt: skip
+
+
+def chat_chunk(
+    rid: str, created: int, model: str, index: int, delta: dict[str, str], reason: str | None
+) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": None,
+                         "finish_reason": reason}]}  # fmt: skip
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, int]) -> bytes:
+    return sse({"id": rid, "object": obj, "created": created, "model": model,
+                "choices": [], "usage": use})  # fmt: skip
+
+
+def _card(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "slipstream"}
+
+
+def model_card(name: str, created: int) -> bytes:
+    return orjson.dumps(_card(name, created))
+
+
+def models_list(models: list[tuple[str, int]]) -> bytes:
+    data = [_card(name, created) for name, created in models]
+    return orjson.dumps({"object": "list", "data": data})
+
+
+def embeddings(model: str, vectors: np.ndarray, encoding: str, prompt_tokens: int) -> bytes:
+    data = []
+    for index, row in enumerate(np.asarray(vectors, dtype=np.float32)):
+        value: Any = (
+            base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
+            if encoding == "base64"
+            else row.tolist()
+        )
+        data.append({"object": "embedding", "index": index, "embedding": value})
+    return orjson.dumps({"object": "list", "data": data, "model": model,
+                         "usage": {"prompt_tokens": prompt_tokens,
+                                   "total_tokens": prompt_tokens}})  # fmt: skip
+
+
+def error(exc: SlipstreamError) -> bytes:
+    """``{"error": {message, type, param, code}}`` as OpenAI writes it."""
+    status = exc.http_status
+    match = _PARAM.match(exc.message)
+    param = match.group(1) if match and status < 500 else None
+    if status == 404:
+        kind, code = "invalid_request_error", "model_not_found"
+    elif status < 500:
+        kind, code = "invalid_request_error", None
+    else:
+        kind, code = "server_error", "service_unavailable" if status == 503 else None
+    return orjson.dumps({"error": {"message": exc.message, "type": kind, "param": param,
+                                   "code": code}})  # fmt: skip
+
+
+def error_event(exc: SlipstreamError) -> bytes:
+    """An error met after a stream began, sent as its last event."""
+    return b"data: " + error(exc) + b"\n\n"
