@@ -200,3 +200,40 @@ def _for_ort(array: np.ndarray) -> np.ndarray:
     text = np.empty(array.shape, dtype=object)
     text.flat[:] = [item.decode() if isinstance(item, bytes) else item for item in array.flat]
     return text
+
+
+def build_mean_embedding(repo: Path, name: str, table: np.ndarray) -> Path:
+    """Sentence embedding = mean of token rows of ``table`` over the attention mask.
+
+    Inputs ``input_ids`` and ``attention_mask`` INT64 [-1, -1]; output ``embedding``
+    FP32 [-1, dim]. The numpy reference is :func:`mean_embedding`.
+    """
+    dim = table.shape[1]
+    nodes = [
+        helper.make_node("Gather", ["table", "input_ids"], ["rows"]),
+        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["maskf", "last"], ["mask3"]),
+        helper.make_node("Mul", ["rows", "mask3"], ["masked"]),
+        helper.make_node("ReduceSum", ["masked", "tokens_axis"], ["summed"], keepdims=0),
+        helper.make_node("ReduceSum", ["maskf", "tokens_axis"], ["count"], keepdims=1),
+        helper.make_node("Div", ["summed", "count"], ["embedding"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, [-1, -1]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [-1, -1]),
+        ],
+        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, [-1, dim])],
+        initializer=[
+            numpy_helper.from_array(table.astype(np.float32), "table"),
+            numpy_helper.from_array(np.array([-1], dtype=np.int64), "last"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "tokens_axis"),
+        ],
+    )
+    return _save(_model(graph), repo, name, 1)
+
+
+def mean_embedding(table: np.ndarray, ids: list[int]) -> np.ndarray:
+    return np.asarray(table[ids].mean(axis=0), dtype=np.float32)

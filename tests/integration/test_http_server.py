@@ -7,7 +7,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from slipstream.server.http_server import HttpRequest, HttpResponse, HttpServer
+from slipstream.server.http_server import (
+    HttpRequest,
+    HttpResponse,
+    HttpServer,
+    StreamingResponse,
+)
 
 
 class Recorder:
@@ -16,8 +21,24 @@ class Recorder:
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
         self.release = asyncio.Event()
+        self.stream_closed = asyncio.Event()
 
-    async def __call__(self, request: HttpRequest) -> HttpResponse:
+    async def events(self, count: int | None) -> AsyncIterator[bytes]:
+        """``count`` events, or endless ones (until the client goes away)."""
+        sent = 0
+        try:
+            while count is None or sent < count:
+                yield b"data: %d\n\n" % sent
+                sent += 1
+                await asyncio.sleep(0.01)
+        finally:
+            self.stream_closed.set()
+
+    async def __call__(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
+        if request.path == "/stream":
+            return StreamingResponse(200, self.events(3))
+        if request.path == "/endless":
+            return StreamingResponse(200, self.events(None))
         if request.path == "/slow":
             try:
                 await self.release.wait()
@@ -112,6 +133,33 @@ async def test_disconnect_cancels_the_handler(server: tuple) -> None:
     writer.close()
     await writer.wait_closed()
     await asyncio.wait_for(handler.cancelled.wait(), 2)
+
+
+async def test_streamed_responses_are_chunked_and_keep_the_connection(server: tuple) -> None:
+    _, _, port = server
+    reply = await exchange(
+        port,
+        b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\nGET /after HTTP/1.1\r\nHost: t\r\n"
+        b"Connection: close\r\n\r\n",
+        read_until_close=True,
+    )
+    head, _, rest = reply.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head and b"text/event-stream" in head
+    events = b"".join(b"%x\r\ndata: %d\n\n\r\n" % (len(b"data: 0\n\n"), i) for i in range(3))
+    assert rest.startswith(events + b"0\r\n\r\n")
+    # The next pipelined request on the same connection is still answered.
+    assert rest.endswith(b"GET /after 0")
+
+
+async def test_a_disconnect_mid_stream_closes_the_stream(server: tuple) -> None:
+    _, handler, port = server
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /endless HTTP/1.1\r\nHost: t\r\n\r\n")
+    await writer.drain()
+    assert b"data: 0" in await asyncio.wait_for(reader.read(4096), 5)
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.wait_for(handler.stream_closed.wait(), 2)
 
 
 async def test_idle_keep_alive_connections_are_closed(server: tuple) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -194,8 +195,18 @@ class TransformersEngine(Engine):
         await asyncio.to_thread(self._manager.stop, block=True)
 
 
+# transformers' lazy module imports are not thread-safe (two threads importing at once
+# can see a half-initialised module), so models load one at a time.
+_LOAD_LOCK = threading.Lock()
+
+
 def load_transformers_engine(path: Path, settings: GenerationSettings) -> TransformersEngine:
     """Load a model directory (``config.json`` + weights) or a ``.gguf`` file. Blocking."""
+    with _LOAD_LOCK:
+        return _load(path, settings)
+
+
+def _load(path: Path, settings: GenerationSettings) -> TransformersEngine:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -167,9 +167,7 @@ class OpenAIApp:
         prompt_tokens = 0
         step = config.max_batch_size or 1
         for start in range(0, len(texts), step):
-            encoded = tokenizer.encode_batch(texts[start : start + step])
-            ids = np.array([e.ids for e in encoded], dtype=np.int64)
-            mask = np.array([e.attention_mask for e in encoded], dtype=np.int64)
+            ids, mask = _pad(tokenizer, texts[start : start + step])
             prompt_tokens += int(mask.sum())
             feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
             inputs = {t.name: feeds[t.name] for t in config.input if t.name in feeds}
@@ -195,6 +193,19 @@ class OpenAIApp:
                 raise InvalidRequest(f"model: its tokenizer file {path} does not exist")
             tokenizer = self._tokenizers[path] = Tokenizer.from_file(str(path))
         return tokenizer
+
+
+def _pad(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and attention mask, padded to the batch's longest text."""
+    encoded = tokenizer.encode_batch(texts)
+    longest = max(len(e.ids) for e in encoded)
+    pad_id = int((tokenizer.padding or {}).get("pad_id", 0))
+    ids = np.full((len(encoded), longest), pad_id, dtype=np.int64)
+    mask = np.zeros((len(encoded), longest), dtype=np.int64)
+    for row, item in enumerate(encoded):
+        ids[row, : len(item.ids)] = item.ids
+        mask[row, : len(item.ids)] = 1
+    return ids, mask
 
 
 async def _events(
