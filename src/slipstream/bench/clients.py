@@ -18,7 +18,8 @@ import socket
 import ssl
 import time
 from abc import ABC, abstractmethod
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, cast
 from urllib.parse import quote, urlsplit
 
 import httptools
@@ -198,82 +199,58 @@ class _HttpConnection(asyncio.Protocol):
             self._transport.abort()
 
 
-class HttpClient(InferClient):
-    """HTTP/1.1 keep-alive connections, one per outstanding request, opened on demand."""
+# A connection class of HttpConnections: _HttpConnection or a subclass of it.
+C = TypeVar("C", bound=_HttpConnection)
 
-    def __init__(
-        self, endpoint: Endpoint, path: str, requests: list[EncodedRequest], timeout_s: float
-    ) -> None:
-        super().__init__()
+
+class HttpConnections(Generic[C]):
+    """Keep-alive connections to one endpoint: idle ones are reused, new ones opened on
+    demand, and one watchdog times out requests outstanding longer than ``timeout_s``."""
+
+    def __init__(self, endpoint: Endpoint, timeout_s: float, factory: Callable[[], C]) -> None:
         self._endpoint = endpoint
-        self._payloads = [http_request_bytes(endpoint, path, r) for r in requests]
         self._timeout_s = timeout_s
-        self._idle: list[_HttpConnection] = []
-        self._busy: set[_HttpConnection] = set()
+        self._factory = factory
+        self._idle: list[C] = []
+        self._busy: set[C] = set()
         self._ssl = ssl.create_default_context() if endpoint.tls else None
         self._watchdog: asyncio.Task[None] | None = None
 
     @property
-    def payloads(self) -> list[bytes]:
-        """Every request as the bytes written to the socket."""
-        return self._payloads
+    def tls(self) -> bool:
+        return self._ssl is not None
 
-    @property
-    def blocking_ok(self) -> bool:
-        """Plain HTTP: the blocking single-connection user can send these payloads."""
-        return self._ssl is None
-
-    def note(self, key: str, message: str) -> str:
-        """Record an error example under ``key`` (for drivers outside this client)."""
-        return self._note(key, message)
-
-    async def infer(self, index: int) -> str | None:
+    def take_idle(self) -> C | None:
+        """An open idle connection, marked busy; None when there is none."""
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._expire_slow_requests())
-        conn = self._take_idle()
-        if conn is None:
-            try:
-                conn = await self._connect()
-            except OSError as exc:
-                await asyncio.sleep(_RECONNECT_PAUSE_S)
-                return self._note(f"connect {type(exc).__name__}", str(exc))
-        self._busy.add(conn)
-        try:
-            status = await conn.send(self._payloads[index])
-        except TimeoutError:
-            return self._note("timeout", f"no response within {self._timeout_s:g} s")
-        except ConnectionError as exc:
-            return self._note(f"connection {type(exc).__name__}", str(exc))
-        except asyncio.CancelledError:
-            conn.close()  # its response may still come: never reuse it
-            raise
-        finally:
-            self._busy.discard(conn)
-        if conn.keep_alive and not conn.closed:
-            self._idle.append(conn)
-        else:
-            conn.close()
-        if 200 <= status < 300:
-            return None
-        return self._note(f"http {status}", conn.error_message())
-
-    def _take_idle(self) -> _HttpConnection | None:
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed:
+                self._busy.add(conn)
                 return conn
         return None
 
-    async def _connect(self) -> _HttpConnection:
+    async def connect(self) -> C:
+        """A new connection, marked busy; raises OSError when the connect fails."""
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(
-            _HttpConnection,
+            self._factory,
             self._endpoint.host,
             self._endpoint.port,
             ssl=self._ssl,
             server_hostname=self._endpoint.host if self._ssl else None,
         )
+        self._busy.add(conn)
         return conn
+
+    def release(self, conn: C) -> None:
+        """Back to the idle ones after its response, or closed if it cannot be reused."""
+        self._busy.discard(conn)
+        if conn.keep_alive and not conn.closed:
+            self._idle.append(conn)
+        else:
+            conn.close()
 
     async def _expire_slow_requests(self) -> None:
         """One timer for every connection instead of a wait_for per request."""
@@ -293,6 +270,59 @@ class HttpClient(InferClient):
         for conn in [*self._idle, *self._busy]:
             conn.close()
         self._idle.clear()
+        self._busy.clear()
+
+
+class HttpClient(InferClient):
+    """HTTP/1.1 keep-alive connections, one per outstanding request, opened on demand."""
+
+    def __init__(
+        self, endpoint: Endpoint, path: str, requests: list[EncodedRequest], timeout_s: float
+    ) -> None:
+        super().__init__()
+        self._payloads = [http_request_bytes(endpoint, path, r) for r in requests]
+        self._timeout_s = timeout_s
+        self._connections = HttpConnections(endpoint, timeout_s, _HttpConnection)
+
+    @property
+    def payloads(self) -> list[bytes]:
+        """Every request as the bytes written to the socket."""
+        return self._payloads
+
+    @property
+    def blocking_ok(self) -> bool:
+        """Plain HTTP: the blocking single-connection user can send these payloads."""
+        return not self._connections.tls
+
+    def note(self, key: str, message: str) -> str:
+        """Record an error example under ``key`` (for drivers outside this client)."""
+        return self._note(key, message)
+
+    async def infer(self, index: int) -> str | None:
+        conn = self._connections.take_idle()
+        if conn is None:
+            try:
+                conn = await self._connections.connect()
+            except OSError as exc:
+                await asyncio.sleep(_RECONNECT_PAUSE_S)
+                return self._note(f"connect {type(exc).__name__}", str(exc))
+        try:
+            status = await conn.send(self._payloads[index])
+        except TimeoutError:
+            return self._note("timeout", f"no response within {self._timeout_s:g} s")
+        except ConnectionError as exc:
+            return self._note(f"connection {type(exc).__name__}", str(exc))
+        except asyncio.CancelledError:
+            conn.close()  # its response may still come: never reuse it
+            raise
+        finally:
+            self._connections.release(conn)
+        if 200 <= status < 300:
+            return None
+        return self._note(f"http {status}", conn.error_message())
+
+    async def close(self) -> None:
+        await self._connections.close()
 
 
 # ---------------------------------------------------------------------------- gRPC
