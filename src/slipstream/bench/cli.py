@@ -1,4 +1,6 @@
-"""``slipstream bench``: load-test any Open Inference Protocol server, perf_analyzer style.
+"""``slipstream bench``: load-test any Open Inference Protocol server, perf_analyzer style,
+or a generative model behind an OpenAI-compatible API (``--protocol openai-chat`` or
+``openai-completions``) the way vLLM's benchmark_serving does.
 
 Only click is imported with the ``slipstream`` CLI; the load generator and its extra
 dependencies (rich, psutil, matplotlib) load when the command runs, so ``slipstream
@@ -9,23 +11,42 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
-from pydantic import ValidationError
+from click.core import ParameterSource
+from pydantic import BaseModel, ValidationError
 
+from slipstream.bench.openai_settings import OpenAIBenchSettings
 from slipstream.bench.settings import BenchSettings
 from slipstream.cli_params import shapes_option
 
 _INSTALL_HINT = "pip install 'slipstream[bench]'"
+Settings = TypeVar("Settings", bound=BaseModel)
+_OPENAI_PROTOCOLS = ("openai-chat", "openai-completions")
+# Options of one mode only: giving one in the other mode is a usage error.
+_V2_ONLY = set(BenchSettings.model_fields) - set(OpenAIBenchSettings.model_fields)
+_OPENAI_ONLY = set(OpenAIBenchSettings.model_fields) - set(BenchSettings.model_fields)
 
 
-def _help(field: str) -> str:
-    info = BenchSettings.model_fields[field]
+def _help(field: str, settings: type[BaseModel] = BenchSettings) -> str:
+    info = settings.model_fields[field]
     description = info.description or ""
     if info.default in (None, "") or info.default_factory is not None or info.is_required():
         return description
     return f"{description} [default: {info.default}]"
+
+
+def _openai_help(field: str) -> str:
+    return _help(field, OpenAIBenchSettings)
+
+
+def _mode_help(field: str) -> str:
+    """Help of an option whose default differs between the V2 and OpenAI modes."""
+    v2 = BenchSettings.model_fields[field].default
+    openai = OpenAIBenchSettings.model_fields[field].default
+    description = BenchSettings.model_fields[field].description or ""
+    return f"{description} [default: {v2}; {openai} in OpenAI modes]"
 
 
 def _int_list(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[int]:
@@ -56,17 +77,16 @@ _FILE = click.Path(path_type=Path, dir_okay=False)
 @click.option(
     "--protocol",
     "-i",
-    type=click.Choice(["http", "http-binary", "grpc"]),
+    type=click.Choice(["http", "http-binary", "grpc", *_OPENAI_PROTOCOLS]),
     default="http",
-    help=_help("protocol"),
+    help=_help("protocol") + " " + _openai_help("protocol"),
 )
 @click.option("--concurrency", callback=_int_list, help=_help("concurrency"))
 @click.option("--request-rate", callback=_float_list, help=_help("request_rate"))
 @click.option(
     "--distribution",
     type=click.Choice(["constant", "poisson"]),
-    default="constant",
-    help=_help("distribution"),
+    help=_mode_help("distribution"),
 )
 @click.option("--batch-size", "-b", type=int, default=1, help=_help("batch_size"))
 @click.option("--shape", "shapes", multiple=True, callback=shapes_option, help=_help("shapes"))
@@ -78,13 +98,19 @@ _FILE = click.Path(path_type=Path, dir_okay=False)
 @click.option("--duration", "duration_s", type=float, help=_help("duration_s"))
 @click.option("--workers", type=int, default=0, help=_help("workers"))
 @click.option("--max-inflight", type=int, default=256, help=_help("max_inflight"))
-@click.option("--timeout-s", type=float, default=30.0, help=_help("timeout_s"))
+@click.option("--timeout-s", type=float, help=_mode_help("timeout_s"))
 @click.option("--seed", type=int, default=0, help=_help("seed"))
 @click.option("--server-pid", type=int, help=_help("server_pid"))
 @click.option("--price-per-hour", type=float, help=_help("price_per_hour"))
 @click.option("--json", "json_path", type=_FILE, help=_help("json_path"))
 @click.option("--csv", "csv_path", type=_FILE, help=_help("csv_path"))
 @click.option("--report", "report_path", type=_FILE, help=_help("report_path"))
+@click.option("--num-requests", type=int, default=100, help=_openai_help("num_requests"))
+@click.option("--prompt-tokens", default="256", help=_openai_help("prompt_tokens"))
+@click.option("--output-tokens", default="128", help=_openai_help("output_tokens"))
+@click.option("--prompts", "prompts_path", type=_FILE, help=_openai_help("prompts_path"))
+@click.option("--ignore-eos", is_flag=True, help=_openai_help("ignore_eos"))
+@click.option("--goodput", multiple=True, help=_openai_help("goodput"))
 def bench(**options: Any) -> None:
     """Measure throughput and latency of MODEL on the server at URL, load level by level.
 
@@ -95,14 +121,24 @@ def bench(**options: Any) -> None:
           --distribution poisson --json out.json --report out.html
       slipstream bench http://localhost:8000 -m minilm --shape input_ids:128 \\
           --shape attention_mask:128 --batch-size 8 --server-pid $(pgrep -f "slipstream serve")
+      slipstream bench http://localhost:8000 -m smollm2 --protocol openai-chat \\
+          --request-rate 1,2 --num-requests 50 --prompt-tokens 256,64 \\
+          --output-tokens 64 --ignore-eos --goodput "ttft:500 tpot:100" --json llm.json
     """  # fmt: skip
-    try:
-        settings = BenchSettings(**options)
-    except ValidationError as exc:
-        messages = "; ".join(
-            str(problem["msg"]).removeprefix("Value error, ") for problem in exc.errors()
-        )
-        raise click.UsageError(messages) from None
+    openai = options["protocol"] in _OPENAI_PROTOCOLS
+    given = _given(options)
+    wrong = sorted(given & (_V2_ONLY if openai else _OPENAI_ONLY))
+    if wrong:
+        mode = "OpenAI protocols" if openai else "V2 protocols (http, http-binary, grpc)"
+        names = ", ".join("--" + _option_name(name) for name in wrong)
+        raise click.UsageError(f"{names}: not used with {mode}; leave it out")
+    fields = OpenAIBenchSettings.model_fields if openai else BenchSettings.model_fields
+    # None: not given, the mode's own default applies.
+    values = {k: v for k, v in options.items() if k in fields and v is not None}
+    if openai:
+        _bench_openai(values)
+        return
+    settings = _validated(BenchSettings, values)
     try:
         from slipstream.bench.errors import BenchError
         from slipstream.bench.report import RichProgress, print_tables, terminal_console
@@ -123,6 +159,71 @@ def bench(**options: Any) -> None:
         raise click.ClickException(
             "every request failed; see the errors above (wrong --model-version, inputs the "
             "model refuses, or an overloaded server)"
+        )
+
+
+def _given(options: dict[str, Any]) -> set[str]:
+    """The options given on the command line (not left at their defaults)."""
+    context = click.get_current_context()
+    return {
+        name
+        for name in options
+        if context.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+    }
+
+
+def _option_name(field: str) -> str:
+    renamed = {"json_path": "json", "csv_path": "csv", "report_path": "report",
+               "prompts_path": "prompts", "duration_s": "duration", "shapes": "shape"}  # fmt: skip
+    return renamed.get(field, field).replace("_", "-")
+
+
+def _validated(settings: type[Settings], values: dict[str, Any]) -> Settings:
+    try:
+        return settings(**values)
+    except ValidationError as exc:
+        messages = []
+        for problem in exc.errors():
+            message = str(problem["msg"]).removeprefix("Value error, ")
+            field = problem["loc"][0] if problem["loc"] else None
+            if isinstance(field, str) and field in settings.model_fields:
+                message = f"--{_option_name(field)}: {message}"
+            messages.append(message)
+        raise click.UsageError("; ".join(messages)) from None
+
+
+def _bench_openai(values: dict[str, Any]) -> None:
+    settings = _validated(OpenAIBenchSettings, values)
+    try:
+        from slipstream.bench.errors import BenchError
+        from slipstream.bench.openai_report import (
+            OpenAIRichProgress,
+            print_openai_tables,
+            write_openai_csv,
+        )
+        from slipstream.bench.openai_runner import run_openai_bench
+        from slipstream.bench.report import terminal_console, write_json
+    except ImportError as exc:
+        raise click.ClickException(f"{exc}; slipstream bench needs: {_INSTALL_HINT}") from None
+    try:
+        with OpenAIRichProgress(terminal_console(stderr=True)) as progress:
+            result = run_openai_bench(settings, progress=progress)
+    except BenchError as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    print_openai_tables(result, terminal_console())
+    if settings.json_path is not None:
+        write_json(result, settings.json_path)
+        click.echo(f"wrote {settings.json_path}", err=True)
+    if settings.csv_path is not None:
+        write_openai_csv(result, settings.csv_path)
+        click.echo(f"wrote {settings.csv_path}", err=True)
+    if all(level.requests == 0 for level in result.levels):
+        raise click.ClickException(
+            "every request failed; see the errors above (an overloaded server, or prompts "
+            "plus max_tokens beyond the model's context)"
         )
 
 

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
+from slipstream.bench.openai_results import OpenAIBenchResult
 from slipstream.bench.results import BenchResult, LevelResult, WindowTotals
 from slipstream.bench.settings import LoadLevel
 
@@ -180,12 +181,12 @@ def _breakdown_table(result: BenchResult) -> Table:
 # ----------------------------------------------------------------------- files
 
 
-def result_dict(result: BenchResult) -> dict[str, Any]:
+def result_dict(result: BenchResult | OpenAIBenchResult) -> dict[str, Any]:
     """The whole result as plain JSON-ready data."""
     return dataclasses.asdict(result)
 
 
-def write_json(result: BenchResult, path: Path) -> None:
+def write_json(result: BenchResult | OpenAIBenchResult, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result_dict(result), indent=2, allow_nan=False) + "\n")
 

@@ -96,12 +96,7 @@ class BenchSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> BenchSettings:
-        if self.concurrency and self.request_rate:
-            raise ValueError("give either --concurrency or --request-rate, not both")
-        if any(c < 1 for c in self.concurrency):
-            raise ValueError(f"--concurrency values must be >= 1, got {self.concurrency}")
-        if any(r <= 0 for r in self.request_rate):
-            raise ValueError(f"--request-rate values must be > 0, got {self.request_rate}")
+        check_load(self.concurrency, self.request_rate)
         suffix = self.report_path.suffix.lower() if self.report_path else ".html"
         if suffix not in (".html", ".png"):
             raise ValueError(f"--report must end in .html or .png, got {self.report_path}")
@@ -109,9 +104,7 @@ class BenchSettings(BaseModel):
 
     def load_levels(self) -> list[LoadLevel]:
         """The sweep in the order given; concurrency 1 when nothing was asked for."""
-        if self.request_rate:
-            return [LoadLevel(request_rate=rate) for rate in self.request_rate]
-        return [LoadLevel(concurrency=c) for c in (self.concurrency or [1])]
+        return load_levels(self.concurrency, self.request_rate)
 
 
 @dataclass(frozen=True)
@@ -128,3 +121,20 @@ class LoadLevel:
         if self.concurrency is not None:
             return f"concurrency {self.concurrency}"
         return f"{self.request_rate:g} req/s"
+
+
+def check_load(concurrency: list[int], request_rate: list[float]) -> None:
+    """ValueError unless the sweep is one kind of load with valid values."""
+    if concurrency and request_rate:
+        raise ValueError("give either --concurrency or --request-rate, not both")
+    if any(c < 1 for c in concurrency):
+        raise ValueError(f"--concurrency values must be >= 1, got {concurrency}")
+    if any(r <= 0 for r in request_rate):
+        raise ValueError(f"--request-rate values must be > 0, got {request_rate}")
+
+
+def load_levels(concurrency: list[int], request_rate: list[float]) -> list[LoadLevel]:
+    """The sweep in the order given; concurrency 1 when nothing was asked for."""
+    if request_rate:
+        return [LoadLevel(request_rate=rate) for rate in request_rate]
+    return [LoadLevel(concurrency=c) for c in (concurrency or [1])]
