@@ -32,10 +32,11 @@ def example_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteS
     workdir = tmp_path_factory.mktemp("readme")
     subprocess.run(
         [sys.executable, str(ROOT / "examples" / "build_models.py"), str(workdir / "models"),
-         "--only", "digits,minilm"],
+         "--only", "digits,minilm,smollm2"],
         check=True, capture_output=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
-    with RemoteServer(workdir / "models", log_dir=workdir) as server:
+    # smollm2 converts its GGUF weights at load: allow for a slow machine.
+    with RemoteServer(workdir / "models", log_dir=workdir, startup_timeout_s=300) as server:
         yield server
 
 
@@ -75,3 +76,15 @@ def test_readme_python_examples(example_server: RemoteServer) -> None:
     ]  # fmt: skip
     assert printed[0].strip() == "digits: [0 1 2 3]"
     assert printed[1].startswith("minilm: (2, 384) cosine ")
+
+
+@pytest.mark.slow
+def test_readme_openai_example(example_server: RemoteServer) -> None:
+    blocks = [b for b in readme_blocks("python") if "from openai" in b]
+    assert len(blocks) == 1
+    printed = subprocess.run([sys.executable, "-c", localised(blocks[0], example_server)],
+                             check=True, capture_output=True, text=True).stdout  # fmt: skip
+    answer, usage, streamed, width = printed.splitlines()
+    assert "Paris" in answer and answer == streamed
+    assert "completion_tokens" in usage
+    assert width == "384"
