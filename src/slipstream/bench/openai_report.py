@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
 from slipstream.bench.openai_results import (
@@ -20,6 +19,7 @@ from slipstream.bench.openai_results import (
     OpenAILevelResult,
     RequestResult,
 )
+from slipstream.bench.report import progress_bar
 from slipstream.bench.settings import LoadLevel
 
 # The latency metrics of a level, in table and CSV order, with their table names.
@@ -40,15 +40,7 @@ class OpenAIRichProgress:
 
     def __init__(self, console: Console) -> None:
         self._console = console
-        self._progress = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(bar_width=20),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[figures]}"),
-            console=console,
-            transient=True,
-        )
+        self._progress = progress_bar(console)
         self._task: Any = None
         self._errors = 0
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.bench.results import LATE_SEND_SHARE, SATURATED_CPU_PCT
+from slipstream.bench.results import LATE_SEND_SHARE, SATURATED_CPU_PCT, error_summary
 from slipstream.bench.settings import LoadLevel
 from slipstream.bench.stats import LatencyHistogram
 
@@ -285,13 +285,3 @@ def _warnings(
                 "ignores the extension, or a stop sequence or the context length ended them"
             )
     return warnings
-
-
-def error_summary(result: OpenAILevelResult) -> str:
-    if not result.errors_by_code:
-        return "no request completed"
-    parts = []
-    for key, count in result.errors_by_code.items():
-        example = result.error_examples.get(key, "")
-        parts.append(f"{key} x{count}" + (f" ({example[:200]})" if example else ""))
-    return "; ".join(parts)

@@ -32,20 +32,25 @@ CSV_FIELDS = [
 # ----------------------------------------------------------------------- live progress
 
 
+def progress_bar(console: Console) -> Progress:
+    """The bench progress bar: spinner, level, bar, done/total, the level's figures."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[figures]}"),
+        console=console,
+        transient=True,
+    )
+
+
 class RichProgress:
     """A progress bar per level (windows done) with the last window's figures."""
 
     def __init__(self, console: Console) -> None:
         self._console = console
-        self._progress = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(bar_width=20),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[figures]}"),
-            console=console,
-            transient=True,
-        )
+        self._progress = progress_bar(console)
         self._task: Any = None
 
     def __enter__(self) -> RichProgress:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from slipstream.bench.messages import WindowSample
 from slipstream.bench.server_stats import ProcessUsage, ServerBreakdown
@@ -278,7 +278,7 @@ def level_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
             "over the last 3 (more --max-windows or a longer --window-s may settle it)"
         )
     if result.requests == 0:
-        warnings.append("every request failed: " + _error_summary(result))
+        warnings.append("every request failed: " + error_summary(result))
     return warnings
 
 
@@ -308,7 +308,13 @@ def _open_loop_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
     return warnings
 
 
-def _error_summary(result: LevelResult) -> str:
+class _HasErrors(Protocol):
+    errors_by_code: dict[str, int]
+    error_examples: dict[str, str]
+
+
+def error_summary(result: _HasErrors) -> str:
+    """Errors by kind, each with an example message (V2 and OpenAI levels alike)."""
     if not result.errors_by_code:
         return "no request completed"
     parts = []

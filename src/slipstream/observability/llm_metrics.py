@@ -63,25 +63,8 @@ class _CacheCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         families = {
-            "running": GaugeMetricFamily(
-                "slipstream_llm_sequences_running", "Sequences being decoded", labels=["model"]
-            ),
-            "waiting": GaugeMetricFamily(
-                "slipstream_llm_sequences_waiting",
-                "Sequences admitted but not yet scheduled",
-                labels=["model"],
-            ),
-            "used": GaugeMetricFamily(
-                "slipstream_llm_kv_cache_blocks_used", "KV-cache blocks held", labels=["model"]
-            ),
-            "free": GaugeMetricFamily(
-                "slipstream_llm_kv_cache_blocks_free", "KV-cache blocks free", labels=["model"]
-            ),
-            "utilization": GaugeMetricFamily(
-                "slipstream_llm_kv_cache_utilization",
-                "Cached tokens / token slots in the blocks held",
-                labels=["model"],
-            ),
+            key: GaugeMetricFamily(name, documentation, labels=["model"])
+            for key, name, documentation in _CACHE_GAUGES
         }
         for model, stats in self._engines().items():
             families["running"].add_metric([model], stats.running)
@@ -90,3 +73,13 @@ class _CacheCollector(Collector):
             families["free"].add_metric([model], stats.blocks_free)
             families["utilization"].add_metric([model], stats.utilization)
         return list(families.values())
+
+
+_CACHE_GAUGES = (
+    ("running", "slipstream_llm_sequences_running", "Sequences being decoded"),
+    ("waiting", "slipstream_llm_sequences_waiting", "Sequences admitted, not yet scheduled"),
+    ("used", "slipstream_llm_kv_cache_blocks_used", "KV-cache blocks held by sequences"),
+    ("free", "slipstream_llm_kv_cache_blocks_free", "KV-cache blocks free"),
+    ("utilization", "slipstream_llm_kv_cache_utilization",
+     "Cached tokens / token slots in the blocks held"),
+)  # fmt: skip
