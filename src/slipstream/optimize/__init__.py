@@ -2,7 +2,9 @@
 
 Passes transform an ONNX file (``passes``), the gate compares the result with the
 original on validation data (``gate``), and ``core.optimize_model`` writes the result as
-a new repository version with an ``optimization.json`` record.
+a new repository version with an ``optimization.json`` record. ``int8-dynamic`` steers
+itself with the same gate on calibration rows (``int8_search``: activation smoothing,
+then sensitive nodes kept in FP32).
 """
 
 from slipstream.optimize.core import (

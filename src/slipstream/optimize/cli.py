@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 @click.option(
     "--calibration",
     type=click.Path(path_type=Path, exists=True),
-    help="Calibration rows for int8-static [default: split off the validation rows].",
+    help="Calibration rows for int8-static and the int8-dynamic search [default: the "
+    "first rows of --validation, at most 128 and half of them; the gate judges the rest].",
 )
 @click.option(
     "--train",
@@ -145,6 +146,15 @@ if TYPE_CHECKING:
     help="int8-dynamic: one weight scale per output channel.",
 )
 @click.option(
+    "--int8-search/--no-int8-search",
+    default=True,
+    show_default=True,
+    help="int8-dynamic: if plain int8 misses the gate on the calibration rows, try "
+    "activation smoothing (SmoothQuant) strengths, then keep the most damaging nodes in "
+    "FP32, and keep the fastest candidate that passes there. The choice, the excluded "
+    "nodes and every candidate's score go into optimization.json.",
+)
+@click.option(
     "--calibration-method",
     type=click.Choice(get_args(CalibrationMethodName)),
     default="minmax",
@@ -177,6 +187,7 @@ def optimize(**options: Any) -> None:
         graph_level=options["graph_level"],
         int8_op_types=tuple(t.strip() for t in options["op_types"].split(",") if t.strip()),
         per_channel=options["per_channel"],
+        int8_search=options["int8_search"],
         calibration_method=options["calibration_method"],
         prune_ratio=options["prune_ratio"],
         student=options["student"],

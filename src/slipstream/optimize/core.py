@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from slipstream.optimize.data import LABELS_NAME, Dataset, array_names, load_dataset
 from slipstream.optimize.gate import (
     DEFAULT_MAX_DROP,
+    CalibrationJudge,
     GateResult,
     MetricName,
     choose_metric,
@@ -188,11 +189,12 @@ def optimize_model(
             reference, current = output.reference, output.optimized
             records, names = [output.record], names[1:]
             versions.update(output.tool_versions)
-        validation, calibration, data_record = _datasets(request, reference)
+        validation, calibration, data_record = _datasets(request, reference, names)
+        judge = _calibration_judge(request, reference, validation, calibration, names)
         for index, name in enumerate(names):
             target = work / f"{index}-{name}.onnx"
             later = tuple(names[index + 1 :])
-            context = PassContext(request.settings, calibration, on_progress, later)
+            context = PassContext(request.settings, calibration, on_progress, later, judge)
             records.append(run_pass(name, current, target, context))
             current = target
         gate = _gate(request, reference, current, validation, on_progress)
@@ -264,8 +266,12 @@ def _run_torch_pass(
         raise OptimizeError(str(exc)) from None
 
 
+def _wants_calibration(request: OptimizeRequest, names: Sequence[str]) -> bool:
+    return "int8-static" in names or ("int8-dynamic" in names and request.settings.int8_search)
+
+
 def _datasets(
-    request: OptimizeRequest, source: Path
+    request: OptimizeRequest, source: Path, names: Sequence[str]
 ) -> tuple[Dataset, Dataset | None, dict[str, Any]]:
     import onnx
 
@@ -276,11 +282,11 @@ def _datasets(
         validation = load_dataset(request.validation, input_names)
         if request.calibration is not None:
             calibration: Dataset | None = load_dataset(request.calibration, input_names)
-        elif "int8-static" in request.passes:
+        elif _wants_calibration(request, names):
             rows = min(DEFAULT_CALIBRATION_ROWS, validation.num_rows // 2)
-            if rows < 1:
+            if rows < 1 and "int8-static" in names:
                 raise OptimizeError("--validation: too few rows to split off calibration rows")
-            calibration = validation.rows(0, rows)
+            calibration = validation.rows(0, rows) if rows >= 1 else None
             validation = validation.rows(rows, validation.num_rows)
         else:
             calibration = None
@@ -293,6 +299,34 @@ def _datasets(
         "calibration_rows": None if calibration is None else calibration.num_rows,
     }
     return validation, calibration, record
+
+
+def _calibration_judge(
+    request: OptimizeRequest,
+    source: Path,
+    validation: Dataset,
+    calibration: Dataset | None,
+    names: Sequence[str],
+) -> CalibrationJudge | None:
+    """The gate on the calibration rows, for the int8-dynamic search (None: no search)."""
+    if calibration is None or "int8-dynamic" not in names or not request.settings.int8_search:
+        return None
+    try:
+        name, before = run_model(source, calibration, request.output_name)
+    except Exception as exc:  # ORT raises its own exception types for bad feeds
+        raise OptimizeError(f"--calibration: the original model cannot run it: {exc}") from None
+    metric, max_drop = _metric(request, validation.labels is not None, name, before)
+    return CalibrationJudge(calibration, before, name, metric, max_drop)
+
+
+def _metric(
+    request: OptimizeRequest, has_labels: bool, output_name: str, output: Any
+) -> tuple[MetricName, float]:
+    try:
+        metric, _ = choose_metric(request.metric, has_labels, output_name, output)
+    except ValueError as exc:
+        raise OptimizeError(str(exc)) from None
+    return metric, DEFAULT_MAX_DROP[metric] if request.max_drop is None else request.max_drop
 
 
 def _gate(

@@ -28,11 +28,14 @@ from slipstream.optimize.data import Dataset
 
 __all__ = [
     "DEFAULT_MAX_DROP",
+    "CalibrationJudge",
+    "CandidateScore",
     "GateResult",
     "MetricName",
     "choose_metric",
     "compare_outputs",
     "judge",
+    "margin",
     "run_model",
 ]
 
@@ -74,6 +77,66 @@ class GateResult:
     shortfall: float
     # One line for people: the verdict with the numbers.
     summary: str
+
+
+def margin(result: GateResult) -> float:
+    """How far the worst value is inside its limit (negative: outside), in the metric's unit.
+
+    Candidates that pass are told apart by this, e.g. two settings that both keep the
+    cosines above their limits."""
+    upper = result.metric in ("mae", "maxae")
+    return min(
+        (limit - result.after[key]) if upper else (result.after[key] - limit)
+        for key, limit in result.limits.items()
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateScore:
+    """One candidate model judged on the calibration rows (see :class:`CalibrationJudge`)."""
+
+    gate: GateResult
+    # ||after - before|| / ||before|| over all outputs of those rows: a continuous measure
+    # of damage that ranks candidates even when the gate metric ties (top-1 on few rows).
+    relative_error: float
+
+
+class CalibrationJudge:
+    """The accuracy gate applied to a candidate model on the calibration rows.
+
+    A search (see ``optimize.int8_search``) picks among candidate models with it, so the
+    rows the final gate judges stay unseen by the choice. ``before`` is the original
+    model's ``output_name`` on ``rows``.
+    """
+
+    def __init__(
+        self,
+        rows: Dataset,
+        before: np.ndarray,
+        output_name: str,
+        metric: MetricName,
+        max_drop: float,
+    ) -> None:
+        if metric == "top1" and rows.labels is None:
+            # Calibration rows without labels: judge agreement with the original's
+            # top-1 instead, on the same scale (percentage points).
+            metric = "agreement"
+        self.metric: MetricName = metric
+        self.max_drop = max_drop
+        self.output_name = output_name
+        self._rows = rows
+        self._before = before
+
+    def __call__(self, candidate: Path) -> CandidateScore:
+        _, after = run_model(candidate, self._rows, self.output_name)
+        values = compare_outputs(self.metric, self.max_drop, self._before, after, self._rows.labels)
+        result = judge(
+            self.metric, "calibration rows", self.output_name, self._rows.num_rows,
+            self.max_drop, values,
+        )  # fmt: skip
+        before = _as_rows(self._before)
+        norm = max(float(np.linalg.norm(before)), 1e-30)
+        return CandidateScore(result, float(np.linalg.norm(_as_rows(after) - before)) / norm)
 
 
 def run_model(
