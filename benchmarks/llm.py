@@ -55,6 +55,7 @@ generation:
   max_batch_tokens: 256
   max_num_seqs: {seqs}
   max_model_len: 2048
+  threads: {threads}
 """
 
 
@@ -246,16 +247,21 @@ def generate_decode_rate(model: Any, prompt_ids: list[int], tokens: int) -> floa
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repo", type=Path, default=ROOT / "models")
-    parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--rate", type=float, default=0.7, help="Poisson arrivals per second")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     parser.add_argument("--static-batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads, in-process and in the server"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     gguf = args.repo / "smollm2" / "1" / GGUF
     if not gguf.is_file():
         parser.error(f"{gguf} is missing: run `make models` first")
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print("loading smollm2 in-process (GGUF -> float32) ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=GGUF)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=GGUF, dtype=torch.float32)
@@ -281,7 +287,7 @@ def main() -> int:
         for name, seqs in (("continuous", 32), ("serial", 1)):
             (repo / name / "1").mkdir(parents=True)
             os.link(gguf, repo / name / "1" / GGUF)
-            (repo / name / "config.yaml").write_text(CONFIG.format(seqs=seqs))
+            (repo / name / "config.yaml").write_text(CONFIG.format(seqs=seqs, threads=args.threads))
         port = free_port()
         spec = ServerSpec(
             "slipstream",
