@@ -318,7 +318,15 @@ def _int8_static(source: Path, target: Path, context: PassContext) -> _PassResul
         "calibration_rows": context.calibration.num_rows,
         "calibration_source": context.calibration.source,
     }
-    return recorded, [f"calibrated on {context.calibration.num_rows} rows"]
+    notes = [f"calibrated on {context.calibration.num_rows} rows"]
+    if settings.calibration_method == "entropy":
+        # quantize_static passes no bin counts to its entropy calibrator, whose defaults
+        # (128 histogram bins searched for a 128-level range) leave nothing to clip.
+        notes.append(
+            "ONNX Runtime's entropy calibration runs with 128 histogram bins for 128 "
+            "levels, so it keeps the full range: expect the same scales as minmax"
+        )
+    return recorded, notes
 
 
 def _fp16(source: Path, target: Path, context: PassContext) -> _PassResult:
