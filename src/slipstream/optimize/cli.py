@@ -233,7 +233,7 @@ def _run_with_progress(request: Any, run: Any, console: Console) -> Optimization
             if task not in tasks:
                 label = task if "(" in task else f"{task} (rows)"
                 tasks[task] = progress.add_task(label, total=total)
-            progress.update(tasks[task], completed=done)
+            progress.update(tasks[task], completed=done, total=total)
 
         result: OptimizationResult = run(request, on_progress)
     return result

@@ -163,10 +163,14 @@ class _Search:
         self._judge = judge
         self._on_progress = on_progress
         self._smoothed: dict[float, Path] = {}
+        # Candidates the search expects to build, for progress bars; it grows when the
+        # node-exclusion step starts, as its length depends on where the gate passes.
+        self._planned = 1
         self.steps: list[SearchStep] = []
         self.sensitivity: dict[str, float] = {}
 
     def run(self, alphas: Sequence[float], rows: Dataset, op_types: Sequence[str]) -> _Candidate:
+        self._planned = 1 + len(alphas)
         plain = self._try(None, ())
         if plain.score.gate.passed:
             return plain
@@ -206,7 +210,8 @@ class _Search:
             score.gate.summary,
         )
         if self._on_progress is not None:
-            self._on_progress("int8 search (candidates)", len(self.steps), len(self.steps))
+            total = max(self._planned, len(self.steps))
+            self._on_progress("int8 search (candidates)", len(self.steps), total)
         return candidate
 
     def _input(self, alpha: float | None) -> Path:
@@ -225,6 +230,8 @@ class _Search:
         return sorted(sizes, key=lambda name: self.sensitivity[name] / sizes[name], reverse=True)
 
     def _shortest_passing_prefix(self, base: _Candidate, ranking: list[str]) -> _Candidate:
+        # Doubling, then bisection: at most about 2 * log2(nodes) more candidates.
+        self._planned = len(self.steps) + 2 * max(1, (len(ranking) - 1).bit_length())
         tried = [base]
         failed_at, passed = 0, None
         count = 1
