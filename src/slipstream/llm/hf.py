@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -20,16 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slipstream.errors import InternalError, InvalidRequest, Unavailable
+from slipstream.llm import sampling
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from slipstream.config import GenerationSettings
 
 logger = logging.getLogger(__name__)
-
-# Placeholders that make transformers build the per-request temperature, top-k and top-p
-# processors (it skips any whose default is a no-op). Every request sets all three.
-_PLACEHOLDER_SAMPLING = {"temperature": 0.5, "top_k": 50, "top_p": 0.9}
 
 
 class TransformersEngine(Engine):
@@ -48,19 +44,19 @@ class TransformersEngine(Engine):
         self.max_model_len = min(settings.max_model_len or position_limit, position_limit)
         self.cache_tokens = settings.num_blocks * settings.block_size
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        # Sampling is done by slipstream.llm.sampling's processors, which leave one
+        # possible token per row: the engine's own step is then a plain argmax.
         generation = GenerationConfig(  # type: ignore[no-untyped-call]
-            do_sample=True,
+            do_sample=False,
             eos_token_id=sorted(self.eos_token_ids) or -1,
             pad_token_id=tokenizer.pad_token_id,
             max_new_tokens=settings.default_max_tokens,
-            **_PLACEHOLDER_SAMPLING,
         )
         batching = ContinuousBatchingConfig(
             page_size=settings.block_size,
             num_blocks=settings.num_blocks,
             max_batch_tokens=settings.max_batch_tokens,
             max_requests_per_batch=settings.max_num_seqs,
-            per_request_processors=True,
             # Prefix sharing would make two sequences hold one block: utilisation
             # accounting and "cancel frees its blocks" both assume one owner per block.
             allow_block_sharing=False,
@@ -69,7 +65,7 @@ class TransformersEngine(Engine):
         self._manager = model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=batching
         )
-        _add_seeded_sampling(self._manager)
+        sampling.install(self._manager)
         self._waiting: set[str] = set()
         self._running: set[str] = set()
         self._manager.start()
@@ -119,7 +115,9 @@ class TransformersEngine(Engine):
             max_new_tokens=params.max_tokens,
             streaming=True,
             eos_token_id=-1 if params.ignore_eos else sorted(self.eos_token_ids) or -1,
-            **self._sampling_kwargs(params),
+            **sampling.sampling_kwargs(
+                params.greedy, params.temperature, params.top_k, params.top_p, params.seed
+            ),
         )
         if submitted is None:
             self._drop_handler(request_id)
@@ -153,18 +151,6 @@ class TransformersEngine(Engine):
                 # The client went away or a stop string matched: free the blocks now.
                 manager.cancel_request(request_id)
                 self._drop_handler(request_id)
-
-    def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
-        if params.greedy:
-            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
-        kwargs: dict[str, Any] = {
-            "temperature": float(params.temperature),
-            "top_k": int(min(params.top_k, self.vocab_size) or self.vocab_size),
-            "top_p": float(params.top_p),
-        }
-        if params.seed is not None:
-            kwargs["seed"] = int(params.seed)
-        return kwargs
 
     def _drop_handler(self, request_id: str) -> None:
         router = self._manager.output_router
@@ -236,60 +222,3 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
     return frozenset(i for i in ids if i >= 0)
-
-
-def _add_seeded_sampling(manager: Any) -> None:
-    """Append a processor that makes a request's samples depend only on its seed.
-
-    transformers samples the whole batch with one ``torch.multinomial`` call, so a seed
-    cannot be per request there. For rows that carry a seed, this processor draws the
-    token itself with the Gumbel-max trick (argmax of logits plus Gumbel noise from a
-    generator seeded by the request's seed and position) and leaves only that token
-    possible, so the shared sampler must pick it.
-    """
-    from transformers.generation.continuous_batching.cb_logits_processors import (
-        ContinuousBatchingLogitsProcessor,
-    )
-
-    class SeededSampling(ContinuousBatchingLogitsProcessor):
-        supported_kwargs = {"seed": int}  # noqa: RUF012 - transformers' own class layout
-        ignored_kwargs: tuple[str, ...] = ()
-
-        def fill_defaults(self, int32_tensor: Any) -> None:
-            int32_tensor.fill_(-1)
-
-        def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> Any:
-            import torch
-
-            keys = []
-            for request in requests_with_new_token:
-                state = request.state
-                seed = state.logit_processor_kwargs.get("seed")
-                keys.append(-1 if seed is None else _step_key(seed, state.generated_len()))
-            return torch.tensor(keys, dtype=torch.int32)
-
-        def __call__(self, scores: Any, tensor_arg: Any) -> Any:
-            import torch
-
-            keys = tensor_arg[: scores.size(0)]
-            rows = torch.nonzero(keys >= 0).flatten().tolist()
-            for row in rows:
-                generator = torch.Generator().manual_seed(int(keys[row]))
-                uniform = torch.rand(scores.size(1), generator=generator).clamp_(min=1e-20)
-                noisy = scores[row] - torch.log(-torch.log(uniform))
-                pick = int(torch.argmax(noisy))
-                scores[row].fill_(-math.inf)
-                scores[row, pick] = 0.0
-            return scores
-
-    processors = manager.logit_processor
-    processors.logits_processor.append(SeededSampling())
-    processors.tensors_required += 1
-    processors._retrieve_processors_kwargs()
-    processors.do_processing = True
-
-
-def _step_key(seed: int, step: int) -> int:
-    """A non-negative int32 from (seed, step): distinct streams per position."""
-    mixed = (seed * 0x9E3779B1 + step * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF
-    return mixed & 0x7FFFFFFF
