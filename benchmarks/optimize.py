@@ -20,7 +20,7 @@ it builds the model through the Python API (`optimize_model`) and prints:
 the 50 %-pruned, fine-tuned CNN, with sizes, test accuracy and one-core speed ratios.
 
 Usage (from the repository root):
-    .venv/bin/python benchmarks/optimize.py                    # everything, ~12 min
+    .venv/bin/python benchmarks/optimize.py                    # everything, ~15 min
     .venv/bin/python benchmarks/optimize.py --only dyn-search,dyn-matmul-pc --rounds 3
     .venv/bin/python benchmarks/optimize.py --sections digits
     .venv/bin/python benchmarks/optimize.py --json benchmarks/results/optimize.json
