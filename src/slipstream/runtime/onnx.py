@@ -65,6 +65,11 @@ def session_options(parameters: dict[str, str], instance_count: int) -> ort.Sess
             + ", ".join(_GRAPH_LEVELS)
         )
     options.graph_optimization_level = _GRAPH_LEVELS[level]
+    # Flush denormal floats to zero: masked softmax inputs (attention over padding) turn
+    # into denormals, which the CPU handles about 10x slower; minilm's softmax measured
+    # 8 ms instead of 0.8 ms per run. Outputs change below 1e-38 only; "0" turns it off.
+    if parameters.get("denormal_as_zero", "1") not in ("0", "false"):
+        options.add_session_config_entry("session.set_denormal_as_zero", "1")
     return options
 
 
