@@ -282,25 +282,31 @@ def main() -> int:
     print(f"static: {results['static']}", flush=True)
     del model
 
-    with tempfile.TemporaryDirectory() as tmp:
-        repo = Path(tmp)
-        for name, seqs in (("continuous", 32), ("serial", 1)):
-            (repo / name / "1").mkdir(parents=True)
-            os.link(gguf, repo / name / "1" / GGUF)
-            (repo / name / "config.yaml").write_text(CONFIG.format(seqs=seqs, threads=args.threads))
-        port = free_port()
-        spec = ServerSpec(
-            "slipstream",
-            [str(ROOT / ".venv" / "bin" / "slipstream"), "serve", "--model-repository", str(repo),
-             "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0"],
-            port, "/v2/health/ready", startup_timeout_s=300,
-        )  # fmt: skip
-        with running(spec, None, ROOT / "benchmarks" / "results" / "llm-server.log"):
-            url = spec.url("")
-            asyncio.run(single_stream(url, "continuous", probe, 16))  # warm-up
-            server_rate = asyncio.run(single_stream(url, "continuous", probe, 128))
-            print(f"server single stream: {server_rate:.1f} decode tokens/s", flush=True)
-            for mode in ("continuous", "serial"):
+    # One server per mode, each holding one model: two engines in one process would
+    # mean two generation threads with OpenMP pools, more threads than cores, and
+    # libgomp then sleeps its workers between parallel regions (decode slows ~40%).
+    server_rate = 0.0
+    for mode, seqs in (("continuous", 32), ("serial", 1)):
+        with tempfile.TemporaryDirectory() as tmp:
+            repo = Path(tmp)
+            (repo / mode / "1").mkdir(parents=True)
+            os.link(gguf, repo / mode / "1" / GGUF)
+            config = CONFIG.format(seqs=seqs, threads=args.threads)
+            (repo / mode / "config.yaml").write_text(config)
+            port = free_port()
+            spec = ServerSpec(
+                "slipstream",
+                [str(ROOT / ".venv" / "bin" / "slipstream"), "serve", "--model-repository",
+                 str(repo), "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0"],
+                port, "/v2/health/ready", startup_timeout_s=300,
+            )  # fmt: skip
+            log = ROOT / "benchmarks" / "results" / f"llm-server-{mode}.log"
+            with running(spec, None, log):
+                url = spec.url("")
+                if mode == "continuous":
+                    asyncio.run(single_stream(url, mode, probe, 16))  # warm-up
+                    server_rate = asyncio.run(single_stream(url, mode, probe, 128))
+                    print(f"server single stream: {server_rate:.1f} decode tokens/s", flush=True)
                 outcomes, samples = asyncio.run(replay(url, mode, trace))
                 extra = {"kv_utilization_mean": statistics.fmean(samples) if samples else 0.0,
                          "kv_utilization_samples": len(samples)}  # fmt: skip
