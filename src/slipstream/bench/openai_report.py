@@ -19,7 +19,7 @@ from slipstream.bench.openai_results import (
     OpenAILevelResult,
     RequestResult,
 )
-from slipstream.bench.report import progress_bar
+from slipstream.bench.report import print_problems, progress_bar
 from slipstream.bench.settings import LoadLevel
 
 # The latency metrics of a level, in table and CSV order, with their table names.
@@ -111,13 +111,7 @@ def print_openai_tables(result: OpenAIBenchResult, console: Console) -> None:
         main.add_row(*row)
     console.print(main)
     console.print(_latency_table(result, load))
-    for level in result.levels:
-        for key, example in level.error_examples.items():
-            console.print(f"[red]{level.label}: {key}[/]: {example[:300]}")
-        for warning in level.warnings:
-            console.print(f"[yellow]warning[/] {level.label}: {warning}")
-    for warning in result.warnings:
-        console.print(f"[yellow]warning[/] {warning}")
+    print_problems(console, result)
 
 
 def _latency_table(result: OpenAIBenchResult, load: str) -> Table:

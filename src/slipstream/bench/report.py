@@ -127,13 +127,7 @@ def print_tables(result: BenchResult, console: Console) -> None:
         )
     console.print(main)
     console.print(_breakdown_table(result))
-    for level in result.levels:
-        for key, example in level.error_examples.items():
-            console.print(f"[red]{level.label}: {key}[/]: {example[:300]}")
-        for warning in level.warnings:
-            console.print(f"[yellow]warning[/] {level.label}: {warning}")
-    for warning in result.warnings:
-        console.print(f"[yellow]warning[/] {warning}")
+    print_problems(console, result)
 
 
 def _load_header(result: BenchResult) -> str:
@@ -207,3 +201,14 @@ def write_csv(result: BenchResult, path: Path) -> None:
             row["errors_by_code"] = "; ".join(f"{k}={v}" for k, v in level.errors_by_code.items())
             row["warnings"] = " | ".join(level.warnings)
             writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+
+def print_problems(console: Console, result: Any) -> None:
+    """Each level's error examples and warnings, then the run's warnings."""
+    for level in result.levels:
+        for key, example in level.error_examples.items():
+            console.print(f"[red]{level.label}: {key}[/]: {example[:300]}")
+        for warning in level.warnings:
+            console.print(f"[yellow]warning[/] {level.label}: {warning}")
+    for warning in result.warnings:
+        console.print(f"[yellow]warning[/] {warning}")

@@ -25,7 +25,7 @@ from slipstream.errors import ModelNotFound, Unavailable
 from slipstream.llm.engine import CacheStats, Engine, SamplingParams
 from slipstream.llm.text import TextDelta, stream_text
 from slipstream.observability.llm_metrics import LlmMetrics
-from slipstream.repository.layout import list_models, read_config
+from slipstream.repository.layout import list_models, named_model_file, read_config
 
 logger = logging.getLogger(__name__)
 
@@ -240,11 +240,9 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 
 def _model_source(version_dir: Path, config: ModelConfig) -> Path:
     """The GGUF file or Hugging Face directory inside a version directory."""
-    if config.default_model_filename:
-        path = version_dir / config.default_model_filename
-        if not path.exists():
-            raise ConfigError(f"default_model_filename: {path} does not exist")
-        return path
+    named = named_model_file(version_dir, config)
+    if named is not None:
+        return named
     if (version_dir / "config.json").is_file():
         return version_dir
     ggufs = sorted(version_dir.glob("*.gguf"))

@@ -68,8 +68,8 @@ async def stream_text(
         async for step in steps:
             tokens.extend(step.token_ids)
             text = decode(tokens)
-            if matcher.find(text, sent) != -1:
-                cut = matcher.find(text, sent)
+            cut = matcher.find(text, sent)
+            if cut != -1:
                 yield TextDelta(text[sent:cut], len(tokens), "stop")
                 return
             if step.finish_reason is not None:

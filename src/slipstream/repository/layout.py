@@ -89,13 +89,21 @@ def is_generative(model: ModelDirectory) -> bool:
         return False
 
 
+def named_model_file(version_dir: Path, config: ModelConfig) -> Path | None:
+    """The file ``default_model_filename`` names (ConfigError if missing), or None."""
+    if not config.default_model_filename:
+        return None
+    path = version_dir / config.default_model_filename
+    if not path.exists():
+        raise ConfigError(f"default_model_filename: {path} does not exist")
+    return path
+
+
 def model_file(version_dir: Path, config: ModelConfig) -> Path:
     """The model file inside a version directory."""
-    if config.default_model_filename:
-        path = version_dir / config.default_model_filename
-        if not path.exists():
-            raise ConfigError(f"default_model_filename: {path} does not exist")
-        return path
+    named = named_model_file(version_dir, config)
+    if named is not None:
+        return named
     candidates = [
         p
         for p in sorted(version_dir.iterdir())

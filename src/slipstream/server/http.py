@@ -147,12 +147,17 @@ class HttpApp:
         return HttpResponse(200, payload, _BINARY, [(_HEADER_LENGTH, str(json_length).encode())])
 
 
-def _error_reply(exc: SlipstreamError) -> HttpResponse:
+def error_reply(exc: SlipstreamError, body: bytes) -> HttpResponse:
+    """``exc``'s status with ``body``, and Retry-After when the error carries one."""
     headers = []
     retry_after = getattr(exc, "retry_after_s", None)
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
-    return HttpResponse(exc.http_status, v2.encode_error(exc.message), headers=headers)
+    return HttpResponse(exc.http_status, body, headers=headers)
+
+
+def _error_reply(exc: SlipstreamError) -> HttpResponse:
+    return error_reply(exc, v2.encode_error(exc.message))
 
 
 def _int_header(value: bytes, name: str) -> int:

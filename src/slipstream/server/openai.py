@@ -22,6 +22,7 @@ from slipstream.errors import InternalError, InvalidRequest, ModelNotFound, Slip
 from slipstream.llm.engine import Engine, SamplingParams
 from slipstream.llm.service import Job, LlmModels
 from slipstream.protocol import openai
+from slipstream.server.http import error_reply
 from slipstream.server.http_server import HttpRequest, HttpResponse, StreamingResponse
 from slipstream.serving.service import InferenceService
 from slipstream.types import InferRequest
@@ -44,12 +45,12 @@ class OpenAIApp:
         try:
             return await self._dispatch(request)
         except SlipstreamError as exc:
-            return error_reply(exc)
+            return _openai_error(exc)
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("unhandled error on %s %s", request.method, request.path)
-            return error_reply(InternalError("internal server error; see the server log"))
+            return _openai_error(InternalError("internal server error; see the server log"))
 
     async def _dispatch(self, request: HttpRequest) -> Reply:
         route = request.path.rstrip("/")
@@ -257,9 +258,5 @@ async def _events(
     yield openai.SSE_DONE
 
 
-def error_reply(exc: SlipstreamError) -> HttpResponse:
-    headers = []
-    retry_after = getattr(exc, "retry_after_s", None)
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    return HttpResponse(exc.http_status, openai.error(exc), headers=headers)
+def _openai_error(exc: SlipstreamError) -> HttpResponse:
+    return error_reply(exc, openai.error(exc))
