@@ -7,7 +7,9 @@ ONNX Runtime in-process and compare what the server answers with it.
     repo = tmp_path / "models"
     build_add_sub(repo)
     build_identity(repo, "FP16")          # model "identity_fp16"
-    build_slow(repo, "slow", {"max_batch_size": 8})
+
+A model whose runs wait for the test (queue behaviour) is the gated backend in
+``tests/gated.py``, not an ONNX model slow enough on some machine.
 """
 
 from __future__ import annotations
@@ -45,8 +47,6 @@ NUMERIC_DATATYPES = [name for name in V2_TO_ONNX if name != "BYTES"]
 
 # Width of add_sub's inputs and outputs: [batch, ADD_SUB_WIDTH].
 ADD_SUB_WIDTH = 16
-# Width of the slow model's input: [batch, SLOW_WIDTH] FP32.
-SLOW_WIDTH = 1024
 # Fixed shape of the non-batching model's input and output.
 FIXED_SHAPE = (2, 4)
 
@@ -109,56 +109,6 @@ def build_identity(repo: Path, datatype: str, name: str | None = None) -> Path:
         [helper.make_tensor_value_info("OUTPUT0", element, shape)],
     )
     return _save(_model(graph), repo, name or identity_name(datatype), 1)
-
-
-def build_slow(
-    repo: Path,
-    name: str,
-    config: dict[str, Any] | None = None,
-    iterations: int = 600,
-    width: int = SLOW_WIDTH,
-) -> Path:
-    """INPUT0 FP32 [-1, width] -> OUTPUT0: a Loop of ``iterations`` MatMuls by a permutation.
-
-    About 100 ms per run of one row on one core (intra_op_thread_count "1" is always
-    set): long enough that requests sent while it runs are still queued. A Loop rather
-    than a chain of nodes keeps the session's load time at milliseconds, and a
-    permutation matrix keeps every value exact, so outputs equal ONNX Runtime's.
-    """
-    perm = np.random.default_rng(0).permutation(width)
-    weights = np.zeros((width, width), np.float32)
-    weights[np.arange(width), perm] = 1.0
-    body = helper.make_graph(
-        [
-            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
-            helper.make_node("MatMul", ["hidden_in", "W"], ["hidden_out"]),
-        ],
-        f"{name}_step",
-        [
-            helper.make_tensor_value_info("iteration", TensorProto.INT64, []),
-            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-            helper.make_tensor_value_info("hidden_in", TensorProto.FLOAT, None),
-        ],
-        [
-            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-            helper.make_tensor_value_info("hidden_out", TensorProto.FLOAT, None),
-        ],
-    )
-    shape: list[str | int] = ["batch", width]
-    graph = helper.make_graph(
-        [helper.make_node("Loop", ["iterations", "", "INPUT0"], ["OUTPUT0"], body=body)],
-        name,
-        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, shape)],
-        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, shape)],
-        [
-            numpy_helper.from_array(weights, "W"),
-            numpy_helper.from_array(np.array(iterations, np.int64), "iterations"),
-        ],
-    )
-    full_config: dict[str, Any] = dict(config or {})
-    full_config["parameters"] = {"intra_op_thread_count": "1", **full_config.get("parameters", {})}
-    write_config(repo, name, full_config)
-    return _save(_model(graph), repo, name, 1)
 
 
 def build_fixed(repo: Path, name: str = "fixed") -> Path:

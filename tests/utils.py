@@ -77,8 +77,11 @@ class RemoteServer:
         shutdown_timeout_s: float = 60.0,
         expected_exit_code: int = 0,
         env: dict[str, str] | None = None,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.repository = repository
+        # argv prefix that runs the CLI; the slipstream console script by default.
+        self._command = list(command) if command else slipstream_command()
         self._args = list(args)
         self._log_dir = log_dir
         self._pick_ports()
@@ -92,7 +95,7 @@ class RemoteServer:
     def _pick_ports(self) -> None:
         self.http_port, self.grpc_port = free_ports(2)
         self.argv = [
-            *slipstream_command(),
+            *self._command,
             "serve",
             "--model-repository", str(self.repository),
             "--host", HOST,

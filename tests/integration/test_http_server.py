@@ -20,6 +20,8 @@ class Recorder:
 
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
+        # Set when a /slow request reaches the handler (and starts waiting for release).
+        self.started = asyncio.Event()
         self.release = asyncio.Event()
         self.stream_closed = asyncio.Event()
 
@@ -40,6 +42,7 @@ class Recorder:
         if request.path == "/endless":
             return StreamingResponse(200, self.events(None))
         if request.path == "/slow":
+            self.started.set()
             try:
                 await self.release.wait()
             except asyncio.CancelledError:
@@ -129,7 +132,7 @@ async def test_disconnect_cancels_the_handler(server: tuple) -> None:
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
     await writer.drain()
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(handler.started.wait(), 5)
     writer.close()
     await writer.wait_closed()
     await asyncio.wait_for(handler.cancelled.wait(), 2)
@@ -178,9 +181,9 @@ async def test_shutdown_lets_the_request_in_flight_finish(server: tuple) -> None
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
     await writer.drain()
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(handler.started.wait(), 5)
     stopping = asyncio.ensure_future(http.shutdown(5.0))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # one loop turn: shutdown has stopped accepting and now waits
     handler.release.set()
     reply = await asyncio.wait_for(reader.read(), 3)
     assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"GET /slow 0")

@@ -4,8 +4,9 @@ Every served output is compared with ONNX Runtime running the same model file in
 Bad requests go through raw httpx so each can assert both the status and that the error
 message names the offending field. Queue behaviour (batching, timeouts, backpressure,
 priorities, cancellation) is observed from outside through the statistics extension
-and /metrics, with the ``slow_*`` models (~100 ms per run on one core) keeping an
-instance busy while other requests queue.
+and /metrics, with the ``slow_*`` models (the test-only gated backend, tests/gated.py)
+holding a run for as long as the test keeps their gate closed, so requests queue behind
+it whatever the speed of the machine.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import asyncio
 import contextlib
 import socket
 import struct
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,16 +29,15 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
+from tests.gated import GATED_WIDTH, Gate, build_gated, gated_command, gated_input, wait_until
 from tests.models import (
     ADD_SUB_WIDTH,
     FIXED_SHAPE,
     NUMERIC_DATATYPES,
-    SLOW_WIDTH,
     V2_TO_ONNX,
     build_add_sub,
     build_fixed,
     build_identity,
-    build_slow,
     identity_name,
     run_onnx,
     write_config,
@@ -49,13 +47,10 @@ from tests.utils import RemoteServer
 MAX_REQUEST_BYTES = 1024 * 1024
 # Client-side bound on any single request: nothing in this module may hang.
 CLIENT_TIMEOUT_S = 60.0
-# Time given to a request sent in another thread to reach the server and start running.
-ARRIVAL_S = 0.03
-
-# Queue timeout of the request stuck behind a ~100 ms run in the timeout tests.
+# Queue timeout of the request stuck behind a held run in the timeout tests.
 QUEUE_TIMEOUT_US = 10_000
 
-# One model per queue behaviour, so that no test's queue sees another's requests.
+# One gated model per queue behaviour, so that no test's queue sees another's requests.
 SLOW_MODELS: dict[str, dict[str, Any]] = {
     "slow_batch": {"max_batch_size": 8},
     "slow_timeout": {"max_batch_size": 1},
@@ -64,7 +59,11 @@ SLOW_MODELS: dict[str, dict[str, Any]] = {
         "dynamic_batching": {"default_timeout_microseconds": QUEUE_TIMEOUT_US},
     },
     "slow_queue": {"max_batch_size": 1, "dynamic_batching": {"max_queue_size": 2}},
-    "slow_priority": {"max_batch_size": 1, "dynamic_batching": {"priority_levels": 2}},
+    "slow_priority": {
+        "max_batch_size": 1,
+        "dynamic_batching": {"priority_levels": 2},
+        "parameters": {"hold_note": "parameters reach the backend as strings"},
+    },
     "slow_cancel": {"max_batch_size": 1},
 }
 BROKEN_KEY = "max_batch_sizes"
@@ -74,13 +73,21 @@ BROKEN_KEY = "max_batch_sizes"
 
 
 @pytest.fixture(scope="module")
-def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def gates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Gate]:
+    root = tmp_path_factory.mktemp("gates")
+    return {name: Gate(root / name) for name in SLOW_MODELS}
+
+
+@pytest.fixture(scope="module")
+def model_files(
+    tmp_path_factory: pytest.TempPathFactory, gates: dict[str, Gate]
+) -> dict[str, Path]:
     repo = tmp_path_factory.mktemp("repo")
     files = {"add_sub": build_add_sub(repo), "fixed": build_fixed(repo)}
     for datatype in V2_TO_ONNX:
         files[identity_name(datatype)] = build_identity(repo, datatype)
     for name, config in SLOW_MODELS.items():
-        files[name] = build_slow(repo, name, config)
+        files[name] = build_gated(repo, name, gates[name], config)
     # A typo'd key: the model fails to load, the others serve.
     build_add_sub(repo, "broken")
     write_config(repo, "broken", {BROKEN_KEY: 8})
@@ -93,7 +100,8 @@ def server(
 ) -> Iterator[RemoteServer]:
     repo = model_files["add_sub"].parents[2]
     args = ["--no-strict-readiness", "--max-request-bytes", str(MAX_REQUEST_BYTES)]
-    with RemoteServer(repo, args, log_dir=tmp_path_factory.mktemp("logs")) as remote:
+    log_dir = tmp_path_factory.mktemp("logs")
+    with RemoteServer(repo, args, log_dir=log_dir, command=gated_command()) as remote:
         yield remote
 
 
@@ -132,8 +140,9 @@ def add_sub_inputs(rows: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def slow_input(seed: int, rows: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((rows, SLOW_WIDTH), dtype=np.float32)
+def slow_input(tag: int, rows: int = 1) -> np.ndarray:
+    """Input of a gated model whose rows carry ``tag``, to find them in Gate.runs()."""
+    return gated_input(float(tag), rows)
 
 
 def triton_inputs(
@@ -240,7 +249,9 @@ def test_model_metadata_and_config(client: httpclient.InferenceServerClient) -> 
     slow = client.get_model_config("slow_priority")
     assert slow["max_batch_size"] == 1
     assert slow["dynamic_batching"]["priority_levels"] == 2
-    assert slow["parameters"]["intra_op_thread_count"] == {"string_value": "1"}
+    assert slow["parameters"]["hold_note"] == {
+        "string_value": "parameters reach the backend as strings"
+    }
 
 
 def test_non_batching_model(
@@ -523,7 +534,7 @@ _ROW = [0.5] * ADD_SUB_WIDTH
 _ROW_BYTES = np.full(ADD_SUB_WIDTH, 0.5, np.float32).tobytes()
 _INPUT0 = _tensor("INPUT0", [1, ADD_SUB_WIDTH], _ROW)
 _INPUT1 = _tensor("INPUT1", [1, ADD_SUB_WIDTH], _ROW)
-_SLOW_INPUT0 = _tensor("INPUT0", [1, SLOW_WIDTH], [0.0] * SLOW_WIDTH)
+_SLOW_INPUT0 = _tensor("INPUT0", [1, GATED_WIDTH], [0.0] * GATED_WIDTH)
 
 
 def _add_sub(*inputs: dict[str, Any], **fields: Any) -> bytes:
@@ -812,31 +823,44 @@ def _seeded(seed: int) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------- queue behaviour
 
 
+def pending_requests(http: httpx.Client, model: str) -> float:
+    return metric(http, "slipstream_pending_requests", model=model, version="1")
+
+
+def wait_pending(http: httpx.Client, model: str, count: int) -> None:
+    """Wait until ``count`` requests of ``model`` wait in its queue."""
+    wait_until(lambda: pending_requests(http, model) == count, f"{count} queued on {model}")
+
+
 def test_dynamic_batching_forms_batches(
-    server: RemoteServer, http: httpx.Client, model_files: dict[str, Path]
+    server: RemoteServer, http: httpx.Client, gates: dict[str, Gate]
 ) -> None:
     model = "slow_batch"  # max_batch_size 8, no queue delay
+    gate = gates[model]
     before = model_stats(http, model)
-    xs = [slow_input(seed) for seed in range(8)]
+    first_run = len(gate.runs())
+    xs = [slow_input(tag) for tag in range(8)]
     with sessions(server, len(xs)) as clients, ThreadPoolExecutor(len(xs)) as pool:
-        futures = [
-            pool.submit(post_infer, session, model, infer_body({"INPUT0": x}))
-            for session, x in zip(clients, xs, strict=True)
-        ]
+        with gate.closed():
+            futures = [pool.submit(post_infer, clients[0], model, infer_body({"INPUT0": xs[0]}))]
+            gate.wait_runs(first_run + 1)
+            # Seven requests arrive while the first one runs: they wait, then share a batch.
+            for session, x in zip(clients[1:], xs[1:], strict=True):
+                futures.append(pool.submit(post_infer, session, model, infer_body({"INPUT0": x})))
+            wait_pending(http, model, 7)
         responses = [f.result() for f in futures]
-    expected = run_onnx(model_files[model], {"INPUT0": np.concatenate(xs)})["OUTPUT0"]
-    for row, response in enumerate(responses):
+    for x, response in zip(xs, responses, strict=True):
         assert response.status_code == 200, response.text
         (output,) = response.json()["outputs"]
         served = np.array(output["data"], np.float32).reshape(output["shape"])
-        np.testing.assert_array_equal(served, expected[row : row + 1])
+        np.testing.assert_array_equal(served, x)
+    first, second = gate.runs()[first_run:]
+    assert first == [0.0]
+    assert sorted(second) == [float(tag) for tag in range(1, 8)]
     after = model_stats(http, model)
-    inferences = after["inference_count"] - before["inference_count"]
-    executions = after["execution_count"] - before["execution_count"]
-    assert inferences == 8
-    # The first request runs alone; those arriving meanwhile share the next batches.
-    assert executions < inferences, "8 concurrent requests on a busy model ran one by one"
-    assert max(b["batch_size"] for b in after["batch_stats"]) > 1
+    assert after["inference_count"] - before["inference_count"] == 8
+    assert after["execution_count"] - before["execution_count"] == 2
+    assert max(b["batch_size"] for b in after["batch_stats"]) == 7
 
 
 @pytest.mark.parametrize("source", ["request", "config"])
@@ -844,115 +868,137 @@ def test_queue_timeout_fails_a_request_that_never_runs(
     server: RemoteServer,
     client: httpclient.InferenceServerClient,
     http: httpx.Client,
+    gates: dict[str, Gate],
     source: str,
 ) -> None:
     # slow_timeout has no default timeout (the request sets one); slow_deadline's
     # config.yaml sets default_timeout_microseconds.
     model = "slow_timeout" if source == "request" else "slow_deadline"
+    gate = gates[model]
     labels = {"model": model, "version": "1", "reason": "timeout"}
     before = model_stats(http, model)
     timeouts_before = metric(http, "slipstream_request_failure_total", **labels)
+    first_run = len(gate.runs())
     stuck = triton_inputs({"INPUT0": slow_input(1)})
-    with sessions(server, 1) as (session,), ThreadPoolExecutor(1) as pool:
-        blocker = pool.submit(post_infer, session, model, infer_body({"INPUT0": slow_input(0)}))
-        time.sleep(ARRIVAL_S)
-        with pytest.raises(InferenceServerException) as info:
-            client.infer(model, stuck, timeout=QUEUE_TIMEOUT_US if source == "request" else None)
+    with sessions(server, 2) as (blocking, later), ThreadPoolExecutor(1) as pool:
+        with gate.closed():
+            body = infer_body({"INPUT0": slow_input(0)})
+            blocker = pool.submit(post_infer, blocking, model, body)
+            gate.wait_runs(first_run + 1)
+            with pytest.raises(InferenceServerException) as info:
+                client.infer(
+                    model, stuck, timeout=QUEUE_TIMEOUT_US if source == "request" else None
+                )
+            # Failed while waiting, not after its turn came: the instance is still held.
+            assert not blocker.done()
         assert blocker.result().status_code == 200
+        # Requests run in arrival order: had the timed-out one stayed queued, it would run
+        # before this one.
+        assert post_infer(later, model, infer_body({"INPUT0": slow_input(2)})).status_code == 200
     assert info.value.status() == "503"
     assert "timed out" in str(info.value.message())
-    time.sleep(0.3)  # longer than one run: had the stuck request been run, it would show
+    assert gate.runs()[first_run:] == [[0.0], [2.0]]
     after = model_stats(http, model)
-    assert after["inference_count"] == before["inference_count"] + 1
-    assert after["execution_count"] == before["execution_count"] + 1
+    assert after["inference_count"] == before["inference_count"] + 2
+    assert after["execution_count"] == before["execution_count"] + 2
     failures = after["inference_stats"]["fail"]["count"]
     assert failures == before["inference_stats"]["fail"]["count"] + 1
     assert metric(http, "slipstream_request_failure_total", **labels) == timeouts_before + 1
 
 
-def test_full_queue_refuses_with_retry_after(server: RemoteServer, http: httpx.Client) -> None:
+def test_full_queue_refuses_with_retry_after(
+    server: RemoteServer, http: httpx.Client, gates: dict[str, Gate]
+) -> None:
     model = "slow_queue"  # max_batch_size 1, max_queue_size 2
+    gate = gates[model]
     labels = {"model": model, "version": "1", "reason": "queue_full"}
     refused_before = metric(http, "slipstream_request_failure_total", **labels)
-    flood = 16
-
-    async def run_all() -> list[httpx.Response]:
-        limits = httpx.Limits(max_connections=flood)
-        async with httpx.AsyncClient(
-            base_url=server.http_url, timeout=CLIENT_TIMEOUT_S, limits=limits
-        ) as session:
-            bodies = [infer_body({"INPUT0": slow_input(i)}) for i in range(flood)]
-            return await asyncio.gather(
-                *(session.post(f"/v2/models/{model}/infer", content=body) for body in bodies)
-            )
-
-    started = time.monotonic()
-    responses = asyncio.run(run_all())
-    elapsed = time.monotonic() - started
-    statuses = [r.status_code for r in responses]
-    assert set(statuses) <= {200, 503}, statuses
-    refused = [r for r in responses if r.status_code == 503]
-    assert refused, "16 simultaneous requests fit a queue of 2 behind one busy instance"
-    assert statuses.count(200) >= 1
-    for response in refused:
-        assert_error(response, 503, "queue is full")
-        assert int(response.headers["Retry-After"]) >= 0
-    # Refusals are immediate rather than waits for a slot, so the flood ends quickly.
-    assert elapsed < CLIENT_TIMEOUT_S / 2
+    first_run = len(gate.runs())
+    with sessions(server, 3) as clients, ThreadPoolExecutor(3) as pool:
+        with gate.closed():
+            body = infer_body({"INPUT0": slow_input(0)})
+            admitted = [pool.submit(post_infer, clients[0], model, body)]
+            gate.wait_runs(first_run + 1)
+            for tag in (1, 2):  # fill the queue, in a known order
+                body = infer_body({"INPUT0": slow_input(tag)})
+                admitted.append(pool.submit(post_infer, clients[tag], model, body))
+                wait_pending(http, model, tag)
+            # The queue is full: refused at once, while the gate still holds the instance
+            # (a refusal that waited for a slot would hang here).
+            refused = [
+                post_infer(http, model, infer_body({"INPUT0": slow_input(tag)})) for tag in (3, 4)
+            ]
+            for response in refused:
+                assert_error(response, 503, "queue is full", "2 requests waiting")
+                assert int(response.headers["Retry-After"]) >= 1
+        assert [f.result().status_code for f in admitted] == [200, 200, 200]
+    assert gate.runs()[first_run:] == [[0.0], [1.0], [2.0]]
     refused_after = metric(http, "slipstream_request_failure_total", **labels)
     assert refused_after == refused_before + len(refused)
 
 
-def test_high_priority_requests_overtake_queued_low_priority_ones(server: RemoteServer) -> None:
+def test_high_priority_requests_overtake_queued_low_priority_ones(
+    server: RemoteServer, http: httpx.Client, gates: dict[str, Gate]
+) -> None:
     model = "slow_priority"  # max_batch_size 1, priority_levels 2 (1 is the highest)
-    # Two blockers keep the instance busy for two runs while the others queue behind them.
-    plan = [("A1", 1), ("A2", 1), ("L1", 2), ("L2", 2), ("L3", 2), ("H1", 1), ("H2", 1)]
-    plan += [("H3", 1)]
-    finished: list[str] = []
-    lock = threading.Lock()
+    gate = gates[model]
+    first_run = len(gate.runs())
+    # (tag, priority), in sending order: lows 11-13 are queued before highs 1-3.
+    plan = [(11, 2), (12, 2), (13, 2), (1, 1), (2, 1), (3, 1)]
 
-    def send(session: httpx.Client, tag: str, priority: int, seed: int) -> int:
-        body = infer_body({"INPUT0": slow_input(seed)}, parameters={"priority": priority})
-        response = post_infer(session, model, body)
-        with lock:
-            finished.append(tag)
-        return response.status_code
+    def send(session: httpx.Client, tag: int, priority: int) -> int:
+        body = infer_body({"INPUT0": slow_input(tag)}, parameters={"priority": priority})
+        return post_infer(session, model, body).status_code
 
-    with sessions(server, len(plan)) as clients, ThreadPoolExecutor(len(plan)) as pool:
-        futures = []
-        for seed, ((tag, priority), session) in enumerate(zip(plan, clients, strict=True)):
-            futures.append(pool.submit(send, session, tag, priority, seed))
-            time.sleep(ARRIVAL_S if seed == 0 else 0.005)
-        assert [f.result() for f in futures] == [200] * len(plan)
-    assert finished[:2] == ["A1", "A2"]
-    # Every high-priority request ran before any queued low-priority one.
-    assert set(finished[2:5]) == {"H1", "H2", "H3"}, finished
-    assert set(finished[5:]) == {"L1", "L2", "L3"}, finished
+    with sessions(server, len(plan) + 1) as clients, ThreadPoolExecutor(len(plan) + 1) as pool:
+        with gate.closed():
+            futures = [pool.submit(send, clients[0], 0, 1)]
+            gate.wait_runs(first_run + 1)
+            for queued, (tag, priority) in enumerate(plan, 1):
+                futures.append(pool.submit(send, clients[queued], tag, priority))
+                wait_pending(http, model, queued)
+        assert [f.result() for f in futures] == [200] * (len(plan) + 1)
+    # Every high-priority request ran before any queued low-priority one; each level in
+    # arrival order.
+    runs = gate.runs()[first_run:]
+    assert runs == [[0.0], [1.0], [2.0], [3.0], [11.0], [12.0], [13.0]], runs
 
 
-def test_disconnected_client_request_is_never_run(server: RemoteServer, http: httpx.Client) -> None:
+def test_disconnected_client_request_is_never_run(
+    server: RemoteServer, http: httpx.Client, gates: dict[str, Gate]
+) -> None:
     model = "slow_cancel"  # max_batch_size 1: the second request must wait for the first
+    gate = gates[model]
     labels = {"model": model, "version": "1", "reason": "cancelled"}
     before = model_stats(http, model)
     cancelled_before = metric(http, "slipstream_request_failure_total", **labels)
+    first_run = len(gate.runs())
     body = infer_body({"INPUT0": slow_input(1)})
     raw = (
         f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {server.http_address}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode() + body
     with sessions(server, 1) as (session,), ThreadPoolExecutor(1) as pool:
-        sock = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
-        blocker = pool.submit(post_infer, session, model, infer_body({"INPUT0": slow_input(0)}))
-        time.sleep(ARRIVAL_S)
-        with sock:
-            sock.sendall(raw)
-            time.sleep(ARRIVAL_S)  # queued behind the blocker; now the client goes away
+        with gate.closed():
+            blocker = pool.submit(post_infer, session, model, infer_body({"INPUT0": slow_input(0)}))
+            gate.wait_runs(first_run + 1)
+            with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as sock:
+                sock.sendall(raw)
+                wait_pending(http, model, 1)
+            # The client went away while its request waited: it leaves the queue.
+            wait_until(
+                lambda: (
+                    metric(http, "slipstream_request_failure_total", **labels)
+                    == cancelled_before + 1
+                ),
+                "the disconnected request to be counted as cancelled",
+            )
+            assert pending_requests(http, model) == 0
         assert blocker.result().status_code == 200
-    time.sleep(0.3)  # longer than one run: had the dropped request been run, it would show
-    after = model_stats(http, model)
-    assert after["inference_count"] == before["inference_count"] + 1
-    assert after["execution_count"] == before["execution_count"] + 1
-    assert metric(http, "slipstream_request_failure_total", **labels) == cancelled_before + 1
-    # The model goes on serving.
+    # The model goes on serving, and only the blocker and this request ever ran.
     response = http.post(f"/v2/models/{model}/infer", content=infer_body({"INPUT0": slow_input(2)}))
     assert response.status_code == 200, response.text
+    assert gate.runs()[first_run:] == [[0.0], [2.0]]
+    after = model_stats(http, model)
+    assert after["inference_count"] == before["inference_count"] + 2
+    assert after["execution_count"] == before["execution_count"] + 2

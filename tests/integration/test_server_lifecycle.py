@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,15 +20,15 @@ import numpy as np
 import orjson
 import pytest
 import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+from tests.gated import Gate, build_gated, gated_command, gated_input, wait_until
 from tests.models import (
     ADD_SUB_WIDTH,
-    SLOW_WIDTH,
     build_add_constant,
     build_add_sub,
     build_identity,
-    build_slow,
     run_onnx,
     write_config,
 )
@@ -297,37 +296,49 @@ def test_sigterm_lets_running_and_queued_requests_finish_and_exits_0(
     tmp_path: Path, log_dir: Path
 ) -> None:
     repo = tmp_path / "repo"
-    # ~2x the usual slow model: both requests are still in the server when SIGTERM arrives.
-    path = build_slow(repo, "slow", {"max_batch_size": 1}, iterations=1200)
-    xs = [
-        np.random.default_rng(seed).standard_normal((1, SLOW_WIDTH), np.float32) for seed in (0, 1)
-    ]
-    expected = [run_onnx(path, {"INPUT0": x})["OUTPUT0"] for x in xs]
-    server = RemoteServer(repo, ["--shutdown-timeout-s", "30"], log_dir=log_dir)
+    gate = Gate(tmp_path / "gate")
+    build_gated(repo, "held", gate, {"max_batch_size": 1})
+    xs = [gated_input(float(tag)) for tag in (1, 2)]
+    server = RemoteServer(
+        repo, ["--shutdown-timeout-s", "30"], log_dir=log_dir, command=gated_command()
+    )
     with server, ThreadPoolExecutor(2) as pool:
         clients = [httpx.Client(base_url=server.http_url, timeout=CLIENT_TIMEOUT_S) for _ in xs]
         for session in clients:  # connect now: a new connection after SIGTERM is refused
             assert session.get("/v2/health/live").status_code == 200
-        sent = threading.Barrier(len(xs) + 1)
+        first_run = len(gate.runs())  # after the warm-up run
 
         def infer(session: httpx.Client, x: np.ndarray) -> httpx.Response:
-            sent.wait(10)
-            return session.post("/v2/models/slow/infer", content=fp32_body("INPUT0", x))
+            return session.post("/v2/models/held/infer", content=fp32_body("INPUT0", x))
 
-        # The first request runs, the second waits in the queue (max_batch_size 1).
-        in_flight = [pool.submit(infer, s, x) for s, x in zip(clients, xs, strict=True)]
-        sent.wait(10)
-        time.sleep(0.1)
-        server.terminate()
+        with gate.closed():
+            # The first request runs (held at the gate), the second waits in the queue
+            # (max_batch_size 1) when SIGTERM arrives.
+            in_flight = [pool.submit(infer, clients[0], xs[0])]
+            gate.wait_runs(first_run + 1)
+            in_flight.append(pool.submit(infer, clients[1], xs[1]))
+            wait_until(lambda: _pending(clients[0], "held") == 1, "the second request queued")
+            server.terminate()
+            wait_until(lambda: "shutting down" in server.log_text(), "the server to start draining")
         responses = [future.result() for future in in_flight]
         for session in clients:
             session.close()
-        for response, want in zip(responses, expected, strict=True):
+        for response, want in zip(responses, xs, strict=True):
             assert response.status_code == 200, response.text
             served = np.array(response.json()["outputs"][0]["data"], np.float32).reshape(1, -1)
             np.testing.assert_array_equal(served, want)
         assert server.wait() == 0, server.log_tail()
+        assert gate.runs()[first_run:] == [[1.0], [2.0]]
     assert "shutdown complete" in server.log_text()
+
+
+def _pending(http: httpx.Client, model: str) -> float:
+    """slipstream_pending_requests of version 1 of ``model``, from /metrics."""
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "slipstream_pending_requests" and sample.labels["model"] == model:
+                return float(sample.value)
+    raise AssertionError(f"no slipstream_pending_requests series for {model}")
 
 
 # ---------------------------------------------------------------------------- poll mode

@@ -36,6 +36,19 @@ def backend_for_file(path: Path) -> str:
         raise ValueError(f"{path.name}: unknown model file type; expected one of {known}") from None
 
 
+def register_backend(name: str, module: str, class_name: str) -> None:
+    """Make ``backend: <name>`` in config.yaml load ``module.class_name`` (a Backend).
+
+    For backends that live outside Slipstream: call it before the server loads its
+    repository, e.g. in a launcher that then runs ``slipstream.cli.main()``. A model picks
+    such a backend by name in its config.yaml (with ``default_model_filename`` when its file
+    has no known extension); nothing is chosen by file type.
+    """
+    if name in _BACKENDS:
+        raise ValueError(f"backend {name!r} is already registered")
+    _BACKENDS[name] = (module, class_name, "")
+
+
 def get_backend(name: str) -> type[Backend]:
     """The Backend class for ``name``; BackendUnavailable names the extra to install."""
     try:
