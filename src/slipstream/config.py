@@ -196,6 +196,12 @@ class ModelConfig(_Strict):
     # Embedding models: the tokenizer file (in the model directory) that
     # /v1/embeddings uses to turn text into the model's input_ids and attention_mask.
     tokenizer: str = ""
+    max_request_tokens: int = Field(
+        300_000,
+        ge=1,
+        description="/v1/embeddings: most tokens one request may carry, summed over its "
+        "inputs (OpenAI's own limit is 300,000); more is refused with a 400",
+    )
 
     @field_validator("instance_group", mode="before")
     @classmethod

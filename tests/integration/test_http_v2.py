@@ -838,6 +838,7 @@ def test_dynamic_batching_forms_batches(
     model = "slow_batch"  # max_batch_size 8, no queue delay
     gate = gates[model]
     before = model_stats(http, model)
+    dispatches_before = metric(http, "slipstream_batch_dispatch_total", model=model, version="1")
     first_run = len(gate.runs())
     xs = [slow_input(tag) for tag in range(8)]
     with sessions(server, len(xs)) as clients, ThreadPoolExecutor(len(xs)) as pool:
@@ -848,6 +849,14 @@ def test_dynamic_batching_forms_batches(
             for session, x in zip(clients[1:], xs[1:], strict=True):
                 futures.append(pool.submit(post_infer, session, model, infer_body({"INPUT0": x})))
             wait_pending(http, model, 7)
+            # A queue that does not move shows as the age of its oldest request growing.
+            age = metric(http, "slipstream_queue_oldest_age_seconds", model=model, version="1")
+            assert age > 0
+            wait_until(
+                lambda: metric(http, "slipstream_queue_oldest_age_seconds", model=model,
+                               version="1") > age,
+                "the oldest queued request to age",
+            )  # fmt: skip
         responses = [f.result() for f in futures]
     for x, response in zip(xs, responses, strict=True):
         assert response.status_code == 200, response.text
@@ -861,6 +870,9 @@ def test_dynamic_batching_forms_batches(
     assert after["inference_count"] - before["inference_count"] == 8
     assert after["execution_count"] - before["execution_count"] == 2
     assert max(b["batch_size"] for b in after["batch_stats"]) == 7
+    dispatches = metric(http, "slipstream_batch_dispatch_total", model=model, version="1")
+    assert dispatches == dispatches_before + 2
+    assert metric(http, "slipstream_queue_oldest_age_seconds", model=model, version="1") == 0
 
 
 @pytest.mark.parametrize("source", ["request", "config"])

@@ -27,6 +27,9 @@ from tests.llm_models import build_tiny_llama
 from tests.models import build_mean_embedding, mean_embedding, write_config
 from tests.utils import RemoteServer
 
+# Token limit of the embedding model's requests (max_request_tokens in its config).
+EMBED_MAX_TOKENS = 2000
+
 pytestmark = pytest.mark.timeout(180)
 
 SMALL_CACHE_TOKENS = 64  # tiny_small: 4 blocks x 16 tokens
@@ -58,7 +61,17 @@ def server(
         write_config(repo, name, {"backend": "transformers", "generation": settings})
     build_mean_embedding(repo, "embed", table)
     shutil.copy(tiny_dir / "tokenizer.json", repo / "embed" / "tokenizer.json")
-    write_config(repo, "embed", {"max_batch_size": 8, "tokenizer": "tokenizer.json"})
+    # Like make run's minilm: a preferred batch size below max_batch_size.
+    write_config(
+        repo,
+        "embed",
+        {
+            "max_batch_size": 8,
+            "dynamic_batching": {"preferred_batch_size": [4]},
+            "tokenizer": "tokenizer.json",
+            "max_request_tokens": EMBED_MAX_TOKENS,
+        },
+    )
     with RemoteServer(repo, log_dir=repo) as running:
         yield running
 
@@ -342,6 +355,34 @@ def test_embeddings_tokenize_and_run_the_v2_model(
     assert reply.usage.prompt_tokens == total
     floats = client.embeddings.create(model="embed", input="Hi", encoding_format="float")
     np.testing.assert_allclose(floats.data[0].embedding, reply.data[2].embedding, rtol=1e-6)
+
+
+@pytest.mark.parametrize("count", [4, 5, 8, 19])
+def test_embeddings_of_any_count_up_to_the_limit_are_answered(
+    client: openai.OpenAI, reference: Any, table: np.ndarray, count: int
+) -> None:
+    # More inputs than the preferred size (4) or max_batch_size (8): split into pieces
+    # that all run, in order.
+    texts = [f"sentence number {i} " + "word " * (i % 5) for i in range(count)]
+    reply = client.embeddings.create(model="embed", input=texts, timeout=30)
+    assert [d.index for d in reply.data] == list(range(count))
+    for text, item in zip(texts, reply.data, strict=True):
+        expected = mean_embedding(table, reference.tokenizer.encode(text))
+        np.testing.assert_allclose(item.embedding, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_embeddings_beyond_the_limits_are_refused_naming_them(server: RemoteServer) -> None:
+    url = server.url("/v1/embeddings")
+    reply = httpx.post(url, json={"model": "embed", "input": ["x"] * 2049}, timeout=30)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "input" and "2049" in error["message"]
+    assert "2048" in error["message"]
+    long_texts = ["many words in this input " * 20] * 40
+    reply = httpx.post(url, json={"model": "embed", "input": long_texts}, timeout=30)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert "max_request_tokens" in error["message"] and str(EMBED_MAX_TOKENS) in error["message"]
 
 
 def test_embeddings_of_a_generative_model_are_refused(server: RemoteServer) -> None:

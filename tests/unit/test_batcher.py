@@ -87,6 +87,19 @@ def rows(*values: float) -> np.ndarray:
 KEY = ((1,),)
 
 
+async def until(condition: Any, what: str, timeout_s: float = 10.0) -> None:
+    """Yield to the loop (and the instance threads) until ``condition()`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
+
+
+async def held(backend: FakeBackend) -> None:
+    """Wait until a batch is running on ``backend`` (held at its closed gate)."""
+    await until(lambda: backend.running == 1, "a batch held at the gate")
+
+
 async def test_lone_request_runs_at_once_and_returns_its_rows() -> None:
     backend = FakeBackend()
     batcher, stats, _ = make_batcher([backend])
@@ -100,12 +113,12 @@ async def test_concurrent_requests_are_batched_and_split_back_exactly() -> None:
     backend.gate.clear()  # hold the first batch so the rest queue up
     batcher, stats, _ = make_batcher([backend])
     first = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
-    await asyncio.sleep(0.05)
+    await held(backend)
     others = [
         asyncio.ensure_future(batcher.submit({"x": rows(*range(i, i + n))}, n, KEY))
         for i, n in ((10, 1), (20, 3), (30, 2))
     ]
-    await asyncio.sleep(0.05)
+    await until(lambda: batcher.num_pending == 3, "three queued requests")
     backend.gate.set()
     await first
     results = await asyncio.gather(*others)
@@ -124,7 +137,8 @@ async def test_batches_never_exceed_max_batch_size() -> None:
     backend.gate.clear()
     batcher, _, _ = make_batcher([backend], max_batch_size=4)
     tasks = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in range(11)]
-    await asyncio.sleep(0.05)
+    # The 11 arrive in one loop turn: a first batch of 4 is held, 7 wait behind it.
+    await until(lambda: backend.running == 1 and batcher.num_pending == 7, "7 queued")
     backend.gate.set()
     results = await asyncio.gather(*tasks)
     assert [float(r["y"][0, 0]) for r in results] == [2.0 * i for i in range(11)]
@@ -137,14 +151,14 @@ async def test_requests_with_different_shapes_are_not_mixed() -> None:
     backend.gate.clear()
     batcher, _, _ = make_batcher([backend])
     first = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
-    await asyncio.sleep(0.02)
+    await held(backend)
     wide = np.ones((1, 3), dtype=np.float32)
     tasks = [
         asyncio.ensure_future(batcher.submit({"x": rows(1)}, 1, KEY)),
         asyncio.ensure_future(batcher.submit({"x": wide}, 1, ((3,),))),
         asyncio.ensure_future(batcher.submit({"x": rows(2)}, 1, KEY)),
     ]
-    await asyncio.sleep(0.02)
+    await until(lambda: batcher.num_pending == 3, "three queued requests")
     backend.gate.set()
     await first
     results = await asyncio.gather(*tasks)
@@ -152,22 +166,28 @@ async def test_requests_with_different_shapes_are_not_mixed() -> None:
     assert sorted(b.shape for b in backend.batches) == [(1, 1), (1, 3), (2, 1)]
 
 
-async def test_queue_delay_waits_for_a_preferred_batch() -> None:
+async def test_queue_delay_is_cut_short_by_a_preferred_batch() -> None:
     backend = FakeBackend()
     batcher, _, _ = make_batcher(
-        [backend], max_queue_delay_microseconds=200_000, preferred_batch_size=[4]
+        [backend], max_queue_delay_microseconds=60_000_000, preferred_batch_size=[4]
     )
-    started = time.perf_counter()
     tasks = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in range(4)]
-    await asyncio.gather(*tasks)
-    # Four requests form the preferred size at once: no need to wait out the delay.
-    assert time.perf_counter() - started < 0.15
+    # Four requests form the preferred size at once: no need to wait out the minute.
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
     assert [len(b) for b in backend.batches] == [4]
 
-    started = time.perf_counter()
+
+async def test_queue_delay_holds_a_lone_request_then_runs_it() -> None:
+    backend = FakeBackend()
+    batcher, _, _ = make_batcher(
+        [backend], max_queue_delay_microseconds=100_000, preferred_batch_size=[4]
+    )
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     await batcher.submit({"x": rows(9)}, 1, KEY)
-    # A lone request waits for the delay, then runs anyway.
-    assert time.perf_counter() - started >= 0.18
+    # A lone request waits for the delay (never less), then runs anyway.
+    assert loop.time() - started >= 0.1
+    assert [len(b) for b in backend.batches] == [1]
 
 
 async def test_full_queue_is_refused_at_once_with_retry_after() -> None:
@@ -175,9 +195,9 @@ async def test_full_queue_is_refused_at_once_with_retry_after() -> None:
     backend.gate.clear()
     batcher, _, metrics = make_batcher([backend], max_queue_size=2)
     running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
-    await asyncio.sleep(0.02)
+    await held(backend)
     queued = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in (1, 2)]
-    await asyncio.sleep(0.01)
+    await until(lambda: batcher.num_pending == 2, "two queued requests")
     with pytest.raises(Unavailable) as refused:
         await batcher.submit({"x": rows(3)}, 1, KEY)
     assert refused.value.retry_after_s == 1
@@ -195,7 +215,7 @@ async def test_timed_out_request_fails_and_never_runs() -> None:
     backend.gate.clear()
     batcher, _, _ = make_batcher([backend])
     running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
-    await asyncio.sleep(0.02)
+    await held(backend)
     with pytest.raises(RequestTimeout, match="timed out"):
         await batcher.submit({"x": rows(5)}, 1, KEY, timeout_us=30_000)
     backend.gate.set()
@@ -210,7 +230,7 @@ async def test_default_timeout_comes_from_config() -> None:
     backend.gate.clear()
     batcher, _, _ = make_batcher([backend], default_timeout_microseconds=20_000)
     running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
-    await asyncio.sleep(0.01)
+    await held(backend)
     with pytest.raises(RequestTimeout):
         await batcher.submit({"x": rows(1)}, 1, KEY)
     backend.gate.set()
@@ -223,10 +243,9 @@ async def test_cancelled_request_is_dropped_from_the_queue() -> None:
     backend.gate.clear()
     batcher, _, _ = make_batcher([backend])
     running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
-    await asyncio.sleep(0.02)
+    await held(backend)
     abandoned = asyncio.ensure_future(batcher.submit({"x": rows(7)}, 1, KEY))
-    await asyncio.sleep(0.01)
-    assert batcher.num_pending == 1
+    await until(lambda: batcher.num_pending == 1, "the request queued")
     abandoned.cancel()
     await asyncio.sleep(0)
     assert batcher.num_pending == 0
@@ -240,10 +259,10 @@ async def test_higher_priority_runs_first() -> None:
     backend.gate.clear()
     batcher, _, _ = make_batcher([backend], max_batch_size=1, priority_levels=2)
     running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
-    await asyncio.sleep(0.02)
+    await held(backend)
     low = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY, 2)) for i in (1, 2)]
     high = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY, 1)) for i in (3, 4)]
-    await asyncio.sleep(0.01)
+    await until(lambda: batcher.num_pending == 4, "four queued requests")
     backend.gate.set()
     await asyncio.gather(running, *low, *high)
     order = [float(b[0, 0]) for b in backend.batches]
@@ -261,11 +280,11 @@ async def test_one_bad_request_does_not_fail_its_batch() -> None:
     backend.gate.clear()
     batcher, _, _ = make_batcher([backend])
     running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
-    await asyncio.sleep(0.02)
+    await held(backend)
     good = asyncio.ensure_future(batcher.submit({"x": rows(1)}, 1, KEY))
     bad = asyncio.ensure_future(batcher.submit({"x": rows(-1)}, 1, KEY))
     broken = asyncio.ensure_future(batcher.submit({"x": rows(999)}, 1, KEY))
-    await asyncio.sleep(0.01)
+    await until(lambda: batcher.num_pending == 3, "three queued requests")
     backend.gate.set()
     await running
     np.testing.assert_array_equal((await good)["y"], rows(2))
@@ -277,21 +296,32 @@ async def test_one_bad_request_does_not_fail_its_batch() -> None:
 
 
 async def test_instances_run_batches_in_parallel() -> None:
-    backends = [FakeBackend(delay_s=0.1), FakeBackend(delay_s=0.1)]
+    backends = [FakeBackend(), FakeBackend()]
+    for backend in backends:
+        backend.gate.clear()
     batcher, _, _ = make_batcher(backends, max_batch_size=1)
-    started = time.perf_counter()
-    await asyncio.gather(*(batcher.submit({"x": rows(i)}, 1, KEY) for i in range(4)))
-    elapsed = time.perf_counter() - started
+    tasks = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in range(4)]
+    # Both instances hold a batch at the same time, and the other two requests wait.
+    await until(lambda: all(b.running == 1 for b in backends), "a batch on each instance")
+    assert batcher.num_pending == 2
+    for backend in backends:
+        backend.gate.set()
+    await asyncio.gather(*tasks)
     assert all(len(b.batches) == 2 for b in backends)
-    assert elapsed < 0.35  # 4 runs of 0.1 s on 2 instances, not 0.4 s in series
 
 
 async def test_close_finishes_queued_work_then_refuses() -> None:
-    backend = FakeBackend(delay_s=0.05)
+    backend = FakeBackend()
+    backend.gate.clear()
     batcher, _, _ = make_batcher([backend], max_batch_size=1)
     tasks = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in range(3)]
-    await asyncio.sleep(0.01)
-    await batcher.close(timeout_s=5)
+    await until(lambda: backend.running == 1 and batcher.num_pending == 2, "one run, two queued")
+    closing = asyncio.ensure_future(batcher.close(timeout_s=30))
+    await asyncio.sleep(0)
+    with pytest.raises(Unavailable, match="unloading"):
+        await batcher.submit({"x": rows(0)}, 1, KEY)
+    backend.gate.set()
+    await closing
     assert len(await asyncio.gather(*tasks)) == 3
     with pytest.raises(Unavailable):
         await batcher.submit({"x": rows(0)}, 1, KEY)
@@ -313,9 +343,44 @@ async def test_preferred_size_caps_batches_without_a_delay() -> None:
     backend.gate.clear()
     batcher, _, _ = make_batcher([backend], preferred_batch_size=[2])
     running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
-    await asyncio.sleep(0.02)
+    await held(backend)
     queued = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in range(5)]
-    await asyncio.sleep(0.01)
+    await until(lambda: batcher.num_pending == 5, "five queued requests")
     backend.gate.set()
     await asyncio.gather(running, *queued)
     assert [len(b) for b in backend.batches] == [1, 2, 2, 1]
+
+
+async def test_a_request_larger_than_every_preferred_size_still_runs() -> None:
+    # The make-run minilm config: preferred [4], max 64. A 5-row request used to be
+    # skipped for ever, and every request behind it with it.
+    backend = FakeBackend()
+    batcher, _, _ = make_batcher([backend], max_batch_size=64, preferred_batch_size=[4])
+    big = await asyncio.wait_for(batcher.submit({"x": rows(*range(5))}, 5, KEY), 10)
+    np.testing.assert_array_equal(big["y"], rows(*range(0, 10, 2)))
+    after = await asyncio.wait_for(batcher.submit({"x": rows(7)}, 1, KEY), 10)
+    np.testing.assert_array_equal(after["y"], rows(14))
+
+
+async def test_mixed_sizes_and_shapes_behind_a_busy_instance_all_run() -> None:
+    # 60 requests of 1-16 rows and three widths queue behind a held batch, with preferred
+    # sizes [2, 4] and max 16: every one is answered with its own rows.
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher([backend], max_batch_size=16, preferred_batch_size=[2, 4])
+    first = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await held(backend)
+    rng = np.random.default_rng(0)
+    inputs = []
+    for i in range(60):
+        n, width = int(rng.integers(1, 17)), int(rng.integers(1, 4))
+        inputs.append(np.full((n, width), float(i), np.float32))
+    tasks = [
+        asyncio.ensure_future(batcher.submit({"x": x}, len(x), ((x.shape[1],),))) for x in inputs
+    ]
+    await until(lambda: batcher.num_pending == 60, "sixty queued requests")
+    backend.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(first, *tasks), 30)
+    for x, result in zip(inputs, results[1:], strict=True):
+        np.testing.assert_array_equal(result["y"], x * 2)
+    assert max(len(b) for b in backend.batches) <= 16

@@ -64,6 +64,8 @@ class ModelMetrics:
         self.request_failure = dict.fromkeys(FAILURE_REASONS, 0)
         self.inference_count = 0
         self.execution_count = 0
+        # Batches handed to an instance (counted at dispatch, unlike execution_count).
+        self.dispatch_count = 0
         self.request_duration = Histogram(_LATENCY_BUCKETS_S)
         self.queue_duration = Histogram(_LATENCY_BUCKETS_S)
         self.compute_duration = Histogram(_LATENCY_BUCKETS_S)
@@ -71,6 +73,7 @@ class ModelMetrics:
         self.model_load_duration_s = 0.0
         # Read at scrape time, so queue depth costs nothing per request.
         self.pending_requests: Callable[[], int] = lambda: 0
+        self.oldest_pending_age_s: Callable[[], float] = lambda: 0.0
 
     def count_failure(self, reason: str) -> None:
         self.request_failure[reason] += 1
@@ -116,8 +119,19 @@ class _Collector(Collector):
         executions = CounterMetricFamily(
             "slipstream_execution_count", "Batches executed.", labels=labels
         )
+        dispatches = CounterMetricFamily(
+            "slipstream_batch_dispatch",
+            "Batches handed to an instance; its rate is dispatches per second.",
+            labels=labels,
+        )
         pending = GaugeMetricFamily(
             "slipstream_pending_requests", "Requests waiting in the queue.", labels=labels
+        )
+        oldest = GaugeMetricFamily(
+            "slipstream_queue_oldest_age_seconds",
+            "How long the oldest queued request has waited (0 when none waits): a stuck "
+            "queue shows as a growing age.",
+            labels=labels,
         )
         load = GaugeMetricFamily(
             "slipstream_model_load_duration_seconds",
@@ -130,9 +144,11 @@ class _Collector(Collector):
                 failure.add_metric([*m.labels, reason], count)
             inferences.add_metric(m.labels, m.inference_count)
             executions.add_metric(m.labels, m.execution_count)
+            dispatches.add_metric(m.labels, m.dispatch_count)
             pending.add_metric(m.labels, m.pending_requests())
+            oldest.add_metric(m.labels, m.oldest_pending_age_s())
             load.add_metric(m.labels, m.model_load_duration_s)
-        yield from (success, failure, inferences, executions, pending, load)
+        yield from (success, failure, inferences, executions, dispatches, pending, oldest, load)
         yield from _histograms(models)
 
 

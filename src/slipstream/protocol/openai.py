@@ -152,6 +152,10 @@ class ChatRequest(_Sampling):
         ]
 
 
+# Inputs one /v1/embeddings request may carry: OpenAI's own limit.
+MAX_EMBEDDING_INPUTS = 2048
+
+
 class EmbeddingRequest(_Request):
     model: str = Field(min_length=1)
     input: str | list[str] = Field(min_length=1)
@@ -163,6 +167,11 @@ class EmbeddingRequest(_Request):
         if self.dimensions is not None:
             raise InvalidRequest("dimensions: not supported; embeddings have the model's width")
         texts = [self.input] if isinstance(self.input, str) else list(self.input)
+        if len(texts) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequest(
+                f"input: {len(texts)} inputs; at most {MAX_EMBEDDING_INPUTS} in one request "
+                "(send the rest in further requests)"
+            )
         for index, text in enumerate(texts):
             if not text:
                 raise InvalidRequest(f"input[{index}]: must be a non-empty string")

@@ -4,8 +4,10 @@ One :class:`Batcher` owns a model version's instances and its queue. Its loop is
 driven rather than a polling task: every arrival and every finished batch calls
 :meth:`Batcher._schedule`, which does three steps while an instance is free:
 
-1. pick what to run (:meth:`_next_batch`: everything compatible that is queued, up to
-   ``max_batch_size``; with a queue delay, wait for a full or preferred batch first);
+1. pick what to run (:meth:`_next_batch`): the highest-priority, oldest request and the
+   queued ones after it that share its shapes, up to ``max_batch_size``; cut at the
+   largest preferred batch size that they fill exactly, if any; with a queue delay and
+   neither a full nor a preferred batch, wait (at most the delay) for more;
 2. execute it on the instance's own thread (:func:`_execute`: gather, run, split), or,
    for a lone request on a model that runs in microseconds, right on the event loop,
    where two thread hand-offs would cost more than the run itself;
@@ -17,6 +19,14 @@ runs at once, requests read in the same poll share a batch, and batches grow wit
 Queue policy: priority levels (1 is the highest), a per-request or default timeout after
 which a queued request is failed and never run, and ``max_queue_size`` beyond which
 arrivals are refused at once (503).
+
+Preferred sizes are a preference, as in Triton: a request of more rows than any of them
+(up to ``max_batch_size``) still runs, and so does a request whose shapes no other shares.
+Whenever an instance is free and a request is queued, :meth:`_next_batch` either returns
+a batch or has the delay timer armed: the queue can never stall.
+
+Time is the event loop's clock (``loop.time()``), so a test loop with a virtual clock
+drives timeouts and delays without waiting.
 """
 
 from __future__ import annotations
@@ -26,8 +36,8 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +58,18 @@ from slipstream.runtime.base import Backend
 logger = logging.getLogger(__name__)
 
 Arrays = dict[str, np.ndarray]
+
+# Queued requests of other shapes (or too many rows) that one batch looks past, per
+# priority level, before it stops growing: bounds the work of one dispatch.
+_SCAN_LIMIT = 64
+
+
+def _now_ns() -> int:
+    return int(asyncio.get_running_loop().time() * 1e9)
+
+
+def _instance_thread() -> Executor:
+    return ThreadPoolExecutor(1, thread_name_prefix="slipstream-instance")
 
 
 @dataclass(slots=True, eq=False)
@@ -85,9 +107,7 @@ class _Instance:
     backend: Backend
     # One thread per instance: runs never overlap on an instance, and the GIL-releasing
     # runtimes compute while the event loop goes on accepting requests.
-    executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="slipstream-instance")
-    )
+    executor: Executor = field(default_factory=_instance_thread)
 
 
 class Batcher:
@@ -100,7 +120,9 @@ class Batcher:
         output_names: Sequence[str],
         metrics: ModelMetrics,
         stats: ModelStatsRecorder,
+        executor_factory: Callable[[], Executor] = _instance_thread,
     ) -> None:
+        """``executor_factory`` makes each instance's executor (one thread by default)."""
         batching = config.dynamic_batching
         self._max_batch_size = max(1, config.max_batch_size or 0)
         self._batches = bool(config.max_batch_size)
@@ -113,7 +135,7 @@ class Batcher:
         self._queues: list[deque[_Pending]] = [deque() for _ in range(self._levels)]
         self._num_pending = 0
         self._pending_rows = 0
-        self._instances = [_Instance(backend) for backend in instances]
+        self._instances = [_Instance(backend, executor_factory()) for backend in instances]
         self._free = list(self._instances)
         self._busy = 0
         self._outputs = list(output_names)
@@ -122,6 +144,7 @@ class Batcher:
         self._recent_run_ns = -1
         self._metrics = metrics
         metrics.pending_requests = lambda: self._num_pending
+        metrics.oldest_pending_age_s = self._oldest_pending_age_s
         self._stats = stats
         self._delay_timer: asyncio.TimerHandle | None = None
         # A dispatch is scheduled for the end of the current loop iteration.
@@ -161,7 +184,7 @@ class Batcher:
             shape_key=shape_key,
             level=priority - 1 if priority else self._default_level,
             future=loop.create_future(),
-            enqueue_ns=time.monotonic_ns(),
+            enqueue_ns=_now_ns(),
         )
         timeout_us = timeout_us or self._default_timeout_us
         if timeout_us:
@@ -212,9 +235,12 @@ class Batcher:
         while self._free and self._num_pending:
             batch = self._next_batch()
             if not batch:
+                # Waiting on purpose, never stalled: the delay timer calls back.
+                assert self._delay_timer is not None, "queued requests and nothing armed"
                 return
             instance = self._free.pop()
             self._busy += 1
+            self._metrics.dispatch_count += 1
             if self._runs_inline(batch):
                 # A lone request on a fast model: running it here saves the two thread
                 # hand-offs (~30-70 us), more than the loop is blocked for.
@@ -235,48 +261,75 @@ class Batcher:
         )
 
     def _next_batch(self) -> list[_Pending]:
-        """Take the next batch off the queue, or [] to wait for the delay timer.
+        """Take the next batch off the queue, or [] with the delay timer armed to wait.
 
-        A preferred batch size that the queue can fill is dispatched at once, even with
-        no delay: for compute-bound models past their cache-friendly size, a batch of
-        the preferred size finishes more rows per second than one big batch.
+        A preferred batch size that the queue fills is dispatched at once, even with no
+        delay: for compute-bound models past their cache-friendly size, a batch of the
+        preferred size finishes more rows per second than one big batch.
         """
         capacity = self._max_batch_size if self._batches else 1
-        fitting = [size for size in self._preferred if size <= min(self._pending_rows, capacity)]
-        if fitting:
-            return self._collect(fitting[-1])
-        if self._delay_ns and self._pending_rows < capacity:
+        batch = self._plan(capacity)
+        rows = 0
+        cut = 0
+        for index, pending in enumerate(batch, 1):
+            rows += pending.rows
+            if rows in self._preferred:
+                cut = index
+        if cut:
+            return self._take(batch[:cut])
+        if self._delay_ns and rows < capacity:
             oldest_ns = min(q[0].enqueue_ns for q in self._queues if q)
-            wait_ns = oldest_ns + self._delay_ns - time.monotonic_ns()
+            wait_ns = oldest_ns + self._delay_ns - _now_ns()
             if wait_ns > 0:
                 self._arm_delay_timer(wait_ns)
                 return []
-        return self._collect(capacity)
+        return self._take(batch)
 
-    def _collect(self, capacity: int) -> list[_Pending]:
-        """Highest priority first, oldest first: requests that fit and share shapes."""
-        now_ns = time.monotonic_ns()
+    def _plan(self, capacity: int) -> list[_Pending]:
+        """The head request (highest priority, oldest) and those after it that can join.
+
+        Joining means sharing the head's shapes and fitting in ``capacity`` rows; the head
+        always fits (submit refused anything above max_batch_size). Nothing leaves the
+        queue here.
+        """
         batch: list[_Pending] = []
         rows = 0
         key: tuple[tuple[int, ...], ...] | None = None
         for queue in self._queues:
-            skipped: list[_Pending] = []
-            while queue and rows < capacity and len(skipped) < 64:
-                pending = queue.popleft()
+            skipped = 0
+            for pending in queue:
+                if rows >= capacity or skipped >= _SCAN_LIMIT:
+                    break
                 if key is None:
                     key = pending.shape_key
                 if pending.shape_key != key or rows + pending.rows > capacity:
-                    skipped.append(pending)
+                    skipped += 1
                     continue
-                self._cancel_timeout(pending)
-                pending.dispatch_ns = now_ns
                 batch.append(pending)
                 rows += pending.rows
-            queue.extendleft(reversed(skipped))
             if rows >= capacity:
                 break
+        return batch
+
+    def _take(self, batch: list[_Pending]) -> list[_Pending]:
+        """Move ``batch`` (from :meth:`_plan`) off the queues."""
+        now_ns = _now_ns()
+        taken = dict.fromkeys(range(self._levels), 0)
+        for pending in batch:
+            self._cancel_timeout(pending)
+            pending.dispatch_ns = now_ns
+            taken[pending.level] += 1
+            self._pending_rows -= pending.rows
+        for level, count in taken.items():
+            queue = self._queues[level]
+            # Usually the batch is the front of each queue; requests it looked past
+            # (other shapes, too many rows) keep their places.
+            while count and queue and queue[0].dispatch_ns:
+                queue.popleft()
+                count -= 1
+            if count:
+                self._queues[level] = deque(p for p in queue if not p.dispatch_ns)
         self._num_pending -= len(batch)
-        self._pending_rows -= rows
         return batch
 
     def _on_thread_done(
@@ -334,7 +387,7 @@ class Batcher:
         pending.timeout_handle = None
         if self._remove(pending):
             self._metrics.count_failure("timeout")
-            waited_us = (time.monotonic_ns() - pending.enqueue_ns) // 1000
+            waited_us = (_now_ns() - pending.enqueue_ns) // 1000
             pending.future.set_exception(
                 RequestTimeout(f"request timed out after waiting {waited_us} us in the queue")
             )
@@ -353,6 +406,11 @@ class Batcher:
         if not self._busy and not self._num_pending:
             self._idle.set()
         return True
+
+    def _oldest_pending_age_s(self) -> float:
+        """Seconds the oldest queued request has waited; 0 when none waits."""
+        heads = [q[0].enqueue_ns for q in self._queues if q]
+        return (_now_ns() - min(heads)) / 1e9 if heads else 0.0
 
     @staticmethod
     def _cancel_timeout(pending: _Pending) -> None:

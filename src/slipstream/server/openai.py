@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from slipstream.config import ModelConfig
 from slipstream.errors import InternalError, InvalidRequest, ModelNotFound, SlipstreamError
 from slipstream.llm.engine import Engine, SamplingParams
 from slipstream.llm.service import Job, LlmModels
@@ -164,22 +165,43 @@ class OpenAIApp:
                 "(its config.yaml names no tokenizer)"
             )
         tokenizer = self._tokenizer(self._repository / body.model / config.tokenizer)
-        vectors = []
-        prompt_tokens = 0
+        # Pieces of at most max_batch_size inputs, each a valid V2 request. Tokenizing up
+        # to 2,048 texts takes milliseconds: off the event loop.
         step = config.max_batch_size or 1
-        for start in range(0, len(texts), step):
-            ids, mask = _pad(tokenizer, texts[start : start + step])
-            prompt_tokens += int(mask.sum())
-            feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
-            inputs = {t.name: feeds[t.name] for t in config.input if t.name in feeds}
-            if not config.max_batch_size:
-                inputs = {name: array[0] for name, array in inputs.items()}
-            response = await self._service.infer(InferRequest(body.model, "", inputs))
-            output = next(iter(response.outputs.values()))
-            vectors.append(output if config.max_batch_size else output[None])
-        encoded_vectors = np.concatenate(vectors)
-        reply = openai.embeddings(body.model, encoded_vectors, body.encoding_format, prompt_tokens)
+        pieces = await asyncio.to_thread(
+            lambda: [_pad(tokenizer, texts[i : i + step]) for i in range(0, len(texts), step)]
+        )
+        prompt_tokens = sum(int(mask.sum()) for _, mask in pieces)
+        if prompt_tokens > config.max_request_tokens:
+            raise InvalidRequest(
+                f"input: {prompt_tokens} tokens in all; model {body.model!r} takes at most "
+                f"{config.max_request_tokens} in one request (max_request_tokens in its "
+                "config.yaml); send fewer or shorter inputs"
+            )
+        # All pieces queue at once, so the batcher can batch them and use every instance.
+        # If one fails, or the client goes away, the others are cancelled too.
+        runs = [asyncio.ensure_future(self._embed(body.model, config, *p)) for p in pieces]
+        try:
+            vectors = await asyncio.gather(*runs)
+        finally:
+            for run in runs:
+                run.cancel()
+        reply = openai.embeddings(
+            body.model, np.concatenate(vectors), body.encoding_format, prompt_tokens
+        )
         return HttpResponse(200, reply)
+
+    async def _embed(
+        self, model: str, config: ModelConfig, ids: np.ndarray, mask: np.ndarray
+    ) -> np.ndarray:
+        """One piece of an embeddings request through the model's V2 queue: [rows, width]."""
+        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+        inputs = {t.name: feeds[t.name] for t in config.input if t.name in feeds}
+        if not config.max_batch_size:
+            inputs = {name: array[0] for name, array in inputs.items()}
+        response = await self._service.infer(InferRequest(model, "", inputs))
+        output: np.ndarray = next(iter(response.outputs.values()))
+        return output if config.max_batch_size else output[None]
 
     def _tokenizer(self, path: Path) -> Any:
         tokenizer = self._tokenizers.get(path)
