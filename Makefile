@@ -6,12 +6,14 @@ REPO ?= models
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 LOCK := requirements/lock.txt
+LOWEST := requirements/lowest.txt
+LOWEST_VENV := .venv-lowest
 PIP_VERSION := 26.3
 UV := $(VENV)/bin/uv
 # Where `make lock` finds torch's CPU wheels (this machine keeps them on disk).
 TORCH_WHEELS ?= /opt/wheels
 
-.PHONY: install lock run models test lint unit bench clean
+.PHONY: install lock run models test test-lowest lint unit bench clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +37,9 @@ lock: install
 	$(UV) pip compile pyproject.toml requirements/build.in --all-extras --universal \
 	  --python-version 3.11 --constraint requirements/constraints.in \
 	  --find-links $(TORCH_WHEELS) --custom-compile-command "make lock" --output-file $(LOCK)
+	$(UV) pip compile pyproject.toml --extra dev --resolution lowest-direct \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 --only-binary :all: \
+	  --custom-compile-command "make lock" --output-file $(LOWEST)
 	grep -v '^torch==' $(LOCK) > $(VENV)/lock-py312.txt
 	$(UV) pip install --dry-run --no-deps --python-version 3.12 \
 	  --python-platform x86_64-manylinux_2_28 --target $(VENV)/py312-check -r $(VENV)/lock-py312.txt
@@ -50,11 +55,29 @@ lint: install
 	$(VENV)/bin/ruff format --check src tests examples benchmarks
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint test-lowest
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q
+
+# The core dependencies at the lowest releases pyproject.toml allows ($(LOWEST), made by
+# `make lock`), under the serving path's own tests: keeps those lower bounds honest.
+LOWEST_TESTS := tests/unit/test_protocol_v2.py tests/unit/test_grpc_codec.py \
+  tests/unit/test_batcher.py tests/unit/test_batcher_states.py tests/unit/test_repository.py \
+  tests/unit/test_metrics.py tests/integration/test_http_v2.py \
+  tests/integration/test_grpc_frontend.py tests/integration/test_http_server.py \
+  tests/integration/test_server_lifecycle.py
+
+$(LOWEST_VENV)/.installed: $(LOWEST) $(VENV)/.installed
+	rm -rf $(LOWEST_VENV)
+	$(UV) venv --quiet --python $(PYTHON) $(LOWEST_VENV)
+	VIRTUAL_ENV=$(LOWEST_VENV) $(UV) pip install --quiet -r $(LOWEST)
+	VIRTUAL_ENV=$(LOWEST_VENV) $(UV) pip install --quiet --no-deps -e .
+	touch $@
+
+test-lowest: $(LOWEST_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(LOWEST_VENV)/bin/pytest -q -p no:cacheprovider $(LOWEST_TESTS)
 
 bench: models
 	$(PY) benchmarks/serving.py --repo $(REPO)
 
 clean:
-	rm -rf $(VENV) $(REPO) build *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) $(REPO) build *.egg-info

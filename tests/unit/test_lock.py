@@ -17,10 +17,10 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _pins() -> dict[str, tuple[Version, Requirement]]:
-    """Every pin of the lock that applies to this interpreter and platform, by name."""
+def _pins(lock: str = "lock.txt") -> dict[str, tuple[Version, Requirement]]:
+    """Every pin of a lock that applies to this interpreter and platform, by name."""
     pins = {}
-    for line in (ROOT / "requirements" / "lock.txt").read_text().splitlines():
+    for line in (ROOT / "requirements" / lock).read_text().splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -33,11 +33,12 @@ def _pins() -> dict[str, tuple[Version, Requirement]]:
     return pins
 
 
-def _declared() -> list[Requirement]:
+def _declared(extras: bool = True) -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     lines = list(project["dependencies"])
-    for extra in project["optional-dependencies"].values():
-        lines.extend(extra)
+    if extras:
+        for extra in project["optional-dependencies"].values():
+            lines.extend(extra)
     return [Requirement(line) for line in lines]
 
 
@@ -65,3 +66,18 @@ def test_the_environment_is_the_lock() -> None:
         if installed != version:
             drifted.append(f"{name}: {installed} installed, {version} locked")
     assert not drifted, "; ".join(drifted) + " (reinstall with `make install`)"
+
+
+def test_the_lowest_lock_holds_each_core_dependency_at_its_lower_bound() -> None:
+    # requirements/lowest.txt is what `make test-lowest` installs; a bound raised or
+    # lowered in pyproject.toml without `make lock` would test some other release.
+    pins = _pins("lowest.txt")
+    for requirement in _declared(extras=False):
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        (bound,) = [s for s in requirement.specifier if s.operator == ">="]
+        version, _ = pins[canonicalize_name(requirement.name)]
+        assert version == Version(bound.version), (
+            f"lowest.txt has {requirement.name}=={version}, pyproject's bound is {bound}: "
+            "run `make lock`"
+        )
