@@ -138,6 +138,21 @@ def test_greedy_completion_matches_in_process_generate(
     assert reply.usage.total_tokens == len(ids) + 12
 
 
+def test_a_prompt_longer_than_one_step_is_prefilled_in_chunks(
+    client: openai.OpenAI, reference: Any
+) -> None:
+    # 300 prompt tokens where one engine step takes at most max_batch_tokens (256): the
+    # same class of request as a V2 batch above every preferred size. It must run.
+    ids = [int(t) for t in np.random.default_rng(3).integers(5, 300, size=300)]
+    reply = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=4, temperature=0, extra_body={"ignore_eos": True},
+        timeout=60,
+    )  # fmt: skip
+    expected = reference.tokenizer.decode(reference(ids, 4), skip_special_tokens=True)
+    assert reply.choices[0].text == expected
+    assert reply.usage is not None and reply.usage.prompt_tokens == 300
+
+
 def test_token_id_prompts_and_several_prompts(client: openai.OpenAI, reference: Any) -> None:
     ids = reference.tokenizer.encode("Hello world")
     reply = client.completions.create(
