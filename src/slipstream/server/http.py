@@ -104,16 +104,18 @@ class HttpApp:
         if parts == ["index"]:
             ready_only = bool(options.get("ready", False))
             return _json(v2_meta.repository_index_json(service.repository_index(ready_only)))
-        if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
-            if parts[2] == "load":
+        if len(parts) >= 3 and parts[0] == "models" and parts[-1] in ("load", "unload"):
+            # Extra segments are a name with '/' in it: refused by name, not "no route".
+            name = path_model_name("/".join(parts[1:-1]))
+            if parts[-1] == "load":
                 if options.get("parameters", {}).get("config"):
                     raise InvalidRequest(
                         "parameters.config: loading with an inline config is not supported; "
                         "write REPO/<model>/config.yaml and load again"
                     )
-                await service.load_model(path_model_name(parts[1]))
+                await service.load_model(name)
             else:
-                await service.unload_model(path_model_name(parts[1]))
+                await service.unload_model(name)
             return _empty(200)
         raise ModelNotFound(f"no route for POST /v2/repository/{'/'.join(parts)}")
 
