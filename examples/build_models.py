@@ -127,6 +127,9 @@ def build_digits(out: Path, force: bool = False) -> Path:
         "# The digits pipeline as a pickled scikit-learn estimator. Input `input` FP32\n"
         "# [-1, 64]; outputs `predict` INT64 [-1] and `predict_proba` FP32 [-1, 10].\n"
         "backend: sklearn\n"
+        "# A pickle runs code when loaded: this file was written by build_models.py,\n"
+        "# so it is trusted. Load pickles only from sources you trust like code.\n"
+        "trust_pickle: true\n"
     )
     return onnx_path
 

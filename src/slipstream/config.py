@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from slipstream.protocol.datatypes import from_config_datatype
+from slipstream.repository.names import MODEL_NAME_RULE, model_name_problem
 
 
 class _Strict(BaseModel):
@@ -202,6 +203,18 @@ class ModelConfig(_Strict):
         description="/v1/embeddings: most tokens one request may carry, summed over its "
         "inputs (OpenAI's own limit is 300,000); more is refused with a 400",
     )
+    trust_pickle: bool = Field(
+        False,
+        description="Allow loading a model file that unpickles when loaded (scikit-learn "
+        ".joblib / .pkl, torch.export .pt2): unpickling runs any code the file holds, so "
+        "set it only for files you trust as you trust code. Prefer a pickle-free format "
+        "(ONNX: skl2onnx, torch.onnx.export).",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        return _checked_model_name(name) if name else name
 
     @field_validator("instance_group", mode="before")
     @classmethod
@@ -228,6 +241,13 @@ class ModelConfig(_Strict):
     @property
     def instance_count(self) -> int:
         return sum(group.count for group in self.instance_group)
+
+
+def _checked_model_name(name: str) -> str:
+    problem = model_name_problem(name)
+    if problem is not None:
+        raise ValueError(f"{name[:64]!r} {problem}; {MODEL_NAME_RULE}")
+    return name
 
 
 class ConfigError(ValueError):
@@ -270,6 +290,12 @@ class ServerSettings(_Strict):
     load_models: list[str] = Field(
         default_factory=list, description="Models to load at start in explicit mode."
     )
+    trust_pickle: bool = Field(
+        False,
+        description="Load pickle-based model files (scikit-learn .joblib / .pkl, torch "
+        ".pt2) of every model, as if each config.yaml said trust_pickle: true. Unpickling "
+        "runs code from the file: use it only for a repository you trust like code.",
+    )
     repository_poll_secs: float = Field(
         15.0, gt=0, description="How often poll mode rescans the repository."
     )
@@ -287,3 +313,8 @@ class ServerSettings(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Logging level; debug logs every request with its id."
     )
+
+    @field_validator("load_models")
+    @classmethod
+    def _check_load_models(cls, names: list[str]) -> list[str]:
+        return [_checked_model_name(name) for name in names]

@@ -19,6 +19,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slipstream.errors import InvalidRequest, SlipstreamError
+from slipstream.repository.names import validate_model_name
 
 MAX_CHOICES = 16
 MAX_STOPS = 4
@@ -192,6 +193,8 @@ def parse(body: bytes, schema: type[_Request]) -> Any:
         problem = exc.errors()[0]
         field = ".".join(str(part) for part in problem["loc"]) or "body"
         raise InvalidRequest(f"{field}: {problem['msg']}") from None
+    if isinstance(request, _Sampling | EmbeddingRequest):
+        validate_model_name(request.model, "model")
     check = getattr(request, "check_supported", None)
     if check is not None:
         check()

@@ -8,6 +8,7 @@ REPO/<model>/<version>/model.<ext>  version directories are positive integers
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,11 @@ from pathlib import Path
 import yaml
 
 from slipstream.config import ConfigError, ModelConfig, parse_model_config
+from slipstream.errors import InvalidRequest, SlipstreamError
+from slipstream.repository.names import validate_model_name
 from slipstream.runtime import MODEL_EXTENSIONS
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILENAMES = ("config.yaml", "config.yml")
 
@@ -32,14 +37,75 @@ class ModelDirectory:
     fingerprint: float
 
 
+def model_path(repository: Path, name: str) -> Path:
+    """``repository / name`` once ``name`` is valid and the directory stays inside.
+
+    The name is checked first (InvalidRequest naming the rule); then the path, symlinks
+    resolved, must still lie inside the resolved repository, so a symlink out of the
+    repository is refused too (InvalidRequest). The directory need not exist.
+    """
+    validate_model_name(name)
+    path = repository / name
+    inside = repository.resolve()
+    resolved = _resolve(path, f"model {name!r}")
+    if resolved.parent != inside:
+        raise InvalidRequest(
+            f"model {name!r}: its directory resolves to {resolved}, outside the model "
+            f"repository {inside}; a model directory must be a directory of the repository "
+            "(replace the symlink with the model's files)"
+        )
+    return path
+
+
+def contained_file(directory: Path, relative: str, field: str) -> Path:
+    """``directory / relative`` for a file a config names; ConfigError if it leaves it.
+
+    ``relative`` must be a relative path, and the file, symlinks resolved, must lie
+    inside the resolved ``directory``. ``field`` names the config key in the message.
+    """
+    if "\x00" in relative:
+        raise ConfigError(f"{field}: {relative!r} contains a NUL character; name a file")
+    candidate = Path(relative)
+    inside = directory.resolve()
+    try:
+        resolved = _resolve(directory / candidate, field)
+    except InvalidRequest as exc:
+        raise ConfigError(exc.message) from None
+    if candidate.is_absolute() or not resolved.is_relative_to(inside):
+        raise ConfigError(
+            f"{field}: {relative!r} resolves to {resolved}, outside the model's directory "
+            f"{inside}; name a file inside it, relative to it (e.g. tokenizer/tokenizer.json)"
+        )
+    return directory / candidate
+
+
+def _resolve(path: Path, what: str) -> Path:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop: RuntimeError before 3.13
+        raise InvalidRequest(
+            f"{what}: {path} cannot be resolved ({exc}); fix the symlink"
+        ) from None
+
+
 def list_models(repository: Path) -> dict[str, ModelDirectory]:
-    """Every model directory in the repository, by name."""
+    """Every model directory in the repository, by name.
+
+    Hidden directories are skipped silently; directories whose name is no valid model
+    name, or that are symlinks out of the repository, are skipped with a warning.
+    """
     if not repository.is_dir():
         raise FileNotFoundError(f"model repository {repository} is not a directory")
     models = {}
     for entry in sorted(repository.iterdir()):
-        if entry.is_dir() and not entry.name.startswith("."):
-            models[entry.name] = read_model_directory(entry)
+        if not entry.is_dir() or entry.name.startswith("."):
+            continue
+        try:
+            model_path(repository, entry.name)
+        except SlipstreamError as exc:
+            logger.warning("skipping %s: %s", entry, exc.message)
+            continue
+        models[entry.name] = read_model_directory(entry)
     return models
 
 
@@ -77,6 +143,8 @@ def read_config(model: ModelDirectory) -> ModelConfig:
             f"{model.name}/config.yaml: name: {config.name!r} must match the directory name "
             f"{model.name!r} (or be left out)"
         )
+    if config.tokenizer:
+        contained_file(model.path, config.tokenizer, "tokenizer")
     config.name = model.name
     return config
 
@@ -93,7 +161,7 @@ def named_model_file(version_dir: Path, config: ModelConfig) -> Path | None:
     """The file ``default_model_filename`` names (ConfigError if missing), or None."""
     if not config.default_model_filename:
         return None
-    path = version_dir / config.default_model_filename
+    path = contained_file(version_dir, config.default_model_filename, "default_model_filename")
     if not path.exists():
         raise ConfigError(f"default_model_filename: {path} does not exist")
     return path

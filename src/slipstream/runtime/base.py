@@ -64,6 +64,17 @@ class Backend(ABC):
     file_extensions: ClassVar[tuple[str, ...]] = ()
     # True when run() releases the GIL, so it gets a dedicated thread per instance.
     releases_gil: ClassVar[bool] = True
+    # For pickle-based files (see loads_pickle): how to save the model without pickle.
+    pickle_free_format: ClassVar[str] = "export the model to ONNX (model.onnx)"
+
+    @classmethod
+    def loads_pickle(cls, path: Path) -> bool:
+        """Whether loading ``path`` unpickles it (runs code from the file).
+
+        Such files load only when the model opts in (``trust_pickle``); see
+        :mod:`slipstream.runtime.pickles`.
+        """
+        return False
 
     @classmethod
     @abstractmethod

@@ -13,11 +13,12 @@ Parameters (config.yaml ``parameters``):
 
 * ``input_dtype``: ``FP32`` (default) or ``FP64``, the datatype clients send.
 
-Loading a pickle runs code from the file: serve only model repositories you trust.
+Loading a pickle runs code from the file, so the server loads one only when the model's
+config.yaml says ``trust_pickle: true`` (or with ``slipstream serve --trust-pickle``).
 
 Example repository entry::
 
-    digits_sklearn/config.yaml      backend: sklearn
+    digits_sklearn/config.yaml      backend: sklearn, trust_pickle: true
     digits_sklearn/1/model.joblib   joblib.dump(Pipeline([...]).fit(X, y), path)
 """
 
@@ -56,6 +57,9 @@ class SklearnBackend(Backend):
     # numpy and scikit-learn hold the GIL for much of predict(); the scheduler still
     # runs it off the event loop.
     releases_gil: ClassVar[bool] = False
+    pickle_free_format: ClassVar[str] = (
+        "convert the estimator to ONNX with skl2onnx and serve model.onnx"
+    )
 
     def __init__(
         self, estimator: Any, input_dtype: np.dtype[np.floating[Any]], signature: ModelSignature
@@ -82,6 +86,10 @@ class SklearnBackend(Backend):
             )
         signature = _probe_signature(estimator, n_features, input_dtype)
         return cls(estimator, input_dtype, signature)
+
+    @classmethod
+    def loads_pickle(cls, path: Path) -> bool:
+        return True  # joblib.load unpickles whatever the file's extension
 
     def signature(self) -> ModelSignature:
         return self._signature

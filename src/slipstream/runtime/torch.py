@@ -6,7 +6,9 @@ Where the signature comes from:
   the ``forward`` parameter names; outputs are named after the returned structure: the
   keys of a returned dict, ``output`` for a single tensor, ``output_0``, ``output_1``, ...
   for a tuple. Dims exported as dynamic (``torch.export.Dim``) are -1; export the batch
-  dim as dynamic or the model is served without batching.
+  dim as dynamic or the model is served without batching. ``torch.export.load``
+  unpickles the weights, so a ``.pt2`` loads only with ``trust_pickle: true`` in the
+  model's config.yaml (or ``slipstream serve --trust-pickle``).
 * ``.pt`` (TorchScript) carries no reliable tensor signature. A model may declare one
   by embedding ``slipstream_signature.json`` in the archive (see
   :func:`signature_to_json`)::
@@ -119,6 +121,10 @@ class TorchBackend(Backend):
     file_extensions: ClassVar[tuple[str, ...]] = (".pt", ".pt2")
     # TorchScript drops the GIL for the whole forward; exported programs drop it per op.
     releases_gil: ClassVar[bool] = True
+    pickle_free_format: ClassVar[str] = (
+        "save it as TorchScript (torch.jit.script(model).save('model.pt')) or export it "
+        "to ONNX (torch.onnx.export)"
+    )
 
     def __init__(
         self,
@@ -143,6 +149,12 @@ class TorchBackend(Backend):
         else:
             model, signature = _load_torchscript(path, options.device)
         return cls(model, signature, options)
+
+    @classmethod
+    def loads_pickle(cls, path: Path) -> bool:
+        # torch.export.load unpickles a .pt2's weights and constants (weights_only=False).
+        # TorchScript archives are read by TorchScript's own restricted unpickler.
+        return path.suffix.lower() == ".pt2"
 
     def signature(self) -> ModelSignature:
         return self._signature

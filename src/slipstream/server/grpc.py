@@ -29,6 +29,7 @@ import grpc
 from slipstream.errors import InvalidRequest, SlipstreamError, Unavailable
 from slipstream.protocol import grpc_codec
 from slipstream.protocol.proto import inference_pb2 as pb
+from slipstream.repository.names import validate_model_name
 from slipstream.serving.service import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -123,29 +124,33 @@ class _GrpcFrontend:
         return pb.ServerReadyResponse(ready=self._service.is_ready())
 
     async def model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
-        return pb.ModelReadyResponse(ready=self._service.model_ready(request.name, request.version))
+        name = validate_model_name(request.name)
+        return pb.ModelReadyResponse(ready=self._service.model_ready(name, request.version))
 
     async def server_metadata(self, request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
         return grpc_codec.encode_server_metadata(self._service.server_metadata())
 
     async def model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
-        metadata = self._service.model_metadata(request.name, request.version)
+        metadata = self._service.model_metadata(validate_model_name(request.name), request.version)
         return grpc_codec.encode_model_metadata(metadata)
 
     async def model_config(self, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
-        config = self._service.model_config(request.name, request.version)
+        config = self._service.model_config(validate_model_name(request.name), request.version)
         return grpc_codec.encode_model_config(config)
 
     async def model_statistics(
         self, request: pb.ModelStatisticsRequest
     ) -> pb.ModelStatisticsResponse:
-        stats = self._service.model_statistics(request.name, request.version)
+        # An empty name asks for every model.
+        name = validate_model_name(request.name) if request.name else ""
+        stats = self._service.model_statistics(name, request.version)
         return grpc_codec.encode_model_statistics(stats)
 
     # ------------------------------------------------------------ inference
 
     async def model_infer(self, request: pb.ModelInferRequest) -> bytes:
         # Serialised here rather than by grpc: see grpc_codec.serialize_infer_response.
+        validate_model_name(request.model_name)
         response = await self._service.infer(grpc_codec.decode_infer_request(request))
         return grpc_codec.serialize_infer_response(response)
 
@@ -190,6 +195,7 @@ class _GrpcFrontend:
     async def _stream_answer(self, request: pb.ModelInferRequest) -> bytes:
         # A failed request is answered on the stream; the stream itself stays open.
         try:
+            validate_model_name(request.model_name)
             response = await self._service.infer(grpc_codec.decode_infer_request(request))
             return grpc_codec.serialize_stream_infer_response(response)
         except SlipstreamError as exc:
@@ -212,8 +218,9 @@ class _GrpcFrontend:
         self, request: pb.RepositoryModelLoadRequest
     ) -> pb.RepositoryModelLoadResponse:
         _check_repository_name(request.repository_name)
-        _check_no_load_parameters(request.model_name, request.parameters)
-        await self._service.load_model(request.model_name)
+        name = validate_model_name(request.model_name)
+        _check_no_load_parameters(name, request.parameters)
+        await self._service.load_model(name)
         return pb.RepositoryModelLoadResponse()
 
     async def repository_model_unload(
@@ -222,7 +229,7 @@ class _GrpcFrontend:
         _check_repository_name(request.repository_name)
         # Triton's only unload parameter, unload_dependents, means nothing without
         # ensembles, so unload parameters are accepted and ignored.
-        await self._service.unload_model(request.model_name)
+        await self._service.unload_model(validate_model_name(request.model_name))
         return pb.RepositoryModelUnloadResponse()
 
 

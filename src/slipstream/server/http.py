@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from slipstream.errors import InvalidRequest, ModelNotFound, SlipstreamError
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta
+from slipstream.repository.names import validate_model_name
 from slipstream.server.http_server import HttpRequest, HttpResponse, StreamingResponse
 from slipstream.serving.service import InferenceService
 
@@ -64,6 +66,11 @@ class HttpApp:
     async def _dispatch(self, request: HttpRequest) -> HttpResponse:
         method = request.method
         parts = request.path.strip("/").split("/")
+        if "." in parts or ".." in parts:
+            raise InvalidRequest(
+                f"path {request.path!r}: '.' and '..' segments are not allowed; "
+                "name the resource directly, e.g. /v2/models/<model>/ready"
+            )
         if parts[0] == "v2":
             if len(parts) >= 3 and parts[1] == "models" and parts[2] != "stats":
                 return await self._model_route(method, parts[2:], request)
@@ -97,16 +104,18 @@ class HttpApp:
         if parts == ["index"]:
             ready_only = bool(options.get("ready", False))
             return _json(v2_meta.repository_index_json(service.repository_index(ready_only)))
-        if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
-            if parts[2] == "load":
+        if len(parts) >= 3 and parts[0] == "models" and parts[-1] in ("load", "unload"):
+            # Extra segments are a name with '/' in it: refused by name, not "no route".
+            name = path_model_name("/".join(parts[1:-1]))
+            if parts[-1] == "load":
                 if options.get("parameters", {}).get("config"):
                     raise InvalidRequest(
                         "parameters.config: loading with an inline config is not supported; "
                         "write REPO/<model>/config.yaml and load again"
                     )
-                await service.load_model(parts[1])
+                await service.load_model(name)
             else:
-                await service.unload_model(parts[1])
+                await service.unload_model(name)
             return _empty(200)
         raise ModelNotFound(f"no route for POST /v2/repository/{'/'.join(parts)}")
 
@@ -114,7 +123,7 @@ class HttpApp:
         self, method: str, parts: list[str], request: HttpRequest
     ) -> HttpResponse:
         # parts: <model> [versions <v>] [ready|infer|config|stats]
-        name, version, rest = parts[0], "", parts[1:]
+        name, version, rest = path_model_name(parts[0]), "", parts[1:]
         if len(rest) >= 2 and rest[0] == "versions":
             version, rest = rest[1], rest[2:]
         action = rest[0] if len(rest) == 1 else ("" if not rest else "?")
@@ -145,6 +154,15 @@ class HttpApp:
         if json_length is None:
             return HttpResponse(200, payload)
         return HttpResponse(200, payload, _BINARY, [(_HEADER_LENGTH, str(json_length).encode())])
+
+
+def path_model_name(segment: str) -> str:
+    """The model name in a URL path segment: percent-decoded once, then validated.
+
+    Decoding first means ``%2F`` is refused as the separator it stands for; a name
+    still holding ``%`` after one decoding (``%252F``) is refused for the ``%``.
+    """
+    return validate_model_name(unquote(segment, errors="replace"))
 
 
 def error_reply(exc: SlipstreamError, body: bytes) -> HttpResponse:

@@ -18,12 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.config import ModelConfig
+from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import InternalError, InvalidRequest, ModelNotFound, SlipstreamError
 from slipstream.llm.engine import Engine, SamplingParams
 from slipstream.llm.service import Job, LlmModels
 from slipstream.protocol import openai
-from slipstream.server.http import error_reply
+from slipstream.repository.layout import contained_file, model_path
+from slipstream.server.http import error_reply, path_model_name
 from slipstream.server.http_server import HttpRequest, HttpResponse, StreamingResponse
 from slipstream.serving.service import InferenceService
 from slipstream.types import InferRequest
@@ -59,7 +60,7 @@ class OpenAIApp:
             if route == "/v1/models":
                 return HttpResponse(200, openai.models_list(self._model_list()))
             if route.startswith("/v1/models/"):
-                name = route.removeprefix("/v1/models/")
+                name = path_model_name(route.removeprefix("/v1/models/"))
                 for entry, created in self._model_list():
                     if entry == name:
                         return HttpResponse(200, openai.model_card(name, created))
@@ -164,7 +165,11 @@ class OpenAIApp:
                 f"model: {body.model!r} is not an embedding model "
                 "(its config.yaml names no tokenizer)"
             )
-        tokenizer = self._tokenizer(self._repository / body.model / config.tokenizer)
+        try:
+            where = model_path(self._repository, body.model)
+            tokenizer = self._tokenizer(contained_file(where, config.tokenizer, "tokenizer"))
+        except ConfigError as exc:
+            raise InvalidRequest(f"model: {body.model!r}: {exc}") from None
         # Pieces of at most max_batch_size inputs, each a valid V2 request. Tokenizing up
         # to 2,048 texts takes milliseconds: off the event loop.
         step = config.max_batch_size or 1

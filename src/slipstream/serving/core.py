@@ -18,7 +18,9 @@ from slipstream.errors import (
 from slipstream.llm.service import LlmModels
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.observability.stats import ModelStats
-from slipstream.repository.layout import is_generative, read_model_directory
+from slipstream.repository.layout import is_generative, model_path, read_model_directory
+from slipstream.repository.names import validate_model_name
+from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.service import (
@@ -46,6 +48,7 @@ class ModelServer(InferenceService):
     def __init__(self, settings: ServerSettings, metrics: ServerMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
+        trust_pickles_server_wide(settings.trust_pickle)
         self.models = ModelManager(
             settings.model_repository, self.metrics, settings.shutdown_timeout_s
         )
@@ -64,7 +67,8 @@ class ModelServer(InferenceService):
         generative = asyncio.create_task(self.generative.load_all(only))
         if mode == "explicit":
             for name in self.settings.load_models:
-                if not is_generative(read_model_directory(self.settings.model_repository / name)):
+                path = model_path(self.settings.model_repository, name)
+                if not is_generative(read_model_directory(path)):
                     await self.models.load(name)
         else:
             await self.models.load_all()
@@ -104,6 +108,7 @@ class ModelServer(InferenceService):
         return ServerMetadata("slipstream", __version__, list(EXTENSIONS))
 
     def model_ready(self, name: str, version: str = "") -> bool:
+        validate_model_name(name)  # a bad name is a 400, not "not ready"
         try:
             self.models.resolve(name, version)
         except SlipstreamError:

@@ -15,9 +15,11 @@ from slipstream.repository.layout import (
     is_generative,
     list_models,
     model_file,
+    model_path,
     read_config,
     read_model_directory,
 )
+from slipstream.repository.names import validate_model_name
 from slipstream.runtime.base import BackendUnavailable
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.service import RepositoryEntry
@@ -55,6 +57,7 @@ class ModelManager:
 
     def resolve(self, name: str, version: str = "") -> ModelVersion:
         """The version a request should run on: the given one, or the newest ready one."""
+        validate_model_name(name)
         state = self._models.get(name)
         if state is None:
             if (self.repository / name).is_dir():
@@ -139,9 +142,10 @@ class ModelManager:
 
     async def load(self, name: str) -> None:
         """Load (or reload) a model: new versions come up before old ones go away."""
+        validate_model_name(name)
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
-            path = self.repository / name
+            path = model_path(self.repository, name)
             if not path.is_dir():
                 raise ModelNotFound(f"model {name!r} is not in the repository {self.repository}")
             if is_generative(read_model_directory(path)):
@@ -212,6 +216,7 @@ class ModelManager:
         return model
 
     async def unload(self, name: str) -> None:
+        validate_model_name(name)
         lock = self._locks.setdefault(name, asyncio.Lock())
         async with lock:
             state = self._models.get(name)

@@ -18,6 +18,7 @@ from slipstream.protocol.datatypes import V2_TO_NUMPY, numpy_dtype, v2_datatype
 from slipstream.repository.autocomplete import complete_config
 from slipstream.runtime import backend_for_file, get_backend
 from slipstream.runtime.base import Backend
+from slipstream.runtime.pickles import check_pickle_trust
 from slipstream.scheduling.batcher import Batcher
 from slipstream.serving.service import ModelMetadata, TensorMetadata
 from slipstream.types import InferRequest
@@ -71,6 +72,7 @@ class ModelVersion:
         """Load every instance off the event loop, complete the config, warm up."""
         backend_name = config.backend or backend_for_file(path)
         backend_cls = get_backend(backend_name)
+        check_pickle_trust(name, path, backend_cls, config.trust_pickle)
         count = config.instance_count
 
         def load_instances() -> list[Backend]:
