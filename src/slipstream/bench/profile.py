@@ -530,18 +530,15 @@ def _ort_op_profile(
     top_n: int,
 ) -> OpProfile:
     """Run a second, profiling session (so its overhead stays out of the timed figures)."""
-    import onnxruntime as ort
 
-    from slipstream.runtime.onnx import OnnxBackend, session_options
+    from slipstream.runtime.onnx import OnnxBackend, create_session, session_options
 
     batch_size = next(iter(inputs.values())).shape[0] if inputs else 1
     with tempfile.TemporaryDirectory(prefix="slipstream-profile-") as tmp:
         options = session_options(_thread_parameters("onnxruntime", threads), 1)
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / "ort")
-        session = ort.InferenceSession(
-            str(path), sess_options=options, providers=["CPUExecutionProvider"]
-        )
+        session = create_session(path, options)
         model = OnnxBackend(session)
         _run_for(lambda: model.run(inputs, output_names), timing, MAX_OP_PROFILE_RUNS)
         trace_path = session.end_profiling()

@@ -7,6 +7,7 @@ spinning worker steals the core the event loop needs to accept the next requests
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -73,6 +74,36 @@ def session_options(parameters: dict[str, str], instance_count: int) -> ort.Sess
     return options
 
 
+def create_session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
+    """A CPU InferenceSession, created on a thread of its own that then exits.
+
+    With ``session.set_denormal_as_zero``, ONNX Runtime switches flush-to-zero and
+    denormals-are-zero on for the thread that creates the session (besides its own pool
+    threads), and that CPU state stays. On a thread of ours it would silently zero tiny
+    floats in unrelated numpy work afterwards (request decoding, warm-up data, a caller's
+    own code); a throwaway thread takes it away with it.
+    """
+    created: list[ort.InferenceSession] = []
+    failed: list[BaseException] = []
+
+    def create() -> None:
+        try:
+            created.append(
+                ort.InferenceSession(
+                    str(path), sess_options=options, providers=["CPUExecutionProvider"]
+                )
+            )
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=create, name="slipstream-ort-session")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return created[0]
+
+
 class OnnxBackend(Backend):
     """One ONNX Runtime InferenceSession on the CPU execution provider."""
 
@@ -92,11 +123,7 @@ class OnnxBackend(Backend):
 
     @classmethod
     def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> OnnxBackend:
-        options = session_options(parameters, instance_count)
-        session = ort.InferenceSession(
-            str(path), sess_options=options, providers=["CPUExecutionProvider"]
-        )
-        return cls(session)
+        return cls(create_session(path, session_options(parameters, instance_count)))
 
     def signature(self) -> ModelSignature:
         return self._signature
