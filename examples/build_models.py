@@ -94,7 +94,9 @@ def build_digits(out: Path, force: bool = False) -> Path:
     onnx_path = out / "digits" / "1" / "model.onnx"
     joblib_path = out / "digits_sklearn" / "1" / "model.joblib"
     config_path = out / "digits_sklearn" / "config.yaml"
-    if _skip([onnx_path, joblib_path, config_path], force):
+    # A repository built before pickles became opt-in lacks trust_pickle: rebuild it.
+    opted_in = config_path.exists() and "trust_pickle: true" in config_path.read_text()
+    if opted_in and _skip([onnx_path, joblib_path, config_path], force):
         return onnx_path
 
     import joblib
