@@ -39,6 +39,10 @@ _SHOWN_CHARS = 64
 
 def model_name_problem(name: str) -> str | None:
     """Why ``name`` is not a valid model name, or None when it is."""
+    # One regex match decides (its classes are ASCII); the rest only explains a refusal.
+    # This runs on every request: ~0.2 us instead of a Python loop over the characters.
+    if len(name) <= MAX_MODEL_NAME_LENGTH and _VALID.fullmatch(name) is not None:
+        return None
     if not name:
         return "is empty"
     if len(name) > MAX_MODEL_NAME_LENGTH:
