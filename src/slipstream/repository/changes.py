@@ -21,9 +21,10 @@ from pathlib import Path
 
 from slipstream.repository.layout import CONFIG_FILENAMES
 
-# (path relative to the model directory, size_bytes, mtime_ns); -1, -1 when it could not
-# be read (vanished mid-scan, a dangling link): reading it again later changes the stamp.
-FileStamp = tuple[str, int, int]
+# (path relative to the model directory, size_bytes, mtime_ns, inode); the inode tells a
+# file replaced by rename (``mv`` of a finished copy) within one mtime tick. -1s when it
+# could not be read (vanished mid-scan, a dangling link).
+FileStamp = tuple[str, int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,7 @@ def fingerprint(model_dir: Path) -> ModelFingerprint:
         if entry.name.isdigit() and int(entry.name) > 0 and entry.is_dir():
             versions.append((int(entry.name), _stamp_tree(model_dir, entry)))
     return ModelFingerprint(
-        config=tuple(stamp for stamp in config if stamp[1] != -1 or stamp[2] != -1),
+        config=tuple(stamp for stamp in config if stamp[3] != -1),
         versions=tuple(sorted(versions)),
     )
 
@@ -113,8 +114,8 @@ def _stamp(root: Path, path: Path) -> FileStamp:
     try:
         info = path.stat()
     except OSError:
-        return (relative, -1, -1)
-    return (relative, info.st_size, info.st_mtime_ns)
+        return (relative, -1, -1, -1)
+    return (relative, info.st_size, info.st_mtime_ns, info.st_ino)
 
 
 def _stamp_tree(root: Path, directory: Path) -> tuple[FileStamp, ...]:
