@@ -119,7 +119,10 @@ class ModelManager:
         state = self._models.get(name)
         if state is None or not state.failures:
             return ""
-        reasons = "; ".join(state.failures.values())
+        reasons = "; ".join(
+            f"version {version}: {reason}" if version else reason
+            for version, reason in sorted(state.failures.items())
+        )
         if state.kept_previous:
             serving = ", ".join(map(str, sorted(state.versions)))
             return f"{reasons} (the loaded version(s) {serving} keep serving, unchanged)"
