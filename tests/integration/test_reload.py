@@ -261,7 +261,7 @@ def test_poll_reloads_under_load(repo: Path, tmp_path: Path) -> None:
 def test_poll_waits_for_a_copy_in_progress(repo: Path, tmp_path: Path) -> None:
     # The test appends the second half within one poll interval of seeing the server
     # notice the first: 2 s leaves room for a loaded machine. The exact rule runs
-    # without any timing in tests/unit/test_reload.py.
+    # without any timing in tests/unit/test_reload_rules.py.
     args = ["--model-control-mode", "poll", "--repository-poll-secs", "2"]
     staging = tmp_path / "staging"
     build_add_constant(staging, "m", 2, 20.0)
