@@ -168,10 +168,12 @@ async def explicit(repo: Path) -> AsyncIterator[ModelServer]:
 
 @pytest.fixture
 async def polled(repo: Path) -> AsyncIterator[ModelServer]:
-    server = ModelServer(ServerSettings(model_repository=repo, model_control_mode="poll"))
-    await server.start()  # loads everything; the test calls poll_once itself
-    assert server._poll_task is not None
-    server._poll_task.cancel()
+    # An hour between the server's own polls: within the test, only its poll_once calls run.
+    settings = ServerSettings(
+        model_repository=repo, model_control_mode="poll", repository_poll_secs=3600
+    )
+    server = ModelServer(settings)
+    await server.start()
     yield server
     await server.stop()
 
