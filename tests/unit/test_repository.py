@@ -218,10 +218,14 @@ async def test_poll_picks_up_new_and_removed_models(repository: Path) -> None:
     await server.start()
     try:
         write_scale_model(repository / "fresh" / "1" / "model.onnx", factor=5.0)
+        # The first poll sees new files, the second sees them unchanged and loads them.
+        await server.models.poll_once()
+        assert not server.model_ready("fresh")
         await server.models.poll_once()
         out = await server.infer(request("fresh", np.ones((1, 3), np.float32)))
         np.testing.assert_allclose(out.outputs["y"], 5.0)
         write_scale_model(repository / "fresh" / "2" / "model.onnx", factor=7.0)
+        await server.models.poll_once()
         await server.models.poll_once()
         out = await server.infer(request("fresh", np.ones((1, 3), np.float32)))
         np.testing.assert_allclose(out.outputs["y"], 7.0)

@@ -96,6 +96,21 @@ class ServerMetrics:
         """Drop an unloaded version's series so dashboards stop showing it."""
         self._models.pop((model, version), None)
 
+    def add(self, metrics: ModelMetrics) -> None:
+        """Expose a version's counts, replacing those of a version of the same number.
+
+        A reload counts into fresh :class:`ModelMetrics` while it loads and adds them
+        only when it takes over: until then the serving version's series stay exposed.
+        """
+        model, version = metrics.labels
+        self._models[(model, version)] = metrics
+
+    def remove(self, metrics: ModelMetrics) -> None:
+        """Drop these counts, unless a reloaded version of the same number replaced them."""
+        key = (metrics.labels[0], metrics.labels[1])
+        if self._models.get(key) is metrics:
+            del self._models[key]
+
 
 class _Collector(Collector):
     """Builds the metric families from the live counts at each scrape."""

@@ -33,8 +33,6 @@ class ModelDirectory:
     path: Path
     # Version numbers found on disk (before the version policy), ascending.
     versions: tuple[int, ...]
-    # Newest modification time of anything that matters, for change polling.
-    fingerprint: float
 
 
 def model_path(repository: Path, name: str) -> Path:
@@ -110,18 +108,14 @@ def list_models(repository: Path) -> dict[str, ModelDirectory]:
 
 
 def read_model_directory(path: Path) -> ModelDirectory:
-    versions = []
-    stamps = [path.stat().st_mtime]
-    for entry in path.iterdir():
-        if entry.name in CONFIG_FILENAMES:
-            stamps.append(entry.stat().st_mtime)
-        elif entry.is_dir() and entry.name.isdigit() and int(entry.name) > 0:
-            versions.append(int(entry.name))
-            stamps.extend(f.stat().st_mtime for f in entry.iterdir())
-            stamps.append(entry.stat().st_mtime)
-    return ModelDirectory(
-        name=path.name, path=path, versions=tuple(sorted(versions)), fingerprint=max(stamps)
-    )
+    # Change polling stamps the files itself (repository/changes.py): reading versions
+    # only, a file vanishing mid-copy cannot fail the scan of the whole repository.
+    versions = [
+        int(entry.name)
+        for entry in path.iterdir()
+        if entry.name.isdigit() and int(entry.name) > 0 and entry.is_dir()
+    ]
+    return ModelDirectory(name=path.name, path=path, versions=tuple(sorted(versions)))
 
 
 def read_config(model: ModelDirectory) -> ModelConfig:

@@ -9,7 +9,13 @@ from pathlib import Path
 
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
-from slipstream.observability.metrics import ServerMetrics
+from slipstream.observability.metrics import ModelMetrics, ServerMetrics
+from slipstream.repository.changes import (
+    ModelFingerprint,
+    changed_versions,
+    fingerprint,
+    settled_changes,
+)
 from slipstream.repository.layout import (
     ModelDirectory,
     is_generative,
@@ -32,14 +38,22 @@ class ModelState:
     """Everything known about one model of the repository."""
 
     name: str
-    # Loaded, ready versions by number.
+    # Serving versions by number. A reload builds a new dict and assigns it in one step,
+    # so a request routes on either the old set or the new one, never a mix.
     versions: dict[int, ModelVersion] = field(default_factory=dict)
-    # Why a version (or, under key 0, the whole model) failed to load.
+    # Why the last load attempt failed, by version (0: the whole model, e.g. its config).
     failures: dict[int, str] = field(default_factory=dict)
+    # The last attempt failed and ``versions`` kept serving what was loaded before it.
+    kept_previous: bool = False
     # LOADING / UNLOADING while a change is in progress, else "".
     transition: str = ""
-    # The directory as it was last loaded, to notice changes when polling.
-    loaded_from: ModelDirectory | None = None
+    # The files ``versions`` were loaded from; None when nothing is loaded.
+    loaded: ModelFingerprint | None = None
+    # The files the last load attempt saw, whatever its outcome: unchanged files are
+    # not tried again (a second concurrent load, a poll after a failure).
+    attempted: ModelFingerprint | None = None
+    # Load attempts finished, so a load that waited for another can tell one ran.
+    attempts: int = 0
 
 
 class ModelManager:
@@ -52,6 +66,8 @@ class ModelManager:
         self._models: dict[str, ModelState] = {}
         # One change at a time per model: a second load waits for the first.
         self._locks: dict[str, asyncio.Lock] = {}
+        # What the previous poll found: files must look the same twice to be loaded.
+        self._last_poll: dict[str, ModelFingerprint] = {}
 
     # -- routing -------------------------------------------------------------------------
 
@@ -94,16 +110,34 @@ class ModelManager:
         return [m for state in self._models.values() for m in state.versions.values()]
 
     def pending_work(self) -> bool:
-        """True while some model is loading or unloading."""
-        return any(state.transition for state in self._models.values())
+        """True while some model with nothing serving is loading or unloading.
+
+        A model reloading beside its serving versions keeps the server ready: a load
+        balancer that took the server out for a reload would fail the requests it serves.
+        """
+        return any(state.transition and not state.versions for state in self._models.values())
 
     def failures(self, name: str) -> str:
         """Why a model (or some of its versions) failed to load; "" when none did."""
         state = self._models.get(name)
-        return "; ".join(state.failures.values()) if state else ""
+        if state is None or not state.failures:
+            return ""
+        reasons = "; ".join(
+            f"version {version}: {reason}" if version else reason
+            for version, reason in sorted(state.failures.items())
+        )
+        if state.kept_previous:
+            serving = ", ".join(map(str, sorted(state.versions)))
+            return f"{reasons} (the loaded version(s) {serving} keep serving, unchanged)"
+        return reasons
 
     def has_failures(self) -> bool:
-        return any(state.failures for state in self._models.values())
+        """Whether a model failed to load and nothing of it serves (strict readiness).
+
+        A failed reload that left the previous versions serving does not count: the
+        model is as ready as it was, and the index shows why the new files were refused.
+        """
+        return any(state.failures and not state.kept_previous for state in self._models.values())
 
     # -- repository index ----------------------------------------------------------------
 
@@ -119,12 +153,17 @@ class ModelManager:
                 if not ready_only:
                     entries.append(RepositoryEntry(name, "", "", ""))
                 continue
-            for number, _ in sorted(state.versions.items()):
-                entries.append(RepositoryEntry(name, str(number), "READY", ""))
+            for number in sorted(state.versions):
+                # A version whose files failed to reload serves its earlier files.
+                reason = state.failures.get(number, "")
+                if reason:
+                    reason = f"serving the files loaded before; reloading failed: {reason}"
+                entries.append(RepositoryEntry(name, str(number), "READY", reason))
             if ready_only:
                 continue
             for number, reason in sorted(state.failures.items()):
-                entries.append(RepositoryEntry(name, str(number or ""), "UNAVAILABLE", reason))
+                if number not in state.versions:
+                    entries.append(RepositoryEntry(name, str(number or ""), "UNAVAILABLE", reason))
             if state.transition and not state.versions:
                 entries.append(RepositoryEntry(name, "", state.transition, ""))
         return entries
@@ -141,83 +180,150 @@ class ModelManager:
         await asyncio.gather(*(self.load(name) for name in names))
 
     async def load(self, name: str) -> None:
-        """Load (or reload) a model: new versions come up before old ones go away."""
+        """Load (or reload) a model; see :meth:`_load`."""
         validate_model_name(name)
+        await self._load(name, expected=None)
+
+    async def _load(self, name: str, expected: ModelFingerprint | None) -> None:
+        """Load new files beside the serving versions; swap only when all are ready.
+
+        Calls for one model run one at a time (other models are not held up). A call
+        that waited for another load of the same files does not load them again, nor
+        does a load of files already loaded without failures. ``expected`` (polling):
+        the files a poll saw settle; when they changed since, the next poll decides.
+        """
         lock = self._locks.setdefault(name, asyncio.Lock())
+        before = self._models.get(name)
+        attempts_seen = before.attempts if before else 0
+        if lock.locked():
+            logger.info("model %s: waiting for the load or unload in progress", name)
         async with lock:
             path = model_path(self.repository, name)
             if not path.is_dir():
                 raise ModelNotFound(f"model {name!r} is not in the repository {self.repository}")
-            if is_generative(read_model_directory(path)):
+            directory = read_model_directory(path)
+            if is_generative(directory):
                 raise InvalidRequest(
                     f"model {name!r} is generative: it is served by the OpenAI routes (/v1/...) "
                     "and loaded at start-up"
                 )
+            found = fingerprint(path)
             state = self._models.setdefault(name, ModelState(name))
+            if expected is not None and found != expected:
+                return
+            if state.attempted == found and (
+                state.attempts != attempts_seen or (state.versions and not state.failures)
+            ):
+                logger.info("model %s: files unchanged since they were loaded; not reloading", name)
+                return
             state.transition = "LOADING"
             try:
-                await self._load_versions(state, read_model_directory(path))
+                await self._reload(state, directory, found)
             finally:
                 state.transition = ""
+                state.attempted = found
+                state.attempts += 1
 
-    async def _load_versions(self, state: ModelState, directory: ModelDirectory) -> None:
+    async def _reload(
+        self, state: ModelState, directory: ModelDirectory, found: ModelFingerprint
+    ) -> None:
+        """Load what changed beside what serves, then swap, or keep serving on failure."""
         name = state.name
-        state.failures = {}
-        state.loaded_from = directory
+        if not directory.versions:
+            # The version directories were removed: there is nothing left to keep serving.
+            await self._swap(state, {}, None)
+            self._fail(state, {0: _no_version(name, directory)}, kept_previous=False)
+            return
         try:
             config = read_config(directory)
             wanted = config.version_policy.select(list(directory.versions))
             if not wanted:
-                raise ConfigError(
-                    f"{name}: no version directory to serve (found {list(directory.versions)}, "
-                    "version_policy selects none); add REPO/<model>/1/model.onnx"
-                )
+                raise ConfigError(_no_version(name, directory))
         except (ConfigError, OSError) as exc:
-            state.failures[0] = str(exc)
-            logger.error("model %s failed to load: %s", name, exc)
-            await self._retire(state, list(state.versions))
+            self._fail(state, {0: str(exc)}, kept_previous=bool(state.versions))
             return
+        reused = {
+            v: model
+            for v, model in state.versions.items()
+            if v in wanted and _unchanged(state.loaded, found, v)
+        }
+        fresh = [v for v in wanted if v not in reused]
         results = await asyncio.gather(
-            *(self._load_version(name, v, directory.path / str(v), config) for v in wanted)
+            *(self._load_version(state, v, directory.path / str(v), config) for v in fresh)
         )
-        old = dict(state.versions)
-        retire = [v for v in old if v not in wanted]
-        for version, outcome in zip(wanted, results, strict=True):
-            if isinstance(outcome, ModelVersion):
-                if version in old:
-                    retire.append(version)
-                state.versions[version] = outcome
-            else:
-                state.failures[version] = outcome
-                # A failed reload leaves nothing of that version serving stale weights.
-                if version in old:
-                    retire.append(version)
-                    del state.versions[version]
-        for version in retire:
-            if state.versions.get(version) is old.get(version):
-                state.versions.pop(version, None)
-        await asyncio.gather(*(self._close(old[v]) for v in retire if v in old))
+        loaded = {v: r for v, r in zip(fresh, results, strict=True) if isinstance(r, ModelVersion)}
+        failures = {v: r for v, r in zip(fresh, results, strict=True) if isinstance(r, str)}
+        if failures and state.versions:
+            # Triton's rule: a reload that fails for any reason leaves the loaded model
+            # as it was; the versions that did load are dropped unused.
+            await asyncio.gather(*(_discard(model) for model in loaded.values()))
+            self._fail(state, failures, kept_previous=True)
+            return
+        await self._swap(state, {**reused, **loaded}, found)
+        # A first load serves the versions that loaded, beside the failed ones.
+        self._fail(state, failures, kept_previous=False)
+
+    def _fail(self, state: ModelState, failures: dict[int, str], kept_previous: bool) -> None:
+        """Record (and log, once) the outcome of a load attempt."""
+        state.failures = failures
+        state.kept_previous = kept_previous and bool(failures)
+        for version, reason in failures.items():
+            what = f"version {version}" if version else "model"
+            logger.error("model %s: %s failed to load: %s", state.name, what, reason)
+        if state.kept_previous:
+            logger.warning("model %s: versions %s keep serving, unchanged", state.name,
+                           ", ".join(map(str, sorted(state.versions))))  # fmt: skip
 
     async def _load_version(
-        self, name: str, version: int, path: Path, config: ModelConfig
+        self, state: ModelState, version: int, path: Path, config: ModelConfig
     ) -> ModelVersion | str:
-        metrics = self._metrics.for_model(name, str(version))
+        """A loaded, warmed-up version, or why it could not be (already logged by the caller)."""
+        name = state.name
+        # Counted apart until the swap: the serving version's series stay exposed meanwhile.
+        metrics = ModelMetrics(name, str(version))
         try:
             model = await ModelVersion.load(
                 name, version, model_file(path, config), config, metrics
             )
         except (ConfigError, BackendUnavailable, ValueError, OSError) as exc:
-            logger.error("model %s version %d failed to load: %s", name, version, exc)
             return str(exc)
         except Exception as exc:
-            logger.exception("model %s version %d failed to load", name, version)
+            # Not one of the expected failures: keep the traceback for a bug report.
+            logger.debug("model %s version %d: load raised", name, version, exc_info=True)
             return f"{type(exc).__name__}: {exc}"
+        serving = state.versions.get(max(state.versions, default=0))
+        if serving is not None:
+            change = signature_change(serving.config, model.config)
+            if change:
+                await _discard(model)
+                return (
+                    f"version {version} changes the signature of the serving version "
+                    f"{serving.version}: {change}; its clients would break. To serve it, "
+                    f"unload the model first (POST /v2/repository/models/{name}/unload, or "
+                    "in poll mode move its directory out of the repository), then load it"
+                )
         logger.info("model %s version %d is READY", name, version)
         return model
+
+    async def _swap(
+        self, state: ModelState, versions: dict[int, ModelVersion], found: ModelFingerprint | None
+    ) -> None:
+        """Route to ``versions`` from now on; drain and unload the versions they replace."""
+        for model in versions.values():
+            self._metrics.add(model.metrics)
+        old = state.versions
+        state.versions = versions  # the one step routing sees
+        state.loaded = found if versions else None
+        retired = [model for v, model in old.items() if versions.get(v) is not model]
+        # Requests already routed to a retired version were queued on it in the same
+        # event-loop step: its batcher lets them finish before it closes.
+        await asyncio.gather(*(self._close(model) for model in retired))
 
     async def unload(self, name: str) -> None:
         validate_model_name(name)
         lock = self._locks.setdefault(name, asyncio.Lock())
+        if lock.locked():
+            logger.info("model %s: waiting for the load or unload in progress", name)
         async with lock:
             state = self._models.get(name)
             if state is None:
@@ -226,43 +332,94 @@ class ModelManager:
                 raise ModelNotFound(f"model {name!r} is not in the repository")
             state.transition = "UNLOADING"
             try:
-                await self._retire(state, list(state.versions))
+                await self._swap(state, {}, None)
                 state.failures = {}
-                state.loaded_from = None
+                state.kept_previous = False
+                state.attempted = None
             finally:
                 state.transition = ""
 
-    async def _retire(self, state: ModelState, versions: list[int]) -> None:
-        models = [state.versions.pop(v) for v in versions if v in state.versions]
-        await asyncio.gather(*(self._close(m) for m in models))
-
     async def _close(self, model: ModelVersion) -> None:
         await model.batcher.close(self._unload_timeout_s)
-        self._metrics.remove_model(model.name, model.version_str)
+        self._metrics.remove(model.metrics)
         logger.info("model %s version %s unloaded", model.name, model.version_str)
 
     async def close(self) -> None:
-        for state in self._models.values():
-            await self._retire(state, list(state.versions))
+        await asyncio.gather(*(self._swap(state, {}, None) for state in self._models.values()))
 
     # -- polling -------------------------------------------------------------------------
 
     async def poll_once(self) -> None:
-        """Load new or changed models, unload removed ones."""
+        """Load models whose changed files have settled (see repository/changes.py),
+        unload removed ones; models are handled side by side."""
         on_disk = self._tensor_models()
-        for name, directory in on_disk.items():
+        found = {name: fingerprint(directory.path) for name, directory in on_disk.items()}
+        attempted = {name: state.attempted for name, state in self._models.items()}
+        decision = settled_changes(self._last_poll, found, attempted)
+        for name in decision.noticed:
             state = self._models.get(name)
-            if (
-                state is None
-                or state.loaded_from is None
-                or state.loaded_from.fingerprint != directory.fingerprint
-                or (state.loaded_from.versions != directory.versions)
-            ):
-                await self.load(name)
-        for name in list(self._models):
-            if name not in on_disk:
-                await self.unload(name)
-                self._models.pop(name, None)
+            changed = changed_versions(state.attempted if state else None, found[name])
+            logger.info("model %s: files changed (%s); loading them once unchanged for a poll",
+                        name, ", ".join(changed))  # fmt: skip
+        self._last_poll = found
+        removed = [name for name in self._models if name not in on_disk]
+        outcomes = await asyncio.gather(
+            *(self._load(name, found[name]) for name in decision.load),
+            *(self._remove(name) for name in removed),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                logger.error("repository poll: %s", outcome)
+
+    async def _remove(self, name: str) -> None:
+        await self.unload(name)
+        self._models.pop(name, None)
+        self._last_poll.pop(name, None)
+
+
+async def _discard(model: ModelVersion) -> None:
+    """Free a version that loaded but will not serve (it never took a request)."""
+    await model.batcher.close(0.0)
+
+
+def signature_change(serving: ModelConfig, new: ModelConfig) -> str:
+    """How ``new``'s input/output names or datatypes differ from ``serving``'s; "" if not.
+
+    Shapes may change (a fixed dim becoming -1 breaks no client); a renamed, added,
+    removed or retyped tensor breaks the clients of the serving version.
+    """
+    problems = []
+    for kind, old, now in (
+        ("input", serving.input, new.input),
+        ("output", serving.output, new.output),
+    ):
+        before = {t.name: t.data_type for t in old}
+        after = {t.name: t.data_type for t in now}
+        for tensor in sorted(set(before) | set(after)):
+            if tensor not in after:
+                problems.append(f"{kind} {tensor!r} is gone")
+            elif tensor not in before:
+                problems.append(f"{kind} {tensor!r} is new")
+            elif before[tensor] != after[tensor]:
+                problems.append(f"{kind} {tensor!r} is {after[tensor]}, was {before[tensor]}")
+    return ", ".join(problems)
+
+
+def _unchanged(loaded: ModelFingerprint | None, found: ModelFingerprint, version: int) -> bool:
+    """Whether a serving version's files and the config are as they were loaded."""
+    return (
+        loaded is not None
+        and loaded.config == found.config
+        and loaded.version(version) == found.version(version)
+    )
+
+
+def _no_version(name: str, directory: ModelDirectory) -> str:
+    return (
+        f"{name}: no version directory to serve (found {list(directory.versions)}, "
+        "version_policy selects none); add REPO/<model>/1/model.onnx"
+    )
 
 
 def _not_loaded(name: str) -> str:
