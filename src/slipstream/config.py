@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from slipstream.protocol.datatypes import from_config_datatype
-from slipstream.repository.names import MODEL_NAME_RULE, model_name_problem
+from slipstream.datatypes import from_config_datatype
+from slipstream.names import MODEL_NAME_RULE, model_name_problem
 
 
 class _Strict(BaseModel):

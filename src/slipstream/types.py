@@ -56,3 +56,46 @@ class InferResponse:
     outputs: dict[str, np.ndarray]
     id: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
+
+
+# -- metadata: what the front ends report about the server and its models ------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMetadata:
+    """A tensor as clients see it in model metadata."""
+
+    name: str
+    datatype: str
+    # Shape with the batch dim as -1 when the model batches; -1 for other variable dims.
+    shape: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMetadata:
+    name: str
+    # Versions currently loaded, ascending, as strings.
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerMetadata:
+    name: str
+    version: str
+    extensions: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class RepositoryEntry:
+    """One model version in the repository index."""
+
+    name: str
+    # "" when the model has no loaded or failed version yet.
+    version: str
+    # READY, LOADING, UNLOADING, UNAVAILABLE, or "" (never loaded).
+    state: str
+    # Why a version is UNAVAILABLE (its load error), else "".
+    reason: str

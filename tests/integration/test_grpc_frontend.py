@@ -19,14 +19,15 @@ from slipstream.config import ModelConfig, parse_model_config
 from slipstream.errors import InvalidRequest, ModelNotFound
 from slipstream.observability.stats import ModelStats
 from slipstream.server.grpc import build_grpc_server
-from slipstream.serving.service import (
-    InferenceService,
+from slipstream.serving.service import InferenceService
+from slipstream.types import (
+    InferRequest,
+    InferResponse,
     ModelMetadata,
     RepositoryEntry,
     ServerMetadata,
     TensorMetadata,
 )
-from slipstream.types import InferRequest, InferResponse
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 

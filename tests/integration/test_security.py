@@ -24,7 +24,7 @@ import tritonclient.grpc as grpcclient
 from sklearn.linear_model import LogisticRegression
 from tritonclient.utils import InferenceServerException
 
-from slipstream.repository.names import MODEL_NAME_RULE
+from slipstream.names import MODEL_NAME_RULE
 from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
 from tests.utils import HOST, RemoteServer
 

@@ -20,8 +20,8 @@ from slipstream.bench.inputs import (
     signature_from_metadata,
 )
 from slipstream.bench.payloads import encode_request
+from slipstream.datatypes import V2_TO_NUMPY
 from slipstream.protocol import grpc_codec, v2
-from slipstream.protocol.datatypes import V2_TO_NUMPY
 from slipstream.protocol.proto import inference_pb2 as pb
 
 MLP_METADATA = {

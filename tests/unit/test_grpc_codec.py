@@ -15,8 +15,13 @@ from slipstream.errors import InvalidRequest
 from slipstream.observability.stats import BatchStats, InferStats, ModelStats, StatDuration
 from slipstream.protocol import grpc_codec
 from slipstream.protocol.proto import inference_pb2 as pb
-from slipstream.serving.service import ModelMetadata, RepositoryEntry, TensorMetadata
-from slipstream.types import InferResponse, RequestedOutput
+from slipstream.types import (
+    InferResponse,
+    ModelMetadata,
+    RepositoryEntry,
+    RequestedOutput,
+    TensorMetadata,
+)
 
 FIXED_DATATYPES = [
     "BOOL",

@@ -12,6 +12,12 @@ from hypothesis import strategies as st
 
 from slipstream.config import ConfigError, ModelConfig, ServerSettings, parse_model_config
 from slipstream.errors import InvalidRequest
+from slipstream.names import (
+    MAX_MODEL_NAME_LENGTH,
+    MODEL_NAME_RULE,
+    model_name_problem,
+    validate_model_name,
+)
 from slipstream.repository.layout import (
     contained_file,
     list_models,
@@ -19,12 +25,6 @@ from slipstream.repository.layout import (
     named_model_file,
     read_config,
     read_model_directory,
-)
-from slipstream.repository.names import (
-    MAX_MODEL_NAME_LENGTH,
-    MODEL_NAME_RULE,
-    model_name_problem,
-    validate_model_name,
 )
 from slipstream.server.http import path_model_name
 

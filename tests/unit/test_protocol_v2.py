@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from slipstream.datatypes import V2_TO_NUMPY
 from slipstream.errors import InvalidRequest
-from slipstream.protocol.datatypes import V2_TO_NUMPY
 from slipstream.protocol.v2 import decode_infer_request, encode_error, encode_infer_response
 from slipstream.types import InferRequest, InferResponse, RequestedOutput
 

@@ -20,9 +20,9 @@ from typing import Any, cast
 import numpy as np
 import orjson
 
+from slipstream.datatypes import V2_TO_NUMPY
 from slipstream.errors import InvalidRequest
 from slipstream.protocol import v2
-from slipstream.protocol.datatypes import V2_TO_NUMPY
 
 # Integer inputs are drawn from [0, _INT_HIGH): inside any vocabulary or category count.
 _INT_HIGH = 100

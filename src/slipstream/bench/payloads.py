@@ -15,7 +15,7 @@ import orjson
 
 from slipstream.bench.inputs import InputError, RequestInputs
 from slipstream.bench.messages import EncodedRequest, Protocol
-from slipstream.protocol.datatypes import v2_datatype
+from slipstream.datatypes import v2_datatype
 from slipstream.protocol.grpc_codec import encode_raw_tensor
 from slipstream.protocol.proto import inference_pb2 as pb
 

@@ -48,7 +48,7 @@ from slipstream.bench.profile_report import (
     ProfileResult,
     describe_environment,
 )
-from slipstream.protocol.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
+from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
 from slipstream.runtime import backend_for_file, get_backend
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec
 

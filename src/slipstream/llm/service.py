@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,9 +21,10 @@ from prometheus_client import CollectorRegistry
 
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import ModelNotFound, Unavailable
-from slipstream.llm.engine import CacheStats, Engine, SamplingParams
+from slipstream.llm.api import GenerationService, Job
+from slipstream.llm.engine import CacheStats, Engine
+from slipstream.llm.metrics import LlmMetrics
 from slipstream.llm.text import TextDelta, stream_text
-from slipstream.observability.llm_metrics import LlmMetrics
 from slipstream.repository.layout import list_models, named_model_file, read_config
 
 logger = logging.getLogger(__name__)
@@ -32,17 +32,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class Job:
-    """One sequence to generate: choice ``index`` of a response."""
-
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    stops: Sequence[str] = ()
-
-
-class LlmModels:
+class LlmModels(GenerationService):
     """Loads the repository's generative models and runs generation on them."""
 
     def __init__(self, repository: Path, registry: CollectorRegistry) -> None:

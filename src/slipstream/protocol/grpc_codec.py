@@ -25,17 +25,19 @@ from slipstream.config import (
     VersionPolicy,
     WarmupSample,
 )
+from slipstream.datatypes import V2_TO_NUMPY, to_config_datatype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.observability.stats import ModelStats, StatDuration
-from slipstream.protocol.datatypes import V2_TO_NUMPY, to_config_datatype, v2_datatype
 from slipstream.protocol.proto import inference_pb2 as pb
-from slipstream.serving.service import (
+from slipstream.types import (
+    InferRequest,
+    InferResponse,
     ModelMetadata,
     RepositoryEntry,
+    RequestedOutput,
     ServerMetadata,
     TensorMetadata,
 )
-from slipstream.types import InferRequest, InferResponse, RequestedOutput
 
 # Tags (field number << 3 | 2, length-delimited) of the fields serialised by hand.
 _RAW_OUTPUT_TAG = b"\x32"  # ModelInferResponse.raw_output_contents = 6

@@ -19,7 +19,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slipstream.errors import InvalidRequest, SlipstreamError
-from slipstream.repository.names import validate_model_name
+from slipstream.names import validate_model_name
 
 MAX_CHOICES = 16
 MAX_STOPS = 4

@@ -43,8 +43,8 @@ from typing import Any, cast
 import numpy as np
 import orjson
 
+from slipstream.datatypes import V2_ITEM_SIZE, numpy_dtype, v2_datatype
 from slipstream.errors import InvalidRequest
-from slipstream.protocol.datatypes import V2_ITEM_SIZE, numpy_dtype, v2_datatype
 from slipstream.types import InferRequest, InferResponse, RequestedOutput
 
 __all__ = [

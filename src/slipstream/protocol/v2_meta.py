@@ -9,14 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from slipstream.config import ModelConfig, TensorConfig
+from slipstream.datatypes import to_config_datatype
 from slipstream.observability.stats import ModelStats, StatDuration
-from slipstream.protocol.datatypes import to_config_datatype
-from slipstream.serving.service import (
-    ModelMetadata,
-    RepositoryEntry,
-    ServerMetadata,
-    TensorMetadata,
-)
+from slipstream.types import ModelMetadata, RepositoryEntry, ServerMetadata, TensorMetadata
 
 
 def server_metadata_json(meta: ServerMetadata) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import yaml
 
 from slipstream.config import ConfigError, ModelConfig, parse_model_config
 from slipstream.errors import InvalidRequest, SlipstreamError
-from slipstream.repository.names import validate_model_name
+from slipstream.names import validate_model_name
 from slipstream.runtime import MODEL_EXTENSIONS
 
 logger = logging.getLogger(__name__)

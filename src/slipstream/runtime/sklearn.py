@@ -32,8 +32,8 @@ from typing import Any, ClassVar
 import joblib
 import numpy as np
 
+from slipstream.datatypes import v2_datatype
 from slipstream.errors import InvalidRequest
-from slipstream.protocol.datatypes import v2_datatype
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec
 
 logger = logging.getLogger(__name__)

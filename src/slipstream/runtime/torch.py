@@ -55,8 +55,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from slipstream.datatypes import from_config_datatype, v2_datatype
 from slipstream.errors import InvalidRequest
-from slipstream.protocol.datatypes import from_config_datatype, v2_datatype
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
 
 logger = logging.getLogger(__name__)

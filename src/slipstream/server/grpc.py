@@ -27,9 +27,9 @@ from typing import Any, NoReturn
 import grpc
 
 from slipstream.errors import InvalidRequest, SlipstreamError, Unavailable
+from slipstream.names import validate_model_name
 from slipstream.protocol import grpc_codec
 from slipstream.protocol.proto import inference_pb2 as pb
-from slipstream.repository.names import validate_model_name
 from slipstream.serving.service import InferenceService
 
 logger = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slipstream.errors import InvalidRequest, ModelNotFound, SlipstreamError
+from slipstream.names import validate_model_name
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta
-from slipstream.repository.names import validate_model_name
 from slipstream.server.http_server import HttpRequest, HttpResponse, StreamingResponse
 from slipstream.serving.service import InferenceService
 

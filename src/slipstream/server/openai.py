@@ -1,6 +1,6 @@
 """The OpenAI-compatible REST routes: /v1/models, completions, chat, embeddings.
 
-Generation runs on :class:`~slipstream.llm.service.LlmModels`; embeddings run on any V2
+Generation runs on :class:`~slipstream.llm.service.GenerationService`; embeddings run on any V2
 model whose config.yaml names a ``tokenizer``, through the same batcher as V2 requests.
 Every failure is answered in OpenAI's error shape. A streamed response checks the
 request completely (400/404/503) before its first byte; a failure after that ends the
@@ -20,8 +20,8 @@ import numpy as np
 
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import InternalError, InvalidRequest, ModelNotFound, SlipstreamError
+from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.engine import Engine, SamplingParams
-from slipstream.llm.service import Job, LlmModels
 from slipstream.protocol import openai
 from slipstream.repository.layout import contained_file, model_path
 from slipstream.server.http import error_reply, path_model_name
@@ -37,7 +37,7 @@ Reply = HttpResponse | StreamingResponse
 class OpenAIApp:
     """Handles every ``/v1/...`` request; see the module docstring."""
 
-    def __init__(self, llm: LlmModels, service: InferenceService, repository: Path) -> None:
+    def __init__(self, llm: GenerationService, service: InferenceService, repository: Path) -> None:
         self._llm = llm
         self._service = service
         self._repository = repository

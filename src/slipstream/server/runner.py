@@ -14,6 +14,8 @@ import sys
 from typing import Any
 
 from slipstream.config import ServerSettings
+from slipstream.llm.service import LlmModels
+from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol.v2 import encode_error
 from slipstream.server.http import HttpApp
 from slipstream.server.http_server import HttpServer
@@ -37,10 +39,13 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
 
-    service = ModelServer(settings)
+    metrics = ServerMetrics()
+    # Generative models (backend: transformers), served by the OpenAI routes.
+    generation = LlmModels(settings.model_repository, metrics.registry)
+    service = ModelServer(settings, metrics, lanes=[generation])
     http_server = None
     if settings.http_port:
-        openai_app = OpenAIApp(service.generative, service, settings.model_repository)
+        openai_app = OpenAIApp(generation, service, settings.model_repository)
         app = HttpApp(service, service.metrics, openai_app)
         http_server = HttpServer(
             app.handle, max_body_bytes=settings.max_request_bytes, error_body=encode_error

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 from slipstream import __version__
 from slipstream.config import ModelConfig, ServerSettings
@@ -15,21 +16,21 @@ from slipstream.errors import (
     SlipstreamError,
     Unavailable,
 )
-from slipstream.llm.service import LlmModels
+from slipstream.names import validate_model_name
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.repository.layout import is_generative, model_path, read_model_directory
-from slipstream.repository.names import validate_model_name
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.model import ModelVersion
-from slipstream.serving.service import (
-    InferenceService,
+from slipstream.serving.service import InferenceService, ModelLane
+from slipstream.types import (
+    InferRequest,
+    InferResponse,
     ModelMetadata,
     RepositoryEntry,
     ServerMetadata,
 )
-from slipstream.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +46,21 @@ EXTENSIONS = [
 class ModelServer(InferenceService):
     """Routes requests to loaded model versions; owns the model manager."""
 
-    def __init__(self, settings: ServerSettings, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        metrics: ServerMetrics | None = None,
+        lanes: Sequence[ModelLane] = (),
+    ) -> None:
+        """``lanes``: other sets of models served beside the V2 ones (the LLM lane), which
+        this core starts, stops and waits for before it is ready, and nothing else."""
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
         trust_pickles_server_wide(settings.trust_pickle)
         self.models = ModelManager(
             settings.model_repository, self.metrics, settings.shutdown_timeout_s
         )
-        # Generative models (backend: transformers), served by the OpenAI routes.
-        self.generative = LlmModels(settings.model_repository, self.metrics.registry)
+        self._lanes = list(lanes)
         self._started = False
         self._stopping = False
         self._poll_task: asyncio.Task[None] | None = None
@@ -64,7 +71,7 @@ class ModelServer(InferenceService):
         """Load the models the control mode asks for; start polling in poll mode."""
         mode = self.settings.model_control_mode
         only = set(self.settings.load_models) if mode == "explicit" else None
-        generative = asyncio.create_task(self.generative.load_all(only))
+        others = asyncio.gather(*(lane.load_all(only) for lane in self._lanes))
         if mode == "explicit":
             for name in self.settings.load_models:
                 path = model_path(self.settings.model_repository, name)
@@ -72,7 +79,7 @@ class ModelServer(InferenceService):
                     await self.models.load(name)
         else:
             await self.models.load_all()
-        await generative
+        await others
         if mode == "poll":
             self._poll_task = asyncio.create_task(self._poll_forever())
         self._started = True
@@ -82,7 +89,7 @@ class ModelServer(InferenceService):
         self._stopping = True
         if self._poll_task is not None:
             self._poll_task.cancel()
-        await asyncio.gather(self.models.close(), self.generative.close())
+        await asyncio.gather(self.models.close(), *(lane.close() for lane in self._lanes))
 
     async def _poll_forever(self) -> None:
         while True:
@@ -100,7 +107,7 @@ class ModelServer(InferenceService):
     def is_ready(self) -> bool:
         if not self._started or self._stopping or self.models.pending_work():
             return False
-        if not self.generative.is_ready():
+        if not all(lane.is_ready() for lane in self._lanes):
             return False
         return not (self.settings.strict_readiness and self.models.has_failures())
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
+from slipstream.names import validate_model_name
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.repository.changes import (
     ModelFingerprint,
@@ -25,10 +26,9 @@ from slipstream.repository.layout import (
     read_config,
     read_model_directory,
 )
-from slipstream.repository.names import validate_model_name
 from slipstream.runtime.base import BackendUnavailable
 from slipstream.serving.model import ModelVersion
-from slipstream.serving.service import RepositoryEntry
+from slipstream.types import RepositoryEntry
 
 logger = logging.getLogger(__name__)
 

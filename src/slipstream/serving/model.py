@@ -11,17 +11,16 @@ from pathlib import Path
 import numpy as np
 
 from slipstream.config import ConfigError, ModelConfig, TensorConfig, WarmupSample
+from slipstream.datatypes import V2_TO_NUMPY, numpy_dtype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.observability.metrics import ModelMetrics
 from slipstream.observability.stats import ModelStatsRecorder
-from slipstream.protocol.datatypes import V2_TO_NUMPY, numpy_dtype, v2_datatype
 from slipstream.repository.autocomplete import complete_config
 from slipstream.runtime import backend_for_file, get_backend
 from slipstream.runtime.base import Backend
 from slipstream.runtime.pickles import check_pickle_trust
 from slipstream.scheduling.batcher import Batcher
-from slipstream.serving.service import ModelMetadata, TensorMetadata
-from slipstream.types import InferRequest
+from slipstream.types import InferRequest, ModelMetadata, TensorMetadata
 
 logger = logging.getLogger(__name__)
 

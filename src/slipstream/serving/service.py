@@ -9,51 +9,32 @@ raises Unavailable from ``infer``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from typing import Protocol
 
 from slipstream.config import ModelConfig
 from slipstream.observability.stats import ModelStats
-from slipstream.types import InferRequest, InferResponse
+from slipstream.types import (
+    InferRequest,
+    InferResponse,
+    ModelMetadata,
+    RepositoryEntry,
+    ServerMetadata,
+)
 
 
-@dataclass(frozen=True, slots=True)
-class TensorMetadata:
-    """A tensor as clients see it in model metadata."""
+class ModelLane(Protocol):
+    """Models served beside the V2 ones by another part (the LLM lane, llm/api.py).
 
-    name: str
-    datatype: str
-    # Shape with the batch dim as -1 when the model batches; -1 for other variable dims.
-    shape: list[int]
+    The serving core starts a lane with the V2 models, is ready only when every lane is,
+    and stops it at shutdown; the lane's own routes do the rest. Structural, so a lane
+    never imports the serving core, nor the core the lane.
+    """
 
+    async def load_all(self, only: set[str] | None = None) -> None: ...
 
-@dataclass(frozen=True, slots=True)
-class ModelMetadata:
-    name: str
-    # Versions currently loaded, ascending, as strings.
-    versions: list[str]
-    platform: str
-    inputs: list[TensorMetadata]
-    outputs: list[TensorMetadata]
+    def is_ready(self) -> bool: ...
 
-
-@dataclass(frozen=True, slots=True)
-class ServerMetadata:
-    name: str
-    version: str
-    extensions: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class RepositoryEntry:
-    """One model version in the repository index."""
-
-    name: str
-    # "" when the model has no loaded or failed version yet.
-    version: str
-    # READY, LOADING, UNLOADING, UNAVAILABLE, or "" (never loaded).
-    state: str
-    # Why a version is UNAVAILABLE (its load error), else "".
-    reason: str
+    async def close(self) -> None: ...
 
 
 class InferenceService(ABC):
