@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 from slipstream.errors import InvalidRequest
 
@@ -73,3 +74,12 @@ def validate_model_name(name: str, field: str = "model name") -> str:
         return name
     shown = name if len(name) <= _SHOWN_CHARS else name[:_SHOWN_CHARS] + "..."
     raise InvalidRequest(f"{field} {shown!r} {problem}; {MODEL_NAME_RULE}")
+
+
+def path_model_name(segment: str) -> str:
+    """The model name in a URL path segment: percent-decoded once, then validated.
+
+    Decoding first means ``%2F`` is refused as the separator it stands for; a name
+    still holding ``%`` after one decoding (``%252F``) is refused for the ``%``.
+    """
+    return validate_model_name(unquote(segment, errors="replace"))

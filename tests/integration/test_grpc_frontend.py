@@ -18,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 from slipstream.config import ModelConfig, parse_model_config
 from slipstream.errors import InvalidRequest, ModelNotFound
 from slipstream.observability.stats import ModelStats
-from slipstream.server.grpc import build_grpc_server
+from slipstream.server.v2_grpc import build_grpc_server
 from slipstream.serving.service import InferenceService
 from slipstream.types import (
     InferRequest,
@@ -418,7 +418,7 @@ def test_internal_error_is_logged_and_answered_without_details(
 ) -> None:
     a = np.ones((1, 4), np.float32)
     with (
-        caplog.at_level(logging.ERROR, logger="slipstream.server.grpc"),
+        caplog.at_level(logging.ERROR, logger="slipstream.server.v2_grpc"),
         pytest.raises(InferenceServerException) as info,
     ):
         client.infer("broken", add_sub_inputs(a, a))

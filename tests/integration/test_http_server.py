@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from slipstream.server.http_server import (
+from slipstream.server.httpd import (
     HttpRequest,
     HttpResponse,
     HttpServer,

@@ -16,6 +16,7 @@ from slipstream.names import (
     MAX_MODEL_NAME_LENGTH,
     MODEL_NAME_RULE,
     model_name_problem,
+    path_model_name,
     validate_model_name,
 )
 from slipstream.repository.layout import (
@@ -26,7 +27,6 @@ from slipstream.repository.layout import (
     read_config,
     read_model_directory,
 )
-from slipstream.server.http import path_model_name
 
 VALID_NAMES = st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}", fullmatch=True)
 SEPARATORS = st.sampled_from(["/", "\\"])

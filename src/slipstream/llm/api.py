@@ -5,7 +5,7 @@ The process runner builds one :class:`GenerationService` and hands it to two pla
 * the serving core (:class:`slipstream.serving.core.ModelServer`), which only starts it
   (``load_all``), asks whether it is ready, and stops it (``close``): those three make
   it a *lane* of models beside the V2 models, and the core knows nothing else of it;
-* the OpenAI app (``server/openai.py``), which lists models, admits requests and streams
+* the OpenAI app (``server/openai_rest.py``), which lists models, admits requests and streams
   their tokens through the rest.
 
 An implementation owns its engines (:class:`slipstream.llm.engine.Engine`: transformers

@@ -17,9 +17,10 @@ from slipstream.config import ServerSettings
 from slipstream.llm.service import LlmModels
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol.v2 import encode_error
-from slipstream.server.http import HttpApp
-from slipstream.server.http_server import HttpServer
-from slipstream.server.openai import OpenAIApp
+from slipstream.server.httpd import HttpServer
+from slipstream.server.openai_rest import OpenAIApp
+from slipstream.server.router import Router
+from slipstream.server.v2_rest import V2RestApp
 from slipstream.serving.core import ModelServer
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,10 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     http_server = None
     if settings.http_port:
         openai_app = OpenAIApp(generation, service, settings.model_repository)
-        app = HttpApp(service, service.metrics, openai_app)
+        v2_app = V2RestApp(service, metrics)
+        router = Router(fallback=v2_app.handle, routes=[("/v1/", openai_app.handle)])
         http_server = HttpServer(
-            app.handle, max_body_bytes=settings.max_request_bytes, error_body=encode_error
+            router.handle, max_body_bytes=settings.max_request_bytes, error_body=encode_error
         )
         try:
             await http_server.start(settings.host, settings.http_port)
@@ -59,7 +61,7 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         logger.info("HTTP server listening on %s:%d", settings.host, settings.http_port)
     grpc_server = None
     if settings.grpc_port:
-        from slipstream.server.grpc import build_grpc_server
+        from slipstream.server.v2_grpc import build_grpc_server
 
         try:
             grpc_server, grpc_port = build_grpc_server(

@@ -1,6 +1,6 @@
 """The V2 REST front end: routes an :class:`HttpRequest` to the serving core.
 
-It sits on :mod:`slipstream.server.http_server` rather than a web framework because
+It sits on :mod:`slipstream.server.httpd` rather than a web framework because
 the inference route is the hot path: a framework's routing, request objects and
 middleware cost more per request than the decode-batch-encode path of a small model.
 """
@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
+from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slipstream.errors import InvalidRequest, ModelNotFound, SlipstreamError
-from slipstream.names import validate_model_name
+from slipstream.names import path_model_name
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta
-from slipstream.server.http_server import HttpRequest, HttpResponse, StreamingResponse
+from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.serving.service import InferenceService
-
-if TYPE_CHECKING:
-    from slipstream.server.openai import OpenAIApp
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +35,15 @@ def _empty(status: int) -> HttpResponse:
     return HttpResponse(status, b"", b"text/plain")
 
 
-class HttpApp:
+class V2RestApp:
     """The V2 REST API, Triton's extensions and /metrics, as one request handler."""
 
-    def __init__(
-        self, service: InferenceService, metrics: ServerMetrics, openai: OpenAIApp | None = None
-    ) -> None:
+    def __init__(self, service: InferenceService, metrics: ServerMetrics) -> None:
         self._service = service
         self._metrics = metrics
-        self._openai = openai
 
     async def handle(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
         """Answer one request; a SlipstreamError becomes its status and {"error": ...}."""
-        if self._openai is not None and request.path.startswith("/v1/"):
-            return await self._openai.handle(request)
         try:
             return await self._dispatch(request)
         except SlipstreamError as exc:
@@ -154,24 +145,6 @@ class HttpApp:
         if json_length is None:
             return HttpResponse(200, payload)
         return HttpResponse(200, payload, _BINARY, [(_HEADER_LENGTH, str(json_length).encode())])
-
-
-def path_model_name(segment: str) -> str:
-    """The model name in a URL path segment: percent-decoded once, then validated.
-
-    Decoding first means ``%2F`` is refused as the separator it stands for; a name
-    still holding ``%`` after one decoding (``%252F``) is refused for the ``%``.
-    """
-    return validate_model_name(unquote(segment, errors="replace"))
-
-
-def error_reply(exc: SlipstreamError, body: bytes) -> HttpResponse:
-    """``exc``'s status with ``body``, and Retry-After when the error carries one."""
-    headers = []
-    retry_after = getattr(exc, "retry_after_s", None)
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    return HttpResponse(exc.http_status, body, headers=headers)
 
 
 def _error_reply(exc: SlipstreamError) -> HttpResponse:

@@ -16,18 +16,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from slipstream.config import ConfigError, ModelConfig
-from slipstream.errors import InternalError, InvalidRequest, ModelNotFound, SlipstreamError
+from slipstream.errors import InternalError, ModelNotFound, SlipstreamError
 from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.engine import Engine, SamplingParams
+from slipstream.names import path_model_name
 from slipstream.protocol import openai
-from slipstream.repository.layout import contained_file, model_path
-from slipstream.server.http import error_reply, path_model_name
-from slipstream.server.http_server import HttpRequest, HttpResponse, StreamingResponse
+from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
+from slipstream.serving.embeddings import Embedder
 from slipstream.serving.service import InferenceService
-from slipstream.types import InferRequest
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +37,7 @@ class OpenAIApp:
         self._llm = llm
         self._service = service
         self._repository = repository
-        self._tokenizers: dict[Path, Any] = {}
+        self._embedder = Embedder(service, repository)
 
     async def handle(self, request: HttpRequest) -> Reply:
         try:
@@ -78,7 +74,7 @@ class OpenAIApp:
         models = dict(self._llm.models())
         started = int(time.time())
         for entry in self._service.repository_index(ready_only=True):
-            if entry.name not in models and self._embedding_config(entry.name) is not None:
+            if entry.name not in models and self._embedder.is_embedding_model(entry.name):
                 models[entry.name] = started
         return sorted(models.items())
 
@@ -149,91 +145,11 @@ class OpenAIApp:
 
     # -- embeddings ----------------------------------------------------------------------
 
-    def _embedding_config(self, name: str) -> Any:
-        try:
-            config = self._service.model_config(name)
-        except SlipstreamError:
-            return None
-        return config if config.tokenizer else None
-
     async def _embeddings(self, request: HttpRequest) -> Reply:
         body: openai.EmbeddingRequest = openai.parse(request.body, openai.EmbeddingRequest)
-        texts = body.texts()
-        config = self._service.model_config(body.model)
-        if not config.tokenizer:
-            raise InvalidRequest(
-                f"model: {body.model!r} is not an embedding model "
-                "(its config.yaml names no tokenizer)"
-            )
-        try:
-            where = model_path(self._repository, body.model)
-            tokenizer = self._tokenizer(contained_file(where, config.tokenizer, "tokenizer"))
-        except ConfigError as exc:
-            raise InvalidRequest(f"model: {body.model!r}: {exc}") from None
-        # Pieces of at most max_batch_size inputs, each a valid V2 request. Tokenizing up
-        # to 2,048 texts takes milliseconds: off the event loop.
-        step = config.max_batch_size or 1
-        pieces = await asyncio.to_thread(
-            lambda: [_pad(tokenizer, texts[i : i + step]) for i in range(0, len(texts), step)]
-        )
-        prompt_tokens = sum(int(mask.sum()) for _, mask in pieces)
-        if prompt_tokens > config.max_request_tokens:
-            raise InvalidRequest(
-                f"input: {prompt_tokens} tokens in all; model {body.model!r} takes at most "
-                f"{config.max_request_tokens} in one request (max_request_tokens in its "
-                "config.yaml); send fewer or shorter inputs"
-            )
-        # All pieces queue at once, so the batcher can batch them and use every instance.
-        # If one fails, or the client goes away, the others are cancelled too.
-        runs = [asyncio.ensure_future(self._embed(body.model, config, *p)) for p in pieces]
-        try:
-            vectors = await asyncio.gather(*runs)
-        finally:
-            for run in runs:
-                run.cancel()
-        reply = openai.embeddings(
-            body.model, np.concatenate(vectors), body.encoding_format, prompt_tokens
-        )
+        vectors, prompt_tokens = await self._embedder.embed(body.model, body.texts())
+        reply = openai.embeddings(body.model, vectors, body.encoding_format, prompt_tokens)
         return HttpResponse(200, reply)
-
-    async def _embed(
-        self, model: str, config: ModelConfig, ids: np.ndarray, mask: np.ndarray
-    ) -> np.ndarray:
-        """One piece of an embeddings request through the model's V2 queue: [rows, width]."""
-        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
-        inputs = {t.name: feeds[t.name] for t in config.input if t.name in feeds}
-        if not config.max_batch_size:
-            inputs = {name: array[0] for name, array in inputs.items()}
-        response = await self._service.infer(InferRequest(model, "", inputs))
-        output: np.ndarray = next(iter(response.outputs.values()))
-        return output if config.max_batch_size else output[None]
-
-    def _tokenizer(self, path: Path) -> Any:
-        tokenizer = self._tokenizers.get(path)
-        if tokenizer is None:
-            try:
-                from tokenizers import Tokenizer
-            except ImportError:
-                raise InvalidRequest(
-                    "model: embeddings need the `tokenizers` package: pip install 'slipstream[llm]'"
-                ) from None
-            if not path.is_file():
-                raise InvalidRequest(f"model: its tokenizer file {path} does not exist")
-            tokenizer = self._tokenizers[path] = Tokenizer.from_file(str(path))
-        return tokenizer
-
-
-def _pad(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and attention mask, padded to the batch's longest text."""
-    encoded = tokenizer.encode_batch(texts)
-    longest = max(len(e.ids) for e in encoded)
-    pad_id = int((tokenizer.padding or {}).get("pad_id", 0))
-    ids = np.full((len(encoded), longest), pad_id, dtype=np.int64)
-    mask = np.zeros((len(encoded), longest), dtype=np.int64)
-    for row, item in enumerate(encoded):
-        ids[row, : len(item.ids)] = item.ids
-        mask[row, : len(item.ids)] = 1
-    return ids, mask
 
 
 async def _events(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import grpc
@@ -43,23 +43,29 @@ _Unary = Callable[[Any], Awaitable[Any]]
 
 
 def build_grpc_server(
-    service: InferenceService, host: str, port: int, max_message_bytes: int
+    service: InferenceService,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """A gRPC server (not started) serving ``service``, and the port it bound.
 
     ``port`` 0 picks a free port. Call this on the event loop that will run the server,
     since grpc.aio binds the server to the running loop. Raises OSError when the
-    address cannot be bound.
+    address cannot be bound. ``interceptors`` run before every RPC, in order: the gRPC
+    side of the HTTP router's middleware (auth, rate limits, request ids).
     """
     frontend = _GrpcFrontend(service)
     server = grpc.aio.server(
+        interceptors=list(interceptors),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # gRPC sets SO_REUSEPORT by default, which lets a second server bind the
             # same port silently and steal half the connections; fail loudly instead.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, frontend.method_handlers()),)

@@ -26,6 +26,8 @@ from typing import cast
 
 import httptools
 
+from slipstream.errors import SlipstreamError
+
 logger = logging.getLogger(__name__)
 
 
@@ -360,3 +362,12 @@ def _head(
         parts.append(b"connection: close\r\n")
     parts.append(b"\r\n")
     return parts
+
+
+def error_reply(exc: SlipstreamError, body: bytes) -> HttpResponse:
+    """``exc``'s status with ``body``, and Retry-After when the error carries one."""
+    headers = []
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    return HttpResponse(exc.http_status, body, headers=headers)

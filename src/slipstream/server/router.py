@@ -1,0 +1,52 @@
+"""Every HTTP request enters here: the middleware chain, then routing by path prefix.
+
+    router = Router(fallback=v2_app.handle, routes=[("/v1/", openai_app.handle)])
+    server = HttpServer(router.handle, ...)
+
+Middleware is where concerns that every route must pass belong: request ids, access
+logs, API keys, rate limits, size limits (the front door). Each one is an
+``async (request, call_next) -> response`` callable; the chain is composed once, at
+construction, so a router without middleware costs one prefix check per request. The
+gRPC front end has the matching hook: ``build_grpc_server(..., interceptors=...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
+
+Reply = HttpResponse | StreamingResponse
+Handler = Callable[[HttpRequest], Awaitable[Reply]]
+# Runs before the routes: answer itself, or pass the request on with call_next(request).
+Middleware = Callable[[HttpRequest, Handler], Awaitable[Reply]]
+
+
+class Router:
+    """Routes by the first matching path prefix, else to ``fallback``; see the module doc."""
+
+    def __init__(
+        self,
+        fallback: Handler,
+        routes: Sequence[tuple[str, Handler]] = (),
+        middleware: Sequence[Middleware] = (),
+    ) -> None:
+        self._routes = tuple(routes)
+        self._fallback = fallback
+        handler: Handler = self._route
+        for layer in reversed(middleware):
+            handler = _wrap(layer, handler)
+        self.handle: Handler = handler
+
+    async def _route(self, request: HttpRequest) -> Reply:
+        for prefix, handler in self._routes:
+            if request.path.startswith(prefix):
+                return await handler(request)
+        return await self._fallback(request)
+
+
+def _wrap(layer: Middleware, call_next: Handler) -> Handler:
+    async def handle(request: HttpRequest) -> Reply:
+        return await layer(request, call_next)
+
+    return handle
