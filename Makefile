@@ -13,7 +13,7 @@ UV := $(VENV)/bin/uv
 # Where `make lock` finds torch's CPU wheels (this machine keeps them on disk).
 TORCH_WHEELS ?= /opt/wheels
 
-.PHONY: install lock run models test test-lowest lint unit bench clean
+.PHONY: install lock run models test test-fast test-lowest lint unit bench clean
 
 install: $(VENV)/.installed
 
@@ -57,6 +57,11 @@ lint: install
 
 test: lint test-lowest
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q
+
+# The common fast path while working (about 1.5 min here): every test not marked slow.
+# `make test` (and CI) runs the slow ones too.
+test-fast: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow"
 
 # The core dependencies at the lowest releases pyproject.toml allows ($(LOWEST), made by
 # `make lock`), under the serving path's own tests: keeps those lower bounds honest.

@@ -24,6 +24,9 @@ from slipstream.bench.openai_runner import run_openai_benchmark
 from tests.llm_models import build_tiny_llama
 from tests.utils import RemoteServer
 
+# Slow: the whole module runs in `make test`, not in `make test-fast`.
+pytestmark = pytest.mark.slow
+
 GENERATION_CONFIG = "backend: transformers\ngeneration:\n  num_blocks: 64\n  block_size: 16\n"
 
 

@@ -439,7 +439,9 @@ def test_broken_model_is_unavailable_and_others_serve(
     assert_error(response, 503, "broken", BROKEN_KEY)
     assert_error(http.get("/v2/models/broken"), 404, "broken")
     # The rest of the repository is unaffected.
-    assert client.infer("add_sub", triton_inputs(add_sub_inputs())).as_numpy("OUTPUT0") is not None
+    inputs = add_sub_inputs()
+    served = client.infer("add_sub", triton_inputs(inputs)).as_numpy("OUTPUT0")
+    np.testing.assert_array_equal(served, inputs["INPUT0"] + inputs["INPUT1"])
 
 
 # ---------------------------------------------------------------------------- statistics, metrics

@@ -30,7 +30,8 @@ from tests.utils import RemoteServer
 # Token limit of the embedding model's requests (max_request_tokens in its config).
 EMBED_MAX_TOKENS = 2000
 
-pytestmark = pytest.mark.timeout(180)
+# Slow: the whole module runs in `make test`, not in `make test-fast`.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 SMALL_CACHE_TOKENS = 64  # tiny_small: 4 blocks x 16 tokens
 

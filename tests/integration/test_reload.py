@@ -30,6 +30,9 @@ from tests.gated import Gate, build_gated, gated_command, gated_input, wait_unti
 from tests.models import build_add_constant, write_config
 from tests.utils import RemoteServer
 
+# Slow: the whole module runs in `make test`, not in `make test-fast`.
+pytestmark = pytest.mark.slow
+
 CLIENT_TIMEOUT_S = 60.0
 # Bounds of one test's traffic: it stops at whichever comes first (or when told).
 MAX_REQUESTS = 200_000
