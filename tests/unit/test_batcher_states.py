@@ -195,6 +195,7 @@ class BatcherMachine(RuleBasedStateMachine):
             metrics.for_model("m", "1"),
             ModelStatsRecorder("m", "1"),
             executor_factory=lambda: ManualExecutor(self.running),
+            clock_ns=lambda: round(self.loop.now_s * 1e9),
         )
 
     # -- the policy, checked at each dispatch ----------------------------------------------

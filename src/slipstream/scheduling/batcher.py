@@ -25,8 +25,9 @@ Preferred sizes are a preference, as in Triton: a request of more rows than any 
 Whenever an instance is free and a request is queued, :meth:`_next_batch` either returns
 a batch or has the delay timer armed: the queue can never stall.
 
-Time is the event loop's clock (``loop.time()``), so a test loop with a virtual clock
-drives timeouts and delays without waiting.
+Time comes from ``clock_ns`` (the monotonic clock the event loop also uses); timers are
+the loop's, so a test loop with a virtual clock, given the same clock, drives timeouts
+and delays without waiting.
 """
 
 from __future__ import annotations
@@ -62,10 +63,6 @@ Arrays = dict[str, np.ndarray]
 # Queued requests of other shapes (or too many rows) that one batch looks past, per
 # priority level, before it stops growing: bounds the work of one dispatch.
 _SCAN_LIMIT = 64
-
-
-def _now_ns() -> int:
-    return int(asyncio.get_running_loop().time() * 1e9)
 
 
 def _instance_thread() -> Executor:
@@ -121,13 +118,16 @@ class Batcher:
         metrics: ModelMetrics,
         stats: ModelStatsRecorder,
         executor_factory: Callable[[], Executor] = _instance_thread,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
-        """``executor_factory`` makes each instance's executor (one thread by default)."""
+        """``executor_factory`` makes each instance's executor (one thread by default);
+        ``clock_ns`` must tick with the event loop's ``time()``."""
         batching = config.dynamic_batching
         self._max_batch_size = max(1, config.max_batch_size or 0)
         self._batches = bool(config.max_batch_size)
         self._delay_ns = batching.max_queue_delay_microseconds * 1000
-        self._preferred = sorted(s for s in batching.preferred_batch_size if s > 0)
+        self._preferred = frozenset(s for s in batching.preferred_batch_size if s > 0)
+        self._largest_preferred = max(self._preferred, default=self._max_batch_size)
         self._max_queue_size = batching.max_queue_size
         self._default_timeout_us = batching.default_timeout_microseconds
         self._levels = max(1, batching.priority_levels)
@@ -142,6 +142,7 @@ class Batcher:
         self._inline_max_ns = batching.inline_execution_max_microseconds * 1000
         # -1 until measured: the first batch always runs on an instance thread.
         self._recent_run_ns = -1
+        self._clock_ns = clock_ns
         self._metrics = metrics
         metrics.pending_requests = lambda: self._num_pending
         metrics.oldest_pending_age_s = self._oldest_pending_age_s
@@ -184,7 +185,7 @@ class Batcher:
             shape_key=shape_key,
             level=priority - 1 if priority else self._default_level,
             future=loop.create_future(),
-            enqueue_ns=_now_ns(),
+            enqueue_ns=self._clock_ns(),
         )
         timeout_us = timeout_us or self._default_timeout_us
         if timeout_us:
@@ -268,7 +269,8 @@ class Batcher:
         preferred size finishes more rows per second than one big batch.
         """
         capacity = self._max_batch_size if self._batches else 1
-        batch = self._plan(capacity)
+        # No prefix past the largest preferred size can be preferred: look that far first.
+        batch = self._plan(capacity, min(self._largest_preferred, capacity))
         rows = 0
         cut = 0
         for index, pending in enumerate(batch, 1):
@@ -277,20 +279,23 @@ class Batcher:
                 cut = index
         if cut:
             return self._take(batch[:cut])
+        if self._largest_preferred <= rows < capacity:  # stopped short, not out of requests
+            batch = self._plan(capacity, capacity)
+            rows = sum(pending.rows for pending in batch)
         if self._delay_ns and rows < capacity:
             oldest_ns = min(q[0].enqueue_ns for q in self._queues if q)
-            wait_ns = oldest_ns + self._delay_ns - _now_ns()
+            wait_ns = oldest_ns + self._delay_ns - self._clock_ns()
             if wait_ns > 0:
                 self._arm_delay_timer(wait_ns)
                 return []
         return self._take(batch)
 
-    def _plan(self, capacity: int) -> list[_Pending]:
+    def _plan(self, capacity: int, enough: int) -> list[_Pending]:
         """The head request (highest priority, oldest) and those after it that can join.
 
         Joining means sharing the head's shapes and fitting in ``capacity`` rows; the head
-        always fits (submit refused anything above max_batch_size). Nothing leaves the
-        queue here.
+        always fits (submit refused anything above max_batch_size). The plan stops growing
+        at ``enough`` rows. Nothing leaves the queue here.
         """
         batch: list[_Pending] = []
         rows = 0
@@ -298,7 +303,7 @@ class Batcher:
         for queue in self._queues:
             skipped = 0
             for pending in queue:
-                if rows >= capacity or skipped >= _SCAN_LIMIT:
+                if rows >= enough or skipped >= _SCAN_LIMIT:
                     break
                 if key is None:
                     key = pending.shape_key
@@ -307,29 +312,30 @@ class Batcher:
                     continue
                 batch.append(pending)
                 rows += pending.rows
-            if rows >= capacity:
+            if rows >= enough:
                 break
         return batch
 
     def _take(self, batch: list[_Pending]) -> list[_Pending]:
         """Move ``batch`` (from :meth:`_plan`) off the queues."""
-        now_ns = _now_ns()
-        taken = dict.fromkeys(range(self._levels), 0)
+        now_ns = self._clock_ns()
+        rows = 0
         for pending in batch:
             self._cancel_timeout(pending)
             pending.dispatch_ns = now_ns
-            taken[pending.level] += 1
-            self._pending_rows -= pending.rows
-        for level, count in taken.items():
-            queue = self._queues[level]
-            # Usually the batch is the front of each queue; requests it looked past
-            # (other shapes, too many rows) keep their places.
-            while count and queue and queue[0].dispatch_ns:
+            rows += pending.rows
+        # Usually the batch is the front of the queues; requests it looked past (other
+        # shapes, too many rows) keep their places.
+        popped = 0
+        for queue in self._queues:
+            while queue and queue[0].dispatch_ns:
                 queue.popleft()
-                count -= 1
-            if count:
+                popped += 1
+        if popped < len(batch):
+            for level, queue in enumerate(self._queues):
                 self._queues[level] = deque(p for p in queue if not p.dispatch_ns)
         self._num_pending -= len(batch)
+        self._pending_rows -= rows
         return batch
 
     def _on_thread_done(
@@ -387,7 +393,7 @@ class Batcher:
         pending.timeout_handle = None
         if self._remove(pending):
             self._metrics.count_failure("timeout")
-            waited_us = (_now_ns() - pending.enqueue_ns) // 1000
+            waited_us = (self._clock_ns() - pending.enqueue_ns) // 1000
             pending.future.set_exception(
                 RequestTimeout(f"request timed out after waiting {waited_us} us in the queue")
             )
@@ -410,7 +416,7 @@ class Batcher:
     def _oldest_pending_age_s(self) -> float:
         """Seconds the oldest queued request has waited; 0 when none waits."""
         heads = [q[0].enqueue_ns for q in self._queues if q]
-        return (_now_ns() - min(heads)) / 1e9 if heads else 0.0
+        return (self._clock_ns() - min(heads)) / 1e9 if heads else 0.0
 
     @staticmethod
     def _cancel_timeout(pending: _Pending) -> None:
