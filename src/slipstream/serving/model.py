@@ -75,7 +75,16 @@ class ModelVersion:
         count = config.instance_count
 
         def load_instances() -> list[Backend]:
-            return [backend_cls.load(path, config.parameters, count) for _ in range(count)]
+            loaded: list[Backend] = []
+            try:
+                for _ in range(count):
+                    loaded.append(backend_cls.load(path, config.parameters, count))
+            except BaseException:
+                # A later instance failed (out of memory, say): free the ones that loaded.
+                for instance in loaded:
+                    instance.close()
+                raise
+            return loaded
 
         started = time.perf_counter()
         instances = await asyncio.to_thread(load_instances)
