@@ -17,7 +17,7 @@ from slipstream.config import ServerSettings
 from slipstream.llm.service import LlmModels
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol.v2 import encode_error
-from slipstream.server.httpd import HttpServer
+from slipstream.server.httpd import HttpLimits, HttpServer
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.router import Router
 from slipstream.server.v2_rest import V2RestApp
@@ -50,8 +50,9 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         v2_app = V2RestApp(service, metrics)
         router = Router(fallback=v2_app.handle, routes=[("/v1/", openai_app.handle)])
         http_server = HttpServer(
-            router.handle, max_body_bytes=settings.max_request_bytes, error_body=encode_error
-        )
+            router.handle, error_body=encode_error, limits=http_limits(settings),
+            metrics=metrics.transport,
+        )  # fmt: skip
         try:
             await http_server.start(settings.host, settings.http_port)
         except OSError as exc:
@@ -88,6 +89,19 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     await service.stop()
     logger.info("shutdown complete")
     return exit_code
+
+
+def http_limits(settings: ServerSettings) -> HttpLimits:
+    """The HTTP transport's limits from the serve options."""
+    return HttpLimits(
+        max_body_bytes=settings.max_request_bytes,
+        max_header_bytes=settings.max_header_bytes,
+        max_header_count=settings.max_header_count,
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        keep_alive_timeout_s=settings.keep_alive_timeout_s,
+        max_connections=settings.max_connections,
+    )
 
 
 async def _run_until_stopped(
