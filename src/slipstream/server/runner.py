@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 # CPython's default 5 ms switch interval it can wait that long behind the event loop
 # decoding new requests, stalling a whole batch of clients.
 GIL_SWITCH_INTERVAL_S = 0.0005
+# Open files kept beside the HTTP connections: model files, gRPC, logs, the repository.
+_SPARE_FILES = 1024
 
 
 async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> int:
@@ -40,6 +42,7 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
 
+    _raise_open_files_limit(settings.max_connections)
     metrics = ServerMetrics()
     # Generative models (backend: transformers), served by the OpenAI routes.
     generation = LlmModels(settings.model_repository, metrics.registry)
@@ -89,6 +92,28 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     await service.stop()
     logger.info("shutdown complete")
     return exit_code
+
+
+def _raise_open_files_limit(max_connections: int) -> None:
+    """Let the process hold --max-connections sockets (plus model files, gRPC, ...).
+
+    Many systems start processes with a soft limit of 1024 open files; past it, accepting
+    fails (EMFILE) before --max-connections can close the idlest connection instead.
+    """
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + _SPARE_FILES
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    if hard != resource.RLIM_INFINITY and hard < max_connections + _SPARE_FILES:
+        logger.warning("the open-files limit (%d) is below --max-connections (%d) plus "
+                       "%d spare: raise it (ulimit -n) or lower --max-connections",
+                       hard, max_connections, _SPARE_FILES)  # fmt: skip
 
 
 def http_limits(settings: ServerSettings) -> HttpLimits:
