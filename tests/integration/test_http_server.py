@@ -262,6 +262,23 @@ async def test_an_unterminated_header_is_refused_as_it_arrives(limited: tuple) -
     await poll(lambda: not http._connections, "connections released")
 
 
+async def test_a_refusal_is_answered_after_the_pipelined_requests_before_it(
+    limited: tuple,
+) -> None:
+    _, handler, _, port = limited
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\nGET / HTTP/1.1\r\nX: " + b"z" * 3000)
+    await writer.drain()
+    await asyncio.wait_for(handler.started.wait(), 5)
+    handler.release.set()
+    reply = await until_closed(reader)
+    assert reply.startswith(b"HTTP/1.1 200") and reply.index(b"GET /slow 0") < reply.index(
+        b"HTTP/1.1 431"
+    )
+    writer.close()
+    await writer.wait_closed()
+
+
 async def test_too_many_headers_are_refused(limited: tuple) -> None:
     _, _, _, port = limited
     headers = b"".join(b"X-%d: v\r\n" % i for i in range(11))
@@ -285,12 +302,12 @@ async def test_slowloris_gets_408_and_a_silent_connection_is_closed(limited: tup
     _, _, metrics, port = limited
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET / HTTP/1.1\r\n")
+    writer.write(b"GET / HTTP/1.1\r\nX-Slow: ")
 
     async def trickle() -> None:
         with contextlib.suppress(OSError):  # the server closes while we trickle
-            for i in range(100):
-                writer.write(b"X-%d: v\r\n" % (i % 5))
+            for _ in range(200):  # one byte of a header value at a time, 200 at most
+                writer.write(b"v")
                 await writer.drain()
                 await asyncio.sleep(0.05)
 

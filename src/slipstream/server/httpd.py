@@ -225,6 +225,10 @@ class _Connection(asyncio.Protocol):
         self._requests: deque[tuple[HttpRequest, bool]] = deque()
         self._worker: asyncio.Task[None] | None = None
         self._closing = False
+        # No more requests are parsed (an error reply is due, or the connection closes).
+        self._input_closed = False
+        # The error reply that ends the connection once the requests before it are answered.
+        self._final_reply: bytes | None = None
         self._writable = asyncio.Event()
         self._writable.set()
         now = self._loop.time()
@@ -257,8 +261,8 @@ class _Connection(asyncio.Protocol):
         self._server._mark_idle(self)
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
-            return  # a lingering close after an error reply: discarded
+        if self._input_closed:
+            return  # after an error reply: discarded (see _send_final)
         now = self._loop.time()
         self._last_read_at = now
         self._received_any = True
@@ -271,7 +275,7 @@ class _Connection(asyncio.Protocol):
             self._reply_and_close(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
             self._reply_and_close(400, f"malformed HTTP request: {exc}")
-        if self._closing:
+        if self._input_closed:
             self._release()
 
     def _feed(self, view: memoryview) -> None:
@@ -284,12 +288,12 @@ class _Connection(asyncio.Protocol):
         than the limit, so a new head begun inside one is bounded the same way.
         """
         limit = self._limits.max_header_bytes
-        while view and not self._closing and self._parser is not None:
+        while view and not self._input_closed and self._parser is not None:
             size = limit - self._head_bytes if self._phase == _HEAD else limit
             piece, view = view[:size], view[size:]
             begun, completed = self._begun, self._completed
             self._parser.feed_data(piece)
-            if self._phase != _HEAD or self._closing:
+            if self._phase != _HEAD or self._input_closed:
                 continue
             if self._begun == begun:  # the whole piece is more of this head
                 self._head_bytes += len(piece)
@@ -301,7 +305,7 @@ class _Connection(asyncio.Protocol):
                 self._refuse_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closing = True
+        self._closing = self._input_closed = True
         self._server._connections.discard(self)
         self._server._mark_busy(self)
         # The client is gone: cancel its in-flight request (queued inference is dropped).
@@ -337,13 +341,13 @@ class _Connection(asyncio.Protocol):
         self._body_size = 0
 
     def on_url(self, url: bytes) -> None:
-        if self._closing:
+        if self._input_closed:
             return
         self._url += url
         self._known_head_bytes += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._closing:
+        if self._input_closed:
             return
         self._headers.append((name.lower(), value))
         self._known_head_bytes += len(name) + len(value) + 4  # ": " and CRLF
@@ -354,7 +358,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._phase, self._head_bytes, self._last_read_at = _BODY, 0, self._loop.time()
-        if self._closing:
+        if self._input_closed:
             return
         for name, value in self._headers:
             if name == b"content-length" and value.isdigit():
@@ -367,7 +371,7 @@ class _Connection(asyncio.Protocol):
                 self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
-        if self._closing:
+        if self._input_closed:
             return
         self._body_size += len(body)
         if self._body_size > self._limits.max_body_bytes:
@@ -378,7 +382,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._phase = _IDLE
         self._completed += 1
-        if self._closing or self._parser is None:
+        if self._input_closed or self._parser is None:
             return
         parsed = httptools.parse_url(self._url)
         request = HttpRequest(
@@ -416,7 +420,9 @@ class _Connection(asyncio.Protocol):
             if self._reading_paused and len(self._requests) < _MAX_PIPELINED:
                 self._resume_reading()
         self._last_active = self._loop.time()
-        if self._phase == _IDLE and not self._closing:
+        if self._final_reply is not None and not self._closing:
+            self._send_final(self._final_reply)
+        elif self._phase == _IDLE and not self._input_closed:
             self._server._mark_idle(self)
 
     def _resume_reading(self) -> None:
@@ -480,13 +486,23 @@ class _Connection(asyncio.Protocol):
         return f"{what} exceeds the limit of {limit} bytes (--max-request-bytes)"
 
     def _reply_and_close(self, status: int, message: str) -> None:
-        if self._transport is None or self._closing:
+        """Stop reading requests; answer ``status`` after the ones before, then close."""
+        if self._transport is None or self._input_closed:
             return
+        self._input_closed = True
         body = self._server._error_body(message)
-        self._transport.write(
+        reply = (
             _STATUS_LINES[status] + b"content-type: application/json\r\ncontent-length: "
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
         )  # fmt: skip
+        if self._requests or self._serving():
+            self._final_reply = reply  # pipelined requests before it are answered first
+        else:
+            self._send_final(reply)
+
+    def _send_final(self, reply: bytes) -> None:
+        assert self._transport is not None
+        self._transport.write(reply)
         self._closing = True
         if self._reading_paused:
             self._transport.resume_reading()  # to drain what the client still sends
@@ -500,7 +516,7 @@ class _Connection(asyncio.Protocol):
         self._loop.call_later(_LINGER_S, self._transport.close)
 
     def _close(self) -> None:
-        self._closing = True
+        self._closing = self._input_closed = True
         if self._transport is not None:
             self._transport.close()
 
@@ -536,7 +552,7 @@ class _Connection(asyncio.Protocol):
 
     def enforce_timeouts(self, now: float) -> None:
         """The sweeper's visit: close this connection if a timeout has passed."""
-        if self._closing or self._reading_paused:
+        if self._input_closed or self._reading_paused:
             return  # while paused, the server is the slow side
         limits, metrics = self._limits, self._server._metrics
         if self._phase == _HEAD and now - self._head_started_at > limits.header_timeout_s:
