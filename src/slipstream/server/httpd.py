@@ -24,64 +24,36 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from http import HTTPStatus
 from typing import cast
 
 import httptools
 
-from slipstream.errors import SlipstreamError
 from slipstream.observability.metrics import TransportMetrics
+from slipstream.server.http_messages import (
+    STATUS_LINES,
+    ErrorBody,
+    Handler,
+    HttpLimits,
+    HttpRequest,
+    HttpResponse,
+    StreamingResponse,
+    error_reply,
+    response_head,
+)
+
+__all__ = [
+    "ErrorBody",
+    "Handler",
+    "HttpLimits",
+    "HttpRequest",
+    "HttpResponse",
+    "HttpServer",
+    "StreamingResponse",
+    "error_reply",
+]
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class HttpRequest:
-    method: str
-    # The path without the query string, percent-decoding not applied.
-    path: str
-    # Lower-cased header names, as sent.
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    query: bytes = b""
-
-    def header(self, name: bytes) -> bytes | None:
-        """The first value of a (lower-case) header, or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-
-@dataclass(slots=True)
-class HttpResponse:
-    status: int
-    body: bytes = b""
-    content_type: bytes = b"application/json"
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class StreamingResponse:
-    """A response whose body is produced while it is sent (server-sent events).
-
-    Written with chunked transfer encoding, one chunk per item, each flushed as it comes.
-    If the client disconnects, the iterator is closed, so its ``finally`` blocks run at
-    once (the LLM engine frees the sequence's KV-cache blocks there).
-    """
-
-    status: int
-    chunks: AsyncIterator[bytes]
-    content_type: bytes = b"text/event-stream"
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-
-
-Handler = Callable[[HttpRequest], Awaitable[HttpResponse | StreamingResponse]]
-ErrorBody = Callable[[str], bytes]
-
-_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 # How many parsed requests one connection may have waiting before reading pauses.
 _MAX_PIPELINED = 16
 # Bytes of a request line besides its URL ("DELETE " and " HTTP/1.1\r\n", with slack):
@@ -91,31 +63,6 @@ _REQUEST_LINE_OVERHEAD = 32
 _LINGER_S = 2.0
 # Where the parser is in a connection's current request.
 _IDLE, _HEAD, _BODY = 0, 1, 2
-
-
-@dataclass(frozen=True, slots=True)
-class HttpLimits:
-    """What one client may cost the server; each is a ``slipstream serve`` option.
-
-    Example::
-
-        HttpServer(handler, error_body=encode, limits=HttpLimits(max_header_bytes=8192))
-    """
-
-    # Largest request body; a larger Content-Length (or chunked total) gets 413.
-    max_body_bytes: int = 64 * 1024 * 1024
-    # Largest request line plus headers: 431, or 414 when the URL alone is past it.
-    max_header_bytes: int = 64 * 1024
-    # Most header lines in one request (431).
-    max_header_count: int = 100
-    # From a request's first byte (or the connection's start) to the end of its headers.
-    header_timeout_s: float = 10.0
-    # Longest time a started request body may receive nothing (408).
-    body_timeout_s: float = 30.0
-    # How long a keep-alive connection may wait for its next request.
-    keep_alive_timeout_s: float = 75.0
-    # Open connections at most; beyond, the longest-idle one is closed (or the new refused).
-    max_connections: int = 10_000
 
 
 class HttpServer:
@@ -437,7 +384,7 @@ class _Connection(asyncio.Protocol):
             return
         if not self._writable.is_set():
             await self._writable.wait()
-        parts = _head(response.status, response.content_type, response.headers, keep_alive)
+        parts = response_head(response.status, response.content_type, response.headers, keep_alive)
         parts[-1:-1] = (b"content-length: ", str(len(response.body)).encode(), b"\r\n")
         if request.method != "HEAD":
             parts.append(response.body)
@@ -451,7 +398,9 @@ class _Connection(asyncio.Protocol):
         try:
             if self._transport is None or self._closing:
                 return False
-            parts = _head(response.status, response.content_type, response.headers, keep_alive)
+            parts = response_head(
+                response.status, response.content_type, response.headers, keep_alive
+            )
             parts[-1:-1] = (b"cache-control: no-cache\r\n", b"transfer-encoding: chunked\r\n")
             self._transport.write(b"".join(parts))
             if request.method == "HEAD":
@@ -492,7 +441,7 @@ class _Connection(asyncio.Protocol):
         self._input_closed = True
         body = self._server._error_body(message)
         reply = (
-            _STATUS_LINES[status] + b"content-type: application/json\r\ncontent-length: "
+            STATUS_LINES[status] + b"content-type: application/json\r\ncontent-length: "
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
         )  # fmt: skip
         if self._requests or self._serving():
@@ -573,26 +522,3 @@ class _Connection(asyncio.Protocol):
         elif now - self._last_active > limits.keep_alive_timeout_s:
             metrics.count_close("keep_alive_timeout")
             self._close()
-
-
-def _head(
-    status: int, content_type: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
-) -> list[bytes]:
-    """Status line and headers, ending with the blank line (the last item)."""
-    line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
-    parts = [line, b"content-type: ", content_type, b"\r\n"]
-    for name, value in headers:
-        parts += (name, b": ", value, b"\r\n")
-    if not keep_alive:
-        parts.append(b"connection: close\r\n")
-    parts.append(b"\r\n")
-    return parts
-
-
-def error_reply(exc: SlipstreamError, body: bytes) -> HttpResponse:
-    """``exc``'s status with ``body``, and Retry-After when the error carries one."""
-    headers = []
-    retry_after = getattr(exc, "retry_after_s", None)
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    return HttpResponse(exc.http_status, body, headers=headers)
