@@ -28,6 +28,10 @@ def _help(field: str) -> str:
     return f"{description} [default: {default}]"
 
 
+def _default(field: str) -> Any:
+    return ServerSettings.model_fields[field].default
+
+
 @click.group()
 @click.version_option(__version__, prog_name="slipstream")
 def main() -> None:
@@ -59,6 +63,39 @@ def main() -> None:
     "--max-request-bytes", type=int, default=64 * 1024 * 1024, help=_help("max_request_bytes")
 )
 @click.option("--shutdown-timeout-s", type=float, default=30.0, help=_help("shutdown_timeout_s"))
+@click.option(
+    "--max-header-bytes",
+    type=int,
+    default=_default("max_header_bytes"),
+    help=_help("max_header_bytes"),
+)
+@click.option(
+    "--max-header-count",
+    type=int,
+    default=_default("max_header_count"),
+    help=_help("max_header_count"),
+)
+@click.option(
+    "--header-timeout-s",
+    type=float,
+    default=_default("header_timeout_s"),
+    help=_help("header_timeout_s"),
+)
+@click.option(
+    "--body-timeout-s", type=float, default=_default("body_timeout_s"), help=_help("body_timeout_s")
+)
+@click.option(
+    "--keep-alive-timeout-s",
+    type=float,
+    default=_default("keep_alive_timeout_s"),
+    help=_help("keep_alive_timeout_s"),
+)
+@click.option(
+    "--max-connections",
+    type=int,
+    default=_default("max_connections"),
+    help=_help("max_connections"),
+)
 @click.option(
     "--strict-readiness/--no-strict-readiness", default=True, help=_help("strict_readiness")
 )

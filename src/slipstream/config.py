@@ -305,6 +305,37 @@ class ServerSettings(_Strict):
     shutdown_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, how long in-flight requests may take to finish."
     )
+    max_header_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        description="Largest HTTP request line plus headers; a larger one is answered 431 "
+        "(414 when the URL alone is past it) and its connection closed.",
+    )
+    max_header_count: int = Field(
+        100, ge=1, description="Most header lines in one HTTP request; more gets 431."
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="How long a client may take to send a request's line and headers, from "
+        "its first byte (or from connecting); a slower one gets 408 and is closed.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a request body may stop arriving before its connection is "
+        "closed with 408.",
+    )
+    keep_alive_timeout_s: float = Field(
+        75.0, gt=0, description="An idle keep-alive HTTP connection is closed after this long."
+    )
+    max_connections: int = Field(
+        10_000,
+        ge=1,
+        description="Most open HTTP connections. At the limit, a new connection closes the "
+        "longest-idle one, or is refused with 503 when none is idle "
+        "(slipstream_http_connections_closed_by_limit counts both).",
+    )
     strict_readiness: bool = Field(
         True,
         description="Report not ready while any model failed to load (Triton's default); "

@@ -21,6 +21,12 @@ SERVE_OPTIONS = [
     "--repository-poll-secs",
     "--max-request-bytes",
     "--shutdown-timeout-s",
+    "--max-header-bytes",
+    "--max-header-count",
+    "--header-timeout-s",
+    "--body-timeout-s",
+    "--keep-alive-timeout-s",
+    "--max-connections",
     "--no-strict-readiness",
     "--log-level",
 ]

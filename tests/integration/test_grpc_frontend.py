@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -18,7 +20,8 @@ from tritonclient.utils import InferenceServerException
 from slipstream.config import ModelConfig, parse_model_config
 from slipstream.errors import InvalidRequest, ModelNotFound
 from slipstream.observability.stats import ModelStats
-from slipstream.server.v2_grpc import build_grpc_server
+from slipstream.protocol.proto import inference_pb2 as pb
+from slipstream.server.v2_grpc import SERVICE_NAME, build_grpc_server
 from slipstream.serving.service import InferenceService
 from slipstream.types import (
     InferRequest,
@@ -178,16 +181,16 @@ class Server:
     url: str
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    service = FakeService()
+@contextlib.contextmanager
+def serving(service: FakeService, **options: Any) -> Iterator[Server]:
+    """``build_grpc_server(service, ..., **options)`` on a loop of its own thread."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="grpc-test-loop", daemon=True)
     thread.start()
 
     async def start() -> tuple[Any, int]:
         # grpc.aio binds a server to the loop it is created on: build it there.
-        grpc_server, port = build_grpc_server(service, "127.0.0.1", 0, MAX_MESSAGE_BYTES)
+        grpc_server, port = build_grpc_server(service, "127.0.0.1", 0, MAX_MESSAGE_BYTES, **options)
         await grpc_server.start()
         return grpc_server, port
 
@@ -199,6 +202,12 @@ def server() -> Iterator[Server]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with serving(FakeService()) as running:
+        yield running
 
 
 @pytest.fixture
@@ -401,6 +410,40 @@ def test_request_over_the_size_limit_is_resource_exhausted(
     with pytest.raises(InferenceServerException) as info:
         client.infer("add_sub", add_sub_inputs(a, a))
     assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+
+
+def test_rpcs_past_the_per_connection_stream_limit_wait_for_one_to_end() -> None:
+    path = f"/{SERVICE_NAME}/"
+    release = threading.Event()
+
+    def held_open() -> Iterator[pb.ModelInferRequest]:
+        release.wait(10)  # a stream that sends nothing until released
+        yield from ()
+
+    with (
+        serving(FakeService(), max_concurrent_streams=2) as running,
+        grpc.insecure_channel(running.url) as channel,
+    ):
+        live = channel.unary_unary(
+            path + "ServerLive",
+            request_serializer=pb.ServerLiveRequest.SerializeToString,
+            response_deserializer=pb.ServerLiveResponse.FromString,
+        )
+        stream = channel.stream_stream(
+            path + "ModelStreamInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        assert live(pb.ServerLiveRequest(), timeout=10).live  # the connection is up
+        streams = [stream(held_open()) for _ in range(2)]
+        # Both streams hold the connection's two slots: a third RPC waits its turn.
+        with pytest.raises(grpc.RpcError) as waited:
+            live(pb.ServerLiveRequest(), timeout=1.0)
+        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        release.set()
+        for call in streams:
+            assert list(call) == []
+        assert live(pb.ServerLiveRequest(), timeout=10).live
 
 
 def test_port_in_use_is_an_os_error(server: Server) -> None:

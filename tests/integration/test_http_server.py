@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
+from slipstream.observability.metrics import TransportMetrics
 from slipstream.server.httpd import (
+    HttpLimits,
     HttpRequest,
     HttpResponse,
     HttpServer,
@@ -57,9 +60,8 @@ class Recorder:
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[HttpServer, Recorder, int]]:
     handler = Recorder()
-    http = HttpServer(
-        handler, max_body_bytes=1000, error_body=lambda m: m.encode(), keep_alive_timeout_s=0.5
-    )
+    limits = HttpLimits(max_body_bytes=1000, keep_alive_timeout_s=0.5)
+    http = HttpServer(handler, error_body=lambda m: m.encode(), limits=limits)
     port = await http.start("127.0.0.1", 0)
     yield http, handler, port
     await http.shutdown(1.0)
@@ -192,3 +194,184 @@ async def test_shutdown_lets_the_request_in_flight_finish(server: tuple) -> None
     await writer.wait_closed()
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)
+
+
+# -- limits on what one client may cost ------------------------------------------------
+
+LIMITS = HttpLimits(
+    max_body_bytes=1000,
+    max_header_bytes=1024,
+    max_header_count=10,
+    header_timeout_s=0.4,
+    body_timeout_s=0.4,
+    keep_alive_timeout_s=30.0,
+    max_connections=4,
+)
+
+
+@pytest.fixture
+async def limited() -> AsyncIterator[tuple[HttpServer, Recorder, TransportMetrics, int]]:
+    handler = Recorder()
+    metrics = TransportMetrics()
+    http = HttpServer(handler, error_body=lambda m: m.encode(), limits=LIMITS, metrics=metrics)
+    port = await http.start("127.0.0.1", 0)
+    yield http, handler, metrics, port
+    handler.release.set()
+    await http.shutdown(1.0)
+
+
+def head_of(size: int, path: bytes = b"/h") -> bytes:
+    """A GET whose request line and headers are exactly ``size`` bytes."""
+    start = b"GET " + path + b" HTTP/1.1\r\nHost: t\r\nX-Pad: "
+    return start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+
+
+async def until_closed(reader: asyncio.StreamReader, timeout_s: float = 5.0) -> bytes:
+    """Everything the server sends until it closes (bounded wait)."""
+    return await asyncio.wait_for(reader.read(), timeout_s)
+
+
+async def test_a_head_at_the_limit_is_served_and_one_byte_more_is_refused(limited: tuple) -> None:
+    _, _, metrics, port = limited
+    assert (await exchange(port, head_of(1024))).startswith(b"HTTP/1.1 200")
+    refused = await exchange(port, head_of(1025), read_until_close=True)
+    assert refused.startswith(b"HTTP/1.1 431") and b"--max-header-bytes" in refused
+    assert b"connection: close" in refused
+    long_url = await exchange(port, head_of(600, b"/" + b"u" * 1200), read_until_close=True)
+    assert long_url.startswith(b"HTTP/1.1 414")
+    assert metrics.closed_by_limit["header_too_large"] == 1
+    assert metrics.closed_by_limit["uri_too_long"] == 1
+
+
+async def test_an_unterminated_header_is_refused_as_it_arrives(limited: tuple) -> None:
+    http, _, _, port = limited
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: t\r\nX-Endless: ")
+    # In writes of 300 bytes: the refusal must come once the head passes 1024 bytes,
+    # counting bytes the parser holds in a header value that has not ended.
+    for _ in range(4):
+        writer.write(b"b" * 300)
+        await writer.drain()
+    reply = await until_closed(reader)
+    assert reply.startswith(b"HTTP/1.1 431")
+    writer.close()
+    await writer.wait_closed()
+    # One huge header in one write is refused the same way.
+    huge = await exchange(port, b"GET / HTTP/1.1\r\nX: " + b"c" * 4_000_000, True)
+    assert huge.startswith(b"HTTP/1.1 431")
+    await poll(lambda: not http._connections, "connections released")
+
+
+async def test_a_refusal_is_answered_after_the_pipelined_requests_before_it(
+    limited: tuple,
+) -> None:
+    _, handler, _, port = limited
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\nGET / HTTP/1.1\r\nX: " + b"z" * 3000)
+    await writer.drain()
+    await asyncio.wait_for(handler.started.wait(), 5)
+    handler.release.set()
+    reply = await until_closed(reader)
+    assert reply.startswith(b"HTTP/1.1 200") and reply.index(b"GET /slow 0") < reply.index(
+        b"HTTP/1.1 431"
+    )
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_too_many_headers_are_refused(limited: tuple) -> None:
+    _, _, _, port = limited
+    headers = b"".join(b"X-%d: v\r\n" % i for i in range(11))
+    reply = await exchange(port, b"GET / HTTP/1.1\r\n" + headers + b"\r\n", True)
+    assert reply.startswith(b"HTTP/1.1 431") and b"--max-header-count" in reply
+    ten = b"".join(b"X-%d: v\r\n" % i for i in range(10))
+    assert (await exchange(port, b"GET / HTTP/1.1\r\n" + ten + b"\r\n")).startswith(b"HTTP/1.1 200")
+
+
+async def test_a_pipelined_burst_far_past_the_header_limit_is_served(limited: tuple) -> None:
+    _, _, _, port = limited
+    # 100 requests (about 9 KB, nine times the head limit) in one write: each head is
+    # small, so none is refused.
+    one = b"POST /p HTTP/1.1\r\nHost: t\r\nContent-Length: 20\r\n\r\n" + b"x" * 20
+    last = b"GET /last HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    data = await exchange(port, one * 99 + last, read_until_close=True)
+    assert data.count(b"HTTP/1.1 200 OK") == 100 and data.endswith(b"GET /last 0")
+
+
+async def test_slowloris_gets_408_and_a_silent_connection_is_closed(limited: tuple) -> None:
+    _, _, metrics, port = limited
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nX-Slow: ")
+
+    async def trickle() -> None:
+        with contextlib.suppress(OSError):  # the server closes while we trickle
+            for _ in range(200):  # one byte of a header value at a time, 200 at most
+                writer.write(b"v")
+                await writer.drain()
+                await asyncio.sleep(0.05)
+
+    trickling = asyncio.ensure_future(trickle())
+    # Header timeout 0.4 s, swept every 0.4 s: closed well within 5 s.
+    reply = await until_closed(reader)
+    assert reply.startswith(b"HTTP/1.1 408") and b"--header-timeout-s" in reply
+    assert await until_closed(silent_reader) == b""
+    trickling.cancel()
+    for w in (writer, silent_writer):
+        w.close()
+        await w.wait_closed()
+    assert metrics.closed_by_limit["header_timeout"] == 2
+
+
+async def test_a_stalled_body_gets_408(limited: tuple) -> None:
+    _, _, metrics, port = limited
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /b HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc")
+    await writer.drain()
+    reply = await until_closed(reader)
+    assert reply.startswith(b"HTTP/1.1 408") and b"--body-timeout-s" in reply
+    writer.close()
+    await writer.wait_closed()
+    assert metrics.closed_by_limit["body_timeout"] == 1
+
+
+async def test_at_max_connections_the_idlest_is_closed_or_the_new_one_refused(
+    limited: tuple,
+) -> None:
+    http, handler, metrics, port = limited
+    opened = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
+    for reader, writer in opened:  # each served once, then idle on keep-alive
+        writer.write(b"GET /k HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert (await reader.read(1000)).startswith(b"HTTP/1.1 200")
+    # A fifth connection closes the first one (the longest idle) and is served.
+    reply = await exchange(port, b"GET /new HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200")
+    assert await until_closed(opened[0][0]) == b""
+    opened[0][1].close()
+    assert metrics.closed_by_limit["evicted_idle"] == 1
+    # With every connection busy (a /slow request on each), a new one is refused.
+    await poll(lambda: len(http._connections) == 3, "the evicted connections gone")
+    busy = [await asyncio.open_connection("127.0.0.1", port)]
+    for _, writer in [*opened[1:], *busy]:
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
+        await writer.drain()
+    await poll(lambda: not http._idle, "every connection busy")
+    refused = await exchange(port, b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n", True)
+    assert refused.startswith(b"HTTP/1.1 503") and b"--max-connections" in refused
+    assert metrics.closed_by_limit["refused_full"] == 1
+    handler.release.set()
+    for reader, writer in [*opened[1:], *busy]:
+        assert (await reader.read(1000)).startswith(b"HTTP/1.1 200")
+        writer.close()
+        await writer.wait_closed()
+    await opened[0][1].wait_closed()
+    await poll(lambda: not http._connections and not http._idle, "connections released")
+    assert metrics.open_connections() == 0
+
+
+async def poll(condition: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    """Wait until ``condition()`` holds; fail naming ``what`` after timeout_s."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not {what} after {timeout_s} s"
+        await asyncio.sleep(0.02)

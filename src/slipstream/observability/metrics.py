@@ -34,6 +34,18 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Why a request failed, as the `reason` label.
 FAILURE_REASONS = ("bad_request", "not_found", "queue_full", "timeout", "cancelled", "internal")
 
+# Why the HTTP transport closed a connection on its own, as the `reason` label.
+CONNECTION_CLOSE_REASONS = (
+    "header_too_large",  # 431: request line and headers past --max-header-bytes
+    "uri_too_long",  # 414: the URL alone past --max-header-bytes
+    "too_many_headers",  # 431: past --max-header-count
+    "header_timeout",  # 408 (or silence): head not complete within --header-timeout-s
+    "body_timeout",  # 408: the body stalled for --body-timeout-s
+    "keep_alive_timeout",  # idle between requests for --keep-alive-timeout-s
+    "evicted_idle",  # at --max-connections: the longest-idle one closed for a new one
+    "refused_full",  # at --max-connections with none idle: the new one refused (503)
+)
+
 
 class Histogram:
     """Bucket counts and a sum; ``observe`` is one bisect and two additions."""
@@ -79,13 +91,27 @@ class ModelMetrics:
         self.request_failure[reason] += 1
 
 
+class TransportMetrics:
+    """The HTTP transport's counts: connections open, and closed by a limit."""
+
+    def __init__(self) -> None:
+        self.closed_by_limit = dict.fromkeys(CONNECTION_CLOSE_REASONS, 0)
+        # Read at scrape time (the transport hands in len of its connection set).
+        self.open_connections: Callable[[], int] = lambda: 0
+
+    def count_close(self, reason: str) -> None:
+        self.closed_by_limit[reason] += 1
+
+
 class ServerMetrics:
     """Every model version's metrics, exposed through one registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._models: dict[tuple[str, str], ModelMetrics] = {}
+        self.transport = TransportMetrics()
         self.registry.register(_Collector(self._models))
+        self.registry.register(_TransportCollector(self.transport))
 
     def for_model(self, model: str, version: str) -> ModelMetrics:
         metrics = ModelMetrics(model, version)
@@ -165,6 +191,27 @@ class _Collector(Collector):
             load.add_metric(m.labels, m.model_load_duration_s)
         yield from (success, failure, inferences, executions, dispatches, pending, oldest, load)
         yield from _histograms(models)
+
+
+class _TransportCollector(Collector):
+    def __init__(self, transport: TransportMetrics) -> None:
+        self._transport = transport
+
+    def collect(self) -> Iterator[Metric]:
+        open_now = GaugeMetricFamily(
+            "slipstream_http_connections_open", "HTTP connections open now."
+        )
+        open_now.add_metric([], self._transport.open_connections())
+        closed = CounterMetricFamily(
+            "slipstream_http_connections_closed_by_limit",
+            "HTTP connections the server closed or refused on its own, by the limit that "
+            "did it (header size and count, header and body timeouts, keep-alive idle, "
+            "--max-connections).",
+            labels=["reason"],
+        )
+        for reason, count in self._transport.closed_by_limit.items():
+            closed.add_metric([reason], count)
+        yield from (open_now, closed)
 
 
 _HISTOGRAMS = (

@@ -8,10 +8,15 @@ the whole decode-batch-encode path. This server hands the handler one
 inference work is dropped without a watcher task per request.
 
 Covered: keep-alive and HTTP/1.0, pipelined requests (answered in order), chunked
-request bodies, ``Expect: 100-continue``, HEAD, a body size limit enforced from the
-headers before the body is read, write back-pressure, an idle keep-alive timeout, and a
-graceful shutdown that lets in-flight requests finish, and streamed responses
-(:class:`StreamingResponse`, chunked) for server-sent events.
+request bodies, ``Expect: 100-continue``, HEAD, write back-pressure, a graceful shutdown
+that lets in-flight requests finish, and streamed responses (:class:`StreamingResponse`,
+chunked) for server-sent events.
+
+What one client may cost is bounded (:class:`HttpLimits`): the size and count of a
+request's headers, checked on the bytes fed to the parser before it buffers them; a
+header-read timeout (slowloris), a body-stall timeout and the keep-alive idle timeout,
+all enforced by one sweeper timer; the body size, refused from the headers before the
+body is read; and the number of open connections.
 """
 
 from __future__ import annotations
@@ -19,65 +24,45 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from http import HTTPStatus
 from typing import cast
 
 import httptools
 
-from slipstream.errors import SlipstreamError
+from slipstream.observability.metrics import TransportMetrics
+from slipstream.server.http_messages import (
+    STATUS_LINES,
+    ErrorBody,
+    Handler,
+    HttpLimits,
+    HttpRequest,
+    HttpResponse,
+    StreamingResponse,
+    error_reply,
+    response_head,
+)
+
+__all__ = [
+    "ErrorBody",
+    "Handler",
+    "HttpLimits",
+    "HttpRequest",
+    "HttpResponse",
+    "HttpServer",
+    "StreamingResponse",
+    "error_reply",
+]
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class HttpRequest:
-    method: str
-    # The path without the query string, percent-decoding not applied.
-    path: str
-    # Lower-cased header names, as sent.
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    query: bytes = b""
-
-    def header(self, name: bytes) -> bytes | None:
-        """The first value of a (lower-case) header, or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-
-@dataclass(slots=True)
-class HttpResponse:
-    status: int
-    body: bytes = b""
-    content_type: bytes = b"application/json"
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class StreamingResponse:
-    """A response whose body is produced while it is sent (server-sent events).
-
-    Written with chunked transfer encoding, one chunk per item, each flushed as it comes.
-    If the client disconnects, the iterator is closed, so its ``finally`` blocks run at
-    once (the LLM engine frees the sequence's KV-cache blocks there).
-    """
-
-    status: int
-    chunks: AsyncIterator[bytes]
-    content_type: bytes = b"text/event-stream"
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-
-
-Handler = Callable[[HttpRequest], Awaitable[HttpResponse | StreamingResponse]]
-ErrorBody = Callable[[str], bytes]
-
-_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 # How many parsed requests one connection may have waiting before reading pauses.
 _MAX_PIPELINED = 16
+# Bytes of a request line besides its URL ("DELETE " and " HTTP/1.1\r\n", with slack):
+# a head refused with no header parsed and no more than this beside its URL gets 414.
+_REQUEST_LINE_OVERHEAD = 32
+# After an error reply, how long a connection's input is read and discarded before closing.
+_LINGER_S = 2.0
+# Where the parser is in a connection's current request.
+_IDLE, _HEAD, _BODY = 0, 1, 2
 
 
 class HttpServer:
@@ -87,15 +72,19 @@ class HttpServer:
         self,
         handler: Handler,
         *,
-        max_body_bytes: int,
         error_body: ErrorBody,
-        keep_alive_timeout_s: float = 75.0,
+        limits: HttpLimits | None = None,
+        metrics: TransportMetrics | None = None,
     ) -> None:
         self._handler = handler
-        self._max_body_bytes = max_body_bytes
         self._error_body = error_body
-        self._keep_alive_timeout_s = keep_alive_timeout_s
+        self._limits = limits or HttpLimits()
+        self._metrics = metrics or TransportMetrics()
+        self._metrics.open_connections = lambda: len(self._connections)
         self._connections: set[_Connection] = set()
+        # Connections waiting for a request, longest-waiting first (dicts keep order):
+        # the ones to close when --max-connections is reached.
+        self._idle: dict[_Connection, None] = {}
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
@@ -109,16 +98,41 @@ class HttpServer:
         return int(self._server.sockets[0].getsockname()[1])
 
     def _sweep(self) -> None:
-        """Close keep-alive connections idle past the timeout.
+        """Close connections past a timeout: header read, body stall, keep-alive idle.
 
         One timer for the whole server instead of one per request: re-arming a timer on
-        every response showed up in profiles of small-model serving.
+        every response showed up in profiles of small-model serving. A timeout of T is
+        enforced between T and T + the sweep interval.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() - self._keep_alive_timeout_s
+        now = loop.time()
         for connection in list(self._connections):
-            connection.close_if_idle_since(deadline)
-        self._sweeper = loop.call_later(min(5.0, self._keep_alive_timeout_s), self._sweep)
+            connection.enforce_timeouts(now)
+        limits = self._limits
+        interval = min(
+            5.0, limits.keep_alive_timeout_s, limits.header_timeout_s, limits.body_timeout_s
+        )
+        self._sweeper = loop.call_later(interval, self._sweep)
+
+    def _admit(self, connection: _Connection) -> bool:
+        """Make room for a new connection: close the longest-idle one, or refuse it."""
+        if len(self._connections) < self._limits.max_connections:
+            return True
+        if not self._idle:
+            self._metrics.count_close("refused_full")
+            return False
+        idlest = next(iter(self._idle))
+        del self._idle[idlest]
+        self._metrics.count_close("evicted_idle")
+        idlest.close_for_limit()
+        return True
+
+    def _mark_idle(self, connection: _Connection) -> None:
+        self._idle.pop(connection, None)
+        self._idle[connection] = None
+
+    def _mark_busy(self, connection: _Connection) -> None:
+        self._idle.pop(connection, None)
 
     async def shutdown(self, timeout_s: float) -> None:
         """Stop accepting, let in-flight requests finish (bounded), close every connection."""
@@ -142,20 +156,41 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: HttpServer) -> None:
         self._server = server
+        self._limits = server._limits
         self._loop = asyncio.get_running_loop()
-        self._parser = httptools.HttpRequestParser(self)
+        # None once the connection is gone: the parser holds the partial header it has
+        # buffered, and it and this protocol refer to each other (a cycle the garbage
+        # collector would free only later).
+        self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        # Bytes of the current head the callbacks have seen (URL, complete headers).
+        self._known_head_bytes = 0
         self._body: list[bytes] = []
         self._body_size = 0
         self._requests: deque[tuple[HttpRequest, bool]] = deque()
         self._worker: asyncio.Task[None] | None = None
         self._closing = False
+        # No more requests are parsed (an error reply is due, or the connection closes).
+        self._input_closed = False
+        # The error reply that ends the connection once the requests before it are answered.
+        self._final_reply: bytes | None = None
         self._writable = asyncio.Event()
         self._writable.set()
+        now = self._loop.time()
         # Loop time of the last response (or of the connection's start).
-        self._last_active = self._loop.time()
+        self._last_active = now
+        # _IDLE, _HEAD or _BODY; with the head's start and size so far, and the last read.
+        self._phase = _IDLE
+        self._head_started_at = now  # a new connection owes a head from its start
+        self._head_bytes = 0
+        self._last_read_at = now
+        self._received_any = False
+        self._reading_paused = False
+        # Messages begun and completed so far: data_received compares them around a feed.
+        self._begun = 0
+        self._completed = 0
         self.finished: asyncio.Future[None] = self._loop.create_future()
 
     # -- asyncio.Protocol ----------------------------------------------------------------
@@ -163,27 +198,76 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
+        if not self._server._admit(self):
+            limit = self._limits.max_connections
+            self._reply_and_close(
+                503, f"the server has {limit} open connections (--max-connections); retry"
+            )
+            return
         self._server._connections.add(self)
+        self._server._mark_idle(self)
 
     def data_received(self, data: bytes) -> None:
-        self._last_active = self._loop.time()
+        if self._input_closed:
+            return  # after an error reply: discarded (see _send_final)
+        now = self._loop.time()
+        self._last_read_at = now
+        self._received_any = True
+        if self._phase == _IDLE:
+            self._phase, self._head_started_at, self._head_bytes = _HEAD, now, 0
+            self._server._mark_busy(self)
         try:
-            self._parser.feed_data(data)
+            self._feed(memoryview(data))
         except httptools.HttpParserUpgrade:
             self._reply_and_close(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
             self._reply_and_close(400, f"malformed HTTP request: {exc}")
+        if self._input_closed:
+            self._release()
+
+    def _feed(self, view: memoryview) -> None:
+        """Feed the parser at most the head's remaining room at a time.
+
+        httptools buffers a header's name and value until its line ends, so a head is
+        measured here, on the bytes fed while it is incomplete, and refused as soon as
+        it reaches the limit: an unterminated 8 MB header costs at most about twice the
+        limit. Pieces past the end of a head (bodies, pipelined requests) are no larger
+        than the limit, so a new head begun inside one is bounded the same way.
+        """
+        limit = self._limits.max_header_bytes
+        while view and not self._input_closed and self._parser is not None:
+            size = limit - self._head_bytes if self._phase == _HEAD else limit
+            piece, view = view[:size], view[size:]
+            begun, completed = self._begun, self._completed
+            self._parser.feed_data(piece)
+            if self._phase != _HEAD or self._input_closed:
+                continue
+            if self._begun == begun:  # the whole piece is more of this head
+                self._head_bytes += len(piece)
+            elif self._completed == completed:  # the piece started this head
+                self._head_bytes = len(piece)
+            else:  # begun after another request in the piece: what the callbacks saw
+                self._head_bytes = self._known_head_bytes
+            if self._head_bytes >= limit:
+                self._refuse_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closing = True
+        self._closing = self._input_closed = True
         self._server._connections.discard(self)
+        self._server._mark_busy(self)
         # The client is gone: cancel its in-flight request (queued inference is dropped).
         if self._worker is not None and not self._worker.done():
             self._worker.cancel()
         self._requests.clear()
+        self._release()
         self._writable.set()
         if not self.finished.done():
             self.finished.set_result(None)
+
+    def _release(self) -> None:
+        """Drop the parser (with the partial header it buffers) and request buffers."""
+        self._parser = None
+        self._url, self._headers, self._body = b"", [], []
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -194,21 +278,38 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self._phase != _HEAD:  # pipelined behind the previous request
+            self._phase, self._head_started_at = _HEAD, self._loop.time()
+        self._begun += 1
         self._url = b""
         self._headers = []
+        self._known_head_bytes = 0
         self._body = []
         self._body_size = 0
 
     def on_url(self, url: bytes) -> None:
+        if self._input_closed:
+            return
         self._url += url
+        self._known_head_bytes += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._input_closed:
+            return
         self._headers.append((name.lower(), value))
+        self._known_head_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if len(self._headers) > self._limits.max_header_count:
+            self._server._metrics.count_close("too_many_headers")
+            limit = self._limits.max_header_count
+            self._reply_and_close(431, f"more than {limit} header lines (--max-header-count)")
 
     def on_headers_complete(self) -> None:
+        self._phase, self._head_bytes, self._last_read_at = _BODY, 0, self._loop.time()
+        if self._input_closed:
+            return
         for name, value in self._headers:
             if name == b"content-length" and value.isdigit():
-                if int(value) > self._server._max_body_bytes:
+                if int(value) > self._limits.max_body_bytes:
                     # Refused before a byte of the body is read into memory.
                     self._reply_and_close(413, self._too_large(int(value)))
                     return
@@ -217,16 +318,18 @@ class _Connection(asyncio.Protocol):
                 self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
-        if self._closing:
+        if self._input_closed:
             return
         self._body_size += len(body)
-        if self._body_size > self._server._max_body_bytes:
+        if self._body_size > self._limits.max_body_bytes:
             self._reply_and_close(413, self._too_large(None))
             return
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self._closing:
+        self._phase = _IDLE
+        self._completed += 1
+        if self._input_closed or self._parser is None:
             return
         parsed = httptools.parse_url(self._url)
         request = HttpRequest(
@@ -239,6 +342,7 @@ class _Connection(asyncio.Protocol):
         self._requests.append((request, self._parser.should_keep_alive()))
         if len(self._requests) >= _MAX_PIPELINED and self._transport is not None:
             self._transport.pause_reading()
+            self._reading_paused = True
         if self._worker is None or self._worker.done():
             self._worker = self._loop.create_task(self._serve_queued())
 
@@ -260,16 +364,27 @@ class _Connection(asyncio.Protocol):
             if not keep_alive:
                 self._close()
                 return
-            if self._transport is not None and len(self._requests) < _MAX_PIPELINED:
-                self._transport.resume_reading()
+            if self._reading_paused and len(self._requests) < _MAX_PIPELINED:
+                self._resume_reading()
         self._last_active = self._loop.time()
+        if self._final_reply is not None and not self._closing:
+            self._send_final(self._final_reply)
+        elif self._phase == _IDLE and not self._input_closed:
+            self._server._mark_idle(self)
+
+    def _resume_reading(self) -> None:
+        # The timeouts measure the client, not the pause: their clocks restart.
+        self._reading_paused = False
+        self._head_started_at = self._last_read_at = self._loop.time()
+        if self._transport is not None:
+            self._transport.resume_reading()
 
     async def _write(self, request: HttpRequest, response: HttpResponse, keep_alive: bool) -> None:
         if self._transport is None or self._closing:
             return
         if not self._writable.is_set():
             await self._writable.wait()
-        parts = _head(response.status, response.content_type, response.headers, keep_alive)
+        parts = response_head(response.status, response.content_type, response.headers, keep_alive)
         parts[-1:-1] = (b"content-length: ", str(len(response.body)).encode(), b"\r\n")
         if request.method != "HEAD":
             parts.append(response.body)
@@ -283,7 +398,9 @@ class _Connection(asyncio.Protocol):
         try:
             if self._transport is None or self._closing:
                 return False
-            parts = _head(response.status, response.content_type, response.headers, keep_alive)
+            parts = response_head(
+                response.status, response.content_type, response.headers, keep_alive
+            )
             parts[-1:-1] = (b"cache-control: no-cache\r\n", b"transfer-encoding: chunked\r\n")
             self._transport.write(b"".join(parts))
             if request.method == "HEAD":
@@ -313,24 +430,47 @@ class _Connection(asyncio.Protocol):
     # -- closing -------------------------------------------------------------------------
 
     def _too_large(self, size: int | None) -> str:
-        limit = self._server._max_body_bytes
+        limit = self._limits.max_body_bytes
         what = f"request body of {size} bytes" if size is not None else "request body"
         return f"{what} exceeds the limit of {limit} bytes (--max-request-bytes)"
 
     def _reply_and_close(self, status: int, message: str) -> None:
-        if self._transport is None or self._closing:
+        """Stop reading requests; answer ``status`` after the ones before, then close."""
+        if self._transport is None or self._input_closed:
             return
+        self._input_closed = True
         body = self._server._error_body(message)
-        self._transport.write(
-            _STATUS_LINES[status] + b"content-type: application/json\r\ncontent-length: "
+        reply = (
+            STATUS_LINES[status] + b"content-type: application/json\r\ncontent-length: "
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
         )  # fmt: skip
-        self._close()
+        if self._requests or self._serving():
+            self._final_reply = reply  # pipelined requests before it are answered first
+        else:
+            self._send_final(reply)
+
+    def _send_final(self, reply: bytes) -> None:
+        assert self._transport is not None
+        self._transport.write(reply)
+        self._closing = True
+        if self._reading_paused:
+            self._transport.resume_reading()  # to drain what the client still sends
+        if not self._transport.can_write_eof():
+            self._transport.close()
+            return
+        # A lingering close: closing a socket with unread input makes the kernel send a
+        # reset, which can destroy the reply before the client reads it. So stop writing,
+        # discard input for a bounded time, then close (an error path: one timer each).
+        self._transport.write_eof()
+        self._loop.call_later(_LINGER_S, self._transport.close)
 
     def _close(self) -> None:
-        self._closing = True
+        self._closing = self._input_closed = True
         if self._transport is not None:
             self._transport.close()
+
+    def _serving(self) -> bool:
+        return self._worker is not None and not self._worker.done()
 
     def close_when_idle(self) -> None:
         """Shutdown: close now if nothing is in flight, else after the current reply."""
@@ -344,30 +484,41 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
-    def close_if_idle_since(self, deadline: float) -> None:
-        idle = (self._worker is None or self._worker.done()) and not self._requests
-        if idle and self._last_active < deadline:
+    def close_for_limit(self) -> None:
+        """Close an idle connection to make room for a new one (--max-connections)."""
+        self._close()
+
+    def _refuse_head(self) -> None:
+        limit = self._limits.max_header_bytes
+        if not self._headers and self._head_bytes - len(self._url) <= _REQUEST_LINE_OVERHEAD:
+            self._server._metrics.count_close("uri_too_long")
+            self._reply_and_close(414, f"request URL exceeds {limit} bytes (--max-header-bytes)")
+        else:
+            self._server._metrics.count_close("header_too_large")
+            self._reply_and_close(
+                431, f"request line and headers exceed {limit} bytes (--max-header-bytes)"
+            )
+
+    def enforce_timeouts(self, now: float) -> None:
+        """The sweeper's visit: close this connection if a timeout has passed."""
+        if self._input_closed or self._reading_paused:
+            return  # while paused, the server is the slow side
+        limits, metrics = self._limits, self._server._metrics
+        if self._phase == _HEAD and now - self._head_started_at > limits.header_timeout_s:
+            metrics.count_close("header_timeout")
+            message = f"request headers not received within {limits.header_timeout_s:g} s"
+            self._reply_and_close(408, message + " (--header-timeout-s)")
+        elif self._phase == _BODY and now - self._last_read_at > limits.body_timeout_s:
+            metrics.count_close("body_timeout")
+            message = f"request body stalled for {limits.body_timeout_s:g} s"
+            self._reply_and_close(408, message + " (--body-timeout-s)")
+        elif self._phase != _IDLE or self._requests or self._serving():
+            return
+        elif not self._received_any:
+            # Connected and never sent a byte: no request to answer, so just close.
+            if now - self._head_started_at > limits.header_timeout_s:
+                metrics.count_close("header_timeout")
+                self._close()
+        elif now - self._last_active > limits.keep_alive_timeout_s:
+            metrics.count_close("keep_alive_timeout")
             self._close()
-
-
-def _head(
-    status: int, content_type: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
-) -> list[bytes]:
-    """Status line and headers, ending with the blank line (the last item)."""
-    line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
-    parts = [line, b"content-type: ", content_type, b"\r\n"]
-    for name, value in headers:
-        parts += (name, b": ", value, b"\r\n")
-    if not keep_alive:
-        parts.append(b"connection: close\r\n")
-    parts.append(b"\r\n")
-    return parts
-
-
-def error_reply(exc: SlipstreamError, body: bytes) -> HttpResponse:
-    """``exc``'s status with ``body``, and Retry-After when the error carries one."""
-    headers = []
-    retry_after = getattr(exc, "retry_after_s", None)
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    return HttpResponse(exc.http_status, body, headers=headers)

@@ -17,7 +17,7 @@ from slipstream.config import ServerSettings
 from slipstream.llm.service import LlmModels
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol.v2 import encode_error
-from slipstream.server.httpd import HttpServer
+from slipstream.server.httpd import HttpLimits, HttpServer
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.router import Router
 from slipstream.server.v2_rest import V2RestApp
@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 # CPython's default 5 ms switch interval it can wait that long behind the event loop
 # decoding new requests, stalling a whole batch of clients.
 GIL_SWITCH_INTERVAL_S = 0.0005
+# Open files kept beside the HTTP connections: model files, gRPC, logs, the repository.
+_SPARE_FILES = 1024
 
 
 async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> int:
@@ -40,6 +42,7 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
 
+    _raise_open_files_limit(settings.max_connections)
     metrics = ServerMetrics()
     # Generative models (backend: transformers), served by the OpenAI routes.
     generation = LlmModels(settings.model_repository, metrics.registry)
@@ -50,8 +53,9 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         v2_app = V2RestApp(service, metrics)
         router = Router(fallback=v2_app.handle, routes=[("/v1/", openai_app.handle)])
         http_server = HttpServer(
-            router.handle, max_body_bytes=settings.max_request_bytes, error_body=encode_error
-        )
+            router.handle, error_body=encode_error, limits=http_limits(settings),
+            metrics=metrics.transport,
+        )  # fmt: skip
         try:
             await http_server.start(settings.host, settings.http_port)
         except OSError as exc:
@@ -88,6 +92,41 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     await service.stop()
     logger.info("shutdown complete")
     return exit_code
+
+
+def _raise_open_files_limit(max_connections: int) -> None:
+    """Let the process hold --max-connections sockets (plus model files, gRPC, ...).
+
+    Many systems start processes with a soft limit of 1024 open files; past it, accepting
+    fails (EMFILE) before --max-connections can close the idlest connection instead.
+    """
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + _SPARE_FILES
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    if hard != resource.RLIM_INFINITY and hard < max_connections + _SPARE_FILES:
+        logger.warning("the open-files limit (%d) is below --max-connections (%d) plus "
+                       "%d spare: raise it (ulimit -n) or lower --max-connections",
+                       hard, max_connections, _SPARE_FILES)  # fmt: skip
+
+
+def http_limits(settings: ServerSettings) -> HttpLimits:
+    """The HTTP transport's limits from the serve options."""
+    return HttpLimits(
+        max_body_bytes=settings.max_request_bytes,
+        max_header_bytes=settings.max_header_bytes,
+        max_header_count=settings.max_header_count,
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        keep_alive_timeout_s=settings.keep_alive_timeout_s,
+        max_connections=settings.max_connections,
+    )
 
 
 async def _run_until_stopped(

@@ -41,6 +41,21 @@ _INTERNAL_MESSAGE = "internal error while serving the request; see the server lo
 
 _Unary = Callable[[Any], Awaitable[Any]]
 
+# RPCs one client connection may have open at once (gRPC's default: unlimited); more
+# wait in the client until one ends, so one connection cannot pile up unbounded work.
+MAX_CONCURRENT_STREAMS = 1000
+# Connection health, with Triton's defaults for its --grpc-keepalive-* options made
+# explicit: the server pings a connection silent for 2 h and drops it when 20 s pass
+# without an answer (a vanished client's resources are released); a client pinging
+# more often than every 5 min without calls gets GOAWAY after 2 strikes.
+_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 7_200_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 300_000),
+    ("grpc.http2.max_ping_strikes", 2),
+]
+
 
 def build_grpc_server(
     service: InferenceService,
@@ -48,13 +63,15 @@ def build_grpc_server(
     port: int,
     max_message_bytes: int,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
 ) -> tuple[grpc.aio.Server, int]:
     """A gRPC server (not started) serving ``service``, and the port it bound.
 
     ``port`` 0 picks a free port. Call this on the event loop that will run the server,
     since grpc.aio binds the server to the running loop. Raises OSError when the
     address cannot be bound. ``interceptors`` run before every RPC, in order: the gRPC
-    side of the HTTP router's middleware (auth, rate limits, request ids).
+    side of the HTTP router's middleware (auth, rate limits, request ids). A message
+    over ``max_message_bytes`` is refused with RESOURCE_EXHAUSTED.
     """
     frontend = _GrpcFrontend(service)
     server = grpc.aio.server(
@@ -62,6 +79,8 @@ def build_grpc_server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_concurrent_streams", max_concurrent_streams),
+            *_KEEPALIVE_OPTIONS,
             # gRPC sets SO_REUSEPORT by default, which lets a second server bind the
             # same port silently and steal half the connections; fail loudly instead.
             ("grpc.so_reuseport", 0),

@@ -1,0 +1,108 @@
+"""What the HTTP transport hands the handlers and takes back, and the limits it enforces.
+
+Plain data between :mod:`slipstream.server.httpd` (the transport) and the front ends
+(``v2_rest``, ``openai_rest``, ``router``), which import these names from ``httpd``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+from slipstream.errors import SlipstreamError
+
+
+@dataclass(slots=True)
+class HttpRequest:
+    method: str
+    # The path without the query string, percent-decoding not applied.
+    path: str
+    # Lower-cased header names, as sent.
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    query: bytes = b""
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of a (lower-case) header, or None."""
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    status: int
+    body: bytes = b""
+    content_type: bytes = b"application/json"
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StreamingResponse:
+    """A response whose body is produced while it is sent (server-sent events).
+
+    Written with chunked transfer encoding, one chunk per item, each flushed as it comes.
+    If the client disconnects, the iterator is closed, so its ``finally`` blocks run at
+    once (the LLM engine frees the sequence's KV-cache blocks there).
+    """
+
+    status: int
+    chunks: AsyncIterator[bytes]
+    content_type: bytes = b"text/event-stream"
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse | StreamingResponse]]
+ErrorBody = Callable[[str], bytes]
+
+STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one client may cost the server; each is a ``slipstream serve`` option.
+
+    Example::
+
+        HttpServer(handler, error_body=encode, limits=HttpLimits(max_header_bytes=8192))
+    """
+
+    # Largest request body; a larger Content-Length (or chunked total) gets 413.
+    max_body_bytes: int = 64 * 1024 * 1024
+    # Largest request line plus headers: 431, or 414 when the URL alone is past it.
+    max_header_bytes: int = 64 * 1024
+    # Most header lines in one request (431).
+    max_header_count: int = 100
+    # From a request's first byte (or the connection's start) to the end of its headers.
+    header_timeout_s: float = 10.0
+    # Longest time a started request body may receive nothing (408).
+    body_timeout_s: float = 30.0
+    # How long a keep-alive connection may wait for its next request.
+    keep_alive_timeout_s: float = 75.0
+    # Open connections at most; beyond, the longest-idle one is closed (or the new refused).
+    max_connections: int = 10_000
+
+
+def response_head(
+    status: int, content_type: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
+) -> list[bytes]:
+    """Status line and headers, ending with the blank line (the last item)."""
+    line = STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
+    parts = [line, b"content-type: ", content_type, b"\r\n"]
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return parts
+
+
+def error_reply(exc: SlipstreamError, body: bytes) -> HttpResponse:
+    """``exc``'s status with ``body``, and Retry-After when the error carries one."""
+    headers = []
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    return HttpResponse(exc.http_status, body, headers=headers)
