@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from slipstream.bench.stats import (
+from slipstream.bench.core.histogram import (
     LATENCY_MAX_S,
     LATENCY_MIN_S,
     RELATIVE_ERROR,

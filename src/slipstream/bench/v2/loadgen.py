@@ -22,9 +22,10 @@ from typing import Any, Protocol
 import numpy as np
 import psutil
 
-from slipstream.bench.blocking import BlockingHttpUser
-from slipstream.bench.clients import HttpClient, InferClient, make_client
-from slipstream.bench.messages import (
+from slipstream.bench.core.histogram import LatencyHistogram, arrival_gaps_s, corrected_latency_s
+from slipstream.bench.v2.blocking import BlockingHttpUser
+from slipstream.bench.v2.clients import HttpClient, InferClient, make_client
+from slipstream.bench.v2.messages import (
     LevelDone,
     Ready,
     RunLevel,
@@ -34,7 +35,6 @@ from slipstream.bench.messages import (
     WorkerFailed,
     WorkerPlan,
 )
-from slipstream.bench.stats import LatencyHistogram, arrival_gaps_s, corrected_latency_s
 
 # Open loop: a send this close to its scheduled time goes now. Event-loop timers wake up
 # to ~1 ms late (epoll and libuv timeouts are whole milliseconds); sending up to that
