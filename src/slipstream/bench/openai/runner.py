@@ -34,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from slipstream.bench.core.errors import BenchError, ServerUnreachable
-from slipstream.bench.core.histogram import arrival_gaps_s, corrected_latency_s
+from slipstream.bench.core.schedule import EARLY_SEND_S, arrival_gaps_s, corrected_latency_s
 from slipstream.bench.openai.client import OpenAIClient, StreamState
 from slipstream.bench.openai.requests import GenerationRequest, build_requests, request_body
 from slipstream.bench.openai.results import (
@@ -46,7 +46,6 @@ from slipstream.bench.openai.results import (
 )
 from slipstream.bench.openai.settings import OpenAIBenchSettings, OpenAIProtocol, TokenRange
 from slipstream.bench.v2.clients import parse_endpoint
-from slipstream.bench.v2.loadgen import EARLY_SEND_S
 from slipstream.bench.v2.messages import Distribution
 from slipstream.bench.v2.settings import LoadLevel
 
