@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slipstream.bench.inputs import ModelSignature, RequestInputs, TensorSpec, read_input_data
-from slipstream.bench.payloads import encode_request
+from slipstream.bench.v2.inputs import ModelSignature, RequestInputs, TensorSpec, read_input_data
+from slipstream.bench.v2.payloads import encode_request
 
 from loadgen import (
     WRK_INSTALL_HINT,

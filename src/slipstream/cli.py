@@ -17,7 +17,10 @@ import click
 from pydantic import ValidationError
 
 from slipstream import __version__
+from slipstream.bench.cli import bench
 from slipstream.config import ServerSettings, format_validation_error
+from slipstream.optimize.cli import optimize
+from slipstream.profile.cli import profile
 
 
 def _help(field: str) -> str:
@@ -138,22 +141,8 @@ def serve(**options: Any) -> None:
     sys.exit(exit_code)
 
 
-def _register_tool_commands() -> None:
-    """Commands that live beside the serving path (bench/, ...), imported only if present."""
-    import importlib
-
-    for module_name, command_name in (
-        ("slipstream.bench.cli", "bench"),
-        ("slipstream.bench.profile_cli", "profile"),
-        ("slipstream.optimize.cli", "optimize"),
-    ):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and module_name.startswith(exc.name):
-                continue  # that tool is not part of this build yet
-            raise
-        main.add_command(getattr(module, command_name))
-
-
-_register_tool_commands()
+# The tools beside the serving path. Their command modules import only click and
+# pydantic; each loads its heavier dependencies when its command runs.
+main.add_command(bench)
+main.add_command(profile)
+main.add_command(optimize)

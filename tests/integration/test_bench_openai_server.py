@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from slipstream.bench.cli import bench
-from slipstream.bench.openai_results import OpenAILevelResult
-from slipstream.bench.openai_runner import run_openai_benchmark
+from slipstream.bench.openai.results import OpenAILevelResult
+from slipstream.bench.openai.runner import run_openai_benchmark
 from tests.llm_models import build_tiny_llama
 from tests.utils import RemoteServer
 

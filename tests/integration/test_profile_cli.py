@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from slipstream.bench.profile_cli import profile
+from slipstream.profile.cli import profile
 from tests.utils import slipstream_command
 
 

@@ -9,8 +9,8 @@ from typing import ClassVar
 
 import pytest
 
-from slipstream.bench.blocking import BlockingHttpUser
-from slipstream.bench.messages import Endpoint
+from slipstream.bench.v2.blocking import BlockingHttpUser
+from slipstream.bench.v2.messages import Endpoint
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -9,8 +9,8 @@ import numpy as np
 import orjson
 import pytest
 
-from slipstream.bench.clients import http_request_bytes, model_path, parse_endpoint
-from slipstream.bench.inputs import (
+from slipstream.bench.v2.clients import http_request_bytes, model_path, parse_endpoint
+from slipstream.bench.v2.inputs import (
     InputError,
     ModelSignature,
     RequestInputs,
@@ -19,7 +19,7 @@ from slipstream.bench.inputs import (
     read_input_data,
     signature_from_metadata,
 )
-from slipstream.bench.payloads import encode_request
+from slipstream.bench.v2.payloads import encode_request
 from slipstream.datatypes import V2_TO_NUMPY
 from slipstream.protocol import grpc_codec, v2
 from slipstream.protocol.proto import inference_pb2 as pb

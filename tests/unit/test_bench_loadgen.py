@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.bench.clients import InferClient
-from slipstream.bench.loadgen import Worker
-from slipstream.bench.messages import (
+from slipstream.bench.v2.clients import InferClient
+from slipstream.bench.v2.loadgen import Worker
+from slipstream.bench.v2.messages import (
     EncodedRequest,
     Endpoint,
     LevelDone,
@@ -24,7 +24,7 @@ from slipstream.bench.messages import (
     WindowSample,
     WorkerPlan,
 )
-from slipstream.bench.results import merge_samples
+from slipstream.bench.v2.results import merge_samples
 
 RATE_PER_S = 100.0
 STALL_START_S = 0.3  # after the level starts

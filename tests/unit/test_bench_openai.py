@@ -17,10 +17,10 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from slipstream.bench.cli import bench
-from slipstream.bench.openai_client import SseParser, StreamState
-from slipstream.bench.openai_report import CSV_FIELDS, write_openai_csv
-from slipstream.bench.openai_requests import build_requests, read_prompts, synthetic_prompt
-from slipstream.bench.openai_results import (
+from slipstream.bench.openai.client import SseParser, StreamState
+from slipstream.bench.openai.report import CSV_FIELDS, write_openai_csv
+from slipstream.bench.openai.requests import build_requests, read_prompts, synthetic_prompt
+from slipstream.bench.openai.results import (
     LevelMeasurement,
     OpenAIBenchResult,
     RequestResult,
@@ -28,10 +28,10 @@ from slipstream.bench.openai_results import (
     meets_slos,
     tpot_s,
 )
-from slipstream.bench.openai_runner import LevelRun, NullOpenAIProgress, request_result
-from slipstream.bench.openai_settings import OpenAIBenchSettings, TokenRange, parse_goodput
-from slipstream.bench.report import write_json
-from slipstream.bench.settings import LoadLevel
+from slipstream.bench.openai.runner import LevelRun, NullOpenAIProgress, request_result
+from slipstream.bench.openai.settings import OpenAIBenchSettings, TokenRange, parse_goodput
+from slipstream.bench.v2.report import write_json
+from slipstream.bench.v2.settings import LoadLevel
 
 
 def _chunk(**choice: object) -> bytes:

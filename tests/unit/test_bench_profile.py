@@ -1,4 +1,4 @@
-"""``slipstream.bench.profile``: the in-process runtime profile on small ONNX models."""
+"""``slipstream.profile.measure``: the in-process runtime profile on small ONNX models."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from slipstream.bench.profile import (
+from slipstream.profile.measure import (
     ProfileError,
     ProfileResult,
     plan_inputs,
     profile_model,
     summarize_ort_trace,
 )
-from slipstream.bench.profile_report import write_csv, write_json, write_report
+from slipstream.profile.results import write_csv, write_json, write_report
 from slipstream.runtime.base import ModelSignature, TensorSpec
 
 VOCAB = 1000

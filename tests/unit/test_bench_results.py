@@ -6,15 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from slipstream.bench.results import LevelInputs, LevelResult, WindowTotals, level_result
-from slipstream.bench.server_stats import (
+from slipstream.bench.core.histogram import LatencyHistogram
+from slipstream.bench.v2.results import LevelInputs, LevelResult, WindowTotals, level_result
+from slipstream.bench.v2.server_stats import (
     ProcessSample,
     StatsSnapshot,
     process_usage,
     snapshot_from_json,
 )
-from slipstream.bench.settings import LoadLevel
-from slipstream.bench.stats import LatencyHistogram
+from slipstream.bench.v2.settings import LoadLevel
 
 
 def _window(

@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from slipstream.bench import runner
-from slipstream.bench.messages import LevelDone, Message, RunLevel, StopLevel, WindowSample
-from slipstream.bench.results import LevelResult
-from slipstream.bench.runner import LevelRunner
-from slipstream.bench.settings import BenchSettings, LoadLevel
-from slipstream.bench.stats import LatencyHistogram
+from slipstream.bench.core.histogram import LatencyHistogram
+from slipstream.bench.v2 import runner
+from slipstream.bench.v2.messages import LevelDone, Message, RunLevel, StopLevel, WindowSample
+from slipstream.bench.v2.results import LevelResult
+from slipstream.bench.v2.runner import LevelRunner
+from slipstream.bench.v2.settings import BenchSettings, LoadLevel
 
 
 class _FakePool:

@@ -8,17 +8,16 @@ import math
 import numpy as np
 import pytest
 
-from slipstream.bench.stats import (
+from slipstream.bench.core.histogram import (
     LATENCY_MAX_S,
     LATENCY_MIN_S,
     RELATIVE_ERROR,
     LatencyHistogram,
-    arrival_gaps_s,
-    corrected_latency_s,
     is_stable,
     merge_histograms,
     within_pct_of_mean,
 )
+from slipstream.bench.core.schedule import arrival_gaps_s, corrected_latency_s
 
 QUANTILES = [0.1, 1, 10, 25, 50, 75, 90, 95, 99, 99.9, 100]
 

@@ -1,1 +1,1 @@
-"""``slipstream bench``: a load generator and profiler for Open Inference Protocol servers."""
+"""``slipstream bench``: load generators for V2 and OpenAI-compatible inference servers."""

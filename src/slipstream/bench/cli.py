@@ -17,8 +17,8 @@ import click
 from click.core import ParameterSource
 from pydantic import BaseModel, ValidationError
 
-from slipstream.bench.openai_settings import OpenAIBenchSettings
-from slipstream.bench.settings import BenchSettings
+from slipstream.bench.openai.settings import OpenAIBenchSettings
+from slipstream.bench.v2.settings import BenchSettings
 from slipstream.cli_params import shapes_option
 
 _INSTALL_HINT = "pip install 'slipstream[bench]'"
@@ -140,9 +140,9 @@ def bench(**options: Any) -> None:
         return
     settings = _validated(BenchSettings, values)
     try:
-        from slipstream.bench.errors import BenchError
-        from slipstream.bench.report import RichProgress, print_tables, terminal_console
-        from slipstream.bench.runner import run_bench
+        from slipstream.bench.core.errors import BenchError
+        from slipstream.bench.v2.report import RichProgress, print_tables, terminal_console
+        from slipstream.bench.v2.runner import run_bench
     except ImportError as exc:
         raise click.ClickException(f"{exc}; slipstream bench needs: {_INSTALL_HINT}") from None
     try:
@@ -195,14 +195,14 @@ def _validated(settings: type[Settings], values: dict[str, Any]) -> Settings:
 def _bench_openai(values: dict[str, Any]) -> None:
     settings = _validated(OpenAIBenchSettings, values)
     try:
-        from slipstream.bench.errors import BenchError
-        from slipstream.bench.openai_report import (
+        from slipstream.bench.core.errors import BenchError
+        from slipstream.bench.openai.report import (
             OpenAIRichProgress,
             print_openai_tables,
             write_openai_csv,
         )
-        from slipstream.bench.openai_runner import run_openai_bench
-        from slipstream.bench.report import terminal_console, write_json
+        from slipstream.bench.openai.runner import run_openai_bench
+        from slipstream.bench.v2.report import terminal_console, write_json
     except ImportError as exc:
         raise click.ClickException(f"{exc}; slipstream bench needs: {_INSTALL_HINT}") from None
     try:
@@ -228,7 +228,7 @@ def _bench_openai(values: dict[str, Any]) -> None:
 
 
 def _write_outputs(settings: BenchSettings, result: Any) -> None:
-    from slipstream.bench.report import write_csv, write_json
+    from slipstream.bench.v2.report import write_csv, write_json
 
     if settings.json_path is not None:
         write_json(result, settings.json_path)
@@ -238,7 +238,7 @@ def _write_outputs(settings: BenchSettings, result: Any) -> None:
         click.echo(f"wrote {settings.csv_path}", err=True)
     if settings.report_path is not None:
         try:
-            from slipstream.bench.charts import write_report
+            from slipstream.bench.v2.charts import write_report
 
             write_report(result, settings.report_path)
         except ImportError as exc:

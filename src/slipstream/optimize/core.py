@@ -378,7 +378,7 @@ def _with_speed(
 
 
 def _speed(path: Path, request: OptimizeRequest) -> list[SpeedResult]:
-    from slipstream.bench.profile import profile_model
+    from slipstream.profile import profile_model
 
     profile = profile_model(
         path,

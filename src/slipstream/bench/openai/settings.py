@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from slipstream.bench.messages import Distribution
-from slipstream.bench.settings import LoadLevel, check_load, load_levels
+from slipstream.bench.v2.messages import Distribution
+from slipstream.bench.v2.settings import LoadLevel, check_load, load_levels
 
 if TYPE_CHECKING:  # numpy loads when a run starts, not with the CLI
     import numpy as np

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from slipstream.bench.messages import Distribution, Protocol
+from slipstream.bench.v2.messages import Distribution, Protocol
 
 
 class BenchSettings(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slipstream.bench.profile_report import OpProfile, OpTime
+from slipstream.profile.results import OpProfile, OpTime
 
 
 def summarize_ort_trace(

@@ -1,7 +1,7 @@
 """The streaming client of the OpenAI mode: server-sent events over HTTP/1.1.
 
 It rides the same keep-alive connections and one-write requests as the V2 HTTP client
-(:class:`slipstream.bench.clients.HttpConnections`), and parses each response's events
+(:class:`slipstream.bench.v2.clients.HttpConnections`), and parses each response's events
 as its bytes arrive, stamping every content chunk with the time its bytes were read:
 the first is the time to first token, the gaps between the rest the inter-token
 latencies. ``usage.completion_tokens`` of the final usage chunk is the output length
@@ -22,8 +22,8 @@ import time
 
 import orjson
 
-from slipstream.bench.clients import HttpConnections, _HttpConnection, http_request_bytes
-from slipstream.bench.messages import EncodedRequest, Endpoint
+from slipstream.bench.v2.clients import HttpConnections, _HttpConnection, http_request_bytes
+from slipstream.bench.v2.messages import EncodedRequest, Endpoint
 
 # After a failed connect, pause before the next try so a dead server is not spun on.
 _RECONNECT_PAUSE_S = 0.01

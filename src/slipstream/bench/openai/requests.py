@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from slipstream.bench.openai_settings import OpenAIBenchSettings, OpenAIProtocol
+from slipstream.bench.openai.settings import OpenAIBenchSettings, OpenAIProtocol
 
 # Tokens per word of _WORDS (with its leading space) in the vocabularies named above.
 TOKENS_PER_WORD = 1.0

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-from slipstream.bench.errors import BenchError
-from slipstream.bench.loadgen import worker_main
-from slipstream.bench.messages import (
+from slipstream.bench.core.errors import BenchError
+from slipstream.bench.v2.loadgen import worker_main
+from slipstream.bench.v2.messages import (
     Message,
     Ready,
     RunLevel,

@@ -24,7 +24,7 @@ from urllib.parse import quote, urlsplit
 
 import httptools
 
-from slipstream.bench.messages import EncodedRequest, Endpoint, Protocol
+from slipstream.bench.v2.messages import EncodedRequest, Endpoint, Protocol
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 # After a failed connect, pause before the next try so a dead server is not spun on.

@@ -5,7 +5,7 @@ client wakes through epoll, a protocol callback, a future and a task step before
 send the next request, which measured ~0.1 ms per request on top of wrk against a
 server answering in 0.3 ms (bench / wrk = 0.75 at 1 connection). A blocking ``recv`` in
 a thread returns as soon as the response lands, like wrk's loop. It sends the same
-pre-encoded bytes as :class:`slipstream.bench.clients.HttpClient` and reports errors
+pre-encoded bytes as :class:`slipstream.bench.v2.clients.HttpClient` and reports errors
 under the same keys.
 """
 
@@ -18,7 +18,7 @@ from typing import Protocol
 
 import httptools
 
-from slipstream.bench.messages import Endpoint
+from slipstream.bench.v2.messages import Endpoint
 
 # After a failed connect, pause before the next try so a dead server is not spun on.
 _RECONNECT_PAUSE_S = 0.01

@@ -15,7 +15,7 @@ request for request.
 
 Example::
 
-    from slipstream.bench.openai_runner import run_openai_benchmark
+    from slipstream.bench.openai.runner import run_openai_benchmark
 
     result = run_openai_benchmark("http://localhost:8000", "smollm2", request_rate=[2.0],
                                   num_requests=50, output_tokens=64, ignore_eos=True)
@@ -33,22 +33,21 @@ from typing import Protocol
 
 import numpy as np
 
-from slipstream.bench.clients import parse_endpoint
-from slipstream.bench.errors import BenchError, ServerUnreachable
-from slipstream.bench.loadgen import EARLY_SEND_S
-from slipstream.bench.messages import Distribution
-from slipstream.bench.openai_client import OpenAIClient, StreamState
-from slipstream.bench.openai_requests import GenerationRequest, build_requests, request_body
-from slipstream.bench.openai_results import (
+from slipstream.bench.core.errors import BenchError, ServerUnreachable
+from slipstream.bench.core.schedule import EARLY_SEND_S, arrival_gaps_s, corrected_latency_s
+from slipstream.bench.openai.client import OpenAIClient, StreamState
+from slipstream.bench.openai.requests import GenerationRequest, build_requests, request_body
+from slipstream.bench.openai.results import (
     LevelMeasurement,
     OpenAIBenchResult,
     OpenAILevelResult,
     RequestResult,
     level_result,
 )
-from slipstream.bench.openai_settings import OpenAIBenchSettings, OpenAIProtocol, TokenRange
-from slipstream.bench.settings import LoadLevel
-from slipstream.bench.stats import arrival_gaps_s, corrected_latency_s
+from slipstream.bench.openai.settings import OpenAIBenchSettings, OpenAIProtocol, TokenRange
+from slipstream.bench.v2.clients import parse_endpoint
+from slipstream.bench.v2.messages import Distribution
+from slipstream.bench.v2.settings import LoadLevel
 
 # The warm-up request asks for this many tokens at most.
 _PROBE_MAX_TOKENS = 4

@@ -7,8 +7,8 @@ if one saturated), cut windows until throughput and latency are stable (or the
 
 Example::
 
-    from slipstream.bench.runner import run_bench
-    from slipstream.bench.settings import BenchSettings
+    from slipstream.bench.v2.runner import run_bench
+    from slipstream.bench.v2.settings import BenchSettings
 
     result = run_bench(BenchSettings(url="http://localhost:8000", model="mlp",
                                      concurrency=[1, 8]))
@@ -21,10 +21,16 @@ import time
 from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 
-from slipstream.bench.clients import parse_endpoint
-from slipstream.bench.errors import BenchError
-from slipstream.bench.inputs import InputError, ModelSignature, generate_requests, read_input_data
-from slipstream.bench.messages import (
+from slipstream.bench.core.errors import BenchError
+from slipstream.bench.core.histogram import STABILITY_WINDOWS, is_stable
+from slipstream.bench.v2.clients import parse_endpoint
+from slipstream.bench.v2.inputs import (
+    InputError,
+    ModelSignature,
+    generate_requests,
+    read_input_data,
+)
+from slipstream.bench.v2.messages import (
     EncodedRequest,
     Endpoint,
     LevelDone,
@@ -34,8 +40,8 @@ from slipstream.bench.messages import (
     WindowSample,
     WorkerPlan,
 )
-from slipstream.bench.payloads import encode_request
-from slipstream.bench.results import (
+from slipstream.bench.v2.payloads import encode_request
+from slipstream.bench.v2.results import (
     SATURATED_CPU_PCT,
     BenchResult,
     LevelInputs,
@@ -44,16 +50,15 @@ from slipstream.bench.results import (
     level_result,
     merge_samples,
 )
-from slipstream.bench.server_api import ServerApi, connect_api
-from slipstream.bench.server_stats import (
+from slipstream.bench.v2.server_api import ServerApi, connect_api
+from slipstream.bench.v2.server_stats import (
     ProcessSample,
     ProcessSampler,
     StatsSnapshot,
     process_usage,
 )
-from slipstream.bench.settings import BenchSettings, LoadLevel
-from slipstream.bench.stats import STABILITY_WINDOWS, is_stable
-from slipstream.bench.workers import WorkerPool, usable_cores
+from slipstream.bench.v2.settings import BenchSettings, LoadLevel
+from slipstream.bench.v2.workers import WorkerPool, usable_cores
 
 # Workers get this long after a RunLevel before sending starts, so they start together.
 _START_DELAY_S = 0.2

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.bench.results import LATE_SEND_SHARE, SATURATED_CPU_PCT, error_summary
-from slipstream.bench.settings import LoadLevel
-from slipstream.bench.stats import LatencyHistogram
+from slipstream.bench.core.histogram import LatencyHistogram
+from slipstream.bench.v2.results import LATE_SEND_SHARE, SATURATED_CPU_PCT, error_summary
+from slipstream.bench.v2.settings import LoadLevel
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Request bodies, encoded once before the load starts: the hot loop only sends bytes.
 
->>> from slipstream.bench.inputs import RequestInputs
+>>> from slipstream.bench.v2.inputs import RequestInputs
 >>> request = RequestInputs({"x": np.array([[1.0, 2.0]], np.float32)}, batch_size=1)
 >>> encode_request("http", "m", "", request).body
 b'{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","data":[1.0,2.0]}]}'
@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slipstream.bench.inputs import InputError, RequestInputs
-from slipstream.bench.messages import EncodedRequest, Protocol
+from slipstream.bench.v2.inputs import InputError, RequestInputs
+from slipstream.bench.v2.messages import EncodedRequest, Protocol
 from slipstream.datatypes import v2_datatype
 from slipstream.protocol.grpc_codec import encode_raw_tensor
 from slipstream.protocol.proto import inference_pb2 as pb

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slipstream.bench.results import BenchResult, LevelResult
+from slipstream.bench.v2.results import BenchResult, LevelResult
 
 _PERCENTILES = [("p50", "p50_ms"), ("p90", "p90_ms"), ("p95", "p95_ms"), ("p99", "p99_ms")]
 _BREAKDOWN = [

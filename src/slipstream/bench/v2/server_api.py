@@ -15,11 +15,11 @@ from typing import Any
 
 import orjson
 
-from slipstream.bench.clients import model_path
-from slipstream.bench.errors import BenchError, ServerUnreachable
-from slipstream.bench.inputs import ModelSignature, signature_from_metadata
-from slipstream.bench.messages import Endpoint
-from slipstream.bench.server_stats import StatsSnapshot, snapshot_from_json, snapshot_from_proto
+from slipstream.bench.core.errors import BenchError, ServerUnreachable
+from slipstream.bench.v2.clients import model_path
+from slipstream.bench.v2.inputs import ModelSignature, signature_from_metadata
+from slipstream.bench.v2.messages import Endpoint
+from slipstream.bench.v2.server_stats import StatsSnapshot, snapshot_from_json, snapshot_from_proto
 
 _SERVICE = "/inference.GRPCInferenceService/"
 

@@ -22,9 +22,11 @@ from typing import Any, Protocol
 import numpy as np
 import psutil
 
-from slipstream.bench.blocking import BlockingHttpUser
-from slipstream.bench.clients import HttpClient, InferClient, make_client
-from slipstream.bench.messages import (
+from slipstream.bench.core.histogram import LatencyHistogram
+from slipstream.bench.core.schedule import EARLY_SEND_S, arrival_gaps_s, corrected_latency_s
+from slipstream.bench.v2.blocking import BlockingHttpUser
+from slipstream.bench.v2.clients import HttpClient, InferClient, make_client
+from slipstream.bench.v2.messages import (
     LevelDone,
     Ready,
     RunLevel,
@@ -34,13 +36,7 @@ from slipstream.bench.messages import (
     WorkerFailed,
     WorkerPlan,
 )
-from slipstream.bench.stats import LatencyHistogram, arrival_gaps_s, corrected_latency_s
 
-# Open loop: a send this close to its scheduled time goes now. Event-loop timers wake up
-# to ~1 ms late (epoll and libuv timeouts are whole milliseconds); sending up to that
-# much early, and counting its latency from the actual send, keeps timer slack out of
-# the measured latency.
-EARLY_SEND_S = 0.001
 # A send later than this after its schedule counts as late.
 LATE_SEND_S = 0.001
 # Time allowed past the request timeout for outstanding requests to finish at the end.

@@ -1,6 +1,6 @@
 """Showing a benchmark: live progress and tables on the terminal, JSON and CSV files.
 
-Charts (``--report out.html`` / ``.png``) are in :mod:`slipstream.bench.charts`, which
+Charts (``--report out.html`` / ``.png``) are in :mod:`slipstream.bench.v2.charts`, which
 imports matplotlib only when asked for.
 """
 
@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
-from slipstream.bench.openai_results import OpenAIBenchResult
-from slipstream.bench.results import BenchResult, LevelResult, WindowTotals
-from slipstream.bench.settings import LoadLevel
+from slipstream.bench.openai.results import OpenAIBenchResult
+from slipstream.bench.v2.results import BenchResult, LevelResult, WindowTotals
+from slipstream.bench.v2.settings import LoadLevel
 
 # Columns of the CSV file, in order: every scalar figure of a level.
 CSV_FIELDS = [

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from slipstream.bench.profile_report import BatchProfile, OpTime, ProfileResult
+    from slipstream.profile.results import BatchProfile, OpTime, ProfileResult
 
 _INSTALL_HINT = "pip install 'slipstream[bench]'"
 # Node names are paths ("/encoder/layer.5/output/dense/MatMul"): their end tells most.
@@ -30,7 +30,7 @@ def _check_report(_ctx: click.Context, _param: click.Parameter, value: Path | No
     """Refuse a report that cannot be written before spending the profile's time."""
     import importlib.util
 
-    from slipstream.bench.profile_report import REPORT_SUFFIXES
+    from slipstream.profile.results import REPORT_SUFFIXES
 
     if value is not None and value.suffix.lower() not in REPORT_SUFFIXES:
         raise click.BadParameter(f"{value}: expected a .html or .png file name")
@@ -162,7 +162,7 @@ def profile(**options: Any) -> None:
     )
     result = _run_profile(path, backend, options, progress)
     print_result(result, console)
-    from slipstream.bench.profile_report import write_csv, write_json, write_report
+    from slipstream.profile.results import write_csv, write_json, write_report
 
     for key, write in (
         ("json_path", write_json),
@@ -186,7 +186,7 @@ def _consoles() -> tuple[Console, Console]:
 def _run_profile(
     path: Path, backend: str | None, options: dict[str, Any], progress: Console
 ) -> ProfileResult:
-    from slipstream.bench.profile import ProfileError, profile_model
+    from slipstream.profile.measure import ProfileError, profile_model
     from slipstream.runtime.base import BackendUnavailable
 
     parsed = [parse_shape(text) for text in options["shapes"]]
@@ -229,7 +229,7 @@ def print_result(result: ProfileResult, console: Console) -> None:
     """The profile as rich tables: batches (best marked), memory, top operators."""
     from rich.table import Table
 
-    from slipstream.bench.profile_report import (
+    from slipstream.profile.results import (
         batch_cells,
         memory_line,
         op_profile_line,

@@ -13,7 +13,7 @@ masks (ones), token-type / segment ids (zeros) and position ids (0, 1, 2, ...).
 
 Example::
 
-    from slipstream.bench.profile import profile_model
+    from slipstream.profile.measure import profile_model
 
     result = profile_model(
         "models/minilm/1/model.onnx",
@@ -39,8 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.bench.ort_trace import summarize_ort_trace
-from slipstream.bench.profile_report import (
+from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
+from slipstream.profile.ort_trace import summarize_ort_trace
+from slipstream.profile.results import (
     BatchProfile,
     OpProfile,
     OpTime,
@@ -48,7 +49,6 @@ from slipstream.bench.profile_report import (
     ProfileResult,
     describe_environment,
 )
-from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
 from slipstream.runtime import backend_for_file, get_backend
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec
 

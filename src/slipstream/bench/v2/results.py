@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from slipstream.bench.messages import WindowSample
-from slipstream.bench.server_stats import ProcessUsage, ServerBreakdown
-from slipstream.bench.settings import LoadLevel
-from slipstream.bench.stats import LatencyHistogram, merge_histograms
+from slipstream.bench.core.histogram import LatencyHistogram, merge_histograms
+from slipstream.bench.v2.messages import WindowSample
+from slipstream.bench.v2.server_stats import ProcessUsage, ServerBreakdown
+from slipstream.bench.v2.settings import LoadLevel
 
 # A worker above this share of one core is taken as saturated.
 SATURATED_CPU_PCT = 90.0

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from slipstream.bench.stats import LatencyHistogram
+from slipstream.bench.core.histogram import LatencyHistogram
 
 Protocol = Literal["http", "http-binary", "grpc"]
 Distribution = Literal["constant", "poisson"]

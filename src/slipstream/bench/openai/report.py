@@ -1,6 +1,6 @@
 """Showing an OpenAI-mode run: live progress, terminal tables and the CSV file.
 
-JSON goes through :func:`slipstream.bench.report.write_json`, like the V2 modes.
+JSON goes through :func:`slipstream.bench.v2.report.write_json`, like the V2 modes.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from slipstream.bench.openai_results import (
+from slipstream.bench.openai.results import (
     LatencySummary,
     OpenAIBenchResult,
     OpenAILevelResult,
     RequestResult,
 )
-from slipstream.bench.report import print_problems, progress_bar
-from slipstream.bench.settings import LoadLevel
+from slipstream.bench.v2.report import print_problems, progress_bar
+from slipstream.bench.v2.settings import LoadLevel
 
 # The latency metrics of a level, in table and CSV order, with their table names.
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}

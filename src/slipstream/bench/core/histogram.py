@@ -1,4 +1,4 @@
-"""The numbers behind a benchmark: latency histogram, stability rule, open-loop arrivals.
+"""The numbers behind a benchmark: latency histogram and stability rule.
 
 Latencies go into a log-bucketed histogram kept in numpy rather than the
 ``hdrhistogram`` package: every bucket is 1% wider than the one before, so a value read
@@ -16,7 +16,7 @@ constant relative error here, and its Python package is little maintained.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -134,34 +134,3 @@ def is_stable(throughputs: Sequence[float], mean_latencies: Sequence[float], pct
     return within_pct_of_mean(recent_throughputs, pct) and within_pct_of_mean(
         list(mean_latencies[-STABILITY_WINDOWS:]), pct
     )
-
-
-def arrival_gaps_s(
-    rate_per_s: float, distribution: str, rng: np.random.Generator, chunk: int = 4096
-) -> Iterator[float]:
-    """Gaps between scheduled sends of an open loop: constant ``1/rate``, or exponential
-    with that mean (a Poisson process). Drawn ``chunk`` at a time: one numpy call per
-    4096 sends instead of one per send.
-    """
-    mean_gap_s = 1.0 / rate_per_s
-    if distribution == "constant":
-        while True:
-            yield mean_gap_s
-    if distribution != "poisson":
-        raise ValueError(f"distribution: expected constant or poisson, got {distribution!r}")
-    while True:
-        yield from rng.exponential(mean_gap_s, size=chunk).tolist()
-
-
-def corrected_latency_s(scheduled_s: float, sent_s: float, done_s: float) -> float:
-    """Latency of an open-loop request, corrected for coordinated omission.
-
-    A request the client could not send on time (every connection busy, or its event
-    loop late) still counts from when it *should* have been sent: the wait is what a
-    user arriving at that moment would see. One sent early (timer slack) counts from
-    when it was actually sent.
-
-    >>> corrected_latency_s(scheduled_s=1.0, sent_s=1.5, done_s=1.75)
-    0.75
-    """
-    return done_s - min(scheduled_s, sent_s)
