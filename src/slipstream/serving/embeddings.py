@@ -31,7 +31,8 @@ class Embedder:
     def __init__(self, service: InferenceService, repository: Path) -> None:
         self._service = service
         self._repository = repository
-        self._tokenizers: dict[Path, Any] = {}
+        # (model, tokenizer file named in its config) -> the loaded tokenizer.
+        self._tokenizers: dict[tuple[str, str], Any] = {}
 
     def is_embedding_model(self, name: str) -> bool:
         try:
@@ -51,11 +52,7 @@ class Embedder:
             raise InvalidRequest(
                 f"model: {model!r} is not an embedding model (its config.yaml names no tokenizer)"
             )
-        try:
-            where = model_path(self._repository, model)
-            tokenizer = self._tokenizer(contained_file(where, config.tokenizer, "tokenizer"))
-        except ConfigError as exc:
-            raise InvalidRequest(f"model: {model!r}: {exc}") from None
+        tokenizer = self._tokenizer(model, config.tokenizer)
         # Tokenizing up to 2,048 texts takes milliseconds: off the event loop.
         step = config.max_batch_size or 1
         pieces = await asyncio.to_thread(
@@ -88,18 +85,26 @@ class Embedder:
         output: np.ndarray = next(iter(response.outputs.values()))
         return output if config.max_batch_size else output[None]
 
-    def _tokenizer(self, path: Path) -> Any:
-        tokenizer = self._tokenizers.get(path)
-        if tokenizer is None:
-            try:
-                from tokenizers import Tokenizer
-            except ImportError:
-                raise InvalidRequest(
-                    "model: embeddings need the `tokenizers` package: pip install 'slipstream[llm]'"
-                ) from None
-            if not path.is_file():
-                raise InvalidRequest(f"model: its tokenizer file {path} does not exist")
-            tokenizer = self._tokenizers[path] = Tokenizer.from_file(str(path))
+    def _tokenizer(self, model: str, name: str) -> Any:
+        """The model's tokenizer, loaded once: resolving its path (symlinks and all, to
+        keep it inside the model's directory) costs file-system calls, not per request."""
+        key = (model, name)
+        tokenizer = self._tokenizers.get(key)
+        if tokenizer is not None:
+            return tokenizer
+        try:
+            path = contained_file(model_path(self._repository, model), name, "tokenizer")
+        except ConfigError as exc:
+            raise InvalidRequest(f"model: {model!r}: {exc}") from None
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise InvalidRequest(
+                "model: embeddings need the `tokenizers` package: pip install 'slipstream[llm]'"
+            ) from None
+        if not path.is_file():
+            raise InvalidRequest(f"model: its tokenizer file {path} does not exist")
+        tokenizer = self._tokenizers[key] = Tokenizer.from_file(str(path))
         return tokenizer
 
 

@@ -73,9 +73,11 @@ class ModelManager:
 
     def resolve(self, name: str, version: str = "") -> ModelVersion:
         """The version a request should run on: the given one, or the newest ready one."""
-        validate_model_name(name)
         state = self._models.get(name)
         if state is None:
+            # Only a name that is not loaded reaches the disk: check it there. The front
+            # ends checked it on arrival already, so a served request pays nothing twice.
+            validate_model_name(name)
             if (self.repository / name).is_dir():
                 raise Unavailable(_not_loaded(name))
             raise ModelNotFound(f"model {name!r} is not in the repository")
