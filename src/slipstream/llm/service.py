@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -61,15 +62,18 @@ class LlmModels(GenerationService):
             if config.generative and (only is None or name in only):
                 wanted.append((name, directory.path, list(directory.versions), config))
         self._loading.update(name for name, *_ in wanted)
-        await asyncio.gather(*(self._load(*item) for item in wanted))
+        threads = _llama_threads(sum(config.backend == "llama_cpp" for *_, config in wanted))
+        await asyncio.gather(*(self._load(*item, threads) for item in wanted))
 
-    async def _load(self, name: str, path: Path, versions: list[int], config: ModelConfig) -> None:
+    async def _load(
+        self, name: str, path: Path, versions: list[int], config: ModelConfig, threads: int
+    ) -> None:
         try:
             selected = config.version_policy.select(versions)
             if not selected:
                 raise ConfigError(f"{name}: no version directory to serve (found {versions})")
             source = _model_source(path / str(max(selected)), config)
-            engine = await _in_own_thread(_load_engine, source, config)
+            engine = await _in_own_thread(_load_engine, source, config, threads)
         except Exception as exc:
             self._failures[name] = f"{type(exc).__name__}: {exc}"
             logger.error("generative model %s failed to load: %s", name, exc)
@@ -245,7 +249,23 @@ def _model_source(version_dir: Path, config: ModelConfig) -> Path:
     )
 
 
-def _load_engine(source: Path, config: ModelConfig) -> Engine:
+def _llama_threads(models: int) -> int:
+    """Threads of one llama.cpp model when ``models`` of them share this process's cores.
+
+    Each llama.cpp context runs its own thread pool; two models both using every core
+    would oversubscribe them, and a decode step waits for its slowest thread.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, models))
+
+
+def _load_engine(source: Path, config: ModelConfig, threads: int) -> Engine:
+    if config.backend == "llama_cpp":
+        from slipstream.llm.llamacpp import load_llama_cpp_engine
+
+        return load_llama_cpp_engine(
+            source, config.generation, config.generation.threads or threads
+        )
     if config.backend == "transformers":
         from slipstream.llm.hf import load_transformers_engine
 
