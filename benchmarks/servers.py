@@ -30,6 +30,9 @@ PEER_REQUIREMENTS: dict[str, list[str]] = {
     "fastapi": ["fastapi", "uvicorn[standard]", "onnxruntime", "orjson", "numpy"],
     # PyTriton pins numpy<2; its wheel bundles tritonserver and the Python backend.
     "pytriton": ["nvidia-pytriton", "onnxruntime", "numpy<2"],
+    # llama.cpp's Python server; the same release as the `llama` extra's lock pin, built
+    # from source with the CMAKE_ARGS of the caller (pip's wheel cache reuses the build).
+    "llama_cpp_server": ["llama-cpp-python[server]==0.3.36"],
 }
 
 

@@ -168,6 +168,11 @@ class GenerationSettings(_Strict):
         0, ge=0, description="prompt + completion tokens at most; 0 = the model's own limit"
     )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
+    prefix_caching: bool = Field(
+        True,
+        description="llama_cpp: reuse the cached keys and values of a prompt prefix another "
+        "sequence computed (a shared system prompt, the earlier turns of a chat)",
+    )
     threads: int = Field(
         0,
         ge=0,

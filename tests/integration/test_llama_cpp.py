@@ -322,3 +322,56 @@ def test_llama_cpp_models_share_the_cores(server: RemoteServer) -> None:
     log = server.log_text()
     threads = [int(n) for n in re.findall(r"llama\.cpp engine: model\.gguf, (\d+) threads", log)]
     assert threads == [max(1, cores // 3)] * 3
+
+
+# -- the repository API ------------------------------------------------------------------
+
+
+def test_generative_models_are_indexed_loaded_and_unloaded_at_run_time(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    for name in ("first", "second"):
+        (repo / name / "1").mkdir(parents=True)
+        os.link(_gguf(), repo / name / "1" / "model.gguf")
+        write_config(repo, name, {"backend": "llama_cpp", "generation": {"num_blocks": 16}})
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.gguf").write_bytes(b"GGML but not GGUF")
+    write_config(repo, "broken", {"backend": "llama_cpp"})
+    args = ["--model-control-mode", "explicit", "--load-model", "first"]
+    with RemoteServer(repo, args, log_dir=tmp_path) as server:
+
+        def index() -> dict[str, tuple[str, str, str]]:
+            entries = httpx.post(server.url("/v2/repository/index"), json={}).json()
+            return {e["name"]: (e.get("version", ""), e.get("state", ""), e.get("reason", ""))
+                    for e in entries}  # fmt: skip
+
+        def served() -> list[str]:
+            return sorted(m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"])
+
+        def complete(model: str) -> httpx.Response:
+            body = {"model": model, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+            return httpx.post(server.url("/v1/completions"), json=body, timeout=60)
+
+        assert index() == {"first": ("1", "READY", ""), "second": ("", "", ""),
+                           "broken": ("", "", "")}  # fmt: skip
+        assert served() == ["first"]
+        assert complete("second").status_code == 404
+
+        load = httpx.post(server.url("/v2/repository/models/second/load"), timeout=60)
+        assert load.status_code == 200, load.text
+        assert index()["second"] == ("1", "READY", "")
+        assert served() == ["first", "second"]
+        assert complete("second").json()["usage"]["completion_tokens"] == 3
+
+        unload = httpx.post(server.url("/v2/repository/models/first/unload"), timeout=60)
+        assert unload.status_code == 200, unload.text
+        assert index()["first"] == ("", "", "")
+        assert served() == ["second"]
+        assert complete("first").status_code == 404
+
+        bad = httpx.post(server.url("/v2/repository/models/broken/load"), timeout=60)
+        assert bad.status_code == 400
+        assert "not a GGUF file" in bad.json()["error"]
+        _version, state, reason = index()["broken"]
+        assert state == "UNAVAILABLE" and "not a GGUF file" in reason
+        # Nothing else was harmed.
+        assert complete("second").status_code == 200

@@ -381,7 +381,7 @@ class _Scheduler:
         # The longest cached prefix anywhere (idle or running), at most all but the last
         # prompt token: that one is read again for the logits of the first new token.
         source, common = None, 0
-        for slot in self._slots:
+        for slot in self._slots if self._engine._settings.prefix_caching else ():
             shared = _common_prefix(slot.tokens, prompt, len(prompt) - 1)
             if shared > common:
                 source, common = slot, shared
@@ -459,6 +459,9 @@ class _Scheduler:
         slot = self._slots[sequence.slot]
         slot.sequence = None
         slot.released_at = time.monotonic()
+        if not self._engine._settings.prefix_caching:
+            self._lib.llama_memory_seq_rm(self._engine._memory, slot.index, -1, -1)
+            slot.tokens = []
         self._free_sampler(sequence)
 
     # -- one step ------------------------------------------------------------------------
