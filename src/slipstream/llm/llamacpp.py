@@ -200,6 +200,22 @@ class LlamaCppEngine(Engine):
     def cache_stats(self) -> CacheStats:
         return self._scheduler.stats()
 
+    # -- inspection (tests, debugging): meaningful while no sequence runs ------------------
+
+    def slot_tokens(self, slot: int) -> list[int]:
+        """The tokens the scheduler believes ``slot`` holds in the cache."""
+        return list(self._scheduler.slot_tokens(slot))
+
+    def cached_positions(self) -> dict[int, tuple[int, int] | None]:
+        """(first, last) position llama.cpp holds for each slot; None when it holds none."""
+        lib, memory = self._lib, self._memory
+        positions: dict[int, tuple[int, int] | None] = {}
+        for slot in range(self.slots):
+            last = int(lib.llama_memory_seq_pos_max(memory, slot))
+            first = int(lib.llama_memory_seq_pos_min(memory, slot))
+            positions[slot] = None if last < 0 else (first, last)
+        return positions
+
     async def close(self) -> None:
         self._scheduler.stop()
         await asyncio.to_thread(self._thread.join)
@@ -293,6 +309,9 @@ class _Scheduler:
             prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits,
         )
+
+    def slot_tokens(self, slot: int) -> list[int]:
+        return self._slots[slot].tokens
 
     def free_samplers(self) -> None:
         for sequence in [*self._waiting, *self._running, *self._submitted]:
