@@ -74,7 +74,13 @@ class LlamaCppEngine(Engine):
         self._model = model
         self._vocab = lib.llama_model_get_vocab(model)
         trained = int(lib.llama_model_n_ctx_train(model))
-        self.max_model_len = min(settings.max_model_len or trained, trained)
+        if settings.max_model_len > trained:
+            lib.llama_model_free(model)
+            raise ValueError(
+                f"{path}: generation.max_model_len {settings.max_model_len} exceeds the "
+                f"{trained} tokens of context this model was trained for"
+            )
+        self.max_model_len = settings.max_model_len or trained
         self.cache_tokens = settings.num_blocks * settings.block_size
         self.slots = min(settings.max_num_seqs, _MAX_SEQ_IDS)
         self.threads = threads
