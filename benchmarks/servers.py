@@ -81,8 +81,10 @@ def ensure_venv(name: str, python: str | None = None) -> Path | None:
         [python or base_python(), "-m", "venv", str(venv)],
         [str(venv_python), "-m", "pip", "install", "-q", "--upgrade", *requirements],
     ]
+    # A venv of its own: never satisfied by packages on our PYTHONPATH.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True, check=False)
+        done = subprocess.run(step, capture_output=True, text=True, check=False, env=env)
         if done.returncode != 0:
             print(f"  venv {name}: `{' '.join(step)}` failed:\n{done.stderr[-1500:]}")
             return None
