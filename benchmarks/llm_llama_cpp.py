@@ -130,7 +130,7 @@ def shared_prompt_ttft(spec: ServerSpec, questions: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--requests", type=int, default=16, help="requests per level")
+    parser.add_argument("--requests", type=int, default=32, help="requests per level")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
