@@ -30,6 +30,9 @@ PEER_REQUIREMENTS: dict[str, list[str]] = {
     "fastapi": ["fastapi", "uvicorn[standard]", "onnxruntime", "orjson", "numpy"],
     # PyTriton pins numpy<2; its wheel bundles tritonserver and the Python backend.
     "pytriton": ["nvidia-pytriton", "onnxruntime", "numpy<2"],
+    # llama.cpp's Python server; the same release as the `llama` extra's lock pin, built
+    # from source with the CMAKE_ARGS of the caller (pip's wheel cache reuses the build).
+    "llama_cpp_server": ["llama-cpp-python[server]==0.3.36"],
 }
 
 
@@ -78,8 +81,10 @@ def ensure_venv(name: str, python: str | None = None) -> Path | None:
         [python or base_python(), "-m", "venv", str(venv)],
         [str(venv_python), "-m", "pip", "install", "-q", "--upgrade", *requirements],
     ]
+    # A venv of its own: never satisfied by packages on our PYTHONPATH.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True, check=False)
+        done = subprocess.run(step, capture_output=True, text=True, check=False, env=env)
         if done.returncode != 0:
             print(f"  venv {name}: `{' '.join(step)}` failed:\n{done.stderr[-1500:]}")
             return None

@@ -143,7 +143,7 @@ class WarmupSample(_Strict):
 
 
 # Backends served by the OpenAI lane (slipstream.llm) rather than the V2 tensor lane.
-GENERATIVE_BACKENDS = ("transformers",)
+GENERATIVE_BACKENDS = ("transformers", "llama_cpp")
 
 
 class GenerationSettings(_Strict):
@@ -168,7 +168,18 @@ class GenerationSettings(_Strict):
         0, ge=0, description="prompt + completion tokens at most; 0 = the model's own limit"
     )
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
-    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default")
+    prefix_caching: bool = Field(
+        True,
+        description="llama_cpp: reuse the cached keys and values of a prompt prefix another "
+        "sequence computed (a shared system prompt, the earlier turns of a chat)",
+    )
+    threads: int = Field(
+        0,
+        ge=0,
+        description="CPU threads of this model's forward passes; 0 = automatic (llama_cpp: "
+        "the process's cores split evenly among its llama_cpp models; transformers: torch's "
+        "default)",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -177,7 +188,8 @@ class ModelConfig(_Strict):
 
     name: str = ""
     backend: str = Field(
-        "", description="onnxruntime, torch, sklearn or transformers; default by file type"
+        "",
+        description="onnxruntime, torch, sklearn, transformers or llama_cpp; default by file type",
     )
     platform: str = ""
     default_model_filename: str = ""

@@ -35,7 +35,7 @@ def example_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteS
          "--only", "digits,minilm,smollm2"],
         check=True, capture_output=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
-    # smollm2 converts its GGUF weights at load: allow for a slow machine.
+    # smollm2 loads its GGUF file on llama.cpp in about a second; minilm exports to ONNX first.
     with RemoteServer(workdir / "models", log_dir=workdir, startup_timeout_s=300) as server:
         yield server
 

@@ -58,6 +58,9 @@ class CacheStats:
     tokens_cached: int
     running: int
     waiting: int
+    # Prompt tokens asked for and found in the cache (engines with prefix caching).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def blocks_free(self) -> int:

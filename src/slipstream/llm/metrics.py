@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from slipstream.llm.engine import CacheStats
@@ -72,7 +72,20 @@ class _CacheCollector(Collector):
             families["used"].add_metric([model], stats.blocks_used)
             families["free"].add_metric([model], stats.blocks_free)
             families["utilization"].add_metric([model], stats.utilization)
-        return list(families.values())
+        queries = CounterMetricFamily(
+            "slipstream_llm_prefix_cache_queries",
+            "Prompt tokens of scheduled sequences (engines with prefix caching)",
+            labels=["model"],
+        )
+        hits = CounterMetricFamily(
+            "slipstream_llm_prefix_cache_hits",
+            "Prompt tokens found in the KV cache and not computed again",
+            labels=["model"],
+        )
+        for model, stats in self._engines().items():
+            queries.add_metric([model], stats.prefix_cache_queries)
+            hits.add_metric([model], stats.prefix_cache_hits)
+        return [*families.values(), queries, hits]
 
 
 _CACHE_GAUGES = (

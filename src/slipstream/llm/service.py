@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -20,12 +21,19 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 
 from slipstream.config import ConfigError, ModelConfig
-from slipstream.errors import ModelNotFound, Unavailable
+from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
 from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.engine import CacheStats, Engine
 from slipstream.llm.metrics import LlmMetrics
 from slipstream.llm.text import TextDelta, stream_text
-from slipstream.repository.layout import list_models, named_model_file, read_config
+from slipstream.repository.layout import (
+    list_models,
+    model_path,
+    named_model_file,
+    read_config,
+    read_model_directory,
+)
+from slipstream.types import RepositoryEntry
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +48,11 @@ class LlmModels(GenerationService):
         self._engines: dict[str, Engine] = {}
         self._created: dict[str, int] = {}
         self._default_max_tokens: dict[str, int] = {}
+        self._versions: dict[str, int] = {}
         self._loading: set[str] = set()
+        self._unloading: set[str] = set()
         self._failures: dict[str, str] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
         self.metrics = LlmMetrics(registry, self.cache_stats)
 
     # -- loading -------------------------------------------------------------------------
@@ -61,25 +72,103 @@ class LlmModels(GenerationService):
             if config.generative and (only is None or name in only):
                 wanted.append((name, directory.path, list(directory.versions), config))
         self._loading.update(name for name, *_ in wanted)
-        await asyncio.gather(*(self._load(*item) for item in wanted))
+        threads = _llama_threads(sum(config.backend == "llama_cpp" for *_, config in wanted))
+        await asyncio.gather(*(self._load(*item, threads) for item in wanted))
 
-    async def _load(self, name: str, path: Path, versions: list[int], config: ModelConfig) -> None:
+    async def _load(
+        self, name: str, path: Path, versions: list[int], config: ModelConfig, threads: int
+    ) -> bool:
+        """Load beside whatever serves ``name`` now, then swap; on failure keep serving."""
         try:
             selected = config.version_policy.select(versions)
             if not selected:
                 raise ConfigError(f"{name}: no version directory to serve (found {versions})")
-            source = _model_source(path / str(max(selected)), config)
-            engine = await _in_own_thread(_load_engine, source, config)
+            version = max(selected)
+            source = _model_source(path / str(version), config)
+            engine = await _in_own_thread(_load_engine, source, config, threads)
         except Exception as exc:
             self._failures[name] = f"{type(exc).__name__}: {exc}"
             logger.error("generative model %s failed to load: %s", name, exc)
+            return False
         else:
+            previous = self._engines.get(name)
             self._engines[name] = engine
+            self._versions[name] = version
             self._created[name] = int(time.time())
             self._default_max_tokens[name] = config.generation.default_max_tokens
+            self._failures.pop(name, None)
             logger.info("generative model %s is READY (%s)", name, source)
+            if previous is not None:
+                await _drain_and_close(previous)
+            return True
         finally:
             self._loading.discard(name)
+
+    # -- model control (the repository API) --------------------------------------------
+
+    def handles(self, name: str) -> bool:
+        """Whether ``name`` is a generative model of the repository (this lane's)."""
+        try:
+            return read_config(read_model_directory(model_path(self.repository, name))).generative
+        except (ConfigError, FileNotFoundError, OSError):
+            return False
+
+    async def load(self, name: str) -> None:
+        """(Re)load one model from the repository; InvalidRequest naming the error."""
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            directory = read_model_directory(model_path(self.repository, name))
+            config = read_config(directory)
+            self._loading.add(name)
+            others = sum(
+                _config_backend(self.repository, other) == "llama_cpp"
+                for other in set(self._engines) - {name}
+            )
+            threads = _llama_threads(others + 1)
+            versions = list(directory.versions)
+            if not await self._load(name, directory.path, versions, config, threads):
+                raise InvalidRequest(f"failed to load model {name!r}: {self._failures[name]}")
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name``: new requests get 404, running ones finish first."""
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            engine = self._engines.pop(name, None)
+            self._created.pop(name, None)
+            self._versions.pop(name, None)
+            self._failures.pop(name, None)
+            if engine is None:
+                return
+            self._unloading.add(name)
+            try:
+                await _drain_and_close(engine)
+            finally:
+                self._unloading.discard(name)
+            logger.info("generative model %s is unloaded", name)
+
+    def index(self, ready_only: bool = False) -> list[RepositoryEntry]:
+        """The repository's generative models and their states, as the V2 index lists them."""
+        try:
+            names = [
+                name
+                for name, directory in list_models(self.repository).items()
+                if _is_generative(directory)
+            ]
+        except FileNotFoundError:
+            names = []
+        entries = []
+        for name in sorted(set(names) | set(self._engines)):
+            if name in self._engines:
+                entries.append(RepositoryEntry(name, str(self._versions[name]), "READY", ""))
+            elif ready_only:
+                continue
+            elif name in self._loading:
+                entries.append(RepositoryEntry(name, "", "LOADING", ""))
+            elif name in self._unloading:
+                entries.append(RepositoryEntry(name, "", "UNLOADING", ""))
+            elif name in self._failures:
+                entries.append(RepositoryEntry(name, "", "UNAVAILABLE", self._failures[name]))
+            else:
+                entries.append(RepositoryEntry(name, "", "", ""))
+        return entries
 
     async def close(self) -> None:
         engines, self._engines = self._engines, {}
@@ -245,7 +334,49 @@ def _model_source(version_dir: Path, config: ModelConfig) -> Path:
     )
 
 
-def _load_engine(source: Path, config: ModelConfig) -> Engine:
+def _is_generative(directory: Any) -> bool:
+    try:
+        return read_config(directory).generative
+    except ConfigError:
+        return False
+
+
+def _config_backend(repository: Path, name: str) -> str:
+    try:
+        return read_config(read_model_directory(model_path(repository, name))).backend
+    except (ConfigError, OSError):
+        return ""
+
+
+async def _drain_and_close(engine: Engine, timeout_s: float = 30.0) -> None:
+    """Close ``engine`` once its running and waiting sequences are done (or after
+    ``timeout_s``: those still running then end with a 503)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = engine.cache_stats()
+        if not (stats.running or stats.waiting):
+            break
+        await asyncio.sleep(0.05)
+    await engine.close()
+
+
+def _llama_threads(models: int) -> int:
+    """Threads of one llama.cpp model when ``models`` of them share this process's cores.
+
+    Each llama.cpp context runs its own thread pool; two models both using every core
+    would oversubscribe them, and a decode step waits for its slowest thread.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, models))
+
+
+def _load_engine(source: Path, config: ModelConfig, threads: int) -> Engine:
+    if config.backend == "llama_cpp":
+        from slipstream.llm.llamacpp import load_llama_cpp_engine
+
+        return load_llama_cpp_engine(
+            source, config.generation, config.generation.threads or threads
+        )
     if config.backend == "transformers":
         from slipstream.llm.hf import load_transformers_engine
 

@@ -19,7 +19,6 @@ from slipstream.errors import (
 from slipstream.names import validate_model_name
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.observability.stats import ModelStats
-from slipstream.repository.layout import is_generative, model_path, read_model_directory
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.model import ModelVersion
@@ -74,8 +73,8 @@ class ModelServer(InferenceService):
         others = asyncio.gather(*(lane.load_all(only) for lane in self._lanes))
         if mode == "explicit":
             for name in self.settings.load_models:
-                path = model_path(self.settings.model_repository, name)
-                if not is_generative(read_model_directory(path)):
+                validate_model_name(name)
+                if self._lane_of(name) is None:
                     await self.models.load(name)
         else:
             await self.models.load_all()
@@ -190,10 +189,21 @@ class ModelServer(InferenceService):
     # -- repository ----------------------------------------------------------------------
 
     def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
-        return self.models.index(ready_only)
+        entries = self.models.index(ready_only)
+        for lane in self._lanes:
+            entries.extend(lane.index(ready_only))
+        return sorted(entries, key=lambda entry: (entry.name, entry.version))
+
+    def _lane_of(self, name: str) -> ModelLane | None:
+        validate_model_name(name)
+        return next((lane for lane in self._lanes if lane.handles(name)), None)
 
     async def load_model(self, name: str) -> None:
         self._check_explicit("load")
+        lane = self._lane_of(name)
+        if lane is not None:
+            await lane.load(name)
+            return
         await self.models.load(name)
         failures = self.models.failures(name)
         if failures:
@@ -201,6 +211,10 @@ class ModelServer(InferenceService):
 
     async def unload_model(self, name: str) -> None:
         self._check_explicit("unload")
+        lane = self._lane_of(name)
+        if lane is not None:
+            await lane.unload(name)
+            return
         await self.models.unload(name)
 
     def _check_explicit(self, action: str) -> None:

@@ -36,6 +36,19 @@ class ModelLane(Protocol):
 
     async def close(self) -> None: ...
 
+    # The repository API (index, load, unload) for the models the lane serves.
+    def handles(self, name: str) -> bool:
+        """Whether the repository's model ``name`` is one of this lane's."""
+        ...
+
+    def index(self, ready_only: bool = False) -> list[RepositoryEntry]: ...
+
+    async def load(self, name: str) -> None:
+        """(Re)load ``name``; InvalidRequest naming the error when it fails."""
+        ...
+
+    async def unload(self, name: str) -> None: ...
+
 
 class InferenceService(ABC):
     """The serving core as the front ends see it."""

