@@ -70,3 +70,23 @@ def from_config_datatype(value: str) -> str:
 def to_config_datatype(datatype: str) -> str:
     """Triton config spelling of a V2 datatype ('FP32' -> 'TYPE_FP32', BYTES -> TYPE_STRING)."""
     return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+
+
+# numpy refuses an array whose non-zero dims multiply (times the item size) past its
+# index range, even when another dim is 0 and the array is empty.
+_MAX_ADDRESSABLE_ELEMENTS = 2**58
+
+
+def addressable(shape: list[int]) -> bool:
+    """Whether numpy can hold an array of ``shape`` (non-negative dims), empty or not.
+
+    >>> addressable([0, 2**31, 2**40]), addressable([0, 2**31]), addressable([3, 4])
+    (False, True, True)
+    """
+    product = 1
+    for dim in shape:
+        if dim:
+            product *= dim
+            if product > _MAX_ADDRESSABLE_ELEMENTS:
+                return False
+    return True

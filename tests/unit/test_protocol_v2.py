@@ -620,3 +620,10 @@ def test_fuzzed_requests_decode_or_raise_invalid_request(doc: Any, tail: bytes |
         return
     for name, array in request.inputs.items():
         assert isinstance(name, str) and isinstance(array, np.ndarray)
+
+
+def test_an_empty_tensor_with_an_unaddressable_shape_is_refused_naming_the_shape() -> None:
+    # numpy cannot even make it empty: [0, 2**31, 2**40] overflows its index range.
+    body = _json_body([{"name": "x", "shape": [0, 2**31, 2**40], "datatype": "FP32", "data": []}])
+    with pytest.raises(InvalidRequest, match=r"input 'x': shape: .* is too large"):
+        decode_infer_request(body, None, "m", "")

@@ -25,7 +25,7 @@ from slipstream.config import (
     VersionPolicy,
     WarmupSample,
 )
-from slipstream.datatypes import V2_TO_NUMPY, to_config_datatype, v2_datatype
+from slipstream.datatypes import V2_TO_NUMPY, addressable, to_config_datatype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.observability.stats import ModelStats, StatDuration
 from slipstream.protocol.proto import inference_pb2 as pb
@@ -242,6 +242,8 @@ def _shape_of(name: str, dims: Sequence[int]) -> list[int]:
             raise InvalidRequest(
                 f"input '{name}': shape {shape} has a negative dim; send the actual shape"
             )
+    if not addressable(shape):
+        raise InvalidRequest(f"input '{name}': shape {shape} is too large for any tensor")
     return shape
 
 

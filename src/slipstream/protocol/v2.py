@@ -43,7 +43,7 @@ from typing import Any, cast
 import numpy as np
 import orjson
 
-from slipstream.datatypes import V2_ITEM_SIZE, numpy_dtype, v2_datatype
+from slipstream.datatypes import V2_ITEM_SIZE, addressable, numpy_dtype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.types import InferRequest, InferResponse, RequestedOutput
 
@@ -362,6 +362,8 @@ def _decode_shape(where: str, raw: Any) -> list[int]:
         raise InvalidRequest(
             f"{where}: shape: expected a list of non-negative integers, got {_show(raw)}"
         )
+    if not addressable(raw):
+        raise InvalidRequest(f"{where}: shape: {raw} is too large for any tensor")
     return raw
 
 
