@@ -8,7 +8,7 @@ are numpy arrays throughout (BYTES tensors are ``dtype=object`` arrays of ``byte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -99,3 +99,24 @@ class RepositoryEntry:
     state: str
     # Why a version is UNAVAILABLE (its load error), else "".
     reason: str
+
+
+# -- generation ---------------------------------------------------------------------
+
+# What a constraint holds: a JSON schema (as JSON text), nothing (any JSON object), the
+# allowed strings, a regular expression, or a grammar in llama.cpp's GBNF.
+ConstraintKind = Literal["json_schema", "json_object", "choice", "regex", "gbnf"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """Decoding limited to texts of a language: every token keeps the text in it."""
+
+    kind: ConstraintKind
+    # The schema's JSON text (json_schema), the regex, the grammar's text (gbnf), or ""
+    # (json_object, choice).
+    source: str = ""
+    # The allowed texts (choice).
+    choices: tuple[str, ...] = ()
+    # json_schema: OpenAI's strict mode (no properties beyond those an object lists).
+    strict: bool = False

@@ -245,6 +245,8 @@ def test_streamed_chat_sends_role_first_and_reason_last(client: openai.OpenAI) -
         ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
         ({"model": "tiny", "prompt": "x", "n": 100}, 400, "n"),
         ({"model": "tiny", "prompt": "x", "presence_penalty": 1}, 400, "presence_penalty"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"3": 1}}, 400, "logit_bias"),
+        ({"model": "tiny", "prompt": "x", "guided_choice": ["a"]}, 400, "response_format"),
         ({"model": "tiny"}, 400, "prompt"),
         ({"model": "nope", "prompt": "x"}, 404, "model"),
         ({"model": "embed", "prompt": "x"}, 404, "model"),

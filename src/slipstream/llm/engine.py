@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from slipstream.errors import InvalidRequest
+from slipstream.types import Constraint
 
 FinishReason = Literal["stop", "length"]
 
@@ -33,10 +34,43 @@ class SamplingParams:
     seed: int | None = None
     # Keep generating past the end-of-sequence token (benchmarks use it).
     ignore_eos: bool = False
+    # OpenAI's penalties on tokens already generated: minus presence once, minus
+    # frequency per occurrence. 0 disables.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # The HF/vLLM extension over prompt and output tokens: positive logits divided by
+    # it, negative ones multiplied. 1 disables.
+    repetition_penalty: float = 1.0
+    # Added to the logits of these token ids (OpenAI's logit_bias, -100..100).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # None: no logprobs; k >= 0: the chosen token's logprob and the k most likely.
+    logprobs: int | None = None
+    # Set: only texts of this language can be generated.
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely alternatives at its step.
+
+    Log-probabilities of the distribution the token was drawn from: the model's logits
+    after penalties, logit bias and temperature (greedy steps: without temperature).
+    """
+
+    token_id: int
+    logprob: float
+    # (token id, logprob), most likely first; as many as the request asked for.
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +79,8 @@ class EngineStep:
 
     token_ids: Sequence[int]
     finish_reason: FinishReason | None = None
+    # One per token of ``token_ids`` when the request asked for logprobs.
+    logprobs: Sequence[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +116,8 @@ class Engine(ABC):
     max_model_len: int
     #: Token capacity of the KV cache; one sequence can never exceed it.
     cache_tokens: int
+    #: The ``backend:`` name that selects this engine, for messages.
+    backend: str = "this"
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -92,6 +130,31 @@ class Engine(ABC):
     @abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``, special tokens dropped."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character, maybe)."""
+        return self.decode([token_id]).encode()
+
+    def check_features(self, params: SamplingParams) -> None:
+        """Refuse (400) what this engine cannot do for ``params``.
+
+        Engines override it for what they implement; this one implements none of
+        penalties, logit bias, logprobs or constraints.
+        """
+        refused = [
+            ("presence_penalty", params.presence_penalty != 0.0),
+            ("frequency_penalty", params.frequency_penalty != 0.0),
+            ("repetition_penalty", params.repetition_penalty != 1.0),
+            ("logit_bias", bool(params.logit_bias)),
+            ("logprobs", params.logprobs is not None),
+            ("response_format", params.constraint is not None),
+        ]
+        for field, asked in refused:
+            if asked:
+                raise InvalidRequest(
+                    f"{field}: not supported by the {self.backend} engine yet "
+                    "(backend: llama_cpp supports it)"
+                )
 
     def admit(self, prompt_tokens: int, max_tokens: int) -> None:
         """Refuse a request before it streams: 400 if it can never fit, 503 if full now."""

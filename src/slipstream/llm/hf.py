@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 class TransformersEngine(Engine):
     """A causal LM from a Hugging Face directory or a GGUF file; see the module docstring."""
 
+    backend = "transformers"
+
     def __init__(self, model: Any, tokenizer: Any, settings: GenerationSettings) -> None:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import logging
 import threading
 import time
@@ -42,7 +41,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slipstream.errors import InternalError, InvalidRequest, Unavailable
+from slipstream.llm.chat_template import ChatTemplate
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, FinishReason, SamplingParams
+from slipstream.llm.llamacpp_sampling import (
+    SequenceSampler,
+    build_tokenizer,
+    compile_constraint,
+    constraint_field,
+)
+from slipstream.types import Constraint
 
 if TYPE_CHECKING:
     from slipstream.config import GenerationSettings
@@ -59,6 +66,8 @@ _MAX_SEQ_IDS = 256
 
 class LlamaCppEngine(Engine):
     """A GGUF model on llama.cpp; see the module docstring."""
+
+    backend = "llama_cpp"
 
     def __init__(self, path: Path, settings: GenerationSettings, threads: int) -> None:
         import llama_cpp as lib
@@ -103,8 +112,11 @@ class LlamaCppEngine(Engine):
         self._context = context
         self._memory = lib.llama_get_memory(context)
         self._batch = lib.llama_batch_init(settings.max_batch_tokens, 0, 1)
-        self._template = _ChatTemplate.from_model(lib, model, self._vocab)
+        self._template = ChatTemplate.from_model(lib, model, self._vocab)
         self._add_bos = bool(lib.llama_vocab_get_add_bos(self._vocab))
+        # llguidance's view of the vocabulary, built by the first constrained request.
+        self._lltokenizer: Any = None
+        self._tokenizer_lock = asyncio.Lock()
         self._scheduler = _Scheduler(self)
         self._thread = threading.Thread(
             target=self._scheduler.run, name="slipstream-llama-cpp", daemon=True
@@ -160,6 +172,45 @@ class LlamaCppEngine(Engine):
                 return buffer.raw[:written].decode("utf-8", errors="replace")
             capacity = -written
 
+    def token_bytes(self, token_id: int) -> bytes:
+        buffer = ctypes.create_string_buffer(64)
+        written = self._lib.llama_token_to_piece(self._vocab, token_id, buffer, 64, 0, True)
+        if written < 0:
+            buffer = ctypes.create_string_buffer(-written)
+            written = self._lib.llama_token_to_piece(
+                self._vocab, token_id, buffer, -written, 0, True
+            )
+        return buffer.raw[: max(written, 0)]
+
+    def check_features(self, params: SamplingParams) -> None:
+        """Penalties, logit bias and logprobs are all supported; a constraint is
+        compiled here so that a bad one is a 400 before anything streams."""
+        n_vocab = int(self._lib.llama_vocab_n_tokens(self._vocab))
+        for token, _bias in params.logit_bias:
+            if not 0 <= token < n_vocab:
+                raise InvalidRequest(
+                    f"logit_bias: token id {token} is not in this model's vocabulary "
+                    f"of {n_vocab} tokens"
+                )
+        if params.logprobs is not None and params.logprobs > n_vocab:
+            raise InvalidRequest(f"logprobs: at most the vocabulary's {n_vocab} tokens")
+        if params.constraint is not None:
+            compile_constraint(params.constraint)
+
+    async def _matcher(self, constraint: Constraint) -> Any:
+        """A fresh llguidance matcher of ``constraint`` (the vocabulary's view built once)."""
+        from llguidance import LLMatcher
+
+        async with self._tokenizer_lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = await asyncio.to_thread(build_tokenizer, self._lib, self._vocab)
+        grammar = compile_constraint(constraint)
+        # Building the matcher compiles the grammar against the vocabulary: off the loop.
+        matcher = await asyncio.to_thread(LLMatcher, self._lltokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"{constraint_field(constraint)}: {matcher.get_error()}")
+        return matcher
+
     def is_end(self, token: int) -> bool:
         return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
 
@@ -182,7 +233,11 @@ class LlamaCppEngine(Engine):
         if self._scheduler.stopping:
             raise Unavailable("the generation engine is stopping", retry_after_s=5)
         loop = asyncio.get_running_loop()
-        sequence = _Sequence(list(prompt_ids), params, loop, asyncio.Queue())
+        matcher = None
+        if params.constraint is not None:
+            matcher = await self._matcher(params.constraint)
+        sampler = SequenceSampler(self._lib, self._vocab, params, prompt_ids, matcher)
+        sequence = _Sequence(list(prompt_ids), params, loop, asyncio.Queue(), sampler=sampler)
         self._scheduler.submit(sequence)
         finished = False
         try:
@@ -246,7 +301,7 @@ class _Sequence:
     # The sampled token not yet fed back (its KV is written by the next step).
     pending: int = -1
     generated: int = 0
-    sampler: Any = None
+    sampler: SequenceSampler | None = None
     cancelled: bool = False
 
 
@@ -446,30 +501,11 @@ class _Scheduler:
         target.sequence = sequence
         sequence.slot = target.index
         sequence.cached = target.tokens
-        sequence.sampler = self._sampler(sequence.params)
         return True
-
-    def _sampler(self, params: SamplingParams) -> Any:
-        lib = self._lib
-        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        if params.greedy:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
-            return chain
-        # OpenAI's order, as the transformers engine applies it: temperature, then the
-        # top-k and top-p cuts on the tempered distribution, then the draw.
-        if params.temperature != 1.0:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(params.temperature))
-        if params.top_k > 0:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(params.top_k))
-        if params.top_p < 1.0:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
-        seed = lib.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed))
-        return chain
 
     def _free_sampler(self, sequence: _Sequence) -> None:
         if sequence.sampler is not None:
-            self._lib.llama_sampler_free(sequence.sampler)
+            sequence.sampler.free()
             sequence.sampler = None
 
     def _drop(self, sequence: _Sequence) -> None:
@@ -526,14 +562,19 @@ class _Scheduler:
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
         for sequence, index in outputs:
-            token = int(lib.llama_sampler_sample(sequence.sampler, engine._context, index))
+            assert sequence.sampler is not None  # freed only once the sequence is done
+            token, logprob = sequence.sampler.sample(engine._context, index)
             sequence.generated += 1
             reason: FinishReason | None = None
-            if not sequence.params.ignore_eos and engine.is_end(token):
+            if not sequence.params.ignore_eos and (
+                engine.is_end(token) or sequence.sampler.finished
+            ):
                 reason = "stop"
             elif sequence.generated >= sequence.params.max_tokens:
                 reason = "length"
-            deliveries.append((sequence, EngineStep((token,), reason)))
+            deliveries.append(
+                (sequence, EngineStep((token,), reason, None if logprob is None else (logprob,)))
+            )
             if reason is None:
                 sequence.pending = token
             else:
@@ -573,54 +614,6 @@ def _putter(
 def _run_all(calls: list[Callable[[], None]]) -> None:
     for call in calls:
         call()
-
-
-class _ChatTemplate:
-    """The GGUF's ``tokenizer.chat_template``, rendered as transformers renders it."""
-
-    def __init__(self, source: str, bos: str, eos: str) -> None:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        environment.filters["tojson"] = _tojson
-        environment.globals["raise_exception"] = _raise
-        environment.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-        self._template = environment.from_string(source)
-        self._bos, self._eos = bos, eos
-
-    @classmethod
-    def from_model(cls, lib: Any, model: Any, vocab: Any) -> _ChatTemplate | None:
-        source = lib.llama_model_chat_template(model, None)
-        if not source:
-            return None
-
-        def text(token: int) -> str:
-            if token < 0:
-                return ""
-            raw = lib.llama_vocab_get_text(vocab, token)
-            return raw.decode("utf-8", errors="replace") if raw else ""
-
-        bos = text(lib.llama_vocab_bos(vocab))
-        eos = text(lib.llama_vocab_eos(vocab))
-        return cls(source.decode("utf-8", errors="replace"), bos, eos)
-
-    def render(self, messages: list[dict[str, str]]) -> str:
-        return str(
-            self._template.render(
-                messages=messages,
-                add_generation_prompt=True,
-                bos_token=self._bos,
-                eos_token=self._eos,
-            )
-        )
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def _raise(message: str) -> None:
-    raise ValueError(message)
 
 
 # -- loading ---------------------------------------------------------------------------

@@ -205,6 +205,8 @@ class LlmModels(GenerationService):
     def admit(self, model: str, jobs: Sequence[Job]) -> Engine:
         """Check every job fits before anything is sent (400/503 come before a stream)."""
         engine = self.engine(model)
+        if jobs:  # the jobs of one request share everything the engine checks here
+            engine.check_features(jobs[0].params)
         for job in jobs:
             engine.admit(len(job.prompt_ids), job.params.max_tokens)
         return engine

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from slipstream.llm.engine import EngineStep, FinishReason
+from slipstream.llm.engine import EngineStep, FinishReason, TokenLogprob
 
 # What a decoder emits for bytes that do not yet form a whole UTF-8 character.
 _PARTIAL = "\ufffd"
@@ -21,6 +21,9 @@ class TextDelta:
     text: str
     completion_tokens: int
     finish_reason: FinishReason | None = None
+    # Logprobs of the tokens generated since the last delta (when the request asked):
+    # the text they stand for may still be held back, or fall after a stop string.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class StopMatcher:
@@ -63,24 +66,28 @@ async def stream_text(
     """
     matcher = StopMatcher(stops)
     tokens: list[int] = []
+    logprobs: list[TokenLogprob] = []
     sent = 0
     try:
         async for step in steps:
             tokens.extend(step.token_ids)
+            if step.logprobs:
+                logprobs.extend(step.logprobs)
             text = decode(tokens)
             cut = matcher.find(text, sent)
             if cut != -1:
-                yield TextDelta(text[sent:cut], len(tokens), "stop")
+                yield TextDelta(text[sent:cut], len(tokens), "stop", tuple(logprobs))
                 return
             if step.finish_reason is not None:
-                yield TextDelta(text[sent:], len(tokens), step.finish_reason)
+                yield TextDelta(text[sent:], len(tokens), step.finish_reason, tuple(logprobs))
                 return
             end = len(text)
             while end > sent and text[end - 1] == _PARTIAL:
                 end -= 1
             end = sent + matcher.safe_end(text[sent:end])
             if end > sent:
-                yield TextDelta(text[sent:end], len(tokens))
+                yield TextDelta(text[sent:end], len(tokens), None, tuple(logprobs))
+                logprobs.clear()
                 sent = end
     finally:
         aclose = getattr(steps, "aclose", None)

@@ -1,9 +1,11 @@
 """The OpenAI API's wire format: request schemas with validation, response builders.
 
-Pure codec, no I/O. Fields OpenAI defines but Slipstream does not implement (logprobs,
-penalties, logit_bias, tools, ...) are refused with a 400 naming the field, never
+Pure codec, no I/O. Fields OpenAI defines but Slipstream does not implement (tools,
+``suffix``, ``best_of`` > 1, ...) are refused with a 400 naming the field, never
 silently ignored; unknown extra fields are ignored as OpenAI-compatible servers do.
-``top_k`` and ``ignore_eos`` are accepted as the vLLM extensions of the same names.
+``top_k``, ``ignore_eos``, ``repetition_penalty`` and the ``guided_json`` /
+``guided_choice`` / ``guided_grammar`` constraints are accepted as the vLLM extensions
+of the same names, ``grammar`` and ``json_schema`` as llama.cpp's server has them.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slipstream.errors import InvalidRequest, SlipstreamError
 from slipstream.names import validate_model_name
+from slipstream.types import Constraint
 
 MAX_CHOICES = 16
 MAX_STOPS = 4
+# Alternatives per token in top_logprobs (OpenAI's limit for chat).
+MAX_TOP_LOGPROBS = 20
 
 _PARAM = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
 
 
 class _Request(BaseModel):
@@ -47,10 +53,19 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Structured outputs: OpenAI's response_format, and the extensions users know.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -59,28 +74,93 @@ class _Sampling(_Request):
         return stops
 
     def check_supported(self) -> None:
-        if self.presence_penalty or self.frequency_penalty:
-            field = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise InvalidRequest(f"{field}: penalties are not supported; leave it at 0")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias: not supported")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options: only allowed when stream is true")
+        self.bias()
+        self.constraint()
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise InvalidRequest(f"logit_bias: keys are token ids, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise InvalidRequest(
+                    f"logit_bias: bias of token {key} is {value}; it must be in [-100, 100]"
+                )
+            pairs.append((int(key), float(value)))
+        return tuple(pairs)
+
+    def constraint(self) -> Constraint | None:
+        """The one structured-output constraint the request sets, if any."""
+        found: list[tuple[str, Constraint]] = []
+        if self.response_format is not None:
+            constraint = _response_format(self.response_format)
+            if constraint is not None:
+                found.append(("response_format", constraint))
+        for field, schema in (("guided_json", self.guided_json), ("json_schema", self.json_schema)):
+            if schema is not None:
+                found.append((field, _schema_constraint(field, schema)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", Constraint("choice", choices=tuple(self.guided_choice))))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", Constraint("regex", self.guided_regex)))
+        for field, text in (("guided_grammar", self.guided_grammar), ("grammar", self.grammar)):
+            if text is not None:
+                if not text.strip():
+                    raise InvalidRequest(f"{field}: must not be empty")
+                found.append((field, Constraint("gbnf", text)))
+        if len(found) > 1:
+            names = " and ".join(field for field, _ in found)
+            raise InvalidRequest(f"{found[1][0]}: set one constraint, not {names}")
+        return found[0][1] if found else None
+
+
+def _response_format(value: dict[str, Any]) -> Constraint | None:
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise InvalidRequest(
+                "response_format.json_schema: expected an object with 'name' and 'schema'"
+            )
+        constraint = _schema_constraint("response_format.json_schema.schema", spec["schema"])
+        return Constraint("json_schema", constraint.source, strict=bool(spec.get("strict")))
+    raise InvalidRequest(
+        f"response_format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'"
+    )
+
+
+def _schema_constraint(field: str, schema: Any) -> Constraint:
+    if isinstance(schema, str):
+        try:
+            schema = orjson.loads(schema)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"{field}: not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{field}: a JSON schema must be an object")
+    return Constraint("json_schema", orjson.dumps(schema).decode())
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise InvalidRequest("logprobs: not supported by this server")
-        if self.echo:
-            raise InvalidRequest("echo: not supported by this server")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest(
+                "echo: not supported together with logprobs (prompt logprobs are not "
+                "computed); use one or the other"
+            )
         if self.best_of not in (None, 1):
             raise InvalidRequest("best_of: only 1 is supported")
         if self.suffix:
@@ -129,19 +209,20 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise InvalidRequest("logprobs: not supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs: only allowed when logprobs is true")
         if self.tools:
             raise InvalidRequest("tools: tool calling is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequest("response_format: only {'type': 'text'} is supported")
+
+    def wanted_logprobs(self) -> int | None:
+        """None, or how many alternatives each token's logprobs list."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -191,7 +272,9 @@ def parse(body: bytes, schema: type[_Request]) -> Any:
         request = schema.model_validate(data)
     except ValidationError as exc:
         problem = exc.errors()[0]
-        field = ".".join(str(part) for part in problem["loc"]) or "body"
+        # A union's member ("dict[str,any]", "str") is pydantic's, not a field: drop it.
+        parts = [str(p) for p in problem["loc"] if not _UNION_MEMBER.match(str(p))]
+        field = ".".join(parts) or "body"
         raise InvalidRequest(f"{field}: {problem['msg']}") from None
     if isinstance(request, _Sampling | EmbeddingRequest):
         validate_model_name(request.model, "model")
@@ -220,25 +303,64 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+# One token's logprobs as the routes hand them over: (token text, its bytes, logprob,
+# [(alternative's text, its bytes, logprob), ...] most likely first).
+Alternative = tuple[str, bytes, float]
+LogprobEntry = tuple[str, bytes, float, list[Alternative]]
+
+
+def chat_logprobs(entries: list[LogprobEntry] | None) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs``: ``{"content": [...], "refusal": None}``."""
+    if entries is None:
+        return None
+    content = [
+        {"token": token, "logprob": logprob, "bytes": list(raw),
+         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in top]}
+        for token, raw, logprob, top in entries
+    ]  # fmt: skip
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: list[LogprobEntry] | None, offset: int) -> dict[str, Any] | None:
+    """A completion choice's legacy ``logprobs``; ``offset``: characters before the first."""
+    if entries is None:
+        return None
+    offsets = []
+    for token, *_ in entries:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": [token for token, *_ in entries],
+        "token_logprobs": [logprob for _, _, logprob, _ in entries],
+        "top_logprobs": [{t: lp for t, _, lp in top} for *_, top in entries],
+        "text_offset": offsets,
+    }
+
+
+# A choice as the routes hand it over: (text, finish_reason, logprob entries or None).
+Choice = tuple[str, str, "list[LogprobEntry] | None"]
+
+
 def completion(
-    rid: str, created: int, model: str, texts: list[tuple[str, str]], use: dict[str, int]
+    rid: str, created: int, model: str, texts: list[Choice], use: dict[str, int]
 ) -> bytes:
-    """A text_completion; ``texts`` holds (text, finish_reason) per choice."""
+    """A text_completion, one choice per item of ``texts``."""
     choices = [
-        {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-        for i, (text, reason) in enumerate(texts)
-    ]
+        {"index": i, "text": text, "logprobs": completion_logprobs(entries, 0),
+         "finish_reason": reason}
+        for i, (text, reason, entries) in enumerate(texts)
+    ]  # fmt: skip
     return orjson.dumps({"id": rid, "object": "text_completion", "created": created,
                          "model": model, "choices": choices, "usage": use})  # fmt: skip
 
 
 def chat_completion(
-    rid: str, created: int, model: str, texts: list[tuple[str, str]], use: dict[str, int]
+    rid: str, created: int, model: str, texts: list[Choice], use: dict[str, int]
 ) -> bytes:
     choices = [
         {"index": i, "message": {"role": "assistant", "content": text},
-         "logprobs": None, "finish_reason": reason}
-        for i, (text, reason) in enumerate(texts)
+         "logprobs": chat_logprobs(entries), "finish_reason": reason}
+        for i, (text, reason, entries) in enumerate(texts)
     ]  # fmt: skip
     return orjson.dumps({"id": rid, "object": "chat.completion", "created": created,
                          "model": model, "choices": choices, "usage": use})  # fmt: skip
@@ -253,18 +375,20 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def completion_chunk(
-    rid: str, created: int, model: str, index: int, text: str, reason: str | None
-) -> dict[str, Any]:
+    rid: str, created: int, model: str, index: int, text: str, reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": reason}]}  # fmt: skip
 
 
 def chat_chunk(
-    rid: str, created: int, model: str, index: int, delta: dict[str, str], reason: str | None
-) -> dict[str, Any]:
+    rid: str, created: int, model: str, index: int, delta: dict[str, str], reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": reason}]}  # fmt: skip
 
 

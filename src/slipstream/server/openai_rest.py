@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slipstream.errors import InternalError, ModelNotFound, SlipstreamError
 from slipstream.llm.api import GenerationService, Job
-from slipstream.llm.engine import Engine, SamplingParams
+from slipstream.llm.engine import Engine, SamplingParams, TokenLogprob
 from slipstream.names import path_model_name
 from slipstream.protocol import openai
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
@@ -85,21 +86,29 @@ class OpenAIApp:
         body: openai.CompletionRequest = openai.parse(request.body, openai.CompletionRequest)
         engine = self._llm.engine(body.model)
         prompts = [p if isinstance(p, list) else engine.encode(p) for p in body.prompts()]
-        jobs = self._jobs(engine, body, prompts, body.max_tokens)
-        return await self._respond(body, jobs, arrived, chat=False)
+        jobs = self._jobs(engine, body, prompts, body.max_tokens, body.logprobs)
+        # echo: each choice's text starts with its prompt's.
+        echoes = [engine.decode(job.prompt_ids) for job in jobs] if body.echo else None
+        return await self._respond(body, jobs, arrived, chat=False, echoes=echoes)
 
     async def _chat(self, request: HttpRequest) -> Reply:
         arrived = time.perf_counter()
         body: openai.ChatRequest = openai.parse(request.body, openai.ChatRequest)
         engine = self._llm.engine(body.model)
         prompt = engine.chat_prompt(body.chat())
-        jobs = self._jobs(engine, body, [prompt], body.limit())
+        jobs = self._jobs(engine, body, [prompt], body.limit(), body.wanted_logprobs())
         return await self._respond(body, jobs, arrived, chat=True)
 
     def _jobs(
-        self, engine: Engine, body: Any, prompts: list[list[int]], max_tokens: int | None
+        self,
+        engine: Engine,
+        body: Any,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
     ) -> list[Job]:
         stops = body.stops()
+        constraint, bias = body.constraint(), body.bias()
         jobs: list[Job] = []
         for prompt in prompts:
             limit = max_tokens
@@ -115,30 +124,52 @@ class OpenAIApp:
                     top_k=max(body.top_k, 0),
                     seed=seed,
                     ignore_eos=body.ignore_eos,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    logit_bias=bias,
+                    logprobs=logprobs,
+                    constraint=constraint,
                 )
                 jobs.append(Job(len(jobs), prompt, params, stops))
         return jobs
 
-    async def _respond(self, body: Any, jobs: list[Job], arrived: float, chat: bool) -> Reply:
-        self._llm.admit(body.model, jobs)
+    async def _respond(
+        self,
+        body: Any,
+        jobs: list[Job],
+        arrived: float,
+        chat: bool,
+        echoes: list[str] | None = None,
+    ) -> Reply:
+        engine = self._llm.admit(body.model, jobs)
+        pieces = _Pieces(engine) if jobs[0].params.logprobs is not None else None
         rid = openai.new_id("chatcmpl" if chat else "cmpl")
         created = openai.now()
         prompt_tokens = sum(len(job.prompt_ids) for job in jobs[:: body.n])
         stream = self._llm.generate(body.model, jobs, arrived)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _events(stream, rid, created, body.model, len(jobs), prompt_tokens,
-                             chat, include_usage)  # fmt: skip
+            head = _Stream(rid, created, body.model, chat, include_usage, pieces)
+            events = _events(stream, head, len(jobs), prompt_tokens, echoes)
             return StreamingResponse(200, events)
-        texts = [[""] for _ in jobs]
+        texts = [[echo] for echo in echoes] if echoes else [[""] for _ in jobs]
         reasons = ["stop"] * len(jobs)
         completion_tokens = [0] * len(jobs)
+        entries: list[list[openai.LogprobEntry] | None] = [
+            [] if pieces is not None else None for _ in jobs
+        ]
         async for index, delta in stream:
             texts[index].append(delta.text)
             completion_tokens[index] = delta.completion_tokens
+            if pieces is not None:
+                entries[index] = [*(entries[index] or []), *pieces.entries(delta.logprobs)]
             if delta.finish_reason is not None:
                 reasons[index] = delta.finish_reason
-        choices = [("".join(parts), reason) for parts, reason in zip(texts, reasons, strict=True)]
+        choices = [
+            ("".join(parts), reason, logprobs)
+            for parts, reason, logprobs in zip(texts, reasons, entries, strict=True)
+        ]
         use = openai.usage(prompt_tokens, sum(completion_tokens))
         build = openai.chat_completion if chat else openai.completion
         return HttpResponse(200, build(rid, created, body.model, choices, use))
@@ -152,40 +183,79 @@ class OpenAIApp:
         return HttpResponse(200, reply)
 
 
+class _Pieces:
+    """Token ids to the (text, bytes) OpenAI's logprobs show, remembered per engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._known: dict[int, tuple[str, bytes]] = {}
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        known = self._known.get(token_id)
+        if known is None:
+            raw = self._engine.token_bytes(token_id)
+            known = self._known[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return known
+
+    def entries(self, logprobs: Sequence[TokenLogprob]) -> list[openai.LogprobEntry]:
+        out: list[openai.LogprobEntry] = []
+        for item in logprobs:
+            text, raw = self.piece(item.token_id)
+            top = [(*self.piece(token), logprob) for token, logprob in item.top]
+            out.append((text, raw, item.logprob, top))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Stream:
+    """What every event of one streamed response repeats."""
+
+    rid: str
+    created: int
+    model: str
+    chat: bool
+    include_usage: bool
+    pieces: _Pieces | None
+
+
 async def _events(
     stream: AsyncIterator[tuple[int, Any]],
-    rid: str,
-    created: int,
-    model: str,
+    head: _Stream,
     choices: int,
     prompt_tokens: int,
-    chat: bool,
-    include_usage: bool,
+    echoes: list[str] | None,
 ) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed completion: role first, reason last, [DONE]."""
-    extra = {"usage": None} if include_usage else {}
+    rid, created, model, chat, pieces = head.rid, head.created, head.model, head.chat, head.pieces
+    extra = {"usage": None} if head.include_usage else {}
     if chat:
         for index in range(choices):
             role = openai.chat_chunk(
                 rid, created, model, index, {"role": "assistant", "content": ""}, None
             )
             yield openai.sse(role | extra)
+    for index, echo in enumerate(echoes or []):
+        yield openai.sse(openai.completion_chunk(rid, created, model, index, echo, None) | extra)
     completion_tokens = [0] * choices
+    # Characters sent so far per choice: the legacy logprobs' text_offset counts from it.
+    offsets = [len(echo) for echo in echoes] if echoes else [0] * choices
     try:
         async for index, delta in stream:
             completion_tokens[index] = delta.completion_tokens
+            entries = pieces.entries(delta.logprobs) if pieces is not None else None
             if chat:
-                if delta.text:
-                    chunk = openai.chat_chunk(
-                        rid, created, model, index, {"content": delta.text}, None
-                    )
+                if delta.text or entries:
+                    chunk = openai.chat_chunk(rid, created, model, index, {"content": delta.text},
+                                              None, openai.chat_logprobs(entries))  # fmt: skip
                     yield openai.sse(chunk | extra)
                 if delta.finish_reason is not None:
                     last = openai.chat_chunk(rid, created, model, index, {}, delta.finish_reason)
                     yield openai.sse(last | extra)
             else:
+                logprobs = openai.completion_logprobs(entries, offsets[index])
+                offsets[index] += sum(len(text) for text, *_ in entries or [])
                 chunk = openai.completion_chunk(rid, created, model, index, delta.text,
-                                                delta.finish_reason)  # fmt: skip
+                                                delta.finish_reason, logprobs)  # fmt: skip
                 yield openai.sse(chunk | extra)
     except SlipstreamError as exc:
         yield openai.error_event(exc)
@@ -194,7 +264,7 @@ async def _events(
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()
-    if include_usage:
+    if head.include_usage:
         obj = "chat.completion.chunk" if chat else "text_completion"
         use = openai.usage(prompt_tokens, sum(completion_tokens))
         yield openai.usage_chunk(rid, created, model, obj, use)

@@ -1,0 +1,226 @@
+"""Choosing each sequence's next token on llama.cpp: sampler chains, grammars, logprobs.
+
+One :class:`SequenceSampler` per sequence. Its chain of llama.cpp samplers applies, in
+llama.cpp's own order: the repetition penalty (over prompt and output), the frequency
+and presence penalties (over the output, as OpenAI defines them), the logit bias, then
+greedy, or temperature, top-k, top-p and a seeded draw.
+
+A sequence that asks for nothing more is sampled by ``llama_sampler_sample`` straight
+from the context's logits. One with a constraint or logprobs copies its row of logits
+once. A constraint is an llguidance matcher (JSON schemas, regular expressions, choices,
+GBNF grammars), checked the way llama-server checks its grammars: on the token the chain
+chose alone first (one token through the matcher, cheap); only when the matcher refuses
+it is the vocabulary masked (llguidance's bitmask) and the choice made again. Logprobs
+are a log-softmax of the logits after the same penalties, bias and temperature, in
+numpy, paid only by the requests that ask.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from slipstream.errors import InvalidRequest
+from slipstream.llm.engine import SamplingParams, TokenLogprob
+from slipstream.types import Constraint
+
+# llama_token_data as numpy sees it: id, logit, p.
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+
+
+def compile_constraint(constraint: Constraint) -> str:
+    """The llguidance grammar of a constraint; InvalidRequest naming the field if bad."""
+    from llguidance import LLMatcher, grammar_from
+
+    field = constraint_field(constraint)
+    try:
+        if constraint.kind in ("json_object", "json_schema"):
+            schema = json.loads(constraint.source or '{"type": "object"}')
+            if constraint.strict:
+                schema = _closed(schema)
+            grammar = LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_STYLE)
+        elif constraint.kind == "choice":
+            grammar = grammar_from("choice", json.dumps(list(constraint.choices)))
+        elif constraint.kind == "regex":
+            grammar = grammar_from("regex", constraint.source)
+        else:
+            grammar = grammar_from("gbnf", constraint.source)
+    except ValueError as exc:
+        raise InvalidRequest(f"{field}: {exc}") from None
+    problem = LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise InvalidRequest(f"{field}: {problem.strip()}")
+    return str(grammar)
+
+
+# JSON as OpenAI's structured outputs write it: one space after separators, no free
+# whitespace (a small model given free whitespace can pad until max_tokens).
+_JSON_STYLE: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _closed(schema: Any) -> Any:
+    """OpenAI's strict mode: every object schema without additionalProperties gets false."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if closed.get("type") == "object" or "properties" in closed:
+        closed.setdefault("additionalProperties", False)
+    return closed
+
+
+# The request field a constraint of each kind came from, for error messages.
+_FIELDS = {"json_schema": "response_format", "json_object": "response_format",
+           "choice": "guided_choice", "regex": "guided_regex", "gbnf": "grammar"}  # fmt: skip
+
+
+def constraint_field(constraint: Constraint) -> str:
+    """The request field a constraint came from, for error messages."""
+    return _FIELDS[constraint.kind]
+
+
+def build_tokenizer(lib: Any, vocab: Any) -> Any:
+    """llguidance's view of a GGUF vocabulary (about a second: build once per model)."""
+    from llguidance.llamacpp import lltokenizer_from_vocab
+
+    n_vocab = int(lib.llama_vocab_n_tokens(vocab))
+    ends = [token for token in range(n_vocab) if lib.llama_vocab_is_eog(vocab, token)]
+    return lltokenizer_from_vocab(vocab, eos_token=ends or None)
+
+
+class SequenceSampler:
+    """The next-token choice of one sequence; see the module docstring."""
+
+    def __init__(
+        self,
+        lib: Any,
+        vocab: Any,
+        params: SamplingParams,
+        prompt: list[int],
+        matcher: Any = None,
+    ) -> None:
+        self._lib = lib
+        self._params = params
+        self.n_vocab = int(lib.llama_vocab_n_tokens(vocab))
+        # An llguidance LLMatcher when the output is constrained.
+        self._matcher = matcher
+        self.chain = self._build_chain(prompt, len(prompt) + params.max_tokens)
+        # Kept only when logprobs need them: the penalties' view of the history.
+        self._prompt_tokens = np.unique(prompt) if params.logprobs is not None else None
+        self._output_counts: Counter[int] = Counter()
+
+    def _build_chain(self, prompt: list[int], max_len: int) -> Any:
+        lib, params = self._lib, self._params
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        add = lib.llama_sampler_chain_add
+        if params.repetition_penalty != 1.0:
+            repeat = lib.llama_sampler_init_penalties(
+                self.n_vocab, max_len, params.repetition_penalty, 0.0, 0.0
+            )
+            for token in prompt:  # the prompt counts as history for this one only
+                lib.llama_sampler_accept(repeat, token)
+            add(chain, repeat)
+        if params.frequency_penalty or params.presence_penalty:
+            add(chain, lib.llama_sampler_init_penalties(
+                self.n_vocab, max_len, 1.0, params.frequency_penalty, params.presence_penalty
+            ))  # fmt: skip
+        if params.logit_bias:
+            biases = (lib.llama_logit_bias * len(params.logit_bias))(
+                *(lib.llama_logit_bias(token, bias) for token, bias in params.logit_bias)
+            )
+            add(chain, lib.llama_sampler_init_logit_bias(self.n_vocab, len(biases), biases))
+        if params.greedy:
+            add(chain, lib.llama_sampler_init_greedy())
+            return chain
+        # OpenAI's order, as the transformers engine applies it: temperature, then the
+        # top-k and top-p cuts on the tempered distribution, then the draw.
+        if params.temperature != 1.0:
+            add(chain, lib.llama_sampler_init_temp(params.temperature))
+        if params.top_k > 0:
+            add(chain, lib.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
+        seed = lib.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
+        add(chain, lib.llama_sampler_init_dist(seed))
+        return chain
+
+    def free(self) -> None:
+        if self.chain:
+            self._lib.llama_sampler_free(self.chain)
+            self.chain = None
+
+    @property
+    def finished(self) -> bool:
+        """The constraint is complete: nothing but the end of the text may follow."""
+        return self._matcher is not None and bool(self._matcher.is_stopped())
+
+    # -- one step --------------------------------------------------------------------------
+
+    def sample(self, context: Any, index: int) -> tuple[int, TokenLogprob | None]:
+        """The next token from row ``index`` of the last decode's logits (and its logprob)."""
+        lib, params, matcher = self._lib, self._params, self._matcher
+        if matcher is None and params.logprobs is None:
+            return int(lib.llama_sampler_sample(self.chain, context, index)), None
+        row = np.ctypeslib.as_array(lib.llama_get_logits_ith(context, index), (self.n_vocab,))
+        logits = row.copy()  # [n_vocab]: the context reuses its buffer next step
+        token = self._choose(logits)
+        if matcher is not None and matcher.validate_tokens([token]) != 1:
+            token = self._choose(np.where(self._allowed(), logits, -np.inf))
+        lib.llama_sampler_accept(self.chain, token)
+        if matcher is not None and not matcher.consume_token(token):
+            raise RuntimeError(f"the constraint refused its own token: {matcher.get_error()}")
+        logprob = self._logprob(logits, token) if params.logprobs is not None else None
+        self._output_counts[token] += 1
+        return token, logprob
+
+    def _choose(self, logits: np.ndarray) -> int:
+        lib = self._lib
+        data = np.empty(self.n_vocab, _TOKEN_DATA)
+        data["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        data["logit"] = logits
+        data["p"] = 0.0
+        candidates = lib.llama_token_data_array(
+            data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data)), self.n_vocab, -1, False
+        )
+        lib.llama_sampler_apply(self.chain, ctypes.byref(candidates))
+        return int(candidates.data[candidates.selected].id)
+
+    def _allowed(self) -> np.ndarray:
+        """[n_vocab] bool: the tokens the constraint allows next."""
+        words = np.zeros((self.n_vocab + 31) // 32, np.int32)  # one bit a token
+        self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        return bits[: self.n_vocab].astype(bool)
+
+    def _logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
+        params = self._params
+        scores = logits.astype(np.float64)  # [n_vocab]
+        if params.repetition_penalty != 1.0 and self._prompt_tokens is not None:
+            seen = np.union1d(self._prompt_tokens, np.fromiter(self._output_counts, np.int64))
+            values = scores[seen]
+            scores[seen] = np.where(
+                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+            )
+        if self._output_counts and (params.frequency_penalty or params.presence_penalty):
+            ids = np.fromiter(self._output_counts, np.int64)
+            counts = np.fromiter(self._output_counts.values(), np.float64)
+            scores[ids] -= counts * params.frequency_penalty + params.presence_penalty
+        for biased, bias in params.logit_bias:
+            scores[biased] += bias
+        if not params.greedy:
+            scores /= params.temperature
+        top = scores.max()
+        log_total = top + math.log(float(np.exp(scores - top).sum()))
+        wanted = params.logprobs or 0
+        best: tuple[tuple[int, float], ...] = ()
+        if wanted:
+            ids = np.argpartition(-scores, wanted)[:wanted]
+            ids = ids[np.argsort(-scores[ids], kind="stable")]
+            best = tuple((int(i), float(scores[i] - log_total)) for i in ids)
+        return TokenLogprob(token, float(scores[token] - log_total), best)

