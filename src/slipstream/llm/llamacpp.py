@@ -29,26 +29,23 @@ Text: tokens and chat templates come from the GGUF file itself (the Jinja templa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import threading
-import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slipstream.errors import InternalError, InvalidRequest, Unavailable
+from slipstream.errors import InvalidRequest, Unavailable
 from slipstream.llm.chat_template import ChatTemplate
-from slipstream.llm.engine import CacheStats, Engine, EngineStep, FinishReason, SamplingParams
+from slipstream.llm.engine import CacheStats, Engine, EngineStep, SamplingParams
 from slipstream.llm.llamacpp_sampling import (
     SequenceSampler,
     build_tokenizer,
     compile_constraint,
     constraint_field,
 )
+from slipstream.llm.llamacpp_scheduler import LlamaRuntime, LlamaSequence, Scheduler
 from slipstream.types import Constraint
 
 if TYPE_CHECKING:
@@ -117,7 +114,17 @@ class LlamaCppEngine(Engine):
         # llguidance's view of the vocabulary, built by the first constrained request.
         self._lltokenizer: Any = None
         self._tokenizer_lock = asyncio.Lock()
-        self._scheduler = _Scheduler(self)
+        runtime = LlamaRuntime(
+            lib,
+            context,
+            self._memory,
+            self._batch,
+            settings,
+            self.cache_tokens,
+            self.slots,
+            self.is_end,
+        )
+        self._scheduler = Scheduler(runtime)
         self._thread = threading.Thread(
             target=self._scheduler.run, name="slipstream-llama-cpp", daemon=True
         )
@@ -237,7 +244,7 @@ class LlamaCppEngine(Engine):
         if params.constraint is not None:
             matcher = await self._matcher(params.constraint)
         sampler = SequenceSampler(self._lib, self._vocab, params, prompt_ids, matcher)
-        sequence = _Sequence(list(prompt_ids), params, loop, asyncio.Queue(), sampler=sampler)
+        sequence = LlamaSequence(list(prompt_ids), params, loop, asyncio.Queue(), sampler=sampler)
         self._scheduler.submit(sequence)
         finished = False
         try:
@@ -285,335 +292,6 @@ class LlamaCppEngine(Engine):
         lib.llama_batch_free(self._batch)
         lib.llama_free(self._context)
         lib.llama_model_free(self._model)
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """One request's sequence, from submission to its last token."""
-
-    prompt: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[EngineStep | BaseException]
-    slot: int = -1
-    # Tokens whose keys and values are in the cache under this slot.
-    cached: list[int] = field(default_factory=list)
-    # The sampled token not yet fed back (its KV is written by the next step).
-    pending: int = -1
-    generated: int = 0
-    sampler: SequenceSampler | None = None
-    cancelled: bool = False
-
-
-@dataclass
-class _Slot:
-    """A sequence id of the context: running a sequence, or idle holding a cached prefix."""
-
-    index: int
-    tokens: list[int] = field(default_factory=list)
-    sequence: _Sequence | None = None
-    # For least-recently-used eviction of idle slots.
-    released_at: float = 0.0
-
-
-class _Scheduler:
-    """The step loop and its state; every field below ``_lock`` is the loop thread's."""
-
-    def __init__(self, engine: LlamaCppEngine) -> None:
-        self._engine = engine
-        self._lib = engine._lib
-        self._lock = threading.Condition()
-        self._submitted: deque[_Sequence] = deque()
-        self._cancelled: list[_Sequence] = []
-        self.stopping = False
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
-        self._slots = [_Slot(i) for i in range(engine.slots)]
-        self._prefix_queries = 0
-        self._prefix_hits = 0
-
-    # -- called from the event loop ------------------------------------------------------
-
-    def submit(self, sequence: _Sequence) -> None:
-        with self._lock:
-            self._submitted.append(sequence)
-            self._lock.notify()
-
-    def cancel(self, sequence: _Sequence) -> None:
-        with self._lock:
-            sequence.cancelled = True
-            self._cancelled.append(sequence)
-            self._lock.notify()
-
-    def stop(self) -> None:
-        with self._lock:
-            self.stopping = True
-            self._lock.notify()
-
-    def waiting_count(self) -> int:
-        return len(self._submitted) + len(self._waiting)
-
-    def stats(self) -> CacheStats:
-        """Cells of running sequences count as used; an idle slot's cached prefix counts as
-        free (it is evicted whenever the room is needed), as vLLM counts cached blocks."""
-        # Read without the loop's lock: a snapshot, off by a step at most.
-        running = [slot.sequence for slot in list(self._slots) if slot.sequence is not None]
-        reserved = sum(len(s.prompt) + s.params.max_tokens for s in running)
-        cached = sum(len(s.cached) for s in running)
-        return CacheStats(
-            block_size=1,
-            blocks_total=self._engine.cache_tokens,
-            blocks_used=reserved,
-            tokens_cached=min(cached, reserved),
-            running=len(running),
-            waiting=self.waiting_count(),
-            prefix_cache_queries=self._prefix_queries,
-            prefix_cache_hits=self._prefix_hits,
-        )
-
-    def slot_tokens(self, slot: int) -> list[int]:
-        return self._slots[slot].tokens
-
-    def free_samplers(self) -> None:
-        for sequence in [*self._waiting, *self._running, *self._submitted]:
-            self._free_sampler(sequence)
-
-    # -- the loop thread -----------------------------------------------------------------
-
-    def run(self) -> None:
-        while True:
-            with self._lock:
-                while not (self.stopping or self._submitted or self._cancelled) and not (
-                    self._running or self._waiting
-                ):
-                    self._lock.wait()
-                if self.stopping:
-                    break
-                self._waiting.extend(self._submitted)
-                self._submitted.clear()
-                cancelled, self._cancelled = self._cancelled, []
-            deliveries: list[tuple[_Sequence, EngineStep | BaseException]] = []
-            for sequence in cancelled:
-                self._drop(sequence)
-            self._schedule()
-            if self._running:
-                try:
-                    self._step(deliveries)
-                except Exception as exc:
-                    logger.exception("llama.cpp step failed")
-                    for sequence in list(self._running):
-                        deliveries.append((sequence, InternalError(f"generation failed: {exc}")))
-                        self._finish(sequence)
-            self._deliver(deliveries)
-        self._fail_all(Unavailable("the generation engine stopped", retry_after_s=5))
-
-    def _fail_all(self, error: Unavailable) -> None:
-        with self._lock:
-            self._waiting.extend(self._submitted)
-            self._submitted.clear()
-        deliveries: list[tuple[_Sequence, EngineStep | BaseException]] = []
-        for sequence in [*self._running, *self._waiting]:
-            deliveries.append((sequence, error))
-        self._deliver(deliveries)
-
-    def _deliver(self, deliveries: list[tuple[_Sequence, EngineStep | BaseException]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[Callable[[], None]]] = {}
-        for sequence, item in deliveries:
-            by_loop.setdefault(sequence.loop, []).append(
-                _putter(sequence.outputs, item),
-            )
-        for loop, puts in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that event loop has closed
-                loop.call_soon_threadsafe(_run_all, puts)
-
-    # -- scheduling ----------------------------------------------------------------------
-
-    def _reserved(self) -> int:
-        """Cache cells running sequences may grow into plus those idle slots hold."""
-        total = 0
-        for slot in self._slots:
-            sequence = slot.sequence
-            if sequence is None:
-                total += len(slot.tokens)
-            else:
-                total += len(sequence.prompt) + sequence.params.max_tokens
-        return total
-
-    def _schedule(self) -> None:
-        """Give waiting sequences (first come, first served) a slot while the cache has room."""
-        while self._waiting:
-            sequence = self._waiting[0]
-            if sequence.cancelled:
-                self._waiting.popleft()
-                continue
-            if not self._place(sequence):
-                return
-            self._waiting.popleft()
-            self._running.append(sequence)
-
-    def _place(self, sequence: _Sequence) -> bool:
-        lib, memory = self._lib, self._engine._memory
-        prompt = sequence.prompt
-        need = len(prompt) + sequence.params.max_tokens
-        idle = [slot for slot in self._slots if slot.sequence is None]
-        if not idle:
-            return False
-        # The longest cached prefix anywhere (idle or running), at most all but the last
-        # prompt token: that one is read again for the logits of the first new token.
-        source, common = None, 0
-        for slot in self._slots if self._engine._settings.prefix_caching else ():
-            shared = _common_prefix(slot.tokens, prompt, len(prompt) - 1)
-            if shared > common:
-                source, common = slot, shared
-        # Run in the source slot itself when it is idle, else in the emptiest idle slot.
-        if source is not None and source.sequence is None:
-            target = source
-        else:
-            target = min(idle, key=lambda slot: (len(slot.tokens) > 0, slot.released_at))
-        free = self._engine.cache_tokens - self._reserved() + len(target.tokens)
-        evictable = sorted(
-            (slot for slot in idle if slot is not target and slot is not source and slot.tokens),
-            key=lambda slot: slot.released_at,
-        )
-        while free < need and evictable:
-            victim = evictable.pop(0)
-            free += len(victim.tokens)
-            lib.llama_memory_seq_rm(memory, victim.index, -1, -1)
-            victim.tokens = []
-        if free < need:
-            if source is not None and source is not target and source.sequence is None:
-                # The source's cells would be shared, not freed: count them out as well.
-                free += len(source.tokens)
-                if free >= need:
-                    lib.llama_memory_seq_rm(memory, source.index, -1, -1)
-                    source.tokens, source, common = [], None, 0
-            if free < need:
-                return False
-        if source is target:
-            lib.llama_memory_seq_rm(memory, target.index, common, -1)
-        else:
-            lib.llama_memory_seq_rm(memory, target.index, -1, -1)
-            if source is not None and common:
-                lib.llama_memory_seq_cp(memory, source.index, target.index, 0, common)
-        self._prefix_queries += len(prompt)
-        self._prefix_hits += common
-        target.tokens = prompt[:common]
-        target.sequence = sequence
-        sequence.slot = target.index
-        sequence.cached = target.tokens
-        return True
-
-    def _free_sampler(self, sequence: _Sequence) -> None:
-        if sequence.sampler is not None:
-            sequence.sampler.free()
-            sequence.sampler = None
-
-    def _drop(self, sequence: _Sequence) -> None:
-        if sequence in self._running:
-            self._finish(sequence)
-        else:
-            self._free_sampler(sequence)
-
-    def _finish(self, sequence: _Sequence) -> None:
-        """Release the sequence's slot; its cached tokens stay for prefix reuse."""
-        self._running.remove(sequence)
-        slot = self._slots[sequence.slot]
-        slot.sequence = None
-        slot.released_at = time.monotonic()
-        if not self._engine._settings.prefix_caching:
-            self._lib.llama_memory_seq_rm(self._engine._memory, slot.index, -1, -1)
-            slot.tokens = []
-        self._free_sampler(sequence)
-
-    # -- one step ------------------------------------------------------------------------
-
-    def _step(self, deliveries: list[tuple[_Sequence, EngineStep | BaseException]]) -> None:
-        engine, lib = self._engine, self._lib
-        batch = engine._batch
-        budget = engine._settings.max_batch_tokens
-        count = 0
-        outputs: list[tuple[_Sequence, int]] = []
-        # Decoding sequences first (one token each), then prompt chunks in arrival order.
-        for sequence in self._running:
-            if sequence.pending >= 0 and count < budget:
-                _add(batch, count, sequence.pending, len(sequence.cached), sequence.slot, True)
-                sequence.cached.append(sequence.pending)
-                sequence.pending = -1
-                outputs.append((sequence, count))
-                count += 1
-        for sequence in self._running:
-            if count >= budget:
-                break
-            if sequence.pending >= 0 or sequence.generated:
-                continue
-            start = len(sequence.cached)
-            end = min(len(sequence.prompt), start + budget - count)
-            for position in range(start, end):
-                last = position == len(sequence.prompt) - 1
-                _add(batch, count, sequence.prompt[position], position, sequence.slot, last)
-                if last:
-                    outputs.append((sequence, count))
-                count += 1
-            sequence.cached.extend(sequence.prompt[start:end])
-        batch.n_tokens = count
-        if count == 0:
-            return
-        status = lib.llama_decode(engine._context, batch)
-        if status != 0:
-            raise RuntimeError(f"llama_decode returned {status}")
-        for sequence, index in outputs:
-            assert sequence.sampler is not None  # freed only once the sequence is done
-            token, logprob = sequence.sampler.sample(engine._context, index)
-            sequence.generated += 1
-            reason: FinishReason | None = None
-            if not sequence.params.ignore_eos and (
-                engine.is_end(token) or sequence.sampler.finished
-            ):
-                reason = "stop"
-            elif sequence.generated >= sequence.params.max_tokens:
-                reason = "length"
-            deliveries.append(
-                (sequence, EngineStep((token,), reason, None if logprob is None else (logprob,)))
-            )
-            if reason is None:
-                sequence.pending = token
-            else:
-                self._finish(sequence)
-
-
-def _add(batch: Any, index: int, token: int, position: int, slot: int, logits: bool) -> None:
-    batch.token[index] = token
-    batch.pos[index] = position
-    batch.n_seq_id[index] = 1
-    batch.seq_id[index][0] = slot
-    batch.logits[index] = logits
-
-
-def _common_prefix(cached: list[int], prompt: list[int], limit: int) -> int:
-    n = min(len(cached), limit)
-    if n <= 0 or cached[0] != prompt[0]:
-        return 0
-    if cached[:n] == prompt[:n]:
-        return n
-    low, high = 1, n  # cached[:low] matches; cached[:high] does not
-    while high - low > 1:
-        middle = (low + high) // 2
-        if cached[:middle] == prompt[:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
-
-
-def _putter(
-    queue: asyncio.Queue[EngineStep | BaseException], item: EngineStep | BaseException
-) -> Callable[[], None]:
-    return lambda: queue.put_nowait(item)
-
-
-def _run_all(calls: list[Callable[[], None]]) -> None:
-    for call in calls:
-        call()
 
 
 # -- loading ---------------------------------------------------------------------------
