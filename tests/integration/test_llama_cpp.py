@@ -60,6 +60,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
         "smol_small": {"num_blocks": SMALL_CACHE // 16, "block_size": 16, "max_queue_size": 8},
         "smol_queue": {"num_blocks": 16, "block_size": 16, "max_num_seqs": 1,
                        "max_queue_size": 1},
+        # One sequence at a time from an empty cache: every run computes the same way.
+        "smol_alone": {"num_blocks": 16, "block_size": 16, "max_num_seqs": 1,
+                       "max_queue_size": 8, "prefix_caching": False},
     }  # fmt: skip
     for name, settings in generation.items():
         (repo / name / "1").mkdir(parents=True)
@@ -163,7 +166,8 @@ def complete_ids(client: openai.OpenAI, model: str, prompt: list[int], max_token
 
 
 def test_models_lists_the_gguf_models_and_not_the_broken_file(client: openai.OpenAI) -> None:
-    assert sorted(m.id for m in client.models.list().data) == ["smol", "smol_queue", "smol_small"]
+    served = sorted(m.id for m in client.models.list().data)
+    assert served == ["smol", "smol_alone", "smol_queue", "smol_small"]
 
 
 def test_greedy_completion_matches_llama_cpp_alone(client: openai.OpenAI, alone: Any) -> None:
@@ -275,7 +279,10 @@ def test_stop_sequence_ends_the_text_before_it(client: openai.OpenAI) -> None:
 
 
 def test_seeded_sampling_is_reproducible_and_n_fans_out(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = {"model": "smol", "prompt": "My favourite colour is",
+    """The draw depends only on the seed, given the same logits: on a model that runs
+    each sequence alone from an empty cache (elsewhere a cached prefix or a shared step
+    moves logits by a few hundredths, which can move a draw across a boundary)."""
+    kwargs: dict[str, Any] = {"model": "smol_alone", "prompt": "My favourite colour is",
                               "max_tokens": 12, "seed": 11, "temperature": 1.0, "top_p": 0.95,
                               "extra_body": {"ignore_eos": True, "top_k": 40}}  # fmt: skip
     first = client.completions.create(**kwargs, n=3)
@@ -366,12 +373,12 @@ def test_a_client_that_disconnects_frees_its_sequence(server: RemoteServer) -> N
 
 
 def test_llama_cpp_models_share_the_cores(server: RemoteServer) -> None:
-    """Five llama.cpp models configured in one process (two of them fail to load): each
-    gets a fifth of the cores, at least one thread."""
+    """Six llama.cpp models configured in one process (two of them fail to load): each
+    gets a sixth of the cores, at least one thread."""
     cores = len(os.sched_getaffinity(0))
     log = server.log_text()
     threads = [int(n) for n in re.findall(r"llama\.cpp engine: model\.gguf, (\d+) threads", log)]
-    assert threads == [max(1, cores // 5)] * 3
+    assert threads == [max(1, cores // 6)] * 4
 
 
 # -- the repository API ------------------------------------------------------------------

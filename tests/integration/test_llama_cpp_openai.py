@@ -409,3 +409,136 @@ def test_bad_feature_requests_are_400_naming_the_field(
     # The server is unharmed.
     assert httpx.post(server.url("/v1/completions"), json={
         "model": "smol", "prompt": "hi", "max_tokens": 1}).status_code == 200  # fmt: skip
+
+
+# -- tools -----------------------------------------------------------------------------------
+
+
+def _function(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "description": description,
+            "parameters": {"type": "object", "properties": properties,
+                           "required": list(properties)}}}  # fmt: skip
+
+
+_CITY = {"type": "string", "minLength": 1, "maxLength": 24}
+TOOL_SETS: list[tuple[str, list[dict[str, Any]]]] = [
+    ("What is the weather in Paris?", [
+        _function("get_weather", "Current weather in a city", {
+            "city": _CITY, "unit": {"enum": ["C", "F"]}})]),
+    ("Add 2 and 40.", [
+        _function("add", "Add two integers", {"a": {"type": "integer"},
+                                              "b": {"type": "integer"}}),
+        _function("multiply", "Multiply two integers", {"a": {"type": "integer"},
+                                                        "b": {"type": "integer"}})]),
+    ("Book a table for four at 8pm.", [
+        _function("book_table", "Reserve a restaurant table", {
+            "people": {"type": "integer", "minimum": 1, "maximum": 12},
+            "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"}})]),
+    ("Send an email to Ann saying hello.", [
+        _function("send_email", "Send an email", {
+            "to": _CITY, "subject": _CITY, "urgent": {"type": "boolean"}})]),
+    ("Turn the kitchen lights off.", [
+        _function("set_light", "Switch a light", {
+            "room": {"enum": ["kitchen", "hall", "bedroom"]}, "on": {"type": "boolean"}}),
+        _function("set_heating", "Set the heating", {
+            "celsius": {"type": "integer", "minimum": 10, "maximum": 30}})]),
+    ("Find flights from Oslo to Rome.", [
+        _function("search_flights", "Search flights", {
+            "origin": _CITY, "destination": _CITY,
+            "passengers": {"type": "integer", "minimum": 1, "maximum": 9}})]),
+    ("Convert 100 dollars to euros.", [
+        _function("convert", "Convert money", {
+            "amount": {"type": "number", "minimum": 0},
+            "from": {"enum": ["USD", "EUR", "GBP"]}, "to": {"enum": ["USD", "EUR", "GBP"]}})]),
+    ("Remind me to call mum tomorrow.", [
+        _function("create_reminder", "Create a reminder", {
+            "text": _CITY, "day": {"enum": ["today", "tomorrow"]}})]),
+    ("Play some jazz.", [
+        _function("play_music", "Play music", {"genre": _CITY,
+                                               "volume": {"type": "integer", "minimum": 0,
+                                                          "maximum": 10}}),
+        _function("stop_music", "Stop the music", {})]),
+    ("Translate 'cat' to French.", [
+        _function("translate", "Translate a word", {
+            "word": _CITY, "language": {"enum": ["fr", "de", "es"]}})]),
+]  # fmt: skip
+
+
+def test_required_tool_calls_always_validate(server: RemoteServer) -> None:
+    """tool_choice required, ten tool sets at once: every reply is a call of one of the
+    offered functions whose arguments validate against its schema."""
+
+    async def ask(http: httpx.AsyncClient, question: str, tools: list[dict[str, Any]]) -> Any:
+        body = {"model": "smol", "temperature": 0, "max_tokens": 120, "tools": tools,
+                "tool_choice": "required", "parallel_tool_calls": False,
+                "messages": [{"role": "user", "content": question}]}  # fmt: skip
+        reply = await http.post(server.url("/v1/chat/completions"), json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]
+
+    async def run() -> list[Any]:
+        async with httpx.AsyncClient(timeout=180) as http:
+            return await asyncio.gather(*(ask(http, q, tools) for q, tools in TOOL_SETS))
+
+    for (question, tools), choice in zip(TOOL_SETS, asyncio.run(run()), strict=True):
+        assert choice["finish_reason"] == "tool_calls", (question, choice)
+        [call] = choice["message"]["tool_calls"]
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            schemas[call["function"]["name"]])  # fmt: skip
+
+
+def test_a_named_tool_choice_calls_that_function_streamed_or_not(client: openai.OpenAI) -> None:
+    question, tools = TOOL_SETS[1]
+    kwargs: dict[str, Any] = {
+        "model": "smol", "messages": [{"role": "user", "content": question}], "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "multiply"}},
+        "max_tokens": 60, "temperature": 0}  # fmt: skip
+    reply = client.chat.completions.create(**kwargs).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.tool_calls
+    call = reply.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "multiply"
+    assert set(json.loads(call.function.arguments)) == {"a", "b"}
+    deltas = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True)]
+    assert deltas[0].delta.role == "assistant" and deltas[-1].finish_reason == "tool_calls"
+    [streamed] = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
+    assert streamed[0].function and streamed[0].function.name == "multiply"
+    assert streamed[0].function.arguments == call.function.arguments
+
+
+def test_a_conversation_with_calls_and_results_is_answered(client: openai.OpenAI) -> None:
+    question, tools = TOOL_SETS[0]
+    call = {"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}  # fmt: skip
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}
+    asked = {"role": "assistant", "content": None, "tool_calls": [call]}
+    messages: Any = [{"role": "user", "content": question}, asked, result]
+    reply = client.chat.completions.create(
+        model="smol", messages=messages, tools=tools, tool_choice="none", max_tokens=20,
+        temperature=0,
+    )  # fmt: skip
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOL_SETS[0][1], "tool_choice": {"type": "function",
+                                                     "function": {"name": "nope"}}},
+         "tool_choice"),
+        ({"tools": [_function("bad name!", "", {})]}, "tools.0.function.name"),
+        ({"tools": TOOL_SETS[0][1], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400_naming_the_field(
+    server: RemoteServer, extra: dict[str, Any], param: str
+) -> None:
+    body = {"model": "smol", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+            **extra}  # fmt: skip
+    reply = httpx.post(server.url("/v1/chat/completions"), json=body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.json()

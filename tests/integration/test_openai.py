@@ -266,10 +266,10 @@ def test_malformed_json_and_sdk_error_types(server: RemoteServer, client: openai
     assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="required tool calls are not supported"):
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}],
-            tools=[{"type": "function", "function": {"name": "f"}}],
+            tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
         )  # fmt: skip
 
 

@@ -18,6 +18,8 @@ class ChatTemplate:
         environment.globals["raise_exception"] = _raise
         environment.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
         self._template = environment.from_string(source)
+        # Templates that render tools read the `tools` variable.
+        self.knows_tools = "tools" in source
         self._bos, self._eos = bos, eos
 
     @classmethod
@@ -36,10 +38,13 @@ class ChatTemplate:
         eos = text(lib.llama_vocab_eos(vocab))
         return cls(source.decode("utf-8", errors="replace"), bos, eos)
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         return str(
             self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self._bos,
                 eos_token=self._eos,

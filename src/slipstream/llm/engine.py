@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from slipstream.errors import InvalidRequest
 from slipstream.types import Constraint
@@ -124,8 +124,19 @@ class Engine(ABC):
         """Token ids of ``text`` as a completion prompt (special tokens as the model wants)."""
 
     @abstractmethod
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat, rendered by the model's chat template, ready to answer."""
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a chat, rendered by the model's chat template, ready to answer.
+
+        ``tools`` (OpenAI's tool dicts) go to the template's ``tools`` variable; pass them
+        only when :attr:`template_knows_tools`.
+        """
+
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template renders tools and tool calls itself."""
+        return False
 
     @abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -151,8 +162,13 @@ class Engine(ABC):
         ]
         for field, asked in refused:
             if asked:
+                what = (
+                    "structured outputs and required tool calls are"
+                    if field == "response_format"
+                    else "is"
+                )
                 raise InvalidRequest(
-                    f"{field}: not supported by the {self.backend} engine yet "
+                    f"{field}: {what} not supported by the {self.backend} engine yet "
                     "(backend: llama_cpp supports it)"
                 )
 

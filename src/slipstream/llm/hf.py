@@ -77,13 +77,21 @@ class TransformersEngine(Engine):
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    @property
+    def template_knows_tools(self) -> bool:
+        return "tools" in (getattr(self._tokenizer, "chat_template", None) or "")
+
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if not getattr(self._tokenizer, "chat_template", None):
             raise InvalidRequest(
                 "messages: this model has no chat template; use /v1/completions with a prompt"
             )
         try:
-            encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            encoded = self._tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True
+            )
         except Exception as exc:  # jinja raises for roles or orders a template refuses
             raise InvalidRequest(f"messages: the chat template refused them: {exc}") from exc
         ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded

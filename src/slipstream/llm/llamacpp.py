@@ -140,13 +140,15 @@ class LlamaCppEngine(Engine):
     def encode(self, text: str) -> list[int]:
         return self._tokenize(text, add_special=True)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if self._template is None:
             raise InvalidRequest(
                 "messages: this model has no chat template; use /v1/completions with a prompt"
             )
         try:
-            text = self._template.render(messages)
+            text = self._template.render(messages, tools)
         except Exception as exc:  # the template raised for roles or orders it refuses
             raise InvalidRequest(f"messages: the chat template refused them: {exc}") from exc
         # The template writes the special tokens it wants (BOS included) as text.
@@ -178,6 +180,10 @@ class LlamaCppEngine(Engine):
             if written >= 0:
                 return buffer.raw[:written].decode("utf-8", errors="replace")
             capacity = -written
+
+    @property
+    def template_knows_tools(self) -> bool:
+        return self._template is not None and self._template.knows_tools
 
     def token_bytes(self, token_id: int) -> bytes:
         buffer = ctypes.create_string_buffer(64)

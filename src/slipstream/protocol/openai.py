@@ -183,10 +183,25 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str = Field(min_length=1)
+    # JSON text, as OpenAI sends it.
+    arguments: str = "{}"
+
+
+class ToolCallItem(_Request):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant's earlier calls, and a tool message's answer to one of them.
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
 
     def text(self, index: int) -> str:
         content = self.content
@@ -205,20 +220,63 @@ class ChatMessage(_Request):
         return "".join(pieces)
 
 
+# Functions one request may offer.
+MAX_TOOLS = 128
+
+
+class FunctionSpec(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ToolSpec(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Request):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs: only allowed when logprobs is true")
-        if self.tools:
-            raise InvalidRequest("tools: tool calling is not supported by this server")
+        choice = self.choice()
+        if choice not in ("none", "auto") and not self.tools:
+            raise InvalidRequest(f"tool_choice: {choice!r} needs tools")
+        if choice not in ("none", "auto", "required"):
+            names = [tool.function.name for tool in self.tools or []]
+            if choice not in names:
+                raise InvalidRequest(f"tool_choice: no tool named {choice!r} (tools: {names})")
+        if choice not in ("none", "auto") and self.constraint() is not None:
+            raise InvalidRequest(
+                "tool_choice: a required tool call cannot be combined with response_format "
+                "or another constraint"
+            )
+
+    def choice(self) -> str:
+        """'none', 'auto', 'required' or the name of the function to call."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice if isinstance(choice, str) else choice.function.name
 
     def wanted_logprobs(self) -> int | None:
         """None, or how many alternatives each token's logprobs list."""
@@ -227,11 +285,20 @@ class ChatRequest(_Sampling):
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def chat(self) -> list[dict[str, str]]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-            for i, m in enumerate(self.messages)
-        ]
+    def chat(self) -> list[dict[str, Any]]:
+        """The conversation as chat templates take it (OpenAI's message dicts)."""
+        messages: list[dict[str, Any]] = []
+        for index, message in enumerate(self.messages):
+            item: dict[str, Any] = {
+                "role": "system" if message.role == "developer" else message.role,
+                "content": message.text(index),
+            }
+            if message.tool_calls:
+                item["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                item["tool_call_id"] = message.tool_call_id
+            messages.append(item)
+        return messages
 
 
 # Inputs one /v1/embeddings request may carry: OpenAI's own limit.
@@ -354,14 +421,35 @@ def completion(
                          "model": model, "choices": choices, "usage": use})  # fmt: skip
 
 
-def chat_completion(
-    rid: str, created: int, model: str, texts: list[Choice], use: dict[str, int]
-) -> bytes:
-    choices = [
-        {"index": i, "message": {"role": "assistant", "content": text},
-         "logprobs": chat_logprobs(entries), "finish_reason": reason}
-        for i, (text, reason, entries) in enumerate(texts)
+# A tool call as the routes hand it over: (call id, function name, arguments JSON text).
+CallItem = tuple[str, str, str]
+
+
+def tool_calls(calls: list[CallItem]) -> list[dict[str, Any]]:
+    """The ``tool_calls`` of a message (with ``index``, for a streamed delta)."""
+    return [
+        {"index": i, "id": cid, "type": "function",
+         "function": {"name": name, "arguments": arguments}}
+        for i, (cid, name, arguments) in enumerate(calls)
     ]  # fmt: skip
+
+
+def chat_completion(
+    rid: str, created: int, model: str, texts: list[Choice], use: dict[str, int],
+    calls: list[list[CallItem]] | None = None,
+) -> bytes:  # fmt: skip
+    choices = []
+    for i, (text, reason, entries) in enumerate(texts):
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        made = calls[i] if calls else []
+        if made:
+            message["content"] = text or None
+            message["tool_calls"] = [
+                {key: value for key, value in call.items() if key != "index"}
+                for call in tool_calls(made)
+            ]
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(entries),
+                        "finish_reason": reason})  # fmt: skip
     return orjson.dumps({"id": rid, "object": "chat.completion", "created": created,
                          "model": model, "choices": choices, "usage": use})  # fmt: skip
 

@@ -12,17 +12,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slipstream.errors import InternalError, ModelNotFound, SlipstreamError
 from slipstream.llm.api import GenerationService, Job
-from slipstream.llm.engine import Engine, SamplingParams, TokenLogprob
+from slipstream.llm.tools import Tool, call_constraint, plain_messages, template_messages
 from slipstream.names import path_model_name
 from slipstream.protocol import openai
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
+from slipstream.server.openai_generation import (
+    Pieces,
+    StreamHead,
+    build_jobs,
+    collect,
+    read_tool_calls,
+    replay_events,
+    sse_events,
+)
 from slipstream.serving.embeddings import Embedder
 from slipstream.serving.service import InferenceService
 
@@ -86,7 +93,9 @@ class OpenAIApp:
         body: openai.CompletionRequest = openai.parse(request.body, openai.CompletionRequest)
         engine = self._llm.engine(body.model)
         prompts = [p if isinstance(p, list) else engine.encode(p) for p in body.prompts()]
-        jobs = self._jobs(engine, body, prompts, body.max_tokens, body.logprobs)
+        jobs = build_jobs(engine, body, prompts, body.max_tokens,
+                          self._llm.default_max_tokens(body.model), body.logprobs,
+                          body.constraint())  # fmt: skip
         # echo: each choice's text starts with its prompt's.
         echoes = [engine.decode(job.prompt_ids) for job in jobs] if body.echo else None
         return await self._respond(body, jobs, arrived, chat=False, echoes=echoes)
@@ -95,44 +104,24 @@ class OpenAIApp:
         arrived = time.perf_counter()
         body: openai.ChatRequest = openai.parse(request.body, openai.ChatRequest)
         engine = self._llm.engine(body.model)
-        prompt = engine.chat_prompt(body.chat())
-        jobs = self._jobs(engine, body, [prompt], body.limit(), body.wanted_logprobs())
+        choice = body.choice()
+        offered = body.tools or [] if choice != "none" else []
+        tools = [Tool(t.function.name, t.function.description, t.function.parameters)
+                 for t in offered]  # fmt: skip
+        if engine.template_knows_tools:
+            specs = [t.model_dump(exclude_none=True) for t in offered] or None
+            prompt = engine.chat_prompt(template_messages(body.chat()), specs)
+        else:
+            prompt = engine.chat_prompt(plain_messages(body.chat(), tools))
+        constraint = body.constraint()
+        if tools:
+            constraint = call_constraint(tools, choice, body.parallel_tool_calls) or constraint
+        jobs = build_jobs(engine, body, [prompt], body.limit(),
+                          self._llm.default_max_tokens(body.model), body.wanted_logprobs(),
+                          constraint)  # fmt: skip
+        if tools:
+            return await self._respond_with_tools(body, jobs, arrived, tools, choice)
         return await self._respond(body, jobs, arrived, chat=True)
-
-    def _jobs(
-        self,
-        engine: Engine,
-        body: Any,
-        prompts: list[list[int]],
-        max_tokens: int | None,
-        logprobs: int | None,
-    ) -> list[Job]:
-        stops = body.stops()
-        constraint, bias = body.constraint(), body.bias()
-        jobs: list[Job] = []
-        for prompt in prompts:
-            limit = max_tokens
-            if limit is None:  # OpenAI's default: as much as the context leaves, capped
-                room = min(engine.max_model_len, engine.cache_tokens) - len(prompt)
-                limit = max(1, min(self._llm.default_max_tokens(body.model), room))
-            for _ in range(body.n):
-                seed = None if body.seed is None else body.seed + len(jobs)
-                params = SamplingParams(
-                    max_tokens=limit,
-                    temperature=body.temperature,
-                    top_p=body.top_p,
-                    top_k=max(body.top_k, 0),
-                    seed=seed,
-                    ignore_eos=body.ignore_eos,
-                    presence_penalty=body.presence_penalty,
-                    frequency_penalty=body.frequency_penalty,
-                    repetition_penalty=body.repetition_penalty,
-                    logit_bias=bias,
-                    logprobs=logprobs,
-                    constraint=constraint,
-                )
-                jobs.append(Job(len(jobs), prompt, params, stops))
-        return jobs
 
     async def _respond(
         self,
@@ -143,36 +132,37 @@ class OpenAIApp:
         echoes: list[str] | None = None,
     ) -> Reply:
         engine = self._llm.admit(body.model, jobs)
-        pieces = _Pieces(engine) if jobs[0].params.logprobs is not None else None
-        rid = openai.new_id("chatcmpl" if chat else "cmpl")
-        created = openai.now()
+        pieces = Pieces(engine) if jobs[0].params.logprobs is not None else None
+        head = _head(body, chat, pieces)
         prompt_tokens = sum(len(job.prompt_ids) for job in jobs[:: body.n])
         stream = self._llm.generate(body.model, jobs, arrived)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            head = _Stream(rid, created, body.model, chat, include_usage, pieces)
-            events = _events(stream, head, len(jobs), prompt_tokens, echoes)
+            events = sse_events(stream, head, len(jobs), prompt_tokens, echoes)
             return StreamingResponse(200, events)
-        texts = [[echo] for echo in echoes] if echoes else [[""] for _ in jobs]
-        reasons = ["stop"] * len(jobs)
-        completion_tokens = [0] * len(jobs)
-        entries: list[list[openai.LogprobEntry] | None] = [
-            [] if pieces is not None else None for _ in jobs
-        ]
-        async for index, delta in stream:
-            texts[index].append(delta.text)
-            completion_tokens[index] = delta.completion_tokens
-            if pieces is not None:
-                entries[index] = [*(entries[index] or []), *pieces.entries(delta.logprobs)]
-            if delta.finish_reason is not None:
-                reasons[index] = delta.finish_reason
-        choices = [
-            ("".join(parts), reason, logprobs)
-            for parts, reason, logprobs in zip(texts, reasons, entries, strict=True)
-        ]
-        use = openai.usage(prompt_tokens, sum(completion_tokens))
+        collected = await collect(stream, len(jobs), pieces, echoes)
+        use = openai.usage(prompt_tokens, sum(collected.completion_tokens))
         build = openai.chat_completion if chat else openai.completion
-        return HttpResponse(200, build(rid, created, body.model, choices, use))
+        return HttpResponse(
+            200, build(head.rid, head.created, body.model, collected.choices(), use)
+        )
+
+    async def _respond_with_tools(
+        self, body: Any, jobs: list[Job], arrived: float, tools: list[Tool], choice: str
+    ) -> Reply:
+        """Tool calls are read from the whole text, so a streamed answer is sent once it
+        is complete (its events are the ones a stream of it would carry)."""
+        engine = self._llm.admit(body.model, jobs)
+        pieces = Pieces(engine) if jobs[0].params.logprobs is not None else None
+        head = _head(body, True, pieces)
+        prompt_tokens = len(jobs[0].prompt_ids)
+        collected = await collect(self._llm.generate(body.model, jobs, arrived), len(jobs), pieces)
+        read_tool_calls(collected, tools, choice)
+        if body.stream:
+            return StreamingResponse(200, replay_events(collected, head, prompt_tokens))
+        use = openai.usage(prompt_tokens, sum(collected.completion_tokens))
+        reply = openai.chat_completion(head.rid, head.created, body.model, collected.choices(),
+                                       use, collected.calls)  # fmt: skip
+        return HttpResponse(200, reply)
 
     # -- embeddings ----------------------------------------------------------------------
 
@@ -183,92 +173,10 @@ class OpenAIApp:
         return HttpResponse(200, reply)
 
 
-class _Pieces:
-    """Token ids to the (text, bytes) OpenAI's logprobs show, remembered per engine."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._known: dict[int, tuple[str, bytes]] = {}
-
-    def piece(self, token_id: int) -> tuple[str, bytes]:
-        known = self._known.get(token_id)
-        if known is None:
-            raw = self._engine.token_bytes(token_id)
-            known = self._known[token_id] = (raw.decode("utf-8", errors="replace"), raw)
-        return known
-
-    def entries(self, logprobs: Sequence[TokenLogprob]) -> list[openai.LogprobEntry]:
-        out: list[openai.LogprobEntry] = []
-        for item in logprobs:
-            text, raw = self.piece(item.token_id)
-            top = [(*self.piece(token), logprob) for token, logprob in item.top]
-            out.append((text, raw, item.logprob, top))
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class _Stream:
-    """What every event of one streamed response repeats."""
-
-    rid: str
-    created: int
-    model: str
-    chat: bool
-    include_usage: bool
-    pieces: _Pieces | None
-
-
-async def _events(
-    stream: AsyncIterator[tuple[int, Any]],
-    head: _Stream,
-    choices: int,
-    prompt_tokens: int,
-    echoes: list[str] | None,
-) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed completion: role first, reason last, [DONE]."""
-    rid, created, model, chat, pieces = head.rid, head.created, head.model, head.chat, head.pieces
-    extra = {"usage": None} if head.include_usage else {}
-    if chat:
-        for index in range(choices):
-            role = openai.chat_chunk(
-                rid, created, model, index, {"role": "assistant", "content": ""}, None
-            )
-            yield openai.sse(role | extra)
-    for index, echo in enumerate(echoes or []):
-        yield openai.sse(openai.completion_chunk(rid, created, model, index, echo, None) | extra)
-    completion_tokens = [0] * choices
-    # Characters sent so far per choice: the legacy logprobs' text_offset counts from it.
-    offsets = [len(echo) for echo in echoes] if echoes else [0] * choices
-    try:
-        async for index, delta in stream:
-            completion_tokens[index] = delta.completion_tokens
-            entries = pieces.entries(delta.logprobs) if pieces is not None else None
-            if chat:
-                if delta.text or entries:
-                    chunk = openai.chat_chunk(rid, created, model, index, {"content": delta.text},
-                                              None, openai.chat_logprobs(entries))  # fmt: skip
-                    yield openai.sse(chunk | extra)
-                if delta.finish_reason is not None:
-                    last = openai.chat_chunk(rid, created, model, index, {}, delta.finish_reason)
-                    yield openai.sse(last | extra)
-            else:
-                logprobs = openai.completion_logprobs(entries, offsets[index])
-                offsets[index] += sum(len(text) for text, *_ in entries or [])
-                chunk = openai.completion_chunk(rid, created, model, index, delta.text,
-                                                delta.finish_reason, logprobs)  # fmt: skip
-                yield openai.sse(chunk | extra)
-    except SlipstreamError as exc:
-        yield openai.error_event(exc)
-        return
-    finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
-    if head.include_usage:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        use = openai.usage(prompt_tokens, sum(completion_tokens))
-        yield openai.usage_chunk(rid, created, model, obj, use)
-    yield openai.SSE_DONE
+def _head(body: Any, chat: bool, pieces: Pieces | None) -> StreamHead:
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    rid = openai.new_id("chatcmpl" if chat else "cmpl")
+    return StreamHead(rid, openai.now(), body.model, chat, include_usage, pieces)
 
 
 def _openai_error(exc: SlipstreamError) -> HttpResponse:

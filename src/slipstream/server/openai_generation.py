@@ -1,0 +1,220 @@
+"""Generation responses of the OpenAI routes: jobs from a request, the answer collected
+or streamed as server-sent events, logprobs and tool calls in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from slipstream.errors import SlipstreamError
+from slipstream.llm.api import Job
+from slipstream.llm.engine import Engine, SamplingParams, TokenLogprob
+from slipstream.llm.text import TextDelta
+from slipstream.llm.tools import Tool, ToolChoice, read_calls
+from slipstream.protocol import openai
+from slipstream.types import Constraint
+
+
+def build_jobs(
+    engine: Engine,
+    body: Any,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    default_max_tokens: int,
+    logprobs: int | None,
+    constraint: Constraint | None,
+) -> list[Job]:
+    """One job per prompt and choice (``n``), with the request's sampling settings."""
+    stops = body.stops()
+    bias = body.bias()
+    jobs: list[Job] = []
+    for prompt in prompts:
+        limit = max_tokens
+        if limit is None:  # OpenAI's default: as much as the context leaves, capped
+            room = min(engine.max_model_len, engine.cache_tokens) - len(prompt)
+            limit = max(1, min(default_max_tokens, room))
+        for _ in range(body.n):
+            seed = None if body.seed is None else body.seed + len(jobs)
+            params = SamplingParams(
+                max_tokens=limit,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=max(body.top_k, 0),
+                seed=seed,
+                ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=bias,
+                logprobs=logprobs,
+                constraint=constraint,
+            )
+            jobs.append(Job(len(jobs), prompt, params, stops))
+    return jobs
+
+
+@dataclass
+class Collected:
+    """Every choice of a finished generation."""
+
+    texts: list[str]
+    reasons: list[str]
+    completion_tokens: list[int]
+    # Per choice: logprob entries, or None when the request asked for none.
+    entries: list[list[openai.LogprobEntry] | None]
+    # Per choice: the tool calls read from its text.
+    calls: list[list[openai.CallItem]] = field(default_factory=list)
+
+    def choices(self) -> list[openai.Choice]:
+        return list(zip(self.texts, self.reasons, self.entries, strict=True))
+
+
+async def collect(
+    stream: AsyncIterator[tuple[int, TextDelta]],
+    choices: int,
+    pieces: Pieces | None,
+    echoes: list[str] | None = None,
+) -> Collected:
+    """Run a generation to its end and gather each choice's text, reason and logprobs."""
+    texts = [[echo] for echo in echoes] if echoes else [[""] for _ in range(choices)]
+    reasons = ["stop"] * choices
+    completion_tokens = [0] * choices
+    entries: list[list[openai.LogprobEntry] | None] = [
+        [] if pieces is not None else None for _ in range(choices)
+    ]
+    async for index, delta in stream:
+        texts[index].append(delta.text)
+        completion_tokens[index] = delta.completion_tokens
+        if pieces is not None:
+            entries[index] = [*(entries[index] or []), *pieces.entries(delta.logprobs)]
+        if delta.finish_reason is not None:
+            reasons[index] = delta.finish_reason
+    return Collected(["".join(parts) for parts in texts], reasons, completion_tokens, entries)
+
+
+def read_tool_calls(collected: Collected, tools: list[Tool], choice: ToolChoice) -> None:
+    """Turn each choice's text into its tool calls (finish_reason ``tool_calls``)."""
+    for index, text in enumerate(collected.texts):
+        try:
+            content, calls = read_calls(text, tools, choice)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            # A constrained call cut short by max_tokens: the text is what there is.
+            content, calls = text, []
+        collected.calls.append([(c.id, c.name, c.arguments) for c in calls])
+        if calls:
+            collected.texts[index] = content
+            collected.reasons[index] = "tool_calls"
+
+
+async def replay_events(
+    collected: Collected, head: StreamHead, prompt_tokens: int
+) -> AsyncIterator[bytes]:
+    """A finished chat answer sent as the events a stream would have carried."""
+    rid, created, model = head.rid, head.created, head.model
+    extra = {"usage": None} if head.include_usage else {}
+    for index, text in enumerate(collected.texts):
+        role = {"role": "assistant", "content": ""}
+        yield openai.sse(openai.chat_chunk(rid, created, model, index, role, None) | extra)
+        if text:
+            chunk = openai.chat_chunk(rid, created, model, index, {"content": text}, None,
+                                      openai.chat_logprobs(collected.entries[index]))  # fmt: skip
+            yield openai.sse(chunk | extra)
+        if collected.calls[index]:
+            delta: Any = {"tool_calls": openai.tool_calls(collected.calls[index])}
+            yield openai.sse(openai.chat_chunk(rid, created, model, index, delta, None) | extra)
+        last = openai.chat_chunk(rid, created, model, index, {}, collected.reasons[index])
+        yield openai.sse(last | extra)
+    if head.include_usage:
+        use = openai.usage(prompt_tokens, sum(collected.completion_tokens))
+        yield openai.usage_chunk(rid, created, model, "chat.completion.chunk", use)
+    yield openai.SSE_DONE
+
+
+class Pieces:
+    """Token ids to the (text, bytes) OpenAI's logprobs show, remembered per engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._known: dict[int, tuple[str, bytes]] = {}
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        known = self._known.get(token_id)
+        if known is None:
+            raw = self._engine.token_bytes(token_id)
+            known = self._known[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return known
+
+    def entries(self, logprobs: Sequence[TokenLogprob]) -> list[openai.LogprobEntry]:
+        out: list[openai.LogprobEntry] = []
+        for item in logprobs:
+            text, raw = self.piece(item.token_id)
+            top = [(*self.piece(token), logprob) for token, logprob in item.top]
+            out.append((text, raw, item.logprob, top))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class StreamHead:
+    """What every event of one streamed response repeats."""
+
+    rid: str
+    created: int
+    model: str
+    chat: bool
+    include_usage: bool
+    pieces: Pieces | None
+
+
+async def sse_events(
+    stream: AsyncIterator[tuple[int, Any]],
+    head: StreamHead,
+    choices: int,
+    prompt_tokens: int,
+    echoes: list[str] | None,
+) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed completion: role first, reason last, [DONE]."""
+    rid, created, model, chat, pieces = head.rid, head.created, head.model, head.chat, head.pieces
+    extra = {"usage": None} if head.include_usage else {}
+    if chat:
+        for index in range(choices):
+            role = openai.chat_chunk(
+                rid, created, model, index, {"role": "assistant", "content": ""}, None
+            )
+            yield openai.sse(role | extra)
+    for index, echo in enumerate(echoes or []):
+        yield openai.sse(openai.completion_chunk(rid, created, model, index, echo, None) | extra)
+    completion_tokens = [0] * choices
+    # Characters sent so far per choice: the legacy logprobs' text_offset counts from it.
+    offsets = [len(echo) for echo in echoes] if echoes else [0] * choices
+    try:
+        async for index, delta in stream:
+            completion_tokens[index] = delta.completion_tokens
+            entries = pieces.entries(delta.logprobs) if pieces is not None else None
+            if chat:
+                if delta.text or entries:
+                    chunk = openai.chat_chunk(rid, created, model, index, {"content": delta.text},
+                                              None, openai.chat_logprobs(entries))  # fmt: skip
+                    yield openai.sse(chunk | extra)
+                if delta.finish_reason is not None:
+                    last = openai.chat_chunk(rid, created, model, index, {}, delta.finish_reason)
+                    yield openai.sse(last | extra)
+            else:
+                logprobs = openai.completion_logprobs(entries, offsets[index])
+                offsets[index] += sum(len(text) for text, *_ in entries or [])
+                chunk = openai.completion_chunk(rid, created, model, index, delta.text,
+                                                delta.finish_reason, logprobs)  # fmt: skip
+                yield openai.sse(chunk | extra)
+    except SlipstreamError as exc:
+        yield openai.error_event(exc)
+        return
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    if head.include_usage:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        use = openai.usage(prompt_tokens, sum(completion_tokens))
+        yield openai.usage_chunk(rid, created, model, obj, use)
+    yield openai.SSE_DONE
