@@ -542,3 +542,96 @@ def test_bad_tool_requests_are_400_naming_the_field(
     reply = httpx.post(server.url("/v1/chat/completions"), json=body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param, reply.json()
+
+
+# -- the Responses API -------------------------------------------------------------------------
+
+
+def test_a_response_says_what_the_chat_route_says(client: openai.OpenAI) -> None:
+    """Instructions and input become the same prompt as a chat's system and user
+    messages: the same greedy text and the same token counts."""
+    reply = client.responses.create(
+        model="smol", instructions="Answer briefly.", input="What is the capital of Italy?",
+        max_output_tokens=40, temperature=0,
+    )  # fmt: skip
+    chat = client.chat.completions.create(
+        model="smol", max_tokens=40, temperature=0,
+        messages=[{"role": "system", "content": "Answer briefly."},
+                  {"role": "user", "content": "What is the capital of Italy?"}],
+    )  # fmt: skip
+    assert reply.output_text == chat.choices[0].message.content
+    assert reply.usage is not None and chat.usage is not None
+    assert reply.usage.input_tokens == chat.usage.prompt_tokens
+    assert reply.usage.output_tokens == chat.usage.completion_tokens
+    finished = chat.choices[0].finish_reason == "stop"
+    assert reply.status == ("completed" if finished else "incomplete")
+    assert reply.id.startswith("resp_") and reply.store is False
+
+
+def test_a_streamed_response_sends_the_events_in_order(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": "smol", "input": "Say hello.", "temperature": 0,
+                              "max_output_tokens": 60}  # fmt: skip
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{whole.status}"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text
+    if whole.status == "completed":
+        with client.responses.stream(**kwargs) as stream:
+            assert stream.get_final_response().output_text == whole.output_text
+
+
+def test_response_text_format_and_function_calls(client: openai.OpenAI) -> None:
+    schema = SCHEMAS[0][1]
+    reply = client.responses.create(
+        model="smol", input="Give me a person as JSON.", max_output_tokens=100, temperature=0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema,
+                         "strict": True}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(reply.output_text), schema)
+    question, tools = TOOL_SETS[0]
+    flat = [{"type": "function", **tool["function"]} for tool in tools]
+    kwargs: dict[str, Any] = {"model": "smol", "input": question, "tools": flat,
+                              "tool_choice": "required", "max_output_tokens": 80,
+                              "temperature": 0}  # fmt: skip
+    called = client.responses.create(**kwargs)
+    [item] = called.output
+    assert item.type == "function_call" and item.name == "get_weather"
+    jsonschema.validate(json.loads(item.arguments), flat[0]["parameters"])
+    kinds = [e.type for e in client.responses.create(**kwargs, stream=True)]
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    follow_up = client.responses.create(
+        model="smol", max_output_tokens=20, temperature=0, tools=flat,
+        input=[{"role": "user", "content": question},
+               {"type": "function_call", "call_id": item.call_id, "name": item.name,
+                "arguments": item.arguments},
+               {"type": "function_call_output", "call_id": item.call_id, "output": "18 C"}],
+    )  # fmt: skip
+    assert follow_up.output_text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"n": 2}, "n"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+         "input[0].content[0]"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)  # fmt: skip
+def test_bad_response_requests_are_400_naming_the_field(
+    server: RemoteServer, extra: dict[str, Any], param: str
+) -> None:
+    body = {"model": "smol", "input": "hi", **extra}
+    reply = httpx.post(server.url("/v1/responses"), json=body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.json()

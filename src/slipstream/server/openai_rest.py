@@ -1,4 +1,4 @@
-"""The OpenAI-compatible REST routes: /v1/models, completions, chat, embeddings.
+"""The OpenAI-compatible REST routes: /v1/models, completions, chat, responses, embeddings.
 
 Generation runs on :class:`~slipstream.llm.service.GenerationService`; embeddings run on any V2
 model whose config.yaml names a ``tokenizer``, through the same batcher as V2 requests.
@@ -30,6 +30,7 @@ from slipstream.server.openai_generation import (
     replay_events,
     sse_events,
 )
+from slipstream.server.openai_responses import respond
 from slipstream.serving.embeddings import Embedder
 from slipstream.serving.service import InferenceService
 
@@ -76,6 +77,8 @@ class OpenAIApp:
                 return await self._chat(request)
             if route == "/v1/embeddings":
                 return await self._embeddings(request)
+            if route == "/v1/responses":
+                return await respond(self._llm, request.body, time.perf_counter())
         raise ModelNotFound(f"no route for {request.method} {request.path}")
 
     def _model_list(self) -> list[tuple[str, int]]:

@@ -1,0 +1,219 @@
+"""OpenAI's Responses API (``POST /v1/responses``): its request, response and events.
+
+Stateless: nothing is stored, so ``previous_response_id`` is refused and every response
+says ``store: false``. The request maps onto the chat machinery: ``instructions`` is the
+system message, ``input`` the conversation (text, messages, earlier function calls and
+their outputs), ``tools`` the functions (in the Responses API's flat shape), and
+``text.format`` the structured-output constraint.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+import orjson
+from pydantic import Field
+
+from slipstream.errors import InvalidRequest
+from slipstream.protocol.openai import (
+    MAX_TOOLS,
+    CallItem,
+    ContentPart,
+    _Request,
+    _response_format,
+    _Sampling,
+)
+from slipstream.types import Constraint
+
+
+class InputMessage(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+
+class InputFunctionCall(_Request):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str = "{}"
+
+
+class InputFunctionOutput(_Request):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str
+
+
+InputItem = InputMessage | InputFunctionCall | InputFunctionOutput
+
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Request):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class TextOptions(_Request):
+    format: dict[str, Any] = Field(default_factory=lambda: {"type": "text"})
+
+
+class ResponsesRequest(_Sampling):
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextOptions | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.previous_response_id is not None:
+            raise InvalidRequest(
+                "previous_response_id: this server stores no responses; send the whole "
+                "conversation in input"
+            )
+        if self.n != 1:
+            raise InvalidRequest("n: the Responses API makes one response")
+        if isinstance(self.input, list) and not self.input:
+            raise InvalidRequest("input: must not be empty")
+        choice = self.choice()
+        names = [tool.name for tool in self.tools or []]
+        if choice not in ("none", "auto") and not names:
+            raise InvalidRequest(f"tool_choice: {choice!r} needs tools")
+        if choice not in ("none", "auto", "required") and choice not in names:
+            raise InvalidRequest(f"tool_choice: no tool named {choice!r} (tools: {names})")
+
+    def choice(self) -> str:
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice if isinstance(choice, str) else choice.name
+
+    def constraint(self) -> Constraint | None:
+        if self.text is not None:
+            fmt = self.text.format
+            if fmt.get("type") == "json_schema":
+                # The Responses API puts name, schema and strict beside the type.
+                fmt = {"type": "json_schema", "json_schema": fmt}
+            try:
+                found = _response_format(fmt)
+            except InvalidRequest as exc:
+                raise InvalidRequest(
+                    exc.message.replace("response_format", "text.format")
+                ) from None
+            if found is not None:
+                return found
+        return super().constraint()
+
+    def chat(self) -> list[dict[str, Any]]:
+        """The conversation as chat messages (OpenAI's chat shapes)."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        for index, item in enumerate(self.input):
+            if isinstance(item, InputMessage):
+                role = "system" if item.role == "developer" else item.role
+                messages.append({"role": role, "content": _text(item.content, index)})
+            elif isinstance(item, InputFunctionCall):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+                if (
+                    messages
+                    and messages[-1]["role"] == "assistant"
+                    and messages[-1].get("tool_calls")
+                ):
+                    messages[-1]["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            else:
+                messages.append(
+                    {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+                )
+        return messages
+
+
+def _text(content: str | list[ContentPart], index: int) -> str:
+    if isinstance(content, str):
+        return content
+    pieces = []
+    for number, part in enumerate(content):
+        if part.type not in _TEXT_PARTS or part.text is None:
+            raise InvalidRequest(
+                f"input[{index}].content[{number}]: only text parts are supported, got type "
+                f"{part.type!r}"
+            )
+        pieces.append(part.text)
+    return "".join(pieces)
+
+
+# -- the response ---------------------------------------------------------------------------
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(mid: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": mid, "status": status, "role": "assistant",
+            "content": content if status == "completed" else []}  # fmt: skip
+
+
+def call_item(call: CallItem, status: str = "completed") -> dict[str, Any]:
+    call_id, name, arguments = call
+    return {"type": "function_call", "id": item_id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments if status == "completed" else "", "status": status}  # fmt: skip
+
+
+def response(
+    rid: str,
+    created: int,
+    body: ResponsesRequest,
+    output: list[dict[str, Any]],
+    tokens: tuple[int, int] | None,
+    incomplete: bool = False,
+) -> dict[str, Any]:
+    """The Response object; ``tokens`` (input, output) is None while in progress."""
+    status = "in_progress" if tokens is None else "incomplete" if incomplete else "completed"
+    usage = None
+    if tokens is not None:
+        usage = {"input_tokens": tokens[0], "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": tokens[1], "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": tokens[0] + tokens[1]}  # fmt: skip
+    return {
+        "id": rid, "object": "response", "created_at": created, "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "model": body.model, "output": output, "parallel_tool_calls": body.parallel_tool_calls,
+        "previous_response_id": None, "reasoning": None, "store": False,
+        "temperature": body.temperature, "top_p": body.top_p,
+        "text": {"format": body.text.format if body.text else {"type": "text"}},
+        "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
+        "truncation": "disabled", "usage": usage, "user": body.user,
+        "metadata": body.metadata or {},
+    }  # fmt: skip
+
+
+def event(kind: str, sequence: int, **fields: Any) -> bytes:
+    """One server-sent event of a streamed response."""
+    payload = orjson.dumps({"type": kind, "sequence_number": sequence, **fields})
+    return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"

@@ -1,0 +1,163 @@
+"""``POST /v1/responses``: OpenAI's Responses API on the same generation machinery as chat.
+
+A response holds one message (``output_text``) or the function calls the model made.
+Streamed, it is the Responses API's event sequence: ``response.created``, the output
+item and its content part opened, ``response.output_text.delta`` per piece of text, each
+closed again, then ``response.completed``. With tools offered, calls are read from the
+whole text, so that stream is sent once the answer is complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from slipstream.errors import SlipstreamError
+from slipstream.llm.api import GenerationService
+from slipstream.llm.text import TextDelta
+from slipstream.llm.tools import Tool, call_constraint, plain_messages, template_messages
+from slipstream.protocol import openai
+from slipstream.protocol.openai_responses import (
+    ResponsesRequest,
+    call_item,
+    event,
+    item_id,
+    message_item,
+    response,
+)
+from slipstream.server.http_messages import HttpResponse, StreamingResponse
+from slipstream.server.openai_generation import build_jobs, collect, read_tool_calls
+
+
+async def respond(
+    llm: GenerationService, raw: bytes, arrived: float
+) -> HttpResponse | StreamingResponse:
+    body: ResponsesRequest = openai.parse(raw, ResponsesRequest)
+    engine = llm.engine(body.model)
+    choice = body.choice()
+    offered = body.tools or [] if choice != "none" else []
+    tools = [Tool(t.name, t.description, t.parameters) for t in offered]
+    if engine.template_knows_tools:
+        specs = [
+            {"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}}
+            for t in offered
+        ] or None  # fmt: skip
+        prompt = engine.chat_prompt(template_messages(body.chat()), specs)
+    else:
+        prompt = engine.chat_prompt(plain_messages(body.chat(), tools))
+    constraint = body.constraint()
+    if tools:
+        constraint = call_constraint(tools, choice, body.parallel_tool_calls) or constraint
+    jobs = build_jobs(engine, body, [prompt], body.max_output_tokens,
+                      llm.default_max_tokens(body.model), None, constraint)  # fmt: skip
+    llm.admit(body.model, jobs)
+    rid, created = item_id("resp"), openai.now()
+    stream = llm.generate(body.model, jobs, arrived)
+    if body.stream and not tools:
+        return StreamingResponse(200, _text_events(stream, rid, created, body, len(prompt)))
+    collected = await collect(stream, 1, None)
+    read_tool_calls(collected, tools, choice)
+    output = [call_item(call) for call in collected.calls[0]]
+    if not output:
+        output = [message_item(item_id("msg"), collected.texts[0])]
+    tokens = (len(prompt), collected.completion_tokens[0])
+    incomplete = collected.reasons[0] == "length"
+    final = response(rid, created, body, output, tokens, incomplete)
+    if body.stream:
+        return StreamingResponse(200, _replay(final, body))
+    return HttpResponse(200, orjson.dumps(final))
+
+
+async def _text_events(
+    stream: AsyncIterator[tuple[int, TextDelta]],
+    rid: str,
+    created: int,
+    body: ResponsesRequest,
+    prompt_tokens: int,
+) -> AsyncIterator[bytes]:
+    sequence = _Counter()
+    opening = response(rid, created, body, [], None)
+    yield event("response.created", sequence(), response=opening)
+    yield event("response.in_progress", sequence(), response=opening)
+    mid = item_id("msg")
+    where = {"item_id": mid, "output_index": 0, "content_index": 0}
+    yield event("response.output_item.added", sequence(), output_index=0,
+                item=message_item(mid, "", "in_progress"))  # fmt: skip
+    part = {"type": "output_text", "text": "", "annotations": []}
+    yield event("response.content_part.added", sequence(), part=part, **where)
+    pieces: list[str] = []
+    generated, reason = 0, "stop"
+    try:
+        async for _, delta in stream:
+            generated = delta.completion_tokens
+            if delta.text:
+                pieces.append(delta.text)
+                yield event("response.output_text.delta", sequence(), delta=delta.text,
+                            logprobs=[], **where)  # fmt: skip
+            if delta.finish_reason is not None:
+                reason = delta.finish_reason
+    except SlipstreamError as exc:
+        failed = response(rid, created, body, [], (prompt_tokens, generated))
+        failed |= {"status": "failed", "error": {"code": "server_error", "message": exc.message}}
+        yield event("response.failed", sequence(), response=failed)
+        return
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    text = "".join(pieces)
+    yield event("response.output_text.done", sequence(), text=text, logprobs=[], **where)
+    yield event("response.content_part.done", sequence(), part=part | {"text": text}, **where)
+    item = message_item(mid, text)
+    yield event("response.output_item.done", sequence(), output_index=0, item=item)
+    final = response(rid, created, body, [item], (prompt_tokens, generated), reason == "length")
+    yield event(_last_event(final), sequence(), response=final)
+
+
+async def _replay(final: dict[str, Any], body: ResponsesRequest) -> AsyncIterator[bytes]:
+    """A finished response as the events a stream of it would have carried."""
+    sequence = _Counter()
+    opening = final | {"status": "in_progress", "output": [], "usage": None,
+                       "incomplete_details": None}  # fmt: skip
+    yield event("response.created", sequence(), response=opening)
+    yield event("response.in_progress", sequence(), response=opening)
+    for index, item in enumerate(final["output"]):
+        if item["type"] == "function_call":
+            yield event("response.output_item.added", sequence(), output_index=index,
+                        item=item | {"arguments": "", "status": "in_progress"})  # fmt: skip
+            where = {"item_id": item["id"], "output_index": index}
+            yield event("response.function_call_arguments.delta", sequence(),
+                        delta=item["arguments"], **where)  # fmt: skip
+            yield event("response.function_call_arguments.done", sequence(),
+                        arguments=item["arguments"], **where)  # fmt: skip
+        else:
+            text = item["content"][0]["text"]
+            yield event("response.output_item.added", sequence(), output_index=index,
+                        item=item | {"status": "in_progress", "content": []})  # fmt: skip
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            part = {"type": "output_text", "text": "", "annotations": []}
+            yield event("response.content_part.added", sequence(), part=part, **where)
+            yield event("response.output_text.delta", sequence(), delta=text, logprobs=[],
+                        **where)  # fmt: skip
+            yield event("response.output_text.done", sequence(), text=text, logprobs=[],
+                        **where)  # fmt: skip
+            yield event("response.content_part.done", sequence(), part=part | {"text": text},
+                        **where)  # fmt: skip
+        yield event("response.output_item.done", sequence(), output_index=index, item=item)
+    yield event(_last_event(final), sequence(), response=final)
+
+
+def _last_event(final: dict[str, Any]) -> str:
+    return "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+
+
+class _Counter:
+    """The events' sequence numbers, from 0."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def __call__(self) -> int:
+        self._next += 1
+        return self._next - 1
