@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -81,10 +82,19 @@ def test_readme_python_examples(example_server: RemoteServer) -> None:
 @pytest.mark.slow
 def test_readme_openai_example(example_server: RemoteServer) -> None:
     blocks = [b for b in readme_blocks("python") if "from openai" in b]
-    assert len(blocks) == 1
-    printed = subprocess.run([sys.executable, "-c", localised(blocks[0], example_server)],
-                             check=True, capture_output=True, text=True).stdout  # fmt: skip
-    answer, usage, streamed, width = printed.splitlines()
+    assert len(blocks) == 2
+    basics, features = (
+        subprocess.run([sys.executable, "-c", localised(block, example_server)],
+                       check=True, capture_output=True, text=True).stdout
+        for block in blocks
+    )  # fmt: skip
+    answer, usage, streamed, width = basics.splitlines()
     assert "Paris" in answer and answer == streamed
     assert "completion_tokens" in usage
     assert width == "384"
+    city, call, top, response = features.splitlines()
+    assert set(ast.literal_eval(city)) == {"city", "country"}
+    name, arguments = call.split(" ", 1)
+    assert name == "get_weather" and set(json.loads(arguments)) == {"city"}
+    assert len(ast.literal_eval(top)) == 3
+    assert "Paris" in response

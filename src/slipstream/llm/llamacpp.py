@@ -19,8 +19,10 @@ runs the step loop:
   or running, copies that prefix (``llama_memory_seq_cp`` shares the cells, no copy of
   data) and reads only the rest. Idle slots are evicted, least recently used first, when
   the cache or the sequence ids run out;
-* **sampling** by llama.cpp's sampler chain, one per sequence: greedy, or temperature,
-  top-k, top-p and a seeded draw (the text depends only on the seed and the prompt).
+* **sampling** by llama.cpp's sampler chain, one per sequence: penalties and logit bias,
+  then greedy, or temperature, top-k, top-p and a seeded draw; logprobs and llguidance
+  constraints (structured outputs, required tool calls) only for the sequences that ask
+  (:mod:`slipstream.llm.llamacpp_sampling`).
 
 Text: tokens and chat templates come from the GGUF file itself (the Jinja template in
 ``tokenizer.chat_template``, rendered in a sandbox as transformers renders it).
