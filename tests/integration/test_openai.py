@@ -9,6 +9,7 @@ against an in-process ``generate()`` of the same weights.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 import time
@@ -100,6 +101,7 @@ def reference(tiny_dir: Path) -> Any:
         return [int(t) for t in out[0, len(prompt_ids) :]]
 
     complete.tokenizer = tokenizer  # type: ignore[attr-defined]
+    complete.model = model  # type: ignore[attr-defined]
     return complete
 
 
@@ -242,11 +244,11 @@ def test_streamed_chat_sends_role_first_and_reason_last(client: openai.OpenAI) -
         ({"model": "tiny", "prompt": "x", "temperature": 5}, 400, "temperature"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 100_000}, 400, "max_tokens"),
-        ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 30}, 400, "logprobs"),
         ({"model": "tiny", "prompt": "x", "n": 100}, 400, "n"),
-        ({"model": "tiny", "prompt": "x", "presence_penalty": 1}, 400, "presence_penalty"),
-        ({"model": "tiny", "prompt": "x", "logit_bias": {"3": 1}}, 400, "logit_bias"),
-        ({"model": "tiny", "prompt": "x", "guided_choice": ["a"]}, 400, "response_format"),
+        ({"model": "tiny", "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+        ({"model": "tiny", "prompt": "x", "grammar": "root ::= ("}, 400, "grammar"),
         ({"model": "tiny"}, 400, "prompt"),
         ({"model": "nope", "prompt": "x"}, 404, "model"),
         ({"model": "embed", "prompt": "x"}, 404, "model"),
@@ -266,10 +268,11 @@ def test_malformed_json_and_sdk_error_types(server: RemoteServer, client: openai
     assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError, match="required tool calls are not supported"):
+    with pytest.raises(openai.BadRequestError, match="tool_choice: no tool named 'g'"):
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}],
-            tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )  # fmt: skip
 
 
@@ -408,3 +411,105 @@ def test_embeddings_of_a_generative_model_are_refused(server: RemoteServer) -> N
     assert reply.status_code == 404
     reply = httpx.post(server.url("/v1/embeddings"), json={"model": "embed", "input": [""]})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "input[0]"
+
+
+# -- penalties, logprobs, constraints and tools on this engine -------------------------------
+
+
+def _penalized_path(
+    reference: Any, prompt: list[int], steps: int, frequency: float = 0.0,
+    presence: float = 0.0, repetition: float = 1.0,
+) -> tuple[list[int], list[np.ndarray]]:  # fmt: skip
+    """Greedy tokens and log-softmax rows of the in-process model, penalties applied."""
+    tokens: list[int] = []
+    rows: list[np.ndarray] = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = reference.model(torch.tensor([prompt + tokens])).logits[0, -1].double()
+            for token in set(prompt) | set(tokens) if repetition != 1.0 else ():
+                value = logits[token]
+                logits[token] = value / repetition if value > 0 else value * repetition
+            for token in set(tokens):
+                logits[token] -= tokens.count(token) * frequency + presence
+            row = torch.log_softmax(logits, dim=-1).numpy()
+            tokens.append(int(row.argmax()))
+            rows.append(row)
+    return tokens, rows
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [{}, {"frequency_penalty": 1.5, "presence_penalty": 0.5}, {"repetition_penalty": 1.8}],
+    ids=["plain", "frequency-presence", "repetition"],
+)
+def test_logprobs_and_penalties_follow_the_model(
+    client: openai.OpenAI, reference: Any, penalties: dict[str, float]
+) -> None:
+    prompt = reference.tokenizer.encode("Hello world! How are you")
+    tokens, rows = _penalized_path(
+        reference, prompt, 10, penalties.get("frequency_penalty", 0.0),
+        penalties.get("presence_penalty", 0.0), penalties.get("repetition_penalty", 1.0),
+    )  # fmt: skip
+    extra = {"ignore_eos": True, "repetition_penalty": penalties.pop("repetition_penalty", 1.0)}
+    reply = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=3,
+        extra_body=extra, **penalties,
+    )  # fmt: skip
+    got = reply.choices[0].logprobs
+    assert got is not None and got.token_logprobs and got.top_logprobs and got.tokens
+    assert reply.choices[0].text == reference.tokenizer.decode(tokens)
+    expected = [row[token] for row, token in zip(rows, tokens, strict=True)]
+    assert np.allclose(got.token_logprobs, expected, atol=1e-4)
+    for row, top, chosen in zip(rows, got.top_logprobs, got.token_logprobs, strict=True):
+        best = np.sort(row)[::-1][:3]
+        assert chosen == pytest.approx(best[0], abs=1e-4)  # greedy: the penalized argmax
+        # Tokens that decode alike (byte pieces) share one key of the legacy dict.
+        assert all(np.isclose(best, value, atol=1e-4).any() for value in top.values())
+
+
+def test_constraints_hold_even_on_random_weights(server: RemoteServer) -> None:
+    """A random model would never write JSON; constrained, every reply validates."""
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False,
+              "required": ["colour", "count", "ok"],
+              "properties": {"colour": {"enum": ["red", "green"]},
+                             "count": {"type": "integer", "minimum": 1, "maximum": 99},
+                             "ok": {"type": "boolean"}}}  # fmt: skip
+    cases: list[tuple[dict[str, Any], Any]] = [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": schema}}},
+         lambda text: jsonschema.validate(json.loads(text), schema)),
+        ({"guided_choice": ["alpha", "beta"]}, lambda text: text in ("alpha", "beta")),
+        ({"guided_regex": "[0-9]{3}-[a-c]{2}"},
+         lambda text: re.fullmatch("[0-9]{3}-[a-c]{2}", text)),
+    ]  # fmt: skip
+    for extra, check in cases:
+        for seed in range(3):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "Go"}],
+                    "max_tokens": 60, "temperature": 1.0, "seed": seed, **extra}  # fmt: skip
+            reply = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60).json()
+            choice = reply["choices"][0]
+            assert choice["finish_reason"] == "stop", (extra, choice)
+            assert check(choice["message"]["content"]) is not False, (extra, choice)
+
+
+def test_a_named_tool_call_validates_and_bias_forces_tokens(
+    client: openai.OpenAI, reference: Any
+) -> None:
+    parameters = {"type": "object", "additionalProperties": False, "required": ["n"],
+                  "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}  # fmt: skip
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Count"}], max_tokens=15,
+        tools=[{"type": "function", "function": {"name": "count", "parameters": parameters}}],
+        tool_choice={"type": "function", "function": {"name": "count"}}, temperature=0,
+    ).choices[0]  # fmt: skip
+    assert reply.finish_reason == "tool_calls" and reply.message.tool_calls
+    call = reply.message.tool_calls[0]
+    assert call.function.name == "count" and 0 <= json.loads(call.function.arguments)["n"] <= 9
+    forced = reference.tokenizer.encode(" Paris")[0]
+    text = client.completions.create(
+        model="tiny", prompt="A", max_tokens=3, temperature=0, logit_bias={str(forced): 100},
+        extra_body={"ignore_eos": True},
+    ).choices[0].text  # fmt: skip
+    assert text == reference.tokenizer.decode([forced] * 3)

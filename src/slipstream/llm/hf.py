@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from slipstream.errors import InternalError, InvalidRequest, Unavailable
 from slipstream.llm import sampling
+from slipstream.llm.constraints import compile_constraint, constraint_field
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from slipstream.config import GenerationSettings
+    from slipstream.types import Constraint
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,11 @@ class TransformersEngine(Engine):
         self._manager = model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=batching
         )
-        sampling.install(self._manager)
+        self._extras = sampling.ExtrasRegistry()
+        sampling.install(self._manager, self._extras)
+        # llguidance's view of the vocabulary, built by the first constrained request.
+        self._lltokenizer: Any = None
+        self._tokenizer_lock = asyncio.Lock()
         self._waiting: set[str] = set()
         self._running: set[str] = set()
         self._manager.start()
@@ -111,10 +117,56 @@ class TransformersEngine(Engine):
                 retry_after_s=1,
             )
 
+    def check_features(self, params: SamplingParams) -> None:
+        """Penalties, logit bias, logprobs and constraints are all supported here."""
+        for token, _bias in params.logit_bias:
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias: token id {token} is not in this model's vocabulary "
+                    f"of {self.vocab_size} tokens"
+                )
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidRequest(f"logprobs: at most the vocabulary's {self.vocab_size} tokens")
+        if params.constraint is not None:
+            compile_constraint(params.constraint)
+
+    async def _matcher(self, constraint: Constraint) -> Any:
+        """A fresh llguidance matcher of ``constraint`` (the vocabulary's view built once)."""
+        from llguidance import LLMatcher
+        from llguidance.hf import from_tokenizer
+
+        async with self._tokenizer_lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = await asyncio.to_thread(
+                    from_tokenizer, self._tokenizer, self.vocab_size,
+                    sorted(self.eos_token_ids) or None,
+                )  # fmt: skip
+        grammar = compile_constraint(constraint)
+        matcher = await asyncio.to_thread(LLMatcher, self._lltokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"{constraint_field(constraint)}: {matcher.get_error()}")
+        return matcher
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[EngineStep]:
         self._check_queue()
+        matcher = None if params.constraint is None else await self._matcher(params.constraint)
+        extras = sampling.RequestExtras(params, prompt_ids, matcher)
+        extras_id = self._extras.add(extras) if extras.needed else 0
+        try:
+            async for step in self._generate(prompt_ids, params, extras, extras_id):
+                yield step
+        finally:
+            self._extras.drop(extras_id)
+
+    async def _generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        extras: sampling.RequestExtras,
+        extras_id: int,
+    ) -> AsyncIterator[EngineStep]:
         request_id = uuid.uuid4().hex
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         manager = self._manager
@@ -128,6 +180,7 @@ class TransformersEngine(Engine):
             **sampling.sampling_kwargs(
                 params.greedy, params.temperature, params.top_k, params.top_p, params.seed
             ),
+            **({"extras": extras_id} if extras_id else {}),
         )
         if submitted is None:
             self._drop_handler(request_id)
@@ -147,13 +200,14 @@ class TransformersEngine(Engine):
                 tokens = output.generated_tokens
                 new = tokens[sent:]
                 sent = len(tokens)
+                logprobs = extras.take_logprobs(len(new)) if params.logprobs is not None else None
                 if output.is_finished():
                     finished = True
                     reason: FinishReason = "length" if sent >= params.max_tokens else "stop"
-                    yield EngineStep(new, reason)
+                    yield EngineStep(new, reason, logprobs)
                     return
                 if new:
-                    yield EngineStep(new)
+                    yield EngineStep(new, None, logprobs)
         finally:
             self._waiting.discard(request_id)
             self._running.discard(request_id)

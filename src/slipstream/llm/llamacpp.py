@@ -40,13 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 from slipstream.errors import InvalidRequest, Unavailable
 from slipstream.llm.chat_template import ChatTemplate
+from slipstream.llm.constraints import compile_constraint, constraint_field
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, SamplingParams
-from slipstream.llm.llamacpp_sampling import (
-    SequenceSampler,
-    build_tokenizer,
-    compile_constraint,
-    constraint_field,
-)
+from slipstream.llm.llamacpp_sampling import SequenceSampler, build_tokenizer
 from slipstream.llm.llamacpp_scheduler import LlamaRuntime, LlamaSequence, Scheduler
 from slipstream.types import Constraint
 

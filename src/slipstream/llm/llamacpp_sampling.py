@@ -18,71 +18,17 @@ numpy, paid only by the requests that ask.
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 from collections import Counter
 from typing import Any
 
 import numpy as np
 
-from slipstream.errors import InvalidRequest
+from slipstream.llm.constraints import allowed_tokens
 from slipstream.llm.engine import SamplingParams, TokenLogprob
-from slipstream.types import Constraint
 
 # llama_token_data as numpy sees it: id, logit, p.
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-
-
-def compile_constraint(constraint: Constraint) -> str:
-    """The llguidance grammar of a constraint; InvalidRequest naming the field if bad."""
-    from llguidance import LLMatcher, grammar_from
-
-    field = constraint_field(constraint)
-    try:
-        if constraint.kind in ("json_object", "json_schema"):
-            schema = json.loads(constraint.source or '{"type": "object"}')
-            if constraint.strict:
-                schema = _closed(schema)
-            grammar = LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_STYLE)
-        elif constraint.kind == "choice":
-            grammar = grammar_from("choice", json.dumps(list(constraint.choices)))
-        elif constraint.kind == "regex":
-            grammar = grammar_from("regex", constraint.source)
-        else:
-            grammar = grammar_from("gbnf", constraint.source)
-    except ValueError as exc:
-        raise InvalidRequest(f"{field}: {exc}") from None
-    problem = LLMatcher.validate_grammar(grammar)
-    if problem:
-        raise InvalidRequest(f"{field}: {problem.strip()}")
-    return str(grammar)
-
-
-# JSON as OpenAI's structured outputs write it: one space after separators, no free
-# whitespace (a small model given free whitespace can pad until max_tokens).
-_JSON_STYLE: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _closed(schema: Any) -> Any:
-    """OpenAI's strict mode: every object schema without additionalProperties gets false."""
-    if isinstance(schema, list):
-        return [_closed(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    closed = {key: _closed(value) for key, value in schema.items()}
-    if closed.get("type") == "object" or "properties" in closed:
-        closed.setdefault("additionalProperties", False)
-    return closed
-
-
-# The request field a constraint of each kind came from, for error messages.
-_FIELDS = {"json_schema": "response_format", "json_object": "response_format",
-           "choice": "guided_choice", "regex": "guided_regex", "gbnf": "grammar"}  # fmt: skip
-
-
-def constraint_field(constraint: Constraint) -> str:
-    """The request field a constraint came from, for error messages."""
-    return _FIELDS[constraint.kind]
 
 
 def build_tokenizer(lib: Any, vocab: Any) -> Any:
@@ -171,7 +117,7 @@ class SequenceSampler:
         logits = row.copy()  # [n_vocab]: the context reuses its buffer next step
         token = self._choose(logits)
         if matcher is not None and matcher.validate_tokens([token]) != 1:
-            token = self._choose(np.where(self._allowed(), logits, -np.inf))
+            token = self._choose(np.where(allowed_tokens(matcher, self.n_vocab), logits, -np.inf))
         lib.llama_sampler_accept(self.chain, token)
         if matcher is not None and not matcher.consume_token(token):
             raise RuntimeError(f"the constraint refused its own token: {matcher.get_error()}")
@@ -190,13 +136,6 @@ class SequenceSampler:
         )
         lib.llama_sampler_apply(self.chain, ctypes.byref(candidates))
         return int(candidates.data[candidates.selected].id)
-
-    def _allowed(self) -> np.ndarray:
-        """[n_vocab] bool: the tokens the constraint allows next."""
-        words = np.zeros((self.n_vocab + 31) // 32, np.int32)  # one bit a token
-        self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-        return bits[: self.n_vocab].astype(bool)
 
     def _logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
         params = self._params

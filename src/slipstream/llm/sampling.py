@@ -26,6 +26,9 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingLogitsProcessor,
 )
 
+from slipstream.llm.constraints import allowed_tokens
+from slipstream.llm.engine import SamplingParams, TokenLogprob
+
 # The int32 "pick" argument of a row: these codes, or a non-negative seed key.
 _GREEDY = -2
 _SAMPLE = -1
@@ -150,10 +153,14 @@ class _Pick(ContinuousBatchingLogitsProcessor):
         return scores
 
 
-def install(manager: Any) -> None:
+def install(manager: Any, registry: ExtrasRegistry) -> None:
     """Add the processors to a manager built with ``do_sample=False`` (before start)."""
     processors = manager.logit_processor
-    for processor in (_Temperature(), _TopK(), _TopP(), _Pick()):
+    steps: list[ContinuousBatchingLogitsProcessor] = [
+        _Penalties(registry), _Temperature(), _Logprobs(registry), _Mask(registry),
+        _TopK(), _TopP(), _Pick(), _Record(registry),
+    ]  # fmt: skip
+    for processor in steps:
         processors.logits_processor.append(processor)
         processors.tensors_required += 1
     processors._retrieve_processors_kwargs()
@@ -164,3 +171,145 @@ def _step_key(seed: int, step: int) -> int:
     """A non-negative int32 from (seed, step): a distinct noise stream per position."""
     mixed = (seed * 0x9E3779B1 + step * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF
     return mixed & 0x7FFFFFFF
+
+
+# -- what only some requests ask for: penalties, bias, logprobs, constraints ---------------
+
+
+class RequestExtras:
+    """One request's penalties, logit bias, logprobs and constraint, and what they need
+    to remember across steps. The processors below find it by the id the request's
+    ``extras`` kwarg carries (0: none), so the cost falls on the rows that ask only."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int], matcher: Any = None) -> None:
+        self.params = params
+        self.prompt = torch.tensor(sorted(set(prompt)), dtype=torch.int64)
+        self.matcher = matcher
+        self.generated: list[int] = []
+        # Written by the generation thread, taken by the request's coroutine.
+        self.logprobs: list[TokenLogprob] = []
+        # The last step's log-softmax row, until the chosen token is known.
+        self.pending: torch.Tensor | None = None
+
+    @property
+    def needed(self) -> bool:
+        params = self.params
+        return bool(
+            params.penalized or params.logit_bias or params.logprobs is not None or self.matcher
+        )
+
+    def penalize(self, row: torch.Tensor) -> None:
+        params = self.params
+        if params.repetition_penalty != 1.0:
+            seen = torch.unique(
+                torch.cat([self.prompt, torch.tensor(self.generated, dtype=torch.int64)])
+            )
+            values = row[seen]
+            row[seen] = torch.where(
+                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+            )
+        if self.generated and (params.frequency_penalty or params.presence_penalty):
+            ids, counts = torch.unique(torch.tensor(self.generated), return_counts=True)
+            row[ids] -= counts.to(row.dtype) * params.frequency_penalty + params.presence_penalty
+        for token, bias in params.logit_bias:
+            row[token] += bias
+
+    def take_logprobs(self, count: int) -> list[TokenLogprob]:
+        taken, self.logprobs = self.logprobs[:count], self.logprobs[count:]
+        return taken
+
+
+class ExtrasRegistry:
+    """Request extras by id, shared by the engine (which adds and drops them) and the
+    processors (which read them on the generation thread)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, RequestExtras] = {}
+        self._next = 1
+
+    def add(self, extras: RequestExtras) -> int:
+        key = self._next
+        self._next = self._next % 0x7FFFFFFF + 1
+        self._by_id[key] = extras
+        return key
+
+    def drop(self, key: int) -> None:
+        self._by_id.pop(key, None)
+
+    def rows(self, tensor_arg: torch.Tensor, count: int) -> list[tuple[int, RequestExtras]]:
+        """(row, extras) of the rows of this step whose request has any."""
+        found = []
+        for row, key in enumerate(tensor_arg[:count].tolist()):
+            extras = self._by_id.get(key) if key else None
+            if extras is not None:
+                found.append((row, extras))
+        return found
+
+
+class _ExtrasStep(ContinuousBatchingLogitsProcessor):
+    """Base of the processors that read request extras; the tensor arg is the id."""
+
+    supported_kwargs = {"extras": int}  # noqa: RUF012
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, registry: ExtrasRegistry) -> None:
+        self.registry = registry
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.fill_(0)
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+        values = [r.state.logit_processor_kwargs.get("extras", 0) for r in requests_with_new_token]
+        return torch.tensor(values, dtype=torch.int32)
+
+
+class _Penalties(_ExtrasStep):
+    """Penalties and logit bias, first, on the model's own logits."""
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        for row, extras in self.registry.rows(tensor_arg, scores.size(0)):
+            extras.penalize(scores[row])
+        return scores
+
+
+class _Logprobs(_ExtrasStep):
+    """After temperature: the log-softmax of the rows that asked for logprobs."""
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        for row, extras in self.registry.rows(tensor_arg, scores.size(0)):
+            if extras.params.logprobs is not None:
+                extras.pending = torch.log_softmax(scores[row].double(), dim=-1)
+        return scores
+
+
+class _Mask(_ExtrasStep):
+    """Constrained rows: every token the grammar refuses is cut (llguidance's bitmask)."""
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        for row, extras in self.registry.rows(tensor_arg, scores.size(0)):
+            if extras.matcher is not None:
+                allowed = allowed_tokens(extras.matcher, scores.size(1))
+                scores[row].masked_fill_(~torch.from_numpy(allowed), -math.inf)
+        return scores
+
+
+class _Record(_ExtrasStep):
+    """Last: the chosen token (the one left possible) into history, logprobs, grammar."""
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        for row, extras in self.registry.rows(tensor_arg, scores.size(0)):
+            token = int(torch.argmax(scores[row]))
+            extras.generated.append(token)
+            if extras.matcher is not None:
+                extras.matcher.consume_token(token)
+            if extras.pending is not None:
+                wanted = extras.params.logprobs or 0
+                values, ids = torch.topk(extras.pending, wanted) if wanted else (None, None)
+                top = (
+                    ()
+                    if ids is None or values is None
+                    else tuple(zip(ids.tolist(), values.tolist(), strict=True))
+                )
+                extras.logprobs.append(TokenLogprob(token, float(extras.pending[token]), top))
+                extras.pending = None
+        return scores
