@@ -80,6 +80,8 @@ class Engine(ABC):
     max_model_len: int
     #: Token capacity of the KV cache; one sequence can never exceed it.
     cache_tokens: int
+    #: Token ids run from 0 to vocab_size - 1; a prompt of ids is checked against it.
+    vocab_size: int
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -92,6 +94,16 @@ class Engine(ABC):
     @abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``, special tokens dropped."""
+
+    def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
+        """400 naming ``field`` when a prompt given as ids holds one outside the vocabulary
+        (llama.cpp would fail the whole batch's decode step on it)."""
+        largest = max(token_ids, default=0)
+        if largest >= self.vocab_size:
+            raise InvalidRequest(
+                f"{field}: token id {largest} is outside the model's vocabulary "
+                f"(ids 0 to {self.vocab_size - 1})"
+            )
 
     def admit(self, prompt_tokens: int, max_tokens: int) -> None:
         """Refuse a request before it streams: 400 if it can never fit, 503 if full now."""

@@ -82,6 +82,7 @@ class LlamaCppEngine(Engine):
             )
         self.max_model_len = settings.max_model_len or trained
         self.cache_tokens = settings.num_blocks * settings.block_size
+        self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         self.slots = min(settings.max_num_seqs, _MAX_SEQ_IDS)
         self.threads = threads
         context_params = lib.llama_context_default_params()
