@@ -100,9 +100,12 @@ def response_head(
 
 
 def error_reply(exc: SlipstreamError, body: bytes) -> HttpResponse:
-    """``exc``'s status with ``body``, and Retry-After when the error carries one."""
+    """``exc``'s status with ``body``, and Retry-After or Allow when the error carries one."""
     headers = []
     retry_after = getattr(exc, "retry_after_s", None)
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
+    allow = getattr(exc, "allow", None)
+    if allow:
+        headers.append((b"allow", ", ".join(allow).encode()))
     return HttpResponse(exc.http_status, body, headers=headers)

@@ -22,6 +22,7 @@ from slipstream.llm.engine import Engine, SamplingParams
 from slipstream.names import path_model_name
 from slipstream.protocol import openai
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
+from slipstream.server.router import no_route
 from slipstream.serving.embeddings import Embedder
 from slipstream.serving.service import InferenceService
 
@@ -68,7 +69,7 @@ class OpenAIApp:
                 return await self._chat(request)
             if route == "/v1/embeddings":
                 return await self._embeddings(request)
-        raise ModelNotFound(f"no route for {request.method} {request.path}")
+        raise no_route(request.method, request.path)
 
     def _model_list(self) -> list[tuple[str, int]]:
         models = dict(self._llm.models())
@@ -84,7 +85,14 @@ class OpenAIApp:
         arrived = time.perf_counter()
         body: openai.CompletionRequest = openai.parse(request.body, openai.CompletionRequest)
         engine = self._llm.engine(body.model)
-        prompts = [p if isinstance(p, list) else engine.encode(p) for p in body.prompts()]
+        flat = isinstance(body.prompt, list) and isinstance(body.prompt[0], int)
+        prompts = []
+        for index, prompt in enumerate(body.prompts()):
+            if isinstance(prompt, list):
+                engine.check_token_ids(prompt, "prompt" if flat else f"prompt[{index}]")
+                prompts.append(prompt)
+            else:
+                prompts.append(engine.encode(prompt))
         jobs = self._jobs(engine, body, prompts, body.max_tokens)
         return await self._respond(body, jobs, arrived, chat=False)
 
