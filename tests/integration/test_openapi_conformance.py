@@ -186,6 +186,7 @@ def test_v2_requests_for_a_generative_model_are_404_naming_the_openai_routes(
         ([[1], []], "prompt[1]: is empty"),
         ([5, -1], "prompt: holds a negative token id -1"),
         ([[1], [2**70]], "prompt.1.0: "),
+        ([], "prompt: must not be empty"),
     ],
 )
 def test_bad_token_ids_are_400_naming_the_prompt(

@@ -36,7 +36,6 @@ from slipstream.protocol.openapi_schemas import (
 
 __all__ = ["MODEL_NAME_PATTERN", "allowed_methods", "openapi_document"]
 
-# names.py's rule as a JSON Schema pattern (ECMA-262, anchored).
 # -- statuses shared by many routes --------------------------------------------------------
 
 _V2_ERROR = json_content(ref("V2Error"))

@@ -12,6 +12,7 @@ from slipstream.datatypes import V2_ITEM_SIZE
 from slipstream.names import MAX_MODEL_NAME_LENGTH
 from slipstream.protocol import openai
 
+# names.py's rule as a JSON Schema pattern (ECMA-262, anchored).
 MODEL_NAME_PATTERN = f"^[A-Za-z0-9_][A-Za-z0-9_.-]{{0,{MAX_MODEL_NAME_LENGTH - 1}}}$"
 
 REF = "#/components/schemas/{model}"

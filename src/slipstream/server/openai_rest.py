@@ -85,9 +85,10 @@ class OpenAIApp:
         arrived = time.perf_counter()
         body: openai.CompletionRequest = openai.parse(request.body, openai.CompletionRequest)
         engine = self._llm.engine(body.model)
+        given = body.prompts()  # 400 for an empty prompt list, before it is indexed
         flat = isinstance(body.prompt, list) and isinstance(body.prompt[0], int)
         prompts = []
-        for index, prompt in enumerate(body.prompts()):
+        for index, prompt in enumerate(given):
             if isinstance(prompt, list):
                 engine.check_token_ids(prompt, "prompt" if flat else f"prompt[{index}]")
                 prompts.append(prompt)
