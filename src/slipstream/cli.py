@@ -88,6 +88,15 @@ def main() -> None:
     "--body-timeout-s", type=float, default=_default("body_timeout_s"), help=_help("body_timeout_s")
 )
 @click.option(
+    "--min-body-rate-bytes-s",
+    type=float,
+    default=_default("min_body_rate_bytes_s"),
+    help=_help("min_body_rate_bytes_s"),
+)
+@click.option(
+    "--send-timeout-s", type=float, default=_default("send_timeout_s"), help=_help("send_timeout_s")
+)
+@click.option(
     "--keep-alive-timeout-s",
     type=float,
     default=_default("keep_alive_timeout_s"),
@@ -98,6 +107,15 @@ def main() -> None:
     type=int,
     default=_default("max_connections"),
     help=_help("max_connections"),
+)
+@click.option(
+    "--grpc-max-message-bytes", type=int, default=None, help=_help("grpc_max_message_bytes")
+)
+@click.option(
+    "--grpc-max-concurrent-streams",
+    type=int,
+    default=_default("grpc_max_concurrent_streams"),
+    help=_help("grpc_max_concurrent_streams"),
 )
 @click.option(
     "--strict-readiness/--no-strict-readiness", default=True, help=_help("strict_readiness")

@@ -338,6 +338,20 @@ class ServerSettings(_Strict):
         description="How long a request body may stop arriving before its connection is "
         "closed with 408.",
     )
+    min_body_rate_bytes_s: float = Field(
+        500.0,
+        ge=0,
+        description="Slowest average rate a request body may arrive at once it has taken "
+        "--body-timeout-s; a slower one is answered 408 and closed (a client trickling a "
+        "byte at a time). 0 turns it off.",
+    )
+    send_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a client may accept none of a response the server has to "
+        "send (it stopped reading) before its connection is dropped, with its pending "
+        "responses and pipelined requests.",
+    )
     keep_alive_timeout_s: float = Field(
         75.0, gt=0, description="An idle keep-alive HTTP connection is closed after this long."
     )
@@ -347,6 +361,18 @@ class ServerSettings(_Strict):
         description="Most open HTTP connections. At the limit, a new connection closes the "
         "longest-idle one, or is refused with 503 when none is idle "
         "(slipstream_http_connections_closed_by_limit counts both).",
+    )
+    grpc_max_message_bytes: int | None = Field(
+        None,
+        ge=1024,
+        description="Largest gRPC message received or sent; a larger one is refused with "
+        "RESOURCE_EXHAUSTED. Default: --max-request-bytes.",
+    )
+    grpc_max_concurrent_streams: int = Field(
+        1000,
+        ge=1,
+        description="RPCs one gRPC connection may have open at once; more wait in the "
+        "client until one ends.",
     )
     strict_readiness: bool = Field(
         True,

@@ -38,6 +38,18 @@ class ModelNotFound(ClientError):
     grpc_code = "NOT_FOUND"
 
 
+class MethodNotAllowed(ClientError):
+    """The path names a route, but not for this HTTP method."""
+
+    http_status = 405
+    grpc_code = "UNIMPLEMENTED"
+
+    def __init__(self, message: str, allow: list[str]) -> None:
+        super().__init__(message)
+        # The methods the route answers; sent as Allow.
+        self.allow = allow
+
+
 class Unavailable(SlipstreamError):
     """The model cannot take the request now: not ready, or its queue is full."""
 

@@ -25,8 +25,12 @@ SERVE_OPTIONS = [
     "--max-header-count",
     "--header-timeout-s",
     "--body-timeout-s",
+    "--min-body-rate-bytes-s",
+    "--send-timeout-s",
     "--keep-alive-timeout-s",
     "--max-connections",
+    "--grpc-max-message-bytes",
+    "--grpc-max-concurrent-streams",
     "--no-strict-readiness",
     "--log-level",
 ]

@@ -9,6 +9,7 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -31,6 +32,8 @@ from slipstream.types import (
     ServerMetadata,
     TensorMetadata,
 )
+from tests.models import build_add_sub
+from tests.utils import RemoteServer
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
@@ -471,3 +474,19 @@ def test_internal_error_is_logged_and_answered_without_details(
     # The server goes on serving after an internal fault.
     served = client.infer("add_sub", add_sub_inputs(a, a)).as_numpy("OUTPUT0")
     np.testing.assert_array_equal(served, a + a)
+
+
+def test_serve_flags_set_the_grpc_message_limit(tmp_path: Path) -> None:
+    """--grpc-max-message-bytes (below --max-request-bytes here) bounds gRPC messages."""
+    repo = tmp_path / "repo"
+    build_add_sub(repo)
+    args = ["--grpc-max-message-bytes", "65536", "--grpc-max-concurrent-streams", "8"]
+    with RemoteServer(repo, args, log_dir=tmp_path) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_address)
+        small = np.ones((1, 16), np.float32)
+        assert client.infer("add_sub", add_sub_inputs(small, small)).as_numpy("OUTPUT0")[0, 0] == 2
+        big = np.ones((1024, 16), np.float32)  # 2 x 64 KiB of inputs
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("add_sub", add_sub_inputs(big, big))
+        assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        client.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -24,6 +25,8 @@ from tests.utils import HOST, RemoteServer
 # (1 MB each here) would show as 200 MB of RSS, few enough for a 2-core test machine.
 CONNECTIONS = 200
 HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0  # also the grace before --min-body-rate-bytes-s (500) applies
+SEND_TIMEOUT_S = 1.0
 # Memory the attacks may add while they run. Each connection may hold its head up to
 # the 64 KiB limit (httptools's partial header plus the piece being fed: at most about
 # 2 x 64 KiB), so 200 connections cost up to ~26 MB; 64 MB leaves margin for the
@@ -41,7 +44,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     workdir = tmp_path_factory.mktemp("hostile")
     repo = workdir / "repo"
     repo.mkdir()
-    args = ["--header-timeout-s", str(HEADER_TIMEOUT_S), "--grpc-port", "0"]
+    args = ["--header-timeout-s", str(HEADER_TIMEOUT_S), "--grpc-port", "0",
+            "--body-timeout-s", str(BODY_TIMEOUT_S),
+            "--send-timeout-s", str(SEND_TIMEOUT_S)]  # fmt: skip
     with RemoteServer(repo, args, log_dir=workdir) as remote:
         yield remote
 
@@ -212,3 +217,100 @@ def test_hostile_clients_are_bounded_and_a_legitimate_one_is_served(
         f"{after / 2**20:.1f}; legitimate requests {len(legit.statuses)}, max latency "
         f"{max(legit.latencies_s) * 1000:.0f} ms"
     )
+
+
+def closed_by_limit(server: RemoteServer) -> dict[str, float]:
+    scraped = httpx.get(server.url("/metrics"), timeout=10).text
+    return {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in scraped.splitlines()
+        if line.startswith("slipstream_http_connections_closed_by_limit_total{")
+    }
+
+
+async def trickled_body(port: int) -> bytes:
+    """A body announced as 100 kB and sent a byte every 0.3 s: never stalled 1 s."""
+    reader, writer = await connect(port)
+    writer.write(b"POST /v2/repository/index HTTP/1.1\r\nHost: t\r\n"
+                 b"Content-Length: 100000\r\n\r\n")  # fmt: skip
+
+    async def trickle() -> None:
+        with contextlib.suppress(OSError):
+            for _ in range(200):  # 60 s at most; the server cuts it after ~2 s
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.3)
+
+    trickler = asyncio.ensure_future(trickle())
+    reply = await asyncio.wait_for(reader.read(), 15)
+    trickler.cancel()
+    await close(writer)
+    return reply
+
+
+TRICKLERS = 20
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_cut_below_the_minimum_rate(
+    server: RemoteServer,
+) -> None:
+    before = closed_by_limit(server).get("body_too_slow", 0)
+
+    async def run() -> list[bytes]:
+        return list(await asyncio.gather(*(trickled_body(server.http_port)
+                                           for _ in range(TRICKLERS))))  # fmt: skip
+
+    with LegitimateClient(server) as legit:
+        replies = asyncio.run(run())
+    for reply in replies:
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert b"below 500 (--min-body-rate-bytes-s)" in reply
+    assert legit.statuses and set(legit.statuses) == {200}, legit.statuses
+    assert closed_by_limit(server)["body_too_slow"] == before + TRICKLERS
+
+
+NON_READERS = 4
+# Pipelined requests each non-reader sends: ~60 kB answers each (the OpenAPI document),
+# some 24 MB in all, far past what the kernel's socket buffers hold for a client that
+# reads nothing.
+PIPELINED = 400
+
+
+def test_a_client_that_never_reads_its_responses_is_dropped(server: RemoteServer) -> None:
+    before = closed_by_limit(server).get("send_timeout", 0)
+    baseline = rss(server)
+
+    async def never_read() -> bool:
+        reader, writer = await connect(server.http_port)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        writer.write(b"GET /openapi.json HTTP/1.1\r\nHost: t\r\n\r\n" * PIPELINED)
+        with contextlib.suppress(OSError):
+            await writer.drain()
+        # Read nothing until the server has given up on this connection.
+        await poll(lambda: closed_by_limit(server).get("send_timeout", 0) >= before + 1,
+                   "dropped for --send-timeout-s", timeout_s=30)  # fmt: skip
+        # Then the connection is gone: reset, so the kernel holds nothing more for it.
+        try:
+            while await asyncio.wait_for(reader.read(1 << 20), 10):
+                pass
+            ended = True
+        except ConnectionResetError:
+            ended = True
+        await close(writer)
+        return ended
+
+    async def run() -> list[bool]:
+        return list(await asyncio.gather(*(never_read() for _ in range(NON_READERS))))
+
+    with LegitimateClient(server) as legit:
+        ended = asyncio.run(run())
+        growth = rss(server) - baseline
+    assert ended == [True] * NON_READERS
+    assert legit.statuses and set(legit.statuses) == {200}, legit.statuses
+    asyncio.run(poll(lambda: closed_by_limit(server).get("send_timeout", 0)
+                     == before + NON_READERS, "all dropped", timeout_s=30))  # fmt: skip
+    # What a non-reader may hold: its pipelined requests (16 at most are parsed) and the
+    # responses past the transport's 64 KiB high-water mark (one at a time), never its
+    # whole 24 MB of answers.
+    assert growth < 16 * 2**20, f"RSS grew {growth / 2**20:.0f} MiB"

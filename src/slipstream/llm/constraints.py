@@ -30,10 +30,10 @@ def compile_constraint(constraint: Constraint) -> str:
         else:
             grammar = grammar_from("gbnf", constraint.source)
     except ValueError as exc:
-        raise InvalidRequest(f"{field}: {exc}") from None
+        raise InvalidRequest(f"{field}: does not compile: {exc}") from None
     problem = LLMatcher.validate_grammar(grammar)
     if problem:
-        raise InvalidRequest(f"{field}: {problem.strip()}")
+        raise InvalidRequest(f"{field}: does not compile: {problem.strip()}")
     return str(grammar)
 
 

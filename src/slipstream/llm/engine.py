@@ -118,6 +118,8 @@ class Engine(ABC):
     cache_tokens: int
     #: The ``backend:`` name that selects this engine, for messages.
     backend: str = "this"
+    #: Token ids run from 0 to vocab_size - 1; a prompt of ids is checked against it.
+    vocab_size: int
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -171,6 +173,16 @@ class Engine(ABC):
                     f"{field}: {what} not supported by the {self.backend} engine yet "
                     "(backend: llama_cpp supports it)"
                 )
+
+    def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
+        """400 naming ``field`` when a prompt given as ids holds one outside the vocabulary
+        (llama.cpp would fail the whole batch's decode step on it)."""
+        largest = max(token_ids, default=0)
+        if largest >= self.vocab_size:
+            raise InvalidRequest(
+                f"{field}: token id {largest} is outside the model's vocabulary "
+                f"(ids 0 to {self.vocab_size - 1})"
+            )
 
     def admit(self, prompt_tokens: int, max_tokens: int) -> None:
         """Refuse a request before it streams: 400 if it can never fit, 503 if full now."""

@@ -144,7 +144,8 @@ class TransformersEngine(Engine):
         grammar = compile_constraint(constraint)
         matcher = await asyncio.to_thread(LLMatcher, self._lltokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequest(f"{constraint_field(constraint)}: {matcher.get_error()}")
+            field = constraint_field(constraint)
+            raise InvalidRequest(f"{field}: does not compile: {matcher.get_error()}")
         return matcher
 
     async def generate(

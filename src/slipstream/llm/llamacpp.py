@@ -86,6 +86,7 @@ class LlamaCppEngine(Engine):
             )
         self.max_model_len = settings.max_model_len or trained
         self.cache_tokens = settings.num_blocks * settings.block_size
+        self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         self.slots = min(settings.max_num_seqs, _MAX_SEQ_IDS)
         self.threads = threads
         context_params = lib.llama_context_default_params()
@@ -219,7 +220,8 @@ class LlamaCppEngine(Engine):
         # Building the matcher compiles the grammar against the vocabulary: off the loop.
         matcher = await asyncio.to_thread(LLMatcher, self._lltokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequest(f"{constraint_field(constraint)}: {matcher.get_error()}")
+            field = constraint_field(constraint)
+            raise InvalidRequest(f"{field}: does not compile: {matcher.get_error()}")
         return matcher
 
     def is_end(self, token: int) -> bool:

@@ -41,6 +41,8 @@ CONNECTION_CLOSE_REASONS = (
     "too_many_headers",  # 431: past --max-header-count
     "header_timeout",  # 408 (or silence): head not complete within --header-timeout-s
     "body_timeout",  # 408: the body stalled for --body-timeout-s
+    "body_too_slow",  # 408: the body came slower than --min-body-rate-bytes-s
+    "send_timeout",  # a client read none of a pending response for --send-timeout-s
     "keep_alive_timeout",  # idle between requests for --keep-alive-timeout-s
     "evicted_idle",  # at --max-connections: the longest-idle one closed for a new one
     "refused_full",  # at --max-connections with none idle: the new one refused (503)

@@ -14,11 +14,11 @@ import base64
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from slipstream.errors import InvalidRequest, SlipstreamError
 from slipstream.names import validate_model_name
@@ -28,9 +28,21 @@ MAX_CHOICES = 16
 MAX_STOPS = 4
 # Alternatives per token in top_logprobs (OpenAI's limit for chat).
 MAX_TOP_LOGPROBS = 20
+# Inputs one /v1/embeddings request may carry: OpenAI's own limit.
+MAX_EMBEDDING_INPUTS = 2048
 
 _PARAM = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")
+
+
+def _only(*schemas: dict[str, Any], note: str) -> WithJsonSchema:
+    """The documented schema of a field accepted wider than it is served: the values
+    Slipstream serves, while validation (``check_supported``) names the field when a
+    request sends another (the OpenAPI document at /openapi.json shows this schema)."""
+    return WithJsonSchema({"anyOf": list(schemas), "description": note})
+
+
+_NULL: dict[str, Any] = {"type": "null"}
+_ZERO = {"type": "number", "enum": [0]}
 
 
 class _Request(BaseModel):
@@ -41,7 +53,16 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# stream_options is refused unless stream is true (check_supported); the schema says so.
+_STREAM_OPTIONS_NEED_STREAM: dict[str, Any] = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+
+
 class _Sampling(_Request):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)
+
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -50,21 +71,45 @@ class _Sampling(_Request):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[
+        str | list[str] | None,
+        _only({"type": "string"}, {"type": "array", "items": {"type": "string"},
+               "maxItems": MAX_STOPS}, _NULL, note=f"at most {MAX_STOPS} stop sequences"),
+    ] = None  # fmt: skip
     seed: int | None = None
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[
+        dict[str, float] | None,
+        _only({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+               "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+              _NULL, note="token id -> bias in [-100, 100]; ids beyond the vocabulary: 400"),
+    ] = None  # fmt: skip
     user: str | None = None
-    # Structured outputs: OpenAI's response_format, and the extensions users know.
-    response_format: dict[str, Any] | None = None
+    # Structured outputs: OpenAI's response_format, and the extensions users know. One
+    # constraint a request; a grammar, regex or schema that does not compile is a 400.
+    response_format: Annotated[
+        dict[str, Any] | None,
+        _only({"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}},
+               "required": ["type"]},
+              {"type": "object", "properties": {"type": {"const": "json_schema"},
+               "json_schema": {"type": "object", "properties": {
+                   "name": {"type": "string"}, "schema": {"type": "object"},
+                   "strict": {"type": "boolean"}}, "required": ["schema"]}},
+               "required": ["type", "json_schema"]},
+              _NULL, note="text, json_object, or json_schema {name, schema, strict}"),
+    ] = None  # fmt: skip
     guided_json: dict[str, Any] | str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_regex: str | None = None
-    guided_grammar: str | None = None
-    grammar: str | None = None
+    guided_grammar: Annotated[
+        str | None, _only({"type": "string", "pattern": "\\S"}, _NULL, note="GBNF")
+    ] = None
+    grammar: Annotated[
+        str | None, _only({"type": "string", "pattern": "\\S"}, _NULL, note="GBNF")
+    ] = None
     json_schema: dict[str, Any] | None = None
 
     def stops(self) -> list[str]:
@@ -141,18 +186,31 @@ def _schema_constraint(field: str, schema: Any) -> Constraint:
         try:
             schema = orjson.loads(schema)
         except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"{field}: not valid JSON: {exc}") from None
+            raise InvalidRequest(f"{field}: does not compile: not valid JSON: {exc}") from None
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"{field}: a JSON schema must be an object")
+        raise InvalidRequest(f"{field}: does not compile: a JSON schema must be an object")
     return Constraint("json_schema", orjson.dumps(schema).decode())
 
 
+# llama.cpp's token ids are int32.
+_TOKEN_IDS = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+    "minItems": 1,
+}
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[
+        str | list[str] | list[int] | list[list[int]],
+        _only({"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+              _TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+              note="text, texts, token ids, or lists of token ids"),
+    ]  # fmt: skip
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Annotated[int | None, _only({"const": 1}, _NULL, note="only 1 is supported")] = None
+    suffix: Annotated[str | None, _only({"const": ""}, _NULL, note="not supported")] = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -174,13 +232,23 @@ class CompletionRequest(_Sampling):
         if not prompt:
             raise InvalidRequest("prompt: must not be empty")
         if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+            prompts: list[Any] = [prompt]
+        else:
+            prompts = list(prompt)
+        for index, item in enumerate(prompts):
+            if isinstance(item, list) and (not item or min(item) < 0):
+                where = "prompt" if prompts[0] is prompt else f"prompt[{index}]"
+                problem = "is empty" if not item else f"holds a negative token id {min(item)}"
+                raise InvalidRequest(f"{where}: {problem}; expected token ids (>= 0)")
+        return prompts
 
 
 class ContentPart(_Request):
-    type: str
-    text: str | None = None
+    # Only text parts are served (ChatMessage.text names a part of another type).
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"required": ["type", "text"]})
+
+    type: Annotated[str, WithJsonSchema({"const": "text"})]
+    text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
 class FunctionCall(_Request):
@@ -301,15 +369,17 @@ class ChatRequest(_Sampling):
         return messages
 
 
-# Inputs one /v1/embeddings request may carry: OpenAI's own limit.
-MAX_EMBEDDING_INPUTS = 2048
-
-
 class EmbeddingRequest(_Request):
     model: str = Field(min_length=1)
-    input: str | list[str] = Field(min_length=1)
+    input: Annotated[
+        str | list[str],
+        Field(min_length=1),
+        _only({"type": "string", "minLength": 1},
+              {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+               "maxItems": MAX_EMBEDDING_INPUTS}, note="non-empty strings"),
+    ]  # fmt: skip
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Annotated[int | None, _only(_NULL, note="embeddings have the model's width")] = None
     user: str | None = None
 
     def texts(self) -> list[str]:
@@ -327,6 +397,23 @@ class EmbeddingRequest(_Request):
         return texts
 
 
+# A part of a pydantic error location that names a branch of a union, not a field:
+# "str", "list[int]", "function-after[...]", a model's class name.
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|.*\[.*\])$")
+
+
+def _first_problem(exc: ValidationError) -> str:
+    """``field: problem`` for the first field in error. A value that matches no branch of
+    a union (``prompt``: a string, strings, token ids...) is named by the branch that got
+    furthest, without the branch's name: ``prompt.2.11: Input should be ...``."""
+    errors = exc.errors()
+    first = errors[0]["loc"][:1]
+    problem = max((e for e in errors if e["loc"][:1] == first), key=lambda e: len(e["loc"]))
+    parts = [p for p in problem["loc"] if not (isinstance(p, str) and _UNION_BRANCH.match(p))]
+    field = ".".join(str(part) for part in parts) or "body"
+    return f"{field}: {problem['msg']}"
+
+
 def parse(body: bytes, schema: type[_Request]) -> Any:
     """Validate a JSON body; InvalidRequest names the first bad field."""
     try:
@@ -338,11 +425,7 @@ def parse(body: bytes, schema: type[_Request]) -> Any:
     try:
         request = schema.model_validate(data)
     except ValidationError as exc:
-        problem = exc.errors()[0]
-        # A union's member ("dict[str,any]", "str") is pydantic's, not a field: drop it.
-        parts = [str(p) for p in problem["loc"] if not _UNION_MEMBER.match(str(p))]
-        field = ".".join(parts) or "body"
-        raise InvalidRequest(f"{field}: {problem['msg']}") from None
+        raise InvalidRequest(_first_problem(exc)) from None
     if isinstance(request, _Sampling | EmbeddingRequest):
         validate_model_name(request.model, "model")
     check = getattr(request, "check_supported", None)

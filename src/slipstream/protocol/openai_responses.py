@@ -10,16 +10,18 @@ their outputs), ``tools`` the functions (in the Responses API's flat shape), and
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import Field
 
 from slipstream.errors import InvalidRequest
 from slipstream.protocol.openai import (
+    _NULL,
     MAX_TOOLS,
     CallItem,
     ContentPart,
+    _only,
     _Request,
     _response_format,
     _Sampling,
@@ -69,7 +71,8 @@ class TextOptions(_Request):
 
 
 class ResponsesRequest(_Sampling):
-    input: str | list[InputItem]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    n: Annotated[int, _only({"const": 1}, note="one response")] = 1
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
@@ -77,7 +80,9 @@ class ResponsesRequest(_Sampling):
     parallel_tool_calls: bool = True
     text: TextOptions | None = None
     store: bool | None = None
-    previous_response_id: str | None = None
+    previous_response_id: Annotated[
+        str | None, _only(_NULL, note="stateless: send the whole conversation in input")
+    ] = None
     metadata: dict[str, str] | None = None
 
     def check_supported(self) -> None:

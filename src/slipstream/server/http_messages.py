@@ -79,6 +79,10 @@ class HttpLimits:
     header_timeout_s: float = 10.0
     # Longest time a started request body may receive nothing (408).
     body_timeout_s: float = 30.0
+    # Slowest average a body may arrive at once it has taken body_timeout_s (408); 0: off.
+    min_body_rate_bytes_s: float = 500.0
+    # Longest time a client may accept none of a response the server has to send.
+    send_timeout_s: float = 60.0
     # How long a keep-alive connection may wait for its next request.
     keep_alive_timeout_s: float = 75.0
     # Open connections at most; beyond, the longest-idle one is closed (or the new refused).
@@ -100,9 +104,12 @@ def response_head(
 
 
 def error_reply(exc: SlipstreamError, body: bytes) -> HttpResponse:
-    """``exc``'s status with ``body``, and Retry-After when the error carries one."""
+    """``exc``'s status with ``body``, and Retry-After or Allow when the error carries one."""
     headers = []
     retry_after = getattr(exc, "retry_after_s", None)
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
+    allow = getattr(exc, "allow", None)
+    if allow:
+        headers.append((b"allow", ", ".join(allow).encode()))
     return HttpResponse(exc.http_status, body, headers=headers)

@@ -14,15 +14,22 @@ chunked) for server-sent events.
 
 What one client may cost is bounded (:class:`HttpLimits`): the size and count of a
 request's headers, checked on the bytes fed to the parser before it buffers them; a
-header-read timeout (slowloris), a body-stall timeout and the keep-alive idle timeout,
-all enforced by one sweeper timer; the body size, refused from the headers before the
-body is read; and the number of open connections.
+header-read timeout (slowloris), a body-stall timeout and a minimum body rate (a body
+trickled a byte at a time), a send timeout (a client that stops reading its responses)
+and the keep-alive idle timeout, all enforced by one sweeper timer; the body size,
+refused from the headers before the body is read; and the number of open connections.
+Unsent response bytes are bounded too: a response is written only once the transport's
+buffer has drained below its high-water mark, so one connection holds at most that plus
+one response, and for at most --send-timeout-s when its client reads nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import struct
 from collections import deque
 from typing import cast
 
@@ -110,7 +117,11 @@ class HttpServer:
             connection.enforce_timeouts(now)
         limits = self._limits
         interval = min(
-            5.0, limits.keep_alive_timeout_s, limits.header_timeout_s, limits.body_timeout_s
+            5.0,
+            limits.keep_alive_timeout_s,
+            limits.header_timeout_s,
+            limits.body_timeout_s,
+            limits.send_timeout_s,
         )
         self._sweeper = loop.call_later(interval, self._sweep)
 
@@ -186,6 +197,10 @@ class _Connection(asyncio.Protocol):
         self._head_started_at = now  # a new connection owes a head from its start
         self._head_bytes = 0
         self._last_read_at = now
+        self._body_started_at = now  # when the current request's headers completed
+        # Loop time the transport asked to stop writing (its buffer is full); None: it
+        # takes writes. A client that reads nothing keeps it set: --send-timeout-s.
+        self._write_paused_at: float | None = None
         self._received_any = False
         self._reading_paused = False
         # Messages begun and completed so far: data_received compares them around a feed.
@@ -271,9 +286,11 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._writable.clear()
+        self._write_paused_at = self._loop.time()
 
     def resume_writing(self) -> None:
         self._writable.set()
+        self._write_paused_at = None
 
     # -- httptools callbacks ---------------------------------------------------------------
 
@@ -304,7 +321,8 @@ class _Connection(asyncio.Protocol):
             self._reply_and_close(431, f"more than {limit} header lines (--max-header-count)")
 
     def on_headers_complete(self) -> None:
-        self._phase, self._head_bytes, self._last_read_at = _BODY, 0, self._loop.time()
+        self._phase, self._head_bytes = _BODY, 0
+        self._last_read_at = self._body_started_at = self._loop.time()
         if self._input_closed:
             return
         for name, value in self._headers:
@@ -375,7 +393,8 @@ class _Connection(asyncio.Protocol):
     def _resume_reading(self) -> None:
         # The timeouts measure the client, not the pause: their clocks restart.
         self._reading_paused = False
-        self._head_started_at = self._last_read_at = self._loop.time()
+        now = self._loop.time()
+        self._head_started_at = self._last_read_at = self._body_started_at = now
         if self._transport is not None:
             self._transport.resume_reading()
 
@@ -484,9 +503,28 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
+    def _reset(self) -> None:
+        """Abort with a TCP reset (as nginx's reset_timedout_connection): the kernel drops
+        what it still buffers for the client at once instead of trickling it out."""
+        if self._transport is None:
+            return
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._transport.abort()
+
     def close_for_limit(self) -> None:
         """Close an idle connection to make room for a new one (--max-connections)."""
         self._close()
+
+    def _body_too_slow(self, now: float) -> bool:
+        """A body must arrive at min_body_rate_bytes_s on average once it has had
+        body_timeout_s of grace: by T seconds, (T - grace) x rate bytes. A byte every 20 s
+        keeps clear of the stall timeout, never of this."""
+        rate, grace = self._limits.min_body_rate_bytes_s, self._limits.body_timeout_s
+        elapsed = now - self._body_started_at
+        return rate > 0 and elapsed > grace and self._body_size < (elapsed - grace) * rate
 
     def _refuse_head(self) -> None:
         limit = self._limits.max_header_bytes
@@ -501,9 +539,18 @@ class _Connection(asyncio.Protocol):
 
     def enforce_timeouts(self, now: float) -> None:
         """The sweeper's visit: close this connection if a timeout has passed."""
-        if self._input_closed or self._reading_paused:
-            return  # while paused, the server is the slow side
         limits, metrics = self._limits, self._server._metrics
+        paused_at = self._write_paused_at
+        if paused_at is not None and now - paused_at > limits.send_timeout_s:
+            # The client reads nothing: no reply can reach it, so drop the connection
+            # (its pending responses, pipelined requests, a stream's generation) at once.
+            metrics.count_close("send_timeout")
+            self._write_paused_at = None
+            self._closing = self._input_closed = True
+            self._reset()
+            return
+        if self._input_closed or self._reading_paused:
+            return  # while reading is paused, the server is the slow side
         if self._phase == _HEAD and now - self._head_started_at > limits.header_timeout_s:
             metrics.count_close("header_timeout")
             message = f"request headers not received within {limits.header_timeout_s:g} s"
@@ -512,6 +559,15 @@ class _Connection(asyncio.Protocol):
             metrics.count_close("body_timeout")
             message = f"request body stalled for {limits.body_timeout_s:g} s"
             self._reply_and_close(408, message + " (--body-timeout-s)")
+        elif self._phase == _BODY and self._body_too_slow(now):
+            metrics.count_close("body_too_slow")
+            elapsed = now - self._body_started_at
+            self._reply_and_close(
+                408,
+                f"request body arrived at {self._body_size / elapsed:.0f} bytes/s over "
+                f"{elapsed:.0f} s, below {limits.min_body_rate_bytes_s:g} "
+                "(--min-body-rate-bytes-s)",
+            )
         elif self._phase != _IDLE or self._requests or self._serving():
             return
         elif not self._received_any:

@@ -31,6 +31,7 @@ from slipstream.server.openai_generation import (
     sse_events,
 )
 from slipstream.server.openai_responses import respond
+from slipstream.server.router import no_route
 from slipstream.serving.embeddings import Embedder
 from slipstream.serving.service import InferenceService
 
@@ -79,7 +80,7 @@ class OpenAIApp:
                 return await self._embeddings(request)
             if route == "/v1/responses":
                 return await respond(self._llm, request.body, time.perf_counter())
-        raise ModelNotFound(f"no route for {request.method} {request.path}")
+        raise no_route(request.method, request.path)
 
     def _model_list(self) -> list[tuple[str, int]]:
         models = dict(self._llm.models())
@@ -95,7 +96,15 @@ class OpenAIApp:
         arrived = time.perf_counter()
         body: openai.CompletionRequest = openai.parse(request.body, openai.CompletionRequest)
         engine = self._llm.engine(body.model)
-        prompts = [p if isinstance(p, list) else engine.encode(p) for p in body.prompts()]
+        given = body.prompts()  # 400 for an empty prompt list, before it is indexed
+        flat = isinstance(body.prompt, list) and isinstance(body.prompt[0], int)
+        prompts = []
+        for index, prompt in enumerate(given):
+            if isinstance(prompt, list):
+                engine.check_token_ids(prompt, "prompt" if flat else f"prompt[{index}]")
+                prompts.append(prompt)
+            else:
+                prompts.append(engine.encode(prompt))
         jobs = build_jobs(engine, body, prompts, body.max_tokens,
                           self._llm.default_max_tokens(body.model), body.logprobs,
                           body.constraint())  # fmt: skip

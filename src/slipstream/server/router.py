@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 
+from slipstream.errors import ClientError, MethodNotAllowed, ModelNotFound
+from slipstream.protocol.openapi import allowed_methods
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
 
 Reply = HttpResponse | StreamingResponse
@@ -43,6 +45,15 @@ class Router:
             if request.path.startswith(prefix):
                 return await handler(request)
         return await self._fallback(request)
+
+
+def no_route(method: str, path: str) -> ClientError:
+    """What a request that no route answers gets: 405 (with Allow) when the path names a
+    route of other methods, else 404."""
+    allow = allowed_methods(path)
+    if allow:
+        return MethodNotAllowed(f"{method} is not allowed on {path}; use {', '.join(allow)}", allow)
+    return ModelNotFound(f"no route for {method} {path}")
 
 
 def _wrap(layer: Middleware, call_next: Handler) -> Handler:

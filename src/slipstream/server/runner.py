@@ -69,7 +69,11 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
 
         try:
             grpc_server, grpc_port = build_grpc_server(
-                service, settings.host, settings.grpc_port, settings.max_request_bytes
+                service,
+                settings.host,
+                settings.grpc_port,
+                settings.grpc_max_message_bytes or settings.max_request_bytes,
+                max_concurrent_streams=settings.grpc_max_concurrent_streams,
             )
         except OSError as exc:
             logger.error("%s", exc)
@@ -124,6 +128,8 @@ def http_limits(settings: ServerSettings) -> HttpLimits:
         max_header_count=settings.max_header_count,
         header_timeout_s=settings.header_timeout_s,
         body_timeout_s=settings.body_timeout_s,
+        min_body_rate_bytes_s=settings.min_body_rate_bytes_s,
+        send_timeout_s=settings.send_timeout_s,
         keep_alive_timeout_s=settings.keep_alive_timeout_s,
         max_connections=settings.max_connections,
     )

@@ -14,11 +14,14 @@ from typing import Any
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from slipstream.errors import InvalidRequest, ModelNotFound, SlipstreamError
+from slipstream import __version__
+from slipstream.errors import InvalidRequest, SlipstreamError
 from slipstream.names import path_model_name
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta
+from slipstream.protocol.openapi import openapi_document
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
+from slipstream.server.router import no_route
 from slipstream.serving.service import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class V2RestApp:
     def __init__(self, service: InferenceService, metrics: ServerMetrics) -> None:
         self._service = service
         self._metrics = metrics
+        self._openapi: bytes | None = None  # built at the first GET /openapi.json
 
     async def handle(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
         """Answer one request; a SlipstreamError becomes its status and {"error": ...}."""
@@ -69,7 +73,11 @@ class V2RestApp:
         if parts == ["metrics"] and method in ("GET", "HEAD"):
             body = generate_latest(self._metrics.registry)
             return HttpResponse(200, body, CONTENT_TYPE_LATEST.encode())
-        raise ModelNotFound(f"no route for {method} {request.path}")
+        if parts == ["openapi.json"] and method in ("GET", "HEAD"):
+            if self._openapi is None:
+                self._openapi = orjson.dumps(openapi_document(__version__))
+            return HttpResponse(200, self._openapi)
+        raise no_route(method, request.path)
 
     async def _server_route(
         self, method: str, parts: list[str], request: HttpRequest
@@ -87,19 +95,26 @@ class V2RestApp:
                 return _json(v2_meta.model_stats_json(service.model_statistics()))
         if method == "POST" and parts[:1] == ["repository"]:
             return await self._repository_route(parts[1:], request.body)
-        raise ModelNotFound(f"no route for {method} /v2/{route}")
+        raise no_route(method, f"/v2/{route}")
 
     async def _repository_route(self, parts: list[str], body: bytes) -> HttpResponse:
         service = self._service
         options = v2.load_json_object(body) if body.strip() else {}
         if parts == ["index"]:
-            ready_only = bool(options.get("ready", False))
+            ready_only = options.get("ready", False)
+            if type(ready_only) is not bool:
+                raise InvalidRequest(f"ready: expected true or false, got {ready_only!r}")
             return _json(v2_meta.repository_index_json(service.repository_index(ready_only)))
         if len(parts) >= 3 and parts[0] == "models" and parts[-1] in ("load", "unload"):
             # Extra segments are a name with '/' in it: refused by name, not "no route".
             name = path_model_name("/".join(parts[1:-1]))
             if parts[-1] == "load":
-                if options.get("parameters", {}).get("config"):
+                parameters = options.get("parameters", {})
+                if not isinstance(parameters, dict):
+                    raise InvalidRequest(
+                        f"parameters: expected an object, got {type(parameters).__name__}"
+                    )
+                if parameters.get("config"):
                     raise InvalidRequest(
                         "parameters.config: loading with an inline config is not supported; "
                         "write REPO/<model>/config.yaml and load again"
@@ -108,7 +123,7 @@ class V2RestApp:
             else:
                 await service.unload_model(name)
             return _empty(200)
-        raise ModelNotFound(f"no route for POST /v2/repository/{'/'.join(parts)}")
+        raise no_route("POST", f"/v2/repository/{'/'.join(parts)}")
 
     async def _model_route(
         self, method: str, parts: list[str], request: HttpRequest
@@ -131,7 +146,7 @@ class V2RestApp:
             if action == "stats":
                 stats = service.model_statistics(name, version)
                 return _json(v2_meta.model_stats_json(stats))
-        raise ModelNotFound(f"no route for {method} {request.path}")
+        raise no_route(method, request.path)
 
     async def _infer(self, name: str, version: str, http: HttpRequest) -> HttpResponse:
         header = http.header(_HEADER_LENGTH)

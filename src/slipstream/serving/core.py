@@ -132,6 +132,7 @@ class ModelServer(InferenceService):
         try:
             return self.models.resolve(name, version)
         except Unavailable as exc:
+            self._refuse_generative(name)
             # Metadata of a model that is not loaded is unknown: answer as Triton does.
             raise ModelNotFound(exc.message) from None
 
@@ -151,7 +152,11 @@ class ModelServer(InferenceService):
     async def infer(self, request: InferRequest) -> InferResponse:
         if self._stopping:
             raise Unavailable("server is shutting down", retry_after_s=1)
-        model = self.models.resolve(request.model_name, request.model_version)
+        try:
+            model = self.models.resolve(request.model_name, request.model_version)
+        except Unavailable:
+            self._refuse_generative(request.model_name)
+            raise
         started_ns = time.perf_counter_ns()
         metrics = model.metrics
         try:
@@ -193,6 +198,15 @@ class ModelServer(InferenceService):
         for lane in self._lanes:
             entries.extend(lane.index(ready_only))
         return sorted(entries, key=lambda entry: (entry.name, entry.version))
+
+    def _refuse_generative(self, name: str) -> None:
+        """A generative model is served on the OpenAI routes only: to V2 it is no model
+        (404), not one to wait for (503) or to load."""
+        if self._lane_of(name) is not None:
+            raise ModelNotFound(
+                f"model {name!r} is a generative model, served on the OpenAI routes "
+                "(/v1/completions, /v1/chat/completions), not by V2"
+            )
 
     def _lane_of(self, name: str) -> ModelLane | None:
         validate_model_name(name)

@@ -1,0 +1,386 @@
+"""The OpenAPI 3.1 document of the HTTP API, served at ``GET /openapi.json``.
+
+Every route the HTTP front end answers, with every status it can answer: the V2 REST
+routes (the Open Inference Protocol, Triton's binary tensor extension, its model config,
+statistics and repository extensions), ``/metrics``, and the OpenAI routes. The OpenAI
+request schemas are generated from the pydantic models that validate those requests
+(:mod:`slipstream.protocol.openai`), so the document cannot drift from what the server
+accepts; the V2 schemas follow KServe's published ``rest_predict_v2.yaml`` in shape, with
+what Slipstream adds (datatypes as an enum, the model-name rule as a pattern, errors).
+
+Besides each route's own statuses, every operation documents what the transport answers
+before a route runs: 408 (headers or body too slow), 414 / 431 (URL or headers too
+large), 413 (a body over ``--max-request-bytes``) and 503 (``--max-connections``), all
+in the V2 error shape.
+
+>>> doc = openapi_document("0.1.0")
+>>> doc["openapi"], sorted(doc["paths"]["/v2/models/{model}/infer"])
+('3.1.0', ['parameters', 'post'])
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from typing import Any
+
+from slipstream.protocol.openapi_schemas import (
+    JSON,
+    MODEL_NAME_PATTERN,
+    json_content,
+    openai_schemas,
+    ref,
+    response,
+    v2_schemas,
+)
+
+__all__ = ["MODEL_NAME_PATTERN", "allowed_methods", "openapi_document"]
+
+# -- statuses shared by many routes --------------------------------------------------------
+
+_V2_ERROR = json_content(ref("V2Error"))
+_OPENAI_ERROR = json_content(ref("OpenAIError"))
+# What the transport answers before any route runs (V2 error shape on every route).
+_TRANSPORT = {
+    "408": response("The request's headers or body arrived too slowly", _V2_ERROR),
+    "414": response("The URL is longer than --max-header-bytes", _V2_ERROR),
+    "431": response("Request headers too large or too many", _V2_ERROR),
+}
+_TOO_LARGE = {"413": response("The body is larger than --max-request-bytes", _V2_ERROR)}
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before retrying (queue full)",
+        "schema": {"type": "integer", "minimum": 0},
+    }
+}
+
+
+def _v2_errors(*statuses: str, body: bool = False) -> dict[str, Any]:
+    """Error responses of a V2 route: its own ``statuses``, then the transport's."""
+    meaning = {
+        "400": "Bad request: the message names the field, the value and what was expected",
+        "404": "Unknown model, version or route",
+        "503": "Not ready, queue full (with Retry-After), timed out in the queue, or the "
+        "server at --max-connections",
+    }
+    # 503 on every route: the transport refuses a connection at --max-connections.
+    out = {s: response(meaning[s], _V2_ERROR) for s in (*statuses, "503")}
+    out["503"]["headers"] = _RETRY_AFTER
+    out["500"] = response("Internal fault; the details are only in the server log", _V2_ERROR)
+    return out | _TRANSPORT | (_TOO_LARGE if body else {})
+
+
+def _openai_errors(*statuses: str, body: bool = False) -> dict[str, Any]:
+    meaning = {
+        "400": "Invalid request: error.param names the field",
+        "404": "Unknown model (error.code model_not_found) or route",
+    }
+    out = {s: response(meaning[s], _OPENAI_ERROR) for s in statuses}
+    out["500"] = response("Internal fault; the details are only in the server log", _OPENAI_ERROR)
+    either = {"anyOf": [ref("OpenAIError"), ref("V2Error")]}
+    out["503"] = response(
+        "Model not ready or its queue full (OpenAI shape, with Retry-After), or the "
+        "server at --max-connections (V2 shape)",
+        json_content(either),
+    )
+    out["503"]["headers"] = _RETRY_AFTER
+    return out | _TRANSPORT | (_TOO_LARGE if body else {})
+
+
+# -- parameters ----------------------------------------------------------------------------
+
+_MODEL = {
+    "name": "model",
+    "in": "path",
+    "required": True,
+    "description": "Model name: 1 to 128 ASCII letters, digits, '_', '-' or '.', starting "
+    "with a letter, digit or '_'",
+    "schema": {"type": "string", "pattern": MODEL_NAME_PATTERN},
+}
+_VERSION = {
+    "name": "version",
+    "in": "path",
+    "required": True,
+    "description": "Model version (a directory number of the repository)",
+    "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"},
+}
+_HEADER_LENGTH = {
+    "name": "Inference-Header-Content-Length",
+    "in": "header",
+    "required": False,
+    "description": "Binary tensor extension: the body's first N bytes are the JSON "
+    "request, the rest the inputs' raw data (see parameters.binary_data_size)",
+    "schema": {"type": "integer", "minimum": 0},
+}
+
+
+def _v2_model_paths(prefix: str, params: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-model routes under ``prefix`` (with or without /versions/{version})."""
+    infer_body = {
+        "required": True,
+        "content": {
+            JSON: {"schema": ref("InferenceRequest")},
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "Binary tensor extension (Inference-Header-Content-Length)",
+            },
+        },
+    }
+    infer_ok = {
+        JSON: {"schema": ref("InferenceResponse")},
+        "application/octet-stream": {
+            "schema": {"type": "string", "format": "binary"},
+            "description": "Binary outputs: the Inference-Header-Content-Length header "
+            "says where the JSON ends",
+        },
+    }
+    not_ready = {
+        JSON: {"schema": ref("V2Error")},
+        "text/plain": {"schema": {"type": "string", "maxLength": 0}},
+    }
+    return {
+        prefix: {
+            "parameters": params,
+            "get": {
+                "summary": "Model metadata",
+                "operationId": _operation_id("model_metadata", prefix),
+                "responses": {"200": response("Metadata", json_content(ref("ModelMetadata")))}
+                | _v2_errors("400", "404"),
+            },
+        },
+        prefix + "/ready": {
+            "parameters": params,
+            "get": {
+                "summary": "Model ready",
+                "operationId": _operation_id("model_ready", prefix),
+                "responses": {
+                    "200": response("Ready"),
+                    "400": response("Not ready (empty body) or a bad model name", not_ready),
+                }
+                | _v2_errors(),
+            },
+        },
+        prefix + "/infer": {
+            "parameters": params,
+            "post": {
+                "summary": "Inference",
+                "operationId": _operation_id("model_infer", prefix),
+                "parameters": [_HEADER_LENGTH],
+                "requestBody": infer_body,
+                "responses": {"200": response("Outputs", infer_ok)}
+                | _v2_errors("400", "404", body=True),
+            },
+        },
+        prefix + "/config": {
+            "parameters": params,
+            "get": {
+                "summary": "Model configuration (Triton extension)",
+                "operationId": _operation_id("model_config", prefix),
+                "responses": {"200": response("Config", json_content(ref("ModelConfig")))}
+                | _v2_errors("400", "404"),
+            },
+        },
+        prefix + "/stats": {
+            "parameters": params,
+            "get": {
+                "summary": "Model statistics (Triton extension)",
+                "operationId": _operation_id("model_statistics", prefix),
+                "responses": {"200": response("Statistics", json_content(ref("ModelStatistics")))}
+                | _v2_errors("400", "404"),
+            },
+        },
+    }
+
+
+def _operation_id(name: str, prefix: str) -> str:
+    return name + ("_version" if "{version}" in prefix else "")
+
+
+def _v2_paths() -> dict[str, Any]:
+    def get(summary: str, op: str, ok: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "get": {"summary": summary, "operationId": op, "responses": {"200": ok} | _v2_errors()}
+        }
+
+    repository_body = {"required": False, "content": json_content(ref("RepositoryLoadRequest"))}
+    paths: dict[str, Any] = {
+        "/v2/health/live": get("Server live", "server_live", response("Live")),
+        "/v2/health/ready": get("Server ready (503: not ready)", "server_ready", response("Ready")),
+        "/v2": get(
+            "Server metadata",
+            "server_metadata",
+            response("Metadata", json_content(ref("ServerMetadata"))),
+        ),
+        "/v2/models/stats": get(
+            "Statistics of every model",
+            "all_model_statistics",
+            response("Statistics", json_content(ref("ModelStatistics"))),
+        ),
+        "/v2/repository/index": {
+            "post": {
+                "summary": "Repository index (Triton extension)",
+                "operationId": "repository_index",
+                "requestBody": {
+                    "required": False,
+                    "content": json_content(ref("RepositoryIndexRequest")),
+                },
+                "responses": {"200": response("Models", json_content(ref("RepositoryIndex")))}
+                | _v2_errors("400", body=True),
+            }
+        },
+    }
+    for action in ("load", "unload"):
+        paths[f"/v2/repository/models/{{model}}/{action}"] = {
+            "parameters": [_MODEL],
+            "post": {
+                "summary": f"{action.title()} a model (--model-control-mode explicit; "
+                "400 in the other modes)",
+                "operationId": f"repository_model_{action}",
+                "requestBody": repository_body,
+                "responses": {"200": response("Done")} | _v2_errors("400", "404", body=True),
+            },
+        }
+    paths |= _v2_model_paths("/v2/models/{model}", [_MODEL])
+    paths |= _v2_model_paths("/v2/models/{model}/versions/{version}", [_MODEL, _VERSION])
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    paths["/metrics"] = get(
+        "Prometheus metrics (text format)", "metrics", response("Metrics", text)
+    )
+    paths["/openapi.json"] = get(
+        "This document", "openapi", response("OpenAPI 3.1", json_content({"type": "object"}))
+    )
+    return paths
+
+
+def _openai_paths() -> dict[str, Any]:
+    def events(chunk: str) -> dict[str, Any]:
+        data = {"anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": JSON,
+             "contentSchema": {"anyOf": [ref(chunk), ref("OpenAIError")]}},
+        ]}  # fmt: skip
+        return {"text/event-stream": {
+            "schema": {"type": "object", "properties": {"data": data}, "required": ["data"]},
+            "description": "With stream: true, server-sent events: chunks, then data: [DONE]; an "
+            "error after the first event arrives as a last event holding an OpenAIError",
+        }}  # fmt: skip
+
+    def generate(summary: str, op: str, request: str, reply: str) -> dict[str, Any]:
+        return {
+            "post": {
+                "summary": summary,
+                "operationId": op,
+                "requestBody": {"required": True, "content": json_content(ref(request))},
+                "responses": {
+                    "200": response(
+                        "The result", json_content(ref(reply)) | events(reply + "Chunk")
+                    )
+                }
+                | _openai_errors("400", "404", body=True),
+            }
+        }
+
+    return {
+        "/v1/models": {
+            "get": {
+                "summary": "Models served on the OpenAI routes",
+                "operationId": "openai_list_models",
+                "responses": {"200": response("Models", json_content(ref("ModelList")))}
+                | _openai_errors(),
+            }
+        },
+        "/v1/models/{model}": {
+            "parameters": [_MODEL],
+            "get": {
+                "summary": "One model",
+                "operationId": "openai_retrieve_model",
+                "responses": {"200": response("The model", json_content(ref("Model")))}
+                | _openai_errors("400", "404"),
+            },
+        },
+        "/v1/completions": generate(
+            "Text completion", "openai_completions", "CompletionRequest", "Completion"
+        ),
+        "/v1/chat/completions": generate(
+            "Chat completion (the model's chat template)",
+            "openai_chat_completions",
+            "ChatRequest",
+            "ChatCompletion",
+        ),
+        "/v1/responses": {
+            "post": {
+                "summary": "The Responses API (stateless)",
+                "operationId": "openai_responses",
+                "requestBody": {"required": True, "content": json_content(ref("ResponsesRequest"))},
+                "responses": {
+                    "200": response(
+                        "The response",
+                        json_content(ref("Response"))
+                        | {
+                            "text/event-stream": {
+                                "schema": {"type": "object"},
+                                "description": "With stream: true, the Responses API's events "
+                                "(response.created ... response.completed), each with type and "
+                                "sequence_number",
+                            }
+                        },
+                    )
+                }
+                | _openai_errors("400", "404", body=True),
+            }
+        },
+        "/v1/embeddings": {
+            "post": {
+                "summary": "Embeddings from a V2 model whose config names a tokenizer",
+                "operationId": "openai_embeddings",
+                "requestBody": {"required": True, "content": json_content(ref("EmbeddingRequest"))},
+                "responses": {"200": response("Vectors", json_content(ref("EmbeddingList")))}
+                | _openai_errors("400", "404", body=True),
+            }
+        },
+    }
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    """The whole document; ``version`` is the server's (``info.version``)."""
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Slipstream",
+            "version": version,
+            "description": "Open Inference Protocol (V2) REST with Triton's extensions, "
+            'Prometheus metrics, and the OpenAI-compatible API. Errors: {"error": '
+            'message} on V2 routes and the transport, OpenAI\'s {"error": {message, '
+            "type, param, code}} on /v1 routes.",
+            "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
+        },
+        "paths": _v2_paths() | _openai_paths(),
+        "components": {"schemas": v2_schemas() | openai_schemas()},
+    }
+
+
+@cache
+def _route_patterns() -> tuple[tuple[re.Pattern[str], tuple[str, ...]], ...]:
+    routes = []
+    for template, item in openapi_document("")["paths"].items():
+        methods = [m.upper() for m in item if m in ("get", "post")]
+        if "GET" in methods:
+            methods.append("HEAD")
+        pattern = re.sub(r"\\\{[a-z_]+\\\}", "[^/]+", re.escape(template))
+        routes.append((re.compile(pattern + "/?"), tuple(methods)))
+    return tuple(routes)
+
+
+def allowed_methods(path: str) -> list[str]:
+    """The HTTP methods the routes matching ``path`` answer (empty: no such route).
+
+    What a 405 answer's Allow header lists, from the same table the document holds.
+
+    >>> allowed_methods("/v2/models/m/infer"), allowed_methods("/nowhere")
+    (['POST'], [])
+    """
+    found: list[str] = []
+    for pattern, methods in _route_patterns():
+        if pattern.fullmatch(path):
+            found += (m for m in methods if m not in found)
+    return found

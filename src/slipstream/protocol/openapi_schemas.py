@@ -1,0 +1,436 @@
+"""The schemas (``components.schemas``) of the OpenAPI document: see :mod:`.openapi`.
+
+The OpenAI request schemas are generated from the pydantic models that validate those
+requests; the V2 ones are written here, in the shape of KServe's ``rest_predict_v2.yaml``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slipstream.datatypes import V2_ITEM_SIZE
+from slipstream.names import MAX_MODEL_NAME_LENGTH
+from slipstream.protocol import openai
+from slipstream.protocol.openai_responses import ResponsesRequest
+
+# names.py's rule as a JSON Schema pattern (ECMA-262, anchored).
+MODEL_NAME_PATTERN = f"^[A-Za-z0-9_][A-Za-z0-9_.-]{{0,{MAX_MODEL_NAME_LENGTH - 1}}}$"
+
+REF = "#/components/schemas/{model}"
+JSON = "application/json"
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": REF.format(model=name)}
+
+
+def json_content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {JSON: {"schema": schema}}
+
+
+def response(description: str, content: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description}
+    if content:
+        out["content"] = content
+    return out
+
+
+# -- V2 ----------------------------------------------------------------------------
+
+
+def v2_schemas() -> dict[str, Any]:
+    datatype = {"type": "string", "enum": sorted(V2_ITEM_SIZE)}
+    shape = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    parameters = {"type": "object", "description": "Free-form parameters"}
+    count_ns = {
+        "type": "object",
+        "properties": {"count": {"type": "integer"}, "ns": {"type": "integer"}},
+        "required": ["count", "ns"],
+    }
+    return {
+        "V2Error": {
+            "type": "object",
+            "properties": {"error": {"type": "string"}},
+            "required": ["error"],
+        },
+        "ServerMetadata": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "version": {"type": "string"},
+                "extensions": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["name", "version", "extensions"],
+        },
+        "TensorMetadata": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "datatype": datatype,
+                # -1 for a variable dimension
+                "shape": {"type": "array", "items": {"type": "integer", "minimum": -1}},
+            },
+            "required": ["name", "datatype", "shape"],
+        },
+        "ModelMetadata": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "versions": {"type": "array", "items": {"type": "string"}},
+                "platform": {"type": "string"},
+                "inputs": {"type": "array", "items": ref("TensorMetadata")},
+                "outputs": {"type": "array", "items": ref("TensorMetadata")},
+            },
+            "required": ["name", "versions", "platform", "inputs", "outputs"],
+        },
+        "TensorData": {
+            "description": "Row-major values, flat or nested",
+            "type": "array",
+            "items": {
+                "anyOf": [
+                    ref("TensorData"),
+                    {"type": "number"},
+                    {"type": "string"},
+                    {"type": "boolean"},
+                    {"type": "null"},  # NaN and infinity in JSON outputs
+                ]
+            },
+        },
+        "RequestInput": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "shape": shape,
+                "datatype": datatype,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"binary_data_size": {"type": "integer", "minimum": 0}},
+                },
+                "data": ref("TensorData"),
+            },
+            "required": ["name", "shape", "datatype"],
+        },
+        "RequestOutput": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "parameters": {
+                    "type": "object",
+                    "properties": {"binary_data": {"type": "boolean"}},
+                },
+            },
+            "required": ["name"],
+        },
+        "InferenceRequest": {
+            "type": "object",
+            "properties": {
+                "id": {"type": ["string", "null"]},
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "priority": {"type": "integer", "minimum": 0},
+                        "timeout": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "description": "Queue timeout in microseconds",
+                        },
+                        "binary_data_output": {"type": "boolean"},
+                    },
+                },
+                "inputs": {"type": "array", "items": ref("RequestInput")},
+                "outputs": {"type": "array", "items": ref("RequestOutput")},
+            },
+            "required": ["inputs"],
+        },
+        "ResponseOutput": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "shape": shape,
+                "datatype": datatype,
+                "parameters": parameters,
+                "data": ref("TensorData"),
+            },
+            "required": ["name", "shape", "datatype"],
+        },
+        "InferenceResponse": {
+            "type": "object",
+            "properties": {
+                "model_name": {"type": "string"},
+                "model_version": {"type": "string"},
+                "id": {"type": "string"},
+                "parameters": parameters,
+                "outputs": {"type": "array", "items": ref("ResponseOutput")},
+            },
+            "required": ["model_name", "model_version", "outputs"],
+        },
+        "ModelConfig": {
+            "description": "The completed model config in Triton's JSON form",
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "platform": {"type": "string"},
+                "backend": {"type": "string"},
+                "max_batch_size": {"type": "integer", "minimum": 0},
+                "input": {"type": "array", "items": {"type": "object"}},
+                "output": {"type": "array", "items": {"type": "object"}},
+            },
+            "required": ["name", "max_batch_size", "input", "output"],
+        },
+        "ModelStatistics": {
+            "type": "object",
+            "properties": {
+                "model_stats": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string"},
+                            "version": {"type": "string"},
+                            "last_inference": {"type": "integer"},
+                            "inference_count": {"type": "integer"},
+                            "execution_count": {"type": "integer"},
+                            "inference_stats": {
+                                "type": "object",
+                                "additionalProperties": count_ns,
+                            },
+                            "batch_stats": {"type": "array", "items": {"type": "object"}},
+                        },
+                        "required": ["name", "version", "inference_stats"],
+                    },
+                }
+            },
+            "required": ["model_stats"],
+        },
+        "RepositoryIndexRequest": {
+            "type": "object",
+            "properties": {"ready": {"type": "boolean"}},
+        },
+        "RepositoryIndex": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "version": {"type": "string"},
+                    "state": {"type": "string"},
+                    "reason": {"type": "string"},
+                },
+                "required": ["name"],
+            },
+        },
+        "RepositoryLoadRequest": {
+            "type": "object",
+            "properties": {
+                "parameters": {
+                    "type": "object",
+                    "description": "parameters.config (an inline config) is refused with 400",
+                }
+            },
+        },
+    }
+
+
+# -- OpenAI --------------------------------------------------------------------------------
+
+
+def openai_schemas() -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+    for model in (openai.CompletionRequest, openai.ChatRequest, openai.EmbeddingRequest,
+                  ResponsesRequest):  # fmt: skip
+        schema = model.model_json_schema(ref_template=REF)
+        schemas |= schema.pop("$defs", {})
+        schema["properties"]["model"]["pattern"] = MODEL_NAME_PATTERN
+        schemas[model.__name__] = schema
+    for schema in schemas.values():
+        _bound_integers(schema)
+    usage = {
+        "type": "object",
+        "properties": {
+            k: {"type": "integer", "minimum": 0}
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        },
+        "required": ["prompt_tokens", "total_tokens"],
+    }
+    reason = {"type": ["string", "null"]}
+
+    def listing(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"const": obj},
+                "created": {"type": "integer"},
+                "model": {"type": "string"},
+                "choices": {"type": "array", "items": choice},
+                "usage": ref("Usage"),
+            },
+            "required": ["id", "object", "created", "model", "choices", "usage"],
+        }
+
+    text_choice: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "index": {"type": "integer"},
+            "text": {"type": "string"},
+            "finish_reason": reason,
+        },
+        "required": ["index", "text", "finish_reason"],
+    }
+    calls = {"type": "array", "items": {"type": "object", "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string"}}}}}}  # fmt: skip
+    logprobs = {"type": ["object", "null"],
+                "description": "chat: {content: [{token, logprob, bytes, top_logprobs}]}; "
+                "completions: {tokens, token_logprobs, top_logprobs, text_offset}"}  # fmt: skip
+    text_choice["properties"]["logprobs"] = logprobs
+    message = {
+        "type": "object",
+        "properties": {
+            "role": {"const": "assistant"},
+            "content": {"type": ["string", "null"]},
+            "tool_calls": calls,
+        },
+        "required": ["role", "content"],
+    }
+    chat_choice = {
+        "type": "object",
+        "properties": {
+            "index": {"type": "integer"},
+            "message": message,
+            "finish_reason": reason,
+            "logprobs": logprobs,
+        },
+        "required": ["index", "message", "finish_reason"],
+    }
+    delta = {
+        "type": "object",
+        "properties": {
+            "role": {"const": "assistant"},
+            "content": {"type": ["string", "null"]},
+            "tool_calls": calls,
+        },
+    }
+    delta_choice = {
+        "type": "object",
+        "properties": {"index": {"type": "integer"}, "delta": delta, "finish_reason": reason},
+        "required": ["index", "delta", "finish_reason"],
+    }
+    card = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+        },
+        "required": ["id", "object", "created", "owned_by"],
+    }
+    embedding = {
+        "type": "object",
+        "properties": {
+            "object": {"const": "embedding"},
+            "index": {"type": "integer"},
+            "embedding": {
+                "anyOf": [
+                    {"type": "array", "items": {"type": "number"}},
+                    {"type": "string", "description": "base64 of little-endian float32"},
+                ]
+            },
+        },
+        "required": ["object", "index", "embedding"],
+    }
+    return schemas | {
+        "OpenAIError": {
+            "type": "object",
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "properties": {
+                        "message": {"type": "string"},
+                        "type": {"type": "string"},
+                        "param": {"type": ["string", "null"]},
+                        "code": {"type": ["string", "null"]},
+                    },
+                    "required": ["message", "type", "param", "code"],
+                }
+            },
+            "required": ["error"],
+        },
+        "Usage": usage,
+        "Model": card,
+        "ModelList": {
+            "type": "object",
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": card}},
+            "required": ["object", "data"],
+        },
+        "Response": {
+            "type": "object",
+            "description": "OpenAI's Response object (stateless: store is always false)",
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"const": "response"},
+                "created_at": {"type": "integer"},
+                "status": {"enum": ["completed", "incomplete", "in_progress", "failed"]},
+                "model": {"type": "string"},
+                "output": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"type": {"enum": ["message", "function_call"]}},
+                    },
+                },
+                "usage": {"type": ["object", "null"]},
+                "store": {"const": False},
+            },
+            "required": ["id", "object", "created_at", "status", "model", "output"],
+        },
+        "Completion": listing("text_completion", text_choice),
+        "ChatCompletion": listing("chat.completion", chat_choice),
+        "CompletionChunk": _chunk("text_completion", text_choice),
+        "ChatCompletionChunk": _chunk("chat.completion.chunk", delta_choice),
+        "EmbeddingList": {
+            "type": "object",
+            "properties": {
+                "object": {"const": "list"},
+                "data": {"type": "array", "items": embedding},
+                "model": {"type": "string"},
+                "usage": usage,
+            },
+            "required": ["object", "data", "model", "usage"],
+        },
+    }
+
+
+def _chunk(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """One streamed event's JSON: choices (none in the usage chunk), usage when asked."""
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": obj},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": {"anyOf": [ref("Usage"), {"type": "null"}]},
+        },
+        "required": ["id", "object", "created", "model", "choices"],
+    }
+
+
+# JSON integers the server reads: 64-bit (orjson's range); larger ones are a 400.
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _bound_integers(schema: Any) -> None:
+    """Give every integer of a generated request schema the 64-bit range it is read in."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            schema.setdefault("minimum", _INT64[0])
+            schema.setdefault("maximum", _INT64[1])
+        for value in schema.values():
+            _bound_integers(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _bound_integers(value)
