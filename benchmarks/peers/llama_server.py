@@ -1,7 +1,7 @@
 """llama.cpp's own C++ server (`llama-server`), built once from the sources that the
 llama-cpp-python sdist vendors (the same llama.cpp release Slipstream's engine runs).
 
-    python benchmarks/peers/llama_server.py     # build (about 10 minutes on 2 cores) and print the path
+    python benchmarks/peers/llama_server.py   # build (~10 min on 2 cores), print its path
 
 The build lands in `.bench-venvs/llama-server-<version>/` (native CPU flags, Release, no
 curl), and later calls find it there.
