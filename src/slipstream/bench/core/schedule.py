@@ -1,9 +1,28 @@
-"""Open-loop arrival scheduling shared by both bench modes: when to send, and how a
-late send's latency is counted."""
+"""The load loops shared by both bench modes: when to send, how many at once, when to
+stop, and how a late send's latency is counted.
+
+:class:`LoadDriver` sends one load level's requests through a ``send`` coroutine the
+mode supplies (it sends request ``seq`` and records what came back). Open loop: at
+planned arrival times whatever the responses do, with an in-flight cap; closed loop:
+``users`` virtual users, each sending its next request when its last one ended. It
+stops when its ``stop`` event is set (V2: the coordinator's stable windows or
+``--duration``) or after ``total`` sends (OpenAI: a fixed request count), and always
+lets the requests it started finish.
+
+Example (an open loop of 100 requests at 20 per second)::
+
+    driver = LoadDriver(send, late_send_s=0.01, max_inflight=8, total=100)
+    await driver.open_loop(arrival_gaps_s(20.0, "poisson", rng), time.monotonic())
+    print(driver.stats.late_sends, driver.stats.peak_inflight)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,6 +31,12 @@ import numpy as np
 # much early, and counting its latency from the actual send, keeps timer slack out of
 # the measured latency.
 EARLY_SEND_S = 0.001
+
+# Sends one request: (seq, scheduled_s, sent_s). ``seq`` counts the level's sends from
+# 0; ``scheduled_s`` is when it was due and ``sent_s`` when it went, on the driver's
+# clock (equal in a closed loop). It records the outcome itself and raises only for a
+# fault of the benchmark, never for a failed request.
+Send = Callable[[int, float, float], Awaitable[None]]
 
 
 def arrival_gaps_s(
@@ -43,3 +68,143 @@ def corrected_latency_s(scheduled_s: float, sent_s: float, done_s: float) -> flo
     0.75
     """
     return done_s - min(scheduled_s, sent_s)
+
+
+@dataclass
+class SendStats:
+    """How the driver's sends went since the stats were last taken."""
+
+    # Open loop: requests started, those started more than late_send_s after their
+    # schedule, and the worst such lag.
+    sent: int = 0
+    late_sends: int = 0
+    max_send_lag_s: float = 0.0
+    # Open loop: how often the in-flight cap held a due send back.
+    inflight_cap_waits: int = 0
+    # Most requests outstanding at once (both loops).
+    peak_inflight: int = 0
+
+
+class LoadDriver:
+    """Sends one load level's requests through ``send``; see the module docstring.
+
+    ``late_send_s``: an open-loop send this long after its schedule counts as late (a
+    mode picks what is noise for its requests). ``max_inflight``: the open loop's cap
+    on outstanding requests; a due send waits for a slot, and its wait counts in its
+    latency. ``clock`` is the time source of ``scheduled_s`` and ``sent_s``
+    (``loop.time`` of a virtual-time loop in tests).
+    """
+
+    def __init__(
+        self,
+        send: Send,
+        *,
+        late_send_s: float,
+        max_inflight: int | None = None,
+        total: int | None = None,
+        stop: asyncio.Event | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._send = send
+        self._late_send_s = late_send_s
+        self._max_inflight = max_inflight or sys.maxsize
+        self._total = sys.maxsize if total is None else total
+        self._stop = stop or asyncio.Event()
+        self._clock = clock
+        self._slot_freed = asyncio.Event()
+        # Sends started so far: the next one's seq.
+        self._next_seq = 0
+        self.inflight = 0
+        self.stats = SendStats()
+
+    def take_stats(self) -> SendStats:
+        """The stats so far, starting fresh ones (a V2 worker takes them per window)."""
+        stats, self.stats = self.stats, SendStats(peak_inflight=self.inflight)
+        return stats
+
+    def _done(self) -> bool:
+        return self._next_seq >= self._total or self._stop.is_set()
+
+    async def closed_loop(self, users: int) -> None:
+        """``users`` users, each with one request outstanding, until the driver stops."""
+        await asyncio.gather(*(self._user() for _ in range(users)))
+
+    async def _user(self) -> None:
+        clock, send = self._clock, self._send
+        while not self._done():
+            seq = self._next_seq
+            self._next_seq += 1
+            self._started()
+            try:
+                now_s = clock()
+                await send(seq, now_s, now_s)
+            finally:
+                self.inflight -= 1
+
+    async def open_loop(self, gaps_s: Iterator[float], start_s: float) -> None:
+        """Send on schedule whatever the responses do: the first at ``start_s``, each
+        next one a gap later. Returns when the driver stopped and its requests ended."""
+        tasks: set[asyncio.Task[None]] = set()
+        faults: list[BaseException] = []
+
+        def finished(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                faults.append(task.exception())  # type: ignore[arg-type]
+
+        try:
+            await self._schedule(gaps_s, start_s, tasks, finished)
+            if tasks:
+                await asyncio.wait(set(tasks))
+        finally:
+            for task in list(tasks):
+                task.cancel()
+        if faults:
+            raise faults[0]  # a fault of the benchmark, not a failed request
+
+    async def _schedule(
+        self,
+        gaps_s: Iterator[float],
+        scheduled_s: float,
+        tasks: set[asyncio.Task[None]],
+        finished: Callable[[asyncio.Task[None]], None],
+    ) -> None:
+        clock = self._clock
+        while not self._done():
+            now_s = clock()
+            if scheduled_s > now_s + EARLY_SEND_S:
+                await asyncio.sleep(scheduled_s - now_s - EARLY_SEND_S)
+                continue
+            if self.inflight >= self._max_inflight:
+                self.stats.inflight_cap_waits += 1
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            seq = self._next_seq
+            self._next_seq += 1
+            self._started()  # counted now, so a burst of due sends respects the cap
+            task = asyncio.create_task(self._open_send(seq, scheduled_s))
+            tasks.add(task)
+            task.add_done_callback(finished)
+            scheduled_s += next(gaps_s)
+            if scheduled_s < now_s:
+                await asyncio.sleep(0)  # behind schedule: let responses be read meanwhile
+
+    async def _open_send(self, seq: int, scheduled_s: float) -> None:
+        sent_s = self._clock()
+        stats = self.stats
+        stats.sent += 1
+        lag_s = sent_s - scheduled_s
+        if lag_s > self._late_send_s:
+            stats.late_sends += 1
+            stats.max_send_lag_s = max(stats.max_send_lag_s, lag_s)
+        try:
+            await self._send(seq, scheduled_s, sent_s)
+        finally:
+            self.inflight -= 1
+            self._slot_freed.set()
+
+    def _started(self) -> None:
+        self.inflight += 1
+        if self.inflight > self.stats.peak_inflight:
+            self.stats.peak_inflight = self.inflight

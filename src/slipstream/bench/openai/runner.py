@@ -28,13 +28,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from slipstream.bench.core.errors import BenchError, ServerUnreachable
-from slipstream.bench.core.schedule import EARLY_SEND_S, arrival_gaps_s, corrected_latency_s
+from slipstream.bench.core.schedule import LoadDriver, arrival_gaps_s, corrected_latency_s
 from slipstream.bench.openai.client import OpenAIClient, StreamState
 from slipstream.bench.openai.requests import GenerationRequest, build_requests, request_body
 from slipstream.bench.openai.results import (
@@ -226,73 +226,41 @@ class LevelRun:
         self._level = level
         self._progress = progress
         self._results: list[RequestResult] = []
-        self._inflight = 0
-        self._peak_inflight = 0
-        self._late_sends = 0
-        self._slot_freed = asyncio.Event()
         self._start_s = 0.0
 
     async def run(self) -> LevelMeasurement:
+        settings = self._settings
+        driver = LoadDriver(
+            self._send,
+            late_send_s=LATE_SEND_S,
+            max_inflight=settings.max_inflight,
+            total=len(self._requests),
+        )
         cpu_start_s = time.process_time()
         self._start_s = time.monotonic()
         if self._level.concurrency is not None:
-            pending = iter(self._requests)
-            users = [self._closed_user(pending) for _ in range(self._level.concurrency)]
-            await asyncio.gather(*users)
+            await driver.closed_loop(self._level.concurrency)
         else:
-            await self._open_loop(self._level.request_rate or 1.0)
+            rng = np.random.default_rng(settings.seed)
+            gaps = arrival_gaps_s(self._level.request_rate or 1.0, settings.distribution, rng)
+            await driver.open_loop(gaps, self._start_s)
         duration_s = time.monotonic() - self._start_s
         return LevelMeasurement(
             level=self._level,
             requests=sorted(self._results, key=lambda r: r.index),
             duration_s=duration_s,
             error_examples=dict(self._client.error_examples),
-            peak_inflight=self._peak_inflight,
-            late_sends=self._late_sends,
+            peak_inflight=driver.stats.peak_inflight,
+            late_sends=driver.stats.late_sends,
             client_cpu_s=time.process_time() - cpu_start_s,
-            slos_ms=self._settings.goodput,
-            ignore_eos=self._settings.ignore_eos,
-            max_inflight=self._settings.max_inflight,
+            slos_ms=settings.goodput,
+            ignore_eos=settings.ignore_eos,
+            max_inflight=settings.max_inflight,
         )
 
-    async def _closed_user(self, pending: Iterator[GenerationRequest]) -> None:
-        for request in pending:
-            await self._send(request, time.monotonic())
-
-    async def _open_loop(self, rate_per_s: float) -> None:
-        """Send on schedule whatever the responses do; latency counts from the schedule."""
-        rng = np.random.default_rng(self._settings.seed)
-        gaps = arrival_gaps_s(rate_per_s, self._settings.distribution, rng)
-        scheduled_s = self._start_s
-        tasks = []
-        for request in self._requests:
-            while True:
-                now_s = time.monotonic()
-                if scheduled_s > now_s + EARLY_SEND_S:
-                    await asyncio.sleep(scheduled_s - now_s - EARLY_SEND_S)
-                elif self._inflight >= self._settings.max_inflight:
-                    self._slot_freed.clear()
-                    await self._slot_freed.wait()
-                else:
-                    break
-            tasks.append(asyncio.create_task(self._send(request, scheduled_s)))
-            # Let the new task write its request before the next one is scheduled.
-            await asyncio.sleep(0)
-            scheduled_s += next(gaps)
-        await asyncio.gather(*tasks)
-
-    async def _send(self, request: GenerationRequest, scheduled_s: float) -> None:
-        sent_s = time.monotonic()
-        lag_s = max(0.0, sent_s - scheduled_s)
-        if lag_s > LATE_SEND_S:
-            self._late_sends += 1
-        self._inflight += 1
-        self._peak_inflight = max(self._peak_inflight, self._inflight)
-        try:
-            stream = await self._client.send(self._payloads[request.index])
-        finally:
-            self._inflight -= 1
-            self._slot_freed.set()
+    async def _send(self, seq: int, scheduled_s: float, sent_s: float) -> None:
+        request = self._requests[seq]
+        stream = await self._client.send(self._payloads[request.index])
         result = request_result(request, stream, self._start_s, scheduled_s, sent_s)
         self._results.append(result)
         self._progress.request_done(result)
