@@ -9,7 +9,8 @@ import numpy as np
 import orjson
 import pytest
 
-from slipstream.bench.v2.clients import http_request_bytes, model_path, parse_endpoint
+from slipstream.bench.core.endpoint import parse_endpoint
+from slipstream.bench.v2.clients import http_request_bytes, model_path
 from slipstream.bench.v2.inputs import (
     InputError,
     ModelSignature,

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from slipstream.bench.core.endpoint import Endpoint
 from slipstream.bench.v2.clients import InferClient
 from slipstream.bench.v2.loadgen import Worker
 from slipstream.bench.v2.messages import (
     EncodedRequest,
-    Endpoint,
     LevelDone,
     RunLevel,
     WindowSample,

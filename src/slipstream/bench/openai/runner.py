@@ -33,6 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
+from slipstream.bench.core.endpoint import parse_endpoint
 from slipstream.bench.core.errors import BenchError, ServerUnreachable
 from slipstream.bench.core.schedule import LoadDriver, arrival_gaps_s, corrected_latency_s
 from slipstream.bench.openai.client import OpenAIClient, StreamState
@@ -45,7 +46,6 @@ from slipstream.bench.openai.results import (
     level_result,
 )
 from slipstream.bench.openai.settings import OpenAIBenchSettings, OpenAIProtocol, TokenRange
-from slipstream.bench.v2.clients import parse_endpoint
 from slipstream.bench.v2.messages import Distribution
 from slipstream.bench.v2.settings import LoadLevel
 

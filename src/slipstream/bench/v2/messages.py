@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from slipstream.bench.core.endpoint import Endpoint
 from slipstream.bench.core.histogram import LatencyHistogram
 
 Protocol = Literal["http", "http-binary", "grpc"]
@@ -30,30 +31,6 @@ class EncodedRequest:
     header_length: int | None
     # Inferences the request counts for (its batch size).
     batch_size: int
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where the server listens, parsed once from the URL (see clients.parse_endpoint)."""
-
-    protocol: Protocol
-    host: str
-    port: int
-    # https:// (HTTP) or grpcs:// (gRPC).
-    tls: bool
-    # HTTP only: a path before /v2, e.g. behind a reverse proxy.
-    path_prefix: str = ""
-
-    @property
-    def origin(self) -> str:
-        """http(s)://host:port, for the HTTP API."""
-        scheme = "https" if self.tls else "http"
-        return f"{scheme}://{self.host}:{self.port}"
-
-    @property
-    def address(self) -> str:
-        """host:port, for gRPC and messages."""
-        return f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 
+from slipstream.bench.core.endpoint import Endpoint, parse_endpoint
 from slipstream.bench.core.errors import BenchError
 from slipstream.bench.core.histogram import STABILITY_WINDOWS, is_stable
-from slipstream.bench.v2.clients import parse_endpoint
 from slipstream.bench.v2.inputs import (
     InputError,
     ModelSignature,
@@ -32,7 +32,6 @@ from slipstream.bench.v2.inputs import (
 )
 from slipstream.bench.v2.messages import (
     EncodedRequest,
-    Endpoint,
     LevelDone,
     Message,
     RunLevel,

@@ -15,10 +15,10 @@ from typing import Any
 
 import orjson
 
+from slipstream.bench.core.endpoint import Endpoint
 from slipstream.bench.core.errors import BenchError, ServerUnreachable
 from slipstream.bench.v2.clients import model_path
 from slipstream.bench.v2.inputs import ModelSignature, signature_from_metadata
-from slipstream.bench.v2.messages import Endpoint
 from slipstream.bench.v2.server_stats import StatsSnapshot, snapshot_from_json, snapshot_from_proto
 
 _SERVICE = "/inference.GRPCInferenceService/"
