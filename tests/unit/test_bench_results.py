@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from slipstream.bench.core.histogram import LatencyHistogram
+from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.v2.results import LevelInputs, LevelResult, WindowTotals, level_result
 from slipstream.bench.v2.server_stats import (
     ProcessSample,
@@ -14,7 +15,6 @@ from slipstream.bench.v2.server_stats import (
     process_usage,
     snapshot_from_json,
 )
-from slipstream.bench.v2.settings import LoadLevel
 
 
 def _window(

@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.openai.results import (
     LatencySummary,
     OpenAIBenchResult,
@@ -20,7 +21,6 @@ from slipstream.bench.openai.results import (
     RequestResult,
 )
 from slipstream.bench.v2.report import print_problems, progress_bar
-from slipstream.bench.v2.settings import LoadLevel
 
 # The latency metrics of a level, in table and CSV order, with their table names.
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}

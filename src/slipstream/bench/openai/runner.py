@@ -35,6 +35,7 @@ import numpy as np
 
 from slipstream.bench.core.endpoint import parse_endpoint
 from slipstream.bench.core.errors import BenchError, ServerUnreachable
+from slipstream.bench.core.levels import Distribution, LoadLevel
 from slipstream.bench.core.schedule import LoadDriver, arrival_gaps_s, corrected_latency_s
 from slipstream.bench.openai.client import OpenAIClient, StreamState
 from slipstream.bench.openai.requests import GenerationRequest, build_requests, request_body
@@ -46,8 +47,6 @@ from slipstream.bench.openai.results import (
     level_result,
 )
 from slipstream.bench.openai.settings import OpenAIBenchSettings, OpenAIProtocol, TokenRange
-from slipstream.bench.v2.messages import Distribution
-from slipstream.bench.v2.settings import LoadLevel
 
 # The warm-up request asks for this many tokens at most.
 _PROBE_MAX_TOKENS = 4

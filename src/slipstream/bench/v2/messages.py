@@ -16,9 +16,9 @@ from typing import Literal
 
 from slipstream.bench.core.endpoint import Endpoint
 from slipstream.bench.core.histogram import LatencyHistogram
+from slipstream.bench.core.levels import Distribution
 
 Protocol = Literal["http", "http-binary", "grpc"]
-Distribution = Literal["constant", "poisson"]
 
 
 @dataclass(frozen=True)

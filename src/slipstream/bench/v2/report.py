@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
+from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.openai.results import OpenAIBenchResult
 from slipstream.bench.v2.results import BenchResult, LevelResult, WindowTotals
-from slipstream.bench.v2.settings import LoadLevel
 
 # Columns of the CSV file, in order: every scalar figure of a level.
 CSV_FIELDS = [

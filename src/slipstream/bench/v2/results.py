@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from slipstream.bench.core.histogram import LatencyHistogram, merge_histograms
+from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.v2.messages import WindowSample
 from slipstream.bench.v2.server_stats import ProcessUsage, ServerBreakdown
-from slipstream.bench.v2.settings import LoadLevel
 
 # A worker above this share of one core is taken as saturated.
 SATURATED_CPU_PCT = 90.0

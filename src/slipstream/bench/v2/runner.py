@@ -24,6 +24,7 @@ from typing import Protocol as TypingProtocol
 from slipstream.bench.core.endpoint import Endpoint, parse_endpoint
 from slipstream.bench.core.errors import BenchError
 from slipstream.bench.core.histogram import STABILITY_WINDOWS, is_stable
+from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.v2.inputs import (
     InputError,
     ModelSignature,
@@ -56,7 +57,7 @@ from slipstream.bench.v2.server_stats import (
     StatsSnapshot,
     process_usage,
 )
-from slipstream.bench.v2.settings import BenchSettings, LoadLevel
+from slipstream.bench.v2.settings import BenchSettings
 from slipstream.bench.v2.workers import WorkerPool, usable_cores
 
 # Workers get this long after a RunLevel before sending starts, so they start together.
