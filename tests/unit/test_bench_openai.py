@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from slipstream.bench.cli import bench
 from slipstream.bench.core.levels import LoadLevel
+from slipstream.bench.core.output import write_json
 from slipstream.bench.openai.client import SseParser, StreamState
 from slipstream.bench.openai.report import CSV_FIELDS, write_openai_csv
 from slipstream.bench.openai.requests import build_requests, read_prompts, synthetic_prompt
@@ -31,7 +32,6 @@ from slipstream.bench.openai.results import (
 )
 from slipstream.bench.openai.runner import LevelRun, NullOpenAIProgress, request_result
 from slipstream.bench.openai.settings import OpenAIBenchSettings, TokenRange, parse_goodput
-from slipstream.bench.v2.report import write_json
 
 
 def _chunk(**choice: object) -> bytes:

@@ -141,7 +141,8 @@ def bench(**options: Any) -> None:
     settings = _validated(BenchSettings, values)
     try:
         from slipstream.bench.core.errors import BenchError
-        from slipstream.bench.v2.report import RichProgress, print_tables, terminal_console
+        from slipstream.bench.core.output import terminal_console
+        from slipstream.bench.v2.report import RichProgress, print_tables
         from slipstream.bench.v2.runner import run_bench
     except ImportError as exc:
         raise click.ClickException(f"{exc}; slipstream bench needs: {_INSTALL_HINT}") from None
@@ -196,13 +197,13 @@ def _bench_openai(values: dict[str, Any]) -> None:
     settings = _validated(OpenAIBenchSettings, values)
     try:
         from slipstream.bench.core.errors import BenchError
+        from slipstream.bench.core.output import terminal_console, write_json
         from slipstream.bench.openai.report import (
             OpenAIRichProgress,
             print_openai_tables,
             write_openai_csv,
         )
         from slipstream.bench.openai.runner import run_openai_bench
-        from slipstream.bench.v2.report import terminal_console, write_json
     except ImportError as exc:
         raise click.ClickException(f"{exc}; slipstream bench needs: {_INSTALL_HINT}") from None
     try:
@@ -228,7 +229,8 @@ def _bench_openai(values: dict[str, Any]) -> None:
 
 
 def _write_outputs(settings: BenchSettings, result: Any) -> None:
-    from slipstream.bench.v2.report import write_csv, write_json
+    from slipstream.bench.core.output import write_json
+    from slipstream.bench.v2.report import write_csv
 
     if settings.json_path is not None:
         write_json(result, settings.json_path)

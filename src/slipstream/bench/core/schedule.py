@@ -32,6 +32,13 @@ import numpy as np
 # the measured latency.
 EARLY_SEND_S = 0.001
 
+# Warn when more than this share of an open loop's sends left late: its latencies are
+# then mostly the client's queue, not the server's.
+LATE_SEND_SHARE = 0.01
+# A client process above this share of one core is taken as saturated: the load it
+# generates, not the server, may be what limits the figures.
+SATURATED_CPU_PCT = 90.0
+
 # Sends one request: (seq, scheduled_s, sent_s). ``seq`` counts the level's sends from
 # 0; ``scheduled_s`` is when it was due and ``sent_s`` when it went, on the driver's
 # clock (equal in a closed loop). It records the outcome itself and raises only for a

@@ -1,6 +1,6 @@
 """Showing an OpenAI-mode run: live progress, terminal tables and the CSV file.
 
-JSON goes through :func:`slipstream.bench.v2.report.write_json`, like the V2 modes.
+JSON goes through :func:`slipstream.bench.core.output.write_json`, like the V2 modes.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from rich.console import Console
 from rich.table import Table
 
 from slipstream.bench.core.levels import LoadLevel
+from slipstream.bench.core.output import fmt_num, print_problems, progress_bar
 from slipstream.bench.openai.results import (
     LatencySummary,
     OpenAIBenchResult,
     OpenAILevelResult,
     RequestResult,
 )
-from slipstream.bench.v2.report import print_problems, progress_bar
 
 # The latency metrics of a level, in table and CSV order, with their table names.
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
@@ -65,13 +65,9 @@ class OpenAIRichProgress:
     def level_done(self, result: OpenAILevelResult) -> None:
         self._console.print(
             f"[green]done[/] {result.label}: {result.output_throughput_tok_per_s:,.1f} "
-            f"output tok/s, TTFT p99 {_num(result.ttft.p99_ms, 1)} ms, "
+            f"output tok/s, TTFT p99 {fmt_num(result.ttft.p99_ms, 1)} ms, "
             f"{result.errors} errors"
         )
-
-
-def _num(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
 
 
 def print_openai_tables(result: OpenAIBenchResult, console: Console) -> None:
@@ -95,17 +91,17 @@ def print_openai_tables(result: OpenAIBenchResult, console: Console) -> None:
     for level in result.levels:
         row = [
             _load_cell(level),
-            _num(level.request_throughput_per_s),
-            _num(level.output_throughput_tok_per_s, 1),
-            _num(level.total_token_throughput_tok_per_s, 1),
+            fmt_num(level.request_throughput_per_s),
+            fmt_num(level.output_throughput_tok_per_s, 1),
+            fmt_num(level.total_token_throughput_tok_per_s, 1),
         ]
         if result.goodput_slos_ms:
-            row.append(f"{_num(level.goodput_req_per_s)} ({level.good_requests} ok)")
+            row.append(f"{fmt_num(level.goodput_req_per_s)} ({level.good_requests} ok)")
         row += [
             _mean_lengths(level),
             str(level.peak_inflight),
-            _num(level.client_cpu_pct, 0),
-            _num(level.duration_s, 1),
+            fmt_num(level.client_cpu_pct, 0),
+            fmt_num(level.duration_s, 1),
             _errors_cell(level),
         ]
         main.add_row(*row)
@@ -124,8 +120,8 @@ def _latency_table(result: OpenAIBenchResult, load: str) -> Table:
             table.add_row(
                 _load_cell(level) if number == 0 else "",
                 name,
-                *(_num(v) for v in (summary.mean_ms, summary.p50_ms, summary.p90_ms)),
-                *(_num(v) for v in (summary.p99_ms, summary.max_ms)),
+                *(fmt_num(v) for v in (summary.mean_ms, summary.p50_ms, summary.p90_ms)),
+                *(fmt_num(v) for v in (summary.p99_ms, summary.max_ms)),
                 str(summary.count),
                 end_section=number == len(METRICS) - 1,
             )

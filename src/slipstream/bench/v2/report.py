@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
 from slipstream.bench.core.levels import LoadLevel
-from slipstream.bench.openai.results import OpenAIBenchResult
+from slipstream.bench.core.output import fmt_num, print_problems, progress_bar
 from slipstream.bench.v2.results import BenchResult, LevelResult, WindowTotals
 
 # Columns of the CSV file, in order: every scalar figure of a level.
@@ -30,19 +27,6 @@ CSV_FIELDS = [
 
 
 # ----------------------------------------------------------------------- live progress
-
-
-def progress_bar(console: Console) -> Progress:
-    """The bench progress bar: spinner, level, bar, done/total, the level's figures."""
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(bar_width=20),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[figures]}"),
-        console=console,
-        transient=True,
-    )
 
 
 class RichProgress:
@@ -95,17 +79,6 @@ class RichProgress:
 # ----------------------------------------------------------------------- terminal tables
 
 
-def terminal_console(stderr: bool = False) -> Console:
-    """A console as wide as the terminal, or 200 columns when output is not one (a file,
-    a pipe, CI logs): the tables stay one line per level."""
-    stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, width=None if stream.isatty() else 200)
-
-
-def _num(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
 def print_tables(result: BenchResult, console: Console) -> None:
     """Throughput and latency, then the server breakdown and resources, then warnings."""
     title = (
@@ -120,9 +93,9 @@ def print_tables(result: BenchResult, console: Console) -> None:
     for level in result.levels:
         main.add_row(
             _load_cell(level),
-            _num(level.throughput_infer_per_s, 1),
-            _num(level.throughput_req_per_s, 1),
-            *(_num(v, 3) for v in _latencies(level)),
+            fmt_num(level.throughput_infer_per_s, 1),
+            fmt_num(level.throughput_req_per_s, 1),
+            *(fmt_num(v, 3) for v in _latencies(level)),
             _errors_cell(level),
         )
     console.print(main)
@@ -161,33 +134,23 @@ def _breakdown_table(result: BenchResult) -> Table:
     for level in result.levels:
         row = [
             _load_cell(level),
-            _num(level.server_queue_ms, 3),
-            _num(level.server_compute_input_ms, 3),
-            _num(level.server_compute_infer_ms, 3),
-            _num(level.server_compute_output_ms, 3),
-            _num(level.server_overhead_ms, 3),
-            _num(level.server_avg_batch_size, 1),
-            _num(level.client_cpu_pct, 0),
-            _num(level.server_cpu_pct, 0),
-            _num(level.server_rss_mb, 0),
+            fmt_num(level.server_queue_ms, 3),
+            fmt_num(level.server_compute_input_ms, 3),
+            fmt_num(level.server_compute_infer_ms, 3),
+            fmt_num(level.server_compute_output_ms, 3),
+            fmt_num(level.server_overhead_ms, 3),
+            fmt_num(level.server_avg_batch_size, 1),
+            fmt_num(level.client_cpu_pct, 0),
+            fmt_num(level.server_cpu_pct, 0),
+            fmt_num(level.server_rss_mb, 0),
         ]
         if len(columns) > len(row):
-            row.append(_num(level.cost_per_1m_infer, 4))
+            row.append(fmt_num(level.cost_per_1m_infer, 4))
         table.add_row(*row)
     return table
 
 
 # ----------------------------------------------------------------------- files
-
-
-def result_dict(result: BenchResult | OpenAIBenchResult) -> dict[str, Any]:
-    """The whole result as plain JSON-ready data."""
-    return dataclasses.asdict(result)
-
-
-def write_json(result: BenchResult | OpenAIBenchResult, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result_dict(result), indent=2, allow_nan=False) + "\n")
 
 
 def write_csv(result: BenchResult, path: Path) -> None:
@@ -201,14 +164,3 @@ def write_csv(result: BenchResult, path: Path) -> None:
             row["errors_by_code"] = "; ".join(f"{k}={v}" for k, v in level.errors_by_code.items())
             row["warnings"] = " | ".join(level.warnings)
             writer.writerow({k: "" if v is None else v for k, v in row.items()})
-
-
-def print_problems(console: Console, result: Any) -> None:
-    """Each level's error examples and warnings, then the run's warnings."""
-    for level in result.levels:
-        for key, example in level.error_examples.items():
-            console.print(f"[red]{level.label}: {key}[/]: {example[:300]}")
-        for warning in level.warnings:
-            console.print(f"[yellow]warning[/] {level.label}: {warning}")
-    for warning in result.warnings:
-        console.print(f"[yellow]warning[/] {warning}")

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from slipstream.bench.core.errors import error_summary
 from slipstream.bench.core.histogram import LatencyHistogram, merge_histograms
 from slipstream.bench.core.levels import LoadLevel
+from slipstream.bench.core.schedule import LATE_SEND_SHARE, SATURATED_CPU_PCT
 from slipstream.bench.v2.messages import WindowSample
 from slipstream.bench.v2.server_stats import ProcessUsage, ServerBreakdown
 
-# A worker above this share of one core is taken as saturated.
-SATURATED_CPU_PCT = 90.0
-# Open loop: warn when more than this share of sends left over 1 ms late...
-LATE_SEND_SHARE = 0.01
-# ... or fewer than this share of the asked rate was sent.
+# Open loop: warn when fewer than this share of the asked rate was sent (or more than
+# LATE_SEND_SHARE of the sends left over 1 ms late).
 SEND_RATE_SHARE = 0.95
 
 
@@ -306,19 +305,3 @@ def _open_loop_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
             "counts from the scheduled time"
         )
     return warnings
-
-
-class _HasErrors(Protocol):
-    errors_by_code: dict[str, int]
-    error_examples: dict[str, str]
-
-
-def error_summary(result: _HasErrors) -> str:
-    """Errors by kind, each with an example message (V2 and OpenAI levels alike)."""
-    if not result.errors_by_code:
-        return "no request completed"
-    parts = []
-    for key, count in result.errors_by_code.items():
-        example = result.error_examples.get(key, "")
-        parts.append(f"{key} x{count}" + (f" ({example[:200]})" if example else ""))
-    return "; ".join(parts)

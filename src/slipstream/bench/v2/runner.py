@@ -25,6 +25,7 @@ from slipstream.bench.core.endpoint import Endpoint, parse_endpoint
 from slipstream.bench.core.errors import BenchError
 from slipstream.bench.core.histogram import STABILITY_WINDOWS, is_stable
 from slipstream.bench.core.levels import LoadLevel
+from slipstream.bench.core.schedule import SATURATED_CPU_PCT
 from slipstream.bench.v2.inputs import (
     InputError,
     ModelSignature,
@@ -42,7 +43,6 @@ from slipstream.bench.v2.messages import (
 )
 from slipstream.bench.v2.payloads import encode_request
 from slipstream.bench.v2.results import (
-    SATURATED_CPU_PCT,
     BenchResult,
     LevelInputs,
     LevelResult,
