@@ -28,7 +28,7 @@ from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.schedule import SATURATED_CPU_PCT
 from slipstream.bench.v2.inputs import (
     InputError,
-    ModelSignature,
+    RemoteModel,
     generate_requests,
     read_input_data,
 )
@@ -136,7 +136,7 @@ def run_bench(settings: BenchSettings, progress: ProgressListener | None = None)
     )
 
 
-def build_requests(settings: BenchSettings, signature: ModelSignature) -> list[EncodedRequest]:
+def build_requests(settings: BenchSettings, signature: RemoteModel) -> list[EncodedRequest]:
     """The requests to send, encoded for the protocol; BenchError names a bad input."""
     try:
         if settings.input_data is not None:
