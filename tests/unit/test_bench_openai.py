@@ -20,7 +20,7 @@ from slipstream.bench.cli import bench
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.output import write_json
 from slipstream.bench.openai.client import SseParser, StreamState
-from slipstream.bench.openai.report import CSV_FIELDS, write_openai_csv
+from slipstream.bench.openai.report import CSV_FIELDS, write_csv
 from slipstream.bench.openai.requests import build_requests, read_prompts, synthetic_prompt
 from slipstream.bench.openai.results import (
     LevelMeasurement,
@@ -30,7 +30,7 @@ from slipstream.bench.openai.results import (
     meets_slos,
     tpot_s,
 )
-from slipstream.bench.openai.runner import LevelRun, NullOpenAIProgress, request_result
+from slipstream.bench.openai.runner import LevelRun, NullProgress, request_result
 from slipstream.bench.openai.settings import OpenAIBenchSettings, TokenRange, parse_goodput
 
 
@@ -222,7 +222,7 @@ def test_json_and_csv_hold_every_level_even_one_without_successes(tmp_path: Path
     assert levels[0]["ttft"]["mean_ms"] == pytest.approx(100)
     assert levels[1]["ttft"]["mean_ms"] is None
     assert levels[0]["request_results"][0]["e2e_s"] == 0.5
-    write_openai_csv(result, tmp_path / "r.csv")
+    write_csv(result, tmp_path / "r.csv")
     with (tmp_path / "r.csv").open() as file:
         rows = list(csv.DictReader(file))
     assert list(rows[0]) == CSV_FIELDS and len(rows) == 2
@@ -355,7 +355,7 @@ class FakeClient:
 async def _run_level(client: FakeClient, level: LoadLevel, **kw: object) -> LevelMeasurement:
     settings = _settings(num_requests=6, output_tokens=4, **kw)
     requests = build_requests(settings)
-    run = LevelRun(client, settings, requests, level, NullOpenAIProgress())  # type: ignore[arg-type]
+    run = LevelRun(client, settings, requests, level, NullProgress())  # type: ignore[arg-type]
     return await run.run()
 
 

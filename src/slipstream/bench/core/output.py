@@ -3,11 +3,13 @@ number cells, the problems under the tables, and the JSON file."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
@@ -24,6 +26,35 @@ def progress_bar(console: Console) -> Progress:
         console=console,
         transient=True,
     )
+
+
+_P = TypeVar("_P", bound="LevelProgress")
+
+
+class LevelProgress:
+    """A progress bar per load level, for a mode's live progress listener: use it as a
+    context manager and call :meth:`new_level` as each level starts."""
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+        self._progress = progress_bar(console)
+        self._task: Any = None
+
+    def __enter__(self: _P) -> _P:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def new_level(self, description: str, total: int, figures: str) -> None:
+        """Replace the last level's bar by one for the next level."""
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+        self._task = self._progress.add_task(description, total=total, figures=figures)
+
+    def advance(self, figures: str) -> None:
+        self._progress.update(self._task, advance=1, figures=figures)
 
 
 def terminal_console(stderr: bool = False) -> Console:
@@ -59,3 +90,18 @@ def write_json(result: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     document = dataclasses.asdict(result)
     path.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+def errors_cell(errors_by_code: Mapping[str, int]) -> str:
+    """Errors by code in one CSV cell: ``http 503=2; timeout=1``."""
+    return "; ".join(f"{key}={count}" for key, count in errors_by_code.items())
+
+
+def write_csv_rows(path: Path, fields: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> None:
+    """A CSV file of ``fields`` columns, one row per mapping; None is an empty cell."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(fields))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})

@@ -1,12 +1,9 @@
-"""Showing an OpenAI-mode run: live progress, terminal tables and the CSV file.
-
-JSON goes through :func:`slipstream.bench.core.output.write_json`, like the V2 modes.
-"""
+"""Showing an OpenAI-mode run: live progress, terminal tables, the JSON and CSV files."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +11,21 @@ from rich.console import Console
 from rich.table import Table
 
 from slipstream.bench.core.levels import LoadLevel
-from slipstream.bench.core.output import fmt_num, print_problems, progress_bar
+from slipstream.bench.core.output import (
+    LevelProgress,
+    errors_cell,
+    fmt_num,
+    print_problems,
+    write_csv_rows,
+    write_json,
+)
 from slipstream.bench.openai.results import (
     LatencySummary,
     OpenAIBenchResult,
     OpenAILevelResult,
     RequestResult,
 )
+from slipstream.bench.openai.settings import OpenAIBenchSettings
 
 # The latency metrics of a level, in table and CSV order, with their table names.
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
@@ -35,32 +40,20 @@ CSV_FIELDS = (
 )
 
 
-class OpenAIRichProgress:
+class RichProgress(LevelProgress):
     """A progress bar per level: requests finished, and errors so far."""
 
     def __init__(self, console: Console) -> None:
-        self._console = console
-        self._progress = progress_bar(console)
-        self._task: Any = None
+        super().__init__(console)
         self._errors = 0
-
-    def __enter__(self) -> OpenAIRichProgress:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
 
     def level_started(self, level: LoadLevel, total: int) -> None:
-        if self._task is not None:
-            self._progress.remove_task(self._task)
         self._errors = 0
-        self._task = self._progress.add_task(level.label, total=total, figures="")
+        self.new_level(level.label, total, "")
 
     def request_done(self, request: RequestResult) -> None:
         self._errors += request.error is not None
-        figures = f"{self._errors} errors" if self._errors else ""
-        self._progress.update(self._task, advance=1, figures=figures)
+        self.advance(f"{self._errors} errors" if self._errors else "")
 
     def level_done(self, result: OpenAILevelResult) -> None:
         self._console.print(
@@ -70,7 +63,7 @@ class OpenAIRichProgress:
         )
 
 
-def print_openai_tables(result: OpenAIBenchResult, console: Console) -> None:
+def print_tables(result: OpenAIBenchResult, console: Console) -> None:
     """Throughput and goodput per level, then latencies per level, then warnings."""
     arrivals = f", {result.distribution} arrivals" if result.distribution else ""
     eos = ", ignore_eos" if result.ignore_eos else ""
@@ -155,18 +148,25 @@ def csv_row(level: OpenAILevelResult) -> dict[str, Any]:
         if metric in METRICS and stat in _STATS:
             row[name] = getattr(getattr(level, metric), stat)
         elif name == "errors_by_code":
-            row[name] = "; ".join(f"{k}={v}" for k, v in level.errors_by_code.items())
+            row[name] = errors_cell(level.errors_by_code)
         elif name == "warnings":
             row[name] = " | ".join(level.warnings)
         else:
             row[name] = getattr(level, name)
-    return {k: "" if v is None else v for k, v in row.items()}
+    return row
 
 
-def write_openai_csv(result: OpenAIBenchResult, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for level in result.levels:
-            writer.writerow(csv_row(level))
+def write_csv(result: OpenAIBenchResult, path: Path) -> None:
+    write_csv_rows(path, CSV_FIELDS, [csv_row(level) for level in result.levels])
+
+
+def write_outputs(
+    settings: OpenAIBenchSettings, result: OpenAIBenchResult, written: Callable[[Path], None]
+) -> None:
+    """The files asked for: --json, --csv; ``written`` is told each path as it is written."""
+    if settings.json_path is not None:
+        write_json(result, settings.json_path)
+        written(settings.json_path)
+    if settings.csv_path is not None:
+        write_csv(result, settings.csv_path)
+        written(settings.csv_path)

@@ -48,6 +48,8 @@ from slipstream.bench.openai.results import (
 )
 from slipstream.bench.openai.settings import OpenAIBenchSettings, OpenAIProtocol, TokenRange
 
+# What the CLI adds when no request of any level succeeded.
+ALL_FAILED_HINT = "an overloaded server, or prompts plus max_tokens beyond the model's context"
 # The warm-up request asks for this many tokens at most.
 _PROBE_MAX_TOKENS = 4
 # A send later than this after its scheduled arrival counts as late: under 1% of a
@@ -55,7 +57,7 @@ _PROBE_MAX_TOKENS = 4
 LATE_SEND_S = 0.01
 
 
-class OpenAIProgressListener(Protocol):
+class ProgressListener(Protocol):
     """Told about the run as it goes (the CLI shows it; the API passes nothing)."""
 
     def level_started(self, level: LoadLevel, total: int) -> None: ...
@@ -65,7 +67,7 @@ class OpenAIProgressListener(Protocol):
     def level_done(self, result: OpenAILevelResult) -> None: ...
 
 
-class NullOpenAIProgress:
+class NullProgress:
     def level_started(self, level: LoadLevel, total: int) -> None:
         pass
 
@@ -104,7 +106,7 @@ def run_openai_benchmark(
     SLOs like ``{"ttft": 500, "tpot": 50}``. Raises ``pydantic.ValidationError`` for a
     bad argument and :class:`BenchError` when the server cannot be benchmarked (the
     warm-up request failed). Runs its own event loop: from async code, use
-    :func:`run_openai_bench_async`.
+    :func:`run_bench_async`.
 
     >>> result = run_openai_benchmark("http://localhost:8000", "smollm2",
     ...     request_rate=[1, 2], num_requests=20, output_tokens="64,16",
@@ -127,16 +129,16 @@ def run_openai_benchmark(
         timeout_s=timeout_s,
         seed=seed,
     )
-    return run_openai_bench(settings, prompts)
+    return run_bench(settings, prompts=prompts)
 
 
-def run_openai_bench(
+def run_bench(
     settings: OpenAIBenchSettings,
+    progress: ProgressListener | None = None,
     prompts: Sequence[str | list[int]] | None = None,
-    progress: OpenAIProgressListener | None = None,
 ) -> OpenAIBenchResult:
-    """:func:`run_openai_bench_async` on a fresh event loop (uvloop where installed)."""
-    coroutine = run_openai_bench_async(settings, prompts, progress)
+    """:func:`run_bench_async` on a fresh event loop (uvloop where installed)."""
+    coroutine = run_bench_async(settings, progress, prompts)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is absent on Windows
@@ -144,13 +146,13 @@ def run_openai_bench(
     return uvloop.run(coroutine)
 
 
-async def run_openai_bench_async(
+async def run_bench_async(
     settings: OpenAIBenchSettings,
+    progress: ProgressListener | None = None,
     prompts: Sequence[str | list[int]] | None = None,
-    progress: OpenAIProgressListener | None = None,
 ) -> OpenAIBenchResult:
     """Measure every load level of ``settings``; BenchError when it cannot run."""
-    listener = progress or NullOpenAIProgress()
+    listener = progress or NullProgress()
     try:
         endpoint = parse_endpoint(settings.url, "http")
         requests = build_requests(settings, prompts)
@@ -216,7 +218,7 @@ class LevelRun:
         settings: OpenAIBenchSettings,
         requests: list[GenerationRequest],
         level: LoadLevel,
-        progress: OpenAIProgressListener,
+        progress: ProgressListener,
     ) -> None:
         self._client = client
         self._settings = settings

@@ -6,17 +6,24 @@ imports matplotlib only when asked for.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from slipstream.bench.core.levels import LoadLevel
-from slipstream.bench.core.output import fmt_num, print_problems, progress_bar
+from slipstream.bench.core.output import (
+    LevelProgress,
+    errors_cell,
+    fmt_num,
+    print_problems,
+    write_csv_rows,
+    write_json,
+)
 from slipstream.bench.v2.results import BenchResult, LevelResult, WindowTotals
+from slipstream.bench.v2.settings import BenchSettings
 
 # Columns of the CSV file, in order: every scalar figure of a level.
 CSV_FIELDS = [
@@ -29,30 +36,12 @@ CSV_FIELDS = [
 # ----------------------------------------------------------------------- live progress
 
 
-class RichProgress:
+class RichProgress(LevelProgress):
     """A progress bar per level (windows done) with the last window's figures."""
 
-    def __init__(self, console: Console) -> None:
-        self._console = console
-        self._progress = progress_bar(console)
-        self._task: Any = None
-
-    def __enter__(self) -> RichProgress:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
-
     def level_started(self, level: LoadLevel, workers: int, max_windows: int) -> None:
-        if self._task is not None:
-            self._progress.remove_task(self._task)
         plural = "s" if workers > 1 else ""
-        self._task = self._progress.add_task(
-            f"{level.label} ({workers} worker{plural})",
-            total=max_windows,
-            figures="warming up",
-        )
+        self.new_level(f"{level.label} ({workers} worker{plural})", max_windows, "warming up")
 
     def window_done(self, level: LoadLevel, window: WindowTotals, stable: bool) -> None:
         p99 = window.latency.percentile_s(99) * 1000
@@ -62,7 +51,7 @@ class RichProgress:
             + (f"  {errors} errors" if errors else "")
             + ("  stable" if stable else "")
         )
-        self._progress.update(self._task, advance=1, figures=figures)
+        self.advance(figures)
 
     def level_done(self, result: LevelResult) -> None:
         p99 = "-" if result.p99_ms is None else f"{result.p99_ms:.2f} ms"
@@ -155,12 +144,30 @@ def _breakdown_table(result: BenchResult) -> Table:
 
 def write_csv(result: BenchResult, path: Path) -> None:
     """One row per load level; errors by code as ``key=count`` pairs."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for level in result.levels:
-            row = {name: getattr(level, name) for name in CSV_FIELDS}
-            row["errors_by_code"] = "; ".join(f"{k}={v}" for k, v in level.errors_by_code.items())
-            row["warnings"] = " | ".join(level.warnings)
-            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    rows = [
+        {name: getattr(level, name) for name in CSV_FIELDS}
+        | {
+            "errors_by_code": errors_cell(level.errors_by_code),
+            "warnings": " | ".join(level.warnings),
+        }
+        for level in result.levels
+    ]
+    write_csv_rows(path, CSV_FIELDS, rows)
+
+
+def write_outputs(
+    settings: BenchSettings, result: BenchResult, written: Callable[[Path], None]
+) -> None:
+    """The files asked for: --json, --csv, --report (charts need matplotlib: ImportError
+    without it); ``written`` is told each path as it is written."""
+    if settings.json_path is not None:
+        write_json(result, settings.json_path)
+        written(settings.json_path)
+    if settings.csv_path is not None:
+        write_csv(result, settings.csv_path)
+        written(settings.csv_path)
+    if settings.report_path is not None:
+        from slipstream.bench.v2.charts import write_report
+
+        write_report(result, settings.report_path)
+        written(settings.report_path)

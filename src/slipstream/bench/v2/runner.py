@@ -60,6 +60,8 @@ from slipstream.bench.v2.server_stats import (
 from slipstream.bench.v2.settings import BenchSettings
 from slipstream.bench.v2.workers import WorkerPool, usable_cores
 
+# What the CLI adds when no request of any level succeeded.
+ALL_FAILED_HINT = "wrong --model-version, inputs the model refuses, or an overloaded server"
 # Workers get this long after a RunLevel before sending starts, so they start together.
 _START_DELAY_S = 0.2
 # Auto mode adds workers when one used more than this share of a core in the warm-up.
