@@ -105,43 +105,34 @@ class KeepAlive:
         return self.keep_alive and (left is None or left > 0) and now_s < self.expires_s
 
 
-class HttpConnection(asyncio.Protocol):
-    """One keep-alive connection carrying one request at a time.
-
-    A mode reads its responses' bodies by overriding :meth:`begin` (fresh per-request
-    state) and :meth:`on_body`; error bodies (status >= 300) are kept here.
+class ResponseReader:
+    """httptools callbacks for one response at a time: the status, an error body
+    (status >= 300, kept for the error example), whether the connection may be reused.
+    A mode reads 2xx bodies by overriding :meth:`begin` (fresh per-request state) and
+    :meth:`on_body`. Shared by the asyncio connections and the blocking user.
     """
 
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._waiter: asyncio.Future[int] | None = None
         self._error_body: bytearray | None = None
         self._keep_alive_header: bytes | None = None
         self.status = 0
         self.reuse = KeepAlive()
-        self.closed = False
-        # Requests written on this connection, the one in flight included.
-        self.requests = 0
-        # Some byte of the response in flight arrived.
-        self.response_started = False
-        # When the request in flight was written (time.monotonic()); 0.0 when idle.
-        self.sent_at = 0.0
+        # Some byte of the response arrived; the whole response did.
+        self.started = False
+        self.complete = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            # One write per request: no reason to let Nagle hold it back.
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def begin(self) -> None:
+        """Fresh per-request state, before a request is written."""
+        self.status = 0
+        self._error_body = None
+        self._keep_alive_header = None
+        self.started = self.complete = False
 
-    def data_received(self, data: bytes) -> None:
-        self.response_started = True
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(ConnectionError(f"malformed HTTP response: {exc}"))
-            self.close()
+    def feed(self, data: bytes) -> None:
+        """Parse bytes as they arrive; httptools.HttpParserError when malformed."""
+        self.started = True
+        self._parser.feed_data(data)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) == 10 and name.lower() == b"keep-alive":
@@ -159,6 +150,41 @@ class HttpConnection(asyncio.Protocol):
         # should_keep_alive() is only meaningful while the parser is in the message.
         now_s = time.monotonic()
         self.reuse.response_done(self._parser.should_keep_alive(), self._keep_alive_header, now_s)
+        self.complete = True
+
+    def error_message(self) -> str:
+        return bytes(self._error_body or b"").decode("utf-8", "replace")
+
+
+class HttpConnection(ResponseReader, asyncio.Protocol):
+    """One keep-alive connection carrying one request at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._transport: asyncio.Transport | None = None
+        self._waiter: asyncio.Future[int] | None = None
+        self.closed = False
+        # Requests written on this connection, the one in flight included.
+        self.requests = 0
+        # When the request in flight was written (time.monotonic()); 0.0 when idle.
+        self.sent_at = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # One write per request: no reason to let Nagle hold it back.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.feed(data)
+        except httptools.HttpParserError as exc:
+            self._fail(ConnectionError(f"malformed HTTP response: {exc}"))
+            self.close()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
         waiter, self._waiter = self._waiter, None
         self.sent_at = 0.0
         if waiter is not None and not waiter.done():
@@ -174,13 +200,6 @@ class HttpConnection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
 
-    def begin(self) -> None:
-        """Fresh per-request state, before a request is written."""
-        self.status = 0
-        self._error_body = None
-        self._keep_alive_header = None
-        self.response_started = False
-
     def send(self, payload: bytes) -> asyncio.Future[int]:
         """Write a request; the future holds its response status."""
         assert self._transport is not None and self._waiter is None
@@ -193,9 +212,6 @@ class HttpConnection(asyncio.Protocol):
         else:
             self._transport.write(payload)
         return self._waiter
-
-    def error_message(self) -> str:
-        return bytes(self._error_body or b"").decode("utf-8", "replace")
 
     def time_out(self) -> None:
         self._fail(TimeoutError())
@@ -252,7 +268,7 @@ class HttpConnections(Generic[C]):
             try:
                 await conn.send(payload)
             except ConnectionError:
-                if conn.requests == 1 or conn.response_started:
+                if conn.requests == 1 or conn.started:
                     raise
                 # The server closed the reused connection as the request went out.
                 self._release(conn)

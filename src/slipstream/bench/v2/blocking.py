@@ -19,51 +19,13 @@ from typing import Protocol
 import httptools
 
 from slipstream.bench.core.endpoint import Endpoint
-from slipstream.bench.core.http import ERROR_BODY_BYTES, RECONNECT_PAUSE_S, KeepAlive
+from slipstream.bench.core.http import RECONNECT_PAUSE_S, ResponseReader
 
 _RECV_BYTES = 1 << 16
 
 
 class StopFlag(Protocol):
     def is_set(self) -> bool: ...
-
-
-class _Response:
-    """httptools callbacks for one response at a time."""
-
-    def __init__(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
-        self.status = 0
-        self.complete = False
-        # Some byte of the response arrived.
-        self.started = False
-        self.body = bytearray()
-        self.reuse = KeepAlive()
-        self._keep_alive_header: bytes | None = None
-
-    def reset(self) -> None:
-        self.status = 0
-        self.complete = False
-        self.started = False
-        self.body.clear()
-        self._keep_alive_header = None
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) == 10 and name.lower() == b"keep-alive":
-            self._keep_alive_header = value
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-
-    def on_body(self, body: bytes) -> None:
-        if self.status >= 300 and len(self.body) < ERROR_BODY_BYTES:
-            self.body += body
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-        # should_keep_alive() is only meaningful while the parser is inside the message.
-        keep_alive = self.parser.should_keep_alive()
-        self.reuse.response_done(keep_alive, self._keep_alive_header, time.monotonic())
 
 
 class BlockingHttpUser:
@@ -82,7 +44,7 @@ class BlockingHttpUser:
         # Records an error example; returns the error key (InferClient._note).
         self._note = note
         self._sock: socket.socket | None = None
-        self._response = _Response()
+        self._response = ResponseReader()
         # Requests sent again after the reused connection failed before its response.
         self.reconnects = 0
 
@@ -134,26 +96,24 @@ class BlockingHttpUser:
             self._close()
         if 200 <= response.status < 300:
             return None
-        message = bytes(response.body).decode("utf-8", "replace")
-        return self._note(f"http {response.status}", message)
+        return self._note(f"http {response.status}", response.error_message())
 
     def _exchange(self, sock: socket.socket, payload: bytes) -> None:
         """Write the request and read its whole response into ``self._response``."""
         response = self._response
-        response.reset()
+        response.begin()
         sock.sendall(payload)
         while not response.complete:
             data = sock.recv(_RECV_BYTES)
             if not data:
                 raise ConnectionResetError("the server closed the connection")
-            response.started = True
-            response.parser.feed_data(data)
+            response.feed(data)
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self._address, timeout=self._timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
-        self._response = _Response()
+        self._response = ResponseReader()
         return sock
 
     def _close(self) -> None:
