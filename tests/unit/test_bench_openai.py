@@ -30,7 +30,7 @@ from slipstream.bench.openai.results import (
     meets_slos,
     tpot_s,
 )
-from slipstream.bench.openai.runner import LevelRun, NullProgress, request_result
+from slipstream.bench.openai.runner import LevelRun, ProgressListener, request_result
 from slipstream.bench.openai.settings import OpenAIBenchSettings, TokenRange, parse_goodput
 
 
@@ -355,7 +355,7 @@ class FakeClient:
 async def _run_level(client: FakeClient, level: LoadLevel, **kw: object) -> LevelMeasurement:
     settings = _settings(num_requests=6, output_tokens=4, **kw)
     requests = build_requests(settings)
-    run = LevelRun(client, settings, requests, level, NullProgress())  # type: ignore[arg-type]
+    run = LevelRun(client, settings, requests, level, ProgressListener())  # type: ignore[arg-type]
     return await run.run()
 
 

@@ -25,6 +25,7 @@ from slipstream.bench.openai.results import (
     OpenAILevelResult,
     RequestResult,
 )
+from slipstream.bench.openai.runner import ProgressListener
 from slipstream.bench.openai.settings import OpenAIBenchSettings
 
 # The latency metrics of a level, in table and CSV order, with their table names.
@@ -40,7 +41,7 @@ CSV_FIELDS = (
 )
 
 
-class RichProgress(LevelProgress):
+class RichProgress(LevelProgress, ProgressListener):
     """A progress bar per level: requests finished, and errors so far."""
 
     def __init__(self, console: Console) -> None:

@@ -29,7 +29,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
 import numpy as np
 
@@ -57,17 +56,10 @@ _PROBE_MAX_TOKENS = 4
 LATE_SEND_S = 0.01
 
 
-class ProgressListener(Protocol):
-    """Told about the run as it goes (the CLI shows it; the API passes nothing)."""
+class ProgressListener:
+    """Told about the run as it goes: the CLI's live progress overrides these no-ops
+    (``slipstream.bench.openai.report.RichProgress``); the API passes nothing."""
 
-    def level_started(self, level: LoadLevel, total: int) -> None: ...
-
-    def request_done(self, request: RequestResult) -> None: ...
-
-    def level_done(self, result: OpenAILevelResult) -> None: ...
-
-
-class NullProgress:
     def level_started(self, level: LoadLevel, total: int) -> None:
         pass
 
@@ -152,7 +144,7 @@ async def run_bench_async(
     prompts: Sequence[str | list[int]] | None = None,
 ) -> OpenAIBenchResult:
     """Measure every load level of ``settings``; BenchError when it cannot run."""
-    listener = progress or NullProgress()
+    listener = progress or ProgressListener()
     try:
         endpoint = parse_endpoint(settings.url, "http")
         requests = build_requests(settings, prompts)

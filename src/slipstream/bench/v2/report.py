@@ -23,6 +23,7 @@ from slipstream.bench.core.output import (
     write_json,
 )
 from slipstream.bench.v2.results import BenchResult, LevelResult, WindowTotals
+from slipstream.bench.v2.runner import ProgressListener
 from slipstream.bench.v2.settings import BenchSettings
 
 # Columns of the CSV file, in order: every scalar figure of a level.
@@ -36,7 +37,7 @@ CSV_FIELDS = [
 # ----------------------------------------------------------------------- live progress
 
 
-class RichProgress(LevelProgress):
+class RichProgress(LevelProgress, ProgressListener):
     """A progress bar per level (windows done) with the last window's figures."""
 
     def level_started(self, level: LoadLevel, workers: int, max_windows: int) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol as TypingProtocol
 
 from slipstream.bench.core.endpoint import Endpoint, parse_endpoint
 from slipstream.bench.core.errors import BenchError
@@ -74,19 +73,10 @@ _REPORT_SLACK_S = 10.0
 _API_TIMEOUT_S = 10.0
 
 
-class ProgressListener(TypingProtocol):
-    """Told about the run as it goes (the CLI shows it; tests pass nothing)."""
+class ProgressListener:
+    """Told about the run as it goes: the CLI's live progress overrides these no-ops
+    (``slipstream.bench.v2.report.RichProgress``); the API passes nothing."""
 
-    def level_started(self, level: LoadLevel, workers: int, max_windows: int) -> None: ...
-
-    def window_done(self, level: LoadLevel, window: WindowTotals, stable: bool) -> None: ...
-
-    def level_done(self, result: LevelResult) -> None: ...
-
-    def note(self, message: str) -> None: ...
-
-
-class NullProgress:
     def level_started(self, level: LoadLevel, workers: int, max_windows: int) -> None:
         pass
 
@@ -102,7 +92,7 @@ class NullProgress:
 
 def run_bench(settings: BenchSettings, progress: ProgressListener | None = None) -> BenchResult:
     """Measure every load level of ``settings``; raises BenchError when it cannot run."""
-    listener = progress or NullProgress()
+    listener = progress or ProgressListener()
     try:
         endpoint = parse_endpoint(settings.url, settings.protocol)
     except ValueError as exc:
