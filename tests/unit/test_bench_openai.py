@@ -18,7 +18,6 @@ from pydantic import ValidationError
 
 from slipstream.bench.cli import bench
 from slipstream.bench.core.levels import LoadLevel
-from slipstream.bench.core.output import write_json
 from slipstream.bench.openai.client import SseParser, StreamState
 from slipstream.bench.openai.report import CSV_FIELDS, write_csv
 from slipstream.bench.openai.requests import build_requests, read_prompts, synthetic_prompt
@@ -32,6 +31,7 @@ from slipstream.bench.openai.results import (
 )
 from slipstream.bench.openai.runner import LevelRun, ProgressListener, request_result
 from slipstream.bench.openai.settings import OpenAIBenchSettings, TokenRange, parse_goodput
+from slipstream.reports import write_json
 
 
 def _chunk(**choice: object) -> bytes:

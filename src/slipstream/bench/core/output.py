@@ -1,14 +1,11 @@
-"""What both bench modes show and write: the live progress bar, the terminal console,
-number cells, the problems under the tables, and the JSON file."""
+"""What both bench modes show: the live progress bar, the terminal console, number
+cells and the problems under the tables. The files go through :mod:`slipstream.reports`
+(shared with profile)."""
 
 from __future__ import annotations
 
-import csv
-import dataclasses
-import json
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from rich.console import Console
@@ -85,23 +82,6 @@ def print_problems(console: Console, result: Any) -> None:
         console.print(f"[yellow]warning[/] {warning}")
 
 
-def write_json(result: Any, path: Path) -> None:
-    """A mode's result (a dataclass) as JSON; NaN is refused (empty figures are null)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    document = dataclasses.asdict(result)
-    path.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
-
-
 def errors_cell(errors_by_code: Mapping[str, int]) -> str:
     """Errors by code in one CSV cell: ``http 503=2; timeout=1``."""
     return "; ".join(f"{key}={count}" for key, count in errors_by_code.items())
-
-
-def write_csv_rows(path: Path, fields: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> None:
-    """A CSV file of ``fields`` columns, one row per mapping; None is an empty cell."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=list(fields))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if v is None else v for k, v in row.items()})

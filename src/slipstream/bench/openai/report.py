@@ -16,8 +16,6 @@ from slipstream.bench.core.output import (
     errors_cell,
     fmt_num,
     print_problems,
-    write_csv_rows,
-    write_json,
 )
 from slipstream.bench.openai.results import (
     LatencySummary,
@@ -27,6 +25,7 @@ from slipstream.bench.openai.results import (
 )
 from slipstream.bench.openai.runner import ProgressListener
 from slipstream.bench.openai.settings import OpenAIBenchSettings
+from slipstream.reports import write_csv_rows, write_json
 
 # The latency metrics of a level, in table and CSV order, with their table names.
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}

@@ -19,12 +19,11 @@ from slipstream.bench.core.output import (
     errors_cell,
     fmt_num,
     print_problems,
-    write_csv_rows,
-    write_json,
 )
 from slipstream.bench.v2.results import BenchResult, LevelResult, WindowTotals
 from slipstream.bench.v2.runner import ProgressListener
 from slipstream.bench.v2.settings import BenchSettings
+from slipstream.reports import write_csv_rows, write_json
 
 # Columns of the CSV file, in order: every scalar figure of a level.
 CSV_FIELDS = [
