@@ -5,11 +5,15 @@ cells and the problems under the tables. The files go through :mod:`slipstream.r
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+from slipstream.bench.core.settings import LoadSettings
+from slipstream.reports import write_csv_rows, write_json
 
 
 def progress_bar(console: Console) -> Progress:
@@ -82,6 +86,27 @@ def print_problems(console: Console, result: Any) -> None:
         console.print(f"[yellow]warning[/] {warning}")
 
 
-def errors_cell(errors_by_code: Mapping[str, int]) -> str:
-    """Errors by code in one CSV cell: ``http 503=2; timeout=1``."""
-    return "; ".join(f"{key}={count}" for key, count in errors_by_code.items())
+def csv_row(level: Any, fields: Sequence[str]) -> dict[str, Any]:
+    """A level's fields that it has as attributes, with its errors by code (``http
+    503=2; timeout=1``) and its warnings each in one cell."""
+    row = {name: getattr(level, name) for name in fields if hasattr(level, name)}
+    row["errors_by_code"] = "; ".join(f"{k}={n}" for k, n in level.errors_by_code.items())
+    row["warnings"] = " | ".join(level.warnings)
+    return row
+
+
+def write_files(
+    settings: LoadSettings,
+    result: Any,
+    csv_fields: Sequence[str],
+    row: Callable[[Any], Mapping[str, Any]],
+    written: Callable[[Path], None],
+) -> None:
+    """--json (the whole result) and --csv (``row`` of each level), as asked for;
+    ``written`` is told each path as it is written."""
+    if settings.json_path is not None:
+        write_json(result, settings.json_path)
+        written(settings.json_path)
+    if settings.csv_path is not None:
+        write_csv_rows(settings.csv_path, csv_fields, [row(level) for level in result.levels])
+        written(settings.csv_path)

@@ -13,10 +13,11 @@ from rich.table import Table
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.output import (
     LevelProgress,
-    errors_cell,
     fmt_num,
     print_problems,
+    write_files,
 )
+from slipstream.bench.core.output import csv_row as core_csv_row
 from slipstream.bench.openai.results import (
     LatencySummary,
     OpenAIBenchResult,
@@ -25,7 +26,6 @@ from slipstream.bench.openai.results import (
 )
 from slipstream.bench.openai.runner import ProgressListener
 from slipstream.bench.openai.settings import OpenAIBenchSettings
-from slipstream.reports import write_csv_rows, write_json
 
 # The latency metrics of a level, in table and CSV order, with their table names.
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
@@ -140,33 +140,17 @@ def _errors_cell(level: OpenAILevelResult) -> str:
     return ", ".join(f"{key}: {count}" for key, count in level.errors_by_code.items())
 
 
-def csv_row(level: OpenAILevelResult) -> dict[str, Any]:
+def level_row(level: OpenAILevelResult) -> dict[str, Any]:
     """A level as one flat CSV row (per-request detail is in the JSON only)."""
-    row: dict[str, Any] = {}
-    for name in CSV_FIELDS:
-        metric, _, stat = name.partition("_")
-        if metric in METRICS and stat in _STATS:
-            row[name] = getattr(getattr(level, metric), stat)
-        elif name == "errors_by_code":
-            row[name] = errors_cell(level.errors_by_code)
-        elif name == "warnings":
-            row[name] = " | ".join(level.warnings)
-        else:
-            row[name] = getattr(level, name)
+    row = core_csv_row(level, CSV_FIELDS)
+    for metric in METRICS:
+        summary = getattr(level, metric)
+        row.update({f"{metric}_{stat}": getattr(summary, stat) for stat in _STATS})
     return row
-
-
-def write_csv(result: OpenAIBenchResult, path: Path) -> None:
-    write_csv_rows(path, CSV_FIELDS, [csv_row(level) for level in result.levels])
 
 
 def write_outputs(
     settings: OpenAIBenchSettings, result: OpenAIBenchResult, written: Callable[[Path], None]
 ) -> None:
     """The files asked for: --json, --csv; ``written`` is told each path as it is written."""
-    if settings.json_path is not None:
-        write_json(result, settings.json_path)
-        written(settings.json_path)
-    if settings.csv_path is not None:
-        write_csv(result, settings.csv_path)
-        written(settings.csv_path)
+    write_files(settings, result, CSV_FIELDS, level_row, written)

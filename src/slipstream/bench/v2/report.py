@@ -16,14 +16,14 @@ from rich.table import Table
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.output import (
     LevelProgress,
-    errors_cell,
+    csv_row,
     fmt_num,
     print_problems,
+    write_files,
 )
 from slipstream.bench.v2.results import BenchResult, LevelResult, WindowTotals
 from slipstream.bench.v2.runner import ProgressListener
 from slipstream.bench.v2.settings import BenchSettings
-from slipstream.reports import write_csv_rows, write_json
 
 # Columns of the CSV file, in order: every scalar figure of a level.
 CSV_FIELDS = [
@@ -142,30 +142,12 @@ def _breakdown_table(result: BenchResult) -> Table:
 # ----------------------------------------------------------------------- files
 
 
-def write_csv(result: BenchResult, path: Path) -> None:
-    """One row per load level; errors by code as ``key=count`` pairs."""
-    rows = [
-        {name: getattr(level, name) for name in CSV_FIELDS}
-        | {
-            "errors_by_code": errors_cell(level.errors_by_code),
-            "warnings": " | ".join(level.warnings),
-        }
-        for level in result.levels
-    ]
-    write_csv_rows(path, CSV_FIELDS, rows)
-
-
 def write_outputs(
     settings: BenchSettings, result: BenchResult, written: Callable[[Path], None]
 ) -> None:
     """The files asked for: --json, --csv, --report (charts need matplotlib: ImportError
     without it); ``written`` is told each path as it is written."""
-    if settings.json_path is not None:
-        write_json(result, settings.json_path)
-        written(settings.json_path)
-    if settings.csv_path is not None:
-        write_csv(result, settings.csv_path)
-        written(settings.csv_path)
+    write_files(settings, result, CSV_FIELDS, lambda level: csv_row(level, CSV_FIELDS), written)
     if settings.report_path is not None:
         from slipstream.bench.v2.charts import write_report
 
