@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +90,18 @@ class SendStats:
     inflight_cap_waits: int = 0
     # Most requests outstanding at once (both loops).
     peak_inflight: int = 0
+
+    @staticmethod
+    def total(parts: Iterable[SendStats]) -> SendStats:
+        """Several windows' or workers' stats as one."""
+        total = SendStats()
+        for part in parts:
+            total.sent += part.sent
+            total.late_sends += part.late_sends
+            total.max_send_lag_s = max(total.max_send_lag_s, part.max_send_lag_s)
+            total.inflight_cap_waits += part.inflight_cap_waits
+            total.peak_inflight = max(total.peak_inflight, part.peak_inflight)
+        return total
 
 
 class LoadDriver:

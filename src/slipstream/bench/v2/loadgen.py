@@ -269,10 +269,7 @@ class Worker:
             errors=recorder.errors,
             error_examples={k: client.error_examples.get(k, "") for k in recorder.errors},
             cpu_s=cpu_s,
-            sent=sends.sent,
-            late_sends=sends.late_sends,
-            max_send_lag_s=sends.max_send_lag_s,
-            inflight_cap_waits=sends.inflight_cap_waits,
+            sends=sends,
         )
         self._conn.send(sample)
 

@@ -17,6 +17,7 @@ from typing import Literal
 from slipstream.bench.core.endpoint import Endpoint
 from slipstream.bench.core.histogram import LatencyHistogram
 from slipstream.bench.core.levels import Distribution
+from slipstream.bench.core.schedule import SendStats
 
 Protocol = Literal["http", "http-binary", "grpc"]
 
@@ -114,12 +115,8 @@ class WindowSample:
     error_examples: dict[str, str] = field(default_factory=dict)
     # CPU time (user + system) of the worker process in the window.
     cpu_s: float = 0.0
-    # Open loop: requests started, those started over 1 ms after their schedule, the
-    # worst lag, and how often the in-flight cap held a send back.
-    sent: int = 0
-    late_sends: int = 0
-    max_send_lag_s: float = 0.0
-    inflight_cap_waits: int = 0
+    # Open loop: requests started, those over 1 ms late, the in-flight cap's waits.
+    sends: SendStats = field(default_factory=SendStats)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 from slipstream.bench.core.errors import error_summary
 from slipstream.bench.core.histogram import LatencyHistogram, merge_histograms
 from slipstream.bench.core.levels import LoadLevel
-from slipstream.bench.core.schedule import LATE_SEND_SHARE, SATURATED_CPU_PCT
+from slipstream.bench.core.schedule import LATE_SEND_SHARE, SATURATED_CPU_PCT, SendStats
 from slipstream.bench.v2.messages import WindowSample
 from slipstream.bench.v2.server_stats import ProcessUsage, ServerBreakdown
 
@@ -37,10 +37,8 @@ class WindowTotals:
     error_examples: dict[str, str]
     # CPU seconds of each worker in the window, by worker id.
     cpu_s_by_worker: dict[int, float]
-    sent: int = 0
-    late_sends: int = 0
-    max_send_lag_s: float = 0.0
-    inflight_cap_waits: int = 0
+    # Open loop: the workers' sends in the window.
+    sends: SendStats = field(default_factory=SendStats)
 
     @property
     def throughput_req_per_s(self) -> float:
@@ -75,10 +73,7 @@ def merge_samples(samples: list[WindowSample]) -> WindowTotals:
         errors=errors,
         error_examples=examples,
         cpu_s_by_worker={s.worker_id: s.cpu_s for s in samples},
-        sent=sum(s.sent for s in samples),
-        late_sends=sum(s.late_sends for s in samples),
-        max_send_lag_s=max(s.max_send_lag_s for s in samples),
-        inflight_cap_waits=sum(s.inflight_cap_waits for s in samples),
+        sends=SendStats.total(s.sends for s in samples),
     )
 
 
@@ -232,11 +227,10 @@ def _add_client_figures(
         result.client_cpu_pct = 100 * sum(cpu_by_worker.values()) / duration_s
         result.client_max_worker_cpu_pct = 100 * max(cpu_by_worker.values()) / duration_s
     if result.request_rate is not None:
-        sent = sum(w.sent for w in windows)
-        result.send_rate_per_s = sent / duration_s if duration_s > 0 else 0.0
-        result.late_sends = sum(w.late_sends for w in windows)
-        lag_s = max((w.max_send_lag_s for w in windows), default=0.0)
-        result.max_send_lag_ms = lag_s * 1000
+        sends = SendStats.total(w.sends for w in windows)
+        result.send_rate_per_s = sends.sent / duration_s if duration_s > 0 else 0.0
+        result.late_sends = sends.late_sends
+        result.max_send_lag_ms = sends.max_send_lag_s * 1000
 
 
 def _add_server_figures(result: LevelResult, inputs: LevelInputs) -> None:
@@ -286,7 +280,7 @@ def _open_loop_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
     rate = result.request_rate or 0.0
     sent_rate = result.send_rate_per_s or 0.0
     sent = sent_rate * result.duration_s
-    cap_waits = sum(w.inflight_cap_waits for w in inputs.windows)
+    cap_waits = sum(w.sends.inflight_cap_waits for w in inputs.windows)
     if cap_waits:
         cause = (
             "the in-flight cap (--max-inflight) was reached: the server does not keep up "
