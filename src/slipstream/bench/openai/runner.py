@@ -25,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import Mapping, Sequence
@@ -35,7 +34,12 @@ import numpy as np
 from slipstream.bench.core.endpoint import parse_endpoint
 from slipstream.bench.core.errors import BenchError, ServerUnreachable
 from slipstream.bench.core.levels import Distribution, LoadLevel
-from slipstream.bench.core.schedule import LoadDriver, arrival_gaps_s, corrected_latency_s
+from slipstream.bench.core.schedule import (
+    LoadDriver,
+    arrival_gaps_s,
+    corrected_latency_s,
+    run_event_loop,
+)
 from slipstream.bench.openai.client import OpenAIClient, StreamState
 from slipstream.bench.openai.requests import GenerationRequest, build_requests, request_body
 from slipstream.bench.openai.results import (
@@ -130,12 +134,7 @@ def run_bench(
     prompts: Sequence[str | list[int]] | None = None,
 ) -> OpenAIBenchResult:
     """:func:`run_bench_async` on a fresh event loop (uvloop where installed)."""
-    coroutine = run_bench_async(settings, progress, prompts)
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is absent on Windows
-        return asyncio.run(coroutine)
-    return uvloop.run(coroutine)
+    return run_event_loop(run_bench_async(settings, progress, prompts))
 
 
 async def run_bench_async(

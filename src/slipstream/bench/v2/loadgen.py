@@ -29,6 +29,7 @@ from slipstream.bench.core.schedule import (
     SendStats,
     arrival_gaps_s,
     corrected_latency_s,
+    run_event_loop,
 )
 from slipstream.bench.v2.blocking import BlockingHttpUser
 from slipstream.bench.v2.clients import HttpClient, InferClient, make_client
@@ -101,23 +102,10 @@ def worker_main(conn: Pipe, plan: WorkerPlan) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = Worker(conn, plan)
     try:
-        if plan.endpoint.protocol == "grpc":
-            # grpc.aio measured faster on asyncio's own loop than on uvloop.
-            asyncio.run(worker.serve())
-        else:
-            _run_fast(worker)
+        run_event_loop(worker.serve(), fast=plan.endpoint.protocol != "grpc")
     except Exception:
         with contextlib.suppress(OSError):
             conn.send(WorkerFailed(plan.worker_id, traceback.format_exc()))
-
-
-def _run_fast(worker: Worker) -> None:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is absent on Windows
-        asyncio.run(worker.serve())
-        return
-    uvloop.run(worker.serve())
 
 
 class Worker:

@@ -8,6 +8,7 @@ JSON / CSV column names, with units in them.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,13 +58,7 @@ class WindowTotals:
 
 def merge_samples(samples: list[WindowSample]) -> WindowTotals:
     """The workers' samples of one window as one."""
-    errors: dict[str, int] = {}
-    examples: dict[str, str] = {}
-    for sample in samples:
-        for key, count in sample.errors.items():
-            errors[key] = errors.get(key, 0) + count
-        for key, message in sample.error_examples.items():
-            examples.setdefault(key, message)
+    errors, examples = _merge_errors(samples)
     return WindowTotals(
         index=samples[0].window_index,
         duration_s=sum(s.end_s - s.start_s for s in samples) / len(samples),
@@ -75,6 +70,20 @@ def merge_samples(samples: list[WindowSample]) -> WindowTotals:
         cpu_s_by_worker={s.worker_id: s.cpu_s for s in samples},
         sends=SendStats.total(s.sends for s in samples),
     )
+
+
+def _merge_errors(
+    parts: Sequence[WindowSample | WindowTotals],
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Error counts summed over windows or workers, and the first example of each key."""
+    errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for part in parts:
+        for key, count in part.errors.items():
+            errors[key] = errors.get(key, 0) + count
+        for key, message in part.error_examples.items():
+            examples.setdefault(key, message)
+    return errors, examples
 
 
 @dataclass
@@ -172,13 +181,7 @@ def level_result(inputs: LevelInputs) -> LevelResult:
     windows = inputs.windows
     duration_s = sum(w.duration_s for w in windows)
     latency = merge_histograms([w.latency for w in windows])
-    errors: dict[str, int] = {}
-    examples: dict[str, str] = {}
-    for window in windows:
-        for key, count in window.errors.items():
-            errors[key] = errors.get(key, 0) + count
-        for key, message in window.error_examples.items():
-            examples.setdefault(key, message)
+    errors, examples = _merge_errors(windows)
     requests = sum(w.ok_requests for w in windows)
     inferences = sum(w.ok_inferences for w in windows)
     throughput_infer = inferences / duration_s if duration_s > 0 else 0.0
