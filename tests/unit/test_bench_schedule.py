@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -81,17 +81,27 @@ class FakeServer:
         self.loop = loop
         self.service_s = service_s
         self.outstanding = 0
+        # seq -> requests outstanding (this one included) when it went.
+        self.seen: dict[int, int] = {}
         self.log: list[Sent] = []
 
-    def send(self) -> Callable[[int, float, float], Awaitable[None]]:
-        async def send(seq: int, scheduled_s: float, sent_s: float) -> None:
-            self.outstanding += 1
-            outstanding = self.outstanding
-            await asyncio.sleep(self.service_s)
-            self.outstanding -= 1
-            self.log.append(Sent(seq, scheduled_s, sent_s, self.loop.time(), outstanding))
+    async def send(self, seq: int) -> int:
+        self.outstanding += 1
+        self.seen[seq] = self.outstanding
+        await asyncio.sleep(self.service_s)
+        self.outstanding -= 1
+        return seq
 
-        return send
+    def record(
+        self, seq: int, scheduled_s: float, sent_s: float, done_s: float, outcome: int
+    ) -> None:
+        assert outcome == seq and done_s == self.loop.time()
+        self.log.append(Sent(seq, scheduled_s, sent_s, done_s, self.seen[seq]))
+
+    def driver(self, **options: Any) -> LoadDriver[int]:
+        return LoadDriver(
+            self.send, self.record, late_send_s=LATE_S, clock=self.loop.time, **options
+        )
 
 
 def _constant(rate_per_s: float) -> Any:
@@ -101,7 +111,7 @@ def _constant(rate_per_s: float) -> Any:
 def test_open_loop_sends_each_request_at_its_time_minus_the_early_wake() -> None:
     async def main(loop: VirtualTimeLoop) -> tuple[FakeServer, LoadDriver, float]:
         server = FakeServer(loop, service_s=0.002)
-        driver = LoadDriver(server.send(), late_send_s=LATE_S, total=50, clock=loop.time)
+        driver = server.driver(total=50)
         start_s = loop.time() + 0.5
         await driver.open_loop(_constant(100.0), start_s)
         return server, driver, start_s
@@ -120,9 +130,7 @@ def test_open_loop_caps_outstanding_requests_and_counts_the_wait_from_the_schedu
     # 40 req/s, so sends fall further and further behind their schedule.
     async def main(loop: VirtualTimeLoop) -> tuple[FakeServer, LoadDriver]:
         server = FakeServer(loop, service_s=0.05)
-        driver = LoadDriver(
-            server.send(), late_send_s=LATE_S, max_inflight=2, total=20, clock=loop.time
-        )
+        driver = server.driver(max_inflight=2, total=20)
         await driver.open_loop(_constant(100.0), loop.time())
         return server, driver
 
@@ -144,7 +152,7 @@ def test_open_loop_stops_on_its_event_and_lets_started_requests_finish() -> None
     async def main(loop: VirtualTimeLoop) -> tuple[FakeServer, float]:
         server = FakeServer(loop, service_s=0.3)
         stop = asyncio.Event()
-        driver = LoadDriver(server.send(), late_send_s=LATE_S, stop=stop, clock=loop.time)
+        driver = server.driver(stop=stop)
         start_s = loop.time()
         loop.call_at(start_s + 0.95, stop.set)
         await driver.open_loop(_constant(10.0), start_s)
@@ -160,7 +168,7 @@ def test_open_loop_stops_on_its_event_and_lets_started_requests_finish() -> None
 def test_closed_loop_stops_after_total_requests_with_users_outstanding() -> None:
     async def main(loop: VirtualTimeLoop) -> tuple[FakeServer, LoadDriver, float]:
         server = FakeServer(loop, service_s=0.1)
-        driver = LoadDriver(server.send(), late_send_s=LATE_S, total=10, clock=loop.time)
+        driver = server.driver(total=10)
         start_s = loop.time()
         await driver.closed_loop(users=3)
         return server, driver, loop.time() - start_s
@@ -177,7 +185,7 @@ def test_closed_loop_stops_on_its_event_after_each_user_s_request() -> None:
     async def main(loop: VirtualTimeLoop) -> tuple[FakeServer, float]:
         server = FakeServer(loop, service_s=0.1)
         stop = asyncio.Event()
-        driver = LoadDriver(server.send(), late_send_s=LATE_S, stop=stop, clock=loop.time)
+        driver = server.driver(stop=stop)
         start_s = loop.time()
         loop.call_at(start_s + 0.25, stop.set)
         await driver.closed_loop(users=3)
@@ -190,7 +198,7 @@ def test_closed_loop_stops_on_its_event_after_each_user_s_request() -> None:
 def test_taking_the_stats_starts_a_fresh_window() -> None:
     async def main(loop: VirtualTimeLoop) -> list[int]:
         server = FakeServer(loop, service_s=0.001)
-        driver = LoadDriver(server.send(), late_send_s=LATE_S, total=30, clock=loop.time)
+        driver = server.driver(total=30)
         counts = []
         loop.call_at(loop.time() + 0.105, lambda: counts.append(driver.take_stats().sent))
         await driver.open_loop(_constant(100.0), loop.time())
@@ -201,12 +209,13 @@ def test_taking_the_stats_starts_a_fresh_window() -> None:
 
 
 def test_a_fault_in_send_is_raised_by_the_loop() -> None:
-    async def broken(seq: int, scheduled_s: float, sent_s: float) -> None:
+    async def broken(seq: int) -> int:
         if seq == 3:
             raise KeyError("bug")
+        return seq
 
     async def main(loop: VirtualTimeLoop) -> None:
-        driver = LoadDriver(broken, late_send_s=LATE_S, total=5, clock=loop.time)
+        driver = LoadDriver(broken, lambda *_: None, late_send_s=LATE_S, total=5, clock=loop.time)
         await driver.open_loop(_constant(100.0), loop.time())
 
     with pytest.raises(KeyError):

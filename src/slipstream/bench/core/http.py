@@ -47,6 +47,7 @@ RECONNECT_PAUSE_S = 0.01
 # An idle connection is dropped this long before the server's keep-alive timeout (at
 # most half the timeout), so a request never races the server's close.
 _IDLE_MARGIN_S = 1.0
+_NEVER = float("inf")
 _KEEP_ALIVE_PARAM = re.compile(rb"(timeout|max)\s*=\s*(\d+)", re.IGNORECASE)
 
 
@@ -82,17 +83,21 @@ class KeepAlive:
         self.keep_alive = True
         # time.monotonic() past which the connection is not reused (its server's
         # keep-alive timeout, less a margin); infinite when the server named none.
-        self.expires_s = float("inf")
+        self.expires_s = _NEVER
         # Requests the server still allows on the connection; None: no limit named.
         self.requests_left: int | None = None
 
-    def response_done(self, keep_alive: bool, header: bytes | None, now_s: float) -> None:
-        """Take a complete response: its keep-alive verdict and ``Keep-Alive`` header."""
+    def response_done(
+        self, keep_alive: bool, header: bytes | None, now_s: float | None = None
+    ) -> None:
+        """Take a complete response: its keep-alive verdict and ``Keep-Alive`` header
+        (``now_s``: when it ended, time.monotonic() by default)."""
         self.keep_alive = keep_alive
         if self.requests_left is not None:
             self.requests_left -= 1
-        if not header:
+        if not header:  # the common case: no clock read, no parsing
             return
+        now_s = time.monotonic() if now_s is None else now_s
         for name, value in _KEEP_ALIVE_PARAM.findall(header):
             if name.lower() == b"max":
                 self.requests_left = int(value)
@@ -100,9 +105,16 @@ class KeepAlive:
                 timeout_s = int(value)
                 self.expires_s = now_s + timeout_s - min(_IDLE_MARGIN_S, timeout_s / 2)
 
-    def reusable(self, now_s: float) -> bool:
+    def reusable(self, now_s: float | None = None) -> bool:
+        """Whether to send another request on the connection (``now_s``: as above)."""
         left = self.requests_left
-        return self.keep_alive and (left is None or left > 0) and now_s < self.expires_s
+        if left is None and self.expires_s == _NEVER:  # the common case, per request
+            return self.keep_alive
+        if not self.keep_alive or (left is not None and left <= 0):
+            return False
+        if self.expires_s == _NEVER:
+            return True
+        return (time.monotonic() if now_s is None else now_s) < self.expires_s
 
 
 class ResponseReader:
@@ -121,6 +133,8 @@ class ResponseReader:
         # Some byte of the response arrived; the whole response did.
         self.started = False
         self.complete = False
+        # An asyncio connection's request in flight: resolved with the status.
+        self._waiter: asyncio.Future[int] | None = None
 
     def begin(self) -> None:
         """Fresh per-request state, before a request is written."""
@@ -148,9 +162,16 @@ class ResponseReader:
 
     def on_message_complete(self) -> None:
         # should_keep_alive() is only meaningful while the parser is in the message.
-        now_s = time.monotonic()
-        self.reuse.response_done(self._parser.should_keep_alive(), self._keep_alive_header, now_s)
+        keep_alive = self._parser.should_keep_alive()
+        reuse = self.reuse
+        if self._keep_alive_header is None and reuse.requests_left is None:
+            reuse.keep_alive = keep_alive  # the common case, per request
+        else:
+            reuse.response_done(keep_alive, self._keep_alive_header)
         self.complete = True
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(self.status)
 
     def error_message(self) -> str:
         return bytes(self._error_body or b"").decode("utf-8", "replace")
@@ -162,7 +183,6 @@ class HttpConnection(ResponseReader, asyncio.Protocol):
     def __init__(self) -> None:
         super().__init__()
         self._transport: asyncio.Transport | None = None
-        self._waiter: asyncio.Future[int] | None = None
         self.closed = False
         # Requests written on this connection, the one in flight included.
         self.requests = 0
@@ -177,18 +197,12 @@ class HttpConnection(ResponseReader, asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
+        self.started = True
         try:
-            self.feed(data)
+            self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(ConnectionError(f"malformed HTTP response: {exc}"))
             self.close()
-
-    def on_message_complete(self) -> None:
-        super().on_message_complete()
-        waiter, self._waiter = self._waiter, None
-        self.sent_at = 0.0
-        if waiter is not None and not waiter.done():
-            waiter.set_result(self.status)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -207,7 +221,7 @@ class HttpConnection(ResponseReader, asyncio.Protocol):
         self.requests += 1
         self._waiter = asyncio.get_running_loop().create_future()
         self.sent_at = time.monotonic()
-        if self.closed or self._transport.is_closing():
+        if self.closed:
             self._fail(ConnectionResetError("the connection was closed before the request"))
         else:
             self._transport.write(payload)
@@ -290,10 +304,9 @@ class HttpConnections(Generic[C]):
         """An idle connection its server still accepts requests on, marked busy."""
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._expire_slow_requests())
-        now_s = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and conn.reuse.reusable(now_s):
+            if not conn.closed and conn.reuse.reusable():
                 self._busy.add(conn)
                 return conn
             conn.close()
@@ -320,7 +333,9 @@ class HttpConnections(Generic[C]):
     def _release(self, conn: C) -> None:
         """Back to the idle ones after its response, or closed if it cannot be reused."""
         self._busy.discard(conn)
-        if not conn.closed and conn.reuse.reusable(time.monotonic()):
+        conn.sent_at = 0.0
+        # Expiry and Keep-Alive max are checked when it is taken again.
+        if not conn.closed and conn.reuse.keep_alive:
             self._idle.append(conn)
         else:
             conn.close()

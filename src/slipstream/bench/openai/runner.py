@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 
 import numpy as np
 
@@ -224,6 +224,7 @@ class LevelRun:
         settings = self._settings
         driver = LoadDriver(
             self._send,
+            self._record,
             late_send_s=LATE_SEND_S,
             max_inflight=settings.max_inflight,
             total=len(self._requests),
@@ -250,10 +251,13 @@ class LevelRun:
             max_inflight=settings.max_inflight,
         )
 
-    async def _send(self, seq: int, scheduled_s: float, sent_s: float) -> None:
-        request = self._requests[seq]
-        stream = await self._client.send(self._payloads[request.index])
-        result = request_result(request, stream, self._start_s, scheduled_s, sent_s)
+    def _send(self, seq: int) -> Awaitable[StreamState]:
+        return self._client.send(self._payloads[self._requests[seq].index])
+
+    def _record(
+        self, seq: int, scheduled_s: float, sent_s: float, done_s: float, stream: StreamState
+    ) -> None:
+        result = request_result(self._requests[seq], stream, self._start_s, scheduled_s, sent_s)
         self._results.append(result)
         self._progress.request_done(result)
 

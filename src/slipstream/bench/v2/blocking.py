@@ -67,7 +67,7 @@ class BlockingHttpUser:
             self._close()
 
     def _request(self, payload: bytes) -> str | None:
-        if self._sock is not None and not self._response.reuse.reusable(time.monotonic()):
+        if self._sock is not None and not self._response.reuse.reusable():
             self._close()  # the server closes it, or is about to
         reused = self._sock is not None
         try:

@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from array import array
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,10 +25,8 @@ import psutil
 from slipstream.bench.core.histogram import LatencyHistogram
 from slipstream.bench.core.schedule import (
     LoadDriver,
-    Send,
     SendStats,
     arrival_gaps_s,
-    corrected_latency_s,
     run_event_loop,
 )
 from slipstream.bench.v2.blocking import BlockingHttpUser
@@ -197,7 +195,7 @@ class Worker:
 
     def _start_load(
         self, client: InferClient, command: RunLevel, stop: asyncio.Event
-    ) -> tuple[LoadDriver | None, list[asyncio.Task[None]]]:
+    ) -> tuple[LoadDriver[str | None] | None, list[asyncio.Task[None]]]:
         """The level's load loop as a task, and its driver (None: the blocking user)."""
         if command.concurrency == 1 and isinstance(client, HttpClient) and client.blocking_ok:
             user = BlockingHttpUser(
@@ -206,33 +204,33 @@ class Worker:
             run = asyncio.to_thread(user.run, stop, self._record_locked, command.first_user)
             return None, [asyncio.create_task(run)]
         if command.concurrency:
-            send = self._sender(client, command.first_user)
-            driver = LoadDriver(send, late_send_s=LATE_SEND_S, stop=stop)
+            driver = self._driver(client, command.first_user, stop, None)
             return driver, [asyncio.create_task(driver.closed_loop(command.concurrency))]
         # Open loop: latency counts from the schedule, whatever the responses do.
-        driver = LoadDriver(
-            self._sender(client, self._plan.worker_id),
-            late_send_s=LATE_SEND_S,
-            max_inflight=command.max_inflight,
-            stop=stop,
-        )
+        driver = self._driver(client, self._plan.worker_id, stop, command.max_inflight)
         gaps = arrival_gaps_s(command.request_rate, self._plan.distribution, self._rng)
         loop = driver.open_loop(gaps, command.start_at + command.phase_s)
         return driver, [asyncio.create_task(loop)]
 
-    def _sender(self, client: InferClient, first: int) -> Send:
-        """Sends the ``seq``-th request of the level: the plan's requests in turn from
-        ``first`` (worker id or first user, so workers start at different inputs)."""
+    def _driver(
+        self, client: InferClient, first: int, stop: asyncio.Event, max_inflight: int | None
+    ) -> LoadDriver[str | None]:
+        """A driver sending the plan's requests in turn from ``first`` (worker id or
+        first user, so workers start at different inputs), recording each outcome."""
         count = len(self._batch_sizes)
-        monotonic = time.monotonic
 
-        async def send(seq: int, scheduled_s: float, sent_s: float) -> None:
-            index = (first + seq) % count
-            error = await client.infer(index)
-            latency_s = corrected_latency_s(scheduled_s, sent_s, monotonic())
-            self._recorder.record(index, latency_s, error)
+        def send(seq: int) -> Awaitable[str | None]:
+            return client.infer((first + seq) % count)
 
-        return send
+        def record(
+            seq: int, scheduled_s: float, sent_s: float, done_s: float, error: str | None
+        ) -> None:
+            # corrected_latency_s, inline: this runs once per request.
+            self._recorder.record((first + seq) % count, done_s - min(scheduled_s, sent_s), error)
+
+        return LoadDriver(
+            send, record, late_send_s=LATE_SEND_S, max_inflight=max_inflight, stop=stop
+        )
 
     def _cut_window(
         self,
