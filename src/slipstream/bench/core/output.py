@@ -74,6 +74,25 @@ def fmt_num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def load_header(result: Any) -> str:
+    """The load column's heading: a sweep is of one kind (levels.check_load)."""
+    return "concurrency" if result.distribution is None else "req/s asked"
+
+
+def load_cell(level: Any) -> str:
+    """A level's load: its concurrency, or the request rate asked for."""
+    if level.concurrency is not None:
+        return str(level.concurrency)
+    return f"{level.request_rate:g}"
+
+
+def errors_cell(level: Any) -> str:
+    """A level's errors in a table cell: ``0``, or ``http 503: 2, timeout: 1``."""
+    if not level.errors:
+        return "0"
+    return ", ".join(f"{key}: {count}" for key, count in level.errors_by_code.items())
+
+
 def print_problems(console: Console, result: Any) -> None:
     """Each level's error examples and warnings, then the run's warnings (a result of
     either mode)."""

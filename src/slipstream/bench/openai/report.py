@@ -13,7 +13,10 @@ from rich.table import Table
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.output import (
     LevelProgress,
+    errors_cell,
     fmt_num,
+    load_cell,
+    load_header,
     print_problems,
     write_files,
 )
@@ -73,7 +76,7 @@ def print_tables(result: OpenAIBenchResult, console: Console) -> None:
         f"{result.num_requests} requests per level{arrivals}{eos}"
         + (f"; goodput SLOs: {slos}" if slos else "")
     )
-    load = "concurrency" if result.distribution is None else "req/s asked"
+    load = load_header(result)
     main = Table(title=title, title_justify="left")
     columns = [load, "req/s", "output tok/s", "total tok/s"]
     if result.goodput_slos_ms:
@@ -83,7 +86,7 @@ def print_tables(result: OpenAIBenchResult, console: Console) -> None:
         main.add_column(name, justify="left" if index == 0 else "right")
     for level in result.levels:
         row = [
-            _load_cell(level),
+            load_cell(level),
             fmt_num(level.request_throughput_per_s),
             fmt_num(level.output_throughput_tok_per_s, 1),
             fmt_num(level.total_token_throughput_tok_per_s, 1),
@@ -95,7 +98,7 @@ def print_tables(result: OpenAIBenchResult, console: Console) -> None:
             str(level.peak_inflight),
             fmt_num(level.client_cpu_pct, 0),
             fmt_num(level.duration_s, 1),
-            _errors_cell(level),
+            errors_cell(level),
         ]
         main.add_row(*row)
     console.print(main)
@@ -111,7 +114,7 @@ def _latency_table(result: OpenAIBenchResult, load: str) -> Table:
         for number, (metric, name) in enumerate(METRICS.items()):
             summary: LatencySummary = getattr(level, metric)
             table.add_row(
-                _load_cell(level) if number == 0 else "",
+                load_cell(level) if number == 0 else "",
                 name,
                 *(fmt_num(v) for v in (summary.mean_ms, summary.p50_ms, summary.p90_ms)),
                 *(fmt_num(v) for v in (summary.p99_ms, summary.max_ms)),
@@ -121,23 +124,11 @@ def _latency_table(result: OpenAIBenchResult, load: str) -> Table:
     return table
 
 
-def _load_cell(level: OpenAILevelResult) -> str:
-    if level.concurrency is not None:
-        return str(level.concurrency)
-    return f"{level.request_rate:g}"
-
-
 def _mean_lengths(level: OpenAILevelResult) -> str:
     if not level.requests:
         return "-"
     count = level.requests
     return f"{level.prompt_tokens / count:.0f} / {level.output_tokens / count:.0f}"
-
-
-def _errors_cell(level: OpenAILevelResult) -> str:
-    if not level.errors:
-        return "0"
-    return ", ".join(f"{key}: {count}" for key, count in level.errors_by_code.items())
 
 
 def level_row(level: OpenAILevelResult) -> dict[str, Any]:

@@ -17,7 +17,10 @@ from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.output import (
     LevelProgress,
     csv_row,
+    errors_cell,
     fmt_num,
+    load_cell,
+    load_header,
     print_problems,
     write_files,
 )
@@ -75,46 +78,30 @@ def print_tables(result: BenchResult, console: Console) -> None:
         + (f", {result.distribution} arrivals" if result.distribution else "")
     )
     main = Table(title=title, title_justify="left")
-    main.add_column(_load_header(result))
+    main.add_column(load_header(result))
     for name in ("infer/s", "req/s", "avg ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms"):
         main.add_column(name, justify="right")
     main.add_column("errors", justify="right")
     for level in result.levels:
         main.add_row(
-            _load_cell(level),
+            load_cell(level),
             fmt_num(level.throughput_infer_per_s, 1),
             fmt_num(level.throughput_req_per_s, 1),
             *(fmt_num(v, 3) for v in _latencies(level)),
-            _errors_cell(level),
+            errors_cell(level),
         )
     console.print(main)
     console.print(_breakdown_table(result))
     print_problems(console, result)
 
 
-def _load_header(result: BenchResult) -> str:
-    return "concurrency" if result.distribution is None else "req/s asked"
-
-
-def _load_cell(level: LevelResult) -> str:
-    if level.concurrency is not None:
-        return str(level.concurrency)
-    return f"{level.request_rate:g}"
-
-
 def _latencies(level: LevelResult) -> list[float | None]:
     return [level.avg_ms, level.p50_ms, level.p90_ms, level.p95_ms, level.p99_ms, level.max_ms]
 
 
-def _errors_cell(level: LevelResult) -> str:
-    if not level.errors:
-        return "0"
-    return ", ".join(f"{key}: {count}" for key, count in level.errors_by_code.items())
-
-
 def _breakdown_table(result: BenchResult) -> Table:
     table = Table(title="Server breakdown (ms per request) and resources", title_justify="left")
-    columns = [_load_header(result), "queue", "compute in", "compute infer", "compute out"]
+    columns = [load_header(result), "queue", "compute in", "compute infer", "compute out"]
     columns += ["overhead", "batch", "client CPU%", "server CPU%", "server RSS MB"]
     if any(level.cost_per_1m_infer is not None for level in result.levels):
         columns.append("$ / 1M infer")
@@ -122,7 +109,7 @@ def _breakdown_table(result: BenchResult) -> Table:
         table.add_column(name, justify="left" if index == 0 else "right")
     for level in result.levels:
         row = [
-            _load_cell(level),
+            load_cell(level),
             fmt_num(level.server_queue_ms, 3),
             fmt_num(level.server_compute_input_ms, 3),
             fmt_num(level.server_compute_infer_ms, 3),
