@@ -99,6 +99,7 @@ class FakeServer:
         self.log.append(Sent(seq, scheduled_s, sent_s, done_s, self.seen[seq]))
 
     def driver(self, **options: Any) -> LoadDriver[int]:
+        options.setdefault("requests", 1_000_000)  # every send its own request number
         return LoadDriver(
             self.send, self.record, late_send_s=LATE_S, clock=self.loop.time, **options
         )
@@ -215,8 +216,20 @@ def test_a_fault_in_send_is_raised_by_the_loop() -> None:
         return seq
 
     async def main(loop: VirtualTimeLoop) -> None:
-        driver = LoadDriver(broken, lambda *_: None, late_send_s=LATE_S, total=5, clock=loop.time)
+        driver = LoadDriver(
+            broken, lambda *_: None, requests=5, late_send_s=LATE_S, total=5, clock=loop.time
+        )
         await driver.open_loop(_constant(100.0), loop.time())
 
     with pytest.raises(KeyError):
         run_virtual(main)
+
+
+def test_requests_are_sent_in_turn_from_the_first() -> None:
+    # A V2 worker's inputs cycle from its own first one; OpenAI sends each once.
+    async def main(loop: VirtualTimeLoop) -> list[int]:
+        server = FakeServer(loop, service_s=0.01)
+        await server.driver(requests=3, first=2, total=7).closed_loop(users=1)
+        return [s.seq for s in server.log]
+
+    assert run_virtual(main) == [2, 0, 1, 2, 0, 1, 2]

@@ -2,7 +2,8 @@
 stop, and how a late send's latency is counted.
 
 :class:`LoadDriver` sends one load level's requests through the mode's ``send`` (start
-request ``seq``, await its outcome) and hands each outcome to its ``record``. Open loop: at
+request ``index``, await its outcome) and hands each outcome to its ``record``; the
+mode's ``requests`` are sent in turn from ``first``. Open loop: at
 planned arrival times whatever the responses do, with an in-flight cap; closed loop:
 ``users`` virtual users, each sending its next request when its last one ended. It
 stops when its ``stop`` event is set (V2: the coordinator's stable windows or
@@ -11,7 +12,8 @@ lets the requests it started finish.
 
 Example (an open loop of 100 requests at 20 per second)::
 
-    driver = LoadDriver(send, record, late_send_s=0.01, max_inflight=8, total=100)
+    driver = LoadDriver(send, record, requests=100, late_send_s=0.01, max_inflight=8,
+                        total=100)
     await driver.open_loop(arrival_gaps_s(20.0, "poisson", rng), time.monotonic())
     print(driver.stats.late_sends, driver.stats.peak_inflight)
 """
@@ -43,10 +45,10 @@ SATURATED_CPU_PCT = 90.0
 
 # A request's outcome, as the mode's client returns it (an error key, a stream state).
 R = TypeVar("R")
-# Starts request ``seq`` (the level's sends count from 0); awaiting it gives the
-# outcome. It raises only for a fault of the benchmark, never for a failed request.
+# Starts request ``index`` (of the mode's requests); awaiting it gives the outcome. It
+# raises only for a fault of the benchmark, never for a failed request.
 Send = Callable[[int], Awaitable[R]]
-# Takes a finished request: (seq, scheduled_s, sent_s, done_s, outcome), times on the
+# Takes a finished request: (index, scheduled_s, sent_s, done_s, outcome), times on the
 # driver's clock (scheduled_s == sent_s in a closed loop). Two plain calls instead of
 # one coroutine wrapping the client's: a coroutine frame per request cost ~0.5 us.
 Record = Callable[[int, float, float, float, R], None]
@@ -138,6 +140,8 @@ class LoadDriver(Generic[R]):
         send: Send[R],
         record: Record[R],
         *,
+        requests: int,
+        first: int = 0,
         late_send_s: float,
         max_inflight: int | None = None,
         total: int | None = None,
@@ -152,7 +156,10 @@ class LoadDriver(Generic[R]):
         self._stop = stop or asyncio.Event()
         self._clock = clock
         self._slot_freed = asyncio.Event()
-        # Sends started so far: the next one's seq.
+        self._requests = requests
+        # The request the next send sends (first + sends so far, modulo requests).
+        self._next_index = first % requests
+        # Sends started so far.
         self._next_seq = 0
         self.inflight = 0
         self.stats = SendStats()
@@ -179,12 +186,14 @@ class LoadDriver(Generic[R]):
         # own (each costs ~0.1 us of the ~2 us a turn costs with an instant client).
         clock, send, record = self._clock, self._send, self._record
         stop, total = self._stop, self._total
+        requests = self._requests
         while self._next_seq < total and not stop.is_set():
-            seq = self._next_seq
-            self._next_seq = seq + 1
+            self._next_seq += 1
+            index = self._next_index
+            self._next_index = (index + 1) % requests
             sent_s = clock()
-            outcome = await send(seq)
-            record(seq, sent_s, sent_s, clock(), outcome)
+            outcome = await send(index)
+            record(index, sent_s, sent_s, clock(), outcome)
 
     async def open_loop(self, gaps_s: Iterator[float], start_s: float) -> None:
         """Send on schedule whatever the responses do: the first at ``start_s``, each
@@ -225,17 +234,18 @@ class LoadDriver(Generic[R]):
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            seq = self._next_seq
             self._next_seq += 1
+            index = self._next_index
+            self._next_index = (index + 1) % self._requests
             self._started()  # counted now, so a burst of due sends respects the cap
-            task = asyncio.create_task(self._open_send(seq, scheduled_s))
+            task = asyncio.create_task(self._open_send(index, scheduled_s))
             tasks.add(task)
             task.add_done_callback(finished)
             scheduled_s += next(gaps_s)
             if scheduled_s < now_s:
                 await asyncio.sleep(0)  # behind schedule: let responses be read meanwhile
 
-    async def _open_send(self, seq: int, scheduled_s: float) -> None:
+    async def _open_send(self, index: int, scheduled_s: float) -> None:
         sent_s = self._clock()
         stats = self.stats
         stats.sent += 1
@@ -244,11 +254,11 @@ class LoadDriver(Generic[R]):
             stats.late_sends += 1
             stats.max_send_lag_s = max(stats.max_send_lag_s, lag_s)
         try:
-            outcome = await self._send(seq)
+            outcome = await self._send(index)
         finally:
             self.inflight -= 1
             self._slot_freed.set()
-        self._record(seq, scheduled_s, sent_s, self._clock(), outcome)
+        self._record(index, scheduled_s, sent_s, self._clock(), outcome)
 
     def _started(self) -> None:
         self.inflight += 1

@@ -225,6 +225,7 @@ class LevelRun:
         driver = LoadDriver(
             self._send,
             self._record,
+            requests=len(self._requests),
             late_send_s=LATE_SEND_S,
             max_inflight=settings.max_inflight,
             total=len(self._requests),
@@ -251,13 +252,14 @@ class LevelRun:
             max_inflight=settings.max_inflight,
         )
 
-    def _send(self, seq: int) -> Awaitable[StreamState]:
-        return self._client.send(self._payloads[self._requests[seq].index])
+    def _send(self, number: int) -> Awaitable[StreamState]:
+        return self._client.send(self._payloads[self._requests[number].index])
 
     def _record(
-        self, seq: int, scheduled_s: float, sent_s: float, done_s: float, stream: StreamState
+        self, number: int, scheduled_s: float, sent_s: float, done_s: float, stream: StreamState
     ) -> None:
-        result = request_result(self._requests[seq], stream, self._start_s, scheduled_s, sent_s)
+        request = self._requests[number]
+        result = request_result(request, stream, self._start_s, scheduled_s, sent_s)
         self._results.append(result)
         self._progress.request_done(result)
 

@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from array import array
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -217,19 +217,21 @@ class Worker:
     ) -> LoadDriver[str | None]:
         """A driver sending the plan's requests in turn from ``first`` (worker id or
         first user, so workers start at different inputs), recording each outcome."""
-        count = len(self._batch_sizes)
-
-        def send(seq: int) -> Awaitable[str | None]:
-            return client.infer((first + seq) % count)
 
         def record(
-            seq: int, scheduled_s: float, sent_s: float, done_s: float, error: str | None
+            index: int, scheduled_s: float, sent_s: float, done_s: float, error: str | None
         ) -> None:
             # corrected_latency_s, inline: this runs once per request.
-            self._recorder.record((first + seq) % count, done_s - min(scheduled_s, sent_s), error)
+            self._recorder.record(index, done_s - min(scheduled_s, sent_s), error)
 
         return LoadDriver(
-            send, record, late_send_s=LATE_SEND_S, max_inflight=max_inflight, stop=stop
+            client.infer,
+            record,
+            requests=len(self._batch_sizes),
+            first=first,
+            late_send_s=LATE_SEND_S,
+            max_inflight=max_inflight,
+            stop=stop,
         )
 
     def _cut_window(
