@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slipstream.bench.v2.inputs import ModelSignature, RequestInputs, TensorSpec, read_input_data
+from slipstream.bench.v2.inputs import RemoteModel, RemoteTensor, RequestInputs, read_input_data
 from slipstream.bench.v2.payloads import encode_request
 
 from loadgen import (
@@ -82,7 +82,7 @@ def request_body(work_dir: Path) -> tuple[RequestBody, Path]:
     body = encode_request("http", "mlp", "", inputs).body
     path = work_dir / "mlp_request.json"
     path.write_bytes(body)
-    signature = ModelSignature("mlp", (TensorSpec("input", "FP32", (-1, 256)),), batching=True)
+    signature = RemoteModel("mlp", (RemoteTensor("input", "FP32", (-1, 256)),), batching=True)
     [as_read] = read_input_data(path, signature, batch_size=1)
     if encode_request("http", "mlp", "", as_read).body != body:
         raise RuntimeError("slipstream bench would not send the body wrk sends")

@@ -132,3 +132,20 @@ def test_the_check_sees_a_violation() -> None:
     table = layers()
     assert table["errors"] == 0 and table["server"] > table["serving"] > table["scheduling"]
     assert "slipstream.serving.core" in graph()["slipstream.server.runner"]
+
+
+def test_bench_modes_share_only_the_core() -> None:
+    # bench/ is one measurement core under two modes: a mode imports the core, never the
+    # other mode, and the core imports neither (docs/architecture.md, "bench").
+    rooms = ("core", "v2", "openai")
+    wrong = []
+    for module, targets in graph().items():
+        parts = module.split(".")
+        if parts[:2] != ["slipstream", "bench"] or len(parts) < 4 or parts[2] not in rooms:
+            continue
+        for target in targets:
+            there = target.split(".")
+            in_bench = there[:2] == ["slipstream", "bench"] and len(there) > 3
+            if in_bench and there[2] not in (parts[2], "core"):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "bench modes must meet only in bench/core:\n" + "\n".join(sorted(wrong))

@@ -9,8 +9,8 @@ from typing import ClassVar
 
 import pytest
 
+from slipstream.bench.core.endpoint import Endpoint
 from slipstream.bench.v2.blocking import BlockingHttpUser
-from slipstream.bench.v2.messages import Endpoint
 
 
 class _Handler(BaseHTTPRequestHandler):

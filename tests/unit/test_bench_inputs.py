@@ -9,12 +9,13 @@ import numpy as np
 import orjson
 import pytest
 
-from slipstream.bench.v2.clients import http_request_bytes, model_path, parse_endpoint
+from slipstream.bench.core.endpoint import parse_endpoint
+from slipstream.bench.v2.clients import http_request_bytes, model_path
 from slipstream.bench.v2.inputs import (
     InputError,
-    ModelSignature,
+    RemoteModel,
+    RemoteTensor,
     RequestInputs,
-    TensorSpec,
     generate_requests,
     read_input_data,
     signature_from_metadata,
@@ -32,9 +33,9 @@ MLP_METADATA = {
 
 
 def _signature(
-    *specs: TensorSpec, batching: bool = True, max_batch: int | None = None
-) -> ModelSignature:
-    return ModelSignature(name="m", inputs=specs, batching=batching, max_batch_size=max_batch)
+    *specs: RemoteTensor, batching: bool = True, max_batch: int | None = None
+) -> RemoteModel:
+    return RemoteModel(name="m", inputs=specs, batching=batching, max_batch_size=max_batch)
 
 
 # ------------------------------------------------------------------- metadata
@@ -43,7 +44,7 @@ def _signature(
 def test_the_first_dim_is_the_batch_dim_when_the_config_says_the_model_batches() -> None:
     signature = signature_from_metadata(MLP_METADATA, max_batch_size=64)
     assert signature.batching
-    assert signature.inputs == (TensorSpec("input", "FP32", (-1, 256)),)
+    assert signature.inputs == (RemoteTensor("input", "FP32", (-1, 256)),)
     assert signature_from_metadata(MLP_METADATA, max_batch_size=0).batching is False
 
 
@@ -63,7 +64,7 @@ def test_metadata_without_inputs_is_refused() -> None:
 
 @pytest.mark.parametrize("datatype", sorted(V2_TO_NUMPY))
 def test_generated_data_has_each_datatype_and_the_batch_size(datatype: str) -> None:
-    signature = _signature(TensorSpec("x", datatype, (-1, 3)))
+    signature = _signature(RemoteTensor("x", datatype, (-1, 3)))
     [request] = generate_requests(signature, batch_size=5, shapes={}, seed=0)
     array = request.tensors["x"]
     assert array.shape == (5, 3)
@@ -74,7 +75,7 @@ def test_generated_data_has_each_datatype_and_the_batch_size(datatype: str) -> N
 
 
 def test_generation_is_seeded() -> None:
-    signature = _signature(TensorSpec("x", "FP32", (-1, 8)))
+    signature = _signature(RemoteTensor("x", "FP32", (-1, 8)))
     first = generate_requests(signature, 2, {}, seed=3)[0].tensors["x"]
     again = generate_requests(signature, 2, {}, seed=3)[0].tensors["x"]
     other = generate_requests(signature, 2, {}, seed=4)[0].tensors["x"]
@@ -84,7 +85,7 @@ def test_generation_is_seeded() -> None:
 
 def test_shape_fills_variable_dims_after_the_batch_dim() -> None:
     signature = _signature(
-        TensorSpec("ids", "INT64", (-1, -1)), TensorSpec("mask", "INT64", (-1, -1))
+        RemoteTensor("ids", "INT64", (-1, -1)), RemoteTensor("mask", "INT64", (-1, -1))
     )
     [request] = generate_requests(signature, 4, {"ids": [128], "mask": [128]}, seed=0)
     assert request.tensors["ids"].shape == (4, 128)
@@ -92,13 +93,13 @@ def test_shape_fills_variable_dims_after_the_batch_dim() -> None:
 
 
 def test_a_variable_dim_without_shape_names_the_option_to_give() -> None:
-    signature = _signature(TensorSpec("ids", "INT64", (-1, -1)))
+    signature = _signature(RemoteTensor("ids", "INT64", (-1, -1)))
     with pytest.raises(InputError, match=r"--shape ids:8"):
         generate_requests(signature, 1, {}, seed=0)
 
 
 def test_shape_with_the_wrong_number_of_dims_or_a_conflicting_dim_is_refused() -> None:
-    signature = _signature(TensorSpec("x", "FP32", (-1, 256)))
+    signature = _signature(RemoteTensor("x", "FP32", (-1, 256)))
     with pytest.raises(InputError, match="expected 1 dims without the batch dim"):
         generate_requests(signature, 1, {"x": [1, 256]}, seed=0)
     with pytest.raises(InputError, match="conflicts with the model's fixed dim 256"):
@@ -108,7 +109,7 @@ def test_shape_with_the_wrong_number_of_dims_or_a_conflicting_dim_is_refused() -
 
 
 def test_a_model_that_does_not_batch_takes_its_shape_as_is() -> None:
-    signature = _signature(TensorSpec("x", "FP32", (2, 4)), batching=False)
+    signature = _signature(RemoteTensor("x", "FP32", (2, 4)), batching=False)
     [request] = generate_requests(signature, 1, {}, seed=0)
     assert request.tensors["x"].shape == (2, 4)
     assert request.batch_size == 1
@@ -117,7 +118,7 @@ def test_a_model_that_does_not_batch_takes_its_shape_as_is() -> None:
 
 
 def test_a_batch_size_over_the_models_limit_is_refused() -> None:
-    signature = _signature(TensorSpec("x", "FP32", (-1, 4)), max_batch=8)
+    signature = _signature(RemoteTensor("x", "FP32", (-1, 4)), max_batch=8)
     with pytest.raises(InputError, match="max_batch_size 8"):
         generate_requests(signature, 9, {}, seed=0)
 
@@ -126,7 +127,7 @@ def test_a_batch_size_over_the_models_limit_is_refused() -> None:
 
 
 def test_npz_arrays_are_taken_as_is_or_repeated_to_the_batch_size(tmp_path: Path) -> None:
-    signature = _signature(TensorSpec("a", "FP32", (-1, 3)), TensorSpec("b", "INT32", (-1, 2)))
+    signature = _signature(RemoteTensor("a", "FP32", (-1, 3)), RemoteTensor("b", "INT32", (-1, 2)))
     path = tmp_path / "inputs.npz"
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     b = np.array([7, 8], dtype=np.int32)  # no batch dim
@@ -141,11 +142,11 @@ def test_npz_arrays_must_be_named_like_the_inputs(tmp_path: Path) -> None:
     path = tmp_path / "inputs.npz"
     np.savez(path, wrong=np.zeros((1, 3), np.float32))
     with pytest.raises(InputError, match=r"missing \['a'\], unknown \['wrong'\]"):
-        read_input_data(path, _signature(TensorSpec("a", "FP32", (-1, 3))), 1)
+        read_input_data(path, _signature(RemoteTensor("a", "FP32", (-1, 3))), 1)
 
 
 def test_a_json_list_of_v2_requests_is_sent_in_turn(tmp_path: Path) -> None:
-    signature = _signature(TensorSpec("x", "FP32", (-1, 2)))
+    signature = _signature(RemoteTensor("x", "FP32", (-1, 2)))
     docs = [
         {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]},
         {"inputs": [{"name": "x", "shape": [3, 2], "datatype": "FP32", "data": [0] * 6}]},
@@ -158,7 +159,7 @@ def test_a_json_list_of_v2_requests_is_sent_in_turn(tmp_path: Path) -> None:
 
 
 def test_one_json_request_is_accepted_and_a_bad_one_is_named(tmp_path: Path) -> None:
-    signature = _signature(TensorSpec("x", "FP32", (-1, 2)))
+    signature = _signature(RemoteTensor("x", "FP32", (-1, 2)))
     path = tmp_path / "request.json"
     path.write_bytes(
         orjson.dumps(
@@ -174,7 +175,7 @@ def test_one_json_request_is_accepted_and_a_bad_one_is_named(tmp_path: Path) -> 
 
 
 def test_other_files_are_refused(tmp_path: Path) -> None:
-    signature = _signature(TensorSpec("x", "FP32", (-1, 2)))
+    signature = _signature(RemoteTensor("x", "FP32", (-1, 2)))
     with pytest.raises(InputError, match="no such file"):
         read_input_data(tmp_path / "missing.json", signature, 1)
     (tmp_path / "data.csv").write_text("1,2")

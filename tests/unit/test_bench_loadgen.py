@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from slipstream.bench.core.endpoint import Endpoint
 from slipstream.bench.v2.clients import InferClient
 from slipstream.bench.v2.loadgen import Worker
 from slipstream.bench.v2.messages import (
     EncodedRequest,
-    Endpoint,
     LevelDone,
     RunLevel,
     WindowSample,
@@ -135,11 +135,11 @@ async def test_open_loop_latency_shows_a_stall_for_every_request_due_during_it()
     assert latency.max_s > STALL_S * 0.9
     assert latency.percentile_s(50) < 0.05  # outside the stall, ~1-2 ms
     # The worker says it fell behind, and why: the one connection was busy.
-    assert sample.late_sends >= due_in_stall * 0.7
-    assert sample.inflight_cap_waits >= 1
-    assert sample.max_send_lag_s > STALL_S * 0.9
+    assert sample.sends.late_sends >= due_in_stall * 0.7
+    assert sample.sends.inflight_cap_waits >= 1
+    assert sample.sends.max_send_lag_s > STALL_S * 0.9
     # ... and caught up after it: the schedule, not the server, set the send count.
-    assert abs(sample.sent - RATE_PER_S * 1.5) <= 3
+    assert abs(sample.sends.sent - RATE_PER_S * 1.5) <= 3
 
 
 async def test_open_loop_keeps_the_rate_when_the_server_keeps_up() -> None:
@@ -150,10 +150,10 @@ async def test_open_loop_keeps_the_rate_when_the_server_keeps_up() -> None:
     await worker.run_level(_level(request_rate=200.0, max_inflight=8, window_s=1.0))
 
     [sample] = outbox.samples()
-    assert abs(sample.sent - 200) <= 3
+    assert abs(sample.sends.sent - 200) <= 3
     assert sample.ok_requests >= 195
     assert sample.latency.percentile_s(50) < 0.01
-    assert sample.inflight_cap_waits == 0
+    assert sample.sends.inflight_cap_waits == 0
 
 
 async def test_closed_loop_keeps_n_requests_outstanding_and_counts_errors_by_key() -> None:

@@ -17,8 +17,9 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from slipstream.bench.cli import bench
+from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.openai.client import SseParser, StreamState
-from slipstream.bench.openai.report import CSV_FIELDS, write_openai_csv
+from slipstream.bench.openai.report import CSV_FIELDS, level_row
 from slipstream.bench.openai.requests import build_requests, read_prompts, synthetic_prompt
 from slipstream.bench.openai.results import (
     LevelMeasurement,
@@ -28,10 +29,9 @@ from slipstream.bench.openai.results import (
     meets_slos,
     tpot_s,
 )
-from slipstream.bench.openai.runner import LevelRun, NullOpenAIProgress, request_result
+from slipstream.bench.openai.runner import LevelRun, ProgressListener, request_result
 from slipstream.bench.openai.settings import OpenAIBenchSettings, TokenRange, parse_goodput
-from slipstream.bench.v2.report import write_json
-from slipstream.bench.v2.settings import LoadLevel
+from slipstream.reports import write_csv_rows, write_json
 
 
 def _chunk(**choice: object) -> bytes:
@@ -222,7 +222,7 @@ def test_json_and_csv_hold_every_level_even_one_without_successes(tmp_path: Path
     assert levels[0]["ttft"]["mean_ms"] == pytest.approx(100)
     assert levels[1]["ttft"]["mean_ms"] is None
     assert levels[0]["request_results"][0]["e2e_s"] == 0.5
-    write_openai_csv(result, tmp_path / "r.csv")
+    write_csv_rows(tmp_path / "r.csv", CSV_FIELDS, [level_row(level) for level in result.levels])
     with (tmp_path / "r.csv").open() as file:
         rows = list(csv.DictReader(file))
     assert list(rows[0]) == CSV_FIELDS and len(rows) == 2
@@ -355,7 +355,7 @@ class FakeClient:
 async def _run_level(client: FakeClient, level: LoadLevel, **kw: object) -> LevelMeasurement:
     settings = _settings(num_requests=6, output_tokens=4, **kw)
     requests = build_requests(settings)
-    run = LevelRun(client, settings, requests, level, NullOpenAIProgress())  # type: ignore[arg-type]
+    run = LevelRun(client, settings, requests, level, ProgressListener())  # type: ignore[arg-type]
     return await run.run()
 
 

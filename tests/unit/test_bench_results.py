@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from slipstream.bench.core.histogram import LatencyHistogram
+from slipstream.bench.core.levels import LoadLevel
+from slipstream.bench.core.schedule import SendStats
 from slipstream.bench.v2.results import LevelInputs, LevelResult, WindowTotals, level_result
 from slipstream.bench.v2.server_stats import (
     ProcessSample,
@@ -14,7 +16,6 @@ from slipstream.bench.v2.server_stats import (
     process_usage,
     snapshot_from_json,
 )
-from slipstream.bench.v2.settings import LoadLevel
 
 
 def _window(
@@ -34,10 +35,12 @@ def _window(
         errors=errors or {},
         error_examples={key: "why" for key in errors or {}},
         cpu_s_by_worker={0: cpu_s},
-        sent=int(open_loop.get("sent", 0)),
-        late_sends=int(open_loop.get("late_sends", 0)),
-        max_send_lag_s=open_loop.get("max_send_lag_s", 0.0),
-        inflight_cap_waits=int(open_loop.get("cap_waits", 0)),
+        sends=SendStats(
+            sent=int(open_loop.get("sent", 0)),
+            late_sends=int(open_loop.get("late_sends", 0)),
+            max_send_lag_s=open_loop.get("max_send_lag_s", 0.0),
+            inflight_cap_waits=int(open_loop.get("cap_waits", 0)),
+        ),
     )
 
 

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from slipstream.bench.core.histogram import LatencyHistogram
+from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.v2 import runner
 from slipstream.bench.v2.messages import LevelDone, Message, RunLevel, StopLevel, WindowSample
 from slipstream.bench.v2.results import LevelResult
 from slipstream.bench.v2.runner import LevelRunner
-from slipstream.bench.v2.settings import BenchSettings, LoadLevel
+from slipstream.bench.v2.settings import BenchSettings
 
 
 class _FakePool:

@@ -10,6 +10,7 @@ serve`` works without the ``bench`` extra.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ from slipstream.cli_params import shapes_option
 
 _INSTALL_HINT = "pip install 'slipstream[bench]'"
 Settings = TypeVar("Settings", bound=BaseModel)
+Number = TypeVar("Number", int, float)
 _OPENAI_PROTOCOLS = ("openai-chat", "openai-completions")
 # Options of one mode only: giving one in the other mode is a usage error.
 _V2_ONLY = set(BenchSettings.model_fields) - set(OpenAIBenchSettings.model_fields)
@@ -49,22 +51,18 @@ def _mode_help(field: str) -> str:
     return f"{description} [default: {v2}; {openai} in OpenAI modes]"
 
 
-def _int_list(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[int]:
-    if not value:
-        return []
-    try:
-        return [int(item) for item in value.split(",") if item.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected integers like 1,8,64") from None
+def _number_list(
+    kind: Callable[[str], Number], example: str
+) -> Callable[[click.Context, click.Parameter, str | None], list[Number]]:
+    """A click callback parsing a comma-separated sweep (``example`` shows the form)."""
 
+    def parse(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[Number]:
+        try:
+            return [kind(item) for item in (value or "").split(",") if item.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{value!r}: expected {example}") from None
 
-def _float_list(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[float]:
-    if not value:
-        return []
-    try:
-        return [float(item) for item in value.split(",") if item.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected numbers like 100,500") from None
+    return parse
 
 
 _FILE = click.Path(path_type=Path, dir_okay=False)
@@ -81,8 +79,14 @@ _FILE = click.Path(path_type=Path, dir_okay=False)
     default="http",
     help=_help("protocol") + " " + _openai_help("protocol"),
 )
-@click.option("--concurrency", callback=_int_list, help=_help("concurrency"))
-@click.option("--request-rate", callback=_float_list, help=_help("request_rate"))
+@click.option(
+    "--concurrency", callback=_number_list(int, "integers like 1,8,64"), help=_help("concurrency")
+)
+@click.option(
+    "--request-rate",
+    callback=_number_list(float, "numbers like 100,500"),
+    help=_help("request_rate"),
+)
 @click.option(
     "--distribution",
     type=click.Choice(["constant", "poisson"]),
@@ -135,31 +139,45 @@ def bench(**options: Any) -> None:
     fields = OpenAIBenchSettings.model_fields if openai else BenchSettings.model_fields
     # None: not given, the mode's own default applies.
     values = {k: v for k, v in options.items() if k in fields and v is not None}
-    if openai:
-        _bench_openai(values)
-        return
-    settings = _validated(BenchSettings, values)
+    _run(_validated(OpenAIBenchSettings, values) if openai else _validated(BenchSettings, values))
+
+
+def _run(settings: BenchSettings | OpenAIBenchSettings) -> None:
+    """settings -> run -> tables and files: the same three steps in either mode (each
+    mode's runner.run_bench, report.RichProgress, print_tables and write_outputs)."""
+    report: Any
+    runner: Any
     try:
         from slipstream.bench.core.errors import BenchError
-        from slipstream.bench.v2.report import RichProgress, print_tables, terminal_console
-        from slipstream.bench.v2.runner import run_bench
+        from slipstream.bench.core.output import terminal_console
+
+        if isinstance(settings, OpenAIBenchSettings):
+            from slipstream.bench.openai import report, runner
+        else:
+            from slipstream.bench.v2 import report, runner
     except ImportError as exc:
         raise click.ClickException(f"{exc}; slipstream bench needs: {_INSTALL_HINT}") from None
     try:
-        with RichProgress(terminal_console(stderr=True)) as progress:
-            result = run_bench(settings, progress)
+        with report.RichProgress(terminal_console(stderr=True)) as progress:
+            result = runner.run_bench(settings, progress)
     except BenchError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
-    print_tables(result, terminal_console())
-    _write_outputs(settings, result)
+    report.print_tables(result, terminal_console())
+    try:
+        report.write_outputs(settings, result, _echo_written)
+    except ImportError as exc:
+        raise click.ClickException(f"{exc}; --report needs: {_INSTALL_HINT}") from None
     if all(level.requests == 0 for level in result.levels):
         raise click.ClickException(
-            "every request failed; see the errors above (wrong --model-version, inputs the "
-            "model refuses, or an overloaded server)"
+            f"every request failed; see the errors above ({runner.ALL_FAILED_HINT})"
         )
+
+
+def _echo_written(path: Path) -> None:
+    click.echo(f"wrote {path}", err=True)
 
 
 def _given(options: dict[str, Any]) -> set[str]:
@@ -190,57 +208,3 @@ def _validated(settings: type[Settings], values: dict[str, Any]) -> Settings:
                 message = f"--{_option_name(field)}: {message}"
             messages.append(message)
         raise click.UsageError("; ".join(messages)) from None
-
-
-def _bench_openai(values: dict[str, Any]) -> None:
-    settings = _validated(OpenAIBenchSettings, values)
-    try:
-        from slipstream.bench.core.errors import BenchError
-        from slipstream.bench.openai.report import (
-            OpenAIRichProgress,
-            print_openai_tables,
-            write_openai_csv,
-        )
-        from slipstream.bench.openai.runner import run_openai_bench
-        from slipstream.bench.v2.report import terminal_console, write_json
-    except ImportError as exc:
-        raise click.ClickException(f"{exc}; slipstream bench needs: {_INSTALL_HINT}") from None
-    try:
-        with OpenAIRichProgress(terminal_console(stderr=True)) as progress:
-            result = run_openai_bench(settings, progress=progress)
-    except BenchError as exc:
-        raise click.ClickException(str(exc)) from None
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
-    print_openai_tables(result, terminal_console())
-    if settings.json_path is not None:
-        write_json(result, settings.json_path)
-        click.echo(f"wrote {settings.json_path}", err=True)
-    if settings.csv_path is not None:
-        write_openai_csv(result, settings.csv_path)
-        click.echo(f"wrote {settings.csv_path}", err=True)
-    if all(level.requests == 0 for level in result.levels):
-        raise click.ClickException(
-            "every request failed; see the errors above (an overloaded server, or prompts "
-            "plus max_tokens beyond the model's context)"
-        )
-
-
-def _write_outputs(settings: BenchSettings, result: Any) -> None:
-    from slipstream.bench.v2.report import write_csv, write_json
-
-    if settings.json_path is not None:
-        write_json(result, settings.json_path)
-        click.echo(f"wrote {settings.json_path}", err=True)
-    if settings.csv_path is not None:
-        write_csv(result, settings.csv_path)
-        click.echo(f"wrote {settings.csv_path}", err=True)
-    if settings.report_path is not None:
-        try:
-            from slipstream.bench.v2.charts import write_report
-
-            write_report(result, settings.report_path)
-        except ImportError as exc:
-            raise click.ClickException(f"{exc}; --report needs: {_INSTALL_HINT}") from None
-        click.echo(f"wrote {settings.report_path}", err=True)

@@ -10,15 +10,13 @@ Three formats, all holding arrays named like the model's inputs plus optional la
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from slipstream.errors import InvalidRequest
-from slipstream.protocol.v2 import decode_infer_request
+from slipstream.tensors import TensorFileError, read_tensor_file
 
 __all__ = ["LABELS_NAME", "DataError", "Dataset", "array_names", "load_dataset"]
 
@@ -79,15 +77,21 @@ def array_names(path: Path) -> list[str]:
 
 
 def _read_arrays(path: Path) -> dict[str, np.ndarray]:
-    if path.is_dir():
-        return _read_npy_directory(path)
-    if path.suffix.lower() == ".npz":
-        return _read_npz(path)
-    if path.suffix.lower() == ".json":
-        return _read_v2_json(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such file or directory")
-    raise DataError(f"{path}: expected a .npz file, a directory of .npy files or a .json file")
+    """Every array of ``path`` by name; a JSON file's requests concatenated as rows."""
+    try:
+        requests = read_tensor_file(path)
+    except TensorFileError as exc:
+        raise DataError(str(exc)) from None
+    if len(requests) == 1:
+        return requests[0]
+    parts: dict[str, list[np.ndarray]] = {}
+    for arrays in requests:
+        for name, array in arrays.items():
+            parts.setdefault(name, []).append(array)
+    try:
+        return {name: np.concatenate(arrays) for name, arrays in parts.items()}
+    except ValueError as exc:
+        raise DataError(f"{path}: requests disagree on an input's shape ({exc})") from None
 
 
 def _check_rows(path: Path, inputs: dict[str, np.ndarray], labels: np.ndarray | None) -> None:
@@ -101,46 +105,3 @@ def _check_rows(path: Path, inputs: dict[str, np.ndarray], labels: np.ndarray | 
         raise DataError(f"{path}: arrays disagree on the number of rows ({shown})")
     if not counts or min(counts.values()) == 0:
         raise DataError(f"{path}: holds no rows")
-
-
-def _read_npz(path: Path) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
-    except (OSError, ValueError) as exc:
-        raise DataError(
-            f"{path}: not a readable .npz ({exc}); write one with numpy.savez(path, name=array)"
-        ) from None
-
-
-def _read_npy_directory(path: Path) -> dict[str, np.ndarray]:
-    arrays = {}
-    for file in sorted(path.glob("*.npy")):
-        try:
-            arrays[file.stem] = np.load(file, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{file}: not a readable .npy file ({exc})") from None
-    if not arrays:
-        raise DataError(f"{path}: no .npy files (expected one per model input, named like it)")
-    return arrays
-
-
-def _read_v2_json(path: Path) -> dict[str, np.ndarray]:
-    try:
-        document = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: not readable JSON ({exc})") from None
-    requests = document if isinstance(document, list) else [document]
-    parts: dict[str, list[np.ndarray]] = {}
-    for index, request in enumerate(requests):
-        try:
-            body = json.dumps(request).encode()
-            decoded = decode_infer_request(body, None, "optimize", "")
-        except InvalidRequest as exc:
-            raise DataError(f"{path}: request {index}: {exc}") from None
-        for name, array in decoded.inputs.items():
-            parts.setdefault(name, []).append(array)
-    try:
-        return {name: np.concatenate(arrays) for name, arrays in parts.items()}
-    except ValueError as exc:
-        raise DataError(f"{path}: requests disagree on an input's shape ({exc})") from None

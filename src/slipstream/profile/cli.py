@@ -58,17 +58,19 @@ def resolve_model(path: Path, backend: str | None) -> tuple[Path, str | None]:
 
 
 def _load_npz(path: Path) -> dict[str, np.ndarray]:
-    import numpy as np
+    from slipstream.tensors import TensorFileError, read_tensor_file
 
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
-    except (OSError, ValueError) as exc:
+        [arrays] = read_tensor_file(path)
+    except TensorFileError as exc:
+        raise click.BadParameter(str(exc), param_hint="--input-data") from None
+    except ValueError:  # several requests: profile feeds one set of arrays
         raise click.BadParameter(
-            f"{path}: not a readable .npz of numeric arrays ({exc}); write one with "
-            "numpy.savez(path, input_name=array, ...)",
+            f"{path}: holds several requests; give one set of arrays (.npz, .npy files, "
+            "or one V2 request)",
             param_hint="--input-data",
         ) from None
+    return arrays
 
 
 @click.command()

@@ -51,6 +51,7 @@ from slipstream.profile.results import (
 )
 from slipstream.runtime import backend_for_file, get_backend
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec
+from slipstream.tensors import random_tensor, value_source
 
 logger = logging.getLogger(__name__)
 
@@ -68,21 +69,10 @@ __all__ = [
 ]
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-# Integer inputs (token ids, ...) are drawn from [0, INT_INPUT_HIGH).
-INT_INPUT_HIGH = 1000
 # The ORT trace grows by a few events per node per run; this bounds its size.
 MAX_OP_PROFILE_RUNS = 200
 # Timed runs between two RSS samples (a sample costs ~20 us, outside the timed region).
 _RSS_SAMPLE_EVERY = 32
-# How each kind of non-integer random input is made (see _value_rule), as reported.
-_VALUE_SOURCES = {
-    "ones": "ones (mask)",
-    "zeros": "zeros (token type ids)",
-    "positions": "0, 1, 2, ... along the last dim (position ids)",
-    "normal": "random normal",
-    "booleans": "random booleans",
-    "bytes": "the bytes b'slipstream'",
-}
 _MB = 1024 * 1024
 # Backend parameters that set the intra-op threads ({} is the count); one inter-op
 # thread, as the server runs each instance.
@@ -331,10 +321,10 @@ def _plan_input(
         source = "--input-data rows, taken or tiled to the batch size"
     elif given is not None:
         dims = tuple(int(d) for d in given)
-        source = _random_source(spec)
+        source = value_source(spec.name, spec.datatype)
     else:
         dims = declared
-        source = _random_source(spec)
+        source = value_source(spec.name, spec.datatype)
     if len(dims) != len(declared) or any(
         want not in (-1, got) for want, got in zip(declared, dims, strict=False)
     ):
@@ -351,30 +341,6 @@ def _plan_input(
         )
     shape = (-1, *dims) if batching else dims
     return ProfileInput(name=spec.name, datatype=spec.datatype, shape=shape, source=source)
-
-
-def _value_rule(name: str, dtype: np.dtype[Any]) -> str:
-    """Which of _VALUE_SOURCES feeds an input; see the module docstring."""
-    lowered = name.lower()
-    if dtype.kind in "iu":
-        if "mask" in lowered:
-            return "ones"
-        if "token_type" in lowered or "segment" in lowered:
-            return "zeros"
-        return "positions" if "position" in lowered else "integers"
-    return {"f": "normal", "b": "booleans"}.get(dtype.kind, "bytes")
-
-
-def _random_source(spec: TensorSpec) -> str:
-    dtype = V2_TO_NUMPY[spec.datatype]
-    rule = _value_rule(spec.name, dtype)
-    if rule == "integers":
-        return f"random integers in [0, {_int_high(dtype)})"
-    return _VALUE_SOURCES[rule]
-
-
-def _int_high(dtype: np.dtype[Any]) -> int:
-    return min(INT_INPUT_HIGH, int(np.iinfo(dtype).max) + 1)
 
 
 def _fixed_batch_size(plans: tuple[ProfileInput, ...]) -> int:
@@ -401,25 +367,8 @@ def _input_pool(
             # np.resize repeats whole rows in order: the rows tiled to the batch size.
             pool[plan.name] = np.ascontiguousarray(np.resize(data[plan.name], shape), dtype=dtype)
         else:
-            pool[plan.name] = _random_array(plan.name, shape, dtype, rng)
+            pool[plan.name] = random_tensor(plan.datatype, shape, rng, name=plan.name)
     return pool
-
-
-def _random_array(
-    name: str, shape: tuple[int, ...], dtype: np.dtype[Any], rng: np.random.Generator
-) -> np.ndarray:
-    rule = _value_rule(name, dtype)
-    if rule in ("ones", "zeros", "positions"):
-        last = np.arange(shape[-1] if shape else 1, dtype=dtype)
-        values = {"ones": np.ones_like(last), "zeros": np.zeros_like(last), "positions": last}
-        return np.broadcast_to(values[rule], shape).copy()
-    if rule == "integers":
-        return rng.integers(0, _int_high(dtype), size=shape, dtype=dtype)
-    if rule == "normal":
-        return rng.standard_normal(shape).astype(dtype)
-    if rule == "booleans":
-        return rng.integers(0, 2, size=shape).astype(np.bool_)
-    return np.full(shape, b"slipstream", dtype=object)
 
 
 # --- timing and memory --------------------------------------------------------------

@@ -17,23 +17,20 @@ Example::
 
 from __future__ import annotations
 
-import base64
-import csv
 import dataclasses
-import html
-import io
-import json
 import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from slipstream import reports
+from slipstream.reports import escape as _e
+from slipstream.reports import html_cells, html_table
 from slipstream.runtime.base import usable_cpu_count
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
 
 BatchStatus = Literal["ok", "not_applicable", "failed"]
 REPORT_SUFFIXES = (".html", ".htm", ".png")
@@ -168,17 +165,16 @@ def result_to_dict(result: ProfileResult) -> dict[str, Any]:
 
 
 def write_json(result: ProfileResult, path: Path) -> None:
-    path.write_text(json.dumps(result_to_dict(result), indent=2) + "\n")
+    reports.write_json(result, path, allow_nan=True)
 
 
 def write_csv(result: ProfileResult, path: Path) -> None:
-    with path.open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for batch in result.batches:
-            row = {name: getattr(batch, name) for name in CSV_COLUMNS if name != "is_best"}
-            row["is_best"] = batch.batch_size == result.best_batch_size
-            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    rows = [
+        {name: getattr(batch, name) for name in CSV_COLUMNS if name != "is_best"}
+        | {"is_best": batch.batch_size == result.best_batch_size}
+        for batch in result.batches
+    ]
+    reports.write_csv_rows(path, CSV_COLUMNS, rows)
 
 
 def write_report(result: ProfileResult, path: Path) -> None:
@@ -187,14 +183,14 @@ def write_report(result: ProfileResult, path: Path) -> None:
     if suffix not in REPORT_SUFFIXES:
         raise ValueError(f"{path.name}: a report is .html or .png, got {suffix or 'no suffix'}")
     if suffix == ".png":
-        figure = _figure(width_in=15.0, height_in=4.2)
+        figure = reports.new_figure(width_in=15.0, height_in=4.2)
         axes = figure.subplots(1, 3 if result.op_profile else 2)
         _plot_throughput(result, axes[0])
         _plot_latency(result, axes[1])
         if result.op_profile:
             _plot_top_ops(result, axes[2])
         figure.suptitle(_title(result))
-        path.write_bytes(_png(figure))
+        path.write_bytes(reports.png(figure))
         return
     charts = [_chart(result, _plot_throughput), _chart(result, _plot_latency)]
     if result.op_profile and result.op_profile.top_ops:
@@ -232,22 +228,10 @@ def _cpu_model() -> str:
 # --- charts -------------------------------------------------------------------------
 
 
-def _figure(width_in: float, height_in: float) -> Figure:
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width_in, height_in), layout="constrained")
-
-
-def _png(figure: Figure) -> bytes:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
-    return buffer.getvalue()
-
-
 def _chart(result: ProfileResult, plot: Any) -> bytes:
-    figure = _figure(width_in=6.4, height_in=4.0)
+    figure = reports.new_figure(width_in=6.4, height_in=4.0)
     plot(result, figure.subplots())
-    return _png(figure)
+    return reports.png(figure)
 
 
 def _measured(result: ProfileResult) -> list[BatchProfile]:
@@ -305,30 +289,16 @@ def _plot_top_ops(result: ProfileResult, axes: Axes) -> None:
 
 # --- HTML ---------------------------------------------------------------------------
 
-_STYLE = (
-    "body{font-family:system-ui,sans-serif;margin:2em;max-width:70em}"
-    "table{border-collapse:collapse;margin:1em 0}"
-    "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right}"
-    "th{background:#f2f2f2}td:first-child,th:first-child{text-align:left}"
-    "tr.best{font-weight:bold;background:#fff6d5}img{max-width:100%}"
-)
-
 
 def _html_page(result: ProfileResult, charts: list[bytes]) -> str:
-    images = "".join(
-        f'<img alt="chart" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
-        for png in charts
-    )
     parts = [
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(_title(result))}</title>",
-        f"<style>{_STYLE}</style></head><body><h1>{_e(_title(result))}</h1>",
         f"<p>{_e(summary_line(result))}</p><p>{_e(memory_line(result))}</p>",
-        _html_table(
+        html_table(
             ["input", "datatype", "shape", "values"],
             [[i.name, i.datatype, str(list(i.shape)), i.source] for i in result.inputs],
         ),
         _html_batches(result),
-        images,
+        reports.images(charts),
     ]
     if result.op_profile:
         parts.append(f"<h2>{_e(op_profile_line(result.op_profile))}</h2>")
@@ -336,8 +306,8 @@ def _html_page(result: ProfileResult, charts: list[bytes]) -> str:
         parts.append(_html_ops(result.op_profile.top_ops, runs, by_node=False))
         parts.append(_html_ops(result.op_profile.top_nodes, runs, by_node=True))
     parts.extend(f"<p>Note: {_e(note)}</p>" for note in result.notes)
-    parts.append(_html_table(["environment", ""], [[k, v] for k, v in result.environment.items()]))
-    return "".join(parts) + "</body></html>\n"
+    parts.append(html_table(["environment", ""], [[k, v] for k, v in result.environment.items()]))
+    return reports.html_page(_title(result), parts)
 
 
 def _html_batches(result: ProfileResult) -> str:
@@ -346,10 +316,8 @@ def _html_batches(result: ProfileResult) -> str:
     for batch in result.batches:
         best = batch.batch_size == result.best_batch_size
         cells = [*batch_cells(batch), "best" if best else batch.reason]
-        rows.append(("<tr class='best'>" if best else "<tr>") + _html_cells(cells, "td"))
-    return (
-        f"<table><tr>{_html_cells(header, 'th')}</tr>{''.join(r + '</tr>' for r in rows)}</table>"
-    )
+        rows.append(("<tr class='best'>" if best else "<tr>") + html_cells(cells, "td"))
+    return f"<table><tr>{html_cells(header, 'th')}</tr>{''.join(r + '</tr>' for r in rows)}</table>"
 
 
 def _html_ops(ops: tuple[OpTime, ...], runs: int, by_node: bool) -> str:
@@ -358,20 +326,7 @@ def _html_ops(ops: tuple[OpTime, ...], runs: int, by_node: bool) -> str:
     for op in ops:
         names = [op.name, op.op_type] if by_node else [op.name]
         rows.append([*names, f"{op.ms_per_run:.3f}", f"{op.share:.1%}", f"{op.calls / runs:g}"])
-    return _html_table([*header, "ms/run", "share", "calls/run"], rows)
-
-
-def _html_table(header: list[str], rows: list[list[str]]) -> str:
-    body = "".join(f"<tr>{_html_cells(row, 'td')}</tr>" for row in rows)
-    return f"<table><tr>{_html_cells(header, 'th')}</tr>{body}</table>"
-
-
-def _html_cells(cells: list[str], tag: str) -> str:
-    return "".join(f"<{tag}>{_e(cell)}</{tag}>" for cell in cells)
-
-
-def _e(text: str) -> str:
-    return html.escape(text, quote=True)
+    return html_table([*header, "ms/run", "share", "calls/run"], rows)
 
 
 # --- text shared by the terminal, HTML and chart titles -----------------------------

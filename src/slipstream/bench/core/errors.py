@@ -1,6 +1,9 @@
-"""Why a benchmark could not run; the CLI prints the message and exits non-zero."""
+"""Why a benchmark could not run (the CLI prints the message and exits non-zero), and
+how failed requests are summed up."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 
 class BenchError(Exception):
@@ -9,3 +12,26 @@ class BenchError(Exception):
 
 class ServerUnreachable(BenchError):
     """Nothing answers at the address, or it does not speak the protocol asked for."""
+
+
+class _HasErrors(Protocol):
+    errors_by_code: dict[str, int]
+    error_examples: dict[str, str]
+
+
+def error_summary(result: _HasErrors) -> str:
+    """Errors by kind, each with an example message (V2 and OpenAI levels alike).
+
+    >>> class Level:
+    ...     errors_by_code = {"http 503": 2}
+    ...     error_examples = {"http 503": "queue full"}
+    >>> error_summary(Level())
+    'http 503 x2 (queue full)'
+    """
+    if not result.errors_by_code:
+        return "no request completed"
+    parts = []
+    for key, count in result.errors_by_code.items():
+        example = result.error_examples.get(key, "")
+        parts.append(f"{key} x{count}" + (f" ({example[:200]})" if example else ""))
+    return "; ".join(parts)

@@ -1,7 +1,7 @@
 """The streaming client of the OpenAI mode: server-sent events over HTTP/1.1.
 
 It rides the same keep-alive connections and one-write requests as the V2 HTTP client
-(:class:`slipstream.bench.v2.clients.HttpConnections`), and parses each response's events
+(:class:`slipstream.bench.core.http.HttpConnections`), and parses each response's events
 as its bytes arrive, stamping every content chunk with the time its bytes were read:
 the first is the time to first token, the gaps between the rest the inter-token
 latencies. ``usage.completion_tokens`` of the final usage chunk is the output length
@@ -17,16 +17,13 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import orjson
 
-from slipstream.bench.v2.clients import HttpConnections, _HttpConnection, http_request_bytes
-from slipstream.bench.v2.messages import EncodedRequest, Endpoint
+from slipstream.bench.core.endpoint import Endpoint
+from slipstream.bench.core.http import HttpConnection, HttpConnections, RequestFailed, post_request
 
-# After a failed connect, pause before the next try so a dead server is not spun on.
-_RECONNECT_PAUSE_S = 0.01
 # Keep at most this much of an error message as the example shown beside the counts.
 _ERROR_EXAMPLE_CHARS = 2048
 DONE = b"[DONE]"
@@ -151,7 +148,7 @@ def _content(choice: object) -> bool:
     return bool(text)
 
 
-class _StreamConnection(_HttpConnection):
+class StreamConnection(HttpConnection):
     """A keep-alive connection whose 2xx bodies are parsed as server-sent events."""
 
     def __init__(self) -> None:
@@ -159,11 +156,11 @@ class _StreamConnection(_HttpConnection):
         self.stream = StreamState()
         self._sse = SseParser()
 
-    def begin(self) -> StreamState:
+    def begin(self) -> None:
         """A fresh state for the next request on this connection."""
+        super().begin()
         self.stream = StreamState()
         self._sse = SseParser()
-        return self.stream
 
     def on_body(self, body: bytes) -> None:
         if self._error_body is not None:  # a non-2xx answer: keep its message
@@ -190,39 +187,27 @@ class OpenAIClient:
         self._endpoint = endpoint
         self._path = endpoint.path_prefix + path
         self._timeout_s = timeout_s
-        self._connections = HttpConnections(endpoint, timeout_s, _StreamConnection)
+        self._connections = HttpConnections(endpoint, timeout_s, StreamConnection)
         # Error key -> the first message seen with it.
         self.error_examples: dict[str, str] = {}
 
     def encode(self, body: bytes) -> bytes:
         """The whole HTTP request for a JSON body, to pass to :meth:`send`."""
-        return http_request_bytes(self._endpoint, self._path, EncodedRequest(body, None, 1))
+        return post_request(self._endpoint, self._path, body)
 
     async def send(self, payload: bytes) -> StreamState:
         """Write ``payload`` (see :meth:`encode`) and read its stream to the end."""
-        conn = self._connections.take_idle()
-        if conn is None:
-            try:
-                conn = await self._connections.connect()
-            except OSError as exc:
-                await asyncio.sleep(_RECONNECT_PAUSE_S)
-                return self._failed(f"connect {type(exc).__name__}", str(exc))
-        stream = conn.begin()
         try:
-            status = await conn.send(payload)
-        except TimeoutError:
-            stream.fail("timeout", f"the stream did not end within {self._timeout_s:g} s")
-            status = 0
-        except ConnectionError as exc:
-            stream.fail(f"connection {type(exc).__name__}", str(exc))
-            status = 0
-        except asyncio.CancelledError:
-            conn.close()  # its response may still come: never reuse it
-            raise
-        finally:
-            self._connections.release(conn)
-        if status and not 200 <= status < 300:
-            stream.fail(f"http {status}", conn.error_message())
+            conn = await self._connections.request(payload)
+        except RequestFailed as exc:
+            if exc.key == "timeout":
+                return self._failed(
+                    "timeout", f"the stream did not end within {self._timeout_s:g} s"
+                )
+            return self._failed(exc.key, exc.message)
+        stream = conn.stream
+        if not 200 <= conn.status < 300:
+            stream.fail(f"http {conn.status}", conn.error_message())
         elif stream.error is None and not stream.done:
             stream.fail("stream incomplete", "the response ended without data: [DONE]")
         if stream.error is not None:

@@ -1,26 +1,34 @@
-"""Showing an OpenAI-mode run: live progress, terminal tables and the CSV file.
-
-JSON goes through :func:`slipstream.bench.v2.report.write_json`, like the V2 modes.
-"""
+"""Showing an OpenAI-mode run: live progress, terminal tables, the JSON and CSV files."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from slipstream.bench.core.levels import LoadLevel
+from slipstream.bench.core.output import (
+    LevelProgress,
+    errors_cell,
+    fmt_num,
+    load_cell,
+    load_header,
+    print_problems,
+    write_files,
+)
+from slipstream.bench.core.output import csv_row as core_csv_row
 from slipstream.bench.openai.results import (
     LatencySummary,
     OpenAIBenchResult,
     OpenAILevelResult,
     RequestResult,
 )
-from slipstream.bench.v2.report import print_problems, progress_bar
-from slipstream.bench.v2.settings import LoadLevel
+from slipstream.bench.openai.runner import ProgressListener
+from slipstream.bench.openai.settings import OpenAIBenchSettings
 
 # The latency metrics of a level, in table and CSV order, with their table names.
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
@@ -35,46 +43,30 @@ CSV_FIELDS = (
 )
 
 
-class OpenAIRichProgress:
+class RichProgress(LevelProgress, ProgressListener):
     """A progress bar per level: requests finished, and errors so far."""
 
     def __init__(self, console: Console) -> None:
-        self._console = console
-        self._progress = progress_bar(console)
-        self._task: Any = None
+        super().__init__(console)
         self._errors = 0
-
-    def __enter__(self) -> OpenAIRichProgress:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
 
     def level_started(self, level: LoadLevel, total: int) -> None:
-        if self._task is not None:
-            self._progress.remove_task(self._task)
         self._errors = 0
-        self._task = self._progress.add_task(level.label, total=total, figures="")
+        self.new_level(level.label, total, "")
 
     def request_done(self, request: RequestResult) -> None:
         self._errors += request.error is not None
-        figures = f"{self._errors} errors" if self._errors else ""
-        self._progress.update(self._task, advance=1, figures=figures)
+        self.advance(f"{self._errors} errors" if self._errors else "")
 
     def level_done(self, result: OpenAILevelResult) -> None:
         self._console.print(
             f"[green]done[/] {result.label}: {result.output_throughput_tok_per_s:,.1f} "
-            f"output tok/s, TTFT p99 {_num(result.ttft.p99_ms, 1)} ms, "
+            f"output tok/s, TTFT p99 {fmt_num(result.ttft.p99_ms, 1)} ms, "
             f"{result.errors} errors"
         )
 
 
-def _num(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
-def print_openai_tables(result: OpenAIBenchResult, console: Console) -> None:
+def print_tables(result: OpenAIBenchResult, console: Console) -> None:
     """Throughput and goodput per level, then latencies per level, then warnings."""
     arrivals = f", {result.distribution} arrivals" if result.distribution else ""
     eos = ", ignore_eos" if result.ignore_eos else ""
@@ -84,7 +76,7 @@ def print_openai_tables(result: OpenAIBenchResult, console: Console) -> None:
         f"{result.num_requests} requests per level{arrivals}{eos}"
         + (f"; goodput SLOs: {slos}" if slos else "")
     )
-    load = "concurrency" if result.distribution is None else "req/s asked"
+    load = load_header(result)
     main = Table(title=title, title_justify="left")
     columns = [load, "req/s", "output tok/s", "total tok/s"]
     if result.goodput_slos_ms:
@@ -94,19 +86,19 @@ def print_openai_tables(result: OpenAIBenchResult, console: Console) -> None:
         main.add_column(name, justify="left" if index == 0 else "right")
     for level in result.levels:
         row = [
-            _load_cell(level),
-            _num(level.request_throughput_per_s),
-            _num(level.output_throughput_tok_per_s, 1),
-            _num(level.total_token_throughput_tok_per_s, 1),
+            load_cell(level),
+            fmt_num(level.request_throughput_per_s),
+            fmt_num(level.output_throughput_tok_per_s, 1),
+            fmt_num(level.total_token_throughput_tok_per_s, 1),
         ]
         if result.goodput_slos_ms:
-            row.append(f"{_num(level.goodput_req_per_s)} ({level.good_requests} ok)")
+            row.append(f"{fmt_num(level.goodput_req_per_s)} ({level.good_requests} ok)")
         row += [
             _mean_lengths(level),
             str(level.peak_inflight),
-            _num(level.client_cpu_pct, 0),
-            _num(level.duration_s, 1),
-            _errors_cell(level),
+            fmt_num(level.client_cpu_pct, 0),
+            fmt_num(level.duration_s, 1),
+            errors_cell(level),
         ]
         main.add_row(*row)
     console.print(main)
@@ -122,20 +114,14 @@ def _latency_table(result: OpenAIBenchResult, load: str) -> Table:
         for number, (metric, name) in enumerate(METRICS.items()):
             summary: LatencySummary = getattr(level, metric)
             table.add_row(
-                _load_cell(level) if number == 0 else "",
+                load_cell(level) if number == 0 else "",
                 name,
-                *(_num(v) for v in (summary.mean_ms, summary.p50_ms, summary.p90_ms)),
-                *(_num(v) for v in (summary.p99_ms, summary.max_ms)),
+                *(fmt_num(v) for v in (summary.mean_ms, summary.p50_ms, summary.p90_ms)),
+                *(fmt_num(v) for v in (summary.p99_ms, summary.max_ms)),
                 str(summary.count),
                 end_section=number == len(METRICS) - 1,
             )
     return table
-
-
-def _load_cell(level: OpenAILevelResult) -> str:
-    if level.concurrency is not None:
-        return str(level.concurrency)
-    return f"{level.request_rate:g}"
 
 
 def _mean_lengths(level: OpenAILevelResult) -> str:
@@ -145,32 +131,17 @@ def _mean_lengths(level: OpenAILevelResult) -> str:
     return f"{level.prompt_tokens / count:.0f} / {level.output_tokens / count:.0f}"
 
 
-def _errors_cell(level: OpenAILevelResult) -> str:
-    if not level.errors:
-        return "0"
-    return ", ".join(f"{key}: {count}" for key, count in level.errors_by_code.items())
-
-
-def csv_row(level: OpenAILevelResult) -> dict[str, Any]:
+def level_row(level: OpenAILevelResult) -> dict[str, Any]:
     """A level as one flat CSV row (per-request detail is in the JSON only)."""
-    row: dict[str, Any] = {}
-    for name in CSV_FIELDS:
-        metric, _, stat = name.partition("_")
-        if metric in METRICS and stat in _STATS:
-            row[name] = getattr(getattr(level, metric), stat)
-        elif name == "errors_by_code":
-            row[name] = "; ".join(f"{k}={v}" for k, v in level.errors_by_code.items())
-        elif name == "warnings":
-            row[name] = " | ".join(level.warnings)
-        else:
-            row[name] = getattr(level, name)
-    return {k: "" if v is None else v for k, v in row.items()}
+    row = core_csv_row(level, CSV_FIELDS)
+    for metric in METRICS:
+        summary = getattr(level, metric)
+        row.update({f"{metric}_{stat}": getattr(summary, stat) for stat in _STATS})
+    return row
 
 
-def write_openai_csv(result: OpenAIBenchResult, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for level in result.levels:
-            writer.writerow(csv_row(level))
+def write_outputs(
+    settings: OpenAIBenchSettings, result: OpenAIBenchResult, written: Callable[[Path], None]
+) -> None:
+    """The files asked for: --json, --csv; ``written`` is told each path as it is written."""
+    write_files(settings, result, CSV_FIELDS, level_row, written)

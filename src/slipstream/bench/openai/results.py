@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from slipstream.bench.core.errors import error_summary
 from slipstream.bench.core.histogram import LatencyHistogram
-from slipstream.bench.v2.results import LATE_SEND_SHARE, SATURATED_CPU_PCT, error_summary
-from slipstream.bench.v2.settings import LoadLevel
+from slipstream.bench.core.levels import LoadLevel
+from slipstream.bench.core.schedule import LATE_SEND_SHARE, SATURATED_CPU_PCT
 
 
 @dataclass

@@ -25,16 +25,21 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Mapping, Sequence
 
 import numpy as np
 
+from slipstream.bench.core.endpoint import parse_endpoint
 from slipstream.bench.core.errors import BenchError, ServerUnreachable
-from slipstream.bench.core.schedule import EARLY_SEND_S, arrival_gaps_s, corrected_latency_s
+from slipstream.bench.core.levels import Distribution, LoadLevel
+from slipstream.bench.core.schedule import (
+    LoadDriver,
+    arrival_gaps_s,
+    corrected_latency_s,
+    run_event_loop,
+)
 from slipstream.bench.openai.client import OpenAIClient, StreamState
 from slipstream.bench.openai.requests import GenerationRequest, build_requests, request_body
 from slipstream.bench.openai.results import (
@@ -45,10 +50,9 @@ from slipstream.bench.openai.results import (
     level_result,
 )
 from slipstream.bench.openai.settings import OpenAIBenchSettings, OpenAIProtocol, TokenRange
-from slipstream.bench.v2.clients import parse_endpoint
-from slipstream.bench.v2.messages import Distribution
-from slipstream.bench.v2.settings import LoadLevel
 
+# What the CLI adds when no request of any level succeeded.
+ALL_FAILED_HINT = "an overloaded server, or prompts plus max_tokens beyond the model's context"
 # The warm-up request asks for this many tokens at most.
 _PROBE_MAX_TOKENS = 4
 # A send later than this after its scheduled arrival counts as late: under 1% of a
@@ -56,17 +60,10 @@ _PROBE_MAX_TOKENS = 4
 LATE_SEND_S = 0.01
 
 
-class OpenAIProgressListener(Protocol):
-    """Told about the run as it goes (the CLI shows it; the API passes nothing)."""
+class ProgressListener:
+    """Told about the run as it goes: the CLI's live progress overrides these no-ops
+    (``slipstream.bench.openai.report.RichProgress``); the API passes nothing."""
 
-    def level_started(self, level: LoadLevel, total: int) -> None: ...
-
-    def request_done(self, request: RequestResult) -> None: ...
-
-    def level_done(self, result: OpenAILevelResult) -> None: ...
-
-
-class NullOpenAIProgress:
     def level_started(self, level: LoadLevel, total: int) -> None:
         pass
 
@@ -105,7 +102,7 @@ def run_openai_benchmark(
     SLOs like ``{"ttft": 500, "tpot": 50}``. Raises ``pydantic.ValidationError`` for a
     bad argument and :class:`BenchError` when the server cannot be benchmarked (the
     warm-up request failed). Runs its own event loop: from async code, use
-    :func:`run_openai_bench_async`.
+    :func:`run_bench_async`.
 
     >>> result = run_openai_benchmark("http://localhost:8000", "smollm2",
     ...     request_rate=[1, 2], num_requests=20, output_tokens="64,16",
@@ -128,30 +125,25 @@ def run_openai_benchmark(
         timeout_s=timeout_s,
         seed=seed,
     )
-    return run_openai_bench(settings, prompts)
+    return run_bench(settings, prompts=prompts)
 
 
-def run_openai_bench(
+def run_bench(
     settings: OpenAIBenchSettings,
+    progress: ProgressListener | None = None,
     prompts: Sequence[str | list[int]] | None = None,
-    progress: OpenAIProgressListener | None = None,
 ) -> OpenAIBenchResult:
-    """:func:`run_openai_bench_async` on a fresh event loop (uvloop where installed)."""
-    coroutine = run_openai_bench_async(settings, prompts, progress)
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is absent on Windows
-        return asyncio.run(coroutine)
-    return uvloop.run(coroutine)
+    """:func:`run_bench_async` on a fresh event loop (uvloop where installed)."""
+    return run_event_loop(run_bench_async(settings, progress, prompts))
 
 
-async def run_openai_bench_async(
+async def run_bench_async(
     settings: OpenAIBenchSettings,
+    progress: ProgressListener | None = None,
     prompts: Sequence[str | list[int]] | None = None,
-    progress: OpenAIProgressListener | None = None,
 ) -> OpenAIBenchResult:
     """Measure every load level of ``settings``; BenchError when it cannot run."""
-    listener = progress or NullOpenAIProgress()
+    listener = progress or ProgressListener()
     try:
         endpoint = parse_endpoint(settings.url, "http")
         requests = build_requests(settings, prompts)
@@ -217,7 +209,7 @@ class LevelRun:
         settings: OpenAIBenchSettings,
         requests: list[GenerationRequest],
         level: LoadLevel,
-        progress: OpenAIProgressListener,
+        progress: ProgressListener,
     ) -> None:
         self._client = client
         self._settings = settings
@@ -226,73 +218,47 @@ class LevelRun:
         self._level = level
         self._progress = progress
         self._results: list[RequestResult] = []
-        self._inflight = 0
-        self._peak_inflight = 0
-        self._late_sends = 0
-        self._slot_freed = asyncio.Event()
         self._start_s = 0.0
 
     async def run(self) -> LevelMeasurement:
+        settings = self._settings
+        driver = LoadDriver(
+            self._send,
+            self._record,
+            requests=len(self._requests),
+            late_send_s=LATE_SEND_S,
+            max_inflight=settings.max_inflight,
+            total=len(self._requests),
+        )
         cpu_start_s = time.process_time()
         self._start_s = time.monotonic()
         if self._level.concurrency is not None:
-            pending = iter(self._requests)
-            users = [self._closed_user(pending) for _ in range(self._level.concurrency)]
-            await asyncio.gather(*users)
+            await driver.closed_loop(self._level.concurrency)
         else:
-            await self._open_loop(self._level.request_rate or 1.0)
+            rng = np.random.default_rng(settings.seed)
+            gaps = arrival_gaps_s(self._level.request_rate or 1.0, settings.distribution, rng)
+            await driver.open_loop(gaps, self._start_s)
         duration_s = time.monotonic() - self._start_s
         return LevelMeasurement(
             level=self._level,
             requests=sorted(self._results, key=lambda r: r.index),
             duration_s=duration_s,
             error_examples=dict(self._client.error_examples),
-            peak_inflight=self._peak_inflight,
-            late_sends=self._late_sends,
+            peak_inflight=driver.stats.peak_inflight,
+            late_sends=driver.stats.late_sends,
             client_cpu_s=time.process_time() - cpu_start_s,
-            slos_ms=self._settings.goodput,
-            ignore_eos=self._settings.ignore_eos,
-            max_inflight=self._settings.max_inflight,
+            slos_ms=settings.goodput,
+            ignore_eos=settings.ignore_eos,
+            max_inflight=settings.max_inflight,
         )
 
-    async def _closed_user(self, pending: Iterator[GenerationRequest]) -> None:
-        for request in pending:
-            await self._send(request, time.monotonic())
+    def _send(self, number: int) -> Awaitable[StreamState]:
+        return self._client.send(self._payloads[self._requests[number].index])
 
-    async def _open_loop(self, rate_per_s: float) -> None:
-        """Send on schedule whatever the responses do; latency counts from the schedule."""
-        rng = np.random.default_rng(self._settings.seed)
-        gaps = arrival_gaps_s(rate_per_s, self._settings.distribution, rng)
-        scheduled_s = self._start_s
-        tasks = []
-        for request in self._requests:
-            while True:
-                now_s = time.monotonic()
-                if scheduled_s > now_s + EARLY_SEND_S:
-                    await asyncio.sleep(scheduled_s - now_s - EARLY_SEND_S)
-                elif self._inflight >= self._settings.max_inflight:
-                    self._slot_freed.clear()
-                    await self._slot_freed.wait()
-                else:
-                    break
-            tasks.append(asyncio.create_task(self._send(request, scheduled_s)))
-            # Let the new task write its request before the next one is scheduled.
-            await asyncio.sleep(0)
-            scheduled_s += next(gaps)
-        await asyncio.gather(*tasks)
-
-    async def _send(self, request: GenerationRequest, scheduled_s: float) -> None:
-        sent_s = time.monotonic()
-        lag_s = max(0.0, sent_s - scheduled_s)
-        if lag_s > LATE_SEND_S:
-            self._late_sends += 1
-        self._inflight += 1
-        self._peak_inflight = max(self._peak_inflight, self._inflight)
-        try:
-            stream = await self._client.send(self._payloads[request.index])
-        finally:
-            self._inflight -= 1
-            self._slot_freed.set()
+    def _record(
+        self, number: int, scheduled_s: float, sent_s: float, done_s: float, stream: StreamState
+    ) -> None:
+        request = self._requests[number]
         result = request_result(request, stream, self._start_s, scheduled_s, sent_s)
         self._results.append(result)
         self._progress.request_done(result)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from slipstream.bench.v2.messages import Distribution
-from slipstream.bench.v2.settings import LoadLevel, check_load, load_levels
+from slipstream.bench.core.levels import Distribution
+from slipstream.bench.core.settings import LoadSettings
 
 if TYPE_CHECKING:  # numpy loads when a run starts, not with the CLI
     import numpy as np
@@ -95,28 +95,16 @@ def parse_goodput(values: list[str] | tuple[str, ...]) -> dict[str, float]:
     return slos
 
 
-class OpenAIBenchSettings(BaseModel):
+class OpenAIBenchSettings(LoadSettings):
     """Every option of ``slipstream bench`` in OpenAI mode."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    url: str = Field(description="Server address, http://host:port (a path prefix is kept).")
-    model: str = Field(min_length=1, description="Model name, as /v1/models lists it.")
     protocol: OpenAIProtocol = Field(
         "openai-chat",
         description="openai-chat: streamed /v1/chat/completions; openai-completions: "
         "streamed /v1/completions.",
     )
-    concurrency: list[int] = Field(
-        default_factory=list,
-        description="Closed loop: users each with one request outstanding, a sweep.",
-    )
-    request_rate: list[float] = Field(
-        default_factory=list,
-        description="Open loop: requests per second, a sweep; latencies count from each "
-        "request's scheduled arrival.",
-    )
     distribution: Distribution = Field("poisson", description="Open loop: gaps between arrivals.")
+    timeout_s: float = Field(300.0, gt=0, description="Per-request timeout, whole stream.")
     num_requests: int = Field(100, ge=1, description="OpenAI modes: requests sent per load level.")
     prompt_tokens: TokenRange = Field(
         default_factory=lambda: TokenRange(mean=256),
@@ -144,13 +132,6 @@ class OpenAIBenchSettings(BaseModel):
         description="OpenAI modes: SLOs in ms, like 'ttft:500 tpot:50' (metrics ttft, "
         "tpot, e2el); goodput counts the requests per second meeting all of them.",
     )
-    max_inflight: int = Field(
-        256, ge=1, description="Open loop: most requests outstanding; later arrivals wait."
-    )
-    timeout_s: float = Field(300.0, gt=0, description="Per-request timeout, whole stream.")
-    seed: int = Field(0, description="Seed of prompts, lengths and Poisson gaps.")
-    json_path: Path | None = Field(None, description="Write the results as JSON.")
-    csv_path: Path | None = Field(None, description="Write one CSV row per load level.")
 
     @field_validator("prompt_tokens", "output_tokens", mode="before")
     @classmethod
@@ -168,7 +149,6 @@ class OpenAIBenchSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> OpenAIBenchSettings:
-        check_load(self.concurrency, self.request_rate)
         for name, limit_ms in self.goodput.items():
             if name not in SLO_METRICS:
                 raise ValueError(
@@ -183,7 +163,3 @@ class OpenAIBenchSettings(BaseModel):
     def path(self) -> str:
         """The route requests go to, below the URL's path prefix."""
         return "/v1/chat/completions" if self.protocol == "openai-chat" else "/v1/completions"
-
-    def load_levels(self) -> list[LoadLevel]:
-        """The sweep in the order given; concurrency 1 when nothing was asked for."""
-        return load_levels(self.concurrency, self.request_rate)

@@ -18,44 +18,14 @@ from typing import Protocol
 
 import httptools
 
-from slipstream.bench.v2.messages import Endpoint
+from slipstream.bench.core.endpoint import Endpoint
+from slipstream.bench.core.http import RECONNECT_PAUSE_S, ResponseReader
 
-# After a failed connect, pause before the next try so a dead server is not spun on.
-_RECONNECT_PAUSE_S = 0.01
-_ERROR_BODY_BYTES = 2048
 _RECV_BYTES = 1 << 16
 
 
 class StopFlag(Protocol):
     def is_set(self) -> bool: ...
-
-
-class _Response:
-    """httptools callbacks for one response at a time."""
-
-    def __init__(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
-        self.status = 0
-        self.complete = False
-        self.keep_alive = True
-        self.body = bytearray()
-
-    def reset(self) -> None:
-        self.status = 0
-        self.complete = False
-        self.body.clear()
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        # Only meaningful while the parser is inside this message.
-        self.keep_alive = self.parser.should_keep_alive()
-
-    def on_body(self, body: bytes) -> None:
-        if self.status >= 300 and len(self.body) < _ERROR_BODY_BYTES:
-            self.body += body
-
-    def on_message_complete(self) -> None:
-        self.complete = True
 
 
 class BlockingHttpUser:
@@ -74,7 +44,9 @@ class BlockingHttpUser:
         # Records an error example; returns the error key (InferClient._note).
         self._note = note
         self._sock: socket.socket | None = None
-        self._response = _Response()
+        self._response = ResponseReader()
+        # Requests sent again after the reused connection failed before its response.
+        self.reconnects = 0
 
     def run(
         self, stop: StopFlag, record: Callable[[int, float, str | None], None], first: int
@@ -88,44 +60,60 @@ class BlockingHttpUser:
                 started = monotonic()
                 error = self._request(self._payloads[index])
                 if error is not None and error.startswith("connect"):
-                    time.sleep(_RECONNECT_PAUSE_S)
+                    time.sleep(RECONNECT_PAUSE_S)
                 record(index, monotonic() - started, error)
                 index = (index + 1) % count
         finally:
             self._close()
 
     def _request(self, payload: bytes) -> str | None:
+        if self._sock is not None and not self._response.reuse.reusable():
+            self._close()  # the server closes it, or is about to
+        reused = self._sock is not None
         try:
             sock = self._sock or self._connect()
         except OSError as exc:
             return self._note(f"connect {type(exc).__name__}", str(exc))
         response = self._response
-        response.reset()
         try:
-            sock.sendall(payload)
-            while not response.complete:
-                data = sock.recv(_RECV_BYTES)
-                if not data:
-                    raise ConnectionResetError("the server closed the connection")
-                response.parser.feed_data(data)
+            try:
+                self._exchange(sock, payload)
+            except OSError:
+                if not reused or response.started:
+                    raise
+                # The server closed the idle connection as the request went out.
+                self._close()
+                self.reconnects += 1
+                self._exchange(self._connect(), payload)
         except TimeoutError:
             self._close()
             return self._note("timeout", f"no response within {self._timeout_s:g} s")
         except (OSError, httptools.HttpParserError) as exc:
             self._close()
             return self._note(f"connection {type(exc).__name__}", str(exc))
-        if not response.keep_alive:
+        response = self._response
+        if not response.reuse.keep_alive:
             self._close()
         if 200 <= response.status < 300:
             return None
-        message = bytes(response.body).decode("utf-8", "replace")
-        return self._note(f"http {response.status}", message)
+        return self._note(f"http {response.status}", response.error_message())
+
+    def _exchange(self, sock: socket.socket, payload: bytes) -> None:
+        """Write the request and read its whole response into ``self._response``."""
+        response = self._response
+        response.begin()
+        sock.sendall(payload)
+        while not response.complete:
+            data = sock.recv(_RECV_BYTES)
+            if not data:
+                raise ConnectionResetError("the server closed the connection")
+            response.feed(data)
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self._address, timeout=self._timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
-        self._response = _Response()
+        self._response = ResponseReader()
         return sock
 
     def _close(self) -> None:

@@ -7,14 +7,12 @@ compute phases, and the overhead on top) as stacked bars.
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from slipstream.bench.v2.results import BenchResult, LevelResult
+from slipstream.reports import escape, html_page, html_table, images, new_figure, png
 
 _PERCENTILES = [("p50", "p50_ms"), ("p90", "p90_ms"), ("p95", "p95_ms"), ("p99", "p99_ms")]
 _BREAKDOWN = [
@@ -38,82 +36,38 @@ _TABLE_FIELDS = [
 ]
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def write_report(result: BenchResult, path: Path) -> None:
     """``.html``: a page with a table and the three charts; ``.png``: the charts only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".png":
-        path.write_bytes(_combined_png(result))
-    else:
-        path.write_text(_html(result))
-
-
-def _combined_png(result: BenchResult) -> bytes:
-    plt = _pyplot()
-    figure, axes = plt.subplots(1, 3, figsize=(18, 5))
-    for axis, draw in zip(axes, _DRAWERS, strict=True):
-        draw(axis, result.levels)
-    figure.suptitle(_title(result))
-    figure.tight_layout()
-    return _png(figure)
-
-
-def _html(result: BenchResult) -> str:
-    plt = _pyplot()
-    images = []
+        figure = new_figure(18, 5)
+        for axis, draw in zip(figure.subplots(1, 3), _DRAWERS, strict=True):
+            draw(axis, result.levels)
+        figure.suptitle(_title(result))
+        path.write_bytes(png(figure))
+        return
+    charts = []
     for draw in _DRAWERS:
-        figure, axis = plt.subplots(figsize=(8, 5))
-        draw(axis, result.levels)
-        figure.tight_layout()
-        encoded = base64.b64encode(_png(figure)).decode("ascii")
-        images.append(f'<img alt="chart" src="data:image/png;base64,{encoded}">')
+        figure = new_figure(8, 5)
+        draw(figure.subplots(), result.levels)
+        charts.append(png(figure))
     warnings = [f"{level.label}: {w}" for level in result.levels for w in level.warnings]
     warnings += result.warnings
-    warning_items = "".join(f"<li>{html.escape(w)}</li>" for w in warnings)
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(_title(result))}</title>"
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
-        "img{max-width:100%;display:block;margin:1em 0}</style></head><body>"
-        f"<h1>{html.escape(_title(result))}</h1>"
-        f"{_html_table(result.levels)}"
-        + (f"<h2>Warnings</h2><ul>{warning_items}</ul>" if warnings else "")
-        + "".join(images)
-        + "</body></html>\n"
-    )
+    rows = [[_cell(getattr(level, name)) for _, name in _TABLE_FIELDS] for level in result.levels]
+    parts = [html_table([header for header, _ in _TABLE_FIELDS], rows)]
+    if warnings:
+        parts.append("<h2>Warnings</h2><ul>" + "".join(f"<li>{escape(w)}</li>" for w in warnings))
+        parts.append("</ul>")
+    parts.append(images(charts))
+    path.write_text(html_page(_title(result), parts))
 
 
-def _html_table(levels: list[LevelResult]) -> str:
-    head = "".join(f"<th>{name}</th>" for name, _ in _TABLE_FIELDS)
-    rows = []
-    for level in levels:
-        cells = []
-        for _, attribute in _TABLE_FIELDS:
-            value = getattr(level, attribute)
-            text = f"{value:,.3f}" if isinstance(value, float) else str(value)
-            cells.append(f"<td>{html.escape(text)}</td>")
-        rows.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+def _cell(value: object) -> str:
+    return f"{value:,.3f}" if isinstance(value, float) else str(value)
 
 
 def _title(result: BenchResult) -> str:
     return f"slipstream bench: {result.model} over {result.protocol} at {result.url}"
-
-
-def _png(figure: Any) -> bytes:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
-    _pyplot().close(figure)
-    return buffer.getvalue()
 
 
 # ---------------------------------------------------------------------------- charts

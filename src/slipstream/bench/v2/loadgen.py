@@ -23,7 +23,12 @@ import numpy as np
 import psutil
 
 from slipstream.bench.core.histogram import LatencyHistogram
-from slipstream.bench.core.schedule import EARLY_SEND_S, arrival_gaps_s, corrected_latency_s
+from slipstream.bench.core.schedule import (
+    LoadDriver,
+    SendStats,
+    arrival_gaps_s,
+    run_event_loop,
+)
 from slipstream.bench.v2.blocking import BlockingHttpUser
 from slipstream.bench.v2.clients import HttpClient, InferClient, make_client
 from slipstream.bench.v2.messages import (
@@ -68,17 +73,7 @@ def default_client(plan: WorkerPlan, outstanding: int) -> InferClient:
 class WindowRecorder:
     """Counts for one window; swapped for a fresh one at every boundary."""
 
-    __slots__ = (
-        "_batch_sizes",
-        "errors",
-        "inflight_cap_waits",
-        "late_sends",
-        "latencies_s",
-        "max_send_lag_s",
-        "ok_inferences",
-        "ok_requests",
-        "sent",
-    )
+    __slots__ = ("_batch_sizes", "errors", "latencies_s", "ok_inferences", "ok_requests")
 
     def __init__(self, batch_sizes: list[int]) -> None:
         self._batch_sizes = batch_sizes
@@ -86,10 +81,6 @@ class WindowRecorder:
         self.ok_requests = 0
         self.ok_inferences = 0
         self.errors: dict[str, int] = {}
-        self.sent = 0
-        self.late_sends = 0
-        self.max_send_lag_s = 0.0
-        self.inflight_cap_waits = 0
 
     def record(self, index: int, latency_s: float, error: str | None) -> None:
         if error is None:
@@ -98,12 +89,6 @@ class WindowRecorder:
             self.ok_inferences += self._batch_sizes[index]
         else:
             self.errors[error] = self.errors.get(error, 0) + 1
-
-    def record_send(self, lag_s: float) -> None:
-        self.sent += 1
-        if lag_s > LATE_SEND_S:
-            self.late_sends += 1
-            self.max_send_lag_s = max(self.max_send_lag_s, lag_s)
 
     def histogram(self) -> LatencyHistogram:
         return LatencyHistogram.from_latencies(np.frombuffer(self.latencies_s, np.float64))
@@ -115,23 +100,10 @@ def worker_main(conn: Pipe, plan: WorkerPlan) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = Worker(conn, plan)
     try:
-        if plan.endpoint.protocol == "grpc":
-            # grpc.aio measured faster on asyncio's own loop than on uvloop.
-            asyncio.run(worker.serve())
-        else:
-            _run_fast(worker)
+        run_event_loop(worker.serve(), fast=plan.endpoint.protocol != "grpc")
     except Exception:
         with contextlib.suppress(OSError):
             conn.send(WorkerFailed(plan.worker_id, traceback.format_exc()))
-
-
-def _run_fast(worker: Worker) -> None:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is absent on Windows
-        asyncio.run(worker.serve())
-        return
-    uvloop.run(worker.serve())
 
 
 class Worker:
@@ -148,7 +120,6 @@ class Worker:
         self._recorder = WindowRecorder(self._batch_sizes)
         self._record_lock = threading.Lock()
         self._stops: dict[int, asyncio.Event] = {}
-        self._inflight = 0
         self._rng = np.random.default_rng(plan.seed + 7919 * plan.worker_id)
 
     async def serve(self) -> None:
@@ -205,7 +176,7 @@ class Worker:
         await _sleep_until(command.start_at)
         self._recorder = WindowRecorder(self._batch_sizes)
         cpu_s = self._cpu_s()
-        drivers = self._start_drivers(client, command, stop)
+        driver, tasks = self._start_load(client, command, stop)
         window_start = command.start_at
         index = -1 if command.warmup_s > 0 else 0
         while index < command.max_windows:
@@ -213,36 +184,64 @@ class Worker:
             if await _wait_until_or_stopped(end, stop):
                 break
             now, cpu_now = time.monotonic(), self._cpu_s()
-            self._cut_window(client, command, index, window_start, now, cpu_now - cpu_s)
+            sends = driver.take_stats() if driver is not None else SendStats()
+            self._cut_window(client, command, index, (window_start, now), cpu_now - cpu_s, sends)
             window_start, cpu_s = now, cpu_now
             index += 1
         stop.set()
-        await self._drain(drivers)
+        await self._drain(tasks)
         await client.close()
         self._conn.send(LevelDone(plan.worker_id, command.level_id))
 
-    def _start_drivers(
+    def _start_load(
         self, client: InferClient, command: RunLevel, stop: asyncio.Event
-    ) -> list[asyncio.Task[None]]:
+    ) -> tuple[LoadDriver[str | None] | None, list[asyncio.Task[None]]]:
+        """The level's load loop as a task, and its driver (None: the blocking user)."""
         if command.concurrency == 1 and isinstance(client, HttpClient) and client.blocking_ok:
             user = BlockingHttpUser(
                 self._plan.endpoint, client.payloads, self._plan.timeout_s, client.note
             )
             run = asyncio.to_thread(user.run, stop, self._record_locked, command.first_user)
-            return [asyncio.create_task(run)]
+            return None, [asyncio.create_task(run)]
         if command.concurrency:
-            users = range(command.first_user, command.first_user + command.concurrency)
-            return [asyncio.create_task(self._closed_user(client, u, stop)) for u in users]
-        return [asyncio.create_task(self._open_loop(client, command, stop))]
+            driver = self._driver(client, command.first_user, stop, None)
+            return driver, [asyncio.create_task(driver.closed_loop(command.concurrency))]
+        # Open loop: latency counts from the schedule, whatever the responses do.
+        driver = self._driver(client, self._plan.worker_id, stop, command.max_inflight)
+        gaps = arrival_gaps_s(command.request_rate, self._plan.distribution, self._rng)
+        loop = driver.open_loop(gaps, command.start_at + command.phase_s)
+        return driver, [asyncio.create_task(loop)]
+
+    def _driver(
+        self, client: InferClient, first: int, stop: asyncio.Event, max_inflight: int | None
+    ) -> LoadDriver[str | None]:
+        """A driver sending the plan's requests in turn from ``first`` (worker id or
+        first user, so workers start at different inputs), recording each outcome."""
+
+        def record(
+            index: int, scheduled_s: float, sent_s: float, done_s: float, error: str | None
+        ) -> None:
+            # corrected_latency_s, inline: this runs once per request.
+            self._recorder.record(index, done_s - min(scheduled_s, sent_s), error)
+
+        return LoadDriver(
+            client.infer,
+            record,
+            requests=len(self._batch_sizes),
+            first=first,
+            late_send_s=LATE_SEND_S,
+            max_inflight=max_inflight,
+            stop=stop,
+        )
 
     def _cut_window(
         self,
         client: InferClient,
         command: RunLevel,
         index: int,
-        start_s: float,
-        end_s: float,
+        span_s: tuple[float, float],
         cpu_s: float,
+        sends: SendStats,
     ) -> None:
         with self._record_lock:
             recorder, self._recorder = self._recorder, WindowRecorder(self._batch_sizes)
@@ -250,93 +249,37 @@ class Worker:
             worker_id=self._plan.worker_id,
             level_id=command.level_id,
             window_index=index,
-            start_s=start_s,
-            end_s=end_s,
+            start_s=span_s[0],
+            end_s=span_s[1],
             ok_requests=recorder.ok_requests,
             ok_inferences=recorder.ok_inferences,
             latency=recorder.histogram(),
             errors=recorder.errors,
             error_examples={k: client.error_examples.get(k, "") for k in recorder.errors},
             cpu_s=cpu_s,
-            sent=recorder.sent,
-            late_sends=recorder.late_sends,
-            max_send_lag_s=recorder.max_send_lag_s,
-            inflight_cap_waits=recorder.inflight_cap_waits,
+            sends=sends,
         )
         self._conn.send(sample)
 
-    async def _drain(self, drivers: list[asyncio.Task[None]]) -> None:
+    async def _drain(self, tasks: list[asyncio.Task[None]]) -> None:
         """Let outstanding requests finish (they time out at worst), then cancel."""
-        _, pending = await asyncio.wait(drivers, timeout=self._plan.timeout_s + _DRAIN_GRACE_S)
+        _, pending = await asyncio.wait(tasks, timeout=self._plan.timeout_s + _DRAIN_GRACE_S)
         for task in pending:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+        for task in tasks:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
 
     def _cpu_s(self) -> float:
         times = self._process.cpu_times()
         return float(times.user + times.system)
 
-    # ------------------------------------------------------------------ the loops
-
     def _record_locked(self, index: int, latency_s: float, error: str | None) -> None:
         """Record from the blocking user's thread, never into a window being cut."""
         with self._record_lock:
             self._recorder.record(index, latency_s, error)
-
-    async def _closed_user(self, client: InferClient, user: int, stop: asyncio.Event) -> None:
-        """One virtual user: a request, its response, the next request, at once."""
-        count = len(self._batch_sizes)
-        index = user % count
-        monotonic = time.monotonic
-        while not stop.is_set():
-            started = monotonic()
-            error = await client.infer(index)
-            self._recorder.record(index, monotonic() - started, error)
-            index = (index + 1) % count
-
-    async def _open_loop(self, client: InferClient, command: RunLevel, stop: asyncio.Event) -> None:
-        """Send on schedule whatever the responses do; latency counts from the schedule."""
-        gaps = arrival_gaps_s(command.request_rate, self._plan.distribution, self._rng)
-        scheduled = command.start_at + command.phase_s
-        count = len(self._batch_sizes)
-        index = self._plan.worker_id % count
-        slot_freed = asyncio.Event()
-        requests: set[asyncio.Task[None]] = set()
-        monotonic = time.monotonic
-        while not stop.is_set():
-            now = monotonic()
-            if scheduled > now + EARLY_SEND_S:
-                await asyncio.sleep(scheduled - now - EARLY_SEND_S)
-                continue
-            if self._inflight >= command.max_inflight:
-                self._recorder.inflight_cap_waits += 1
-                slot_freed.clear()
-                await slot_freed.wait()
-                continue
-            task = asyncio.create_task(self._open_request(client, index, scheduled, slot_freed))
-            requests.add(task)
-            task.add_done_callback(requests.discard)
-            index = (index + 1) % count
-            scheduled += next(gaps)
-            if scheduled < now:
-                await asyncio.sleep(0)  # behind schedule: let responses be read meanwhile
-        if requests:
-            await asyncio.wait(requests)
-
-    async def _open_request(
-        self, client: InferClient, index: int, scheduled_s: float, slot_freed: asyncio.Event
-    ) -> None:
-        sent = time.monotonic()
-        self._recorder.record_send(sent - scheduled_s)
-        self._inflight += 1
-        try:
-            error = await client.infer(index)
-        finally:
-            self._inflight -= 1
-            slot_freed.set()
-        latency_s = corrected_latency_s(scheduled_s, sent, time.monotonic())
-        self._recorder.record(index, latency_s, error)
 
 
 async def _sleep_until(deadline: float) -> None:

@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from slipstream.bench.core.endpoint import Endpoint
 from slipstream.bench.core.histogram import LatencyHistogram
+from slipstream.bench.core.levels import Distribution
+from slipstream.bench.core.schedule import SendStats
 
 Protocol = Literal["http", "http-binary", "grpc"]
-Distribution = Literal["constant", "poisson"]
 
 
 @dataclass(frozen=True)
@@ -30,30 +32,6 @@ class EncodedRequest:
     header_length: int | None
     # Inferences the request counts for (its batch size).
     batch_size: int
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where the server listens, parsed once from the URL (see clients.parse_endpoint)."""
-
-    protocol: Protocol
-    host: str
-    port: int
-    # https:// (HTTP) or grpcs:// (gRPC).
-    tls: bool
-    # HTTP only: a path before /v2, e.g. behind a reverse proxy.
-    path_prefix: str = ""
-
-    @property
-    def origin(self) -> str:
-        """http(s)://host:port, for the HTTP API."""
-        scheme = "https" if self.tls else "http"
-        return f"{scheme}://{self.host}:{self.port}"
-
-    @property
-    def address(self) -> str:
-        """host:port, for gRPC and messages."""
-        return f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -137,12 +115,8 @@ class WindowSample:
     error_examples: dict[str, str] = field(default_factory=dict)
     # CPU time (user + system) of the worker process in the window.
     cpu_s: float = 0.0
-    # Open loop: requests started, those started over 1 ms after their schedule, the
-    # worst lag, and how often the in-flight cap held a send back.
-    sent: int = 0
-    late_sends: int = 0
-    max_send_lag_s: float = 0.0
-    inflight_cap_waits: int = 0
+    # Open loop: requests started, those over 1 ms late, the in-flight cap's waits.
+    sends: SendStats = field(default_factory=SendStats)
 
 
 @dataclass(frozen=True)

@@ -6,20 +6,27 @@ imports matplotlib only when asked for.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
-from slipstream.bench.openai.results import OpenAIBenchResult
+from slipstream.bench.core.levels import LoadLevel
+from slipstream.bench.core.output import (
+    LevelProgress,
+    csv_row,
+    errors_cell,
+    fmt_num,
+    load_cell,
+    load_header,
+    print_problems,
+    write_files,
+)
 from slipstream.bench.v2.results import BenchResult, LevelResult, WindowTotals
-from slipstream.bench.v2.settings import LoadLevel
+from slipstream.bench.v2.runner import ProgressListener
+from slipstream.bench.v2.settings import BenchSettings
 
 # Columns of the CSV file, in order: every scalar figure of a level.
 CSV_FIELDS = [
@@ -32,43 +39,12 @@ CSV_FIELDS = [
 # ----------------------------------------------------------------------- live progress
 
 
-def progress_bar(console: Console) -> Progress:
-    """The bench progress bar: spinner, level, bar, done/total, the level's figures."""
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(bar_width=20),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[figures]}"),
-        console=console,
-        transient=True,
-    )
-
-
-class RichProgress:
+class RichProgress(LevelProgress, ProgressListener):
     """A progress bar per level (windows done) with the last window's figures."""
 
-    def __init__(self, console: Console) -> None:
-        self._console = console
-        self._progress = progress_bar(console)
-        self._task: Any = None
-
-    def __enter__(self) -> RichProgress:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
-
     def level_started(self, level: LoadLevel, workers: int, max_windows: int) -> None:
-        if self._task is not None:
-            self._progress.remove_task(self._task)
         plural = "s" if workers > 1 else ""
-        self._task = self._progress.add_task(
-            f"{level.label} ({workers} worker{plural})",
-            total=max_windows,
-            figures="warming up",
-        )
+        self.new_level(f"{level.label} ({workers} worker{plural})", max_windows, "warming up")
 
     def window_done(self, level: LoadLevel, window: WindowTotals, stable: bool) -> None:
         p99 = window.latency.percentile_s(99) * 1000
@@ -78,7 +54,7 @@ class RichProgress:
             + (f"  {errors} errors" if errors else "")
             + ("  stable" if stable else "")
         )
-        self._progress.update(self._task, advance=1, figures=figures)
+        self.advance(figures)
 
     def level_done(self, result: LevelResult) -> None:
         p99 = "-" if result.p99_ms is None else f"{result.p99_ms:.2f} ms"
@@ -95,17 +71,6 @@ class RichProgress:
 # ----------------------------------------------------------------------- terminal tables
 
 
-def terminal_console(stderr: bool = False) -> Console:
-    """A console as wide as the terminal, or 200 columns when output is not one (a file,
-    a pipe, CI logs): the tables stay one line per level."""
-    stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, width=None if stream.isatty() else 200)
-
-
-def _num(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
 def print_tables(result: BenchResult, console: Console) -> None:
     """Throughput and latency, then the server breakdown and resources, then warnings."""
     title = (
@@ -113,46 +78,30 @@ def print_tables(result: BenchResult, console: Console) -> None:
         + (f", {result.distribution} arrivals" if result.distribution else "")
     )
     main = Table(title=title, title_justify="left")
-    main.add_column(_load_header(result))
+    main.add_column(load_header(result))
     for name in ("infer/s", "req/s", "avg ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms"):
         main.add_column(name, justify="right")
     main.add_column("errors", justify="right")
     for level in result.levels:
         main.add_row(
-            _load_cell(level),
-            _num(level.throughput_infer_per_s, 1),
-            _num(level.throughput_req_per_s, 1),
-            *(_num(v, 3) for v in _latencies(level)),
-            _errors_cell(level),
+            load_cell(level),
+            fmt_num(level.throughput_infer_per_s, 1),
+            fmt_num(level.throughput_req_per_s, 1),
+            *(fmt_num(v, 3) for v in _latencies(level)),
+            errors_cell(level),
         )
     console.print(main)
     console.print(_breakdown_table(result))
     print_problems(console, result)
 
 
-def _load_header(result: BenchResult) -> str:
-    return "concurrency" if result.distribution is None else "req/s asked"
-
-
-def _load_cell(level: LevelResult) -> str:
-    if level.concurrency is not None:
-        return str(level.concurrency)
-    return f"{level.request_rate:g}"
-
-
 def _latencies(level: LevelResult) -> list[float | None]:
     return [level.avg_ms, level.p50_ms, level.p90_ms, level.p95_ms, level.p99_ms, level.max_ms]
 
 
-def _errors_cell(level: LevelResult) -> str:
-    if not level.errors:
-        return "0"
-    return ", ".join(f"{key}: {count}" for key, count in level.errors_by_code.items())
-
-
 def _breakdown_table(result: BenchResult) -> Table:
     table = Table(title="Server breakdown (ms per request) and resources", title_justify="left")
-    columns = [_load_header(result), "queue", "compute in", "compute infer", "compute out"]
+    columns = [load_header(result), "queue", "compute in", "compute infer", "compute out"]
     columns += ["overhead", "batch", "client CPU%", "server CPU%", "server RSS MB"]
     if any(level.cost_per_1m_infer is not None for level in result.levels):
         columns.append("$ / 1M infer")
@@ -160,19 +109,19 @@ def _breakdown_table(result: BenchResult) -> Table:
         table.add_column(name, justify="left" if index == 0 else "right")
     for level in result.levels:
         row = [
-            _load_cell(level),
-            _num(level.server_queue_ms, 3),
-            _num(level.server_compute_input_ms, 3),
-            _num(level.server_compute_infer_ms, 3),
-            _num(level.server_compute_output_ms, 3),
-            _num(level.server_overhead_ms, 3),
-            _num(level.server_avg_batch_size, 1),
-            _num(level.client_cpu_pct, 0),
-            _num(level.server_cpu_pct, 0),
-            _num(level.server_rss_mb, 0),
+            load_cell(level),
+            fmt_num(level.server_queue_ms, 3),
+            fmt_num(level.server_compute_input_ms, 3),
+            fmt_num(level.server_compute_infer_ms, 3),
+            fmt_num(level.server_compute_output_ms, 3),
+            fmt_num(level.server_overhead_ms, 3),
+            fmt_num(level.server_avg_batch_size, 1),
+            fmt_num(level.client_cpu_pct, 0),
+            fmt_num(level.server_cpu_pct, 0),
+            fmt_num(level.server_rss_mb, 0),
         ]
         if len(columns) > len(row):
-            row.append(_num(level.cost_per_1m_infer, 4))
+            row.append(fmt_num(level.cost_per_1m_infer, 4))
         table.add_row(*row)
     return table
 
@@ -180,35 +129,14 @@ def _breakdown_table(result: BenchResult) -> Table:
 # ----------------------------------------------------------------------- files
 
 
-def result_dict(result: BenchResult | OpenAIBenchResult) -> dict[str, Any]:
-    """The whole result as plain JSON-ready data."""
-    return dataclasses.asdict(result)
+def write_outputs(
+    settings: BenchSettings, result: BenchResult, written: Callable[[Path], None]
+) -> None:
+    """The files asked for: --json, --csv, --report (charts need matplotlib: ImportError
+    without it); ``written`` is told each path as it is written."""
+    write_files(settings, result, CSV_FIELDS, lambda level: csv_row(level, CSV_FIELDS), written)
+    if settings.report_path is not None:
+        from slipstream.bench.v2.charts import write_report
 
-
-def write_json(result: BenchResult | OpenAIBenchResult, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result_dict(result), indent=2, allow_nan=False) + "\n")
-
-
-def write_csv(result: BenchResult, path: Path) -> None:
-    """One row per load level; errors by code as ``key=count`` pairs."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as out:
-        writer = csv.DictWriter(out, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for level in result.levels:
-            row = {name: getattr(level, name) for name in CSV_FIELDS}
-            row["errors_by_code"] = "; ".join(f"{k}={v}" for k, v in level.errors_by_code.items())
-            row["warnings"] = " | ".join(level.warnings)
-            writer.writerow({k: "" if v is None else v for k, v in row.items()})
-
-
-def print_problems(console: Console, result: Any) -> None:
-    """Each level's error examples and warnings, then the run's warnings."""
-    for level in result.levels:
-        for key, example in level.error_examples.items():
-            console.print(f"[red]{level.label}: {key}[/]: {example[:300]}")
-        for warning in level.warnings:
-            console.print(f"[yellow]warning[/] {level.label}: {warning}")
-    for warning in result.warnings:
-        console.print(f"[yellow]warning[/] {warning}")
+        write_report(result, settings.report_path)
+        written(settings.report_path)

@@ -8,19 +8,19 @@ JSON / CSV column names, with units in them.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from slipstream.bench.core.errors import error_summary
 from slipstream.bench.core.histogram import LatencyHistogram, merge_histograms
+from slipstream.bench.core.levels import LoadLevel
+from slipstream.bench.core.schedule import LATE_SEND_SHARE, SATURATED_CPU_PCT, SendStats
 from slipstream.bench.v2.messages import WindowSample
 from slipstream.bench.v2.server_stats import ProcessUsage, ServerBreakdown
-from slipstream.bench.v2.settings import LoadLevel
 
-# A worker above this share of one core is taken as saturated.
-SATURATED_CPU_PCT = 90.0
-# Open loop: warn when more than this share of sends left over 1 ms late...
-LATE_SEND_SHARE = 0.01
-# ... or fewer than this share of the asked rate was sent.
+# Open loop: warn when fewer than this share of the asked rate was sent (or more than
+# LATE_SEND_SHARE of the sends left over 1 ms late).
 SEND_RATE_SHARE = 0.95
 
 
@@ -38,10 +38,8 @@ class WindowTotals:
     error_examples: dict[str, str]
     # CPU seconds of each worker in the window, by worker id.
     cpu_s_by_worker: dict[int, float]
-    sent: int = 0
-    late_sends: int = 0
-    max_send_lag_s: float = 0.0
-    inflight_cap_waits: int = 0
+    # Open loop: the workers' sends in the window.
+    sends: SendStats = field(default_factory=SendStats)
 
     @property
     def throughput_req_per_s(self) -> float:
@@ -60,13 +58,7 @@ class WindowTotals:
 
 def merge_samples(samples: list[WindowSample]) -> WindowTotals:
     """The workers' samples of one window as one."""
-    errors: dict[str, int] = {}
-    examples: dict[str, str] = {}
-    for sample in samples:
-        for key, count in sample.errors.items():
-            errors[key] = errors.get(key, 0) + count
-        for key, message in sample.error_examples.items():
-            examples.setdefault(key, message)
+    errors, examples = _merge_errors(samples)
     return WindowTotals(
         index=samples[0].window_index,
         duration_s=sum(s.end_s - s.start_s for s in samples) / len(samples),
@@ -76,11 +68,22 @@ def merge_samples(samples: list[WindowSample]) -> WindowTotals:
         errors=errors,
         error_examples=examples,
         cpu_s_by_worker={s.worker_id: s.cpu_s for s in samples},
-        sent=sum(s.sent for s in samples),
-        late_sends=sum(s.late_sends for s in samples),
-        max_send_lag_s=max(s.max_send_lag_s for s in samples),
-        inflight_cap_waits=sum(s.inflight_cap_waits for s in samples),
+        sends=SendStats.total(s.sends for s in samples),
     )
+
+
+def _merge_errors(
+    parts: Sequence[WindowSample | WindowTotals],
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Error counts summed over windows or workers, and the first example of each key."""
+    errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for part in parts:
+        for key, count in part.errors.items():
+            errors[key] = errors.get(key, 0) + count
+        for key, message in part.error_examples.items():
+            examples.setdefault(key, message)
+    return errors, examples
 
 
 @dataclass
@@ -178,13 +181,7 @@ def level_result(inputs: LevelInputs) -> LevelResult:
     windows = inputs.windows
     duration_s = sum(w.duration_s for w in windows)
     latency = merge_histograms([w.latency for w in windows])
-    errors: dict[str, int] = {}
-    examples: dict[str, str] = {}
-    for window in windows:
-        for key, count in window.errors.items():
-            errors[key] = errors.get(key, 0) + count
-        for key, message in window.error_examples.items():
-            examples.setdefault(key, message)
+    errors, examples = _merge_errors(windows)
     requests = sum(w.ok_requests for w in windows)
     inferences = sum(w.ok_inferences for w in windows)
     throughput_infer = inferences / duration_s if duration_s > 0 else 0.0
@@ -233,11 +230,10 @@ def _add_client_figures(
         result.client_cpu_pct = 100 * sum(cpu_by_worker.values()) / duration_s
         result.client_max_worker_cpu_pct = 100 * max(cpu_by_worker.values()) / duration_s
     if result.request_rate is not None:
-        sent = sum(w.sent for w in windows)
-        result.send_rate_per_s = sent / duration_s if duration_s > 0 else 0.0
-        result.late_sends = sum(w.late_sends for w in windows)
-        lag_s = max((w.max_send_lag_s for w in windows), default=0.0)
-        result.max_send_lag_ms = lag_s * 1000
+        sends = SendStats.total(w.sends for w in windows)
+        result.send_rate_per_s = sends.sent / duration_s if duration_s > 0 else 0.0
+        result.late_sends = sends.late_sends
+        result.max_send_lag_ms = sends.max_send_lag_s * 1000
 
 
 def _add_server_figures(result: LevelResult, inputs: LevelInputs) -> None:
@@ -287,7 +283,7 @@ def _open_loop_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
     rate = result.request_rate or 0.0
     sent_rate = result.send_rate_per_s or 0.0
     sent = sent_rate * result.duration_s
-    cap_waits = sum(w.inflight_cap_waits for w in inputs.windows)
+    cap_waits = sum(w.sends.inflight_cap_waits for w in inputs.windows)
     if cap_waits:
         cause = (
             "the in-flight cap (--max-inflight) was reached: the server does not keep up "
@@ -306,19 +302,3 @@ def _open_loop_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
             "counts from the scheduled time"
         )
     return warnings
-
-
-class _HasErrors(Protocol):
-    errors_by_code: dict[str, int]
-    error_examples: dict[str, str]
-
-
-def error_summary(result: _HasErrors) -> str:
-    """Errors by kind, each with an example message (V2 and OpenAI levels alike)."""
-    if not result.errors_by_code:
-        return "no request completed"
-    parts = []
-    for key, count in result.errors_by_code.items():
-        example = result.error_examples.get(key, "")
-        parts.append(f"{key} x{count}" + (f" ({example[:200]})" if example else ""))
-    return "; ".join(parts)

@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol as TypingProtocol
 
+from slipstream.bench.core.endpoint import Endpoint, parse_endpoint
 from slipstream.bench.core.errors import BenchError
 from slipstream.bench.core.histogram import STABILITY_WINDOWS, is_stable
-from slipstream.bench.v2.clients import parse_endpoint
+from slipstream.bench.core.levels import LoadLevel
+from slipstream.bench.core.schedule import SATURATED_CPU_PCT
 from slipstream.bench.v2.inputs import (
     InputError,
-    ModelSignature,
+    RemoteModel,
     generate_requests,
     read_input_data,
 )
 from slipstream.bench.v2.messages import (
     EncodedRequest,
-    Endpoint,
     LevelDone,
     Message,
     RunLevel,
@@ -42,7 +42,6 @@ from slipstream.bench.v2.messages import (
 )
 from slipstream.bench.v2.payloads import encode_request
 from slipstream.bench.v2.results import (
-    SATURATED_CPU_PCT,
     BenchResult,
     LevelInputs,
     LevelResult,
@@ -57,9 +56,11 @@ from slipstream.bench.v2.server_stats import (
     StatsSnapshot,
     process_usage,
 )
-from slipstream.bench.v2.settings import BenchSettings, LoadLevel
+from slipstream.bench.v2.settings import BenchSettings
 from slipstream.bench.v2.workers import WorkerPool, usable_cores
 
+# What the CLI adds when no request of any level succeeded.
+ALL_FAILED_HINT = "wrong --model-version, inputs the model refuses, or an overloaded server"
 # Workers get this long after a RunLevel before sending starts, so they start together.
 _START_DELAY_S = 0.2
 # Auto mode adds workers when one used more than this share of a core in the warm-up.
@@ -72,19 +73,10 @@ _REPORT_SLACK_S = 10.0
 _API_TIMEOUT_S = 10.0
 
 
-class ProgressListener(TypingProtocol):
-    """Told about the run as it goes (the CLI shows it; tests pass nothing)."""
+class ProgressListener:
+    """Told about the run as it goes: the CLI's live progress overrides these no-ops
+    (``slipstream.bench.v2.report.RichProgress``); the API passes nothing."""
 
-    def level_started(self, level: LoadLevel, workers: int, max_windows: int) -> None: ...
-
-    def window_done(self, level: LoadLevel, window: WindowTotals, stable: bool) -> None: ...
-
-    def level_done(self, result: LevelResult) -> None: ...
-
-    def note(self, message: str) -> None: ...
-
-
-class NullProgress:
     def level_started(self, level: LoadLevel, workers: int, max_windows: int) -> None:
         pass
 
@@ -100,7 +92,7 @@ class NullProgress:
 
 def run_bench(settings: BenchSettings, progress: ProgressListener | None = None) -> BenchResult:
     """Measure every load level of ``settings``; raises BenchError when it cannot run."""
-    listener = progress or NullProgress()
+    listener = progress or ProgressListener()
     try:
         endpoint = parse_endpoint(settings.url, settings.protocol)
     except ValueError as exc:
@@ -136,7 +128,7 @@ def run_bench(settings: BenchSettings, progress: ProgressListener | None = None)
     )
 
 
-def build_requests(settings: BenchSettings, signature: ModelSignature) -> list[EncodedRequest]:
+def build_requests(settings: BenchSettings, signature: RemoteModel) -> list[EncodedRequest]:
     """The requests to send, encoded for the protocol; BenchError names a bad input."""
     try:
         if settings.input_data is not None:

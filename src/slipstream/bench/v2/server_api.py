@@ -15,10 +15,10 @@ from typing import Any
 
 import orjson
 
+from slipstream.bench.core.endpoint import Endpoint
 from slipstream.bench.core.errors import BenchError, ServerUnreachable
 from slipstream.bench.v2.clients import model_path
-from slipstream.bench.v2.inputs import ModelSignature, signature_from_metadata
-from slipstream.bench.v2.messages import Endpoint
+from slipstream.bench.v2.inputs import RemoteModel, signature_from_metadata
 from slipstream.bench.v2.server_stats import StatsSnapshot, snapshot_from_json, snapshot_from_proto
 
 _SERVICE = "/inference.GRPCInferenceService/"
@@ -35,7 +35,7 @@ class ServerApi(ABC):
         # False once the server showed it has no statistics extension: stop asking.
         self._stats_offered = True
 
-    def signature(self) -> ModelSignature:
+    def signature(self) -> RemoteModel:
         """The model's signature; raises BenchError when it cannot be served."""
         metadata = self._metadata()
         self._check_ready()
