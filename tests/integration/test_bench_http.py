@@ -20,6 +20,8 @@ from slipstream.bench.core.http import (
     post_request,
 )
 from slipstream.bench.openai.client import OpenAIClient
+from slipstream.bench.openai.runner import run_bench_async
+from slipstream.bench.openai.settings import OpenAIBenchSettings, TokenRange
 from slipstream.bench.v2.blocking import BlockingHttpUser
 
 SSE_BODY = b'data: {"choices": [{"text": "hi"}]}\n\ndata: [DONE]\n\n'
@@ -217,6 +219,7 @@ async def test_the_openai_stream_client_retries_with_a_fresh_stream() -> None:
     assert [s.error for s in streams] == [None, None, None]
     assert [len(s.chunk_times_s) for s in streams] == [1, 1, 1]
     assert client.error_examples == {}
+    assert client.reconnects == 2  # the second and third each went again, once
 
 
 class _StopAfter:
@@ -264,3 +267,23 @@ def test_keep_alive_header_parsing() -> None:
     closing = KeepAlive()
     closing.response_done(keep_alive=False, header=None, now_s=0.0)
     assert not closing.reusable(0.0)
+
+
+async def test_an_openai_level_reports_its_reconnects_apart_from_errors() -> None:
+    """A whole level against a server that drops reused connections: no errors, the
+    reconnects counted in the level's result (JSON) and said in a warning."""
+    server = LittleServer(drop_reused=True, body=SSE_BODY)
+    listening = await start(server)
+    settings = OpenAIBenchSettings(
+        url=f"http://127.0.0.1:{server.port}", model="m", protocol="openai-completions",
+        concurrency=[1], num_requests=4, prompt_tokens=TokenRange.of(8),
+        output_tokens=TokenRange.of(1),
+    )  # fmt: skip
+    try:
+        result = await run_bench_async(settings)
+    finally:
+        await server.stop(listening)
+    [level] = result.levels
+    assert (level.requests, level.errors) == (4, 0)
+    assert level.reconnects == 4  # every request found its pooled connection dropped
+    assert any("fresh connection" in warning for warning in level.warnings)

@@ -191,6 +191,12 @@ class OpenAIClient:
         # Error key -> the first message seen with it.
         self.error_examples: dict[str, str] = {}
 
+    @property
+    def reconnects(self) -> int:
+        """Requests sent again on a fresh connection after the server closed a pooled one
+        before answering (a keep-alive timeout): a client's ordinary work, not errors."""
+        return self._connections.reconnects
+
     def encode(self, body: bytes) -> bytes:
         """The whole HTTP request for a JSON body, to pass to :meth:`send`."""
         return post_request(self._endpoint, self._path, body)

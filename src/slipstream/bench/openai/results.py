@@ -151,6 +151,9 @@ class OpenAILevelResult:
     max_send_lag_ms: float | None
     # CPU of this client in percent of one core over the level.
     client_cpu_pct: float
+    # Requests sent again on a fresh connection after the server closed a pooled one
+    # before answering (keep-alive timeouts): not errors.
+    reconnects: int = 0
     warnings: list[str] = field(default_factory=list)
     request_results: list[RequestResult] = field(default_factory=list)
 
@@ -193,6 +196,8 @@ class LevelMeasurement:
     ignore_eos: bool
     # Open loop: the --max-inflight cap.
     max_inflight: int
+    # Requests sent again on a fresh connection (see OpenAILevelResult.reconnects).
+    reconnects: int = 0
 
 
 def level_result(measured: LevelMeasurement) -> OpenAILevelResult:
@@ -234,6 +239,7 @@ def level_result(measured: LevelMeasurement) -> OpenAILevelResult:
         late_sends=measured.late_sends,
         max_send_lag_ms=max(lags) * 1000 if open_loop and lags else None,
         client_cpu_pct=100 * measured.client_cpu_s / duration_s if duration_s > 0 else 0.0,
+        reconnects=measured.reconnects,
         request_results=measured.requests,
     )
     result.warnings = _warnings(result, ok, measured)
@@ -271,6 +277,11 @@ def _warnings(
             f"open loop: {100 * result.late_sends / sent:.1f}% of requests were sent over "
             f"10 ms late (worst {result.max_send_lag_ms or 0:.1f} ms): {cause}; their "
             "latencies count from the scheduled arrival"
+        )
+    if result.reconnects:
+        warnings.append(
+            f"{result.reconnects} requests went again on a fresh connection: the server "
+            "closed an idle keep-alive connection first (counted, not errors)"
         )
     unreported = sum(not r.usage_reported for r in ok)
     if unreported:

@@ -231,6 +231,7 @@ class LevelRun:
             total=len(self._requests),
         )
         cpu_start_s = time.process_time()
+        reconnects_before = self._client.reconnects
         self._start_s = time.monotonic()
         if self._level.concurrency is not None:
             await driver.closed_loop(self._level.concurrency)
@@ -250,6 +251,7 @@ class LevelRun:
             slos_ms=settings.goodput,
             ignore_eos=settings.ignore_eos,
             max_inflight=settings.max_inflight,
+            reconnects=self._client.reconnects - reconnects_before,
         )
 
     def _send(self, number: int) -> Awaitable[StreamState]:
