@@ -333,6 +333,7 @@ class FakeClient:
         self.service_s = service_s
         self.tokens = tokens
         self.error_examples: dict[str, str] = {}
+        self.reconnects = 0
         self.inflight = 0
         self.peak = 0
         self.sent_at: list[float] = []
@@ -396,3 +397,24 @@ async def test_open_loop_sends_on_schedule_whatever_the_responses_do() -> None:
     for request, sent_at in zip(measured.requests, client.sent_at, strict=True):
         assert sent_at - started >= request.arrival_s - 0.0011
     assert measured.requests[-1].arrival_s == pytest.approx(0.1)
+
+
+def test_response_format_constrains_every_request(tmp_path: Path) -> None:
+    """--response-format json_object, or a schema file sent as a strict json_schema."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    common = {"url": "http://127.0.0.1:1", "model": "m", "protocol": "openai-chat",
+              "num_requests": 2, "prompt_tokens": 8, "output_tokens": 4}  # fmt: skip
+    plain = OpenAIBenchSettings(**common)
+    assert all("response_format" not in json.loads(r.body) for r in build_requests(plain))
+    as_object = OpenAIBenchSettings(**common, response_format="json_object")
+    bodies = [json.loads(r.body) for r in build_requests(as_object)]
+    assert all(body["response_format"] == {"type": "json_object"} for body in bodies)
+    as_schema = OpenAIBenchSettings(**common, response_format=str(tmp_path / "schema.json"))
+    body = json.loads(build_requests(as_schema)[0].body)
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "bench", "schema": schema, "strict": True},
+    }
+    with pytest.raises(ValueError, match="expected 'json_object' or a JSON schema file"):
+        OpenAIBenchSettings(**common, response_format=str(tmp_path / "missing.json"))

@@ -114,6 +114,7 @@ _FILE = click.Path(path_type=Path, dir_okay=False)
 @click.option("--output-tokens", default="128", help=_openai_help("output_tokens"))
 @click.option("--prompts", "prompts_path", type=_FILE, help=_openai_help("prompts_path"))
 @click.option("--ignore-eos", is_flag=True, help=_openai_help("ignore_eos"))
+@click.option("--response-format", help=_openai_help("response_format"))
 @click.option("--goodput", multiple=True, help=_openai_help("goodput"))
 def bench(**options: Any) -> None:
     """Measure throughput and latency of MODEL on the server at URL, load level by level.

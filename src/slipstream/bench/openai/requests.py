@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -95,6 +96,7 @@ def request_body(
     prompt: str | list[int],
     max_tokens: int,
     ignore_eos: bool,
+    response_format: dict[str, Any] | None = None,
 ) -> bytes:
     """A streamed request with usage included; greedy, like vLLM's benchmark."""
     body: dict[str, object] = {"model": model}
@@ -112,6 +114,8 @@ def request_body(
     }
     if ignore_eos:
         body["ignore_eos"] = True
+    if response_format is not None:
+        body["response_format"] = response_format
     return orjson.dumps(body)
 
 
@@ -141,7 +145,14 @@ def build_requests(
             index=i,
             prompt=text,
             max_tokens=limit,
-            body=request_body(settings.protocol, settings.model, text, limit, settings.ignore_eos),
+            body=request_body(
+                settings.protocol,
+                settings.model,
+                text,
+                limit,
+                settings.ignore_eos,
+                settings.response_format,
+            ),
         )
         for i, (text, limit) in enumerate(zip(texts, max_tokens, strict=True))
     ]

@@ -9,6 +9,7 @@ The field descriptions are the CLI's ``--help`` text.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -127,11 +128,33 @@ class OpenAIBenchSettings(LoadSettings):
         description="OpenAI modes: ask for exactly max_tokens tokens (vLLM's ignore_eos "
         "extension), so output lengths do not depend on what the model says.",
     )
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="OpenAI modes: constrain every reply (structured outputs), to measure "
+        "what it costs: 'json_object', or a file holding a JSON schema (sent as "
+        "json_schema, strict).",
+    )
     goodput: dict[str, float] = Field(
         default_factory=dict,
         description="OpenAI modes: SLOs in ms, like 'ttft:500 tpot:50' (metrics ttft, "
         "tpot, e2el); goodput counts the requests per second meeting all of them.",
     )
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        if value == "json_object":
+            return {"type": "json_object"}
+        try:
+            schema = json.loads(Path(value).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"expected 'json_object' or a JSON schema file, got {value!r}: {exc}"
+            ) from None
+        return {"type": "json_schema",
+                "json_schema": {"name": "bench", "schema": schema, "strict": True}}  # fmt: skip
 
     @field_validator("prompt_tokens", "output_tokens", mode="before")
     @classmethod
