@@ -3,7 +3,9 @@ grammar, and the tokens a matcher allows next."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,3 +71,28 @@ def allowed_tokens(matcher: Any, n_vocab: int) -> np.ndarray:
     words = np.zeros((n_vocab + 31) // 32, np.int32)  # one bit a token
     matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
     return np.unpackbits(words.view(np.uint8), bitorder="little")[:n_vocab].astype(bool)
+
+
+class Matchers:
+    """Fresh llguidance matchers for one model. ``build_tokenizer`` makes llguidance's view
+    of the vocabulary (about a second): called once, off the event loop, by the first
+    constrained request."""
+
+    def __init__(self, build_tokenizer: Callable[[], Any]) -> None:
+        self._build = build_tokenizer
+        self._tokenizer: Any = None
+        self._lock = asyncio.Lock()
+
+    async def new(self, constraint: Constraint) -> Any:
+        from llguidance import LLMatcher
+
+        async with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = await asyncio.to_thread(self._build)
+        grammar = compile_constraint(constraint)
+        # Building the matcher compiles the grammar against the vocabulary: off the loop.
+        matcher = await asyncio.to_thread(LLMatcher, self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            field = constraint_field(constraint)
+            raise InvalidRequest(f"{field}: does not compile: {matcher.get_error()}")
+        return matcher

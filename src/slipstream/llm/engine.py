@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from slipstream.errors import InvalidRequest
+from slipstream.llm.constraints import compile_constraint
 from slipstream.types import Constraint
 
 FinishReason = Literal["stop", "length"]
@@ -116,8 +117,6 @@ class Engine(ABC):
     max_model_len: int
     #: Token capacity of the KV cache; one sequence can never exceed it.
     cache_tokens: int
-    #: The ``backend:`` name that selects this engine, for messages.
-    backend: str = "this"
     #: Token ids run from 0 to vocab_size - 1; a prompt of ids is checked against it.
     vocab_size: int
 
@@ -149,30 +148,19 @@ class Engine(ABC):
         return self.decode([token_id]).encode()
 
     def check_features(self, params: SamplingParams) -> None:
-        """Refuse (400) what this engine cannot do for ``params``.
-
-        Engines override it for what they implement; this one implements none of
-        penalties, logit bias, logprobs or constraints.
-        """
-        refused = [
-            ("presence_penalty", params.presence_penalty != 0.0),
-            ("frequency_penalty", params.frequency_penalty != 0.0),
-            ("repetition_penalty", params.repetition_penalty != 1.0),
-            ("logit_bias", bool(params.logit_bias)),
-            ("logprobs", params.logprobs is not None),
-            ("response_format", params.constraint is not None),
-        ]
-        for field, asked in refused:
-            if asked:
-                what = (
-                    "structured outputs and required tool calls are"
-                    if field == "response_format"
-                    else "is"
-                )
+        """400 for what ``params`` asks that this model cannot give: a logit bias or a
+        logprobs count beyond the vocabulary, a constraint that does not compile (checked
+        before anything streams)."""
+        for token, _bias in params.logit_bias:
+            if not 0 <= token < self.vocab_size:
                 raise InvalidRequest(
-                    f"{field}: {what} not supported by the {self.backend} engine yet "
-                    "(backend: llama_cpp supports it)"
+                    f"logit_bias: token id {token} is outside the model's vocabulary "
+                    f"(ids 0 to {self.vocab_size - 1})"
                 )
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidRequest(f"logprobs: at most the vocabulary's {self.vocab_size} tokens")
+        if params.constraint is not None:
+            compile_constraint(params.constraint)
 
     def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
         """400 naming ``field`` when a prompt given as ids holds one outside the vocabulary

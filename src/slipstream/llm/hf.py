@@ -20,20 +20,17 @@ from typing import TYPE_CHECKING, Any
 
 from slipstream.errors import InternalError, InvalidRequest, Unavailable
 from slipstream.llm import sampling
-from slipstream.llm.constraints import compile_constraint, constraint_field
+from slipstream.llm.constraints import Matchers
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from slipstream.config import GenerationSettings
-    from slipstream.types import Constraint
 
 logger = logging.getLogger(__name__)
 
 
 class TransformersEngine(Engine):
     """A causal LM from a Hugging Face directory or a GGUF file; see the module docstring."""
-
-    backend = "transformers"
 
     def __init__(self, model: Any, tokenizer: Any, settings: GenerationSettings) -> None:
         from transformers import GenerationConfig
@@ -71,9 +68,7 @@ class TransformersEngine(Engine):
         )
         self._extras = sampling.ExtrasRegistry()
         sampling.install(self._manager, self._extras)
-        # llguidance's view of the vocabulary, built by the first constrained request.
-        self._lltokenizer: Any = None
-        self._tokenizer_lock = asyncio.Lock()
+        self._matchers = Matchers(self._build_lltokenizer)
         self._waiting: set[str] = set()
         self._running: set[str] = set()
         self._manager.start()
@@ -117,42 +112,11 @@ class TransformersEngine(Engine):
                 retry_after_s=1,
             )
 
-    def check_features(self, params: SamplingParams) -> None:
-        """Penalties, logit bias, logprobs and constraints are all supported here."""
-        for token, _bias in params.logit_bias:
-            if not 0 <= token < self.vocab_size:
-                raise InvalidRequest(
-                    f"logit_bias: token id {token} is not in this model's vocabulary "
-                    f"of {self.vocab_size} tokens"
-                )
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise InvalidRequest(f"logprobs: at most the vocabulary's {self.vocab_size} tokens")
-        if params.constraint is not None:
-            compile_constraint(params.constraint)
-
-    async def _matcher(self, constraint: Constraint) -> Any:
-        """A fresh llguidance matcher of ``constraint`` (the vocabulary's view built once)."""
-        from llguidance import LLMatcher
-        from llguidance.hf import from_tokenizer
-
-        async with self._tokenizer_lock:
-            if self._lltokenizer is None:
-                self._lltokenizer = await asyncio.to_thread(
-                    from_tokenizer, self._tokenizer, self.vocab_size,
-                    sorted(self.eos_token_ids) or None,
-                )  # fmt: skip
-        grammar = compile_constraint(constraint)
-        matcher = await asyncio.to_thread(LLMatcher, self._lltokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            field = constraint_field(constraint)
-            raise InvalidRequest(f"{field}: does not compile: {matcher.get_error()}")
-        return matcher
-
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[EngineStep]:
         self._check_queue()
-        matcher = None if params.constraint is None else await self._matcher(params.constraint)
+        matcher = None if params.constraint is None else await self._matchers.new(params.constraint)
         extras = sampling.RequestExtras(params, prompt_ids, matcher)
         extras_id = self._extras.add(extras) if extras.needed else 0
         try:
@@ -216,6 +180,11 @@ class TransformersEngine(Engine):
                 # The client went away or a stop string matched: free the blocks now.
                 manager.cancel_request(request_id)
                 self._drop_handler(request_id)
+
+    def _build_lltokenizer(self) -> Any:
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(self._tokenizer, self.vocab_size, sorted(self.eos_token_ids) or None)
 
     def _drop_handler(self, request_id: str) -> None:
         router = self._manager.output_router

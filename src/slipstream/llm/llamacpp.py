@@ -40,11 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 from slipstream.errors import InvalidRequest, Unavailable
 from slipstream.llm.chat_template import ChatTemplate
-from slipstream.llm.constraints import compile_constraint, constraint_field
+from slipstream.llm.constraints import Matchers
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, SamplingParams
 from slipstream.llm.llamacpp_sampling import SequenceSampler, build_tokenizer
 from slipstream.llm.llamacpp_scheduler import LlamaRuntime, LlamaSequence, Scheduler
-from slipstream.types import Constraint
 
 if TYPE_CHECKING:
     from slipstream.config import GenerationSettings
@@ -61,8 +60,6 @@ _MAX_SEQ_IDS = 256
 
 class LlamaCppEngine(Engine):
     """A GGUF model on llama.cpp; see the module docstring."""
-
-    backend = "llama_cpp"
 
     def __init__(self, path: Path, settings: GenerationSettings, threads: int) -> None:
         import llama_cpp as lib
@@ -110,9 +107,7 @@ class LlamaCppEngine(Engine):
         self._batch = lib.llama_batch_init(settings.max_batch_tokens, 0, 1)
         self._template = ChatTemplate.from_model(lib, model, self._vocab)
         self._add_bos = bool(lib.llama_vocab_get_add_bos(self._vocab))
-        # llguidance's view of the vocabulary, built by the first constrained request.
-        self._lltokenizer: Any = None
-        self._tokenizer_lock = asyncio.Lock()
+        self._matchers = Matchers(lambda: build_tokenizer(lib, self._vocab))
         runtime = LlamaRuntime(
             lib,
             context,
@@ -194,36 +189,6 @@ class LlamaCppEngine(Engine):
             )
         return buffer.raw[: max(written, 0)]
 
-    def check_features(self, params: SamplingParams) -> None:
-        """Penalties, logit bias and logprobs are all supported; a constraint is
-        compiled here so that a bad one is a 400 before anything streams."""
-        n_vocab = int(self._lib.llama_vocab_n_tokens(self._vocab))
-        for token, _bias in params.logit_bias:
-            if not 0 <= token < n_vocab:
-                raise InvalidRequest(
-                    f"logit_bias: token id {token} is not in this model's vocabulary "
-                    f"of {n_vocab} tokens"
-                )
-        if params.logprobs is not None and params.logprobs > n_vocab:
-            raise InvalidRequest(f"logprobs: at most the vocabulary's {n_vocab} tokens")
-        if params.constraint is not None:
-            compile_constraint(params.constraint)
-
-    async def _matcher(self, constraint: Constraint) -> Any:
-        """A fresh llguidance matcher of ``constraint`` (the vocabulary's view built once)."""
-        from llguidance import LLMatcher
-
-        async with self._tokenizer_lock:
-            if self._lltokenizer is None:
-                self._lltokenizer = await asyncio.to_thread(build_tokenizer, self._lib, self._vocab)
-        grammar = compile_constraint(constraint)
-        # Building the matcher compiles the grammar against the vocabulary: off the loop.
-        matcher = await asyncio.to_thread(LLMatcher, self._lltokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            field = constraint_field(constraint)
-            raise InvalidRequest(f"{field}: does not compile: {matcher.get_error()}")
-        return matcher
-
     def is_end(self, token: int) -> bool:
         return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
 
@@ -248,7 +213,7 @@ class LlamaCppEngine(Engine):
         loop = asyncio.get_running_loop()
         matcher = None
         if params.constraint is not None:
-            matcher = await self._matcher(params.constraint)
+            matcher = await self._matchers.new(params.constraint)
         sampler = SequenceSampler(self._lib, self._vocab, params, prompt_ids, matcher)
         sequence = LlamaSequence(list(prompt_ids), params, loop, asyncio.Queue(), sampler=sampler)
         self._scheduler.submit(sequence)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 
 from slipstream.errors import InvalidRequest, SlipstreamError
 from slipstream.names import validate_model_name
+from slipstream.protocol.openai_tools import MAX_TOOLS, NamedToolChoice, ToolCallItem, ToolSpec
 from slipstream.types import Constraint
 
 MAX_CHOICES = 16
@@ -251,18 +252,6 @@ class ContentPart(_Request):
     text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
-class FunctionCall(_Request):
-    name: str = Field(min_length=1)
-    # JSON text, as OpenAI sends it.
-    arguments: str = "{}"
-
-
-class ToolCallItem(_Request):
-    id: str = ""
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -286,31 +275,6 @@ class ChatMessage(_Request):
                 )
             pieces.append(part.text)
         return "".join(pieces)
-
-
-# Functions one request may offer.
-MAX_TOOLS = 128
-
-
-class FunctionSpec(_Request):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str = ""
-    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    strict: bool | None = None
-
-
-class ToolSpec(_Request):
-    type: Literal["function"]
-    function: FunctionSpec
-
-
-class NamedFunction(_Request):
-    name: str = Field(min_length=1)
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class ChatRequest(_Sampling):

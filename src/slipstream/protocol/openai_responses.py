@@ -18,7 +18,6 @@ from pydantic import Field
 from slipstream.errors import InvalidRequest
 from slipstream.protocol.openai import (
     _NULL,
-    MAX_TOOLS,
     CallItem,
     ContentPart,
     _only,
@@ -26,6 +25,7 @@ from slipstream.protocol.openai import (
     _response_format,
     _Sampling,
 )
+from slipstream.protocol.openai_tools import MAX_TOOLS
 from slipstream.types import Constraint
 
 

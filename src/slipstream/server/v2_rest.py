@@ -99,7 +99,7 @@ class V2RestApp:
 
     async def _repository_route(self, parts: list[str], body: bytes) -> HttpResponse:
         service = self._service
-        options = v2.load_json_object(body) if body.strip() else {}
+        options = v2.load_json_object(body) if body else {}
         if parts == ["index"]:
             ready_only = options.get("ready", False)
             if type(ready_only) is not bool:
