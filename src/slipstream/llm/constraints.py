@@ -4,6 +4,7 @@ grammar, and the tokens a matcher allows next."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -14,8 +15,12 @@ from slipstream.errors import InvalidRequest
 from slipstream.types import Constraint
 
 
+@functools.lru_cache(maxsize=256)
 def compile_constraint(constraint: Constraint) -> str:
-    """The llguidance grammar of a constraint; InvalidRequest naming the field if bad."""
+    """The llguidance grammar of a constraint; InvalidRequest naming the field if bad.
+
+    Cached: a request's constraint is checked before it streams and compiled again for
+    its matcher, and services send the same few schemas over and over."""
     from llguidance import LLMatcher, grammar_from
 
     field = constraint_field(constraint)

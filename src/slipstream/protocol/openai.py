@@ -18,11 +18,17 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema
 
 from slipstream.errors import InvalidRequest, SlipstreamError
 from slipstream.names import validate_model_name
-from slipstream.protocol.openai_tools import MAX_TOOLS, NamedToolChoice, ToolCallItem, ToolSpec
+from slipstream.protocol.openai_tools import (
+    MAX_TOOLS,
+    NamedToolChoice,
+    ToolCallItem,
+    ToolSpec,
+    _Request,
+)
 from slipstream.types import Constraint
 
 MAX_CHOICES = 16
@@ -44,10 +50,6 @@ def _only(*schemas: dict[str, Any], note: str) -> WithJsonSchema:
 
 _NULL: dict[str, Any] = {"type": "null"}
 _ZERO = {"type": "number", "enum": [0]}
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(_Request):

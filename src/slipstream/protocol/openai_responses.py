@@ -21,11 +21,10 @@ from slipstream.protocol.openai import (
     CallItem,
     ContentPart,
     _only,
-    _Request,
     _response_format,
     _Sampling,
 )
-from slipstream.protocol.openai_tools import MAX_TOOLS
+from slipstream.protocol.openai_tools import MAX_TOOLS, _Request
 from slipstream.types import Constraint
 
 

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
+    """Base of every OpenAI request schema: unknown fields are ignored, as OpenAI does."""
+
     model_config = ConfigDict(extra="ignore")
 
 

@@ -255,18 +255,10 @@ def openai_schemas() -> dict[str, Any]:
     reason = {"type": ["string", "null"]}
 
     def listing(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "type": "object",
-            "properties": {
-                "id": {"type": "string"},
-                "object": {"const": obj},
-                "created": {"type": "integer"},
-                "model": {"type": "string"},
-                "choices": {"type": "array", "items": choice},
-                "usage": ref("Usage"),
-            },
-            "required": ["id", "object", "created", "model", "choices", "usage"],
-        }
+        whole = _chunk(obj, choice)
+        whole["properties"]["usage"] = ref("Usage")
+        whole["required"] = [*whole["required"], "usage"]
+        return whole
 
     text_choice: dict[str, Any] = {
         "type": "object",

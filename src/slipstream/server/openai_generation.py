@@ -12,7 +12,14 @@ from slipstream.errors import SlipstreamError
 from slipstream.llm.api import Job
 from slipstream.llm.engine import Engine, SamplingParams, TokenLogprob
 from slipstream.llm.text import TextDelta
-from slipstream.llm.tools import Tool, ToolChoice, read_calls
+from slipstream.llm.tools import (
+    Tool,
+    ToolChoice,
+    call_constraint,
+    plain_messages,
+    read_calls,
+    template_messages,
+)
 from slipstream.protocol import openai
 from slipstream.types import Constraint
 
@@ -53,6 +60,31 @@ def build_jobs(
             )
             jobs.append(Job(len(jobs), prompt, params, stops))
     return jobs
+
+
+def chat_with_tools(
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    tools: list[Tool],
+    choice: ToolChoice,
+    parallel: bool,
+    constraint: Constraint | None,
+) -> tuple[list[int], Constraint | None]:
+    """The prompt of a chat offering ``tools`` (rendered by the chat template when it knows
+    tools, else put in the system message), and the constraint to decode under: a call
+    when ``choice`` requires one, else ``constraint``."""
+    if engine.template_knows_tools:
+        specs = [
+            {"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}}
+            for t in tools
+        ] or None  # fmt: skip
+        prompt = engine.chat_prompt(template_messages(messages), specs)
+    else:
+        prompt = engine.chat_prompt(plain_messages(messages, tools))
+    if tools:
+        constraint = call_constraint(tools, choice, parallel) or constraint
+    return prompt, constraint
 
 
 @dataclass

@@ -17,7 +17,7 @@ import orjson
 from slipstream.errors import SlipstreamError
 from slipstream.llm.api import GenerationService
 from slipstream.llm.text import TextDelta
-from slipstream.llm.tools import Tool, call_constraint, plain_messages, template_messages
+from slipstream.llm.tools import Tool
 from slipstream.protocol import openai
 from slipstream.protocol.openai_responses import (
     ResponsesRequest,
@@ -28,7 +28,12 @@ from slipstream.protocol.openai_responses import (
     response,
 )
 from slipstream.server.http_messages import HttpResponse, StreamingResponse
-from slipstream.server.openai_generation import build_jobs, collect, read_tool_calls
+from slipstream.server.openai_generation import (
+    build_jobs,
+    chat_with_tools,
+    collect,
+    read_tool_calls,
+)
 
 
 async def respond(
@@ -39,18 +44,9 @@ async def respond(
     choice = body.choice()
     offered = body.tools or [] if choice != "none" else []
     tools = [Tool(t.name, t.description, t.parameters) for t in offered]
-    if engine.template_knows_tools:
-        specs = [
-            {"type": "function", "function": {"name": t.name, "description": t.description,
-                                              "parameters": t.parameters}}
-            for t in offered
-        ] or None  # fmt: skip
-        prompt = engine.chat_prompt(template_messages(body.chat()), specs)
-    else:
-        prompt = engine.chat_prompt(plain_messages(body.chat(), tools))
-    constraint = body.constraint()
-    if tools:
-        constraint = call_constraint(tools, choice, body.parallel_tool_calls) or constraint
+    prompt, constraint = chat_with_tools(
+        engine, body.chat(), tools, choice, body.parallel_tool_calls, body.constraint()
+    )
     jobs = build_jobs(engine, body, [prompt], body.max_output_tokens,
                       llm.default_max_tokens(body.model), None, constraint)  # fmt: skip
     llm.admit(body.model, jobs)

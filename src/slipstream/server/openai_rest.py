@@ -17,7 +17,7 @@ from typing import Any
 
 from slipstream.errors import InternalError, ModelNotFound, SlipstreamError
 from slipstream.llm.api import GenerationService, Job
-from slipstream.llm.tools import Tool, call_constraint, plain_messages, template_messages
+from slipstream.llm.tools import Tool
 from slipstream.names import path_model_name
 from slipstream.protocol import openai
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
@@ -25,6 +25,7 @@ from slipstream.server.openai_generation import (
     Pieces,
     StreamHead,
     build_jobs,
+    chat_with_tools,
     collect,
     read_tool_calls,
     replay_events,
@@ -120,14 +121,9 @@ class OpenAIApp:
         offered = body.tools or [] if choice != "none" else []
         tools = [Tool(t.function.name, t.function.description, t.function.parameters)
                  for t in offered]  # fmt: skip
-        if engine.template_knows_tools:
-            specs = [t.model_dump(exclude_none=True) for t in offered] or None
-            prompt = engine.chat_prompt(template_messages(body.chat()), specs)
-        else:
-            prompt = engine.chat_prompt(plain_messages(body.chat(), tools))
-        constraint = body.constraint()
-        if tools:
-            constraint = call_constraint(tools, choice, body.parallel_tool_calls) or constraint
+        prompt, constraint = chat_with_tools(
+            engine, body.chat(), tools, choice, body.parallel_tool_calls, body.constraint()
+        )
         jobs = build_jobs(engine, body, [prompt], body.limit(),
                           self._llm.default_max_tokens(body.model), body.wanted_logprobs(),
                           constraint)  # fmt: skip
