@@ -8,7 +8,9 @@ out with `ignore_eos` (llama-cpp-python's server ignores that field, so its requ
 stop early at an end token: its tok/s counts what it really sent).
 
 1. **slipstream**: `slipstream serve`, `backend: llama_cpp` (continuous batching over
-   llama.cpp's kernels, prefix caching on);
+   llama.cpp's kernels, prefix caching on, a KV stream per sequence as `kv_streams: auto`
+   picks for this config); `--peers slipstream-shared,...` adds the same engine with one
+   shared KV cache (`kv_streams: shared`);
 2. **llama-server**: llama.cpp's own C++ server, built from the sources the installed
    llama-cpp-python vendors (`benchmarks/peers/llama_server.py`, about 10 minutes once),
    with continuous batching over `--parallel 16` slots, flash attention on;
@@ -54,12 +56,13 @@ CONFIG = """\
 backend: llama_cpp
 generation:
   block_size: 16
-  num_blocks: 1024
+  num_blocks: 2048
   max_batch_tokens: 256
   max_num_seqs: 16
   max_model_len: 2048
   threads: {threads}
   prefix_caching: {prefix}
+  kv_streams: {streams}
 """
 
 
@@ -70,17 +73,20 @@ def gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
 
 
-def slipstream_spec(repo: Path, threads: int, prefix: bool) -> ServerSpec:
+def slipstream_spec(
+    repo: Path, threads: int, prefix: bool, streams: str = "auto", label: str = "slipstream"
+) -> ServerSpec:
     model = repo / "smollm2"
     (model / "1").mkdir(parents=True, exist_ok=True)
     target = model / "1" / "model.gguf"
     if not target.exists():
         os.link(gguf_path(), target)
-    (model / "config.yaml").write_text(CONFIG.format(threads=threads, prefix=str(prefix).lower()))
+    config = CONFIG.format(threads=threads, prefix=str(prefix).lower(), streams=streams)
+    (model / "config.yaml").write_text(config)
     port = free_port()
     argv = [SLIPSTREAM, "serve", "--model-repository", str(repo),
             "--http-port", str(port), "--grpc-port", str(free_port())]  # fmt: skip
-    return ServerSpec("slipstream", argv, port, "/v2/health/ready")
+    return ServerSpec(label, argv, port, "/v2/health/ready")
 
 
 def llama_cpp_spec(threads: int) -> ServerSpec:
@@ -156,6 +162,10 @@ def main() -> int:
     parallel = max(int(c) for c in args.concurrency.split(","))
     makers = {
         "slipstream": lambda work: slipstream_spec(work / "repo", args.threads, True),
+        # The same engine with one KV cache all sequences share (kv_streams: shared).
+        "slipstream-shared": lambda work: slipstream_spec(
+            work / "repo-shared", args.threads, True, "shared", "slipstream-shared"
+        ),
         "llama-server": lambda _work: llama_server_spec(args.threads, parallel),
         "llama-cpp-python": lambda _work: llama_cpp_spec(args.threads),
     }

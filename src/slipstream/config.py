@@ -173,6 +173,13 @@ class GenerationSettings(_Strict):
         description="llama_cpp: reuse the cached keys and values of a prompt prefix another "
         "sequence computed (a shared system prompt, the earlier turns of a chat)",
     )
+    kv_streams: Literal["auto", "shared", "per_sequence"] = Field(
+        "auto",
+        description="llama_cpp: one KV cache every sequence shares (a long request may use "
+        "all of it), or one stream per sequence (each holds the cache's tokens divided by "
+        "max_num_seqs, and attention reads only its own stream: faster with many sequences "
+        "at once); auto = per_sequence when one stream holds max_model_len tokens",
+    )
     threads: int = Field(
         0,
         ge=0,

@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEP_TOKENS = 64  # max_batch_tokens of `smol`: longer prompts are read in chunks
 SMALL_CACHE = 128  # tokens of `smol_small`'s cache
+STREAM_TOKENS = 256  # tokens of each of `smol_streams`'s 8 KV streams
 # Logits by which a token may trail llama.cpp's best and still count as a greedy choice.
 # Seen: a first token that trailed by 0.011 on another CPU; garbage trails by whole units.
 NEAR_TIE = 0.25
@@ -53,6 +54,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
         "smol_small": {"num_blocks": SMALL_CACHE // 16, "block_size": 16, "max_queue_size": 8},
         "smol_queue": {"num_blocks": 16, "block_size": 16, "max_num_seqs": 1,
                        "max_queue_size": 1},
+        # A KV stream of STREAM_TOKENS per sequence (2,048 tokens / 8), chosen explicitly
+        # though max_model_len exceeds a stream (auto would keep the shared cache).
+        "smol_streams": {"num_blocks": 128, "block_size": 16, "max_batch_tokens": STEP_TOKENS,
+                         "max_num_seqs": 8, "max_model_len": 1024,
+                         "kv_streams": "per_sequence"},
         # One sequence at a time from an empty cache: every run computes the same way.
         "smol_alone": {"num_blocks": 16, "block_size": 16, "max_num_seqs": 1,
                        "max_queue_size": 8, "prefix_caching": False},
@@ -165,7 +171,7 @@ def complete_ids(client: openai.OpenAI, model: str, prompt: list[int], max_token
 
 def test_models_lists_the_gguf_models_and_not_the_broken_file(client: openai.OpenAI) -> None:
     served = sorted(m.id for m in client.models.list().data)
-    assert served == ["smol", "smol_alone", "smol_queue", "smol_small"]
+    assert served == ["smol", "smol_alone", "smol_queue", "smol_small", "smol_streams"]
 
 
 def test_greedy_completion_matches_llama_cpp_alone(client: openai.OpenAI, alone: Any) -> None:
@@ -255,6 +261,52 @@ def test_a_cached_prefix_is_reused_and_gives_the_same_tokens(
     )
 
 
+def test_sequences_in_their_own_kv_streams_decode_as_they_would_alone(
+    server: RemoteServer, alone: Any
+) -> None:
+    prompts = [_ids(alone, f"Tell me about {topic}.") for topic in TOPICS]
+    lengths = [8 + 5 * i for i in range(len(prompts))]
+    replies = _together(server, "smol_streams", prompts, lengths)
+    for prompt, n, reply in zip(prompts, lengths, replies, strict=True):
+        assert reply["usage"]["completion_tokens"] == n
+        assert_greedy_path(alone, prompt, reply["choices"][0]["text"], n)
+
+
+def test_a_prefix_is_copied_from_a_running_sequence_s_stream(
+    server: RemoteServer, alone: Any
+) -> None:
+    """A request sharing a prefix with a sequence still decoding takes another stream:
+    llama.cpp copies the whole stream and the scheduler drops what follows the prefix.
+    Its reply must still be llama.cpp's greedy path (a wrong copy gives garbage)."""
+    system = _ids(alone, "You answer every question about the weather briefly. " * 4)
+    first = system + _ids(alone, " Is it raining?")
+    second = system + _ids(alone, " Will it snow tomorrow, do you think?")
+    hits = metric(server, "slipstream_llm_prefix_cache_hits_total", model="smol_streams")
+
+    async def overlap() -> str:
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"model": "smol_streams", "prompt": first, "max_tokens": 48,
+                    "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+            async with http.stream("POST", server.url("/v1/completions"), json=body) as stream:
+                lines = stream.aiter_lines()
+                async for line in lines:  # the first sequence has read its prompt
+                    if line.startswith("data: "):
+                        break
+                reply = await http.post(
+                    server.url("/v1/completions"),
+                    json={"model": "smol_streams", "prompt": second, "max_tokens": 12,
+                          "temperature": 0, "ignore_eos": True},
+                )  # fmt: skip
+                async for _ in lines:
+                    pass
+        return str(reply.json()["choices"][0]["text"])
+
+    text = asyncio.run(overlap())
+    assert_greedy_path(alone, second, text, 12)
+    after = metric(server, "slipstream_llm_prefix_cache_hits_total", model="smol_streams")
+    assert after >= hits + len(system)
+
+
 # -- the OpenAI surface on this engine ----------------------------------------------------
 
 
@@ -312,6 +364,8 @@ def test_requests_that_can_never_fit_are_refused_naming_the_limit(client: openai
         client.completions.create(model="smol_small", prompt="Hi", max_tokens=SMALL_CACHE)
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model="smol", prompt=[5] * 1100, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match=f"KV stream of {STREAM_TOKENS} tokens"):
+        client.completions.create(model="smol_streams", prompt="Hi", max_tokens=STREAM_TOKENS)
 
 
 def test_a_file_that_is_not_gguf_is_a_clear_load_error(server: RemoteServer) -> None:
@@ -371,12 +425,12 @@ def test_a_client_that_disconnects_frees_its_sequence(server: RemoteServer) -> N
 
 
 def test_llama_cpp_models_share_the_cores(server: RemoteServer) -> None:
-    """Six llama.cpp models configured in one process (two of them fail to load): each
-    gets a sixth of the cores, at least one thread."""
+    """Seven llama.cpp models configured in one process (two of them fail to load): each
+    gets a seventh of the cores, at least one thread."""
     cores = len(os.sched_getaffinity(0))
     log = server.log_text()
     threads = [int(n) for n in re.findall(r"llama\.cpp engine: model\.gguf, (\d+) threads", log)]
-    assert threads == [max(1, cores // 6)] * 4
+    assert threads == [max(1, cores // 7)] * 5
 
 
 # -- the repository API ------------------------------------------------------------------

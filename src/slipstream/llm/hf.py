@@ -44,6 +44,7 @@ class TransformersEngine(Engine):
         position_limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
         self.max_model_len = min(settings.max_model_len or position_limit, position_limit)
         self.cache_tokens = settings.num_blocks * settings.block_size
+        self.sequence_tokens = self.cache_tokens
         self.eos_token_ids = _eos_ids(model, tokenizer)
         # Sampling is done by slipstream.llm.sampling's processors, which leave one
         # possible token per row: the engine's own step is then a plain argmax.

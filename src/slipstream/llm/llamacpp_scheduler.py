@@ -40,6 +40,8 @@ class LlamaRuntime:
     # LlamaSequence ids of the context (running sequences plus idle cached prefixes).
     slots: int
     is_end: Callable[[int], bool]
+    # One KV stream per slot (each of cache_tokens / slots) instead of one shared cache.
+    per_sequence: bool = False
 
 
 @dataclass(eq=False)
@@ -207,9 +209,7 @@ class Scheduler:
             self._running.append(sequence)
 
     def _place(self, sequence: LlamaSequence) -> bool:
-        lib, memory = self._lib, self._engine.memory
         prompt = sequence.prompt
-        need = len(prompt) + sequence.params.max_tokens
         idle = [slot for slot in self._slots if slot.sequence is None]
         if not idle:
             return False
@@ -225,6 +225,47 @@ class Scheduler:
             target = source
         else:
             target = min(idle, key=lambda slot: (len(slot.tokens) > 0, slot.released_at))
+        if self._engine.per_sequence:
+            # Every stream holds any admitted request: no budget to check or evict for.
+            self._take_stream(target, source, common)
+        else:
+            kept = self._make_room(sequence, idle, target, source, common)
+            if kept is None:
+                return False
+            common = kept
+        self._prefix_queries += len(prompt)
+        self._prefix_hits += common
+        target.tokens = prompt[:common]
+        target.sequence = sequence
+        sequence.slot = target.index
+        sequence.cached = target.tokens
+        return True
+
+    def _take_stream(self, target: _Slot, source: _Slot | None, common: int) -> None:
+        """Per-sequence streams: keep ``common`` tokens of ``source``'s prefix in ``target``."""
+        lib, memory = self._lib, self._engine.memory
+        if source is target:
+            lib.llama_memory_seq_rm(memory, target.index, common, -1)
+        elif source is not None and common:
+            # Across streams llama.cpp copies a whole stream (its buffers at the next
+            # decode, its cells now), so copy it all, then drop what follows the prefix.
+            lib.llama_memory_seq_cp(memory, source.index, target.index, -1, -1)
+            lib.llama_memory_seq_rm(memory, target.index, common, -1)
+        else:
+            lib.llama_memory_seq_rm(memory, target.index, -1, -1)
+
+    def _make_room(
+        self,
+        sequence: LlamaSequence,
+        idle: list[_Slot],
+        target: _Slot,
+        source: _Slot | None,
+        common: int,
+    ) -> int | None:
+        """Shared cache: evict idle prefixes until ``sequence`` fits, then share the prefix
+        (the tokens of it kept; None when the cache has no room for ``sequence`` now)."""
+        lib, memory = self._lib, self._engine.memory
+        need = len(sequence.prompt) + sequence.params.max_tokens
         free = self._engine.cache_tokens - self._reserved() + len(target.tokens)
         evictable = sorted(
             (slot for slot in idle if slot is not target and slot is not source and slot.tokens),
@@ -243,20 +284,14 @@ class Scheduler:
                     lib.llama_memory_seq_rm(memory, source.index, -1, -1)
                     source.tokens, source, common = [], None, 0
             if free < need:
-                return False
+                return None
         if source is target:
             lib.llama_memory_seq_rm(memory, target.index, common, -1)
         else:
             lib.llama_memory_seq_rm(memory, target.index, -1, -1)
             if source is not None and common:
                 lib.llama_memory_seq_cp(memory, source.index, target.index, 0, common)
-        self._prefix_queries += len(prompt)
-        self._prefix_hits += common
-        target.tokens = prompt[:common]
-        target.sequence = sequence
-        sequence.slot = target.index
-        sequence.cached = target.tokens
-        return True
+        return common
 
     def _free_sampler(self, sequence: LlamaSequence) -> None:
         if sequence.sampler is not None:
