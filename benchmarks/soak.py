@@ -22,6 +22,8 @@ error or timeout on a request nobody cancelled, a stream that ended without [DON
 The server's RSS is sampled every 10 s; the slope after warm-up (least squares) is
 printed in MB per 10 minutes, with the growth from the end of warm-up to the end.
 tests/integration/test_soak.py runs it for a minute and asserts on the JSON it writes.
+`--trace-memory DIR` runs the server under tracemalloc (benchmarks/traced_serve.py) and
+prints what its Python heap gained from the end of warm-up to the end.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -110,6 +114,9 @@ class Soak:
         self.deadline = deadline
         self.tallies: dict[str, Tally] = {}
         self.rss: list[tuple[float, int]] = []
+        # --trace-memory: when (seconds after the start) to have the server write its
+        # first tracemalloc snapshot (benchmarks/traced_serve.py); None: not traced.
+        self.snapshot_at_s: float | None = None
         inputs = sample_inputs("mlp")
         self.json = json_body(inputs).body
         binary = binary_body(inputs, ["output"])
@@ -217,7 +224,11 @@ class Soak:
 
     async def sample_rss(self, started: float) -> None:
         while self.running():
-            self.rss.append((time.monotonic() - started, self.process.memory_info().rss))
+            elapsed = time.monotonic() - started
+            self.rss.append((elapsed, self.process.memory_info().rss))
+            if self.snapshot_at_s is not None and elapsed >= self.snapshot_at_s:
+                self.snapshot_at_s = None
+                os.kill(self.process.pid, signal.SIGUSR1)
             await asyncio.sleep(min(RSS_INTERVAL_S, max(self.deadline - time.monotonic(), 0)))
         self.rss.append((time.monotonic() - started, self.process.memory_info().rss))
 
@@ -279,6 +290,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=2, help="workers per kind")
     parser.add_argument("--repo", type=Path, help="build the models here (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--trace-memory", type=Path, metavar="DIR",
+                        help="run the server under tracemalloc (slower), snapshot it at the "
+                        "end of warm-up and at the end into DIR, and print what grew")  # fmt: skip
     args = parser.parse_args()
 
     cores = sorted(os.sched_getaffinity(0))
@@ -287,7 +301,11 @@ def main() -> int:
     repo = args.repo or workdir / "repo"
     build(repo)
     http_port, grpc_port = free_port(), free_port()
-    argv = [str(Path(sys.executable).parent / "slipstream"), "serve", "--model-repository",
+    command = [str(Path(sys.executable).parent / "slipstream")]
+    if args.trace_memory:
+        traced = Path(__file__).with_name("traced_serve.py")
+        command = [sys.executable, str(traced), str(args.trace_memory)]
+    argv = [*command, "serve", "--model-repository",
             str(repo), "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port",
             str(grpc_port), "--model-control-mode", "explicit", "--load-model", "mlp",
             "--load-model", "mlp_b", "--load-model", "smollm2"]  # fmt: skip
@@ -302,7 +320,12 @@ def main() -> int:
         deadline = time.monotonic() + args.minutes * 60
         soak = Soak(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", server.pid,
                     deadline)  # fmt: skip
+        if args.trace_memory:
+            soak.snapshot_at_s = args.warmup_s
         asyncio.run(drive(soak, args.concurrency))
+        if args.trace_memory:
+            os.kill(server.pid, signal.SIGUSR1)
+            print_memory_growth(args.trace_memory)
     finally:
         server.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -327,6 +350,31 @@ def main() -> int:
     shutil.rmtree(workdir, ignore_errors=True)
     faults = sum(t.unexpected_5xx + t.lost for t in soak.tallies.values())
     return 1 if faults or server.returncode != 0 else 0
+
+
+def print_memory_growth(directory: Path, top: int = 15, timeout_s: float = 300) -> None:
+    """What the server's Python heap gained between its two snapshots, largest first."""
+    first, last = directory / "1.snapshot", directory / "2.snapshot"
+    deadline = time.monotonic() + timeout_s
+    # The server writes a snapshot in its main thread between requests: wait for it.
+    size = -1
+    while time.monotonic() < deadline:
+        if last.exists() and last.stat().st_size == size:
+            break
+        size = last.stat().st_size if last.exists() else -1
+        time.sleep(2)
+    if not (first.exists() and last.exists()):
+        print(f"no pair of snapshots in {directory}")
+        return
+    diff = tracemalloc.Snapshot.load(str(last)).compare_to(
+        tracemalloc.Snapshot.load(str(first)), "traceback"
+    )
+    total = sum(stat.size_diff for stat in diff)
+    print(f"Python heap growth between the snapshots: {total / 1e6:+.2f} MB; largest:")
+    for stat in diff[:top]:
+        print(f"  {stat.size_diff / 1e3:+9.1f} kB in {stat.count_diff:+6d} blocks")
+        for line in stat.traceback.format(limit=6):
+            print(f"      {line}")
 
 
 def _wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
