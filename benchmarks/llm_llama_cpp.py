@@ -114,14 +114,19 @@ def llama_server_spec(threads: int, parallel: int) -> ServerSpec:
 
 
 def bench(spec: ServerSpec, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    out = work / f"{spec.label}.json"
-    argv = [SLIPSTREAM, "bench", spec.url(""), "-m", "smollm2",
-            "--protocol", "openai-completions", "--concurrency", args.concurrency,
-            "--num-requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
-            "--output-tokens", str(args.output_tokens), "--ignore-eos",
-            "--json", str(out)]  # fmt: skip
-    subprocess.run(argv, check=False, stdout=subprocess.DEVNULL)
-    levels: list[dict[str, Any]] = json.loads(out.read_text())["levels"]
+    """One bench run per level, each with prompts of its own (another --seed): a server's
+    prompt cache (llama-server keeps finished prompts in RAM) never serves one level the
+    prompts of the level before."""
+    levels: list[dict[str, Any]] = []
+    for seed, level in enumerate(args.concurrency.split(",")):
+        out = work / f"{spec.label}-{level}.json"
+        argv = [SLIPSTREAM, "bench", spec.url(""), "-m", "smollm2",
+                "--protocol", "openai-completions", "--concurrency", level,
+                "--num-requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
+                "--output-tokens", str(args.output_tokens), "--ignore-eos",
+                "--seed", str(seed), "--json", str(out)]  # fmt: skip
+        subprocess.run(argv, check=False, stdout=subprocess.DEVNULL)
+        levels.extend(json.loads(out.read_text())["levels"])
     return levels
 
 

@@ -33,6 +33,10 @@ PEER_REQUIREMENTS: dict[str, list[str]] = {
     # llama.cpp's Python server; the same release as the `llama` extra's lock pin, built
     # from source with the CMAKE_ARGS of the caller (pip's wheel cache reuses the build).
     "llama_cpp_server": ["llama-cpp-python[server]==0.3.36"],
+    # The vLLM project's load generator, to cross-check `slipstream bench`'s OpenAI mode.
+    # It requires torch: pinned to the CPU wheel the project's lock pins, so pip never
+    # pulls another build.
+    "guidellm": ["torch==2.13.0", "guidellm==0.8.1"],
 }
 
 

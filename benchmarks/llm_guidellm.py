@@ -1,0 +1,209 @@
+"""`slipstream bench`'s OpenAI mode cross-checked against guidellm, on two servers.
+
+Prints ratios (a script, never a test). guidellm is the vLLM project's load generator;
+here it runs from a venv of its own (`.bench-venvs/guidellm`, built once with the same
+CPU torch wheel the lock pins, since guidellm requires torch). Both tools drive the same
+server in turns with the same request shape: SmolLM2-135M-Instruct Q4_1, prompts of
+`--prompt-tokens` synthetic tokens, `--output-tokens` tokens out with `ignore_eos`,
+streamed `/v1/completions`, closed loop at each `--concurrency`, `--requests` requests.
+Servers: Slipstream (`backend: llama_cpp`) and llama.cpp's own `llama-server`
+(benchmarks/peers/llama_server.py builds it once).
+
+The server is pinned to core 0 with one thread, the load generators to core 1, so a
+tool's own CPU use does not slow the server it measures. For each server and level the
+tools alternate (`--rounds` times each, every run with prompts of its own, so a prompt
+cache never serves one run the last one's) and the medians are compared:
+
+- output tok/s: output tokens of the level / its duration (bench: first send to last
+  response; guidellm: its benchmark's duration);
+- TTFT p50;
+- time per output token after the first, p50 over requests: bench's TPOT (vLLM's:
+  (E2E - TTFT) / (tokens - 1)) against guidellm's `inter_token_latency` (the same
+  quantity per request: first token to last over tokens - 1). guidellm's name is not
+  vLLM's ITL, which bench also reports (every gap between chunks, whose median sits
+  below the per-request means when a few gaps are long): printed beside, not compared.
+
+Target (issue #19): within 5% on all three, on both servers.
+
+guidellm needs a tokenizer for its synthetic prompts: the GGUF's own, exported to a
+Hugging Face tokenizer directory by transformers (no download). It checks a server's
+`/health` first; Slipstream answers readiness at `/v2/health/ready`, so guidellm is
+pointed there.
+
+    .venv/bin/python benchmarks/llm_guidellm.py                 # ~12 min on 2 cores
+    .venv/bin/python benchmarks/llm_guidellm.py --concurrency 1 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from llm_llama_cpp import SLIPSTREAM, gguf_path, llama_server_spec, slipstream_spec
+
+from servers import ServerSpec, ensure_venv, running
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = ("output_tok_per_s", "ttft_p50_ms", "per_token_p50_ms")
+
+
+def export_tokenizer(directory: Path) -> Path:
+    """The GGUF's tokenizer as a Hugging Face tokenizer directory (for guidellm)."""
+    from transformers import AutoTokenizer
+
+    gguf = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def run_bench(
+    url: str, level: int, seed: int, args: argparse.Namespace, out: Path
+) -> dict[str, float]:
+    argv = ["taskset", "-c", str(args.client_core), SLIPSTREAM, "bench", url, "-m", "smollm2",
+            "--protocol", "openai-completions", "--concurrency", str(level),
+            "--num-requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
+            "--output-tokens", str(args.output_tokens), "--ignore-eos",
+            "--seed", str(seed), "--json", str(out)]  # fmt: skip
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    result = json.loads(out.read_text())["levels"][0]
+    return {
+        "output_tok_per_s": result["output_throughput_tok_per_s"],
+        "ttft_p50_ms": result["ttft"]["p50_ms"],
+        "per_token_p50_ms": result["tpot"]["p50_ms"],
+        "gap_p50_ms": result["itl"]["p50_ms"],
+        "errors": result["errors"],
+    }
+
+
+def run_guidellm(
+    python: Path, url: str, health: str, tokenizer: Path, level: int, seed: int,
+    args: argparse.Namespace, out: Path,
+) -> dict[str, float]:  # fmt: skip
+    scenario = {
+        "spec": {
+            "backend": {
+                "kind": "openai_http",
+                "target": url,
+                "model": "smollm2",
+                "request_format": "/v1/completions",
+                "api_routes": {"/health": health},
+            },
+            "profile": {"kind": "concurrent", "streams": [level]},
+            "tokenizer": {"kind": "hf_auto", "model": str(tokenizer)},
+            "data": [
+                {
+                    "kind": "synthetic_text",
+                    "prompt_tokens": args.prompt_tokens,
+                    "output_tokens": args.output_tokens,
+                }
+            ],
+            "constraints": [{"kind": "max_requests", "count": args.requests}],
+            "seed": {"kind": "static", "value": seed},
+            "outputs": [{"kind": "json", "path": str(out)}],
+        }
+    }
+    config = out.with_suffix(".scenario.json")
+    config.write_text(json.dumps(scenario))
+    guidellm = str(python.parent / "guidellm")
+    argv = ["taskset", "-c", str(args.client_core), "env", "-u", "PYTHONPATH",
+            "HF_HUB_OFFLINE=1", guidellm, "run", "-c", str(config),
+            "--disable-console"]  # fmt: skip
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    benchmark = json.loads(out.read_text())["benchmarks"][0]
+    metrics = benchmark["metrics"]
+    tokens = metrics["output_token_count"]["successful"]["total_sum"]
+    return {
+        "output_tok_per_s": tokens / benchmark["duration"],
+        "ttft_p50_ms": metrics["time_to_first_token_ms"]["successful"]["median"],
+        "per_token_p50_ms": metrics["inter_token_latency_ms"]["successful"]["median"],
+        "errors": metrics["request_totals"]["errored"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--requests", type=int, default=16, help="per level and tool")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="turns of each tool")
+    parser.add_argument("--servers", default="slipstream,llama-server")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("needs two cores: the server on one, the load generators on another")
+    server_core, args.client_core = cores[0], cores[1]
+    python = ensure_venv("guidellm")
+    if python is None:
+        raise SystemExit("could not build the guidellm venv (see above)")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    makers = {
+        "slipstream": (lambda work: slipstream_spec(work / "repo", 1, True), "v2/health/ready"),
+        "llama-server": (lambda _work: llama_server_spec(1, max(levels)), "health"),
+    }
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    results: dict[str, Any] = {}
+    # Every run its own prompts (seeds), so no run finds the last one's in a prompt cache.
+    fresh = itertools.count(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        tokenizer = export_tokenizer(work / "tokenizer")
+        logs = ROOT / "benchmarks" / "results" / "work" / "logs"
+        for label in args.servers.split(","):
+            make, health = makers[label]
+            spec: ServerSpec = make(work)
+            with running(spec, server_core, logs / f"guidellm-{label}.log"):
+                url = spec.url("")
+                for level in levels:
+                    runs: dict[str, list[dict[str, float]]] = {"bench": [], "guidellm": []}
+                    for turn in range(args.rounds):
+                        out = work / f"{label}-{level}-{turn}"
+                        seeds = next(fresh), next(fresh)
+                        runs["bench"].append(
+                            run_bench(url, level, seeds[0], args, out.with_suffix(".b"))
+                        )
+                        runs["guidellm"].append(
+                            run_guidellm(
+                                python,
+                                url,
+                                health,
+                                tokenizer,
+                                level,
+                                seeds[1],
+                                args,
+                                out.with_suffix(".g.json"),
+                            )
+                        )
+                    results.setdefault(label, {})[str(level)] = runs
+                    report_level(label, level, runs)
+    print(f"load average at end: {os.getloadavg()}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def report_level(label: str, level: int, runs: dict[str, list[dict[str, float]]]) -> None:
+    cells = []
+    for metric in METRICS:
+        ours = statistics.median(r[metric] for r in runs["bench"])
+        theirs = statistics.median(r[metric] for r in runs["guidellm"])
+        spread = [round(r[metric], 1) for tool in ("bench", "guidellm") for r in runs[tool]]
+        cells.append(f"{metric} bench {ours:.1f} / guidellm {theirs:.1f} = {ours / theirs:.3f} "
+                     f"(runs {spread})")  # fmt: skip
+    errors = sum(r["errors"] for tool in runs.values() for r in tool)
+    gaps = statistics.median(r["gap_p50_ms"] for r in runs["bench"])
+    print(f"{label} C={level}: " + "; ".join(cells) + f"; bench's ITL p50 (every gap) "
+          f"{gaps:.1f}; errors {errors}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
