@@ -26,9 +26,8 @@ cache never serves one run the last one's) and the medians are compared:
 Target (issue #19): within 5% on all three, on both servers.
 
 guidellm needs a tokenizer for its synthetic prompts: the GGUF's own, exported to a
-Hugging Face tokenizer directory by transformers (no download). It checks a server's
-`/health` first; Slipstream answers readiness at `/v2/health/ready`, so guidellm is
-pointed there.
+Hugging Face tokenizer directory by transformers (no download). It asks a server's
+`/health` first (vLLM's and llama-server's probe, which Slipstream answers too).
 
     .venv/bin/python benchmarks/llm_guidellm.py                 # ~12 min on 2 cores
     .venv/bin/python benchmarks/llm_guidellm.py --concurrency 1 --rounds 1
@@ -147,7 +146,7 @@ def main() -> int:
         raise SystemExit("could not build the guidellm venv (see above)")
     levels = [int(c) for c in args.concurrency.split(",")]
     makers = {
-        "slipstream": (lambda work: slipstream_spec(work / "repo", 1, True), "v2/health/ready"),
+        "slipstream": (lambda work: slipstream_spec(work / "repo", 1, True), "health"),
         "llama-server": (lambda _work: llama_server_spec(1, max(levels)), "health"),
     }
     print(f"load average at start: {os.getloadavg()}", flush=True)

@@ -175,6 +175,9 @@ def test_failed_load_names_the_key_and_strict_readiness_follows_it(
         # not ready, while it stays live and the other models keep serving.
         assert explicit_http.get("/v2/health/ready").status_code == 503
         assert explicit_http.get("/v2/health/live").status_code == 200
+        # vLLM's and llama-server's probe follows readiness.
+        health = explicit_http.get("/health")
+        assert (health.status_code, health.json()) == (503, {"status": "not ready"})
         assert (
             explicit_http.post("/v2/models/add_sub/infer", content=add_sub_body()).status_code
             == 200
@@ -182,6 +185,8 @@ def test_failed_load_names_the_key_and_strict_readiness_follows_it(
     finally:
         assert explicit_http.post("/v2/repository/models/broken/unload").status_code == 200
     assert explicit_http.get("/v2/health/ready").status_code == 200
+    health = explicit_http.get("/health")
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
 
 
 def test_load_model_that_does_not_exist_at_startup_is_reported(

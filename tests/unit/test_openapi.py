@@ -33,7 +33,7 @@ ROUTES = {
     ("get", "/v2/models/stats"), ("post", "/v2/repository/index"),
     ("post", "/v2/repository/models/{model}/load"),
     ("post", "/v2/repository/models/{model}/unload"),
-    ("get", "/metrics"), ("get", "/openapi.json"),
+    ("get", "/metrics"), ("get", "/openapi.json"), ("get", "/health"),
     ("get", "/v1/models"), ("get", "/v1/models/{model}"), ("post", "/v1/completions"),
     ("post", "/v1/chat/completions"), ("post", "/v1/embeddings"), ("post", "/v1/responses"),
 } | {

@@ -246,6 +246,12 @@ def _v2_paths() -> dict[str, Any]:
     paths["/metrics"] = get(
         "Prometheus metrics (text format)", "metrics", response("Metrics", text)
     )
+    status = json_content({"type": "object", "properties": {"status": {"type": "string"}}})
+    paths["/health"] = get(
+        "Server ready, as vLLM's and llama-server's /health (503: not ready)",
+        "health",
+        response('{"status": "ok"}', status),
+    )
     paths["/openapi.json"] = get(
         "This document", "openapi", response("OpenAPI 3.1", json_content({"type": "object"}))
     )

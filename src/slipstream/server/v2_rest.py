@@ -70,6 +70,12 @@ class V2RestApp:
             if len(parts) >= 3 and parts[1] == "models" and parts[2] != "stats":
                 return await self._model_route(method, parts[2:], request)
             return await self._server_route(method, parts[1:], request)
+        if parts == ["health"] and method in ("GET", "HEAD"):
+            # vLLM's and llama-server's probe, which tools made for them (guidellm) ask
+            # first: readiness, as /v2/health/ready.
+            if self._service.is_ready():
+                return HttpResponse(200, b'{"status":"ok"}')
+            return HttpResponse(503, b'{"status":"not ready"}')
         if parts == ["metrics"] and method in ("GET", "HEAD"):
             body = generate_latest(self._metrics.registry)
             return HttpResponse(200, body, CONTENT_TYPE_LATEST.encode())
