@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -50,47 +51,48 @@ HOST = "127.0.0.1"
 
 
 class Legitimate:
-    """V2 JSON inference on one keep-alive connection, closed loop, on its own thread."""
+    """V2 JSON inference on one keep-alive connection, closed loop, in a process of its
+    own (the attackers' event loop would hold this process's GIL and starve it), paced
+    at 100 requests/s at most. Each request is kept as (end time, latency, ok) on the
+    system-wide monotonic clock, so phases are cut by time afterwards."""
 
     def __init__(self, url: str, body: bytes) -> None:
-        self._url = url
-        self._body = body
-        self._lock = threading.Lock()
-        self._latencies: list[float] = []
-        self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        headers = {"Content-Type": "application/json"}
-        with httpx.Client(timeout=30) as client:
-            while not self._stop.is_set():
-                start = time.perf_counter()
-                try:
-                    ok = client.post(self._url, content=self._body, headers=headers).is_success
-                except httpx.HTTPError:
-                    ok = False
-                latency = time.perf_counter() - start
-                with self._lock:
-                    if ok:
-                        self._latencies.append(latency)
-                    else:
-                        self.failures += 1
-                # A paced user (100 req/s at most), not a load test of its own.
-                self._stop.wait(0.01)
-
-    def take(self) -> list[float]:
-        """The latencies since the last call."""
-        with self._lock:
-            taken, self._latencies = self._latencies, []
-        return taken
+        self._stop = multiprocessing.Event()
+        self._receive, send = multiprocessing.Pipe(duplex=False)
+        self._process = multiprocessing.Process(
+            target=_legitimate_user, args=(url, body, self._stop, send), daemon=True
+        )
+        self.requests: list[tuple[float, float, bool]] = []
 
     def start(self) -> None:
-        self._thread.start()
+        self._process.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(30)
+        self.requests = self._receive.recv()
+        self._process.join(30)
+
+    def latencies(self, start: float, end: float) -> list[float]:
+        return [lat for at, lat, ok in self.requests if ok and start <= at < end]
+
+    def failures(self) -> int:
+        return sum(not ok for _, _, ok in self.requests)
+
+
+def _legitimate_user(url: str, body: bytes, stop: Any, send: Any) -> None:
+    headers = {"Content-Type": "application/json"}
+    requests: list[tuple[float, float, bool]] = []
+    with httpx.Client(timeout=30) as client:
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                ok = client.post(url, content=body, headers=headers).is_success
+            except httpx.HTTPError:
+                ok = False
+            end = time.monotonic()
+            requests.append((end, end - start, ok))
+            stop.wait(0.01)
+    send.send(requests)
 
 
 async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
@@ -236,11 +238,11 @@ def run(args: argparse.Namespace, port: int, server: psutil.Process) -> dict[str
     legit = Legitimate(f"http://{HOST}:{port}/v2/models/mlp/infer", body)
     legit.start()
     time.sleep(3)  # warm the paths before the baseline
-    legit.take()
     baseline = server.memory_info().rss
+    quiet = (time.monotonic(), time.monotonic() + args.quiet_s)
     time.sleep(args.quiet_s)
-    quiet = legit.take()
     rounds = []
+    windows = []
     for index in range(args.rounds):
         peak = [server.memory_info().rss]
         sampling = threading.Event()
@@ -251,29 +253,31 @@ def run(args: argparse.Namespace, port: int, server: psutil.Process) -> dict[str
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+        started = time.monotonic()
         statuses = asyncio.run(attack(port, args.connections, args.hold_s))
+        windows.append((started, time.monotonic()))
         sampling.set()
         sampler.join()
-        during = legit.take()
         time.sleep(3)  # lingering closes end
         rounds.append({
             "round": index + 1,
-            "p99_ms": p99_ms(during),
-            "requests": len(during),
             "rss_peak_mb": max(peak) / 1e6,
             "rss_after_mb": server.memory_info().rss / 1e6,
             "statuses": statuses,
         })  # fmt: skip
-        print(f"round {index + 1}: legitimate p99 {rounds[-1]['p99_ms']:.2f} ms over "
-              f"{len(during)} requests, RSS peak {max(peak) / 1e6:.0f} MB", flush=True)  # fmt: skip
+        print(f"round {index + 1}: RSS peak {max(peak) / 1e6:.0f} MB", flush=True)
     time.sleep(args.settle_s)
     settled = server.memory_info().rss
     legit.stop()
+    for entry, window in zip(rounds, windows, strict=True):
+        during = legit.latencies(*window)
+        entry["p99_ms"], entry["requests"] = p99_ms(during), len(during)
+    calm = legit.latencies(*quiet)
     return {
         "connections_per_kind": args.connections,
-        "quiet_p99_ms": p99_ms(quiet),
-        "quiet_requests": len(quiet),
-        "legitimate_failures": legit.failures,
+        "quiet_p99_ms": p99_ms(calm),
+        "quiet_requests": len(calm),
+        "legitimate_failures": legit.failures(),
         "rss_baseline_mb": baseline / 1e6,
         "rss_settled_mb": settled / 1e6,
         "rounds": rounds,
@@ -296,6 +300,9 @@ def report(result: dict[str, Any]) -> None:
           f"{[round(r['rss_after_mb']) for r in result['rounds']]} MB, "
           f"{result['rss_settled_mb']:.0f} MB a minute after the last "
           f"({100 * (result['rss_settled_mb'] / base - 1):+.1f}%, target <= +10%)")  # fmt: skip
+    per_round = [(round(r["p99_ms"], 1), r["requests"]) for r in result["rounds"]]
+    print(f"legitimate (p99 ms, requests) per round: {per_round}; quiet "
+          f"{result['quiet_requests']} requests")  # fmt: skip
     print(f"statuses of the last round: {result['rounds'][-1]['statuses']}")
 
 
