@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from slipstream.llm.engine import CacheStats, EngineStep, SamplingParams
-from slipstream.llm.text import StopMatcher, TextDelta, stream_text
+from slipstream.llm.text import IncrementalText, StopMatcher, TextDelta, stream_text
 
 # A toy vocabulary: token i decodes to PIECES[i]; 9 and 10 are the two UTF-8 bytes of "é".
 PIECES = ["Hel", "lo", " wor", "ld", "!", " The", " end", ".", "\\n"]
@@ -84,3 +86,49 @@ def test_sampling_and_cache_arithmetic() -> None:
                        running=2, waiting=1)  # fmt: skip
     assert stats.blocks_free == 6
     assert stats.utilization == pytest.approx(60 / 64)
+
+
+# A SentencePiece-like vocabulary: "▁" is a space, and a decoded text drops the space
+# its first piece starts with (as SentencePiece does), so a token's text depends on
+# whether it starts the decoded range; 6 and 7 are the two UTF-8 bytes of "ñ".
+SP_PIECES = ["▁the", "▁cat", "s", "▁sat", "!", "▁on"]
+
+
+def sp_decode(ids: Sequence[int]) -> str:
+    raw = b"".join(
+        b"\xc3" if i == 6 else b"\xb1" if i == 7 else SP_PIECES[i].replace("▁", " ").encode()
+        for i in ids
+    )
+    return raw.decode("utf-8", errors="replace").removeprefix(" ")
+
+
+@given(st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=3), max_size=40))
+def test_incremental_text_is_the_whole_decode(steps: list[list[int]]) -> None:
+    text = IncrementalText(sp_decode)
+    tokens: list[int] = []
+    for step in steps:
+        tokens.extend(step)
+        assert text.extend(step) == sp_decode(tokens)
+
+
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), min_size=1, max_size=40))
+def test_incremental_text_decodes_a_window_of_two_steps(steps: list[list[int]]) -> None:
+    """Whole characters every step: each decode spans at most this step's tokens and
+    the last step's, however long the completion grows."""
+    lengths: list[int] = []
+
+    def counting_decode(ids: Sequence[int]) -> str:
+        lengths.append(len(ids))
+        return sp_decode(ids)
+
+    text = IncrementalText(counting_decode)
+    for step in steps:
+        text.extend(step)
+    assert max(lengths) <= 6
+
+
+def test_incremental_text_holds_a_window_open_until_its_character_is_whole() -> None:
+    text = IncrementalText(sp_decode)
+    assert text.extend([0]) == "the"
+    assert text.extend([6]) == "the\ufffd"
+    assert text.extend([7, 1]) == "theñ cat"

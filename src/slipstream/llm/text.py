@@ -52,6 +52,41 @@ class StopMatcher:
         return len(text)
 
 
+class IncrementalText:
+    """The text of a growing list of tokens, decoding only a window at its end.
+
+    Tokens decoded one by one give wrong spaces (tokenizers merge pieces across token
+    boundaries), and the whole list decoded again each step costs a step more the longer
+    the completion grows. As vLLM does, a window starts at the tokens committed the step
+    before: the text of the window's committed part and of the whole window are decoded,
+    and what the second adds is the new text. It is committed (and the window moves on)
+    unless it ends in a partial UTF-8 character, which the next tokens complete.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self._tokens: list[int] = []
+        self._start = 0  # the window's first token
+        self._read = 0  # tokens whose text is committed
+        self._committed = ""
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """The whole text after ``token_ids`` (its end may be a partial character)."""
+        tokens = self._tokens
+        tokens.extend(token_ids)
+        before = self._decode(tokens[self._start : self._read]) if self._read > self._start else ""
+        now = self._decode(tokens[self._start :])
+        if not now.startswith(before):
+            # A tokenizer whose window text is not a prefix of the longer one: decode it all.
+            return self._decode(tokens)
+        new = now[len(before) :]
+        if new.endswith(_PARTIAL):
+            return self._committed + new
+        self._committed += new
+        self._start, self._read = self._read, len(tokens)
+        return self._committed
+
+
 async def stream_text(
     steps: AsyncIterator[EngineStep],
     decode: Callable[[Sequence[int]], str],
@@ -59,34 +94,34 @@ async def stream_text(
 ) -> AsyncIterator[TextDelta]:
     """Turn engine steps into text deltas, ending at EOS, max_tokens or a stop string.
 
-    The whole completion is re-decoded each step (tokenizers merge pieces across token
-    boundaries, so decoding tokens one by one gives wrong spaces); the text sent is held
-    back while it ends in a partial UTF-8 character or a possible stop-string prefix. A
-    stop string is not sent; generation is cancelled as soon as it appears.
+    The completion's text grows by :class:`IncrementalText`; the text sent is held back
+    while it ends in a partial UTF-8 character or a possible stop-string prefix. A stop
+    string is not sent; generation is cancelled as soon as it appears.
     """
     matcher = StopMatcher(stops)
-    tokens: list[int] = []
+    incremental = IncrementalText(decode)
+    count = 0
     logprobs: list[TokenLogprob] = []
     sent = 0
     try:
         async for step in steps:
-            tokens.extend(step.token_ids)
+            count += len(step.token_ids)
             if step.logprobs:
                 logprobs.extend(step.logprobs)
-            text = decode(tokens)
+            text = incremental.extend(step.token_ids)
             cut = matcher.find(text, sent)
             if cut != -1:
-                yield TextDelta(text[sent:cut], len(tokens), "stop", tuple(logprobs))
+                yield TextDelta(text[sent:cut], count, "stop", tuple(logprobs))
                 return
             if step.finish_reason is not None:
-                yield TextDelta(text[sent:], len(tokens), step.finish_reason, tuple(logprobs))
+                yield TextDelta(text[sent:], count, step.finish_reason, tuple(logprobs))
                 return
             end = len(text)
             while end > sent and text[end - 1] == _PARTIAL:
                 end -= 1
             end = sent + matcher.safe_end(text[sent:end])
             if end > sent:
-                yield TextDelta(text[sent:end], len(tokens), None, tuple(logprobs))
+                yield TextDelta(text[sent:end], count, None, tuple(logprobs))
                 logprobs.clear()
                 sent = end
     finally:
