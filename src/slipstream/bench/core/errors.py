@@ -35,3 +35,14 @@ def error_summary(result: _HasErrors) -> str:
         example = result.error_examples.get(key, "")
         parts.append(f"{key} x{count}" + (f" ({example[:200]})" if example else ""))
     return "; ".join(parts)
+
+
+def reconnects_warning(reconnects: int) -> list[str]:
+    """The warning for requests sent again on a fresh connection (none for 0): the
+    server closed an idle keep-alive connection under them, which is not an error."""
+    if not reconnects:
+        return []
+    return [
+        f"{reconnects} requests went again on a fresh connection: the server closed an idle "
+        "keep-alive connection first (counted, not errors)"
+    ]

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.bench.core.errors import error_summary
+from slipstream.bench.core.errors import error_summary, reconnects_warning
 from slipstream.bench.core.histogram import LatencyHistogram
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.schedule import LATE_SEND_SHARE, SATURATED_CPU_PCT
@@ -278,11 +278,7 @@ def _warnings(
             f"10 ms late (worst {result.max_send_lag_ms or 0:.1f} ms): {cause}; their "
             "latencies count from the scheduled arrival"
         )
-    if result.reconnects:
-        warnings.append(
-            f"{result.reconnects} requests went again on a fresh connection: the server "
-            "closed an idle keep-alive connection first (counted, not errors)"
-        )
+    warnings += reconnects_warning(result.reconnects)
     unreported = sum(not r.usage_reported for r in ok)
     if unreported:
         warnings.append(

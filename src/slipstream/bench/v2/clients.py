@@ -18,6 +18,7 @@ from slipstream.bench.core.http import (
     RequestFailed,
     post_request,
 )
+from slipstream.bench.v2.blocking import BlockingHttpUser
 from slipstream.bench.v2.messages import EncodedRequest
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -50,6 +51,17 @@ class InferClient(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Close every connection; requests still outstanding fail."""
+
+    @property
+    def reconnects(self) -> int:
+        """Requests sent again on a fresh connection after the server closed a reused one
+        before answering (keep-alive timeouts): not errors. Only HTTP reconnects."""
+        return 0
+
+    def blocking_user(self) -> BlockingHttpUser | None:
+        """A closed-loop user on one blocking socket instead of ``infer``, where the
+        protocol has one (plain HTTP); its errors and reconnects are counted here."""
+        return None
 
     def _note(self, key: str, message: str) -> str:
         if key not in self.error_examples:
@@ -91,23 +103,24 @@ class HttpClient(InferClient):
         self, endpoint: Endpoint, path: str, requests: list[EncodedRequest], timeout_s: float
     ) -> None:
         super().__init__()
+        self._endpoint = endpoint
         self._payloads = [http_request_bytes(endpoint, path, r) for r in requests]
         self._timeout_s = timeout_s
         self._connections = HttpConnections(endpoint, timeout_s, HttpConnection)
+        self._blocking: BlockingHttpUser | None = None
 
     @property
-    def payloads(self) -> list[bytes]:
-        """Every request as the bytes written to the socket."""
-        return self._payloads
+    def reconnects(self) -> int:
+        blocking = self._blocking.reconnects if self._blocking is not None else 0
+        return self._connections.reconnects + blocking
 
-    @property
-    def blocking_ok(self) -> bool:
-        """Plain HTTP: the blocking single-connection user can send these payloads."""
-        return not self._connections.tls
-
-    def note(self, key: str, message: str) -> str:
-        """Record an error example under ``key`` (for drivers outside this client)."""
-        return self._note(key, message)
+    def blocking_user(self) -> BlockingHttpUser | None:
+        if self._connections.tls:
+            return None
+        self._blocking = BlockingHttpUser(
+            self._endpoint, self._payloads, self._timeout_s, self._note
+        )
+        return self._blocking
 
     async def infer(self, index: int) -> str | None:
         try:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from slipstream.bench.core.errors import error_summary
+from slipstream.bench.core.errors import error_summary, reconnects_warning
 from slipstream.bench.core.histogram import LatencyHistogram, merge_histograms
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.schedule import LATE_SEND_SHARE, SATURATED_CPU_PCT, SendStats
@@ -40,6 +40,8 @@ class WindowTotals:
     cpu_s_by_worker: dict[int, float]
     # Open loop: the workers' sends in the window.
     sends: SendStats = field(default_factory=SendStats)
+    # Requests sent again on a fresh connection (see LevelResult.reconnects).
+    reconnects: int = 0
 
     @property
     def throughput_req_per_s(self) -> float:
@@ -69,6 +71,7 @@ def merge_samples(samples: list[WindowSample]) -> WindowTotals:
         error_examples=examples,
         cpu_s_by_worker={s.worker_id: s.cpu_s for s in samples},
         sends=SendStats.total(s.sends for s in samples),
+        reconnects=sum(s.reconnects for s in samples),
     )
 
 
@@ -133,6 +136,9 @@ class LevelResult:
     server_cpu_pct: float | None = None
     server_rss_mb: float | None = None
     cost_per_1m_infer: float | None = None
+    # Requests sent again on a fresh connection after the server closed a reused one
+    # before answering (keep-alive timeouts): not errors.
+    reconnects: int = 0
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -206,6 +212,7 @@ def level_result(inputs: LevelInputs) -> LevelResult:
         p95_ms=_ms(latency.percentile_s(95)),
         p99_ms=_ms(latency.percentile_s(99)),
         max_ms=_ms(latency.max_s) if latency.count else None,
+        reconnects=sum(w.reconnects for w in windows),
     )
     _add_client_figures(result, windows, duration_s)
     _add_server_figures(result, inputs)
@@ -275,7 +282,7 @@ def level_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
         )
     if result.requests == 0:
         warnings.append("every request failed: " + error_summary(result))
-    return warnings
+    return warnings + reconnects_warning(result.reconnects)
 
 
 def _open_loop_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
