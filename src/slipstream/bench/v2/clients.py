@@ -11,8 +11,8 @@ from typing import Any
 from urllib.parse import quote
 
 from slipstream.bench.core.endpoint import Endpoint
+from slipstream.bench.core.errors import ErrorExamples
 from slipstream.bench.core.http import (
-    ERROR_BODY_BYTES,
     HttpConnection,
     HttpConnections,
     RequestFailed,
@@ -42,7 +42,7 @@ class InferClient(ABC):
 
     def __init__(self) -> None:
         # Error key -> the first message seen with it, shown beside the counts.
-        self.error_examples: dict[str, str] = {}
+        self.error_examples = ErrorExamples()
 
     @abstractmethod
     async def infer(self, index: int) -> str | None:
@@ -62,11 +62,6 @@ class InferClient(ABC):
         """A closed-loop user on one blocking socket instead of ``infer``, where the
         protocol has one (plain HTTP); its errors and reconnects are counted here."""
         return None
-
-    def _note(self, key: str, message: str) -> str:
-        if key not in self.error_examples:
-            self.error_examples[key] = message.strip()[:ERROR_BODY_BYTES]
-        return key
 
 
 def make_client(
@@ -118,7 +113,7 @@ class HttpClient(InferClient):
         if self._connections.tls:
             return None
         self._blocking = BlockingHttpUser(
-            self._endpoint, self._payloads, self._timeout_s, self._note
+            self._endpoint, self._payloads, self._timeout_s, self.error_examples.note
         )
         return self._blocking
 
@@ -126,10 +121,10 @@ class HttpClient(InferClient):
         try:
             conn = await self._connections.request(self._payloads[index])
         except RequestFailed as exc:
-            return self._note(exc.key, exc.message)
+            return self.error_examples.note(exc.key, exc.message)
         if 200 <= conn.status < 300:
             return None
-        return self._note(f"http {conn.status}", conn.error_message())
+        return self.error_examples.note(f"http {conn.status}", conn.error_message())
 
     async def close(self) -> None:
         await self._connections.close()
@@ -180,7 +175,7 @@ class GrpcClient(InferClient):
         try:
             await self._calls[self._next](self._bodies[index], timeout=self._timeout_s)
         except self._grpc.aio.AioRpcError as exc:
-            return self._note(f"grpc {exc.code().name}", exc.details() or "")
+            return self.error_examples.note(f"grpc {exc.code().name}", exc.details() or "")
         return None
 
     async def close(self) -> None:
