@@ -11,23 +11,10 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+from rich.table import Table
 
 from slipstream.bench.core.settings import LoadSettings
 from slipstream.reports import write_csv_rows, write_json
-
-
-def progress_bar(console: Console) -> Progress:
-    """The bench progress bar: spinner, level, bar, done/total, the level's figures."""
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(bar_width=20),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[figures]}"),
-        console=console,
-        transient=True,
-    )
-
 
 _P = TypeVar("_P", bound="LevelProgress")
 
@@ -38,7 +25,15 @@ class LevelProgress:
 
     def __init__(self, console: Console) -> None:
         self._console = console
-        self._progress = progress_bar(console)
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=20),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[figures]}"),  # the level's latest figures
+            console=console,
+            transient=True,
+        )
         self._task: Any = None
 
     def __enter__(self: _P) -> _P:
@@ -72,6 +67,27 @@ def fmt_num(value: float | None, digits: int = 2) -> str:
     ('12,345.68', '-', '0')
     """
     return "-" if value is None else f"{value:,.{digits}f}"
+
+
+# A table column: its heading, and a level's cell in it.
+Column = tuple[str, Callable[[Any], str]]
+
+
+def number(field: str, digits: int = 2) -> Callable[[Any], str]:
+    """A column's cells: a level's ``field`` through :func:`fmt_num`."""
+    return lambda level: fmt_num(getattr(level, field), digits)
+
+
+def level_table(title: str, result: Any, columns: Sequence[Column]) -> Table:
+    """A table of one row per level of ``result`` (either mode's): the level's load,
+    then a cell per column, right-aligned."""
+    table = Table(title=title, title_justify="left")
+    table.add_column(load_header(result))
+    for name, _ in columns:
+        table.add_column(name, justify="right")
+    for level in result.levels:
+        table.add_row(load_cell(level), *(cell(level) for _, cell in columns))
+    return table
 
 
 def load_header(result: Any) -> str:
