@@ -105,16 +105,7 @@ class LatencySummary:
         """From raw values in seconds, through the bench's histogram (nearest rank,
         within 0.5%; the mean and max are exact)."""
         hist = LatencyHistogram.from_latencies(np.asarray(values_s, dtype=np.float64))
-        if hist.count == 0:
-            return cls(0, None, None, None, None, None)
-        return cls(
-            count=hist.count,
-            mean_ms=hist.mean_s * 1000,
-            p50_ms=hist.percentile_s(50) * 1000,
-            p90_ms=hist.percentile_s(90) * 1000,
-            p99_ms=hist.percentile_s(99) * 1000,
-            max_ms=hist.max_s * 1000,
-        )
+        return cls(hist.count, hist.ms(), hist.ms(50), hist.ms(90), hist.ms(99), hist.ms(100))
 
 
 @dataclass

@@ -7,7 +7,6 @@ JSON / CSV column names, with units in them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,7 +200,6 @@ def level_result(inputs: LevelInputs) -> LevelResult:
         for worker, cpu_s in window.cpu_s_by_worker.items():
             cpu_s_by_worker[worker] = cpu_s_by_worker.get(worker, 0.0) + cpu_s
     total = _sum(windows, len(windows), sum(w.duration_s for w in windows), cpu_s_by_worker)
-    latency = total.latency
     result = LevelResult(
         concurrency=inputs.level.concurrency,
         request_rate=inputs.level.request_rate,
@@ -217,20 +215,18 @@ def level_result(inputs: LevelInputs) -> LevelResult:
         error_examples=total.error_examples,
         throughput_infer_per_s=total.throughput_infer_per_s,
         throughput_req_per_s=total.throughput_req_per_s,
-        avg_ms=_ms(latency.mean_s),
-        p50_ms=_ms(latency.percentile_s(50)),
-        p90_ms=_ms(latency.percentile_s(90)),
-        p95_ms=_ms(latency.percentile_s(95)),
-        p99_ms=_ms(latency.percentile_s(99)),
-        max_ms=_ms(latency.max_s) if latency.count else None,
+        avg_ms=total.latency.ms(),
+        p50_ms=total.latency.ms(50),
+        p90_ms=total.latency.ms(90),
+        p95_ms=total.latency.ms(95),
+        p99_ms=total.latency.ms(99),
+        max_ms=total.latency.ms(100),
         client_cpu_pct=total.cpu_pct,
         client_max_worker_cpu_pct=total.max_worker_cpu_pct,
         reconnects=total.reconnects,
     )
     if result.request_rate is not None:
-        result.send_rate_per_s = (
-            total.sends.sent / total.duration_s if total.duration_s > 0 else 0.0
-        )
+        result.send_rate_per_s = _per_s(total.sends.sent, total.duration_s)
         result.late_sends = total.sends.late_sends
         result.max_send_lag_ms = total.sends.max_send_lag_s * 1000
     _add_server_figures(result, inputs)
@@ -240,10 +236,6 @@ def level_result(inputs: LevelInputs) -> LevelResult:
         )
     result.warnings = level_warnings(result, inputs)
     return result
-
-
-def _ms(seconds: float) -> float | None:
-    return None if math.isnan(seconds) or math.isinf(seconds) else seconds * 1000
 
 
 def _add_server_figures(result: LevelResult, inputs: LevelInputs) -> None:
