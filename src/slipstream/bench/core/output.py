@@ -91,7 +91,7 @@ def level_table(title: str, result: Any, columns: Sequence[Column]) -> Table:
 
 
 def load_header(result: Any) -> str:
-    """The load column's heading: a sweep is of one kind (levels.check_load)."""
+    """The load column's heading: a sweep is of one kind (LoadSettings._check_load)."""
     return "concurrency" if result.distribution is None else "req/s asked"
 
 
