@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
@@ -15,8 +15,6 @@ from rich.table import Table
 
 from slipstream.bench.core.settings import LoadSettings
 from slipstream.reports import write_csv_rows, write_json
-
-_P = TypeVar("_P", bound="LevelProgress")
 
 
 class LevelProgress:
@@ -36,7 +34,7 @@ class LevelProgress:
         )
         self._task: Any = None
 
-    def __enter__(self: _P) -> _P:
+    def __enter__(self) -> Self:
         self._progress.start()
         return self
 
