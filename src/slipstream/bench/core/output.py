@@ -4,8 +4,9 @@ cells and the problems under the tables. The files go through :mod:`slipstream.r
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -117,6 +118,14 @@ def print_problems(console: Console, result: Any) -> None:
             console.print(f"[yellow]warning[/] {level.label}: {warning}")
     for warning in result.warnings:
         console.print(f"[yellow]warning[/] {warning}")
+
+
+def csv_fields(level_type: Any, skipped: Iterable[str] = (), flat: Iterable[str] = ()) -> list[str]:
+    """A mode's CSV columns, in order: every scalar field of its level result but
+    ``skipped``, then the ``flat`` columns the mode adds, then :func:`csv_row`'s cells."""
+    skip = {"errors_by_code", "error_examples", "warnings", *skipped}
+    scalars = [f.name for f in dataclasses.fields(level_type) if f.name not in skip]
+    return [*scalars, *flat, "errors_by_code", "warnings"]
 
 
 def csv_row(level: Any, fields: Sequence[str]) -> dict[str, Any]:

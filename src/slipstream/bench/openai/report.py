@@ -14,6 +14,7 @@ from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.output import (
     Column,
     LevelProgress,
+    csv_fields,
     errors_cell,
     fmt_num,
     level_table,
@@ -36,14 +37,10 @@ from slipstream.bench.openai.settings import OpenAIBenchSettings
 # The latency metrics of a level, in table and CSV order, with their table names.
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 _STATS = [f.name for f in dataclasses.fields(LatencySummary)]
-_SKIPPED = {"errors_by_code", "error_examples", "warnings", "request_results", *METRICS}
-# Columns of the CSV file, in order: every scalar figure of a level, then each metric's
+# Columns of the CSV file: every scalar figure of a level, then each metric's
 # statistics flattened (ttft_mean_ms, ttft_p50_ms, ...).
-CSV_FIELDS = (
-    [f.name for f in dataclasses.fields(OpenAILevelResult) if f.name not in _SKIPPED]
-    + [f"{metric}_{stat}" for metric in METRICS for stat in _STATS]
-    + ["errors_by_code", "warnings"]
-)
+_FLAT = [f"{metric}_{stat}" for metric in METRICS for stat in _STATS]
+CSV_FIELDS = csv_fields(OpenAILevelResult, {"request_results", *METRICS}, _FLAT)
 
 
 class RichProgress(LevelProgress, ProgressListener):

@@ -6,7 +6,6 @@ imports matplotlib only when asked for.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.output import (
     Column,
     LevelProgress,
+    csv_fields,
     csv_row,
     errors_cell,
     level_table,
@@ -28,11 +28,7 @@ from slipstream.bench.v2.runner import ProgressListener
 from slipstream.bench.v2.settings import BenchSettings
 
 # Columns of the CSV file, in order: every scalar figure of a level.
-CSV_FIELDS = [
-    f.name
-    for f in dataclasses.fields(LevelResult)
-    if f.name not in ("errors_by_code", "error_examples", "warnings")
-] + ["errors_by_code", "warnings"]
+CSV_FIELDS = csv_fields(LevelResult)
 
 
 # ----------------------------------------------------------------------- live progress
