@@ -7,6 +7,7 @@ connection just as a request arrives on it.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -19,10 +20,14 @@ from slipstream.bench.core.http import (
     RequestFailed,
     post_request,
 )
+from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.openai.client import OpenAIClient
 from slipstream.bench.openai.runner import run_bench_async
 from slipstream.bench.openai.settings import OpenAIBenchSettings, TokenRange
 from slipstream.bench.v2.blocking import BlockingHttpUser
+from slipstream.bench.v2.loadgen import Worker
+from slipstream.bench.v2.messages import EncodedRequest, RunLevel, WindowSample, WorkerPlan
+from slipstream.bench.v2.results import LevelInputs, level_result, merge_samples
 
 SSE_BODY = b'data: {"choices": [{"text": "hi"}]}\n\ndata: [DONE]\n\n'
 
@@ -287,3 +292,53 @@ async def test_an_openai_level_reports_its_reconnects_apart_from_errors() -> Non
     assert (level.requests, level.errors) == (4, 0)
     assert level.reconnects == 4  # every request found its pooled connection dropped
     assert any("fresh connection" in warning for warning in level.warnings)
+
+
+class _Outbox:
+    """Stands in for a V2 worker's pipe: keeps what the worker sends."""
+
+    def __init__(self) -> None:
+        self.messages: list[object] = []
+
+    def send(self, obj: object) -> None:
+        self.messages.append(obj)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2], ids=["blocking-user", "asyncio-client"])
+async def test_a_v2_level_reports_its_reconnects_apart_from_errors(concurrency: int) -> None:
+    """A whole V2 level (a worker with its real HTTP client, its windows, the level's
+    result) against a server that drops every reused connection: no errors, the
+    reconnects counted per window and in the level's result, and said in a warning.
+    Concurrency 1 runs the blocking single-connection user, 2 the asyncio client."""
+    server = LittleServer(drop_reused=True)
+    listening = await start(server)
+    plan = WorkerPlan(
+        worker_id=0, endpoint=server.endpoint, model="m", version="",
+        requests=[EncodedRequest(b"{}", None, batch_size=1)], timeout_s=5.0,
+        distribution="constant", seed=0,
+    )  # fmt: skip
+    command = RunLevel(
+        level_id=0, concurrency=concurrency, request_rate=0.0, phase_s=0.0, max_inflight=1,
+        first_user=0, start_at=time.monotonic() + 0.05, warmup_s=0.0, window_s=0.3,
+        max_windows=2,
+    )  # fmt: skip
+    outbox = _Outbox()
+    try:
+        await Worker(outbox, plan).run_level(command)
+    finally:
+        await server.stop(listening)
+    windows = [merge_samples([m]) for m in outbox.messages if isinstance(m, WindowSample)]
+    assert len(windows) == 2 and all(window.reconnects > 0 for window in windows)
+    result = level_result(
+        LevelInputs(
+            level=LoadLevel(concurrency=concurrency), workers=1, windows=windows,
+            windows_measured=2, stable=False, stability_required=False, stability_pct=10.0,
+            server=None, server_process=None, price_per_hour=None, workers_capped=False,
+        )
+    )  # fmt: skip
+    assert result.errors == 0 and result.requests > 10
+    # Each connection answers one request: every request after each user's first went
+    # again on a fresh connection (a user's request in flight at a cut may have been
+    # counted before its window recorded it).
+    assert result.requests - concurrency <= result.reconnects <= result.requests + concurrency
+    assert any("fresh connection" in w and "not errors" in w for w in result.warnings)

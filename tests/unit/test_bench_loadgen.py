@@ -75,7 +75,7 @@ class _FlakyServer(InferClient):
     async def infer(self, index: int) -> str | None:
         await asyncio.sleep(self.service_s)
         if index == 3:
-            return self._note("http 503", "queue full")
+            return self.error_examples.note("http 503", "queue full")
         return None
 
     async def close(self) -> None:

@@ -31,16 +31,17 @@ _V2_ONLY = set(BenchSettings.model_fields) - set(OpenAIBenchSettings.model_field
 _OPENAI_ONLY = set(OpenAIBenchSettings.model_fields) - set(BenchSettings.model_fields)
 
 
-def _help(field: str, settings: type[BaseModel] = BenchSettings) -> str:
+def _help(field: str, settings: type[BaseModel] | None = None) -> str:
+    """A settings field's description and default: the V2 mode's field, else the OpenAI
+    mode's (the only ones to have it)."""
+    if settings is None:
+        v2 = field in BenchSettings.model_fields
+        settings = BenchSettings if v2 else OpenAIBenchSettings
     info = settings.model_fields[field]
     description = info.description or ""
     if info.default in (None, "") or info.default_factory is not None or info.is_required():
         return description
     return f"{description} [default: {info.default}]"
-
-
-def _openai_help(field: str) -> str:
-    return _help(field, OpenAIBenchSettings)
 
 
 def _mode_help(field: str) -> str:
@@ -77,7 +78,7 @@ _FILE = click.Path(path_type=Path, dir_okay=False)
     "-i",
     type=click.Choice(["http", "http-binary", "grpc", *_OPENAI_PROTOCOLS]),
     default="http",
-    help=_help("protocol") + " " + _openai_help("protocol"),
+    help=_help("protocol") + " " + _help("protocol", OpenAIBenchSettings),
 )
 @click.option(
     "--concurrency", callback=_number_list(int, "integers like 1,8,64"), help=_help("concurrency")
@@ -109,13 +110,13 @@ _FILE = click.Path(path_type=Path, dir_okay=False)
 @click.option("--json", "json_path", type=_FILE, help=_help("json_path"))
 @click.option("--csv", "csv_path", type=_FILE, help=_help("csv_path"))
 @click.option("--report", "report_path", type=_FILE, help=_help("report_path"))
-@click.option("--num-requests", type=int, default=100, help=_openai_help("num_requests"))
-@click.option("--prompt-tokens", default="256", help=_openai_help("prompt_tokens"))
-@click.option("--output-tokens", default="128", help=_openai_help("output_tokens"))
-@click.option("--prompts", "prompts_path", type=_FILE, help=_openai_help("prompts_path"))
-@click.option("--ignore-eos", is_flag=True, help=_openai_help("ignore_eos"))
-@click.option("--response-format", help=_openai_help("response_format"))
-@click.option("--goodput", multiple=True, help=_openai_help("goodput"))
+@click.option("--num-requests", type=int, default=100, help=_help("num_requests"))
+@click.option("--prompt-tokens", default="256", help=_help("prompt_tokens"))
+@click.option("--output-tokens", default="128", help=_help("output_tokens"))
+@click.option("--prompts", "prompts_path", type=_FILE, help=_help("prompts_path"))
+@click.option("--ignore-eos", is_flag=True, help=_help("ignore_eos"))
+@click.option("--response-format", help=_help("response_format"))
+@click.option("--goodput", multiple=True, help=_help("goodput"))
 def bench(**options: Any) -> None:
     """Measure throughput and latency of MODEL on the server at URL, load level by level.
 
@@ -135,7 +136,7 @@ def bench(**options: Any) -> None:
     wrong = sorted(given & (_V2_ONLY if openai else _OPENAI_ONLY))
     if wrong:
         mode = "OpenAI protocols" if openai else "V2 protocols (http, http-binary, grpc)"
-        names = ", ".join("--" + _option_name(name) for name in wrong)
+        names = ", ".join(_option_name(name) for name in wrong)
         raise click.UsageError(f"{names}: not used with {mode}; leave it out")
     fields = OpenAIBenchSettings.model_fields if openai else BenchSettings.model_fields
     # None: not given, the mode's own default applies.
@@ -192,9 +193,10 @@ def _given(options: dict[str, Any]) -> set[str]:
 
 
 def _option_name(field: str) -> str:
-    renamed = {"json_path": "json", "csv_path": "csv", "report_path": "report",
-               "prompts_path": "prompts", "duration_s": "duration", "shapes": "shape"}  # fmt: skip
-    return renamed.get(field, field).replace("_", "-")
+    """The option that sets a settings field, as the command declares it (--json for
+    json_path)."""
+    params = click.get_current_context().command.params
+    return next(max(param.opts, key=len) for param in params if param.name == field)
 
 
 def _validated(settings: type[Settings], values: dict[str, Any]) -> Settings:
@@ -206,6 +208,6 @@ def _validated(settings: type[Settings], values: dict[str, Any]) -> Settings:
             message = str(problem["msg"]).removeprefix("Value error, ")
             field = problem["loc"][0] if problem["loc"] else None
             if isinstance(field, str) and field in settings.model_fields:
-                message = f"--{_option_name(field)}: {message}"
+                message = f"{_option_name(field)}: {message}"
             messages.append(message)
         raise click.UsageError("; ".join(messages)) from None

@@ -14,6 +14,20 @@ class ServerUnreachable(BenchError):
     """Nothing answers at the address, or it does not speak the protocol asked for."""
 
 
+# Keep at most this much of an error message as the example shown beside the counts.
+ERROR_EXAMPLE_CHARS = 2048
+
+
+class ErrorExamples(dict[str, str]):
+    """Error key -> the first message seen with it, kept by a mode's client."""
+
+    def note(self, key: str, message: str) -> str:
+        """Keep ``message`` unless ``key`` has an example already; returns ``key``."""
+        if key not in self:
+            self[key] = message.strip()[:ERROR_EXAMPLE_CHARS]
+        return key
+
+
 class _HasErrors(Protocol):
     errors_by_code: dict[str, int]
     error_examples: dict[str, str]
@@ -35,3 +49,14 @@ def error_summary(result: _HasErrors) -> str:
         example = result.error_examples.get(key, "")
         parts.append(f"{key} x{count}" + (f" ({example[:200]})" if example else ""))
     return "; ".join(parts)
+
+
+def reconnects_warning(reconnects: int) -> list[str]:
+    """The warning for requests sent again on a fresh connection (none for 0): the
+    server closed an idle keep-alive connection under them, which is not an error."""
+    if not reconnects:
+        return []
+    return [
+        f"{reconnects} requests went again on a fresh connection: the server closed an idle "
+        "keep-alive connection first (counted, not errors)"
+    ]

@@ -84,6 +84,13 @@ class LatencyHistogram:
     def mean_s(self) -> float:
         return self.total_s / self.count if self.count else math.nan
 
+    def ms(self, q: float | None = None) -> float | None:
+        """The mean (``q`` None) or the q-th percentile in ms, as reports show them;
+        None when empty."""
+        if self.count == 0:
+            return None
+        return 1000 * (self.mean_s if q is None else self.percentile_s(q))
+
     def percentile_s(self, q: float) -> float:
         """The q-th percentile (nearest rank: the smallest value with q% at or below it).
 

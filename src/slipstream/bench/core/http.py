@@ -197,9 +197,8 @@ class HttpConnection(ResponseReader, asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        self.started = True
         try:
-            self._parser.feed_data(data)
+            self.feed(data)
         except httptools.HttpParserError as exc:
             self._fail(ConnectionError(f"malformed HTTP response: {exc}"))
             self.close()

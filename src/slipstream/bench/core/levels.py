@@ -27,20 +27,3 @@ class LoadLevel:
         if self.concurrency is not None:
             return f"concurrency {self.concurrency}"
         return f"{self.request_rate:g} req/s"
-
-
-def check_load(concurrency: list[int], request_rate: list[float]) -> None:
-    """ValueError unless the sweep is one kind of load with valid values."""
-    if concurrency and request_rate:
-        raise ValueError("give either --concurrency or --request-rate, not both")
-    if any(c < 1 for c in concurrency):
-        raise ValueError(f"--concurrency values must be >= 1, got {concurrency}")
-    if any(r <= 0 for r in request_rate):
-        raise ValueError(f"--request-rate values must be > 0, got {request_rate}")
-
-
-def load_levels(concurrency: list[int], request_rate: list[float]) -> list[LoadLevel]:
-    """The sweep in the order given; concurrency 1 when nothing was asked for."""
-    if request_rate:
-        return [LoadLevel(request_rate=rate) for rate in request_rate]
-    return [LoadLevel(concurrency=c) for c in (concurrency or [1])]

@@ -4,32 +4,18 @@ cells and the problems under the tables. The files go through :mod:`slipstream.r
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+from rich.table import Table
 
 from slipstream.bench.core.settings import LoadSettings
 from slipstream.reports import write_csv_rows, write_json
-
-
-def progress_bar(console: Console) -> Progress:
-    """The bench progress bar: spinner, level, bar, done/total, the level's figures."""
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(bar_width=20),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[figures]}"),
-        console=console,
-        transient=True,
-    )
-
-
-_P = TypeVar("_P", bound="LevelProgress")
 
 
 class LevelProgress:
@@ -38,10 +24,18 @@ class LevelProgress:
 
     def __init__(self, console: Console) -> None:
         self._console = console
-        self._progress = progress_bar(console)
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=20),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[figures]}"),  # the level's latest figures
+            console=console,
+            transient=True,
+        )
         self._task: Any = None
 
-    def __enter__(self: _P) -> _P:
+    def __enter__(self) -> Self:
         self._progress.start()
         return self
 
@@ -74,8 +68,29 @@ def fmt_num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+# A table column: its heading, and a level's cell in it.
+Column = tuple[str, Callable[[Any], str]]
+
+
+def number(field: str, digits: int = 2) -> Callable[[Any], str]:
+    """A column's cells: a level's ``field`` through :func:`fmt_num`."""
+    return lambda level: fmt_num(getattr(level, field), digits)
+
+
+def level_table(title: str, result: Any, columns: Sequence[Column]) -> Table:
+    """A table of one row per level of ``result`` (either mode's): the level's load,
+    then a cell per column, right-aligned."""
+    table = Table(title=title, title_justify="left")
+    table.add_column(load_header(result))
+    for name, _ in columns:
+        table.add_column(name, justify="right")
+    for level in result.levels:
+        table.add_row(load_cell(level), *(cell(level) for _, cell in columns))
+    return table
+
+
 def load_header(result: Any) -> str:
-    """The load column's heading: a sweep is of one kind (levels.check_load)."""
+    """The load column's heading: a sweep is of one kind (LoadSettings._check_load)."""
     return "concurrency" if result.distribution is None else "req/s asked"
 
 
@@ -103,6 +118,14 @@ def print_problems(console: Console, result: Any) -> None:
             console.print(f"[yellow]warning[/] {level.label}: {warning}")
     for warning in result.warnings:
         console.print(f"[yellow]warning[/] {warning}")
+
+
+def csv_fields(level_type: Any, skipped: Iterable[str] = (), flat: Iterable[str] = ()) -> list[str]:
+    """A mode's CSV columns, in order: every scalar field of its level result but
+    ``skipped``, then the ``flat`` columns the mode adds, then :func:`csv_row`'s cells."""
+    skip = {"errors_by_code", "error_examples", "warnings", *skipped}
+    scalars = [f.name for f in dataclasses.fields(level_type) if f.name not in skip]
+    return [*scalars, *flat, "errors_by_code", "warnings"]
 
 
 def csv_row(level: Any, fields: Sequence[str]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from slipstream.bench.core.levels import Distribution, LoadLevel, check_load, load_levels
+from slipstream.bench.core.levels import Distribution, LoadLevel
 
 
 class LoadSettings(BaseModel):
@@ -47,9 +47,17 @@ class LoadSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check_load(self) -> LoadSettings:
-        check_load(self.concurrency, self.request_rate)
+        """One kind of load, with valid values."""
+        if self.concurrency and self.request_rate:
+            raise ValueError("give either --concurrency or --request-rate, not both")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError(f"--concurrency values must be >= 1, got {self.concurrency}")
+        if any(r <= 0 for r in self.request_rate):
+            raise ValueError(f"--request-rate values must be > 0, got {self.request_rate}")
         return self
 
     def load_levels(self) -> list[LoadLevel]:
         """The sweep in the order given; concurrency 1 when nothing was asked for."""
-        return load_levels(self.concurrency, self.request_rate)
+        if self.request_rate:
+            return [LoadLevel(request_rate=rate) for rate in self.request_rate]
+        return [LoadLevel(concurrency=c) for c in (self.concurrency or [1])]

@@ -22,10 +22,9 @@ import time
 import orjson
 
 from slipstream.bench.core.endpoint import Endpoint
+from slipstream.bench.core.errors import ErrorExamples
 from slipstream.bench.core.http import HttpConnection, HttpConnections, RequestFailed, post_request
 
-# Keep at most this much of an error message as the example shown beside the counts.
-_ERROR_EXAMPLE_CHARS = 2048
 DONE = b"[DONE]"
 
 
@@ -189,7 +188,7 @@ class OpenAIClient:
         self._timeout_s = timeout_s
         self._connections = HttpConnections(endpoint, timeout_s, StreamConnection)
         # Error key -> the first message seen with it.
-        self.error_examples: dict[str, str] = {}
+        self.error_examples = ErrorExamples()
 
     @property
     def reconnects(self) -> int:
@@ -206,29 +205,18 @@ class OpenAIClient:
         try:
             conn = await self._connections.request(payload)
         except RequestFailed as exc:
-            if exc.key == "timeout":
-                return self._failed(
-                    "timeout", f"the stream did not end within {self._timeout_s:g} s"
-                )
-            return self._failed(exc.key, exc.message)
-        stream = conn.stream
-        if not 200 <= conn.status < 300:
-            stream.fail(f"http {conn.status}", conn.error_message())
-        elif stream.error is None and not stream.done:
-            stream.fail("stream incomplete", "the response ended without data: [DONE]")
+            stream = StreamState()
+            timed_out = f"the stream did not end within {self._timeout_s:g} s"
+            stream.fail(exc.key, timed_out if exc.key == "timeout" else exc.message)
+        else:
+            stream = conn.stream
+            if not 200 <= conn.status < 300:
+                stream.fail(f"http {conn.status}", conn.error_message())
+            elif stream.error is None and not stream.done:
+                stream.fail("stream incomplete", "the response ended without data: [DONE]")
         if stream.error is not None:
-            self._note(stream.error, stream.error_message)
+            self.error_examples.note(stream.error, stream.error_message)
         return stream
-
-    def _failed(self, key: str, message: str) -> StreamState:
-        stream = StreamState()
-        stream.fail(key, message)
-        self._note(key, message)
-        return stream
-
-    def _note(self, key: str, message: str) -> None:
-        if key not in self.error_examples:
-            self.error_examples[key] = message.strip()[:_ERROR_EXAMPLE_CHARS]
 
     async def close(self) -> None:
         await self._connections.close()

@@ -12,11 +12,15 @@ from rich.table import Table
 
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.output import (
+    Column,
     LevelProgress,
+    csv_fields,
     errors_cell,
     fmt_num,
+    level_table,
     load_cell,
     load_header,
+    number,
     print_problems,
     write_files,
 )
@@ -33,14 +37,10 @@ from slipstream.bench.openai.settings import OpenAIBenchSettings
 # The latency metrics of a level, in table and CSV order, with their table names.
 METRICS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 _STATS = [f.name for f in dataclasses.fields(LatencySummary)]
-_SKIPPED = {"errors_by_code", "error_examples", "warnings", "request_results", *METRICS}
-# Columns of the CSV file, in order: every scalar figure of a level, then each metric's
+# Columns of the CSV file: every scalar figure of a level, then each metric's
 # statistics flattened (ttft_mean_ms, ttft_p50_ms, ...).
-CSV_FIELDS = (
-    [f.name for f in dataclasses.fields(OpenAILevelResult) if f.name not in _SKIPPED]
-    + [f"{metric}_{stat}" for metric in METRICS for stat in _STATS]
-    + ["errors_by_code", "warnings"]
-)
+_FLAT = [f"{metric}_{stat}" for metric in METRICS for stat in _STATS]
+CSV_FIELDS = csv_fields(OpenAILevelResult, {"request_results", *METRICS}, _FLAT)
 
 
 class RichProgress(LevelProgress, ProgressListener):
@@ -76,52 +76,45 @@ def print_tables(result: OpenAIBenchResult, console: Console) -> None:
         f"{result.num_requests} requests per level{arrivals}{eos}"
         + (f"; goodput SLOs: {slos}" if slos else "")
     )
-    load = load_header(result)
-    main = Table(title=title, title_justify="left")
-    columns = [load, "req/s", "output tok/s", "total tok/s"]
+    columns: list[Column] = [
+        ("req/s", number("request_throughput_per_s")),
+        ("output tok/s", number("output_throughput_tok_per_s", 1)),
+        ("total tok/s", number("total_token_throughput_tok_per_s", 1)),
+    ]
     if result.goodput_slos_ms:
-        columns.append("goodput req/s")
-    columns += ["mean in/out tokens", "peak in flight", "client CPU%", "duration s", "errors"]
-    for index, name in enumerate(columns):
-        main.add_column(name, justify="left" if index == 0 else "right")
-    for level in result.levels:
-        row = [
-            load_cell(level),
-            fmt_num(level.request_throughput_per_s),
-            fmt_num(level.output_throughput_tok_per_s, 1),
-            fmt_num(level.total_token_throughput_tok_per_s, 1),
-        ]
-        if result.goodput_slos_ms:
-            row.append(f"{fmt_num(level.goodput_req_per_s)} ({level.good_requests} ok)")
-        row += [
-            _mean_lengths(level),
-            str(level.peak_inflight),
-            fmt_num(level.client_cpu_pct, 0),
-            fmt_num(level.duration_s, 1),
-            errors_cell(level),
-        ]
-        main.add_row(*row)
-    console.print(main)
-    console.print(_latency_table(result, load))
+        columns.append(("goodput req/s", _goodput))
+    columns += [
+        ("mean in/out tokens", _mean_lengths),
+        ("peak in flight", lambda level: str(level.peak_inflight)),
+        ("client CPU%", number("client_cpu_pct", 0)),
+        ("duration s", number("duration_s", 1)),
+        ("errors", errors_cell),
+    ]
+    console.print(level_table(title, result, columns))
+    console.print(_latency_table(result))
     print_problems(console, result)
 
 
-def _latency_table(result: OpenAIBenchResult, load: str) -> Table:
+def _latency_table(result: OpenAIBenchResult) -> Table:
     table = Table(title="Latencies (ms)", title_justify="left")
-    for index, name in enumerate([load, "metric", "mean", "p50", "p90", "p99", "max", "count"]):
+    headings = [load_header(result), "metric", "mean", "p50", "p90", "p99", "max", "count"]
+    for index, name in enumerate(headings):
         table.add_column(name, justify="left" if index < 2 else "right")
     for level in result.levels:
-        for number, (metric, name) in enumerate(METRICS.items()):
+        for row, (metric, name) in enumerate(METRICS.items()):
             summary: LatencySummary = getattr(level, metric)
             table.add_row(
-                load_cell(level) if number == 0 else "",
+                load_cell(level) if row == 0 else "",
                 name,
-                *(fmt_num(v) for v in (summary.mean_ms, summary.p50_ms, summary.p90_ms)),
-                *(fmt_num(v) for v in (summary.p99_ms, summary.max_ms)),
+                *(fmt_num(getattr(summary, stat)) for stat in _STATS[1:]),
                 str(summary.count),
-                end_section=number == len(METRICS) - 1,
+                end_section=row == len(METRICS) - 1,
             )
     return table
+
+
+def _goodput(level: OpenAILevelResult) -> str:
+    return f"{fmt_num(level.goodput_req_per_s)} ({level.good_requests} ok)"
 
 
 def _mean_lengths(level: OpenAILevelResult) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.bench.core.errors import error_summary
+from slipstream.bench.core.errors import error_summary, reconnects_warning
 from slipstream.bench.core.histogram import LatencyHistogram
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.schedule import LATE_SEND_SHARE, SATURATED_CPU_PCT
@@ -105,16 +105,7 @@ class LatencySummary:
         """From raw values in seconds, through the bench's histogram (nearest rank,
         within 0.5%; the mean and max are exact)."""
         hist = LatencyHistogram.from_latencies(np.asarray(values_s, dtype=np.float64))
-        if hist.count == 0:
-            return cls(0, None, None, None, None, None)
-        return cls(
-            count=hist.count,
-            mean_ms=hist.mean_s * 1000,
-            p50_ms=hist.percentile_s(50) * 1000,
-            p90_ms=hist.percentile_s(90) * 1000,
-            p99_ms=hist.percentile_s(99) * 1000,
-            max_ms=hist.max_s * 1000,
-        )
+        return cls(hist.count, hist.ms(), hist.ms(50), hist.ms(90), hist.ms(99), hist.ms(100))
 
 
 @dataclass
@@ -278,11 +269,7 @@ def _warnings(
             f"10 ms late (worst {result.max_send_lag_ms or 0:.1f} ms): {cause}; their "
             "latencies count from the scheduled arrival"
         )
-    if result.reconnects:
-        warnings.append(
-            f"{result.reconnects} requests went again on a fresh connection: the server "
-            "closed an idle keep-alive connection first (counted, not errors)"
-        )
+    warnings += reconnects_warning(result.reconnects)
     unreported = sum(not r.usage_reported for r in ok)
     if unreported:
         warnings.append(

@@ -41,7 +41,7 @@ class BlockingHttpUser:
         self._address = (endpoint.host, endpoint.port)
         self._payloads = payloads
         self._timeout_s = timeout_s
-        # Records an error example; returns the error key (InferClient._note).
+        # Records an error example; returns the error key (ErrorExamples.note).
         self._note = note
         self._sock: socket.socket | None = None
         self._response = ResponseReader()

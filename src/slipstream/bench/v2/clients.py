@@ -11,13 +11,14 @@ from typing import Any
 from urllib.parse import quote
 
 from slipstream.bench.core.endpoint import Endpoint
+from slipstream.bench.core.errors import ErrorExamples
 from slipstream.bench.core.http import (
-    ERROR_BODY_BYTES,
     HttpConnection,
     HttpConnections,
     RequestFailed,
     post_request,
 )
+from slipstream.bench.v2.blocking import BlockingHttpUser
 from slipstream.bench.v2.messages import EncodedRequest
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -41,7 +42,7 @@ class InferClient(ABC):
 
     def __init__(self) -> None:
         # Error key -> the first message seen with it, shown beside the counts.
-        self.error_examples: dict[str, str] = {}
+        self.error_examples = ErrorExamples()
 
     @abstractmethod
     async def infer(self, index: int) -> str | None:
@@ -51,10 +52,16 @@ class InferClient(ABC):
     async def close(self) -> None:
         """Close every connection; requests still outstanding fail."""
 
-    def _note(self, key: str, message: str) -> str:
-        if key not in self.error_examples:
-            self.error_examples[key] = message.strip()[:ERROR_BODY_BYTES]
-        return key
+    @property
+    def reconnects(self) -> int:
+        """Requests sent again on a fresh connection after the server closed a reused one
+        before answering (keep-alive timeouts): not errors. Only HTTP reconnects."""
+        return 0
+
+    def blocking_user(self) -> BlockingHttpUser | None:
+        """A closed-loop user on one blocking socket instead of ``infer``, where the
+        protocol has one (plain HTTP); its errors and reconnects are counted here."""
+        return None
 
 
 def make_client(
@@ -91,32 +98,33 @@ class HttpClient(InferClient):
         self, endpoint: Endpoint, path: str, requests: list[EncodedRequest], timeout_s: float
     ) -> None:
         super().__init__()
+        self._endpoint = endpoint
         self._payloads = [http_request_bytes(endpoint, path, r) for r in requests]
         self._timeout_s = timeout_s
         self._connections = HttpConnections(endpoint, timeout_s, HttpConnection)
+        self._blocking: BlockingHttpUser | None = None
 
     @property
-    def payloads(self) -> list[bytes]:
-        """Every request as the bytes written to the socket."""
-        return self._payloads
+    def reconnects(self) -> int:
+        blocking = self._blocking.reconnects if self._blocking is not None else 0
+        return self._connections.reconnects + blocking
 
-    @property
-    def blocking_ok(self) -> bool:
-        """Plain HTTP: the blocking single-connection user can send these payloads."""
-        return not self._connections.tls
-
-    def note(self, key: str, message: str) -> str:
-        """Record an error example under ``key`` (for drivers outside this client)."""
-        return self._note(key, message)
+    def blocking_user(self) -> BlockingHttpUser | None:
+        if self._connections.tls:
+            return None
+        self._blocking = BlockingHttpUser(
+            self._endpoint, self._payloads, self._timeout_s, self.error_examples.note
+        )
+        return self._blocking
 
     async def infer(self, index: int) -> str | None:
         try:
             conn = await self._connections.request(self._payloads[index])
         except RequestFailed as exc:
-            return self._note(exc.key, exc.message)
+            return self.error_examples.note(exc.key, exc.message)
         if 200 <= conn.status < 300:
             return None
-        return self._note(f"http {conn.status}", conn.error_message())
+        return self.error_examples.note(f"http {conn.status}", conn.error_message())
 
     async def close(self) -> None:
         await self._connections.close()
@@ -167,7 +175,7 @@ class GrpcClient(InferClient):
         try:
             await self._calls[self._next](self._bodies[index], timeout=self._timeout_s)
         except self._grpc.aio.AioRpcError as exc:
-            return self._note(f"grpc {exc.code().name}", exc.details() or "")
+            return self.error_examples.note(f"grpc {exc.code().name}", exc.details() or "")
         return None
 
     async def close(self) -> None:

@@ -25,12 +25,10 @@ import psutil
 from slipstream.bench.core.histogram import LatencyHistogram
 from slipstream.bench.core.schedule import (
     LoadDriver,
-    SendStats,
     arrival_gaps_s,
     run_event_loop,
 )
-from slipstream.bench.v2.blocking import BlockingHttpUser
-from slipstream.bench.v2.clients import HttpClient, InferClient, make_client
+from slipstream.bench.v2.clients import InferClient, make_client
 from slipstream.bench.v2.messages import (
     LevelDone,
     Ready,
@@ -175,7 +173,7 @@ class Worker:
         client = self._client_factory(plan, command.concurrency or command.max_inflight)
         await _sleep_until(command.start_at)
         self._recorder = WindowRecorder(self._batch_sizes)
-        cpu_s = self._cpu_s()
+        cpu_s, reconnects = self._cpu_s(), 0
         driver, tasks = self._start_load(client, command, stop)
         window_start = command.start_at
         index = -1 if command.warmup_s > 0 else 0
@@ -183,10 +181,13 @@ class Worker:
             end = command.start_at + command.warmup_s + (index + 1) * command.window_s
             if await _wait_until_or_stopped(end, stop):
                 break
-            now, cpu_now = time.monotonic(), self._cpu_s()
-            sends = driver.take_stats() if driver is not None else SendStats()
-            self._cut_window(client, command, index, (window_start, now), cpu_now - cpu_s, sends)
-            window_start, cpu_s = now, cpu_now
+            now, cpu_now, reconnects_now = time.monotonic(), self._cpu_s(), client.reconnects
+            sample = self._cut_window(client, command, index, (window_start, now))
+            sample.cpu_s, sample.reconnects = cpu_now - cpu_s, reconnects_now - reconnects
+            if driver is not None:
+                sample.sends = driver.take_stats()
+            self._conn.send(sample)
+            window_start, cpu_s, reconnects = now, cpu_now, reconnects_now
             index += 1
         stop.set()
         await self._drain(tasks)
@@ -197,10 +198,8 @@ class Worker:
         self, client: InferClient, command: RunLevel, stop: asyncio.Event
     ) -> tuple[LoadDriver[str | None] | None, list[asyncio.Task[None]]]:
         """The level's load loop as a task, and its driver (None: the blocking user)."""
-        if command.concurrency == 1 and isinstance(client, HttpClient) and client.blocking_ok:
-            user = BlockingHttpUser(
-                self._plan.endpoint, client.payloads, self._plan.timeout_s, client.note
-            )
+        user = client.blocking_user() if command.concurrency == 1 else None
+        if user is not None:
             run = asyncio.to_thread(user.run, stop, self._record_locked, command.first_user)
             return None, [asyncio.create_task(run)]
         if command.concurrency:
@@ -235,17 +234,12 @@ class Worker:
         )
 
     def _cut_window(
-        self,
-        client: InferClient,
-        command: RunLevel,
-        index: int,
-        span_s: tuple[float, float],
-        cpu_s: float,
-        sends: SendStats,
-    ) -> None:
+        self, client: InferClient, command: RunLevel, index: int, span_s: tuple[float, float]
+    ) -> WindowSample:
+        """The window's counts; the caller adds its CPU, sends and reconnects."""
         with self._record_lock:
             recorder, self._recorder = self._recorder, WindowRecorder(self._batch_sizes)
-        sample = WindowSample(
+        return WindowSample(
             worker_id=self._plan.worker_id,
             level_id=command.level_id,
             window_index=index,
@@ -256,10 +250,7 @@ class Worker:
             latency=recorder.histogram(),
             errors=recorder.errors,
             error_examples={k: client.error_examples.get(k, "") for k in recorder.errors},
-            cpu_s=cpu_s,
-            sends=sends,
         )
-        self._conn.send(sample)
 
     async def _drain(self, tasks: list[asyncio.Task[None]]) -> None:
         """Let outstanding requests finish (they time out at worst), then cancel."""

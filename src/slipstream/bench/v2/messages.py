@@ -117,6 +117,8 @@ class WindowSample:
     cpu_s: float = 0.0
     # Open loop: requests started, those over 1 ms late, the in-flight cap's waits.
     sends: SendStats = field(default_factory=SendStats)
+    # Requests sent again on a fresh connection after the server closed a reused one.
+    reconnects: int = 0
 
 
 @dataclass(frozen=True)

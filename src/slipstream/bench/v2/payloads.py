@@ -33,18 +33,16 @@ def encode_request(
     return EncodedRequest(body=body, header_length=header_length, batch_size=request.batch_size)
 
 
+def _input(name: str, array: np.ndarray, datatype: str, **more: Any) -> dict[str, Any]:
+    """An input of a V2 JSON body (or of a binary body's JSON header)."""
+    return {"name": name, "shape": list(array.shape), "datatype": datatype, **more}
+
+
 def _json_body(tensors: dict[str, np.ndarray]) -> bytes:
     inputs = []
     for name, array in tensors.items():
         datatype = v2_datatype(array.dtype)
-        inputs.append(
-            {
-                "name": name,
-                "shape": list(array.shape),
-                "datatype": datatype,
-                "data": _json_data(name, array, datatype),
-            }
-        )
+        inputs.append(_input(name, array, datatype, data=_json_data(name, array, datatype)))
     return orjson.dumps({"inputs": inputs}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -71,14 +69,7 @@ def _binary_body(tensors: dict[str, np.ndarray]) -> tuple[bytes, int]:
     chunks = []
     for name, array in tensors.items():
         datatype, raw = encode_raw_tensor(array)
-        inputs.append(
-            {
-                "name": name,
-                "shape": list(array.shape),
-                "datatype": datatype,
-                "parameters": {"binary_data_size": len(raw)},
-            }
-        )
+        inputs.append(_input(name, array, datatype, parameters={"binary_data_size": len(raw)}))
         chunks.append(raw)
     # Outputs come back binary too, as perf_analyzer asks for them.
     header = orjson.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}})

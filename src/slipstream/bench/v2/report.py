@@ -6,21 +6,20 @@ imports matplotlib only when asked for.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.output import (
+    Column,
     LevelProgress,
+    csv_fields,
     csv_row,
     errors_cell,
-    fmt_num,
-    load_cell,
-    load_header,
+    level_table,
+    number,
     print_problems,
     write_files,
 )
@@ -29,11 +28,7 @@ from slipstream.bench.v2.runner import ProgressListener
 from slipstream.bench.v2.settings import BenchSettings
 
 # Columns of the CSV file, in order: every scalar figure of a level.
-CSV_FIELDS = [
-    f.name
-    for f in dataclasses.fields(LevelResult)
-    if f.name not in ("errors_by_code", "error_examples", "warnings")
-] + ["errors_by_code", "warnings"]
+CSV_FIELDS = csv_fields(LevelResult)
 
 
 # ----------------------------------------------------------------------- live progress
@@ -71,59 +66,39 @@ class RichProgress(LevelProgress, ProgressListener):
 # ----------------------------------------------------------------------- terminal tables
 
 
+_LATENCIES = ("avg", "p50", "p90", "p95", "p99", "max")
+_MAIN: list[Column] = [
+    ("infer/s", number("throughput_infer_per_s", 1)),
+    ("req/s", number("throughput_req_per_s", 1)),
+    *[(f"{name} ms", number(f"{name}_ms", 3)) for name in _LATENCIES],
+    ("errors", errors_cell),
+]
+_BREAKDOWN: list[Column] = [
+    ("queue", number("server_queue_ms", 3)),
+    ("compute in", number("server_compute_input_ms", 3)),
+    ("compute infer", number("server_compute_infer_ms", 3)),
+    ("compute out", number("server_compute_output_ms", 3)),
+    ("overhead", number("server_overhead_ms", 3)),
+    ("batch", number("server_avg_batch_size", 1)),
+    ("client CPU%", number("client_cpu_pct", 0)),
+    ("server CPU%", number("server_cpu_pct", 0)),
+    ("server RSS MB", number("server_rss_mb", 0)),
+]
+
+
 def print_tables(result: BenchResult, console: Console) -> None:
     """Throughput and latency, then the server breakdown and resources, then warnings."""
     title = (
         f"{result.model} over {result.protocol} at {result.url}, batch size {result.batch_size}"
         + (f", {result.distribution} arrivals" if result.distribution else "")
     )
-    main = Table(title=title, title_justify="left")
-    main.add_column(load_header(result))
-    for name in ("infer/s", "req/s", "avg ms", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "max ms"):
-        main.add_column(name, justify="right")
-    main.add_column("errors", justify="right")
-    for level in result.levels:
-        main.add_row(
-            load_cell(level),
-            fmt_num(level.throughput_infer_per_s, 1),
-            fmt_num(level.throughput_req_per_s, 1),
-            *(fmt_num(v, 3) for v in _latencies(level)),
-            errors_cell(level),
-        )
-    console.print(main)
-    console.print(_breakdown_table(result))
-    print_problems(console, result)
-
-
-def _latencies(level: LevelResult) -> list[float | None]:
-    return [level.avg_ms, level.p50_ms, level.p90_ms, level.p95_ms, level.p99_ms, level.max_ms]
-
-
-def _breakdown_table(result: BenchResult) -> Table:
-    table = Table(title="Server breakdown (ms per request) and resources", title_justify="left")
-    columns = [load_header(result), "queue", "compute in", "compute infer", "compute out"]
-    columns += ["overhead", "batch", "client CPU%", "server CPU%", "server RSS MB"]
+    console.print(level_table(title, result, _MAIN))
+    breakdown = _BREAKDOWN
     if any(level.cost_per_1m_infer is not None for level in result.levels):
-        columns.append("$ / 1M infer")
-    for index, name in enumerate(columns):
-        table.add_column(name, justify="left" if index == 0 else "right")
-    for level in result.levels:
-        row = [
-            load_cell(level),
-            fmt_num(level.server_queue_ms, 3),
-            fmt_num(level.server_compute_input_ms, 3),
-            fmt_num(level.server_compute_infer_ms, 3),
-            fmt_num(level.server_compute_output_ms, 3),
-            fmt_num(level.server_overhead_ms, 3),
-            fmt_num(level.server_avg_batch_size, 1),
-            fmt_num(level.client_cpu_pct, 0),
-            fmt_num(level.server_cpu_pct, 0),
-            fmt_num(level.server_rss_mb, 0),
-        ]
-        if len(columns) > len(row):
-            row.append(fmt_num(level.cost_per_1m_infer, 4))
-        table.add_row(*row)
-    return table
+        breakdown = [*breakdown, ("$ / 1M infer", number("cost_per_1m_infer", 4))]
+    title = "Server breakdown (ms per request) and resources"
+    console.print(level_table(title, result, breakdown))
+    print_problems(console, result)
 
 
 # ----------------------------------------------------------------------- files

@@ -7,12 +7,11 @@ JSON / CSV column names, with units in them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from slipstream.bench.core.errors import error_summary
+from slipstream.bench.core.errors import error_summary, reconnects_warning
 from slipstream.bench.core.histogram import LatencyHistogram, merge_histograms
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.schedule import LATE_SEND_SHARE, SATURATED_CPU_PCT, SendStats
@@ -40,42 +39,45 @@ class WindowTotals:
     cpu_s_by_worker: dict[int, float]
     # Open loop: the workers' sends in the window.
     sends: SendStats = field(default_factory=SendStats)
+    # Requests sent again on a fresh connection (see LevelResult.reconnects).
+    reconnects: int = 0
 
     @property
     def throughput_req_per_s(self) -> float:
-        return self.ok_requests / self.duration_s if self.duration_s > 0 else 0.0
+        return _per_s(self.ok_requests, self.duration_s)
 
     @property
     def throughput_infer_per_s(self) -> float:
-        return self.ok_inferences / self.duration_s if self.duration_s > 0 else 0.0
+        return _per_s(self.ok_inferences, self.duration_s)
+
+    @property
+    def cpu_pct(self) -> float:
+        """Every worker's CPU (and below, the busiest one's) in percent of one core."""
+        return _per_s(100 * sum(self.cpu_s_by_worker.values()), self.duration_s)
 
     @property
     def max_worker_cpu_pct(self) -> float:
-        if self.duration_s <= 0 or not self.cpu_s_by_worker:
-            return 0.0
-        return 100 * max(self.cpu_s_by_worker.values()) / self.duration_s
+        return _per_s(100 * max(self.cpu_s_by_worker.values(), default=0.0), self.duration_s)
+
+
+def _per_s(count: float, duration_s: float) -> float:
+    return count / duration_s if duration_s > 0 else 0.0
 
 
 def merge_samples(samples: list[WindowSample]) -> WindowTotals:
     """The workers' samples of one window as one."""
-    errors, examples = _merge_errors(samples)
-    return WindowTotals(
-        index=samples[0].window_index,
-        duration_s=sum(s.end_s - s.start_s for s in samples) / len(samples),
-        ok_requests=sum(s.ok_requests for s in samples),
-        ok_inferences=sum(s.ok_inferences for s in samples),
-        latency=merge_histograms([s.latency for s in samples]),
-        errors=errors,
-        error_examples=examples,
-        cpu_s_by_worker={s.worker_id: s.cpu_s for s in samples},
-        sends=SendStats.total(s.sends for s in samples),
-    )
+    duration_s = sum(s.end_s - s.start_s for s in samples) / len(samples)
+    cpu_s = {s.worker_id: s.cpu_s for s in samples}
+    return _sum(samples, samples[0].window_index, duration_s, cpu_s)
 
 
-def _merge_errors(
+def _sum(
     parts: Sequence[WindowSample | WindowTotals],
-) -> tuple[dict[str, int], dict[str, str]]:
-    """Error counts summed over windows or workers, and the first example of each key."""
+    index: int,
+    duration_s: float,
+    cpu_s_by_worker: dict[int, float],
+) -> WindowTotals:
+    """Counts summed over workers or windows, with the first example of each error key."""
     errors: dict[str, int] = {}
     examples: dict[str, str] = {}
     for part in parts:
@@ -83,7 +85,18 @@ def _merge_errors(
             errors[key] = errors.get(key, 0) + count
         for key, message in part.error_examples.items():
             examples.setdefault(key, message)
-    return errors, examples
+    return WindowTotals(
+        index=index,
+        duration_s=duration_s,
+        ok_requests=sum(p.ok_requests for p in parts),
+        ok_inferences=sum(p.ok_inferences for p in parts),
+        latency=merge_histograms([p.latency for p in parts]),
+        errors=errors,
+        error_examples=examples,
+        cpu_s_by_worker=cpu_s_by_worker,
+        sends=SendStats.total(p.sends for p in parts),
+        reconnects=sum(p.reconnects for p in parts),
+    )
 
 
 @dataclass
@@ -133,6 +146,9 @@ class LevelResult:
     server_cpu_pct: float | None = None
     server_rss_mb: float | None = None
     cost_per_1m_infer: float | None = None
+    # Requests sent again on a fresh connection after the server closed a reused one
+    # before answering (keep-alive timeouts): not errors.
+    reconnects: int = 0
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -179,12 +195,11 @@ class LevelInputs:
 
 def level_result(inputs: LevelInputs) -> LevelResult:
     windows = inputs.windows
-    duration_s = sum(w.duration_s for w in windows)
-    latency = merge_histograms([w.latency for w in windows])
-    errors, examples = _merge_errors(windows)
-    requests = sum(w.ok_requests for w in windows)
-    inferences = sum(w.ok_inferences for w in windows)
-    throughput_infer = inferences / duration_s if duration_s > 0 else 0.0
+    cpu_s_by_worker: dict[int, float] = {}
+    for window in windows:
+        for worker, cpu_s in window.cpu_s_by_worker.items():
+            cpu_s_by_worker[worker] = cpu_s_by_worker.get(worker, 0.0) + cpu_s
+    total = _sum(windows, len(windows), sum(w.duration_s for w in windows), cpu_s_by_worker)
     result = LevelResult(
         concurrency=inputs.level.concurrency,
         request_rate=inputs.level.request_rate,
@@ -192,48 +207,35 @@ def level_result(inputs: LevelInputs) -> LevelResult:
         windows=len(windows),
         windows_measured=inputs.windows_measured,
         stable=inputs.stable,
-        duration_s=duration_s,
-        requests=requests,
-        inferences=inferences,
-        errors=sum(errors.values()),
-        errors_by_code=dict(sorted(errors.items())),
-        error_examples=examples,
-        throughput_infer_per_s=throughput_infer,
-        throughput_req_per_s=requests / duration_s if duration_s > 0 else 0.0,
-        avg_ms=_ms(latency.mean_s),
-        p50_ms=_ms(latency.percentile_s(50)),
-        p90_ms=_ms(latency.percentile_s(90)),
-        p95_ms=_ms(latency.percentile_s(95)),
-        p99_ms=_ms(latency.percentile_s(99)),
-        max_ms=_ms(latency.max_s) if latency.count else None,
+        duration_s=total.duration_s,
+        requests=total.ok_requests,
+        inferences=total.ok_inferences,
+        errors=sum(total.errors.values()),
+        errors_by_code=dict(sorted(total.errors.items())),
+        error_examples=total.error_examples,
+        throughput_infer_per_s=total.throughput_infer_per_s,
+        throughput_req_per_s=total.throughput_req_per_s,
+        avg_ms=total.latency.ms(),
+        p50_ms=total.latency.ms(50),
+        p90_ms=total.latency.ms(90),
+        p95_ms=total.latency.ms(95),
+        p99_ms=total.latency.ms(99),
+        max_ms=total.latency.ms(100),
+        client_cpu_pct=total.cpu_pct,
+        client_max_worker_cpu_pct=total.max_worker_cpu_pct,
+        reconnects=total.reconnects,
     )
-    _add_client_figures(result, windows, duration_s)
+    if result.request_rate is not None:
+        result.send_rate_per_s = _per_s(total.sends.sent, total.duration_s)
+        result.late_sends = total.sends.late_sends
+        result.max_send_lag_ms = total.sends.max_send_lag_s * 1000
     _add_server_figures(result, inputs)
-    if inputs.price_per_hour is not None and throughput_infer > 0:
-        result.cost_per_1m_infer = inputs.price_per_hour / (throughput_infer * 3600) * 1e6
+    if inputs.price_per_hour is not None and result.throughput_infer_per_s > 0:
+        result.cost_per_1m_infer = (
+            inputs.price_per_hour / (result.throughput_infer_per_s * 3600) * 1e6
+        )
     result.warnings = level_warnings(result, inputs)
     return result
-
-
-def _ms(seconds: float) -> float | None:
-    return None if math.isnan(seconds) or math.isinf(seconds) else seconds * 1000
-
-
-def _add_client_figures(
-    result: LevelResult, windows: list[WindowTotals], duration_s: float
-) -> None:
-    cpu_by_worker: dict[int, float] = {}
-    for window in windows:
-        for worker, cpu_s in window.cpu_s_by_worker.items():
-            cpu_by_worker[worker] = cpu_by_worker.get(worker, 0.0) + cpu_s
-    if duration_s > 0 and cpu_by_worker:
-        result.client_cpu_pct = 100 * sum(cpu_by_worker.values()) / duration_s
-        result.client_max_worker_cpu_pct = 100 * max(cpu_by_worker.values()) / duration_s
-    if result.request_rate is not None:
-        sends = SendStats.total(w.sends for w in windows)
-        result.send_rate_per_s = sends.sent / duration_s if duration_s > 0 else 0.0
-        result.late_sends = sends.late_sends
-        result.max_send_lag_ms = sends.max_send_lag_s * 1000
 
 
 def _add_server_figures(result: LevelResult, inputs: LevelInputs) -> None:
@@ -275,7 +277,7 @@ def level_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:
         )
     if result.requests == 0:
         warnings.append("every request failed: " + error_summary(result))
-    return warnings
+    return warnings + reconnects_warning(result.reconnects)
 
 
 def _open_loop_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:

@@ -284,9 +284,9 @@ class LevelRunner:
         """The level's result, or None when auto mode stopped it to add workers."""
         settings = self._settings
         measure_from = attempt.start_at + settings.warmup_s
+        _sleep_until(measure_from)
+        snapshots = [self._snapshot()]
         if settings.warmup_s > 0:
-            _sleep_until(measure_from)
-            boundary = self._snapshot()
             warmup = self._collect_window(attempt, -1)
             if self._should_grow(attempt, warmup):
                 self._stop(attempt)
@@ -296,10 +296,6 @@ class LevelRunner:
                     f"a core in the warm-up; retrying with {self._workers} workers"
                 )
                 return None
-        else:
-            _sleep_until(measure_from)
-            boundary = self._snapshot()
-        snapshots = [boundary]
         windows: list[WindowTotals] = []
         stable = False
         for index in range(attempt.max_windows):

@@ -14,12 +14,13 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import orjson
+from google.protobuf.json_format import MessageToDict
 
 from slipstream.bench.core.endpoint import Endpoint
 from slipstream.bench.core.errors import BenchError, ServerUnreachable
 from slipstream.bench.v2.clients import model_path
 from slipstream.bench.v2.inputs import RemoteModel, signature_from_metadata
-from slipstream.bench.v2.server_stats import StatsSnapshot, snapshot_from_json, snapshot_from_proto
+from slipstream.bench.v2.server_stats import StatsSnapshot, snapshot_from_json
 
 _SERVICE = "/inference.GRPCInferenceService/"
 
@@ -147,19 +148,22 @@ class GrpcServerApi(ServerApi):
         else:
             self._channel = grpc.insecure_channel(endpoint.address)
 
-    def _call(self, method: str, request: Any, response_type: Any) -> Any:
+    def _call(self, method: str) -> dict[str, Any]:
+        """``Model{method}`` of the model under test; the reply in the HTTP API's JSON
+        form (int64 fields as strings, which the readers pass through int())."""
+        pb = self._pb
+        request = getattr(pb, f"Model{method}Request")(name=self.model, version=self.version)
         call = self._channel.unary_unary(
-            _SERVICE + method,
+            f"{_SERVICE}Model{method}",
             request_serializer=type(request).SerializeToString,
-            response_deserializer=response_type.FromString,
+            response_deserializer=getattr(pb, f"Model{method}Response").FromString,
         )
-        return call(request, timeout=self.timeout_s)
+        reply = call(request, timeout=self.timeout_s)
+        return MessageToDict(reply, preserving_proto_field_name=True)
 
     def _metadata(self) -> dict[str, Any]:
-        pb = self._pb
-        request = pb.ModelMetadataRequest(name=self.model, version=self.version)
         try:
-            reply = self._call("ModelMetadata", request, pb.ModelMetadataResponse)
+            return self._call("Metadata")
         except self._grpc.RpcError as exc:
             if exc.code() in (
                 self._grpc.StatusCode.UNAVAILABLE,
@@ -170,43 +174,27 @@ class GrpcServerApi(ServerApi):
                 f"ModelMetadata of {self.model!r} failed with {exc.code().name}: "
                 f"{exc.details()}; check --model and --model-version"
             ) from None
-        return {
-            "name": reply.name,
-            "inputs": [_tensor(t) for t in reply.inputs],
-            "outputs": [_tensor(t) for t in reply.outputs],
-        }
 
     def _check_ready(self) -> None:
-        pb = self._pb
-        request = pb.ModelReadyRequest(name=self.model, version=self.version)
         try:
-            reply = self._call("ModelReady", request, pb.ModelReadyResponse)
+            ready = self._call("Ready").get("ready", False)
         except self._grpc.RpcError as exc:
             raise BenchError(f"ModelReady of {self.model!r} failed: {exc.details()}") from None
-        if not reply.ready:
+        if not ready:
             raise BenchError(f"model {self.model!r} is not ready")
 
     def _max_batch_size(self) -> int | None:
-        pb = self._pb
-        request = pb.ModelConfigRequest(name=self.model, version=self.version)
         try:
-            reply = self._call("ModelConfig", request, pb.ModelConfigResponse)
+            config = self._call("Config").get("config", {})
         except self._grpc.RpcError:
             return None
-        return int(reply.config.max_batch_size)
+        return int(config.get("max_batch_size", 0))
 
     def _stats(self) -> StatsSnapshot | None:
-        pb = self._pb
-        request = pb.ModelStatisticsRequest(name=self.model, version=self.version)
         try:
-            reply = self._call("ModelStatistics", request, pb.ModelStatisticsResponse)
+            return snapshot_from_json(self._call("Statistics"), self.version)
         except self._grpc.RpcError:
             return None
-        return snapshot_from_proto(reply, self.version)
 
     def close(self) -> None:
         self._channel.close()
-
-
-def _tensor(tensor: Any) -> dict[str, Any]:
-    return {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}

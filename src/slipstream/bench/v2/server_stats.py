@@ -15,7 +15,7 @@ framing, (de)serialisation, the server's front end).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -95,47 +95,19 @@ class ServerBreakdown:
 
 
 def snapshot_from_json(doc: Mapping[str, Any], version: str) -> StatsSnapshot:
-    """A snapshot from the HTTP statistics body ``{"model_stats": [...]}``."""
-    return _sum_versions(doc.get("model_stats", []), version, _json_version)
-
-
-def _json_version(entry: Mapping[str, Any]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    infer = entry.get("inference_stats", {})
-    for name in _STAT_NAMES:
-        duration = infer.get(name, {})
-        counts[f"{name}_count"] = int(duration.get("count", 0))
-        counts[f"{name}_ns"] = int(duration.get("ns", 0))
-    counts["inference_count"] = int(entry.get("inference_count", 0))
-    counts["execution_count"] = int(entry.get("execution_count", 0))
-    return counts
-
-
-def snapshot_from_proto(message: Any, version: str) -> StatsSnapshot:
-    """A snapshot from a ModelStatisticsResponse."""
-    return _sum_versions(message.model_stats, version, _proto_version)
-
-
-def _proto_version(entry: Any) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    infer = entry.inference_stats
-    for name in _STAT_NAMES:
-        duration = getattr(infer, name)
-        counts[f"{name}_count"] = int(duration.count)
-        counts[f"{name}_ns"] = int(duration.ns)
-    counts["inference_count"] = int(entry.inference_count)
-    counts["execution_count"] = int(entry.execution_count)
-    return counts
-
-
-def _sum_versions(entries: Iterable[Any], version: str, read: Any) -> StatsSnapshot:
+    """A snapshot from the statistics in JSON form ``{"model_stats": [...]}`` (the
+    HTTP body, or the ModelStatisticsResponse as protobuf's MessageToDict gives it)."""
     totals: dict[str, int] = {f.name: 0 for f in fields(StatsSnapshot)}
-    for entry in entries:
-        entry_version = entry.get("version", "") if isinstance(entry, Mapping) else entry.version
-        if version and str(entry_version) != version:
+    for entry in doc.get("model_stats", []):
+        if version and str(entry.get("version", "")) != version:
             continue
-        for key, value in read(entry).items():
-            totals[key] += value
+        infer = entry.get("inference_stats", {})
+        for name in _STAT_NAMES:
+            duration = infer.get(name, {})
+            totals[f"{name}_count"] += int(duration.get("count", 0))
+            totals[f"{name}_ns"] += int(duration.get("ns", 0))
+        totals["inference_count"] += int(entry.get("inference_count", 0))
+        totals["execution_count"] += int(entry.get("execution_count", 0))
     return StatsSnapshot(**totals)
 
 
