@@ -1,0 +1,1 @@
+"""Model monitoring off the hot path: drift detection against a reference."""

@@ -1,0 +1,226 @@
+"""Drift detection: does a window of recent samples come from the reference's distribution?
+
+One tensor is tested per :class:`Reference` (a model input, or an output for prediction
+drift). Its samples are the rows of the batch dimension, flattened to features, and each
+feature is tested on its own, as Alibi Detect's and Evidently's tabular detectors do:
+
+* **continuous** features (floats, or integers of many values): the two-sample
+  Kolmogorov-Smirnov test (:func:`scipy.stats.ks_2samp`);
+* **categorical** features (integers taking at most ``max_categories`` values in the
+  reference, e.g. a class label): the chi-squared test of the two count tables
+  (:func:`scipy.stats.chi2_contingency`);
+* **high-dimensional** tensors (more than ``max_features`` features, e.g. an embedding):
+  a fixed Gaussian random projection down to ``max_features`` dimensions first, then KS
+  on each (Alibi Detect's "reduce, then test each dimension"), so a shift spread thinly
+  over hundreds of dimensions adds up in the projected ones.
+
+The window drifts when any feature's p-value falls below ``alpha / features``
+(Bonferroni, so on undrifted data the chance of a false alarm per window stays below
+``alpha``). PSI (population stability index, over the reference's deciles or its
+categories) is reported beside each p-value as the size of the shift: the p-value says
+whether, PSI says how much (above 0.2 is the usual "significant shift").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from scipy import stats
+
+FeatureKind = Literal["continuous", "categorical", "projected"]
+# PSI's floor for an empty bin: log(0) would make one empty bin infinite.
+_PSI_FLOOR = 1e-4
+
+
+@dataclass(frozen=True)
+class FeatureDrift:
+    """One feature's test on one window."""
+
+    # "3" for a tensor's fourth feature, "p3" for its fourth projected dimension.
+    feature: str
+    kind: FeatureKind
+    # KS statistic or chi-squared statistic.
+    statistic: float
+    p_value: float
+    # Population stability index of the window against the reference.
+    psi: float
+    # p_value below the window's Bonferroni threshold.
+    drifted: bool
+
+
+@dataclass(frozen=True)
+class DriftReport:
+    """One window of one tensor against its reference."""
+
+    tensor: str
+    samples: int
+    # alpha / features: a feature drifts below it.
+    p_threshold: float
+    detected: bool
+    features: tuple[FeatureDrift, ...]
+
+    @property
+    def min_p_value(self) -> float:
+        return min((f.p_value for f in self.features), default=1.0)
+
+    @property
+    def drifted(self) -> list[FeatureDrift]:
+        return [f for f in self.features if f.drifted]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor,
+            "samples": self.samples,
+            "p_threshold": self.p_threshold,
+            "detected": self.detected,
+            "min_p_value": self.min_p_value,
+            "features": [
+                {
+                    "feature": f.feature,
+                    "kind": f.kind,
+                    "statistic": f.statistic,
+                    "p_value": f.p_value,
+                    "psi": f.psi,
+                    "drifted": f.drifted,
+                }
+                for f in self.features
+            ],
+        }
+
+
+@dataclass
+class Reference:
+    """What one tensor looked like when it was known good: its samples as features.
+
+    >>> rng = np.random.default_rng(0)
+    >>> reference = Reference.from_samples("x", rng.normal(size=(2000, 4)))
+    >>> reference.test(rng.normal(size=(500, 4))).detected
+    False
+    >>> shifted = rng.normal(size=(500, 4)) + [0, 0, 0.5, 0]
+    >>> [f.feature for f in reference.test(shifted).drifted]
+    ['2']
+    """
+
+    tensor: str
+    # [n, features] after projection; what every window is compared with.
+    samples: np.ndarray
+    kinds: list[FeatureKind]
+    # Sorted category values of each categorical feature (empty for the others).
+    categories: list[np.ndarray]
+    # Reference deciles of each continuous feature, for PSI.
+    edges: list[np.ndarray]
+    alpha: float = 0.05
+    # [raw features, projected] when the tensor was projected; None otherwise.
+    projection: np.ndarray | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_samples(
+        cls,
+        tensor: str,
+        data: np.ndarray,
+        alpha: float = 0.05,
+        max_categories: int = 20,
+        max_features: int = 64,
+        seed: int = 0,
+    ) -> Reference:
+        """A reference from ``data`` ([samples, ...]); at least 2 samples."""
+        rows = _rows(data)
+        if rows.shape[0] < 2:
+            raise ValueError(f"{tensor}: a reference needs at least 2 samples, got {rows.shape[0]}")
+        projection = None
+        if rows.shape[1] > max_features:
+            rng = np.random.default_rng(seed)
+            projection = rng.normal(size=(rows.shape[1], max_features)) / np.sqrt(max_features)
+            rows = rows.astype(np.float64) @ projection
+        kinds: list[FeatureKind] = []
+        categories: list[np.ndarray] = []
+        edges: list[np.ndarray] = []
+        for column in rows.T:
+            values = np.unique(column)
+            categorical = (
+                projection is None
+                and column.dtype.kind in "iub"
+                and len(values) <= max_categories
+            )
+            if categorical:
+                kinds.append("categorical")
+                categories.append(values)
+                edges.append(np.empty(0))
+            else:
+                kinds.append("projected" if projection is not None else "continuous")
+                categories.append(np.empty(0))
+                edges.append(np.unique(np.quantile(column, np.linspace(0.1, 0.9, 9))))
+        return cls(tensor, rows, kinds, categories, edges, alpha, projection)
+
+    @property
+    def num_features(self) -> int:
+        return len(self.kinds)
+
+    def test(self, data: np.ndarray) -> DriftReport:
+        """Test a window ([samples, ...], the reference's feature shape) against it."""
+        rows = _rows(data)
+        width = self.samples.shape[1] if self.projection is None else self.projection.shape[0]
+        if rows.shape[1] != width:
+            raise ValueError(
+                f"{self.tensor}: samples of {rows.shape[1]} features, the reference has {width}"
+            )
+        if self.projection is not None:
+            rows = rows.astype(np.float64) @ self.projection
+        threshold = self.alpha / self.num_features
+        results = []
+        for index, kind in enumerate(self.kinds):
+            expected, observed = self.samples[:, index], rows[:, index]
+            if kind == "categorical":
+                statistic, p_value, psi = _categorical(self.categories[index], expected, observed)
+            else:
+                ks = stats.ks_2samp(expected, observed)
+                statistic, p_value = float(ks.statistic), float(ks.pvalue)
+                psi = _psi(_histogram(expected, self.edges[index]),
+                           _histogram(observed, self.edges[index]))  # fmt: skip
+            name = f"p{index}" if kind == "projected" else str(index)
+            results.append(FeatureDrift(name, kind, statistic, p_value, psi, p_value < threshold))
+        detected = any(f.drifted for f in results)
+        return DriftReport(self.tensor, rows.shape[0], threshold, detected, tuple(results))
+
+
+def _rows(data: np.ndarray) -> np.ndarray:
+    """[samples, features]: the batch dimension first, the rest flattened."""
+    array = np.asarray(data)
+    if array.ndim == 0:
+        raise ValueError("drift needs samples along a first (batch) dimension, got a scalar")
+    return array.reshape(array.shape[0], -1) if array.ndim != 2 else array
+
+
+def _histogram(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    counts = np.bincount(np.searchsorted(edges, values, side="right"), minlength=len(edges) + 1)
+    return counts / max(len(values), 1)
+
+
+def _psi(expected: np.ndarray, actual: np.ndarray) -> float:
+    e = np.maximum(expected, _PSI_FLOOR)
+    a = np.maximum(actual, _PSI_FLOOR)
+    return float(np.sum((a - e) * np.log(a / e)))
+
+
+def _categorical(
+    categories: np.ndarray, expected: np.ndarray, observed: np.ndarray
+) -> tuple[float, float, float]:
+    """Chi-squared over the reference's categories plus one for values it never had."""
+
+    def counts(values: np.ndarray) -> np.ndarray:
+        index = np.searchsorted(categories, values)
+        known = (index < len(categories)) & (
+            categories[np.minimum(index, len(categories) - 1)] == values
+        )
+        table = np.bincount(index[known], minlength=len(categories)).astype(np.float64)
+        return np.append(table, np.count_nonzero(~known))
+
+    table = np.stack([counts(expected), counts(observed)])
+    table = table[:, table.sum(axis=0) > 0]
+    psi = _psi(table[0] / table[0].sum(), table[1] / table[1].sum())
+    if table.shape[1] < 2:
+        return 0.0, 1.0, psi  # one category on both sides: nothing can differ
+    result = stats.chi2_contingency(table)
+    return float(result.statistic), float(result.pvalue), psi
