@@ -190,6 +190,40 @@ class GenerationSettings(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
+class DriftSettings(_Strict):
+    """``monitoring.drift:`` in config.yaml: test requests against a reference, off the
+    hot path (requests are sampled into a bounded queue and a worker thread tests each
+    window of ``window`` samples)."""
+
+    enable: bool = False
+    window: int = Field(500, ge=20, description="samples (batch rows) per tested window")
+    sample_rate: float = Field(
+        1.0, gt=0, le=1, description="share of requests sampled (1.0: every request)"
+    )
+    reference_samples: int = Field(
+        1000,
+        ge=20,
+        description="rows captured from the first requests of a version as its reference, "
+        "when the version has no drift_reference.npz (slipstream monitor reference)",
+    )
+    alpha: float = Field(
+        0.05, gt=0, lt=1, description="false-alarm rate per window (Bonferroni over features)"
+    )
+    queue_size: int = Field(
+        10_000, ge=1, description="sampled requests waiting for the worker; more are dropped"
+    )
+    tensors: list[str] = Field(
+        default_factory=list,
+        description="inputs and outputs to test, by name; empty: every input and output",
+    )
+
+
+class MonitoringSettings(_Strict):
+    """``monitoring:`` in config.yaml."""
+
+    drift: DriftSettings = Field(default_factory=DriftSettings)
+
+
 class ModelConfig(_Strict):
     """The ``config.yaml`` of one model (shared by all its versions)."""
 
@@ -213,6 +247,7 @@ class ModelConfig(_Strict):
         default_factory=dict, description="backend options, e.g. intra_op_thread_count"
     )
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     # Embedding models: the tokenizer file (in the model directory) that
     # /v1/embeddings uses to turn text into the model's input_ids and attention_mask.
     tokenizer: str = ""

@@ -140,9 +140,7 @@ class Reference:
         for column in rows.T:
             values = np.unique(column)
             categorical = (
-                projection is None
-                and column.dtype.kind in "iub"
-                and len(values) <= max_categories
+                projection is None and column.dtype.kind in "iub" and len(values) <= max_categories
             )
             if categorical:
                 kinds.append("categorical")

@@ -1,0 +1,208 @@
+"""Drift monitoring of one model version, off the hot path.
+
+The serving path calls :meth:`DriftMonitor.offer` after a response is ready: it keeps a
+reference to the request's inputs and outputs in a bounded queue (or counts a drop when
+the queue is full) and returns; nothing is copied or tested there. A worker thread takes
+the samples, gathers their batch rows per tensor and, each time ``window`` rows of every
+tested tensor are in, tests them against the reference (:mod:`slipstream.monitor.drift`).
+
+The reference is the version's ``drift_reference.npz`` when it has one (one array per
+tensor name, written by ``slipstream monitor reference``), else the first
+``reference_samples`` rows the version serves: the distribution it met going live.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from slipstream.config import DriftSettings
+from slipstream.monitor.drift import DriftReport, Reference
+
+logger = logging.getLogger(__name__)
+
+REFERENCE_FILE = "drift_reference.npz"
+
+
+@dataclass
+class DriftState:
+    """What the monitor knows now; read by /metrics and the drift route."""
+
+    # Where the reference came from: "file", "captured", or "capturing" until it is.
+    reference: str = "capturing"
+    # Rows gathered towards the reference while capturing.
+    reference_rows: int = 0
+    sampled: int = 0
+    dropped: int = 0
+    windows: int = 0
+    # The last window's report per tensor.
+    reports: dict[str, DriftReport] = field(default_factory=dict)
+    # Why a tensor is not tested (a shape that changed, a tensor the reference lacks).
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+class DriftMonitor:
+    """Samples one version's requests and tests each window in a thread of its own."""
+
+    def __init__(
+        self,
+        model: str,
+        version: str,
+        settings: DriftSettings,
+        version_dir: Path | None = None,
+    ) -> None:
+        self.model = model
+        self.version = version
+        self._settings = settings
+        self.state = DriftState()
+        self._queue: deque[dict[str, np.ndarray]] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._random = random.Random(0)
+        self._references: dict[str, Reference] = {}
+        self._captured: dict[str, list[np.ndarray]] = {}
+        self._pending: dict[str, list[np.ndarray]] = {}
+        path = version_dir / REFERENCE_FILE if version_dir is not None else None
+        if path is not None and path.is_file():
+            self._load_reference(path)
+        self._thread = threading.Thread(
+            target=self._run, name=f"slipstream-drift-{model}", daemon=True
+        )
+        self._thread.start()
+
+    # -- the serving path ----------------------------------------------------------------
+
+    def offer(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
+        """Queue one request's tensors for testing; O(1), never blocks, never raises."""
+        settings = self._settings
+        if settings.sample_rate < 1.0 and self._random.random() >= settings.sample_rate:
+            return
+        state = self.state
+        if len(self._queue) >= settings.queue_size:
+            state.dropped += 1
+            return
+        tensors = {**inputs, **outputs}
+        if settings.tensors:
+            tensors = {k: v for k, v in tensors.items() if k in settings.tensors}
+        self._queue.append(tensors)
+        state.sampled += 1
+        with self._wake:
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(10)
+
+    # -- the worker thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+            while self._queue:
+                sample = self._queue.popleft()
+                try:
+                    self._take(sample)
+                except Exception:  # a monitor fault must never reach the serving path
+                    logger.exception("drift monitor of %s:%s failed", self.model, self.version)
+
+    def _take(self, sample: dict[str, np.ndarray]) -> None:
+        for name, array in sample.items():
+            if name in self.state.skipped:
+                continue
+            rows = np.asarray(array)
+            if rows.ndim == 0:
+                self.state.skipped[name] = "a scalar has no batch dimension to sample"
+                continue
+            if self.state.reference == "file" and name not in self._references:
+                continue
+            target = self._captured if self.state.reference == "capturing" else self._pending
+            target.setdefault(name, []).append(rows)
+        if self.state.reference == "capturing":
+            self._maybe_finish_capture()
+        else:
+            self._maybe_test()
+
+    def _maybe_finish_capture(self) -> None:
+        counts = {name: sum(len(r) for r in parts) for name, parts in self._captured.items()}
+        self.state.reference_rows = min(counts.values(), default=0)
+        if self.state.reference_rows < self._settings.reference_samples:
+            return
+        for name, parts in self._captured.items():
+            try:
+                self._references[name] = Reference.from_samples(
+                    name, np.concatenate(parts), alpha=self._settings.alpha
+                )
+            except ValueError as exc:  # rows of another shape than the first ones
+                self.state.skipped[name] = str(exc)
+        self._captured.clear()
+        self.state.reference = "captured"
+        logger.info(
+            "drift reference of %s:%s captured from %d rows",
+            self.model, self.version, self.state.reference_rows,
+        )  # fmt: skip
+
+    def _maybe_test(self) -> None:
+        window = self._settings.window
+        for name, parts in list(self._pending.items()):
+            if sum(len(r) for r in parts) < window:
+                continue
+            rows = np.concatenate(parts)
+            self._pending[name] = [rows[window:]] if len(rows) > window else []
+            reference = self._references.get(name)
+            if reference is None:
+                continue
+            try:
+                self.state.reports[name] = reference.test(rows[:window])
+            except ValueError as exc:
+                self.state.skipped[name] = str(exc)
+                continue
+            self.state.windows += 1
+            report = self.state.reports[name]
+            if report.detected:
+                logger.warning(
+                    "drift in %s:%s %s: %d of %d features (min p %.2g)",
+                    self.model, self.version, name, len(report.drifted),
+                    len(report.features), report.min_p_value,
+                )  # fmt: skip
+
+    def _load_reference(self, path: Path) -> None:
+        with np.load(path, allow_pickle=False) as data:
+            for name in data.files:
+                self._references[name] = Reference.from_samples(
+                    name, data[name], alpha=self._settings.alpha
+                )
+        self.state.reference = "file"
+        self.state.reference_rows = min(
+            (len(r.samples) for r in self._references.values()), default=0
+        )
+
+    # -- reading -------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, object]:
+        state = self.state
+        return {
+            "model": self.model,
+            "version": self.version,
+            "reference": state.reference,
+            "reference_rows": state.reference_rows,
+            "window": self._settings.window,
+            "sampled": state.sampled,
+            "dropped": state.dropped,
+            "windows": state.windows,
+            "detected": any(r.detected for r in state.reports.values()),
+            "tensors": {name: r.to_json() for name, r in sorted(state.reports.items())},
+            "skipped": dict(sorted(state.skipped.items())),
+        }
