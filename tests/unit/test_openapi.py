@@ -40,7 +40,7 @@ ROUTES = {
     (method, prefix + suffix)
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")
     for method, suffix in (("get", ""), ("get", "/ready"), ("post", "/infer"),
-                           ("get", "/config"), ("get", "/stats"))
+                           ("get", "/config"), ("get", "/stats"), ("get", "/drift"))
 }  # fmt: skip
 
 

@@ -189,6 +189,15 @@ def _v2_model_paths(prefix: str, params: list[dict[str, Any]]) -> dict[str, Any]
                 | _v2_errors("400", "404"),
             },
         },
+        prefix + "/drift": {
+            "parameters": params,
+            "get": {
+                "summary": "Drift of the last window against the reference (404: not monitored)",
+                "operationId": _operation_id("model_drift", prefix),
+                "responses": {"200": response("Drift", json_content({"type": "object"}))}
+                | _v2_errors("400", "404"),
+            },
+        },
     }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from slipstream.config import ServerSettings
 from slipstream.llm.service import LlmModels
+from slipstream.monitor.registry import DriftMonitors
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol.v2 import encode_error
 from slipstream.server.httpd import HttpLimits, HttpServer
@@ -46,11 +47,14 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     metrics = ServerMetrics()
     # Generative models (backend: transformers), served by the OpenAI routes.
     generation = LlmModels(settings.model_repository, metrics.registry)
-    service = ModelServer(settings, metrics, lanes=[generation])
+    # Drift monitors of the versions whose config enables them, fed after each response.
+    monitors = DriftMonitors()
+    metrics.registry.register(monitors)
+    service = ModelServer(settings, metrics, lanes=[generation], tap_factory=monitors.tap_for)
     http_server = None
     if settings.http_port:
         openai_app = OpenAIApp(generation, service, settings.model_repository)
-        v2_app = V2RestApp(service, metrics)
+        v2_app = V2RestApp(service, metrics, drift=monitors.report)
         router = Router(fallback=v2_app.handle, routes=[("/v1/", openai_app.handle)])
         http_server = HttpServer(
             router.handle, error_body=encode_error, limits=http_limits(settings),

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slipstream import __version__
-from slipstream.errors import InvalidRequest, SlipstreamError
+from slipstream.errors import InvalidRequest, ModelNotFound, SlipstreamError
 from slipstream.names import path_model_name
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta
@@ -41,9 +42,16 @@ def _empty(status: int) -> HttpResponse:
 class V2RestApp:
     """The V2 REST API, Triton's extensions and /metrics, as one request handler."""
 
-    def __init__(self, service: InferenceService, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        service: InferenceService,
+        metrics: ServerMetrics,
+        drift: Callable[[str, str], dict[str, Any]] | None = None,
+    ) -> None:
+        """``drift``: a version's drift report by (model, version), when monitoring runs."""
         self._service = service
         self._metrics = metrics
+        self._drift = drift
         self._openapi: bytes | None = None  # built at the first GET /openapi.json
 
     async def handle(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
@@ -152,6 +160,11 @@ class V2RestApp:
             if action == "stats":
                 stats = service.model_statistics(name, version)
                 return _json(v2_meta.model_stats_json(stats))
+            if action == "drift":
+                service.model_metadata(name, version)  # 404 / 400 for an unknown one first
+                if self._drift is None:
+                    raise ModelNotFound("drift monitoring is not running in this server")
+                return _json(self._drift(name, version))
         raise no_route(method, request.path)
 
     async def _infer(self, name: str, version: str, http: HttpRequest) -> HttpResponse:

@@ -23,6 +23,7 @@ from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.service import InferenceService, ModelLane
+from slipstream.serving.taps import TapFactory
 from slipstream.types import (
     InferRequest,
     InferResponse,
@@ -50,14 +51,16 @@ class ModelServer(InferenceService):
         settings: ServerSettings,
         metrics: ServerMetrics | None = None,
         lanes: Sequence[ModelLane] = (),
+        tap_factory: TapFactory | None = None,
     ) -> None:
         """``lanes``: other sets of models served beside the V2 ones (the LLM lane), which
-        this core starts, stops and waits for before it is ready, and nothing else."""
+        this core starts, stops and waits for before it is ready, and nothing else.
+        ``tap_factory``: makes each loaded version's response tap (drift monitoring)."""
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
         trust_pickles_server_wide(settings.trust_pickle)
         self.models = ModelManager(
-            settings.model_repository, self.metrics, settings.shutdown_timeout_s
+            settings.model_repository, self.metrics, settings.shutdown_timeout_s, tap_factory
         )
         self._lanes = list(lanes)
         self._started = False
@@ -184,6 +187,8 @@ class ModelServer(InferenceService):
                 "request id=%r model=%s version=%s rows=%d took %.3f ms",
                 request.id, model.name, model.version_str, prepared.rows, elapsed_ns / 1e6,
             )  # fmt: skip
+        if model.tap is not None:
+            model.tap.offer(prepared.inputs, outputs)
         return InferResponse(
             model_name=model.name,
             model_version=model.version_str,

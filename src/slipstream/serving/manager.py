@@ -28,6 +28,7 @@ from slipstream.repository.layout import (
 )
 from slipstream.runtime.base import BackendUnavailable
 from slipstream.serving.model import ModelVersion
+from slipstream.serving.taps import TapFactory
 from slipstream.types import RepositoryEntry
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,17 @@ class ModelState:
 class ModelManager:
     """The repository's models and their loaded versions."""
 
-    def __init__(self, repository: Path, metrics: ServerMetrics, unload_timeout_s: float) -> None:
+    def __init__(
+        self,
+        repository: Path,
+        metrics: ServerMetrics,
+        unload_timeout_s: float,
+        tap_factory: TapFactory | None = None,
+    ) -> None:
         self.repository = repository
         self._metrics = metrics
         self._unload_timeout_s = unload_timeout_s
+        self._tap_factory = tap_factory
         self._models: dict[str, ModelState] = {}
         # One change at a time per model: a second load waits for the first.
         self._locks: dict[str, asyncio.Lock] = {}
@@ -304,6 +312,8 @@ class ModelManager:
                     f"unload the model first (POST /v2/repository/models/{name}/unload, or "
                     "in poll mode move its directory out of the repository), then load it"
                 )
+        if self._tap_factory is not None:
+            model.tap = self._tap_factory(name, str(version), model.config, path)
         logger.info("model %s version %d is READY", name, version)
         return model
 
@@ -343,6 +353,8 @@ class ModelManager:
 
     async def _close(self, model: ModelVersion) -> None:
         await model.batcher.close(self._unload_timeout_s)
+        if model.tap is not None:
+            model.tap.close()
         self._metrics.remove(model.metrics)
         logger.info("model %s version %s unloaded", model.name, model.version_str)
 

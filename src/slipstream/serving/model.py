@@ -20,6 +20,7 @@ from slipstream.runtime import backend_for_file, get_backend
 from slipstream.runtime.base import Backend
 from slipstream.runtime.pickles import check_pickle_trust
 from slipstream.scheduling.batcher import Batcher
+from slipstream.serving.taps import ResponseTap
 from slipstream.types import InferRequest, ModelMetadata, TensorMetadata
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class ModelVersion:
         self._batching = bool(config.max_batch_size)
         self.batcher = Batcher(config, instances, self._output_names, metrics, self.stats)
         self._instances = instances
+        # Watches served requests (drift); set by the manager once the version is kept.
+        self.tap: ResponseTap | None = None
 
     @classmethod
     async def load(

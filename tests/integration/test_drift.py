@@ -1,0 +1,127 @@
+"""Drift monitoring in a real server (#16): traffic sent with the stock tritonclient, the
+reference captured from a version's first requests, a shift found in a later window, and
+the result in /v2/models/{m}/drift and in /metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.models import ADD_SUB_WIDTH, build_add_sub, build_identity, write_config
+from tests.utils import RemoteServer
+
+ROWS_PER_REQUEST = 20
+DRIFT = {"enable": True, "window": 200, "reference_samples": 400}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    repo = tmp_path_factory.mktemp("drift-repo")
+    build_add_sub(repo, "watched")
+    write_config(repo, "watched", {"max_batch_size": 64, "monitoring": {"drift": DRIFT}})
+    build_add_sub(repo, "unwatched")
+    write_config(repo, "unwatched", {"max_batch_size": 64})
+    with RemoteServer(repo, log_dir=repo) as running:
+        yield running
+
+
+def send(server: RemoteServer, model: str, rng: np.random.Generator, shift: float) -> None:
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    for _ in range(10):  # 200 rows
+        first = rng.normal(size=(ROWS_PER_REQUEST, ADD_SUB_WIDTH)).astype(np.float32)
+        first[:, 5] += shift
+        second = rng.normal(size=(ROWS_PER_REQUEST, ADD_SUB_WIDTH)).astype(np.float32)
+        inputs = []
+        for name, data in (("INPUT0", first), ("INPUT1", second)):
+            tensor = httpclient.InferInput(name, list(data.shape), "FP32")
+            tensor.set_data_from_numpy(data, binary_data=True)
+            inputs.append(tensor)
+        client.infer(model, inputs)
+    client.close()
+
+
+def drift(server: RemoteServer, model: str) -> httpx.Response:
+    return httpx.get(server.url(f"/v2/models/{model}/drift"), timeout=10)
+
+
+def wait_for_windows(server: RemoteServer, count: int) -> dict[str, object]:
+    deadline = time.monotonic() + 30
+    while True:
+        doc = drift(server, "watched").json()
+        if doc["windows"] >= count:
+            return dict(doc)
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.05)
+
+
+def test_a_reference_is_captured_and_a_shifted_input_is_found(server: RemoteServer) -> None:
+    rng = np.random.default_rng(0)
+    send(server, "watched", rng, 0.0)
+    send(server, "watched", rng, 0.0)  # 400 rows: the reference
+    send(server, "watched", rng, 0.0)  # an undrifted window
+    # Each window tests 4 tensors (2 inputs, 2 outputs).
+    calm = wait_for_windows(server, 4)
+    assert calm["reference"] == "captured" and calm["reference_rows"] == 400
+    assert calm["detected"] is False
+    send(server, "watched", rng, 1.0)  # feature 5 of INPUT0 moves by one sigma
+    shifted = wait_for_windows(server, 8)
+    assert shifted["detected"] is True
+    tensors = shifted["tensors"]
+    assert isinstance(tensors, dict)
+    flagged = [f["feature"] for f in tensors["INPUT0"]["features"] if f["drifted"]]
+    assert "5" in flagged
+    assert tensors["INPUT1"]["detected"] is False
+    # The sum and the difference carry INPUT0's shift: prediction drift shows it too.
+    assert tensors["OUTPUT0"]["detected"] is True
+
+    samples = scrape(server)
+    watched = {"model": "watched", "version": "1"}
+    assert (
+        samples[("slipstream_drift_detected", frozenset({**watched, "tensor": "INPUT0"}.items()))]
+        == 1
+    )
+    assert (
+        samples[("slipstream_drift_detected", frozenset({**watched, "tensor": "INPUT1"}.items()))]
+        == 0
+    )
+    assert samples[("slipstream_drift_samples_total", frozenset(watched.items()))] == 40
+    feature_5 = frozenset({**watched, "tensor": "INPUT0", "feature": "5"}.items())
+    assert samples[("slipstream_drift_p_value", feature_5)] < 1e-6
+    assert samples[("slipstream_drift_score", feature_5)] > 0.2
+
+
+def scrape(server: RemoteServer) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(server.url("/metrics"), timeout=10).text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_a_model_without_monitoring_answers_404_naming_the_setting(server: RemoteServer) -> None:
+    reply = drift(server, "unwatched")
+    assert reply.status_code == 404
+    assert "monitoring.drift.enable" in reply.json()["error"]
+    reply = drift(server, "no_such_model")
+    assert reply.status_code == 404 and "no_such_model" in reply.json()["error"]
+    reply = httpx.get(server.url("/v2/models/watched/versions/7/drift"), timeout=10)
+    assert reply.status_code in (400, 404) and "7" in reply.json()["error"]
+
+
+def test_a_bad_monitoring_setting_is_a_load_error_naming_it(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    build_identity(repo, "FP32", "bad")
+    write_config(repo, "bad", {"monitoring": {"drift": {"enable": True, "window": 3}}})
+    with RemoteServer(repo, ["--no-strict-readiness"], log_dir=tmp_path) as running:
+        index = httpx.post(running.url("/v2/repository/index"), timeout=10).json()
+        (entry,) = [e for e in index if e["name"] == "bad"]
+        assert entry["state"] == "UNAVAILABLE"
+        assert "monitoring.drift.window" in entry["reason"]
