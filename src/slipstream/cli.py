@@ -159,6 +159,65 @@ def serve(**options: Any) -> None:
     sys.exit(exit_code)
 
 
+@main.group()
+def monitor() -> None:
+    """Model monitoring: drift references."""
+
+
+@monitor.command("reference")
+@click.argument("model")
+@click.option("--data", type=click.Path(exists=True, path_type=Path), required=True,
+              help="Known-good samples: .npz, a directory of .npy files, or V2 JSON "
+              "requests; arrays named like the model's inputs or outputs, "
+              "batch first.")  # fmt: skip
+@click.option("--model-repository", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("models"), show_default=True)  # fmt: skip
+@click.option("--version", "version", type=int, default=None,
+              help="Version directory to write to; default: the newest.")  # fmt: skip
+def reference(model: str, data: Path, model_repository: Path, version: int | None) -> None:
+    """Write MODEL's drift reference (drift_reference.npz in its version directory).
+
+    The server reads it when it loads the version (a running server in poll mode
+    reloads it); without one, a version's first requests become its reference.
+
+    Example: slipstream monitor reference mlp --data validation.npz
+    """
+    import numpy as np
+
+    from slipstream.errors import InvalidRequest
+    from slipstream.monitor.sampler import REFERENCE_FILE
+    from slipstream.repository.layout import model_path, read_model_directory
+    from slipstream.tensors import TensorFileError, read_tensor_file
+
+    try:
+        directory = read_model_directory(model_path(model_repository, model))
+        requests = read_tensor_file(data)
+    except (InvalidRequest, TensorFileError, OSError) as exc:
+        raise click.ClickException(str(getattr(exc, "message", exc))) from exc
+    if not directory.versions:
+        raise click.ClickException(f"{directory.path}: no version directory (1/, 2/, ...)")
+    chosen = version if version is not None else max(directory.versions)
+    if chosen not in directory.versions:
+        found = ", ".join(map(str, directory.versions))
+        raise click.ClickException(f"--version {chosen}: {model} has versions {found}")
+    names = {name for request in requests for name in request}
+    arrays = {}
+    for name in sorted(names):
+        parts = [np.asarray(r[name]) for r in requests if name in r]
+        if any(part.ndim == 0 for part in parts):
+            raise click.ClickException(f"{data}: {name!r} is a scalar; samples go along axis 0")
+        try:
+            arrays[name] = np.concatenate(parts)
+        except ValueError as exc:
+            raise click.ClickException(
+                f"{data}: {name!r}: rows of different shapes: {exc}"
+            ) from exc
+    target = directory.path / str(chosen) / REFERENCE_FILE
+    np.savez(target, **arrays)  # type: ignore[arg-type]
+    rows = ", ".join(f"{name} {len(array)} rows" for name, array in arrays.items())
+    click.echo(f"wrote {target}: {rows}")
+
+
 # The tools beside the serving path. Their command modules import only click and
 # pydantic; each loads its heavier dependencies when its command runs.
 main.add_command(bench)

@@ -4,6 +4,8 @@ the result in /v2/models/{m}/drift and in /metrics."""
 
 from __future__ import annotations
 
+import re
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,10 +14,12 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from slipstream.config import ModelConfig
 from tests.models import ADD_SUB_WIDTH, build_add_sub, build_identity, write_config
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, slipstream_command
 
 ROWS_PER_REQUEST = 20
 DRIFT = {"enable": True, "window": 200, "reference_samples": 400}
@@ -125,3 +129,39 @@ def test_a_bad_monitoring_setting_is_a_load_error_naming_it(tmp_path: Path) -> N
         (entry,) = [e for e in index if e["name"] == "bad"]
         assert entry["state"] == "UNAVAILABLE"
         assert "monitoring.drift.window" in entry["reason"]
+
+
+def test_a_reference_written_by_the_cli_is_the_one_the_server_tests_against(
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    build_add_sub(repo, "ref")
+    write_config(repo, "ref", {"max_batch_size": 64, "monitoring": {"drift": DRIFT}})
+    rng = np.random.default_rng(3)
+    data = tmp_path / "validation.npz"
+    np.savez(data, INPUT0=rng.normal(size=(300, ADD_SUB_WIDTH)).astype(np.float32))
+    command = [*slipstream_command(), "monitor", "reference", "ref", "--data", str(data),
+               "--model-repository", str(repo)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "INPUT0 300 rows" in done.stdout
+    assert (repo / "ref" / "1" / "drift_reference.npz").is_file()
+    with RemoteServer(repo, log_dir=tmp_path) as running:
+        send(running, "ref", rng, 0.0)
+        deadline = time.monotonic() + 30
+        while (doc := drift(running, "ref").json())["windows"] < 1:
+            assert time.monotonic() < deadline, doc
+            time.sleep(0.05)
+    # Only INPUT0 has a reference: the other tensors are not tested.
+    assert doc["reference"] == "file" and doc["reference_rows"] == 300
+    assert list(doc["tensors"]) == ["INPUT0"] and doc["detected"] is False
+    bad = subprocess.run([*command[:-2], "--model-repository", str(tmp_path / "none")],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert bad.returncode != 0 and "ref" in bad.stderr
+
+
+def test_the_readme_s_monitoring_block_is_a_valid_config() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "monitoring:" in b]
+    config = ModelConfig.model_validate(yaml.safe_load(block))
+    assert config.monitoring.drift.enable and config.monitoring.drift.window == 500
