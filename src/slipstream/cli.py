@@ -102,6 +102,10 @@ def main() -> None:
     default=_default("keep_alive_timeout_s"),
     help=_help("keep_alive_timeout_s"),
 )
+@click.option("--price-per-hour", type=float, default=None, help=_help("price_per_hour"))
+@click.option(
+    "--cost-window-s", type=float, default=_default("cost_window_s"), help=_help("cost_window_s")
+)
 @click.option(
     "--max-connections",
     type=int,

@@ -397,6 +397,15 @@ class ServerSettings(_Strict):
     keep_alive_timeout_s: float = Field(
         75.0, gt=0, description="An idle keep-alive HTTP connection is closed after this long."
     )
+    price_per_hour: float | None = Field(
+        None,
+        gt=0,
+        description="The machine's price per hour: /metrics then shows each model's cost "
+        "per million inferences (the price shared out by compute time).",
+    )
+    cost_window_s: float = Field(
+        60.0, gt=0, description="Window of the cost-per-inference gauges, in seconds."
+    )
     max_connections: int = Field(
         10_000,
         ge=1,

@@ -32,7 +32,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     write_config(repo, "watched", {"max_batch_size": 64, "monitoring": {"drift": DRIFT}})
     build_add_sub(repo, "unwatched")
     write_config(repo, "unwatched", {"max_batch_size": 64})
-    with RemoteServer(repo, log_dir=repo) as running:
+    args = ["--price-per-hour", "3.6", "--cost-window-s", "10"]
+    with RemoteServer(repo, args, log_dir=repo) as running:
         yield running
 
 
@@ -165,3 +166,19 @@ def test_the_readme_s_monitoring_block_is_a_valid_config() -> None:
     (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "monitoring:" in b]
     config = ModelConfig.model_validate(yaml.safe_load(block))
     assert config.monitoring.drift.enable and config.monitoring.drift.window == 500
+
+
+def test_the_cost_per_inference_is_the_price_shared_by_compute_time(server: RemoteServer) -> None:
+    rng = np.random.default_rng(5)
+    send(server, "unwatched", rng, 0.0)
+    send(server, "watched", rng, 0.0)
+    samples = scrape(server)
+    assert samples[("slipstream_price_per_hour", frozenset())] == 3.6
+    costs = {
+        dict(labels)["model"]: value
+        for (name, labels), value in samples.items()
+        if name == "slipstream_cost_per_million_inferences"
+    }
+    shares = [v for (n, _), v in samples.items() if n == "slipstream_compute_share"]
+    assert set(costs) <= {"watched", "unwatched"} and costs and all(c > 0 for c in costs.values())
+    assert sum(shares) == pytest.approx(1.0)

@@ -115,6 +115,10 @@ class ServerMetrics:
         self.registry.register(_Collector(self._models))
         self.registry.register(_TransportCollector(self.transport))
 
+    def models(self) -> list[ModelMetrics]:
+        """The versions exposed now."""
+        return list(self._models.values())
+
     def for_model(self, model: str, version: str) -> ModelMetrics:
         metrics = ModelMetrics(model, version)
         self._models[(model, version)] = metrics

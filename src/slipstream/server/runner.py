@@ -16,6 +16,7 @@ from typing import Any
 from slipstream.config import ServerSettings
 from slipstream.llm.service import LlmModels
 from slipstream.monitor.registry import DriftMonitors
+from slipstream.observability.cost import CostTracker
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol.v2 import encode_error
 from slipstream.server.httpd import HttpLimits, HttpServer
@@ -85,13 +86,18 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         await grpc_server.start()
         logger.info("gRPC server listening on %s:%d", settings.host, grpc_port)
 
+    cost_task = None
+    if settings.price_per_hour is not None:
+        tracker = CostTracker(metrics, settings.price_per_hour, settings.cost_window_s)
+        metrics.registry.register(tracker)
+        cost_task = asyncio.create_task(_sample_costs(tracker))
     # Models load while the servers already answer health/live (ready comes after).
     start_task = asyncio.create_task(service.start())
     stop_task = asyncio.create_task(stop.wait())
     exit_code = await _run_until_stopped(start_task, stop_task, settings)
     logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
                 settings.shutdown_timeout_s)  # fmt: skip
-    for task in (start_task, stop_task):
+    for task in (start_task, stop_task, *([cost_task] if cost_task else [])):
         task.cancel()
     await asyncio.gather(
         *([http_server.shutdown(settings.shutdown_timeout_s)] if http_server else []),
@@ -100,6 +106,15 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     await service.stop()
     logger.info("shutdown complete")
     return exit_code
+
+
+async def _sample_costs(tracker: CostTracker) -> None:
+    """Snapshot the counts the cost gauges need: 12 times a window, at most every 5 s."""
+    interval_s = min(5.0, tracker.window_s / 12)
+    loop = asyncio.get_running_loop()
+    while True:
+        tracker.sample(loop.time())
+        await asyncio.sleep(interval_s)
 
 
 def _raise_open_files_limit(max_connections: int) -> None:
