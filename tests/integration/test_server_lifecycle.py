@@ -178,6 +178,12 @@ def test_failed_load_names_the_key_and_strict_readiness_follows_it(
         # vLLM's and llama-server's probe follows readiness.
         health = explicit_http.get("/health")
         assert (health.status_code, health.json()) == (503, {"status": "not ready"})
+        # The "model not ready" alert's series.
+        scraped = explicit_http.get("/metrics").text
+        assert 'slipstream_model_ready{model="broken",state="UNAVAILABLE",version=""} 0.0' in (
+            scraped
+        )
+        assert 'slipstream_model_ready{model="add_sub",state="READY",version="1"} 1.0' in scraped
         assert (
             explicit_http.post("/v2/models/add_sub/infer", content=add_sub_body()).status_code
             == 200

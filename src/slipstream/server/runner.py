@@ -22,6 +22,7 @@ from slipstream.protocol.v2 import encode_error
 from slipstream.server.httpd import HttpLimits, HttpServer
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.router import Router
+from slipstream.server.state_metrics import ModelStateCollector
 from slipstream.server.v2_rest import V2RestApp
 from slipstream.serving.core import ModelServer
 
@@ -52,6 +53,7 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     monitors = DriftMonitors()
     metrics.registry.register(monitors)
     service = ModelServer(settings, metrics, lanes=[generation], tap_factory=monitors.tap_for)
+    metrics.registry.register(ModelStateCollector(service))
     http_server = None
     if settings.http_port:
         openai_app = OpenAIApp(generation, service, settings.model_repository)

@@ -1,0 +1,28 @@
+"""``slipstream_model_ready``: each model version's state, read from the repository index
+at scrape time (tensor models and generative ones alike), for the "model not ready" alert."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from slipstream.serving.service import InferenceService
+
+
+class ModelStateCollector(Collector):
+    def __init__(self, service: InferenceService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[Metric]:
+        ready = GaugeMetricFamily(
+            "slipstream_model_ready",
+            "1 when the model version is READY; 0 while it loads, unloads or after its load "
+            "failed (state says which)",
+            labels=["model", "version", "state"],
+        )
+        for entry in self._service.repository_index():
+            state = entry.state or "UNLOADED"
+            ready.add_metric([entry.name, entry.version, state], float(state == "READY"))
+        yield ready
