@@ -13,6 +13,8 @@ import signal
 import sys
 from typing import Any
 
+from prometheus_client import disable_created_metrics
+
 from slipstream.config import ServerSettings
 from slipstream.llm.service import LlmModels
 from slipstream.monitor.registry import DriftMonitors
@@ -46,6 +48,9 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
             loop.add_signal_handler(sig, stop.set)
 
     _raise_open_files_limit(settings.max_connections)
+    # No *_created series beside prometheus_client's counters and histograms (the LLM
+    # lane's): in the text format each is a family of its own that nothing plots.
+    disable_created_metrics()  # type: ignore[no-untyped-call]
     metrics = ServerMetrics()
     # Generative models (backend: transformers), served by the OpenAI routes.
     generation = LlmModels(settings.model_repository, metrics.registry)

@@ -1,0 +1,172 @@
+"""The monitoring files in monitoring/ against the real tools (#16).
+
+* the alert rules pass ``promtool check rules`` and their unit tests (``promtool test
+  rules``, synthetic series);
+* Debian's ``prometheus`` scrapes a loaded server (a tensor model with drift monitoring
+  and a price, and SmolLM2 on llama.cpp), and every query of every dashboard panel
+  returns data through Prometheus's HTTP API;
+* every metric family the server exports is on a panel or in an alert, or on the
+  allow-list below with the reason.
+
+`make install` installs prometheus (promtool with it) from Debian.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.llm_models import smollm2_gguf
+from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
+from tests.utils import HOST, RemoteServer, free_ports
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
+DASHBOARD = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+ALERTS = (MONITORING / "alerts.yml").read_text()
+# Families exported but on no panel and in no alert, each with the reason.
+NOT_SHOWN: dict[str, str] = {}
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed: `make install` installs Debian's prometheus"
+    return path
+
+
+def test_the_alert_rules_are_valid_and_their_unit_tests_pass() -> None:
+    promtool = tool("promtool")
+    for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"]):
+        done = subprocess.run([promtool, *args], cwd=MONITORING, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "SUCCESS" in done.stdout
+
+
+def panel_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every panel, the dashboard variables filled in."""
+    queries = []
+    for panel in DASHBOARD["panels"]:
+        for target in panel["targets"]:
+            expr = (
+                target["expr"]
+                .replace("$model", ".*")
+                .replace("$__rate_interval", "30s")
+                .replace("$__range", "5m")
+            )
+            queries.append((panel["title"], expr))
+    return queries
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    repo = tmp_path_factory.mktemp("monitoring-repo")
+    drift = {"enable": True, "window": 100, "reference_samples": 100}
+    build_add_sub(repo, "watched")
+    write_config(repo, "watched", {"max_batch_size": 64, "monitoring": {"drift": drift}})
+    (repo / "smol" / "1").mkdir(parents=True)
+    os.link(smollm2_gguf(), repo / "smol" / "1" / "model.gguf")
+    write_config(repo, "smol", {"backend": "llama_cpp",
+                                "generation": {"num_blocks": 32, "max_num_seqs": 2}})  # fmt: skip
+    args = ["--price-per-hour", "1.5", "--cost-window-s", "30"]
+    with RemoteServer(repo, args, log_dir=repo) as running:
+        traffic(running)
+        yield running
+
+
+def traffic(server: RemoteServer) -> None:
+    """Enough of every kind that each panel has a series: V2 inference past two drift
+    windows, a failed request, completions (one from a shared prefix)."""
+    rng = np.random.default_rng(0)
+    client = httpclient.InferenceServerClient(f"{HOST}:{server.http_port}")
+    for _ in range(15):
+        inputs = []
+        for name in ("INPUT0", "INPUT1"):
+            tensor = httpclient.InferInput(name, [20, ADD_SUB_WIDTH], "FP32")
+            tensor.set_data_from_numpy(rng.normal(size=(20, ADD_SUB_WIDTH)).astype(np.float32))
+            inputs.append(tensor)
+        client.infer("watched", inputs)
+    client.close()
+    httpx.post(server.url("/v2/models/watched/infer"), content=b"{bad", timeout=10)
+    for _ in range(2):
+        body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 4}
+        httpx.post(server.url("/v1/completions"), json=body, timeout=60).raise_for_status()
+
+
+@pytest.fixture(scope="module")
+def prometheus(server: RemoteServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    workdir = tmp_path_factory.mktemp("prometheus")
+    (port,) = free_ports(1)
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(MONITORING / "alerts.yml")],
+        "scrape_configs": [{"job_name": "slipstream",
+                            "static_configs": [{"targets": [f"{HOST}:{server.http_port}"]}]}],
+    }  # fmt: skip
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    argv = [tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address={HOST}:{port}"]  # fmt: skip
+    with (workdir / "prometheus.log").open("wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{HOST}:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        # Ready, and several scrapes in: rates need two samples in their range.
+        while (
+            len(query(url, 'up{job="slipstream"}[1m]', wait=True)) == 0
+            or len(query(url, 'up{job="slipstream"}[1m]')[0]["values"]) < 5
+        ):
+            assert process.poll() is None, (workdir / "prometheus.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "prometheus did not scrape the server"
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def query(url: str, expr: str, wait: bool = False) -> list[dict[str, object]]:
+    try:
+        reply = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    except httpx.TransportError:
+        if wait:
+            return []
+        raise
+    doc = reply.json()
+    assert doc["status"] == "success", (expr, doc)
+    result: list[dict[str, object]] = doc["data"]["result"]
+    return result
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus: str) -> None:
+    empty = [(title, expr) for title, expr in panel_queries() if not query(prometheus, expr)]
+    assert not empty, empty
+
+
+def test_every_exported_metric_family_is_on_a_panel_or_in_an_alert(
+    server: RemoteServer,
+) -> None:
+    text = httpx.get(server.url("/metrics"), timeout=10).text
+    families = {family.name for family in text_string_to_metric_families(text)}
+    assert {"slipstream_drift_p_value", "slipstream_llm_kv_cache_blocks_used"} <= families
+    shown = " ".join(expr for _, expr in panel_queries()) + ALERTS
+    unshown = sorted(
+        name for name in families
+        if not re.search(rf"\b{name}(_total|_bucket|_sum|_count)?\b", shown)
+        and name not in NOT_SHOWN
+    )  # fmt: skip
+    assert not unshown, f"on no panel and in no alert: {unshown}"
