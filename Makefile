@@ -16,7 +16,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMP
 # Where `make lock` finds torch's CPU wheels (this machine keeps them on disk).
 TORCH_WHEELS ?= /opt/wheels
 
-.PHONY: install lock run models test test-fast test-lowest lint unit bench clean
+.PHONY: install lock run models test test-fast test-lowest lint unit bench clean vendor
 
 install: $(VENV)/.installed
 
@@ -91,3 +91,14 @@ bench: models
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) $(REPO) build *.egg-info
+
+# The chart library of the built-in /dashboard, vendored from npm into the package (the
+# page loads nothing from another host). Run it to move to another release, then commit.
+UPLOT_VERSION := 1.6.32
+DASHBOARD_DIR := src/slipstream/server/dashboard
+vendor:
+	rm -rf $(VENV)/uplot && mkdir -p $(VENV)/uplot
+	cd $(VENV)/uplot && npm pack --silent uplot@$(UPLOT_VERSION) && tar xzf uplot-$(UPLOT_VERSION).tgz
+	cp $(VENV)/uplot/package/dist/uPlot.iife.min.js $(DASHBOARD_DIR)/uplot.min.js
+	cp $(VENV)/uplot/package/dist/uPlot.min.css $(DASHBOARD_DIR)/uplot.min.css
+	cp $(VENV)/uplot/package/LICENSE $(DASHBOARD_DIR)/uplot.LICENSE

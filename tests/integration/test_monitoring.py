@@ -170,3 +170,70 @@ def test_every_exported_metric_family_is_on_a_panel_or_in_an_alert(
         and name not in NOT_SHOWN
     )  # fmt: skip
     assert not unshown, f"on no panel and in no alert: {unshown}"
+
+
+def test_the_built_in_dashboard_draws_its_charts_in_a_real_browser(
+    server: RemoteServer, tmp_path: Path
+) -> None:
+    """Debian's chromium, headless, opens /dashboard: the charts draw from /metrics (a
+    canvas with coloured pixels), a screenshot is taken, and no request left for another
+    host (every resource the page loaded is this server's)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = tool("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1200",
+                 "--disable-dev-shm-usage", "--no-first-run", "--disable-extensions",
+                 "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"):  # fmt: skip
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(tool("chromedriver")))
+    try:
+        driver.get(server.url("/dashboard"))
+        deadline = time.monotonic() + 60
+        while True:
+            traffic_step(server)
+            drawn = driver.execute_script(
+                "const s = window.slipstreamDashboard;"
+                "return s ? [s.scrapes, document.querySelectorAll('canvas').length] : [0, 0];"
+            )
+            if drawn[0] >= 3 and drawn[1] >= 6:
+                break
+            assert time.monotonic() < deadline, f"charts not drawn: {drawn}"
+            time.sleep(0.5)
+        painted = driver.execute_script(
+            """return [...document.querySelectorAll('canvas')].map((c) => {
+                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                 let coloured = 0;
+                 for (let i = 0; i < d.length; i += 4) {
+                   const [r, g, b, a] = [d[i], d[i + 1], d[i + 2], d[i + 3]];
+                   if (a > 0 && !(r === g && g === b)) coloured++;   // not white, grey, black
+                 }
+                 return coloured;
+               });"""
+        )
+        assert sum(1 for pixels in painted if pixels > 50) >= 4, painted
+        shot = tmp_path / "dashboard.png"
+        assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+        origin = server.url("")
+        resources = driver.execute_script(
+            "return performance.getEntriesByType('resource').map((e) => e.name);"
+        )
+        assert resources and all(name.startswith(origin) for name in resources), resources
+        assert {n.rsplit("/", 1)[1] for n in resources} >= {"uplot.min.js", "dashboard.js"}
+    finally:
+        driver.quit()
+
+
+def traffic_step(server: RemoteServer) -> None:
+    """A few requests between scrapes, so rates and quantiles have something to show."""
+    rng = np.random.default_rng()
+    client = httpclient.InferenceServerClient(f"{HOST}:{server.http_port}")
+    for _ in range(3):
+        inputs = []
+        for name in ("INPUT0", "INPUT1"):
+            tensor = httpclient.InferInput(name, [4, ADD_SUB_WIDTH], "FP32")
+            tensor.set_data_from_numpy(rng.normal(size=(4, ADD_SUB_WIDTH)).astype(np.float32))
+            inputs.append(tensor)
+        client.infer("watched", inputs)
+    client.close()

@@ -34,6 +34,7 @@ ROUTES = {
     ("post", "/v2/repository/models/{model}/load"),
     ("post", "/v2/repository/models/{model}/unload"),
     ("get", "/metrics"), ("get", "/openapi.json"), ("get", "/health"),
+    ("get", "/dashboard"), ("get", "/dashboard/{file}"),
     ("get", "/v1/models"), ("get", "/v1/models/{model}"), ("post", "/v1/completions"),
     ("post", "/v1/chat/completions"), ("post", "/v1/embeddings"), ("post", "/v1/responses"),
 } | {

@@ -261,6 +261,21 @@ def _v2_paths() -> dict[str, Any]:
         "health",
         response('{"status": "ok"}', status),
     )
+    html = {"text/html": {"schema": {"type": "string"}}}
+    paths["/dashboard"] = get(
+        "Live charts of /metrics per model (an HTML page)", "dashboard", response("Page", html)
+    )
+    paths["/dashboard/{file}"] = {
+        "parameters": [
+            {"name": "file", "in": "path", "required": True, "schema": {"type": "string"}}
+        ],
+        "get": {
+            "summary": "The dashboard's script, stylesheet and chart library",
+            "operationId": "dashboard_file",
+            "responses": {"200": response("File", {"*/*": {"schema": {"type": "string"}}})}
+            | _v2_errors("404"),
+        },
+    }
     paths["/openapi.json"] = get(
         "This document", "openapi", response("OpenAPI 3.1", json_content({"type": "object"}))
     )

@@ -21,6 +21,7 @@ from slipstream.names import path_model_name
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta
 from slipstream.protocol.openapi import openapi_document
+from slipstream.server import dashboard
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.server.router import no_route
 from slipstream.serving.service import InferenceService
@@ -84,6 +85,10 @@ class V2RestApp:
             if self._service.is_ready():
                 return HttpResponse(200, b'{"status":"ok"}')
             return HttpResponse(503, b'{"status":"not ready"}')
+        if parts[0] == "dashboard" and len(parts) <= 2 and method in ("GET", "HEAD"):
+            found = dashboard.asset(parts[1] if len(parts) == 2 else "index.html")
+            if found is not None:
+                return HttpResponse(200, found[0], found[1])
         if parts == ["metrics"] and method in ("GET", "HEAD"):
             body = generate_latest(self._metrics.registry)
             return HttpResponse(200, body, CONTENT_TYPE_LATEST.encode())
