@@ -209,6 +209,13 @@ class DriftSettings(_Strict):
     alpha: float = Field(
         0.05, gt=0, lt=1, description="false-alarm rate per window (Bonferroni over features)"
     )
+    min_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="seconds from one window's test to the next window's first sample; "
+        "requests in between are not sampled, so a busy model pays for one window per "
+        "interval",
+    )
     queue_size: int = Field(
         10_000, ge=1, description="sampled requests waiting for the worker; more are dropped"
     )

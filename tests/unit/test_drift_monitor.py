@@ -39,7 +39,7 @@ def test_a_reference_is_captured_then_a_shifted_window_is_found(
     monitors: list[DriftMonitor],
 ) -> None:
     rng = np.random.default_rng(0)
-    settings = DriftSettings(enable=True, window=500, reference_samples=1000)
+    settings = DriftSettings(enable=True, window=500, reference_samples=1000, min_interval_s=0)
     monitor = DriftMonitor("mlp", "1", settings)
     monitors.append(monitor)
     offer_rows(monitor, rng.normal(size=(1000, 8)).astype(np.float32))
@@ -92,7 +92,7 @@ def test_tensors_it_cannot_test_are_skipped_with_the_reason_and_the_rest_go_on(
     monitors: list[DriftMonitor],
 ) -> None:
     rng = np.random.default_rng(2)
-    settings = DriftSettings(enable=True, window=100, reference_samples=100)
+    settings = DriftSettings(enable=True, window=100, reference_samples=100, min_interval_s=0)
     monitor = DriftMonitor("m", "1", settings)
     monitors.append(monitor)
     for _ in range(10):
@@ -105,3 +105,29 @@ def test_tensors_it_cannot_test_are_skipped_with_the_reason_and_the_rest_go_on(
     assert "batch dimension" in monitor.state.skipped["scale"]
     assert "5 features, the reference has 3" in monitor.state.skipped["x"]
     assert monitor.to_json()["windows"] == 1 and "x" not in monitor.state.reports
+
+
+def test_after_a_window_requests_are_not_sampled_until_the_interval_has_passed(
+    monitors: list[DriftMonitor],
+) -> None:
+    """A busy model pays for one window per interval: the gate closes at a window's last
+    row and offers in between cost a flag check."""
+    rng = np.random.default_rng(3)
+    settings = DriftSettings(enable=True, window=50, reference_samples=50, min_interval_s=0.5)
+    monitor = DriftMonitor("m", "1", settings)
+    monitors.append(monitor)
+    for _ in range(10):  # the reference
+        monitor.offer({"x": rng.normal(size=(5, 2))}, {})
+    wait_until(lambda: monitor.state.reference == "captured", "captured")
+    for _ in range(10):  # a window
+        monitor.offer({"x": rng.normal(size=(5, 2))}, {})
+    wait_until(lambda: monitor.state.windows == 1, "tested")
+    sampled = monitor.state.sampled
+    for _ in range(100):
+        monitor.offer({"x": rng.normal(size=(5, 2))}, {})
+    assert monitor.state.sampled == sampled  # inside the interval: none taken
+    time.sleep(0.6)
+    wait_until(lambda: monitor._open, "reopened")
+    for _ in range(10):
+        monitor.offer({"x": rng.normal(size=(5, 2))}, {})
+    wait_until(lambda: monitor.state.windows == 2, "the next window tested")

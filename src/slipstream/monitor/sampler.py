@@ -13,11 +13,12 @@ tensor name, written by ``slipstream monitor reference``), else the first
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,10 @@ class DriftMonitor:
         self._settings = settings
         self.state = DriftState()
         self._queue: deque[dict[str, np.ndarray]] = deque()
+        # Whether requests are sampled now: closed from a window's last row until
+        # min_interval_s after its test, so a busy model pays for one window per interval
+        # (a flag check per request otherwise), not for a test every few milliseconds.
+        self._open = True
         self._wake = threading.Condition()
         self._closed = False
         self._random = random.Random(0)
@@ -81,6 +86,8 @@ class DriftMonitor:
 
     def offer(self, inputs: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> None:
         """Queue one request's tensors for testing; O(1), never blocks, never raises."""
+        if not self._open:
+            return
         settings = self._settings
         if settings.sample_rate < 1.0 and self._random.random() >= settings.sample_rate:
             return
@@ -111,12 +118,26 @@ class DriftMonitor:
                     self._wake.wait()
                 if self._closed:
                     return
-            while self._queue:
-                sample = self._queue.popleft()
-                try:
-                    self._take(sample)
-                except Exception:  # a monitor fault must never reach the serving path
-                    logger.exception("drift monitor of %s:%s failed", self.model, self.version)
+            self._drain()
+            if self.state.reference != "capturing" and self._window_full():
+                self._open = False
+                self._drain()  # what was queued before the gate closed
+                self._guarded(self._test_windows)
+                with self._wake:
+                    self._wake.wait_for(lambda: self._closed, self._settings.min_interval_s)
+                self._pending.clear()  # rows that came in with the last ones: not sampled
+                self._open = True
+
+    def _drain(self) -> None:
+        while self._queue:
+            sample = self._queue.popleft()
+            self._guarded(functools.partial(self._take, sample))
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except Exception:  # a monitor fault must never reach the serving path
+            logger.exception("drift monitor of %s:%s failed", self.model, self.version)
 
     def _take(self, sample: dict[str, np.ndarray]) -> None:
         for name, array in sample.items():
@@ -132,8 +153,10 @@ class DriftMonitor:
             target.setdefault(name, []).append(rows)
         if self.state.reference == "capturing":
             self._maybe_finish_capture()
-        else:
-            self._maybe_test()
+
+    def _window_full(self) -> bool:
+        window = self._settings.window
+        return any(sum(len(r) for r in parts) >= window for parts in self._pending.values())
 
     def _maybe_finish_capture(self) -> None:
         counts = {name: sum(len(r) for r in parts) for name, parts in self._captured.items()}
@@ -154,23 +177,21 @@ class DriftMonitor:
             self.model, self.version, self.state.reference_rows,
         )  # fmt: skip
 
-    def _maybe_test(self) -> None:
+    def _test_windows(self) -> None:
+        """Test the first ``window`` rows of every tensor that has them."""
         window = self._settings.window
         for name, parts in list(self._pending.items()):
-            if sum(len(r) for r in parts) < window:
-                continue
-            rows = np.concatenate(parts)
-            self._pending[name] = [rows[window:]] if len(rows) > window else []
+            rows = np.concatenate(parts) if parts else np.empty((0,))
             reference = self._references.get(name)
-            if reference is None:
+            if len(rows) < window or reference is None:
                 continue
             try:
-                self.state.reports[name] = reference.test(rows[:window])
+                report = reference.test(rows[:window])
             except ValueError as exc:
                 self.state.skipped[name] = str(exc)
                 continue
+            self.state.reports[name] = report
             self.state.windows += 1
-            report = self.state.reports[name]
             if report.detected:
                 logger.warning(
                     "drift in %s:%s %s: %d of %d features (min p %.2g)",
