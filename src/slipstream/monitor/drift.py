@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from scipy import stats
 
 FeatureKind = Literal["continuous", "categorical", "projected"]
 # PSI's floor for an empty bin: log(0) would make one empty bin infinite.
@@ -48,6 +47,11 @@ class FeatureDrift:
     psi: float
     # p_value below the window's Bonferroni threshold.
     drifted: bool
+    # The share of reference and window samples in each bin: the reference's deciles
+    # (continuous; bins split at ``bins``) or its categories (``bins``, then "other").
+    bins: tuple[float, ...] = ()
+    reference_shares: tuple[float, ...] = ()
+    window_shares: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,9 @@ class DriftReport:
                     "p_value": f.p_value,
                     "psi": f.psi,
                     "drifted": f.drifted,
+                    "bins": list(f.bins),
+                    "reference_shares": list(f.reference_shares),
+                    "window_shares": list(f.window_shares),
                 }
                 for f in self.features
             ],
@@ -171,16 +178,41 @@ class Reference:
         for index, kind in enumerate(self.kinds):
             expected, observed = self.samples[:, index], rows[:, index]
             if kind == "categorical":
-                statistic, p_value, psi = _categorical(self.categories[index], expected, observed)
+                bins = self.categories[index]
+                statistic, p_value, shares = _categorical(bins, expected, observed)
             else:
-                ks = stats.ks_2samp(expected, observed)
+                ks = _stats().ks_2samp(expected, observed)
                 statistic, p_value = float(ks.statistic), float(ks.pvalue)
-                psi = _psi(_histogram(expected, self.edges[index]),
-                           _histogram(observed, self.edges[index]))  # fmt: skip
+                bins = self.edges[index]
+                shares = (_histogram(expected, bins), _histogram(observed, bins))
             name = f"p{index}" if kind == "projected" else str(index)
-            results.append(FeatureDrift(name, kind, statistic, p_value, psi, p_value < threshold))
+            results.append(
+                FeatureDrift(
+                    name,
+                    kind,
+                    statistic,
+                    p_value,
+                    _psi(*shares),
+                    p_value < threshold,
+                    tuple(float(b) for b in bins),
+                    _rounded(shares[0]),
+                    _rounded(shares[1]),
+                )
+            )
         detected = any(f.drifted for f in results)
         return DriftReport(self.tensor, rows.shape[0], threshold, detected, tuple(results))
+
+
+def _stats() -> Any:
+    """scipy.stats, imported when a window is first tested: a server that monitors
+    nothing never needs scipy (the monitor extra)."""
+    try:
+        from scipy import stats
+    except ImportError as exc:
+        raise ImportError(
+            "drift monitoring needs scipy: pip install 'slipstream[monitor]'"
+        ) from exc
+    return stats
 
 
 def _rows(data: np.ndarray) -> np.ndarray:
@@ -202,9 +234,13 @@ def _psi(expected: np.ndarray, actual: np.ndarray) -> float:
     return float(np.sum((a - e) * np.log(a / e)))
 
 
+def _rounded(shares: np.ndarray) -> tuple[float, ...]:
+    return tuple(round(float(x), 6) for x in shares)
+
+
 def _categorical(
     categories: np.ndarray, expected: np.ndarray, observed: np.ndarray
-) -> tuple[float, float, float]:
+) -> tuple[float, float, tuple[np.ndarray, np.ndarray]]:
     """Chi-squared over the reference's categories plus one for values it never had."""
 
     def counts(values: np.ndarray) -> np.ndarray:
@@ -215,10 +251,10 @@ def _categorical(
         table = np.bincount(index[known], minlength=len(categories)).astype(np.float64)
         return np.append(table, np.count_nonzero(~known))
 
-    table = np.stack([counts(expected), counts(observed)])
-    table = table[:, table.sum(axis=0) > 0]
-    psi = _psi(table[0] / table[0].sum(), table[1] / table[1].sum())
+    full = np.stack([counts(expected), counts(observed)])
+    shares = (full[0] / full[0].sum(), full[1] / full[1].sum())
+    table = full[:, full.sum(axis=0) > 0]
     if table.shape[1] < 2:
-        return 0.0, 1.0, psi  # one category on both sides: nothing can differ
-    result = stats.chi2_contingency(table)
-    return float(result.statistic), float(result.pvalue), psi
+        return 0.0, 1.0, shares  # one category on both sides: nothing can differ
+    result = _stats().chi2_contingency(table)
+    return float(result.statistic), float(result.pvalue), shares

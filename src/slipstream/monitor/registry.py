@@ -8,6 +8,7 @@ answers ``GET /v2/models/{m}[/versions/{v}]/drift`` with :meth:`DriftMonitors.re
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ class DriftMonitors(Collector):
         settings = config.monitoring.drift
         if not settings.enable:
             return None
+        if importlib.util.find_spec("scipy") is None:
+            raise ValueError(
+                "monitoring.drift.enable: drift tests need scipy: pip install "
+                "'slipstream[monitor]' (or turn monitoring.drift.enable off)"
+            )
         monitor = DriftMonitor(model, version, settings, version_dir)
         self._monitors[(model, version)] = monitor
         return _Tap(self, monitor)

@@ -313,7 +313,11 @@ class ModelManager:
                     "in poll mode move its directory out of the repository), then load it"
                 )
         if self._tap_factory is not None:
-            model.tap = self._tap_factory(name, str(version), model.config, path)
+            try:
+                model.tap = self._tap_factory(name, str(version), model.config, path)
+            except (ValueError, OSError) as exc:  # e.g. an unreadable drift reference
+                await _discard(model)
+                return str(exc)
         logger.info("model %s version %d is READY", name, version)
         return model
 
