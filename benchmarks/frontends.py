@@ -106,6 +106,8 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    # Stopped with SIGTERM: still stop the servers (the with blocks' exits).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     levels = [int(c) for c in args.concurrency.split(",")]
     wanted = set(args.cases.split(","))
     cases = [case for case in CASES if case.name in wanted]
@@ -113,22 +115,34 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         repo = args.repo or build_mlp(Path(tmp) / "models")
         http_port, grpc_port, cap_port = free_ports(3)
-        with slipstream_server(repo, args.server_cores, http_port, grpc_port, Path(tmp)):
-            with cap_server(args, grpc_port, cap_port):
-                results: dict[str, dict[int, list[float | None]]] = {
-                    c.name: {n: [] for n in levels} for c in cases
-                }
-                for _ in range(args.rounds):
-                    for case in cases:
-                        port = cap_port if case.cap else (
-                            http_port if case.protocol == "http" else grpc_port
-                        )  # fmt: skip
-                        for level in levels:
-                            rate = measure(tool, case, port, level, args)
-                            results[case.name][level].append(rate)
-                            print(f"  {case.name:16s} C={level:<3d} {_fmt(rate)} infer/s",
-                                  flush=True)  # fmt: skip
+        ports = {"http": http_port, "grpc": grpc_port, "cap": cap_port}
+        with (
+            slipstream_server(repo, args.server_cores, http_port, grpc_port, Path(tmp)),
+            cap_server(args, grpc_port, cap_port),
+        ):
+            results = measure_all(tool, cases, levels, ports, args)
     report(results, levels, args, tool is not None)
+
+
+def measure_all(
+    tool: tuple[Path, dict[str, str]] | None,
+    cases: list[Case],
+    levels: list[int],
+    ports: dict[str, int],
+    args: argparse.Namespace,
+) -> dict[str, dict[int, list[float | None]]]:
+    """Each case at each level once per round, rounds alternating the cases."""
+    results: dict[str, dict[int, list[float | None]]] = {
+        c.name: {n: [] for n in levels} for c in cases
+    }
+    for _ in range(args.rounds):
+        for case in cases:
+            port = ports["cap" if case.cap else case.protocol]
+            for level in levels:
+                rate = measure(tool, case, port, level, args)
+                results[case.name][level].append(rate)
+                print(f"  {case.name:16s} C={level:<3d} {_fmt(rate)} infer/s", flush=True)
+    return results
 
 
 def measure(
@@ -148,7 +162,7 @@ def measure(
                 *pin, str(binary), "-m", args.model, "-x", "1", "-i", case.protocol,
                 "-u", f"127.0.0.1:{port}", "--concurrency-range", str(concurrency),
                 "--measurement-interval", str(args.measurement_ms),
-                "--stability-percentage", "30", "--max-trials", "4", "-f", str(out),
+                "--stability-percentage", "999", "--max-trials", "3", "-f", str(out),
                 *case.perf_args,
             ]  # fmt: skip
             done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -357,9 +371,7 @@ def record_answers(address: str, model: str) -> dict[str, bytes]:
         "ServerMetadata": _call(channel, "ServerMetadata", pb.ServerMetadataRequest()),
         "ModelMetadata": metadata.SerializeToString(),
         "ModelConfig": _call(channel, "ModelConfig", pb.ModelConfigRequest(name=model)),
-        "ModelStatistics": _call(
-            channel, "ModelStatistics", pb.ModelStatisticsRequest(name=model)
-        ),
+        "ModelStatistics": _call(channel, "ModelStatistics", pb.ModelStatisticsRequest(name=model)),
         "ModelInfer": _call(channel, "ModelInfer", infer),
     }
     channel.close()

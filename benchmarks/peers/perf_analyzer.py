@@ -32,9 +32,7 @@ def ensure_perf_analyzer(install: bool = True) -> tuple[Path, dict[str, str]] | 
             return None
         print(f"installing perf_analyzer (tritonclient {RELEASE}) into {HOME}", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(HOME)], check=True)
-        subprocess.run(
-            [str(HOME / "bin" / "pip"), "install", "--quiet", *REQUIREMENTS], check=True
-        )
+        subprocess.run([str(HOME / "bin" / "pip"), "install", "--quiet", *REQUIREMENTS], check=True)
     if ctypes.util.find_library("b64") is None:
         print("perf_analyzer needs libb64-0d: run `make install` (DEBIAN_PACKAGES)")
         return None

@@ -28,46 +28,27 @@ OPERATIONS = [
 
 # Every route the HTTP front end answers (v2_rest.py, openai_rest.py): a new route must
 # be documented, and a documented route must exist.
-ROUTES = (
-    {
-        ("get", "/v2/health/live"),
-        ("get", "/v2/health/ready"),
-        ("get", "/v2"),
-        ("get", "/v2/models/stats"),
-        ("post", "/v2/repository/index"),
-        ("post", "/v2/repository/models/{model}/load"),
-        ("post", "/v2/repository/models/{model}/unload"),
-        ("get", "/metrics"),
-        ("get", "/openapi.json"),
-        ("get", "/v1/models"),
-        ("get", "/v1/models/{model}"),
-        ("post", "/v1/completions"),
-        ("post", "/v1/chat/completions"),
-        ("post", "/v1/embeddings"),
-        ("post", "/v1/responses"),
-    }
-    | {
-        (method, prefix + suffix)
-        for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")
-        for method, suffix in (
-            ("get", ""),
-            ("get", "/ready"),
-            ("post", "/infer"),
-            ("get", "/config"),
-            ("get", "/stats"),
-        )
-    }
-    | {
-        (method, f"/v2/{kind}sharedmemory{region}/{action}")
-        for kind in ("system", "cuda")
-        for region in ("", "/region/{region}")
-        for method, action in (("get", "status"), ("post", "unregister"))
-    }
-    | {
-        ("post", f"/v2/{kind}sharedmemory/region/{{region}}/register")
-        for kind in ("system", "cuda")
-    }
-)
+ROUTES = {
+    ("get", "/v2/health/live"), ("get", "/v2/health/ready"), ("get", "/v2"),
+    ("get", "/v2/models/stats"), ("post", "/v2/repository/index"),
+    ("post", "/v2/repository/models/{model}/load"),
+    ("post", "/v2/repository/models/{model}/unload"),
+    ("get", "/metrics"), ("get", "/openapi.json"),
+    ("get", "/v1/models"), ("get", "/v1/models/{model}"), ("post", "/v1/completions"),
+    ("post", "/v1/chat/completions"), ("post", "/v1/embeddings"), ("post", "/v1/responses"),
+} | {
+    (method, prefix + suffix)
+    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")
+    for method, suffix in (("get", ""), ("get", "/ready"), ("post", "/infer"),
+                           ("get", "/config"), ("get", "/stats"))
+}  # fmt: skip
+# Triton's shared-memory extensions: status and unregister of all regions or one.
+ROUTES |= {
+    (method, f"/v2/{kind}sharedmemory{region}/{action}")
+    for kind in ("system", "cuda")
+    for region in ("", "/region/{region}")
+    for method, action in (("get", "status"), ("post", "unregister"))
+} | {("post", f"/v2/{kind}sharedmemory/region/{{region}}/register") for kind in ("system", "cuda")}
 
 
 def test_every_route_is_documented_and_nothing_else() -> None:

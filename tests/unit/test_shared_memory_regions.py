@@ -46,6 +46,10 @@ def test_inputs_are_read_only_views_of_the_region_at_any_offset(key: str) -> Non
     np.testing.assert_array_equal(x, [[4102, 4103], [4104, 4105]])
     assert not x.flags.writeable and not x.flags.owndata  # a view, never a copy
     assert request.shared_memory_inputs == {}
+    # The same tensor at the same place again: the same view, not a new one.
+    again = _request(SharedMemoryRef("r", 8, 16), [2, 2])
+    regions.read_inputs(again)
+    assert again.inputs["x"] is x
     # Unregistering while a request still holds a view is safe: the view stays valid.
     regions.unregister("r")
     np.testing.assert_array_equal(x[0], [4102, 4103])

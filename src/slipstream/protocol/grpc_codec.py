@@ -106,7 +106,7 @@ def decode_infer_request(message: pb.ModelInferRequest) -> InferRequest:
     shared = {
         t.name: ref
         for t in message.inputs
-        if (ref := v2_shm.grpc_region(f"input '{t.name}'", t.parameters)) is not None
+        if t.parameters and (ref := v2_shm.grpc_region(f"input '{t.name}'", t.parameters))
     }
     num_inputs = len(message.inputs) - len(shared)
     if raw_contents and len(raw_contents) != num_inputs:

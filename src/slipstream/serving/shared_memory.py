@@ -34,7 +34,7 @@ import logging
 import mmap
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -60,6 +60,8 @@ MAX_NAME_CHARS = 256
 # Each region holds a mapping and a descriptor: bounded so that no client can exhaust
 # the process's descriptors or address space by registering without end.
 MAX_REGIONS = 1024
+# Input arrays kept per region (see _Region.arrays).
+_MAX_CACHED_ARRAYS = 64
 
 _DISABLED = (
     "client shared memory is disabled on this server; start it with --allow-client-shm "
@@ -80,6 +82,10 @@ class _Region:
     # The mapping (from the page boundary at or below offset) and the region's bytes in it.
     mapping: mmap.mmap
     view: memoryview
+    # Read-only input arrays over the region by (offset, size, datatype, shape): clients
+    # send the same tensors at the same places request after request, and the view is
+    # the same array every time (saves ~2 us of its ~8 us per request).
+    arrays: dict[tuple[int, int, str, tuple[int, ...]], np.ndarray] = field(default_factory=dict)
 
 
 class SystemSharedMemory:
@@ -156,8 +162,19 @@ class SystemSharedMemory:
         """Move ``request.shared_memory_inputs`` into ``request.inputs``, read from their
         regions (views, no copy, for fixed-size datatypes)."""
         for name, tensor in request.shared_memory_inputs.items():
-            data = self._bytes(tensor.ref, f"input '{name}'")
-            request.inputs[name] = _tensor(name, tensor, data)
+            ref = tensor.ref
+            region = self._regions.get(ref.region)
+            key = (ref.offset, ref.byte_size, tensor.datatype, tuple(tensor.shape))
+            array = None if region is None else region.arrays.get(key)
+            if region is not None and array is not None:
+                _check_object(region, f"input '{name}'")
+            else:
+                array = _tensor(name, tensor, self._bytes(ref, f"input '{name}'"))
+                if array.dtype != object and region is not None:
+                    if len(region.arrays) >= _MAX_CACHED_ARRAYS:
+                        region.arrays.clear()
+                    region.arrays[key] = array
+            request.inputs[name] = array
         request.shared_memory_inputs = {}
 
     def output_targets(self, request: InferRequest) -> dict[str, SharedMemoryRef]:
@@ -165,7 +182,8 @@ class SystemSharedMemory:
         targets = {o.name: o.shared_memory for o in request.outputs or () if o.shared_memory}
         placed: list[tuple[str, SharedMemoryRef]] = []
         for name, ref in targets.items():
-            self._bytes(ref, f"output '{name}'")
+            # Bounds only: the object's size is checked right before the write.
+            self._bytes(ref, f"output '{name}'", check_object=False)
             for other, taken in placed:
                 if _overlap(ref, taken):
                     raise InvalidRequest(
@@ -200,8 +218,9 @@ class SystemSharedMemory:
             )
         return region
 
-    def _bytes(self, ref: SharedMemoryRef, where: str) -> memoryview:
-        """The bytes ``ref`` names, after checking them against the region's bounds."""
+    def _bytes(self, ref: SharedMemoryRef, where: str, check_object: bool = True) -> memoryview:
+        """The bytes ``ref`` names, after checking them against the region's bounds (and,
+        with ``check_object``, against the object's current size)."""
         region = self._region(ref.region, where)
         size = region.status.byte_size
         if ref.offset > size or ref.byte_size > size - ref.offset:
@@ -209,15 +228,22 @@ class SystemSharedMemory:
                 f"{where}: shared_memory_offset {ref.offset} + shared_memory_byte_size "
                 f"{ref.byte_size} is past the end of region {ref.region!r} ({size} bytes)"
             )
-        end = region.status.offset + size
-        object_size = os.fstat(region.fd).st_size
-        if object_size < end:
-            raise InvalidRequest(
-                f"{where}: shared memory object {region.status.key!r} of region "
-                f"{ref.region!r} shrank to {object_size} bytes, below the region's end at "
-                f"{end}; unregister the region and register it again"
-            )
+        if check_object:
+            _check_object(region, where)
         return region.view[ref.offset : ref.offset + ref.byte_size]
+
+
+def _check_object(region: _Region, where: str) -> None:
+    """400 when the client shrank the object below the region: touching the lost pages
+    would fault (SIGBUS) instead."""
+    end = region.status.offset + region.status.byte_size
+    object_size = os.fstat(region.fd).st_size
+    if object_size < end:
+        raise InvalidRequest(
+            f"{where}: shared memory object {region.status.key!r} of region "
+            f"{region.status.name!r} shrank to {object_size} bytes, below the region's end "
+            f"at {end}; unregister the region and register it again"
+        )
 
 
 def _tensor(name: str, tensor: SharedMemoryInput, data: memoryview) -> np.ndarray:
@@ -276,6 +302,7 @@ def _map(name: str, key: str, fd: int, offset: int, byte_size: int) -> _Region:
 
 def _unmap(region: _Region) -> None:
     os.close(region.fd)
+    region.arrays.clear()
     try:
         region.view.release()
         region.mapping.close()
