@@ -16,9 +16,21 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMP
 # Where `make lock` finds torch's CPU wheels (this machine keeps them on disk).
 TORCH_WHEELS ?= /opt/wheels
 
-.PHONY: install lock run models test test-fast test-lowest lint unit bench clean vendor
+# Debian packages the checks and benchmarks need, installed only when missing:
+# prometheus (and promtool) for the monitoring tests, chromium and chromium-driver for
+# the /dashboard test, libb64-0d for perf_analyzer (benchmarks/peers/perf_analyzer.py).
+DEBIAN_PACKAGES ?= prometheus chromium chromium-driver libb64-0d
 
-install: $(VENV)/.installed
+.PHONY: install lock run models test test-fast test-lowest lint unit bench clean debian-packages vendor
+
+install: debian-packages $(VENV)/.installed
+
+debian-packages:
+	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "Installing Debian packages: $$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
 
 # Everything installs from the lock ($(LOCK)): the same commit installs the same software
 # on every machine. torch is the CPU wheel of 2.13.0 (pinned in the lock), so no dependency

@@ -59,6 +59,7 @@ def main() -> None:
 )
 @click.option("--load-model", "load_models", multiple=True, help=_help("load_models"))
 @click.option("--trust-pickle", is_flag=True, default=False, help=_help("trust_pickle"))
+@click.option("--allow-client-shm", is_flag=True, default=False, help=_help("allow_client_shm"))
 @click.option(
     "--repository-poll-secs", type=float, default=15.0, help=_help("repository_poll_secs")
 )

@@ -357,6 +357,12 @@ class ServerSettings(_Strict):
         ".pt2) of every model, as if each config.yaml said trust_pickle: true. Unpickling "
         "runs code from the file: use it only for a repository you trust like code.",
     )
+    allow_client_shm: bool = Field(
+        False,
+        description="Let clients register system shared-memory regions (Triton's "
+        "systemsharedmemory extension) and send tensors through them. A registered region "
+        "is read and written by the server: enable it only for trusted clients on this host.",
+    )
     repository_poll_secs: float = Field(
         15.0, gt=0, description="How often poll mode rescans the repository."
     )

@@ -13,6 +13,28 @@ from typing import Any, Literal
 import numpy as np
 
 
+@dataclass(frozen=True, slots=True)
+class SharedMemoryRef:
+    """Where a tensor lies in a client's registered shared-memory region (Triton's
+    shared_memory_region, shared_memory_offset and shared_memory_byte_size)."""
+
+    # The name the region was registered under.
+    region: str
+    # Bytes from the start of the region to the tensor's data.
+    offset: int
+    # Bytes of the tensor's data (inputs), or room for it (outputs).
+    byte_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class SharedMemoryInput:
+    """An input whose data the server reads from a shared-memory region."""
+
+    datatype: str
+    shape: list[int]
+    ref: SharedMemoryRef
+
+
 @dataclass(slots=True)
 class RequestedOutput:
     """One output the client asked for."""
@@ -21,6 +43,8 @@ class RequestedOutput:
     # True/False: the client asked for binary / JSON encoding of this output;
     # None: follow the request-level default.
     binary_data: bool | None = None
+    # Write the output into this region instead of the response.
+    shared_memory: SharedMemoryRef | None = None
 
 
 @dataclass(slots=True)
@@ -44,6 +68,9 @@ class InferRequest:
     binary_data_output: bool = False
     # Any other request parameters, passed through untouched.
     parameters: dict[str, Any] = field(default_factory=dict)
+    # Inputs to read from shared-memory regions (not yet in ``inputs``): the serving
+    # core reads them in before the request is checked against the model.
+    shared_memory_inputs: dict[str, SharedMemoryInput] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -56,6 +83,9 @@ class InferResponse:
     outputs: dict[str, np.ndarray]
     id: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
+    # Outputs already written into the client's shared-memory regions: the response
+    # carries their name, datatype and shape only.
+    in_shared_memory: frozenset[str] = frozenset()
 
 
 # -- metadata: what the front ends report about the server and its models ------------
@@ -99,6 +129,18 @@ class RepositoryEntry:
     state: str
     # Why a version is UNAVAILABLE (its load error), else "".
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SharedMemoryRegionStatus:
+    """A registered system shared-memory region, as the status request lists it."""
+
+    name: str
+    # The POSIX shared-memory object holding the region.
+    key: str
+    # Where the region starts in that object, and its size, in bytes.
+    offset: int
+    byte_size: int
 
 
 # -- generation ---------------------------------------------------------------------

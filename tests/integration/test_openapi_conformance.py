@@ -109,9 +109,14 @@ CONTENT_DEPENDENT = (
 )  # fmt: skip
 
 
+# 400s that depend on how the server runs: shared-memory regions are refused without
+# --allow-client-shm, and CUDA regions on a server without CUDA.
+SETTING_DEPENDENT = ("client shared memory is disabled", "CUDA shared memory is not supported")
+
+
 def filter_failure(context: Any, failure: Any, case: Any, response: Any) -> bool:
     if type(failure).__name__ == "RejectedPositiveData" and response.status_code == 400:
-        reasons = MODEL_DEPENDENT + CONTENT_DEPENDENT
+        reasons = MODEL_DEPENDENT + CONTENT_DEPENDENT + SETTING_DEPENDENT
         return not any(reason in response.text for reason in reasons)
     return True
 

@@ -207,6 +207,59 @@ def test_exported_program_signature_and_outputs(tmp_path: Path) -> None:
     np.testing.assert_allclose(result["output_1"], dot.numpy(), rtol=1e-5, atol=1e-6)
 
 
+class Embedder(torch.nn.Module):
+    """Token ids -> summed embedding rows: an id past the table is the request's fault."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(ids).sum(dim=1)
+
+
+class Faulty(torch.nn.Module):
+    """A model whose run fails whatever the data: a fault of the model, not the request."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to("meta").cpu()
+
+
+@jit_deprecated
+@pytest.mark.parametrize("kind", ["script", "export"])
+def test_torch_index_past_the_table_is_the_request_s_fault(tmp_path: Path, kind: str) -> None:
+    module = Embedder().eval()
+    ids = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int64)
+    if kind == "script":
+        path = tmp_path / "model.pt"
+        torch.jit.script(module).save(str(path))
+    else:
+        batch = torch.export.Dim("batch")
+        program = torch.export.export(
+            module, (torch.from_numpy(ids),), dynamic_shapes={"ids": {0: batch}}
+        )
+        path = tmp_path / "model.pt2"
+        torch.export.save(program, str(path))
+    backend = get_backend("torch").load(path, {}, 1)
+    output = "output" if kind == "export" else "sum"
+    assert backend.run({"ids": ids}, [output])[output].shape == (2, 4)
+    with pytest.raises(InvalidRequest) as refused:
+        backend.run({"ids": np.array([[1, 2, 10]], dtype=np.int64)}, [output])
+    # torch's own message, and not TorchScript's traceback (which holds server paths).
+    assert refused.value.message.endswith("index out of range in self")
+    assert "Traceback" not in refused.value.message and "/" not in refused.value.message
+
+
+@jit_deprecated
+def test_torch_fault_that_is_not_the_data_stays_internal(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    torch.jit.script(Faulty()).save(str(path))
+    backend = get_backend("torch").load(path, {}, 1)
+    with pytest.raises(Exception) as fault:
+        backend.run({"x": np.ones((1, 2), dtype=np.float32)}, ["output"])
+    assert not isinstance(fault.value, InvalidRequest)
+
+
 def test_exported_program_names_dict_and_single_outputs(tmp_path: Path) -> None:
     dict_path, mlp_path = tmp_path / "dict.pt2", tmp_path / "mlp.pt2"
     torch.export.save(torch.export.export(DictOut(), (torch.ones(2, 3),)), str(dict_path))
@@ -354,6 +407,12 @@ def test_sklearn_refuses_bad_requests(tmp_path: Path, iris_classifier: LogisticR
         backend.run({"input": rows[0]}, ["predict"])
     with pytest.raises(InvalidRequest, match="missing input 'input'"):
         backend.run({"features": rows}, ["predict"])
+    # scikit-learn's own input checks: answered with its message.
+    with pytest.raises(InvalidRequest, match="refused the request's data: X has 3 features"):
+        backend.run({"input": np.zeros((2, 3), dtype=np.float32)}, ["predict"])
+    nan_rows = np.full((1, 4), np.nan, dtype=np.float32)
+    with pytest.raises(InvalidRequest, match="Input X contains NaN"):
+        backend.run({"input": nan_rows}, ["predict_proba"])
 
 
 def test_sklearn_bad_files_and_parameters_fail_load(

@@ -20,6 +20,8 @@ from slipstream.types import (
     ModelMetadata,
     RepositoryEntry,
     RequestedOutput,
+    SharedMemoryInput,
+    SharedMemoryRef,
     TensorMetadata,
 )
 
@@ -241,10 +243,34 @@ def test_missing_data_is_refused() -> None:
     assert "contents.fp32_contents" in message
 
 
-def test_shared_memory_input_is_refused() -> None:
-    message = request_with("a", "FP32", [1], raw=b"\x00" * 4)
+def test_shared_memory_input_is_read_from_its_region_later() -> None:
+    # Inputs in a region have no raw_input_contents entry: "b" holds the only one.
+    message = request_with("a", "FP32", [2, 2])
     message.inputs[0].parameters["shared_memory_region"].string_param = "region0"
-    assert "shared memory" in decode_error(message)
+    message.inputs[0].parameters["shared_memory_offset"].uint64_param = 32
+    message.inputs[0].parameters["shared_memory_byte_size"].int64_param = 16
+    message.inputs.add(name="b", datatype="INT8", shape=[1])
+    message.raw_input_contents.append(b"\x07")
+    message.outputs.add(name="y").parameters["shared_memory_region"].string_param = "out"
+    message.outputs[0].parameters["shared_memory_byte_size"].int64_param = 64
+    request = grpc_codec.decode_infer_request(message)
+    assert list(request.inputs) == ["b"]
+    assert request.shared_memory_inputs == {
+        "a": SharedMemoryInput("FP32", [2, 2], SharedMemoryRef("region0", 32, 16))
+    }
+    assert request.outputs is not None
+    assert request.outputs[0].shared_memory == SharedMemoryRef("out", 0, 64)
+
+
+def test_shared_memory_input_of_the_wrong_size_is_refused() -> None:
+    message = request_with("a", "FP32", [1])
+    message.inputs[0].parameters["shared_memory_region"].string_param = "region0"
+    assert "shared_memory_byte_size is required" in decode_error(message)
+    message.inputs[0].parameters["shared_memory_byte_size"].int64_param = 8
+    assert "is 8 but shape [1] of FP32 takes 4 bytes" in decode_error(message)
+    message.inputs[0].parameters["shared_memory_byte_size"].int64_param = 4
+    message.inputs[0].contents.fp32_contents.append(1.0)
+    assert "both contents and a shared-memory region" in decode_error(message)
 
 
 # ---------------------------------------------------------------- request parameters

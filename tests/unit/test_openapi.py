@@ -43,6 +43,13 @@ ROUTES = {
     for method, suffix in (("get", ""), ("get", "/ready"), ("post", "/infer"),
                            ("get", "/config"), ("get", "/stats"), ("get", "/drift"))
 }  # fmt: skip
+# Triton's shared-memory extensions: status and unregister of all regions or one.
+ROUTES |= {
+    (method, f"/v2/{kind}sharedmemory{region}/{action}")
+    for kind in ("system", "cuda")
+    for region in ("", "/region/{region}")
+    for method, action in (("get", "status"), ("post", "unregister"))
+} | {("post", f"/v2/{kind}sharedmemory/region/{{region}}/register") for kind in ("system", "cuda")}
 
 
 def test_every_route_is_documented_and_nothing_else() -> None:

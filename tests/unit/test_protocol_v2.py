@@ -348,6 +348,9 @@ def test_encode_error() -> None:
 SIX = [1, 2, 3, 4, 5, 6]
 
 # (request document, substring the error message must contain: it names the field)
+# Shared-memory parameters of a [2, 3] FP32 tensor (24 bytes).
+_SHM24 = {"shared_memory_region": "r", "shared_memory_byte_size": 24}
+
 JSON_ERRORS: list[tuple[Any, str]] = [
     ([1, 2], "request body: expected a JSON object"),
     ({}, "inputs: required field is missing"),
@@ -388,7 +391,23 @@ JSON_ERRORS: list[tuple[Any, str]] = [
     ({"inputs": [_input(SIX, parameters=[1])]}, "input 'x': parameters: expected an object"),
     (
         {"inputs": [_input(SIX, parameters={"shared_memory_region": "r"})]},
-        "input 'x': the shared memory extension is not supported",
+        "input 'x': parameters.shared_memory_byte_size is required",
+    ),
+    (
+        {"inputs": [_input(None, parameters={"shared_memory_byte_size": 24})]},
+        "input 'x': parameters.shared_memory_region: expected the name of a registered region",
+    ),
+    (
+        {"inputs": [_input(SIX, parameters=_SHM24)]},
+        "input 'x': set one of data, binary_data_size, shared_memory_region",
+    ),
+    (
+        {"inputs": [_input(None, parameters={**_SHM24, "shared_memory_byte_size": 20})]},
+        "input 'x': parameters.shared_memory_byte_size is 20 but shape [2, 3] of FP32 takes 24",
+    ),
+    (
+        {"inputs": [_input(None, parameters={**_SHM24, "shared_memory_offset": -8})]},
+        "input 'x': shared_memory_offset: expected a non-negative integer, got -8",
     ),
     ({"inputs": [_input(SIX, parameters={"binary_data_size": 24})]}, "input 'x': has both"),
     (
@@ -417,7 +436,11 @@ JSON_ERRORS: list[tuple[Any, str]] = [
     ),
     (
         {"inputs": [], "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r"}}]},
-        "output 'y': the shared memory extension is not supported",
+        "output 'y': parameters.shared_memory_byte_size is required",
+    ),
+    (
+        {"inputs": [], "outputs": [{"name": "y", "parameters": {**_SHM24, "binary_data": True}}]},
+        "output 'y': set either shared_memory_region or binary_data true, not both",
     ),
 ]
 

@@ -28,6 +28,7 @@ from slipstream.config import (
 from slipstream.datatypes import V2_TO_NUMPY, addressable, to_config_datatype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.observability.stats import ModelStats, StatDuration
+from slipstream.protocol import v2_shm
 from slipstream.protocol.proto import inference_pb2 as pb
 from slipstream.types import (
     InferRequest,
@@ -36,6 +37,7 @@ from slipstream.types import (
     RepositoryEntry,
     RequestedOutput,
     ServerMetadata,
+    SharedMemoryInput,
     TensorMetadata,
 )
 
@@ -82,8 +84,6 @@ _NARROW_INTS: dict[str, tuple[np.dtype[Any], int, int]] = {
 # Request parameters Slipstream reads into InferRequest fields rather than passing on.
 _PRIORITY = "priority"
 _TIMEOUT = "timeout"
-# Triton's shared-memory extension, which Slipstream does not implement.
-_SHARED_MEMORY = "shared_memory_region"
 
 _INT64_MAX = 2**63 - 1
 
@@ -102,30 +102,44 @@ def decode_infer_request(message: pb.ModelInferRequest) -> InferRequest:
     [1]
     """
     raw_contents = message.raw_input_contents
-    num_inputs = len(message.inputs)
+    # Inputs in shared memory have no raw_input_contents entry (tritonclient, Triton).
+    shared = {
+        t.name: ref
+        for t in message.inputs
+        if t.parameters and (ref := v2_shm.grpc_region(f"input '{t.name}'", t.parameters))
+    }
+    num_inputs = len(message.inputs) - len(shared)
     if raw_contents and len(raw_contents) != num_inputs:
         raise InvalidRequest(
             f"raw_input_contents has {len(raw_contents)} entries but the request has "
-            f"{num_inputs} inputs; send raw data for every input or for none"
+            f"{num_inputs} inputs outside shared memory; send raw data for every such "
+            "input or for none"
         )
     inputs: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(message.inputs):
+    shared_inputs: dict[str, SharedMemoryInput] = {}
+    index = 0
+    for tensor in message.inputs:
         name = tensor.name
-        if name in inputs:
+        if name in inputs or name in shared_inputs:
             raise InvalidRequest(f"input '{name}' appears more than once in the request")
-        if _SHARED_MEMORY in tensor.parameters:
-            raise InvalidRequest(
-                f"input '{name}': shared memory is not supported; "
-                "send the tensor in raw_input_contents"
-            )
         shape = _shape_of(name, tensor.shape)
-        if raw_contents:
+        ref = shared.get(name)
+        if ref is not None:
+            if tensor.HasField("contents"):
+                raise InvalidRequest(
+                    f"input '{name}': data given in both contents and a shared-memory "
+                    "region; send it in one of them"
+                )
+            where = f"input '{name}'"
+            shared_inputs[name] = v2_shm.shared_input(where, tensor.datatype, shape, ref)
+        elif raw_contents:
             if tensor.HasField("contents"):
                 raise InvalidRequest(
                     f"input '{name}': data given in both contents and raw_input_contents; "
                     "send it in one of them"
                 )
             inputs[name] = decode_raw_tensor(name, tensor.datatype, shape, raw_contents[index])
+            index += 1
         else:
             inputs[name] = decode_typed_tensor(name, tensor.datatype, shape, tensor.contents)
     request = InferRequest(
@@ -134,6 +148,7 @@ def decode_infer_request(message: pb.ModelInferRequest) -> InferRequest:
         inputs=inputs,
         id=message.id,
         outputs=_requested_outputs(message.outputs) if message.outputs else None,
+        shared_memory_inputs=shared_inputs,
     )
     _apply_parameters(request, message.parameters)
     return request
@@ -252,13 +267,13 @@ def _requested_outputs(
 ) -> list[RequestedOutput]:
     requested = []
     for output in outputs:
-        for key in (_SHARED_MEMORY, "classification"):
-            if key in output.parameters:
-                raise InvalidRequest(
-                    f"output '{output.name}': parameter '{key}' is not supported; "
-                    "request the output without it"
-                )
-        requested.append(RequestedOutput(name=output.name))
+        if "classification" in output.parameters:
+            raise InvalidRequest(
+                f"output '{output.name}': parameter 'classification' is not supported; "
+                "request the output without it"
+            )
+        region = v2_shm.grpc_region(f"output '{output.name}'", output.parameters)
+        requested.append(RequestedOutput(name=output.name, shared_memory=region))
     return requested
 
 
@@ -355,11 +370,14 @@ def _response_header(
         id=response.id,
     )
     outputs = message.outputs
-    raw_contents = []
+    raw_contents: list[bytes | memoryview] = []
+    in_shared_memory = response.in_shared_memory
     for name, array in response.outputs.items():
-        datatype, data = _raw_buffer(array)
+        datatype, data = raw_buffer(array)
         outputs.add(name=name, datatype=datatype, shape=array.shape)
-        raw_contents.append(data)
+        # Triton keeps one raw_output_contents entry per output, empty for those it wrote
+        # into a region: tritonclient finds an output's data by its index.
+        raw_contents.append(b"" if name in in_shared_memory else data)
     for key, value in response.parameters.items():
         set_parameter(message.parameters[key], value)
     return message, raw_contents
@@ -376,11 +394,12 @@ def _varint(value: int) -> bytes:
 
 def encode_raw_tensor(array: np.ndarray) -> tuple[str, bytes]:
     """The V2 datatype of an array and its raw contents (row-major, little-endian)."""
-    datatype, data = _raw_buffer(array)
+    datatype, data = raw_buffer(array)
     return datatype, bytes(data)
 
 
-def _raw_buffer(array: np.ndarray) -> tuple[str, bytes | memoryview]:
+def raw_buffer(array: np.ndarray) -> tuple[str, bytes | memoryview]:
+    """The V2 datatype of an array and a view (or, for BYTES, a copy) of its raw contents."""
     dtype = array.dtype
     # A byte-swapped array (say, read from a big-endian file) is still its datatype.
     datatype = v2_datatype(dtype if dtype.isnative else dtype.newbyteorder("="))

@@ -249,6 +249,7 @@ def _v2_paths() -> dict[str, Any]:
                 "responses": {"200": response("Done")} | _v2_errors("400", "404", body=True),
             },
         }
+    paths |= _shared_memory_paths()
     paths |= _v2_model_paths("/v2/models/{model}", [_MODEL])
     paths |= _v2_model_paths("/v2/models/{model}/versions/{version}", [_MODEL, _VERSION])
     text = {"text/plain": {"schema": {"type": "string"}}}
@@ -279,6 +280,68 @@ def _v2_paths() -> dict[str, Any]:
     paths["/openapi.json"] = get(
         "This document", "openapi", response("OpenAPI 3.1", json_content({"type": "object"}))
     )
+    return paths
+
+
+def _shared_memory_paths() -> dict[str, Any]:
+    """Triton's system shared-memory extension; CUDA regions are refused (no GPU)."""
+    region = {
+        "name": "region",
+        "in": "path",
+        "required": True,
+        "description": "The region's name, chosen by the client",
+        "schema": {"type": "string", "minLength": 1, "maxLength": 256},
+    }
+    size = {"type": "integer", "minimum": 0}
+    status = json_content(
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "key": {"type": "string"},
+                               "offset": size, "byte_size": size},
+            },
+        }
+    )  # fmt: skip
+    register = {
+        "required": True,
+        "content": json_content(
+            {
+                "type": "object",
+                "properties": {"key": {"type": "string"}, "offset": size, "byte_size": size},
+                "required": ["key", "byte_size"],
+            }
+        ),
+    }
+    paths: dict[str, Any] = {}
+    for kind, title in (("system", "System"), ("cuda", "CUDA")):
+        base = f"/v2/{kind}sharedmemory"
+        note = "" if kind == "system" else " (refused: this server has no CUDA support)"
+        for prefix, params, scope in (
+            (base, [], "every region"),
+            (base + "/region/{region}", [region], "one region"),
+        ):
+            op = f"{kind}_shared_memory_%s" + ("_region" if params else "")
+            paths[prefix + "/status"] = {
+                "parameters": params,
+                "get": {"summary": f"{title} shared-memory status of {scope}",
+                        "operationId": op % "status",
+                        "responses": {"200": response("Regions", status)}
+                        | _v2_errors("400", "404")},
+            }  # fmt: skip
+            paths[prefix + "/unregister"] = {
+                "parameters": params,
+                "post": {"summary": f"Unregister {scope} ({kind} shared memory)",
+                         "operationId": op % "unregister",
+                         "responses": {"200": response("Done")} | _v2_errors("400", body=True)},
+            }  # fmt: skip
+        paths[base + "/region/{region}/register"] = {
+            "parameters": [region],
+            "post": {"summary": f"Register a {kind} shared-memory region{note}",
+                     "operationId": f"{kind}_shared_memory_register",
+                     "requestBody": register,
+                     "responses": {"200": response("Registered")} | _v2_errors("400", body=True)},
+        }  # fmt: skip
     return paths
 
 

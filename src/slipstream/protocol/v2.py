@@ -45,7 +45,8 @@ import orjson
 
 from slipstream.datatypes import V2_ITEM_SIZE, addressable, numpy_dtype, v2_datatype
 from slipstream.errors import InvalidRequest
-from slipstream.types import InferRequest, InferResponse, RequestedOutput
+from slipstream.protocol import v2_shm
+from slipstream.types import InferRequest, InferResponse, RequestedOutput, SharedMemoryInput
 
 __all__ = [
     "decode_infer_request",
@@ -108,10 +109,12 @@ def decode_infer_request(
     elif not isinstance(request_id, str):
         raise InvalidRequest(f"id: expected a string, got {_show(request_id)}")
     priority, timeout_us, binary_data_output, parameters = _decode_parameters(doc.get("parameters"))
+    inputs, shared_inputs = _decode_inputs(doc.get("inputs"), binary)
     return InferRequest(
         model_name=model_name,
         model_version=model_version,
-        inputs=_decode_inputs(doc.get("inputs"), binary),
+        inputs=inputs,
+        shared_memory_inputs=shared_inputs,
         id=request_id,
         outputs=_decode_requested_outputs(doc.get("outputs")),
         priority=priority,
@@ -151,7 +154,9 @@ def encode_infer_response(
         if binary is None:
             binary = request.binary_data_output
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": array.shape}
-        if binary:
+        if name in response.in_shared_memory:
+            pass  # written into the client's region: name, datatype and shape only
+        elif binary:
             payload, size = _binary_payload(array, datatype)
             entry["parameters"] = {"binary_data_size": size}
             payloads.append(payload)
@@ -246,6 +251,12 @@ def _decode_requested_outputs(raw: Any) -> list[RequestedOutput] | None:
             raise InvalidRequest(f"outputs: output {name!r} is requested more than once")
         seen.add(name)
         params = _tensor_parameters(f"output {name!r}", item.get("parameters"))
+        region = v2_shm.region_ref(f"output {name!r}", params)
+        # tritonclient sends binary_data false beside a region; true contradicts it.
+        if region is not None and params.get("binary_data") is True:
+            raise InvalidRequest(
+                f"output {name!r}: set either shared_memory_region or binary_data true, not both"
+            )
         if "classification" in params:
             raise InvalidRequest(
                 f"output {name!r}: the classification extension is not supported; "
@@ -257,7 +268,7 @@ def _decode_requested_outputs(raw: Any) -> list[RequestedOutput] | None:
                 f"output {name!r}: parameters.binary_data: expected true or false, "
                 f"got {_show(binary_data)}"
             )
-        requested.append(RequestedOutput(name, binary_data))
+        requested.append(RequestedOutput(name, binary_data, region))
     return requested or None
 
 
@@ -266,37 +277,39 @@ def _tensor_parameters(where: str, raw: Any) -> dict[str, Any]:
         return {}
     if not isinstance(raw, dict):
         raise InvalidRequest(f"{where}: parameters: expected an object, got {_show(raw)}")
-    if "shared_memory_region" in raw:
-        raise InvalidRequest(
-            f"{where}: the shared memory extension is not supported; send the tensor "
-            "in the body (binary_data_size) instead"
-        )
     return raw
 
 
-def _decode_inputs(raw: Any, binary: memoryview | None) -> dict[str, np.ndarray]:
+def _decode_inputs(
+    raw: Any, binary: memoryview | None
+) -> tuple[dict[str, np.ndarray], dict[str, SharedMemoryInput]]:
+    """The inputs sent in the request, and those to read from shared memory."""
     if raw is None:
         raise InvalidRequest("inputs: required field is missing; expected a list of tensors")
     if not isinstance(raw, list):
         raise InvalidRequest(f"inputs: expected a list, got {_show(raw)}")
     inputs: dict[str, np.ndarray] = {}
+    shared: dict[str, SharedMemoryInput] = {}
     offset = 0  # into `binary`: inputs' binary data follow each other in input order
     for index, item in enumerate(raw):
         name, array, offset = _decode_input(index, item, binary, offset)
-        if name in inputs:
+        if name in inputs or name in shared:
             raise InvalidRequest(f"inputs: input {name!r} appears more than once")
-        inputs[name] = array
+        if isinstance(array, SharedMemoryInput):
+            shared[name] = array
+        else:
+            inputs[name] = array
     if binary is not None and offset != len(binary):
         raise InvalidRequest(
             f"binary data: the body holds {len(binary)} bytes after the JSON header but "
             f"the inputs' binary_data_size add up to {offset}"
         )
-    return inputs
+    return inputs, shared
 
 
 def _decode_input(
     index: int, raw: Any, binary: memoryview | None, offset: int
-) -> tuple[str, np.ndarray, int]:
+) -> tuple[str, np.ndarray | SharedMemoryInput, int]:
     """Decode one input; returns (name, array, offset past its binary data)."""
     if not isinstance(raw, dict):
         raise InvalidRequest(f"inputs[{index}]: expected an object, got {_show(raw)}")
@@ -309,8 +322,16 @@ def _decode_input(
     datatype = cast(str, raw.get("datatype"))
     dtype = numpy_dtype(datatype, field=f"{where}: datatype")
     count = math.prod(shape)
-    size = _tensor_parameters(where, raw.get("parameters")).get("binary_data_size")
+    params = _tensor_parameters(where, raw.get("parameters"))
+    size = params.get("binary_data_size")
     data = raw.get("data")
+    region = v2_shm.region_ref(where, params)
+    if region is not None:
+        if data is not None or size is not None:
+            raise InvalidRequest(
+                f"{where}: set one of data, binary_data_size, shared_memory_region"
+            )
+        return name, v2_shm.shared_input(where, datatype, shape, region), offset
     if size is None:
         if data is None:
             raise InvalidRequest(f"{where}: needs either 'data' or parameters.binary_data_size")

@@ -15,8 +15,8 @@ several instances of a model version and hands each one batch at a time:
 * ``close()`` frees what the instance holds.
 
 Backends raise :class:`slipstream.errors.InvalidRequest` for inputs the model refuses
-(wrong rank, out-of-range values the runtime rejects); any other exception fails the
-batch as an internal error.
+(wrong rank, out-of-range values the runtime rejects: :mod:`slipstream.runtime.data_errors`
+tells those apart from faults); any other exception fails the batch as an internal error.
 """
 
 from __future__ import annotations

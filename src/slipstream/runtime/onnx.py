@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from slipstream.errors import InvalidRequest
+from slipstream.runtime import data_errors
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
 
 # ONNX Runtime type strings -> V2 datatypes.
@@ -119,6 +120,10 @@ class OnnxBackend(Backend):
         )
         self._string_inputs = {s.name for s in self._signature.inputs if s.datatype == "BYTES"}
         self._run_options = ort.RunOptions()
+        # A run refused for its data is answered 400 with ORT's message; ORT would also
+        # log it at ERROR level, once per bad request. Real faults are logged by the
+        # batcher, once, so the per-run log stays at FATAL.
+        self._run_options.log_severity_level = 4
         self._raw_session = getattr(session, "_sess", None)
 
     @classmethod
@@ -144,7 +149,10 @@ class OnnxBackend(Backend):
                         "string input"
                     ) from None
         names = list(output_names)
-        results = self._run(names, feed)
+        try:
+            results = self._run(names, feed)
+        except data_errors.ORT_DATA_ERRORS as exc:
+            raise data_errors.refused(data_errors.ort_message(exc)) from exc
         return dict(zip(names, results, strict=True))
 
     def _run(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -35,6 +35,7 @@ import numpy as np
 from slipstream.datatypes import v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec
+from slipstream.runtime.data_errors import refused
 
 logger = logging.getLogger(__name__)
 
@@ -111,14 +112,22 @@ class SklearnBackend(Backend):
         features = features.astype(self._input_dtype, copy=False)
         results: dict[str, np.ndarray] = {}
         for name in output_names:
-            if name == PREDICT:
-                results[name] = _as_v2_array(self._estimator.predict(features))
-            elif name == PREDICT_PROBA and self._serves_proba:
-                proba = np.asarray(self._estimator.predict_proba(features))
-                results[name] = proba.astype(self._input_dtype, copy=False)
-            else:
+            if name not in (PREDICT, PREDICT_PROBA) or (
+                name == PREDICT_PROBA and not self._serves_proba
+            ):
                 known = ", ".join(spec.name for spec in self._signature.outputs)
                 raise InvalidRequest(f"outputs: unknown output {name!r}; expected {known}")
+            try:
+                if name == PREDICT:
+                    results[name] = _as_v2_array(self._estimator.predict(features))
+                else:
+                    proba = np.asarray(self._estimator.predict_proba(features))
+                    results[name] = proba.astype(self._input_dtype, copy=False)
+            except ValueError as exc:
+                # scikit-learn validates its input with ValueError: features of another
+                # count than the estimator was fitted on, NaN or infinity, an unseen
+                # category. Those are the request's to fix.
+                raise refused(str(exc)) from exc
         return results
 
     def close(self) -> None:

@@ -58,6 +58,7 @@ import torch
 from slipstream.datatypes import from_config_datatype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
+from slipstream.runtime.data_errors import torch_data_error
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,13 @@ class TorchBackend(Backend):
         names = self._input_names or tuple(inputs)
         tensors = [self._to_tensor(name, inputs) for name in names]
         with torch.inference_mode():
-            result = self._model(*tensors)
+            try:
+                result = self._model(*tensors)
+            except (IndexError, RuntimeError) as exc:
+                refused = torch_data_error(exc)
+                if refused is None:
+                    raise
+                raise refused from exc
             named = self._name_outputs(result, output_names)
             return {name: _to_numpy(named, name) for name in output_names}
 

@@ -28,7 +28,7 @@ import grpc
 
 from slipstream.errors import InvalidRequest, SlipstreamError, Unavailable
 from slipstream.names import validate_model_name
-from slipstream.protocol import grpc_codec
+from slipstream.protocol import grpc_codec, v2_shm
 from slipstream.protocol.proto import inference_pb2 as pb
 from slipstream.serving.service import InferenceService
 
@@ -121,6 +121,12 @@ class _GrpcFrontend:
             "RepositoryIndex": self.repository_index,
             "RepositoryModelLoad": self.repository_model_load,
             "RepositoryModelUnload": self.repository_model_unload,
+            "SystemSharedMemoryStatus": self.system_shared_memory_status,
+            "SystemSharedMemoryRegister": self.system_shared_memory_register,
+            "SystemSharedMemoryUnregister": self.system_shared_memory_unregister,
+            "CudaSharedMemoryStatus": self.cuda_shared_memory_status,
+            "CudaSharedMemoryRegister": self.cuda_shared_memory_register,
+            "CudaSharedMemoryUnregister": self.cuda_shared_memory_unregister,
         }
         handlers = {}
         # Each unary RPC <Name> takes <Name>Request and answers <Name>Response, except
@@ -256,6 +262,47 @@ class _GrpcFrontend:
         # ensembles, so unload parameters are accepted and ignored.
         await self._service.unload_model(validate_model_name(request.model_name))
         return pb.RepositoryModelUnloadResponse()
+
+    # ------------------------------------------------------------ shared memory
+
+    async def system_shared_memory_status(
+        self, request: pb.SystemSharedMemoryStatusRequest
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        return v2_shm.encode_status_grpc(self._service.shared_memory.status(request.name))
+
+    async def system_shared_memory_register(
+        self, request: pb.SystemSharedMemoryRegisterRequest
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        register = v2_shm.decode_register_grpc(request)
+        self._service.shared_memory.register(
+            request.name, register.key, register.offset, register.byte_size
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def system_shared_memory_unregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        self._service.shared_memory.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    # No CUDA regions exist here (see v2_rest): none listed, none to unregister.
+    async def cuda_shared_memory_status(
+        self, request: pb.CudaSharedMemoryStatusRequest
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def cuda_shared_memory_register(
+        self, request: pb.CudaSharedMemoryRegisterRequest
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        raise InvalidRequest(
+            "CUDA shared memory is not supported: this server runs models on the CPU; "
+            "use system shared memory (SystemSharedMemoryRegister) instead"
+        )
+
+    async def cuda_shared_memory_unregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        return pb.CudaSharedMemoryUnregisterResponse()
 
 
 def _check_repository_name(name: str) -> None:

@@ -19,16 +19,19 @@ from slipstream import __version__
 from slipstream.errors import InvalidRequest, ModelNotFound, SlipstreamError
 from slipstream.names import path_model_name
 from slipstream.observability.metrics import ServerMetrics
-from slipstream.protocol import v2, v2_meta
+from slipstream.protocol import v2, v2_meta, v2_shm
 from slipstream.protocol.openapi import openapi_document
 from slipstream.server import dashboard
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.server.router import no_route
 from slipstream.serving.service import InferenceService
+from slipstream.serving.shared_memory import RegionNotFound, check_region_name
 
 logger = logging.getLogger(__name__)
 
 _BINARY = b"application/octet-stream"
+_SHARED_MEMORY = ("systemsharedmemory", "cudasharedmemory")
+_SHARED_MEMORY_ACTIONS = ("status", "register", "unregister")
 _HEADER_LENGTH = b"inference-header-content-length"
 
 
@@ -78,6 +81,8 @@ class V2RestApp:
         if parts[0] == "v2":
             if len(parts) >= 3 and parts[1] == "models" and parts[2] != "stats":
                 return await self._model_route(method, parts[2:], request)
+            if len(parts) >= 3 and parts[1] in _SHARED_MEMORY:
+                return self._shared_memory_route(method, parts[1:], request)
             return await self._server_route(method, parts[1:], request)
         if parts == ["health"] and method in ("GET", "HEAD"):
             # vLLM's and llama-server's probe, which tools made for them (guidellm) ask
@@ -144,6 +149,34 @@ class V2RestApp:
             return _empty(200)
         raise no_route("POST", f"/v2/repository/{'/'.join(parts)}")
 
+    def _shared_memory_route(
+        self, method: str, parts: list[str], request: HttpRequest
+    ) -> HttpResponse:
+        # parts: <kind>sharedmemory [region <name>] status|register|unregister
+        action = parts[-1]
+        region = parts[2] if len(parts) == 4 and parts[1] == "region" else ""
+        wanted = "GET" if action == "status" else "POST"
+        if (
+            (len(parts) != 2 and not region)
+            or action not in _SHARED_MEMORY_ACTIONS
+            or (method != wanted and not (wanted == "GET" and method == "HEAD"))
+            or (action == "register" and not region)
+        ):
+            raise no_route(method, request.path)
+        if region:
+            check_region_name(region)
+        if parts[0] == "cudasharedmemory":
+            return _cuda_shared_memory(action, region)
+        regions = self._service.shared_memory
+        if action == "status":
+            return HttpResponse(200, v2_shm.status_json(regions.status(region)))
+        if action == "register":
+            register = v2_shm.decode_register_json(request.body)
+            regions.register(region, register.key, register.offset, register.byte_size)
+        else:
+            regions.unregister(region)
+        return _empty(200)
+
     async def _model_route(
         self, method: str, parts: list[str], request: HttpRequest
     ) -> HttpResponse:
@@ -184,6 +217,21 @@ class V2RestApp:
         if json_length is None:
             return HttpResponse(200, payload)
         return HttpResponse(200, payload, _BINARY, [(_HEADER_LENGTH, str(json_length).encode())])
+
+
+def _cuda_shared_memory(action: str, region: str) -> HttpResponse:
+    """No CUDA regions can exist here: status lists none, unregister has nothing to do,
+    and register is refused naming the alternative (clients then see why, not a 404)."""
+    if action == "status":
+        if region:
+            raise RegionNotFound(f"CUDA shared memory region {region!r} is not registered")
+        return HttpResponse(200, b"[]")
+    if action == "unregister":
+        return _empty(200)
+    raise InvalidRequest(
+        "CUDA shared memory is not supported: this server runs models on the CPU; "
+        "use system shared memory (/v2/systemsharedmemory) instead"
+    )
 
 
 def _error_reply(exc: SlipstreamError) -> HttpResponse:

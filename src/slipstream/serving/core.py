@@ -19,10 +19,12 @@ from slipstream.errors import (
 from slipstream.names import validate_model_name
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.observability.stats import ModelStats
+from slipstream.protocol import v2_shm
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.service import InferenceService, ModelLane
+from slipstream.serving.shared_memory import SystemSharedMemory
 from slipstream.serving.taps import TapFactory
 from slipstream.types import (
     InferRequest,
@@ -40,6 +42,7 @@ EXTENSIONS = [
     "model_repository",
     "statistics",
     "schedule_policy",
+    v2_shm.EXTENSION,
 ]
 
 
@@ -63,6 +66,7 @@ class ModelServer(InferenceService):
             settings.model_repository, self.metrics, settings.shutdown_timeout_s, tap_factory
         )
         self._lanes = list(lanes)
+        self.shared_memory = SystemSharedMemory(settings.allow_client_shm)
         self._started = False
         self._stopping = False
         self._poll_task: asyncio.Task[None] | None = None
@@ -92,6 +96,7 @@ class ModelServer(InferenceService):
         if self._poll_task is not None:
             self._poll_task.cancel()
         await asyncio.gather(self.models.close(), *(lane.close() for lane in self._lanes))
+        self.shared_memory.close()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -162,7 +167,12 @@ class ModelServer(InferenceService):
             raise
         started_ns = time.perf_counter_ns()
         metrics = model.metrics
+        targets = None
         try:
+            if request.shared_memory_inputs:
+                self.shared_memory.read_inputs(request)
+            if request.outputs:
+                targets = self.shared_memory.output_targets(request)
             prepared = model.prepare(request)
             outputs = await model.batcher.submit(
                 prepared.inputs,
@@ -171,6 +181,14 @@ class ModelServer(InferenceService):
                 request.priority,
                 request.timeout_us,
             )
+            response = InferResponse(
+                model_name=model.name,
+                model_version=model.version_str,
+                outputs={name: outputs[name] for name in prepared.output_names},
+                id=request.id,
+            )
+            if targets:
+                self.shared_memory.write_outputs(targets, response)
         except asyncio.CancelledError:
             model.stats.record_request(ok=False, total_ns=time.perf_counter_ns() - started_ns)
             raise
@@ -188,13 +206,13 @@ class ModelServer(InferenceService):
                 request.id, model.name, model.version_str, prepared.rows, elapsed_ns / 1e6,
             )  # fmt: skip
         if model.tap is not None:
-            model.tap.offer(prepared.inputs, outputs)
-        return InferResponse(
-            model_name=model.name,
-            model_version=model.version_str,
-            outputs={name: outputs[name] for name in prepared.output_names},
-            id=request.id,
-        )
+            inputs = prepared.inputs
+            if request.shared_memory_inputs:
+                # Views of a client's region: the tap keeps its rows past this request,
+                # when the client may have rewritten or unregistered the region.
+                inputs = {name: array.copy() for name, array in inputs.items()}
+            model.tap.offer(inputs, response.outputs)
+        return response
 
     # -- repository ----------------------------------------------------------------------
 

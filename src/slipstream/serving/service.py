@@ -13,6 +13,7 @@ from typing import Protocol
 
 from slipstream.config import ModelConfig
 from slipstream.observability.stats import ModelStats
+from slipstream.serving.shared_memory import SystemSharedMemory
 from slipstream.types import (
     InferRequest,
     InferResponse,
@@ -52,6 +53,10 @@ class ModelLane(Protocol):
 
 class InferenceService(ABC):
     """The serving core as the front ends see it."""
+
+    # The client shared-memory regions (Triton's systemsharedmemory extension): the
+    # front ends register, list and unregister them; ``infer`` reads and writes them.
+    shared_memory: SystemSharedMemory
 
     @abstractmethod
     def is_live(self) -> bool:

@@ -1,0 +1,435 @@
+"""Front-end throughput: HTTP and gRPC, unary and streaming, system shared memory, and the
+no-work grpc.aio cap, in one run on one model.
+
+    .venv/bin/python benchmarks/frontends.py --json benchmarks/results/frontends.json
+
+The server runs on ``--server-cores`` (default core 0) and the load generator on
+``--client-cores`` (default core 1), both pinned with taskset. The load generator is
+Triton's own ``perf_analyzer`` (C++, installed on first use into ``.bench-venvs/``, see
+``peers/perf_analyzer.py``); with ``--no-perf-analyzer`` (or where it cannot be had) it is
+``slipstream bench``, which has no streaming or shared-memory mode: those rows then read
+n/a.
+
+The cap is a grpc.aio server on the same cores doing no work at all: it answers every
+RPC with bytes recorded once from the real server (metadata, config, one inference), so
+its throughput is what grpcio itself costs per call. ``ours / cap`` is the fraction of
+that ceiling the gRPC front end reaches (issue #25's target: >= 0.8 for unary).
+
+Each (case, concurrency) is measured once per round; ``--rounds`` alternates the cases so
+that a machine whose speed drifts (shared cores) touches every case alike, and the median
+over the rounds is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from peers.perf_analyzer import ensure_perf_analyzer  # noqa: E402
+
+SERVICE = "inference.GRPCInferenceService"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One way of sending the same request."""
+
+    name: str
+    # "http" or "grpc": which port of the server (or the cap) it talks to.
+    protocol: str
+    # Extra perf_analyzer arguments.
+    perf_args: tuple[str, ...] = ()
+    # Against the no-work cap server instead of Slipstream.
+    cap: bool = False
+    # slipstream bench's --protocol for this case; None: perf_analyzer only.
+    bench_protocol: str | None = None
+
+
+CASES = [
+    Case("http", "http", bench_protocol="http-binary"),
+    Case("http_shm", "http", ("--shared-memory", "system")),
+    Case("grpc", "grpc", bench_protocol="grpc"),
+    Case("grpc_shm", "grpc", ("--shared-memory", "system")),
+    Case("grpc_stream", "grpc", ("--streaming",)),
+    Case("cap_grpc", "grpc", cap=True, bench_protocol="grpc"),
+    Case("cap_grpc_stream", "grpc", ("--streaming",), cap=True),
+]
+# Printed as "a / b": the ratios the issue's targets are stated in.
+RATIOS = [
+    ("grpc", "cap_grpc"),
+    ("grpc_stream", "cap_grpc_stream"),
+    ("grpc", "http"),
+    ("grpc_stream", "http"),
+    ("http_shm", "http"),
+    ("grpc_shm", "grpc"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="mlp", help="a model of --repo (default: mlp)")
+    parser.add_argument("--repo", type=Path, help="model repository (default: build mlp)")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--measurement-ms", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--server-cores", default="0")
+    parser.add_argument("--client-cores", default="1")
+    parser.add_argument("--cases", default=",".join(c.name for c in CASES))
+    parser.add_argument("--no-perf-analyzer", action="store_true")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    # Internal: run the no-work cap server (started by this script).
+    parser.add_argument("--cap-server", nargs=2, metavar=("RECORD_FROM", "PORT"))
+    args = parser.parse_args()
+    if args.cap_server:
+        asyncio.run(serve_cap(args.cap_server[0], int(args.cap_server[1]), args.model))
+        return
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    # Stopped with SIGTERM: still stop the servers (the with blocks' exits).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    levels = [int(c) for c in args.concurrency.split(",")]
+    wanted = set(args.cases.split(","))
+    cases = [case for case in CASES if case.name in wanted]
+    tool = None if args.no_perf_analyzer else ensure_perf_analyzer()
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = args.repo or build_mlp(Path(tmp) / "models")
+        http_port, grpc_port, cap_port = free_ports(3)
+        ports = {"http": http_port, "grpc": grpc_port, "cap": cap_port}
+        with (
+            slipstream_server(repo, args.server_cores, http_port, grpc_port, Path(tmp)),
+            cap_server(args, grpc_port, cap_port),
+        ):
+            results = measure_all(tool, cases, levels, ports, args)
+    report(results, levels, args, tool is not None)
+
+
+def measure_all(
+    tool: tuple[Path, dict[str, str]] | None,
+    cases: list[Case],
+    levels: list[int],
+    ports: dict[str, int],
+    args: argparse.Namespace,
+) -> dict[str, dict[int, list[float | None]]]:
+    """Each case at each level once per round, rounds alternating the cases."""
+    results: dict[str, dict[int, list[float | None]]] = {
+        c.name: {n: [] for n in levels} for c in cases
+    }
+    for _ in range(args.rounds):
+        for case in cases:
+            port = ports["cap" if case.cap else case.protocol]
+            for level in levels:
+                rate = measure(tool, case, port, level, args)
+                results[case.name][level].append(rate)
+                print(f"  {case.name:16s} C={level:<3d} {_fmt(rate)} infer/s", flush=True)
+    return results
+
+
+def measure(
+    tool: tuple[Path, dict[str, str]] | None,
+    case: Case,
+    port: int,
+    concurrency: int,
+    args: argparse.Namespace,
+) -> float | None:
+    """Inferences per second of one case at one concurrency; None when it cannot run."""
+    pin = ["taskset", "-c", args.client_cores]
+    with tempfile.TemporaryDirectory() as tmp:
+        if tool is not None:
+            binary, env = tool
+            out = Path(tmp) / "pa.csv"
+            command = [
+                *pin, str(binary), "-m", args.model, "-x", "1", "-i", case.protocol,
+                "-u", f"127.0.0.1:{port}", "--concurrency-range", str(concurrency),
+                "--measurement-interval", str(args.measurement_ms),
+                "--stability-percentage", "999", "--max-trials", "3", "-f", str(out),
+                *case.perf_args,
+            ]  # fmt: skip
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            if done.returncode != 0 or not out.exists():
+                print(f"  {case.name}: perf_analyzer failed: {(done.stdout + done.stderr)[-600:]}")
+                return None
+            with out.open() as f:
+                return float(next(csv.DictReader(f))["Inferences/Second"])
+        if case.bench_protocol is None:
+            return None
+        out = Path(tmp) / "bench.json"
+        url = f"http://127.0.0.1:{port}" if case.protocol == "http" else f"127.0.0.1:{port}"
+        command = [
+            *pin, str(VENV_BIN / "slipstream"), "bench", url, "-m", args.model,
+            "--protocol", case.bench_protocol, "--concurrency", str(concurrency),
+            "--duration", str(args.measurement_ms / 1000), "--workers", "1",
+            "--json", str(out),
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"  {case.name}: slipstream bench failed: {done.stderr[-400:]}")
+            return None
+        levels = json.loads(out.read_text())["levels"]
+        return float(levels[0]["throughput_infer_per_s"])
+
+
+def report(
+    results: dict[str, dict[int, list[float | None]]],
+    levels: list[int],
+    args: argparse.Namespace,
+    perf_analyzer: bool,
+) -> None:
+    medians = {
+        name: {n: _median(values) for n, values in by_level.items()}
+        for name, by_level in results.items()
+    }
+    print(f"\ninfer/s, median of {args.rounds} round(s); server on cores {args.server_cores}, "
+          f"load on {args.client_cores}; load generator: "
+          f"{'perf_analyzer' if perf_analyzer else 'slipstream bench'}")  # fmt: skip
+    print(f"{'case':18s}" + "".join(f"{'C=' + str(n):>12s}" for n in levels))
+    for name, by_level in medians.items():
+        print(f"{name:18s}" + "".join(f"{_fmt(by_level[n]):>12s}" for n in levels))
+    ratios: dict[str, dict[int, float | None]] = {}
+    print()
+    for a, b in RATIOS:
+        if a in medians and b in medians:
+            key = f"{a} / {b}"
+            ratios[key] = {n: _ratio(medians[a][n], medians[b][n]) for n in levels}
+            print(f"{key:28s}" + "".join(
+                f"{'n/a' if r is None else f'{r:.2f}':>10s}" for r in ratios[key].values()
+            ))  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "model": args.model, "server_cores": args.server_cores,
+            "client_cores": args.client_cores, "host_cpus": os.cpu_count(),
+            "load_generator": "perf_analyzer" if perf_analyzer else "slipstream bench",
+            "cases": [asdict(c) for c in CASES if c.name in results],
+            "infer_per_s": {k: {str(n): v for n, v in m.items()} for k, m in medians.items()},
+            "rounds": {k: {str(n): v for n, v in m.items()} for k, m in results.items()},
+            "ratios": {k: {str(n): v for n, v in m.items()} for k, m in ratios.items()},
+        }, indent=2))  # fmt: skip
+        print(f"\nwrote {args.json}")
+
+
+# ---------------------------------------------------------------- servers
+
+
+def build_mlp(repo: Path) -> Path:
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "build_models.py"), str(repo), "--only", "mlp"],
+        check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    return repo
+
+
+@contextmanager
+def slipstream_server(
+    repo: Path, cores: str, http_port: int, grpc_port: int, log_dir: Path
+) -> Iterator[None]:
+    command = [
+        "taskset", "-c", cores, str(VENV_BIN / "slipstream"), "serve",
+        "--model-repository", str(repo), "--host", "127.0.0.1",
+        "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--allow-client-shm",
+        "--log-level", "warning",
+    ]  # fmt: skip
+    with _process(command, log_dir / "slipstream.log"):
+        _wait_http(f"http://127.0.0.1:{http_port}/v2/health/ready")
+        yield
+
+
+@contextmanager
+def cap_server(args: argparse.Namespace, grpc_port: int, cap_port: int) -> Iterator[None]:
+    command = [
+        "taskset", "-c", args.server_cores, sys.executable, __file__, "--model", args.model,
+        "--cap-server", f"127.0.0.1:{grpc_port}", str(cap_port),
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, _process(command, Path(tmp) / "cap.log"):
+        _wait_port(cap_port)
+        yield
+
+
+@contextmanager
+def _process(command: list[str], log: Path) -> Iterator[None]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            yield
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _wait_http(url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} never answered 200")
+
+
+def _wait_port(port: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+# ---------------------------------------------------------------- the no-work cap
+
+
+async def serve_cap(record_from: str, port: int, model: str) -> None:
+    """A grpc.aio server answering each RPC with bytes recorded once from the real one."""
+    import grpc
+
+    answers = record_answers(record_from, model)
+    infer_answer = answers["ModelInfer"]
+
+    def unary(answer: bytes) -> grpc.RpcMethodHandler:
+        async def call(request: bytes, context: object) -> bytes:
+            return answer
+
+        return grpc.unary_unary_rpc_method_handler(call)
+
+    async def stream(requests: object, context: object) -> object:
+        # Stream clients match answers to requests by id: echo it, appended to the
+        # recorded answer as field 3 (a parser reads fields in any order).
+        async for request in requests:  # type: ignore[attr-defined]
+            request_id = _request_id(request)
+            inner = infer_answer + b"\x1a" + _varint(len(request_id)) + request_id
+            yield b"\x12" + _varint(len(inner)) + inner
+
+    handlers = {name: unary(answer) for name, answer in answers.items()}
+    handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(stream)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def record_answers(address: str, model: str) -> dict[str, bytes]:
+    """Serialised answers of the real server to what perf_analyzer asks, once."""
+    import grpc
+    import numpy as np
+
+    from slipstream.protocol.proto import inference_pb2 as pb
+
+    channel = grpc.insecure_channel(address)
+    metadata = pb.ModelMetadataResponse.FromString(
+        _call(channel, "ModelMetadata", pb.ModelMetadataRequest(name=model))
+    )
+    infer = pb.ModelInferRequest(model_name=model)
+    for tensor in metadata.inputs:
+        shape = [1 if d < 0 else d for d in tensor.shape]
+        infer.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=shape)
+        dtype = np.dtype(np.float32 if tensor.datatype == "FP32" else np.int64)
+        infer.raw_input_contents.append(np.zeros(shape, dtype).tobytes())
+    answers = {
+        "ServerLive": _call(channel, "ServerLive", pb.ServerLiveRequest()),
+        "ServerReady": _call(channel, "ServerReady", pb.ServerReadyRequest()),
+        "ModelReady": _call(channel, "ModelReady", pb.ModelReadyRequest(name=model)),
+        "ServerMetadata": _call(channel, "ServerMetadata", pb.ServerMetadataRequest()),
+        "ModelMetadata": metadata.SerializeToString(),
+        "ModelConfig": _call(channel, "ModelConfig", pb.ModelConfigRequest(name=model)),
+        "ModelStatistics": _call(channel, "ModelStatistics", pb.ModelStatisticsRequest(name=model)),
+        "ModelInfer": _call(channel, "ModelInfer", infer),
+    }
+    channel.close()
+    return answers
+
+
+def _call(channel: object, method: str, request: object) -> bytes:
+    stub = channel.unary_unary(f"/{SERVICE}/{method}")  # type: ignore[attr-defined]
+    answer: bytes = stub(request.SerializeToString())  # type: ignore[attr-defined]
+    return answer
+
+
+def _request_id(message: bytes) -> bytes:
+    """ModelInferRequest.id (field 3) read off the wire: fields 1 and 2 are strings."""
+    position = 0
+    while position < len(message):
+        tag, position = _read_varint(message, position)
+        if tag & 7 != 2 or tag >> 3 > 3:
+            return b""
+        length, position = _read_varint(message, position)
+        if tag >> 3 == 3:
+            return message[position : position + length]
+        position += length
+    return b""
+
+
+def _read_varint(data: bytes, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+if __name__ == "__main__":
+    main()
