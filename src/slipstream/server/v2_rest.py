@@ -92,8 +92,11 @@ class V2RestApp:
             return HttpResponse(503, b'{"status":"not ready"}')
         if parts[0] == "dashboard" and len(parts) <= 2 and method in ("GET", "HEAD"):
             found = dashboard.asset(parts[1] if len(parts) == 2 else "index.html")
-            if found is not None:
-                return HttpResponse(200, found[0], found[1])
+            if found is None:
+                raise ModelNotFound(
+                    f"{request.path}: no such dashboard file ({', '.join(dashboard.FILES)})"
+                )
+            return HttpResponse(200, found[0], found[1])
         if parts == ["metrics"] and method in ("GET", "HEAD"):
             body = generate_latest(self._metrics.registry)
             return HttpResponse(200, body, CONTENT_TYPE_LATEST.encode())
