@@ -223,6 +223,35 @@ def reference(model: str, data: Path, model_repository: Path, version: int | Non
     click.echo(f"wrote {target}: {rows}")
 
 
+@monitor.command("report")
+@click.argument("model")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="The server's HTTP address.")  # fmt: skip
+@click.option("--version", "version", default="", help="Model version; default: the newest.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("drift.html"), show_default=True)  # fmt: skip
+@click.option("--all-features", is_flag=True, help="Draw every feature, not only drifted ones.")
+def report(model: str, url: str, version: str, out: Path, all_features: bool) -> None:
+    """Write MODEL's last drift window as an HTML page: the tests of every feature, and
+    the reference's and the window's histograms of the drifted ones.
+
+    Example: slipstream monitor report mlp --url http://127.0.0.1:8000 --out drift.html
+    """
+    import httpx
+
+    from slipstream.drift_report import drift_page
+
+    path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "") + "/drift"
+    try:
+        reply = httpx.get(url.rstrip("/") + path, timeout=30)
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"{url}: {exc}") from exc
+    if reply.status_code != 200:
+        raise click.ClickException(f"{path}: {reply.status_code} {reply.text}")
+    out.write_text(drift_page(reply.json(), all_features))
+    click.echo(f"wrote {out}")
+
+
 # The tools beside the serving path. Their command modules import only click and
 # pydantic; each loads its heavier dependencies when its command runs.
 main.add_command(bench)

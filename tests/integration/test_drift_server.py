@@ -70,7 +70,9 @@ def send_until(
     raise AssertionError(f"not {windows} windows tested: {doc}")
 
 
-def test_a_reference_is_captured_and_a_shifted_input_is_found(server: RemoteServer) -> None:
+def test_a_reference_is_captured_and_a_shifted_input_is_found(
+    server: RemoteServer, tmp_path: Path
+) -> None:
     rng = np.random.default_rng(0)
     send(server, "watched", rng, 0.0)
     send(server, "watched", rng, 0.0)  # 400 rows: the reference
@@ -89,6 +91,15 @@ def test_a_reference_is_captured_and_a_shifted_input_is_found(server: RemoteServ
     # The sum and the difference carry INPUT0's shift: prediction drift shows it too.
     assert tensors["OUTPUT0"]["detected"] is True
 
+    # The page a user opens: the drifted feature drawn, the tests tabled.
+    page = tmp_path / "drift.html"
+    command = [*slipstream_command(), "monitor", "report", "watched", "--url",
+               server.url(""), "--out", str(page)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    html = page.read_text()
+    assert "Drift detected" in html and "<h2>INPUT0: drifted" in html
+    assert html.count("data:image/png;base64,") >= 1
     samples = scrape(server)
     watched = {"model": "watched", "version": "1"}
     assert (
