@@ -16,9 +16,27 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMP
 # Where `make lock` finds torch's CPU wheels (this machine keeps them on disk).
 TORCH_WHEELS ?= /opt/wheels
 
-.PHONY: install lock run models test test-fast test-lowest lint unit bench clean
+# Debian packages the tests and `make run`'s optional services need (redis-server: the
+# Redis rate-limit store and response cache). Add to this list; each is installed only
+# when neither its command nor its package is there (CI runs as root on a clean clone).
+DEBIAN_PACKAGES := redis-server
 
-install: $(VENV)/.installed
+.PHONY: install debian-packages lock run models test test-fast test-lowest lint unit bench clean
+
+install: debian-packages $(VENV)/.installed
+
+debian-packages:
+	@missing=""; for package in $(DEBIAN_PACKAGES); do \
+	  command -v $$package >/dev/null 2>&1 || \
+	    dpkg-query -W -f='$${Status}' $$package 2>/dev/null | grep -q "ok installed" || \
+	    missing="$$missing $$package"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "Installing Debian packages:$$missing"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
 
 # Everything installs from the lock ($(LOCK)): the same commit installs the same software
 # on every machine. torch is the CPU wheel of 2.13.0 (pinned in the lock), so no dependency
