@@ -11,8 +11,11 @@
 
 The server is pinned to one core (`taskset -c 0`), this script's load generator (a
 closed loop of keep-alive HTTP/1.1 connections on httptools, each sending one pre-built
-request at a time) to another; redis-server shares the load generator's core. Each level
-runs a warm-up (discarded), then `--duration` seconds. Figures taken beside other work are
+request at a time) to another; redis-server runs on `--redis-core` (default: the load
+generator's; on two cores there is no third to give it). Each level
+runs a warm-up (discarded), then `--duration` seconds; the servers of one figure all run
+at once and its levels take turns, `--rounds` times, and the figure is the median of the
+per-round ratios (the range beside it). Figures taken beside other work are
 noisy: the load average is printed with them.
 
     .venv/bin/python benchmarks/front_door.py                  # everything, 5 s a level
@@ -31,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,27 +208,49 @@ def prepare_repo(source: Path, work: Path) -> Path:
     return repo
 
 
-def measure(
-    spec: ServerSpec,
-    args: argparse.Namespace,
-    log: Path,
-    model: str,
-    headers: dict[str, str] | None = None,
-    connections: int | None = None,
-) -> Load:
+def infer_request(port: int, model: str, headers: dict[str, str] | None = None) -> bytes:
     body = models.json_body(models.sample_inputs(model)).body
-    request = request_bytes(spec.port, f"/v2/models/{model}/infer", body, headers or {})
-    with running(spec, args.server_core, log):
-        return drive(
-            [(spec.port, request)], connections or args.connections, args.warmup, args.duration
+    return request_bytes(port, f"/v2/models/{model}/infer", body, headers or {})
+
+
+@contextmanager
+def servers(specs: list[ServerSpec], core: int | None, work: Path) -> Iterator[None]:
+    """Every server of ``specs`` running (idle until driven) for the block."""
+    with ExitStack() as stack:
+        for spec in specs:
+            stack.enter_context(running(spec, core, work / f"{spec.label}.log"))
+        yield
+
+
+def rounds(
+    levels: dict[str, tuple[int, bytes]], connections: int, args: argparse.Namespace
+) -> dict[str, list[Load]]:
+    """Every level once per round, in turn, so drift on a shared machine hits all alike."""
+    results: dict[str, list[Load]] = {label: [] for label in levels}
+    for _ in range(args.rounds):
+        for label, target in levels.items():
+            results[label].append(drive([target], connections, args.warmup, args.duration))
+    return results
+
+
+def report(label: str, loads: list[Load], base: list[Load] | None = None, target: str = "") -> None:
+    """Median req/s and p50 over the rounds; with ``base``, the median of per-round ratios."""
+    rate = statistics.median(load.req_per_s for load in loads)
+    p50 = statistics.median(load.p50_ms for load in loads)
+    ratio = ""
+    if base:
+        ratios = [load.req_per_s / b.req_per_s for load, b in zip(loads, base, strict=True)]
+        ratio = (
+            f"  ratio {statistics.median(ratios):6.3f} "
+            f"[{min(ratios):.3f}..{max(ratios):.3f}] (target {target})"
         )
-
-
-def line(label: str, load: Load, base: Load | None = None, target: str = "") -> None:
-    ratio = f"  ratio {load.req_per_s / base.req_per_s:6.3f}  (target {target})" if base else ""
-    other = {k: v for k, v in load.statuses.items() if k != 200}
+    other: dict[int, int] = {}
+    for load in loads:
+        for status, count in load.statuses.items():
+            if status != 200:
+                other[status] = other.get(status, 0) + count
     print(
-        f"  {label:<38} {load.req_per_s:9.0f} req/s  p50 {load.p50_ms:7.3f} ms{ratio}"
+        f"  {label:<30} {rate:9.0f} req/s  p50 {p50:7.3f} ms{ratio}"
         f"{'  non-200: ' + str(other) if other else ''}",
         flush=True,
     )
@@ -233,59 +258,66 @@ def line(label: str, load: Load, base: Load | None = None, target: str = "") -> 
 
 def auth_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
     print(f"1. auth + limiter, mlp, C={args.connections}")
-    none = measure(serve_spec("none", repo), args, work / "none.log", "mlp")
-    line("no auth, no limits", none)
     auth_file, key = make_key(work, "bench", "--rate", "1000000", "--burst", "1000000")
     bearer = {"Authorization": f"Bearer {key}"}
-    memory = measure(
-        serve_spec("auth", repo, "--auth-file", str(auth_file)),
-        args,
-        work / "auth.log",
-        "mlp",
-        bearer,
-    )
-    line("auth + in-process limiter", memory, none, ">= 0.97")
-    with redis_server(work, args.client_core) as url:
-        spec = serve_spec("redis", repo, "--auth-file", str(auth_file), "--rate-limit-store", url)
-        shared = measure(spec, args, work / "redis.log", "mlp", bearer)
-    line("auth + Redis limiter", shared, none, ">= 0.85")
+    with redis_server(work, args.redis_core) as url:
+        none = serve_spec("none", repo)
+        memory = serve_spec("auth", repo, "--auth-file", str(auth_file))
+        shared = serve_spec("redis", repo, "--auth-file", str(auth_file), "--rate-limit-store", url)
+        with servers([none, memory, shared], args.server_core, work):
+            loads = rounds(
+                {
+                    "none": (none.port, infer_request(none.port, "mlp")),
+                    "memory": (memory.port, infer_request(memory.port, "mlp", bearer)),
+                    "redis": (shared.port, infer_request(shared.port, "mlp", bearer)),
+                },
+                args.connections,
+                args,
+            )
+    report("no auth, no limits", loads["none"])
+    report("auth + in-process limiter", loads["memory"], loads["none"], ">= 0.97")
+    report("auth + Redis limiter", loads["redis"], loads["none"], ">= 0.85")
 
 
 def cache_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
-    print(f"2. response cache, 100% hits, C={args.connections} (p50 at C=1 for Redis)")
-    for model, target in (("minilm", ">= 20"), ("mlp", ">= 0.9")):
-        none = measure(serve_spec("none", repo), args, work / f"{model}-none.log", model)
-        line(f"{model}: no cache", none)
-        hits = measure(
-            serve_spec("local", repo, "--cache", "local:size=64MB"),
-            args,
-            work / f"{model}-local.log",
-            model,
-        )
-        line(f"{model}: local cache", hits, none, target)
-    local = measure(
-        serve_spec("local", repo, "--cache", "local:size=64MB"),
-        args,
-        work / "c1-local.log",
-        "mlp",
-        connections=1,
+    print(f"2. response cache, 100% hits, C={args.connections}; Redis vs local hit p50 at C=1")
+    with redis_server(work, args.redis_core) as url:
+        none = serve_spec("nocache", repo)
+        local = serve_spec("local", repo, "--cache", "local:size=64MB")
+        remote = serve_spec("rediscache", repo, "--cache", url)
+        with servers([none, local, remote], args.server_core, work):
+            for model, target in (("minilm", ">= 20"), ("mlp", ">= 0.9")):
+                loads = rounds(
+                    {
+                        "none": (none.port, infer_request(none.port, model)),
+                        "local": (local.port, infer_request(local.port, model)),
+                    },
+                    args.connections,
+                    args,
+                )
+                report(f"{model}: no cache", loads["none"])
+                report(f"{model}: local cache hits", loads["local"], loads["none"], target)
+            hits = rounds(
+                {
+                    "local": (local.port, infer_request(local.port, "mlp")),
+                    "redis": (remote.port, infer_request(remote.port, "mlp")),
+                },
+                1,
+                args,
+            )
+    report("mlp: local cache hit, C=1", hits["local"])
+    report("mlp: Redis cache hit, C=1", hits["redis"])
+    added = statistics.median(
+        r.p50_ms - loc.p50_ms for r, loc in zip(hits["redis"], hits["local"], strict=True)
     )
-    line("mlp: local cache hit, C=1", local)
-    with redis_server(work, args.client_core) as url:
-        spec = serve_spec("redis-cache", repo, "--cache", url)
-        remote = measure(spec, args, work / "c1-redis.log", "mlp", connections=1)
-    line("mlp: Redis cache hit, C=1", remote)
-    print(
-        f"  Redis hit p50 - local hit p50: {remote.p50_ms - local.p50_ms:+.3f} ms (target <= +1 ms)"
-    )
+    print(f"  Redis hit p50 - local hit p50: {added:+.3f} ms (target <= +1 ms)")
 
 
 def shared_figure(repo: Path, work: Path, args: argparse.Namespace) -> None:
     print("3. two servers, one Redis limiter of 100 req/s for one key")
     auth_file, key = make_key(work, "shared", "--rate", "100", "--burst", "100")
     bearer = {"Authorization": f"Bearer {key}"}
-    body = models.json_body(models.sample_inputs("mlp")).body
-    with redis_server(work, args.client_core) as url:
+    with redis_server(work, args.redis_core) as url:
         specs = [
             serve_spec(f"s{i}", repo, "--auth-file", str(auth_file), "--rate-limit-store", url)
             for i in (1, 2)
@@ -294,9 +326,7 @@ def shared_figure(repo: Path, work: Path, args: argparse.Namespace) -> None:
             running(specs[0], args.server_core, work / "s1.log"),
             running(specs[1], args.server_core, work / "s2.log"),
         ):
-            targets = [
-                (s.port, request_bytes(s.port, "/v2/models/mlp/infer", body, bearer)) for s in specs
-            ]
+            targets = [(s.port, infer_request(s.port, "mlp", bearer)) for s in specs]
             # The warm-up spends the burst; what is measured is the sustained rate.
             load = drive(targets, 16, max(args.warmup, 2.0), args.duration)
     admitted = load.statuses.get(200, 0) / load.elapsed_s
@@ -312,16 +342,18 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0, help="measured s per level")
     parser.add_argument("--warmup", type=float, default=1.0, help="discarded s per level")
     parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="levels repeated, in turn")
     parser.add_argument("--only", default=",".join(FIGURES), help="auth,cache,shared")
     parser.add_argument("--server-core", type=int, default=0)
     parser.add_argument("--client-core", type=int, default=1)
+    parser.add_argument("--redis-core", type=int, default=1, help="where redis-server runs")
     args = parser.parse_args()
     os.sched_setaffinity(0, {args.client_core})
     models.build_repository(args.repo, ["mlp", "minilm"])
     print(
         f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores); "
-        f"server on core {args.server_core}, load generator and Redis on core "
-        f"{args.client_core}"
+        f"server on core {args.server_core}, load generator on core "
+        f"{args.client_core}, redis-server on core {args.redis_core}"
     )
     with tempfile.TemporaryDirectory(prefix="front-door-") as tmp:
         work = Path(tmp)

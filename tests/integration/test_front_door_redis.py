@@ -193,3 +193,23 @@ def test_the_redis_cache_is_shared_and_survives_outages_and_corrupt_entries(
         assert time.monotonic() < deadline, "the cache never recovered"
         assert _cached_infer(one, secret, 7.0) == [14.0] * ADD_SUB_WIDTH
         time.sleep(0.2)
+
+
+async def test_the_redis_gcra_admits_concurrent_checks_exactly_as_the_local_one(
+    redis: RedisServer,
+) -> None:
+    store = RedisStore(redis.url)
+    try:
+        verdicts = await asyncio.gather(
+            *(store.acquire("exact", rate_per_s=1.0, burst=10, cost=1) for _ in range(50))
+        )
+        assert [v.allowed for v in verdicts] == [True] * 10 + [False] * 40
+        refused = verdicts[-1]
+        assert 0 < refused.retry_after_s <= 1.01 and 9 <= refused.reset_s <= 10.01
+        # Tokens: a cost-0 check passes until forced charges put the bucket in debt.
+        assert (await store.acquire("tokens", 10.0, 600, 0)).allowed
+        assert (await store.acquire("tokens", 10.0, 600, 900, force=True)).allowed
+        debt = await store.acquire("tokens", 10.0, 600, 0)
+        assert not debt.allowed and 29 <= debt.retry_after_s <= 30.01
+    finally:
+        await store.close()

@@ -80,7 +80,8 @@ class KeyRing:
     def __init__(self, path: Path, keys: list[ApiKey]) -> None:
         self.path = path
         self.keys = keys
-        self._by_hash = {bytes.fromhex(key.sha256): key for key in keys}
+        # SHA-256 digest -> (the same digest, the key).
+        self._by_hash = {bytes.fromhex(k.sha256): (bytes.fromhex(k.sha256), k) for k in keys}
 
     @classmethod
     def load(cls, path: Path, missing_ok: bool = False) -> KeyRing:
@@ -105,10 +106,13 @@ class KeyRing:
     def find(self, secret: bytes) -> ApiKey | None:
         """The key ``secret`` is, or None; compared in constant time."""
         digest = hashlib.sha256(secret).digest()
-        key = self._by_hash.get(digest)
-        if key is None or not hmac.compare_digest(bytes.fromhex(key.sha256), digest):
+        entry = self._by_hash.get(digest)
+        if entry is None:
             return None
-        return key
+        # The lookup hashes the digest, never the secret; the deciding comparison runs in
+        # constant time against the stored digest.
+        stored, key = entry
+        return key if hmac.compare_digest(stored, digest) else None
 
     def create(
         self,
@@ -128,7 +132,7 @@ class KeyRing:
         key = ApiKey(name, role, hash_key(secret),
                      frozenset(models) if models else None, limits or KeyLimits())  # fmt: skip
         self.keys.append(key)
-        self._by_hash[bytes.fromhex(key.sha256)] = key
+        self._by_hash[bytes.fromhex(key.sha256)] = (bytes.fromhex(key.sha256), key)
         return secret, key
 
     def revoke(self, name: str) -> None:

@@ -46,6 +46,15 @@ class StoreUnavailable(Exception):
 class LimitStore(ABC):
     """Where GCRA arrival times live; one call per check, atomic per bucket."""
 
+    # In this process: :meth:`acquire_now` answers without awaiting anything.
+    local = False
+
+    def acquire_now(
+        self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
+    ) -> Verdict:
+        """:meth:`acquire` of a local store, without a coroutine (the hot path)."""
+        raise NotImplementedError
+
     @abstractmethod
     async def acquire(
         self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
@@ -67,22 +76,33 @@ def gcra(tat: float, now: float, rate_per_s: float, burst: int, cost: int, force
     ahead = new_tat - now
     if ahead > capacity and not force:
         return Verdict(False, ahead - capacity, tat - now), tat
-    return Verdict(True, 0.0, ahead), new_tat
+    return _ADMITTED, new_tat
+
+
+# What an admitted check answers: nothing else of it is read (saves an object a request).
+_ADMITTED = Verdict(True, 0.0, 0.0)
 
 
 class MemoryStore(LimitStore):
     """Arrival times in a dict of this process."""
 
+    local = True
+
     def __init__(self) -> None:
         self._tats: dict[str, float] = {}
 
-    async def acquire(
+    def acquire_now(
         self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
     ) -> Verdict:
         verdict, self._tats[bucket] = gcra(
             self._tats.get(bucket, 0.0), time.monotonic(), rate_per_s, burst, cost, force
         )
         return verdict
+
+    async def acquire(
+        self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
+    ) -> Verdict:
+        return self.acquire_now(bucket, rate_per_s, burst, cost, force)
 
 
 def _burst(rate_per_s: float, burst: int) -> int:
@@ -101,22 +121,62 @@ class Limiter:
         self._fail_closed = fail_closed
         self._in_flight: Counter[str] = Counter()
         self._store_down = False
+        self._local = store.local
+        # Key name -> its requests bucket (built once, not per request).
+        self._buckets: dict[str, str] = {}
+
+    @property
+    def local(self) -> bool:
+        """Whether :meth:`admit_now` may be used (the store is this process)."""
+        return self._local
+
+    def admit_now(self, key: ApiKey, generative: bool) -> bool:
+        """:meth:`admit` of a local store, without a coroutine (the hot path)."""
+        limits = key.limits
+        if limits.max_concurrent and self._in_flight[key.name] >= limits.max_concurrent:
+            self._refuse_concurrency(key)
+        if limits.requests_per_s:
+            burst = _burst(limits.requests_per_s, limits.burst)
+            verdict = self.store.acquire_now(self._bucket(key), limits.requests_per_s, burst, 1)
+            if not verdict.allowed:
+                self._refuse(key, "requests", burst, burst / limits.requests_per_s, verdict,
+                             f"{limits.requests_per_s:g} requests/s (burst {burst})")  # fmt: skip
+        if generative and limits.tokens_per_minute:
+            tpm = limits.tokens_per_minute
+            verdict = self.store.acquire_now(f"tok:{key.name}", tpm / 60.0, tpm, 0)
+            if not verdict.allowed:
+                self._refuse(key, "tokens", tpm, 60.0, verdict, f"{tpm} tokens/minute")
+        if limits.max_concurrent:
+            self._in_flight[key.name] += 1
+            return True
+        return False
+
+    def _bucket(self, key: ApiKey) -> str:
+        bucket = self._buckets.get(key.name)
+        if bucket is None:
+            bucket = self._buckets[key.name] = f"req:{key.name}"
+        return bucket
+
+    def _refuse_concurrency(self, key: ApiKey) -> None:
+        limit = key.limits.max_concurrent
+        self._metrics.limited[key.name, "concurrency"] += 1
+        raise TooManyRequests(
+            f"API key {key.name!r}: {limit} requests in flight already; wait for one to finish",
+            retry_after_s=1,
+            headers=_headers("concurrency", limit, 0, 1.0),
+        )
 
     async def admit(self, key: ApiKey, generative: bool) -> bool:
         """Admit one request of ``key`` or raise TooManyRequests; True when it counted
         toward the key's concurrency (then :meth:`release` it)."""
+        if self._local:
+            return self.admit_now(key, generative)
         limits = key.limits
         if limits.max_concurrent and self._in_flight[key.name] >= limits.max_concurrent:
-            self._metrics.limited[key.name, "concurrency"] += 1
-            raise TooManyRequests(
-                f"API key {key.name!r}: {limits.max_concurrent} requests in flight already; "
-                "wait for one to finish",
-                retry_after_s=1,
-                headers=_headers("concurrency", limits.max_concurrent, 0, 1.0),
-            )
+            self._refuse_concurrency(key)
         if limits.requests_per_s:
             burst = _burst(limits.requests_per_s, limits.burst)
-            verdict = await self._ask(f"req:{key.name}", limits.requests_per_s, burst, 1)
+            verdict = await self._ask(self._bucket(key), limits.requests_per_s, burst, 1)
             if not verdict.allowed:
                 self._refuse(key, "requests", burst, burst / limits.requests_per_s, verdict,
                              f"{limits.requests_per_s:g} requests/s (burst {burst})")  # fmt: skip

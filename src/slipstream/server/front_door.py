@@ -28,6 +28,8 @@ from slipstream.server.router import Handler, Reply
 
 _GENERATIVE = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
 _REQUEST_ID = b"x-request-id"
+# A request's access before its path is classified (a refusal may come first).
+_UNCLASSIFIED = RouteAccess("key")
 
 
 class HttpFrontDoor:
@@ -43,32 +45,44 @@ class HttpFrontDoor:
         started = time.perf_counter()
         rid = request_id(request.header(_REQUEST_ID)) if self._access_log else ""
         key: ApiKey | None = None
-        access = RouteAccess("key")
+        access = _UNCLASSIFIED
         counted = False
+        limiter = self._limiter
         try:
             access = self._access.classify(request.path)
-            key = await self._admit(request, access)
-            if key is not None and self._limiter is not None:
-                counted = await self._limiter.admit(key, access.template in _GENERATIVE)
+            gate = self._gate
+            if gate is not None:
+                key = gate.authenticate(request.header(b"authorization"), access.need)
+                if key is not None and key.models is not None:
+                    model = body_model(request.body) if access.model_in_body else access.model
+                    gate.authorize_model(key, model)
+                if key is not None and limiter is not None and key.limits.any:
+                    generative = access.template in _GENERATIVE
+                    if limiter.local:
+                        counted = limiter.admit_now(key, generative)
+                    else:
+                        counted = await limiter.admit(key, generative)
         except SlipstreamError as exc:
             return self._answered(_refusal(exc, request.path), request, key, access, rid, started)
         try:
             reply = await call_next(request)
         except BaseException:
-            if counted and key is not None and self._limiter is not None:
-                self._limiter.release(key)
+            if counted and key is not None and limiter is not None:
+                limiter.release(key)
             raise
         if isinstance(reply, StreamingResponse):
             reply.chunks = self._finish_stream(reply, request, key, access, counted, rid, started)
             if rid:
                 reply.headers.append((_REQUEST_ID, rid.encode()))
             return reply
-        if key is not None and self._limiter is not None:
-            if counted:
-                self._limiter.release(key)
-            if access.template in _GENERATIVE and key.limits.tokens_per_minute:
-                await self._limiter.charge_tokens(key, _usage_tokens(reply.body))
-        return self._answered(reply, request, key, access, rid, started)
+        if counted and key is not None and limiter is not None:
+            limiter.release(key)
+        if key is not None and key.limits.tokens_per_minute and access.template in _GENERATIVE:
+            assert limiter is not None  # a key with limits implies a limiter
+            await limiter.charge_tokens(key, _usage_tokens(reply.body))
+        if rid:
+            return self._answered(reply, request, key, access, rid, started)
+        return reply
 
     def _answered(self, reply: HttpResponse, request: HttpRequest, key: ApiKey | None,
                   access: RouteAccess, rid: str, started: float) -> HttpResponse:  # fmt: skip
@@ -76,15 +90,6 @@ class HttpFrontDoor:
             reply.headers.append((_REQUEST_ID, rid.encode()))
             self._log(request, reply.status, key, access, rid, started, len(reply.body))
         return reply
-
-    async def _admit(self, request: HttpRequest, access: RouteAccess) -> ApiKey | None:
-        if self._gate is None:
-            return None
-        key = self._gate.authenticate(request.header(b"authorization"), access.need)
-        if key is not None and key.models is not None:
-            model = body_model(request.body) if access.model_in_body else access.model
-            self._gate.authorize_model(key, model)
-        return key
 
     async def _finish_stream(
         self,
