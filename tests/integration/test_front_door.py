@@ -278,8 +278,14 @@ def test_the_access_log_has_one_json_line_per_request_and_echoes_request_ids(
     assert reply.status_code == 200 and reply.headers["x-request-id"] == "trace-42"
     generated = httpx.get(server.url("/v2/models/add_sub")).headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", generated)
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        _, call = channel.unary_unary(f"/{SERVICE_NAME}/ModelMetadata").with_call(
+            pb.ModelMetadataRequest(name="add_sub").SerializeToString(),
+            metadata=[("authorization", secrets_["infer"]), ("x-request-id", "grpc-7")],
+        )
+        assert dict(call.trailing_metadata())["x-request-id"] == "grpc-7"
     deadline = time.monotonic() + 10
-    while '"trace-42"' not in server.log_text() or generated not in server.log_text():
+    while any(f'"{rid}"' not in server.log_text() for rid in ("trace-42", generated, "grpc-7")):
         assert time.monotonic() < deadline, server.log_tail()
         time.sleep(0.1)
     lines = {}
@@ -292,5 +298,9 @@ def test_the_access_log_has_one_json_line_per_request_and_echoes_request_ids(
     assert ok["protocol"] == "http" and ok["bytes_out"] == len(reply.content)
     assert ok["latency_ms"] >= 0 and ok["time"].endswith("Z")
     assert refused["status"] == "401" and refused["key"] == "-"
+    over_grpc = lines["grpc-7"]
+    assert over_grpc["protocol"] == "grpc" and over_grpc["method"] == "ModelMetadata"
+    assert over_grpc["key"] == "app" and over_grpc["model"] == "add_sub"
+    assert over_grpc["status"] == "OK"
     log = server.log_text()
     assert not any(secret in log for name, secret in secrets_.items() if name != "file")

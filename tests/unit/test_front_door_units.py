@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import orjson
@@ -12,6 +13,8 @@ from slipstream.security.gate import Gate, body_model, request_id
 from slipstream.security.keys import KeyLimits, KeyRing, KeysFileError
 from slipstream.security.limits import Limiter, MemoryStore, gcra
 from slipstream.security.metrics import FrontDoorMetrics
+from slipstream.server.front_door import HttpFrontDoor
+from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
 
 
 def test_a_key_is_shown_once_and_only_its_hash_is_stored(tmp_path: Path) -> None:
@@ -110,3 +113,39 @@ async def test_the_limiter_refuses_concurrency_and_token_debt_with_ietf_headers(
     assert dict(refused.value.headers)["ratelimit-policy"] == '"tokens";q=600;w=60'
     assert await limiter.admit(key, generative=False)  # tokens bound generative routes only
     assert metrics.limited == {("gen", "concurrency"): 1, ("gen", "tokens"): 1}
+
+
+async def test_a_stream_holds_its_slot_until_it_ends_or_is_closed_and_closes_the_route() -> None:
+    ring = KeyRing(Path("unused"), [])
+    secret, _ = ring.create("single", "infer", limits=KeyLimits(max_concurrent=1))
+    metrics = FrontDoorMetrics()
+    door = HttpFrontDoor(Gate(ring, metrics), Limiter(MemoryStore(), metrics), access_log=False)
+    closed: list[str] = []
+
+    async def tokens() -> AsyncIterator[bytes]:
+        try:
+            for index in range(100):
+                yield b"data: %d\n\n" % index
+        finally:
+            closed.append("route")  # where the LLM engine frees the sequence's blocks
+
+    async def route(request: HttpRequest) -> StreamingResponse:
+        return StreamingResponse(200, tokens())
+
+    def request() -> HttpRequest:
+        headers = [(b"authorization", b"Bearer " + secret.encode())]
+        return HttpRequest("POST", "/v1/completions", headers, b'{"model": "m"}')
+
+    first = await door(request(), route)
+    assert isinstance(first, StreamingResponse)
+    assert await anext(first.chunks) == b"data: 0\n\n"
+    refused = await door(request(), route)
+    assert isinstance(refused, HttpResponse) and refused.status == 429
+    await first.chunks.aclose()  # the client left mid-stream
+    assert closed == ["route"]
+    second = await door(request(), route)
+    assert isinstance(second, StreamingResponse)
+    assert len([chunk async for chunk in second.chunks]) == 100  # to its end
+    third = await door(request(), route)
+    assert isinstance(third, StreamingResponse)
+    await third.chunks.aclose()

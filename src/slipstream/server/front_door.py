@@ -71,7 +71,9 @@ class HttpFrontDoor:
                 limiter.release(key)
             raise
         if isinstance(reply, StreamingResponse):
-            reply.chunks = self._finish_stream(reply, request, key, access, counted, rid, started)
+            reply.chunks = self._finish_stream(
+                reply.chunks, reply.status, request, key, access, counted, rid, started
+            )
             if rid:
                 reply.headers.append((_REQUEST_ID, rid.encode()))
             return reply
@@ -93,7 +95,8 @@ class HttpFrontDoor:
 
     async def _finish_stream(
         self,
-        reply: StreamingResponse,
+        chunks: AsyncIterator[bytes],
+        status: int,
         request: HttpRequest,
         key: ApiKey | None,
         access: RouteAccess,
@@ -106,7 +109,7 @@ class HttpFrontDoor:
         sent = events = 0
         usage = 0
         try:
-            async for chunk in reply.chunks:
+            async for chunk in chunks:
                 sent += len(chunk)
                 events += 1
                 if b'"usage":{' in chunk:
@@ -114,6 +117,11 @@ class HttpFrontDoor:
                     usage = _usage_tokens(data.strip()) or usage
                 yield chunk
         finally:
+            # A client that left closes this generator; the route's own must close at once
+            # too (the LLM engine frees the sequence's KV-cache blocks in its finally).
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
             if key is not None and self._limiter is not None:
                 if counted:
                     self._limiter.release(key)
@@ -121,7 +129,7 @@ class HttpFrontDoor:
                     # Without a usage chunk, each event carried about one token.
                     await self._limiter.charge_tokens(key, usage or events)
             if rid:
-                self._log(request, reply.status, key, access, rid, started, sent)
+                self._log(request, status, key, access, rid, started, sent)
 
     def _log(self, request: HttpRequest, status: int, key: ApiKey | None, access: RouteAccess,
              rid: str, started: float, bytes_out: int) -> None:  # fmt: skip

@@ -64,7 +64,9 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         return 1
     http_server = None
     if settings.http_port:
-        openai_app = OpenAIApp(generation, service, settings.model_repository)
+        openai_app = OpenAIApp(
+            generation, service, settings.model_repository, cache=service.response_cache
+        )
         v2_app = V2RestApp(service, metrics)
         router = Router(fallback=v2_app.handle, routes=[("/v1/", openai_app.handle)],
                         middleware=[HttpFrontDoor(*door)] if door else [])  # fmt: skip

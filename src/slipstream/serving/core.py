@@ -68,6 +68,11 @@ class ModelServer(InferenceService):
         self._stopping = False
         self._poll_task: asyncio.Task[None] | None = None
 
+    @property
+    def response_cache(self) -> ResponseCache | None:
+        """The server's --cache (None without one), shared with the generative routes."""
+        return self._cache
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
