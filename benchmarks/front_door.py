@@ -15,7 +15,9 @@ request at a time) to another; redis-server runs on `--redis-core` (default: the
 generator's; on two cores there is no third to give it). Each level
 runs a warm-up (discarded), then `--duration` seconds; the servers of one figure all run
 at once and its levels take turns, `--rounds` times, and the figure is the median of the
-per-round ratios (the range beside it). Figures taken beside other work are
+per-round ratios (the range beside it). Beside req/s, each level prints the server's CPU
+per request (its process's CPU time over the level, by psutil) and a figure's ratio of
+those ("by CPU/req"): a capacity ratio that other work on the server's core blurs less. Figures taken beside other work are
 noisy: the load average is printed with them.
 
     .venv/bin/python benchmarks/front_door.py                  # everything, 5 s a level
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httptools
+import psutil
 
 import models
 from servers import ServerSpec, free_port, running
@@ -56,6 +59,15 @@ class Load:
     statuses: dict[int, int] = field(default_factory=dict)
     latencies_s: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
+    # Requests answered over the whole level, warm-up included, and the CPU seconds the
+    # server process spent meanwhile: CPU per request holds up better than req/s when
+    # other work shares the server's core.
+    all_requests: int = 0
+    server_cpu_s: float = 0.0
+
+    @property
+    def cpu_per_request_us(self) -> float:
+        return self.server_cpu_s / self.all_requests * 1e6 if self.all_requests else 0.0
 
     @property
     def req_per_s(self) -> float:
@@ -91,6 +103,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         now = time.perf_counter()
+        self._load.all_requests += 1
         if now >= self._measure_from:
             load = self._load
             load.requests += 1
@@ -227,22 +240,48 @@ def rounds(
 ) -> dict[str, list[Load]]:
     """Every level once per round, in turn, so drift on a shared machine hits all alike."""
     results: dict[str, list[Load]] = {label: [] for label in levels}
+    processes = {label: _listening(port) for label, (port, _) in levels.items()}
     for _ in range(args.rounds):
         for label, target in levels.items():
-            results[label].append(drive([target], connections, args.warmup, args.duration))
+            before = _cpu_s(processes[label])
+            load = drive([target], connections, args.warmup, args.duration)
+            load.server_cpu_s = _cpu_s(processes[label]) - before
+            results[label].append(load)
     return results
+
+
+def _listening(port: int) -> psutil.Process | None:
+    """The process listening on ``port`` (None when it cannot be seen)."""
+    for connection in psutil.net_connections("tcp"):
+        if connection.laddr and connection.laddr.port == port and connection.status == "LISTEN":
+            return psutil.Process(connection.pid) if connection.pid else None
+    return None
+
+
+def _cpu_s(process: psutil.Process | None) -> float:
+    if process is None:
+        return 0.0
+    times = process.cpu_times()
+    return float(times.user + times.system)
 
 
 def report(label: str, loads: list[Load], base: list[Load] | None = None, target: str = "") -> None:
     """Median req/s and p50 over the rounds; with ``base``, the median of per-round ratios."""
     rate = statistics.median(load.req_per_s for load in loads)
     p50 = statistics.median(load.p50_ms for load in loads)
+    cpu_us = statistics.median(load.cpu_per_request_us for load in loads)
     ratio = ""
     if base:
         ratios = [load.req_per_s / b.req_per_s for load, b in zip(loads, base, strict=True)]
+        capacity = [
+            b.cpu_per_request_us / load.cpu_per_request_us
+            for load, b in zip(loads, base, strict=True)
+            if load.cpu_per_request_us
+        ]
         ratio = (
             f"  ratio {statistics.median(ratios):6.3f} "
             f"[{min(ratios):.3f}..{max(ratios):.3f}] (target {target})"
+            + (f"; by CPU/req {statistics.median(capacity):.3f}" if capacity else "")
         )
     other: dict[int, int] = {}
     for load in loads:
@@ -250,7 +289,7 @@ def report(label: str, loads: list[Load], base: list[Load] | None = None, target
             if status != 200:
                 other[status] = other.get(status, 0) + count
     print(
-        f"  {label:<30} {rate:9.0f} req/s  p50 {p50:7.3f} ms{ratio}"
+        f"  {label:<30} {rate:9.0f} req/s  p50 {p50:7.3f} ms  CPU/req {cpu_us:6.1f} us{ratio}"
         f"{'  non-200: ' + str(other) if other else ''}",
         flush=True,
     )
