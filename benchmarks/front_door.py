@@ -17,8 +17,8 @@ runs a warm-up (discarded), then `--duration` seconds; the servers of one figure
 at once and its levels take turns, `--rounds` times, and the figure is the median of the
 per-round ratios (the range beside it). Beside req/s, each level prints the server's CPU
 per request (its process's CPU time over the level, by psutil) and a figure's ratio of
-those ("by CPU/req"): a capacity ratio that other work on the server's core blurs less. Figures taken beside other work are
-noisy: the load average is printed with them.
+those ("by CPU/req"): a capacity ratio that other work on the server's core blurs less.
+Figures taken beside other work are noisy: the load average is printed with them.
 
     .venv/bin/python benchmarks/front_door.py                  # everything, 5 s a level
     .venv/bin/python benchmarks/front_door.py --duration 3 --only auth
