@@ -16,21 +16,30 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMP
 # Where `make lock` finds torch's CPU wheels (this machine keeps them on disk).
 TORCH_WHEELS ?= /opt/wheels
 
-# Debian packages the checks and benchmarks need, installed only when missing:
-# prometheus (and promtool) for the monitoring tests, chromium and chromium-driver for
-# the /dashboard test, libb64-0d for perf_analyzer (benchmarks/peers/perf_analyzer.py).
-DEBIAN_PACKAGES ?= prometheus chromium chromium-driver libb64-0d
+# Debian packages the tests, benchmarks and `make run`'s optional services need, each
+# installed only when neither its command nor its package is there (CI runs as root on a
+# clean clone): redis-server (the Redis rate-limit store and response cache), prometheus
+# and its promtool (the monitoring tests), chromium and chromium-driver (the /dashboard
+# test), libb64-0d (perf_analyzer, benchmarks/peers/perf_analyzer.py).
+DEBIAN_PACKAGES := redis-server prometheus chromium chromium-driver libb64-0d
 
-.PHONY: install lock run models test test-fast test-lowest lint unit bench clean debian-packages vendor
+.PHONY: install debian-packages lock run models test test-fast test-lowest lint unit bench clean vendor
 
 install: debian-packages $(VENV)/.installed
 
 debian-packages:
-	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=""; for package in $(DEBIAN_PACKAGES); do \
+	  command -v $$package >/dev/null 2>&1 || \
+	    dpkg-query -W -f='$${Status}' $$package 2>/dev/null | grep -q "ok installed" || \
+	    missing="$$missing $$package"; \
+	done; \
 	if [ -n "$$missing" ]; then \
-	  echo "Installing Debian packages: $$missing"; \
-	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	  echo "Installing Debian packages:$$missing"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
+
 
 # Everything installs from the lock ($(LOCK)): the same commit installs the same software
 # on every machine. torch is the CPU wheel of 2.13.0 (pinned in the lock), so no dependency

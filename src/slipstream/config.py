@@ -231,6 +231,16 @@ class MonitoringSettings(_Strict):
     drift: DriftSettings = Field(default_factory=DriftSettings)
 
 
+class ResponseCacheConfig(_Strict):
+    """``response_cache:`` in a model's config.yaml (Triton's name and meaning)."""
+
+    enable: bool = Field(
+        False,
+        description="Answer a request identical to an earlier one (same version, inputs, "
+        "requested outputs and parameters) from the server's --cache, without running it",
+    )
+
+
 class ModelConfig(_Strict):
     """The ``config.yaml`` of one model (shared by all its versions)."""
 
@@ -255,6 +265,7 @@ class ModelConfig(_Strict):
     )
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
+    response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
     # Embedding models: the tokenizer file (in the model directory) that
     # /v1/embeddings uses to turn text into the model's input_ids and attention_mask.
     tokenizer: str = ""
@@ -447,7 +458,102 @@ class ServerSettings(_Strict):
         "info", description="Logging level; debug logs every request with its id."
     )
 
+    auth_file: Path | None = Field(
+        None,
+        description="API keys file (made by `slipstream keys create`): every route but the "
+        "health probes then needs a key (Authorization: Bearer, gRPC metadata authorization).",
+    )
+    metrics_need_key: bool = Field(
+        False, description="With --auth-file, /metrics needs a key too (any role)."
+    )
+    rate_limit_store: str = Field(
+        "memory",
+        description="Where the keys' rate limits are counted: memory (this process) or "
+        "redis://host:port[/db] (shared by every server using that Redis).",
+    )
+    rate_limit_fail_closed: bool = Field(
+        False,
+        description="Refuse requests (503) while the Redis rate-limit store is unreachable; "
+        "by default they are admitted (fail open) and the outage is logged and counted.",
+    )
+    access_log: bool = Field(
+        False,
+        description="Log one JSON line per request (logger slipstream.access) and echo or "
+        "generate X-Request-Id.",
+    )
+    cache: str = Field(
+        "",
+        description="Response cache of the models whose config.yaml says response_cache: "
+        "{enable: true}: local:size=256MB (LRU by bytes, this process) or "
+        "redis://host:port[/db][?ttl=600] (shared); empty: none.",
+    )
+    tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS and gRPC TLS.")
+    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert.")
+    tls_client_ca: Path | None = Field(
+        None, description="PEM CA bundle: require client certificates signed by it (mutual TLS)."
+    )
+
+    @field_validator("rate_limit_store")
+    @classmethod
+    def _check_store(cls, value: str) -> str:
+        if value != "memory" and not value.startswith("redis://"):
+            raise ValueError(f"expected memory or redis://host:port, got {value!r}")
+        return value
+
+    @field_validator("cache")
+    @classmethod
+    def _check_cache(cls, value: str) -> str:
+        if value:
+            parse_cache_spec(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ServerSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together; give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return self
+
     @field_validator("load_models")
     @classmethod
     def _check_load_models(cls, names: list[str]) -> list[str]:
         return [_checked_model_name(name) for name in names]
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
+               "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}  # fmt: skip
+
+
+def parse_cache_spec(spec: str) -> tuple[str, int, str, int]:
+    """``--cache`` as (kind, size_bytes, redis_url, ttl_s); ValueError naming the fix.
+
+    >>> parse_cache_spec("local:size=256MB")
+    ('local', 256000000, '', 0)
+    >>> parse_cache_spec("redis://127.0.0.1:6379?ttl=600")
+    ('redis', 0, 'redis://127.0.0.1:6379', 600)
+    """
+    if spec.startswith("local"):
+        options = dict(
+            item.split("=", 1) for item in spec.removeprefix("local").lstrip(":").split(",")
+            if "=" in item
+        )  # fmt: skip
+        size = options.pop("size", "256MB").strip().upper()
+        number = size.rstrip("KMGIB")
+        if options or not number.isdigit() or size[len(number) :] not in _SIZE_UNITS:
+            raise ValueError(f"expected local:size=<bytes>[KB|MB|GB], e.g. local:size=256MB, "
+                             f"got {spec!r}")  # fmt: skip
+        size_bytes = int(number) * _SIZE_UNITS[size[len(number) :]]
+        if size_bytes < 1024:
+            raise ValueError(f"local cache size {size_bytes} B: at least 1KB")
+        return "local", size_bytes, "", 0
+    if spec.startswith("redis://"):
+        url, _, query = spec.partition("?")
+        ttl = 0
+        for item in filter(None, query.split("&")):
+            key, _, value = item.partition("=")
+            if key != "ttl" or not value.isdigit():
+                raise ValueError(f"redis cache option {item!r}: only ttl=<seconds> is known")
+            ttl = int(value)
+        return "redis", 0, url, ttl
+    raise ValueError(f"expected local:size=256MB or redis://host:port[?ttl=600], got {spec!r}")

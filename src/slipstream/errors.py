@@ -70,3 +70,34 @@ class RequestTimeout(Unavailable):
 
 class InternalError(SlipstreamError):
     """A fault inside the server; the message shown to clients is generic."""
+
+
+class Unauthenticated(ClientError):
+    """No API key, or one the server does not know (the front door's 401)."""
+
+    http_status = 401
+    grpc_code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(ClientError):
+    """A known API key whose role or model list does not cover the request (403)."""
+
+    http_status = 403
+    grpc_code = "PERMISSION_DENIED"
+
+
+class TooManyRequests(ClientError):
+    """An API key over one of its rate limits (429, gRPC RESOURCE_EXHAUSTED)."""
+
+    http_status = 429
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(
+        self, message: str, retry_after_s: int, headers: list[tuple[str, str]] | None = None
+    ) -> None:
+        super().__init__(message)
+        # Seconds until the request would be admitted; sent as Retry-After.
+        self.retry_after_s = retry_after_s
+        # RateLimit-Policy and RateLimit (IETF httpapi draft), sent with the 429 as HTTP
+        # headers or gRPC trailing metadata.
+        self.headers = headers or []

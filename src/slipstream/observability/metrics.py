@@ -85,6 +85,11 @@ class ModelMetrics:
         self.compute_duration = Histogram(_LATENCY_BUCKETS_S)
         self.batch_size = Histogram(_BATCH_BUCKETS)
         self.model_load_duration_s = 0.0
+        # Response cache (Triton's nv_cache_* counters): lookups, and their total time.
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.cache_hit_us = 0.0
+        self.cache_miss_us = 0.0
         # Read at scrape time, so queue depth costs nothing per request.
         self.pending_requests: Callable[[], int] = lambda: 0
         self.oldest_pending_age_s: Callable[[], float] = lambda: 0.0
@@ -112,7 +117,11 @@ class ServerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._models: dict[tuple[str, str], ModelMetrics] = {}
         self.transport = TransportMetrics()
+        # Whether the server has a response cache (--cache): only then are the nv_cache_*
+        # series exported, as Triton does.
+        self.cache_enabled = False
         self.registry.register(_Collector(self._models))
+        self.registry.register(_CacheCollector(self))
         self.registry.register(_TransportCollector(self.transport))
 
     def models(self) -> list[ModelMetrics]:
@@ -197,6 +206,36 @@ class _Collector(Collector):
             load.add_metric(m.labels, m.model_load_duration_s)
         yield from (success, failure, inferences, executions, dispatches, pending, oldest, load)
         yield from _histograms(models)
+
+
+class _CacheCollector(Collector):
+    """Triton's response-cache counters, per model version, under Triton's names."""
+
+    def __init__(self, server: ServerMetrics) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        if not self._server.cache_enabled:
+            return
+        # Typed gauge so the names stay Triton's exactly: prometheus_client writes a
+        # counter's family as <name>_total, which Triton's dashboards would not find.
+        families = [
+            ("nv_cache_num_hits_per_model", "Response-cache hits per model.", "cache_hits"),
+            ("nv_cache_num_misses_per_model", "Response-cache misses per model.",
+             "cache_misses"),
+            ("nv_cache_hit_duration_per_model",
+             "Total cache-hit lookup time per model, in microseconds.", "cache_hit_us"),
+            ("nv_cache_miss_duration_per_model",
+             "Total cache-miss lookup and insertion time per model, in microseconds.",
+             "cache_miss_us"),
+        ]  # fmt: skip
+        models = list(self._server._models.values())
+        for name, documentation, attribute in families:
+            family = Metric(name, documentation, "gauge")
+            for m in models:
+                family.add_sample(name, dict(zip(("model", "version"), m.labels, strict=True)),
+                                  getattr(m, attribute))  # fmt: skip
+            yield family
 
 
 class _TransportCollector(Collector):

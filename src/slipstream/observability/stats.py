@@ -99,6 +99,11 @@ class ModelStatsRecorder:
         """One request left the queue for an instance after ``queue_ns``."""
         self._stats.inference_stats.queue.add(queue_ns)
 
+    def record_cache(self, *, hit: bool, ns: int) -> None:
+        """One response-cache lookup: a hit's lookup, or a miss's lookup plus insertion."""
+        inference = self._stats.inference_stats
+        (inference.cache_hit if hit else inference.cache_miss).add(ns)
+
     def record_request(self, *, ok: bool, total_ns: int) -> None:
         """One finished request and its end-to-end time in the server."""
         inference = self._stats.inference_stats

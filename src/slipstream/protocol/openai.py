@@ -561,6 +561,14 @@ def embeddings(model: str, vectors: np.ndarray, encoding: str, prompt_tokens: in
                                    "total_tokens": prompt_tokens}})  # fmt: skip
 
 
+# The front door's refusals, with the type and code OpenAI's own API answers them with.
+_CLIENT_CODES = {
+    401: ("invalid_request_error", "invalid_api_key"),
+    403: ("permission_error", "permission_denied"),
+    429: ("requests", "rate_limit_exceeded"),
+}
+
+
 def error(exc: SlipstreamError) -> bytes:
     """``{"error": {message, type, param, code}}`` as OpenAI writes it."""
     status = exc.http_status
@@ -568,6 +576,8 @@ def error(exc: SlipstreamError) -> bytes:
     param = match.group(1) if match and status < 500 else None
     if status == 404:
         kind, code = "invalid_request_error", "model_not_found"
+    elif status in _CLIENT_CODES:
+        kind, code = _CLIENT_CODES[status]
     elif status < 500:
         kind, code = "invalid_request_error", None
     else:

@@ -31,6 +31,7 @@ import logging
 import socket
 import struct
 from collections import deque
+from ssl import SSLContext
 from typing import cast
 
 import httptools
@@ -95,11 +96,12 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind and listen; returns the bound port (for port 0). OSError if it cannot."""
+    async def start(self, host: str, port: int, ssl: SSLContext | None = None) -> int:
+        """Bind and listen (HTTPS with ``ssl``); returns the bound port (for port 0).
+        OSError if it cannot."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Connection(self), host, port, backlog=4096, reuse_address=True
+            lambda: _Connection(self), host, port, backlog=4096, reuse_address=True, ssl=ssl
         )
         self._sweep()
         return int(self._server.sockets[0].getsockname()[1])

@@ -21,6 +21,7 @@ from slipstream.llm.tools import Tool
 from slipstream.names import path_model_name
 from slipstream.protocol import openai
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
+from slipstream.server.openai_cache import GenerationCache
 from slipstream.server.openai_generation import (
     Pieces,
     StreamHead,
@@ -33,6 +34,7 @@ from slipstream.server.openai_generation import (
 )
 from slipstream.server.openai_responses import respond
 from slipstream.server.router import no_route
+from slipstream.serving.cache import ResponseCache
 from slipstream.serving.embeddings import Embedder
 from slipstream.serving.service import InferenceService
 
@@ -44,11 +46,20 @@ Reply = HttpResponse | StreamingResponse
 class OpenAIApp:
     """Handles every ``/v1/...`` request; see the module docstring."""
 
-    def __init__(self, llm: GenerationService, service: InferenceService, repository: Path) -> None:
+    def __init__(
+        self,
+        llm: GenerationService,
+        service: InferenceService,
+        repository: Path,
+        cache: ResponseCache | None = None,
+    ) -> None:
+        """``cache``: the server's --cache, for deterministic generations of the models
+        whose config enables response_cache (see ``openai_cache.py``)."""
         self._llm = llm
         self._service = service
         self._repository = repository
         self._embedder = Embedder(service, repository)
+        self._cached = GenerationCache(cache, llm, repository) if cache is not None else None
 
     async def handle(self, request: HttpRequest) -> Reply:
         try:
@@ -74,8 +85,12 @@ class OpenAIApp:
                 raise ModelNotFound(f"model: {name!r} is not served here")
         if request.method == "POST":
             if route == "/v1/completions":
+                if self._cached is not None:
+                    return await self._cached.answer(route, request, self._completions)
                 return await self._completions(request)
             if route == "/v1/chat/completions":
+                if self._cached is not None:
+                    return await self._cached.answer(route, request, self._chat)
                 return await self._chat(request)
             if route == "/v1/embeddings":
                 return await self._embeddings(request)

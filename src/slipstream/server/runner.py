@@ -10,10 +10,12 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 import sys
+from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import disable_created_metrics
+from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from slipstream.config import ServerSettings
 from slipstream.llm.service import LlmModels
@@ -21,6 +23,11 @@ from slipstream.monitor.registry import DriftMonitors
 from slipstream.observability.cost import CostTracker
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol.v2 import encode_error
+from slipstream.security.gate import Gate
+from slipstream.security.keys import KeyRing, KeysFileError
+from slipstream.security.limits import Limiter, LimitStore, MemoryStore
+from slipstream.security.metrics import FrontDoorMetrics
+from slipstream.server.front_door import HttpFrontDoor
 from slipstream.server.httpd import HttpLimits, HttpServer
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.router import Router
@@ -59,17 +66,26 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     metrics.registry.register(monitors)
     service = ModelServer(settings, metrics, lanes=[generation], tap_factory=monitors.tap_for)
     metrics.registry.register(ModelStateCollector(service))
+    try:
+        door = front_door_parts(settings, metrics.registry)
+        tls = TlsSetup.of(settings)
+    except (KeysFileError, OSError, ssl.SSLError) as exc:
+        logger.error("%s", exc)
+        return 1
     http_server = None
     if settings.http_port:
-        openai_app = OpenAIApp(generation, service, settings.model_repository)
+        openai_app = OpenAIApp(
+            generation, service, settings.model_repository, cache=service.response_cache
+        )
         v2_app = V2RestApp(service, metrics, drift=monitors.report)
-        router = Router(fallback=v2_app.handle, routes=[("/v1/", openai_app.handle)])
+        router = Router(fallback=v2_app.handle, routes=[("/v1/", openai_app.handle)],
+                        middleware=[HttpFrontDoor(*door)] if door else [])  # fmt: skip
         http_server = HttpServer(
             router.handle, error_body=encode_error, limits=http_limits(settings),
             metrics=metrics.transport,
         )  # fmt: skip
         try:
-            await http_server.start(settings.host, settings.http_port)
+            await http_server.start(settings.host, settings.http_port, ssl=tls.http_context)
         except OSError as exc:
             logger.error("HTTP server could not bind %s:%d: %s; choose another with --http-port",
                          settings.host, settings.http_port, exc)  # fmt: skip
@@ -77,6 +93,7 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         logger.info("HTTP server listening on %s:%d", settings.host, settings.http_port)
     grpc_server = None
     if settings.grpc_port:
+        from slipstream.server.grpc_front_door import GrpcFrontDoor
         from slipstream.server.v2_grpc import build_grpc_server
 
         try:
@@ -86,6 +103,8 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
                 settings.grpc_port,
                 settings.grpc_max_message_bytes or settings.max_request_bytes,
                 max_concurrent_streams=settings.grpc_max_concurrent_streams,
+                interceptors=[GrpcFrontDoor(*door)] if door else [],
+                credentials=tls.grpc_credentials,
             )
         except OSError as exc:
             logger.error("%s", exc)
@@ -111,6 +130,8 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         *([grpc_server.stop(grace=settings.shutdown_timeout_s)] if grpc_server else []),
     )
     await service.stop()
+    if door and door[1] is not None:
+        await door[1].store.close()
     logger.info("shutdown complete")
     return exit_code
 
@@ -122,6 +143,60 @@ async def _sample_costs(tracker: CostTracker) -> None:
     while True:
         tracker.sample(loop.time())
         await asyncio.sleep(interval_s)
+
+
+def front_door_parts(
+    settings: ServerSettings, registry: CollectorRegistry
+) -> tuple[Gate | None, Limiter | None, bool] | None:
+    """The key gate, the limiter and whether to log each request; None when the server
+    has none of them (then no middleware or interceptor is installed at all)."""
+    if settings.access_log:
+        _raw_access_log()
+    if settings.auth_file is None:
+        return (None, None, True) if settings.access_log else None
+    keys = KeyRing.load(settings.auth_file)
+    counts = FrontDoorMetrics(registry)
+    gate = Gate(keys, counts, settings.metrics_need_key)
+    limiter = None
+    if any(key.limits.any for key in keys.keys):
+        store: LimitStore = MemoryStore()
+        if settings.rate_limit_store.startswith("redis://"):
+            from slipstream.security.redis_store import RedisStore
+
+            store = RedisStore(settings.rate_limit_store)
+        limiter = Limiter(store, counts, settings.rate_limit_fail_closed)
+    where = settings.rate_limit_store.split(":", 1)[0]  # no Redis password in the log
+    logger.info("API keys from %s: %d keys, %s", settings.auth_file, len(keys.keys),
+                f"rate limits in {where}" if limiter else "no rate limits")  # fmt: skip
+    return gate, limiter, settings.access_log
+
+
+def _raw_access_log() -> None:
+    """Access-log lines go to stderr as bare JSON, one a line, whatever the log format."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("slipstream.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSetup:
+    """TLS of both front ends, or none."""
+
+    http_context: ssl.SSLContext | None = None
+    grpc_credentials: Any = None
+
+    @classmethod
+    def of(cls, settings: ServerSettings) -> TlsSetup:
+        if settings.tls_cert is None or settings.tls_key is None:
+            return cls()
+        from slipstream.security.tls import grpc_credentials, http_context
+
+        ca = settings.tls_client_ca
+        return cls(http_context(settings.tls_cert, settings.tls_key, ca),
+                   grpc_credentials(settings.tls_cert, settings.tls_key, ca))  # fmt: skip
 
 
 def _raise_open_files_limit(max_connections: int) -> None:

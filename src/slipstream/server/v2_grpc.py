@@ -64,6 +64,7 @@ def build_grpc_server(
     max_message_bytes: int,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A gRPC server (not started) serving ``service``, and the port it bound.
 
@@ -71,7 +72,8 @@ def build_grpc_server(
     since grpc.aio binds the server to the running loop. Raises OSError when the
     address cannot be bound. ``interceptors`` run before every RPC, in order: the gRPC
     side of the HTTP router's middleware (auth, rate limits, request ids). A message
-    over ``max_message_bytes`` is refused with RESOURCE_EXHAUSTED.
+    over ``max_message_bytes`` is refused with RESOURCE_EXHAUSTED. ``credentials``
+    (``grpc.ssl_server_credentials``) serve TLS.
     """
     frontend = _GrpcFrontend(service)
     server = grpc.aio.server(
@@ -91,7 +93,10 @@ def build_grpc_server(
     )
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
-        bound_port = server.add_insecure_port(address)
+        if credentials is None:
+            bound_port = server.add_insecure_port(address)
+        else:
+            bound_port = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise OSError(
             f"gRPC server could not bind {address} ({exc}); is the port in use? "

@@ -21,6 +21,7 @@ from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
 from slipstream.runtime.pickles import trust_pickles_server_wide
+from slipstream.serving.cache import ResponseCache, build_cache, request_key
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.service import InferenceService, ModelLane
@@ -67,9 +68,17 @@ class ModelServer(InferenceService):
         )
         self._lanes = list(lanes)
         self.shared_memory = SystemSharedMemory(settings.allow_client_shm)
+        # --cache: answers for the models whose config enables response_cache.
+        self._cache = build_cache(settings.cache)
+        self.metrics.cache_enabled = self._cache is not None
         self._started = False
         self._stopping = False
         self._poll_task: asyncio.Task[None] | None = None
+
+    @property
+    def response_cache(self) -> ResponseCache | None:
+        """The server's --cache (None without one), shared with the generative routes."""
+        return self._cache
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -97,6 +106,8 @@ class ModelServer(InferenceService):
             self._poll_task.cancel()
         await asyncio.gather(self.models.close(), *(lane.close() for lane in self._lanes))
         self.shared_memory.close()
+        if self._cache is not None:
+            await self._cache.close()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -165,6 +176,45 @@ class ModelServer(InferenceService):
         except Unavailable:
             self._refuse_generative(request.model_name)
             raise
+        if (
+            self._cache is not None
+            and model.config.response_cache.enable
+            and not _uses_shared_memory(request)
+        ):
+            return await self._infer_cached(model, request, self._cache)
+        return await self._run(model, request)
+
+    async def _infer_cached(
+        self, model: ModelVersion, request: InferRequest, cache: ResponseCache
+    ) -> InferResponse:
+        """A hit answers from the cache without entering the batcher; a miss runs the
+        request and stores its outputs. Durations are Triton's: lookup for a hit, lookup
+        plus insertion for a miss (not the model's run)."""
+        started_ns = time.perf_counter_ns()
+        key = request_key(model.name, model.version_str, request)
+        outputs = await cache.get(key) if key is not None else None
+        metrics = model.metrics
+        if outputs is not None:
+            elapsed_ns = time.perf_counter_ns() - started_ns
+            metrics.cache_hits += 1
+            metrics.cache_hit_us += elapsed_ns / 1e3
+            metrics.request_success += 1
+            metrics.request_duration.observe(elapsed_ns / 1e9)
+            model.stats.record_cache(hit=True, ns=elapsed_ns)
+            model.stats.record_request(ok=True, total_ns=elapsed_ns)
+            return InferResponse(model.name, model.version_str, outputs, id=request.id)
+        lookup_ns = time.perf_counter_ns() - started_ns
+        response = await self._run(model, request)
+        insert_started_ns = time.perf_counter_ns()
+        if key is not None:
+            await cache.put(key, response.outputs)
+        miss_ns = lookup_ns + time.perf_counter_ns() - insert_started_ns
+        metrics.cache_misses += 1
+        metrics.cache_miss_us += miss_ns / 1e3
+        model.stats.record_cache(hit=False, ns=miss_ns)
+        return response
+
+    async def _run(self, model: ModelVersion, request: InferRequest) -> InferResponse:
         started_ns = time.perf_counter_ns()
         metrics = model.metrics
         targets = None
@@ -273,3 +323,9 @@ def _count_failure(metrics: ModelMetrics, exc: SlipstreamError) -> None:
     else:
         reason = "internal"
     metrics.count_failure(reason)
+
+
+def _uses_shared_memory(request: InferRequest) -> bool:
+    """Inputs read from, or outputs written to, a client's region: not cacheable (the
+    key would not see the region's bytes, and a hit would write no output there)."""
+    return bool(request.shared_memory_inputs) or any(o.shared_memory for o in request.outputs or ())

@@ -1,0 +1,412 @@
+"""What the front door (issue #13) costs and saves, as the issue's target ratios.
+
+1. Auth + in-process limiter on `mlp` at C=64, as a fraction of the same server without
+   them (target >= 0.97); with the limiter in Redis (target >= 0.85). The key's limits
+   are set so high that every request passes the limiter's full check and none is refused.
+2. Response cache, 100% hits (one request body repeated): `minilm` against no cache
+   (target >= 20x), `mlp` against no cache (target >= 0.9); a Redis hit's p50 at C=1 over
+   a local hit's (target <= +1 ms).
+3. Two server processes sharing a Redis limiter of 100 req/s for one key: requests
+   admitted per second by both together, after the burst (target 100 +- 5).
+
+The server is pinned to one core (`taskset -c 0`), this script's load generator (a
+closed loop of keep-alive HTTP/1.1 connections on httptools, each sending one pre-built
+request at a time) to another; redis-server runs on `--redis-core` (default: the load
+generator's; on two cores there is no third to give it). Each level
+runs a warm-up (discarded), then `--duration` seconds; the servers of one figure all run
+at once and its levels take turns, `--rounds` times, and the figure is the median of the
+per-round ratios (the range beside it). Beside req/s, each level prints the server's CPU
+per request (its process's CPU time over the level, by psutil) and a figure's ratio of
+those ("by CPU/req"): a capacity ratio that other work on the server's core blurs less.
+Figures taken beside other work are noisy: the load average is printed with them.
+
+    .venv/bin/python benchmarks/front_door.py                  # everything, 5 s a level
+    .venv/bin/python benchmarks/front_door.py --duration 3 --only auth
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httptools
+import psutil
+
+import models
+from servers import ServerSpec, free_port, running
+
+BENCH_DIR = Path(__file__).resolve().parent
+SLIPSTREAM = Path(sys.executable).parent / "slipstream"
+FIGURES = ("auth", "cache", "shared")
+
+
+@dataclass
+class Load:
+    """What one level measured."""
+
+    requests: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)
+    latencies_s: list[float] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    # Requests answered over the whole level, warm-up included, and the CPU seconds the
+    # server process spent meanwhile: CPU per request holds up better than req/s when
+    # other work shares the server's core.
+    all_requests: int = 0
+    server_cpu_s: float = 0.0
+
+    @property
+    def cpu_per_request_us(self) -> float:
+        return self.server_cpu_s / self.all_requests * 1e6 if self.all_requests else 0.0
+
+    @property
+    def req_per_s(self) -> float:
+        return self.requests / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.latencies_s) * 1e3 if self.latencies_s else 0.0
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection sending ``request`` again as soon as it is answered."""
+
+    def __init__(self, request: bytes, load: Load, measure_from: float, until: float) -> None:
+        self._request = request
+        self._load = load
+        self._measure_from = measure_from
+        self._until = until
+        self._parser = httptools.HttpResponseParser(self)
+        self._sent = 0.0
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._send()
+
+    def _send(self) -> None:
+        self._sent = time.perf_counter()
+        self._transport.write(self._request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        now = time.perf_counter()
+        self._load.all_requests += 1
+        if now >= self._measure_from:
+            load = self._load
+            load.requests += 1
+            status = self._parser.get_status_code()
+            load.statuses[status] = load.statuses.get(status, 0) + 1
+            load.latencies_s.append(now - self._sent)
+        if now < self._until:
+            self._send()
+        elif not self.done.done():
+            self.done.set_result(None)
+            self._transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+def request_bytes(port: int, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(body)}\r\n{lines}\r\n"
+    )
+    return head.encode() + body
+
+
+async def _drive(
+    targets: list[tuple[int, bytes]], connections: int, warmup_s: float, duration_s: float
+) -> Load:
+    loop = asyncio.get_running_loop()
+    load = Load()
+    start = time.perf_counter()
+    measure_from, until = start + warmup_s, start + warmup_s + duration_s
+    protocols = []
+    for index in range(connections):
+        port, request = targets[index % len(targets)]
+        _, protocol = await loop.create_connection(
+            lambda request=request: _Connection(request, load, measure_from, until),  # type: ignore[misc]
+            "127.0.0.1",
+            port,
+        )
+        protocols.append(protocol)
+    await asyncio.gather(*(p.done for p in protocols))
+    load.elapsed_s = time.perf_counter() - measure_from
+    return load
+
+
+def drive(
+    targets: list[tuple[int, bytes]], connections: int, warmup_s: float, duration_s: float
+) -> Load:
+    try:
+        import uvloop
+
+        return uvloop.run(_drive(targets, connections, warmup_s, duration_s))
+    except ImportError:
+        return asyncio.run(_drive(targets, connections, warmup_s, duration_s))
+
+
+def serve_spec(label: str, repo: Path, *args: str) -> ServerSpec:
+    port = free_port()
+    argv = [
+        str(SLIPSTREAM),
+        "serve",
+        "--model-repository",
+        str(repo),
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--grpc-port",
+        "0",
+        "--log-level",
+        "warning",
+        *args,
+    ]
+    return ServerSpec(label, argv, port, "/v2/health/ready")
+
+
+@contextmanager
+def redis_server(work: Path, core: int | None) -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is missing: `make install` installs it")
+    port = free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(work)]
+    pinned = (["taskset", "-c", str(core)] if core is not None else []) + argv
+    process = subprocess.Popen(pinned, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(0.5)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def make_key(work: Path, name: str, *limits: str) -> tuple[Path, str]:
+    auth_file = work / f"{name}.json"
+    made = subprocess.run(
+        [str(SLIPSTREAM), "keys", "create", "--auth-file", str(auth_file), "--name", name, *limits],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return auth_file, made.stdout.strip()
+
+
+def prepare_repo(source: Path, work: Path) -> Path:
+    """mlp and minilm copied with ``response_cache: {enable: true}`` added to their configs."""
+    repo = work / "repo"
+    for name in ("mlp", "minilm"):
+        shutil.copytree(source / name, repo / name, symlinks=True)
+        config = repo / name / "config.yaml"
+        text = config.read_text() if config.exists() else ""
+        config.write_text(text + "\nresponse_cache:\n  enable: true\n")
+    return repo
+
+
+def infer_request(port: int, model: str, headers: dict[str, str] | None = None) -> bytes:
+    body = models.json_body(models.sample_inputs(model)).body
+    return request_bytes(port, f"/v2/models/{model}/infer", body, headers or {})
+
+
+@contextmanager
+def servers(specs: list[ServerSpec], core: int | None, work: Path) -> Iterator[None]:
+    """Every server of ``specs`` running (idle until driven) for the block."""
+    with ExitStack() as stack:
+        for spec in specs:
+            stack.enter_context(running(spec, core, work / f"{spec.label}.log"))
+        yield
+
+
+def rounds(
+    levels: dict[str, tuple[int, bytes]], connections: int, args: argparse.Namespace
+) -> dict[str, list[Load]]:
+    """Every level once per round, in turn, so drift on a shared machine hits all alike."""
+    results: dict[str, list[Load]] = {label: [] for label in levels}
+    processes = {label: _listening(port) for label, (port, _) in levels.items()}
+    for _ in range(args.rounds):
+        for label, target in levels.items():
+            before = _cpu_s(processes[label])
+            load = drive([target], connections, args.warmup, args.duration)
+            load.server_cpu_s = _cpu_s(processes[label]) - before
+            results[label].append(load)
+    return results
+
+
+def _listening(port: int) -> psutil.Process | None:
+    """The process listening on ``port`` (None when it cannot be seen)."""
+    for connection in psutil.net_connections("tcp"):
+        if connection.laddr and connection.laddr.port == port and connection.status == "LISTEN":
+            return psutil.Process(connection.pid) if connection.pid else None
+    return None
+
+
+def _cpu_s(process: psutil.Process | None) -> float:
+    if process is None:
+        return 0.0
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def report(label: str, loads: list[Load], base: list[Load] | None = None, target: str = "") -> None:
+    """Median req/s and p50 over the rounds; with ``base``, the median of per-round ratios."""
+    rate = statistics.median(load.req_per_s for load in loads)
+    p50 = statistics.median(load.p50_ms for load in loads)
+    cpu_us = statistics.median(load.cpu_per_request_us for load in loads)
+    ratio = ""
+    if base:
+        ratios = [load.req_per_s / b.req_per_s for load, b in zip(loads, base, strict=True)]
+        capacity = [
+            b.cpu_per_request_us / load.cpu_per_request_us
+            for load, b in zip(loads, base, strict=True)
+            if load.cpu_per_request_us
+        ]
+        ratio = (
+            f"  ratio {statistics.median(ratios):6.3f} "
+            f"[{min(ratios):.3f}..{max(ratios):.3f}] (target {target})"
+            + (f"; by CPU/req {statistics.median(capacity):.3f}" if capacity else "")
+        )
+    other: dict[int, int] = {}
+    for load in loads:
+        for status, count in load.statuses.items():
+            if status != 200:
+                other[status] = other.get(status, 0) + count
+    print(
+        f"  {label:<30} {rate:9.0f} req/s  p50 {p50:7.3f} ms  CPU/req {cpu_us:6.1f} us{ratio}"
+        f"{'  non-200: ' + str(other) if other else ''}",
+        flush=True,
+    )
+
+
+def auth_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
+    print(f"1. auth + limiter, mlp, C={args.connections}")
+    auth_file, key = make_key(work, "bench", "--rate", "1000000", "--burst", "1000000")
+    bearer = {"Authorization": f"Bearer {key}"}
+    with redis_server(work, args.redis_core) as url:
+        none = serve_spec("none", repo)
+        memory = serve_spec("auth", repo, "--auth-file", str(auth_file))
+        shared = serve_spec("redis", repo, "--auth-file", str(auth_file), "--rate-limit-store", url)
+        with servers([none, memory, shared], args.server_core, work):
+            loads = rounds(
+                {
+                    "none": (none.port, infer_request(none.port, "mlp")),
+                    "memory": (memory.port, infer_request(memory.port, "mlp", bearer)),
+                    "redis": (shared.port, infer_request(shared.port, "mlp", bearer)),
+                },
+                args.connections,
+                args,
+            )
+    report("no auth, no limits", loads["none"])
+    report("auth + in-process limiter", loads["memory"], loads["none"], ">= 0.97")
+    report("auth + Redis limiter", loads["redis"], loads["none"], ">= 0.85")
+
+
+def cache_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
+    print(f"2. response cache, 100% hits, C={args.connections}; Redis vs local hit p50 at C=1")
+    with redis_server(work, args.redis_core) as url:
+        none = serve_spec("nocache", repo)
+        local = serve_spec("local", repo, "--cache", "local:size=64MB")
+        remote = serve_spec("rediscache", repo, "--cache", url)
+        with servers([none, local, remote], args.server_core, work):
+            for model, target in (("minilm", ">= 20"), ("mlp", ">= 0.9")):
+                loads = rounds(
+                    {
+                        "none": (none.port, infer_request(none.port, model)),
+                        "local": (local.port, infer_request(local.port, model)),
+                    },
+                    args.connections,
+                    args,
+                )
+                report(f"{model}: no cache", loads["none"])
+                report(f"{model}: local cache hits", loads["local"], loads["none"], target)
+            hits = rounds(
+                {
+                    "local": (local.port, infer_request(local.port, "mlp")),
+                    "redis": (remote.port, infer_request(remote.port, "mlp")),
+                },
+                1,
+                args,
+            )
+    report("mlp: local cache hit, C=1", hits["local"])
+    report("mlp: Redis cache hit, C=1", hits["redis"])
+    added = statistics.median(
+        r.p50_ms - loc.p50_ms for r, loc in zip(hits["redis"], hits["local"], strict=True)
+    )
+    print(f"  Redis hit p50 - local hit p50: {added:+.3f} ms (target <= +1 ms)")
+
+
+def shared_figure(repo: Path, work: Path, args: argparse.Namespace) -> None:
+    print("3. two servers, one Redis limiter of 100 req/s for one key")
+    auth_file, key = make_key(work, "shared", "--rate", "100", "--burst", "100")
+    bearer = {"Authorization": f"Bearer {key}"}
+    with redis_server(work, args.redis_core) as url:
+        specs = [
+            serve_spec(f"s{i}", repo, "--auth-file", str(auth_file), "--rate-limit-store", url)
+            for i in (1, 2)
+        ]
+        with (
+            running(specs[0], args.server_core, work / "s1.log"),
+            running(specs[1], args.server_core, work / "s2.log"),
+        ):
+            targets = [(s.port, infer_request(s.port, "mlp", bearer)) for s in specs]
+            # The warm-up spends the burst; what is measured is the sustained rate.
+            load = drive(targets, 16, max(args.warmup, 2.0), args.duration)
+    admitted = load.statuses.get(200, 0) / load.elapsed_s
+    print(
+        f"  admitted {admitted:6.1f} req/s of {load.req_per_s:.0f} offered "
+        f"(target 100 +- 5); refused with 429: {load.statuses.get(429, 0)}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo", type=Path, default=Path("models"), help="example models")
+    parser.add_argument("--duration", type=float, default=5.0, help="measured s per level")
+    parser.add_argument("--warmup", type=float, default=1.0, help="discarded s per level")
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="levels repeated, in turn")
+    parser.add_argument("--only", default=",".join(FIGURES), help="auth,cache,shared")
+    parser.add_argument("--server-core", type=int, default=0)
+    parser.add_argument("--client-core", type=int, default=1)
+    parser.add_argument("--redis-core", type=int, default=1, help="where redis-server runs")
+    args = parser.parse_args()
+    os.sched_setaffinity(0, {args.client_core})
+    models.build_repository(args.repo, ["mlp", "minilm"])
+    print(
+        f"load average at start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores); "
+        f"server on core {args.server_core}, load generator on core "
+        f"{args.client_core}, redis-server on core {args.redis_core}"
+    )
+    with tempfile.TemporaryDirectory(prefix="front-door-") as tmp:
+        work = Path(tmp)
+        repo = prepare_repo(args.repo, work)
+        wanted = set(args.only.split(","))
+        for name, figure in (
+            ("auth", auth_figures),
+            ("cache", cache_figures),
+            ("shared", shared_figure),
+        ):
+            if name in wanted:
+                figure(repo, work, args)
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The checks every request passes at the front door, whatever its protocol.
+
+The HTTP middleware (``server/front_door.py``) and the gRPC interceptor
+(``server/grpc_front_door.py``) read the key and the route from their wire format and
+ask this gate; it answers with the key, or raises the 401 / 403 / 429 to send.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import orjson
+
+from slipstream.errors import PermissionDenied, Unauthenticated
+from slipstream.security.access import Need
+from slipstream.security.keys import ApiKey, KeyRing
+from slipstream.security.metrics import FrontDoorMetrics
+
+access_logger = logging.getLogger("slipstream.access")
+
+_BEARER = b"bearer "
+# Longest X-Request-Id taken from a client; a longer or unprintable one is replaced.
+_MAX_REQUEST_ID = 128
+
+
+class Gate:
+    """API-key checks; one per server, shared by the HTTP and gRPC front doors."""
+
+    def __init__(
+        self, keys: KeyRing, metrics: FrontDoorMetrics, metrics_need_key: bool = False
+    ) -> None:
+        self._keys = keys
+        self._metrics = metrics
+        self._metrics_need_key = metrics_need_key
+
+    def authenticate(self, authorization: bytes | None, need: Need) -> ApiKey | None:
+        """The request's key (None on an open route); raises 401 or 403 (wrong role)."""
+        if need == "open" or (need == "metrics" and not self._metrics_need_key):
+            return None
+        if not authorization:
+            self._metrics.refused["missing_key"] += 1
+            raise Unauthenticated(
+                "no API key: send it as 'Authorization: Bearer <key>' (gRPC: metadata "
+                "authorization); make one with `slipstream keys create`"
+            )
+        secret = authorization
+        if secret[:7].lower() == _BEARER:
+            secret = secret[7:].strip()
+        key = self._keys.find(secret)
+        if key is None:
+            self._metrics.refused["unknown_key"] += 1
+            raise Unauthenticated("the API key is not known to this server; check it")
+        if need == "admin" and key.role != "admin":
+            self._metrics.refused["wrong_role"] += 1
+            raise PermissionDenied(
+                f"API key {key.name!r} has role {key.role!r}; this route needs role 'admin'"
+            )
+        return key
+
+    def authorize_model(self, key: ApiKey | None, model: str) -> None:
+        """403 unless ``key`` may use ``model``."""
+        if key is not None and model and not key.allows_model(model):
+            self._metrics.refused["wrong_model"] += 1
+            raise PermissionDenied(
+                f"API key {key.name!r} may not use model {model!r}; it may use "
+                f"{sorted(key.models or ())}"
+            )
+
+
+def body_model(body: bytes) -> str:
+    """The ``model`` field of a JSON body ("" when absent or unreadable: the route then
+    answers its own 400)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return ""
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) else ""
+
+
+def request_id(given: bytes | str | None) -> str:
+    """The client's X-Request-Id when it is printable and short, else a new one."""
+    if given:
+        text = given.decode("latin-1") if isinstance(given, bytes) else given
+        if len(text) <= _MAX_REQUEST_ID and text.isprintable():
+            return text
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    """One line of the access log."""
+
+    request_id: str
+    protocol: str  # http, grpc
+    method: str  # GET / POST, or the gRPC method name
+    path: str
+    key: str  # the key's name, "-" without one
+    model: str
+    version: str
+    status: str  # HTTP status, or gRPC status code name
+    latency_ms: float
+    bytes_in: int
+    bytes_out: int
+
+    def emit(self) -> None:
+        access_logger.info(
+            "%s",
+            orjson.dumps({
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "Z",
+                "request_id": self.request_id, "protocol": self.protocol,
+                "method": self.method, "path": self.path, "key": self.key,
+                "model": self.model, "version": self.version, "status": self.status,
+                "latency_ms": round(self.latency_ms, 3), "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out,
+            }).decode(),
+        )  # fmt: skip

@@ -1,0 +1,243 @@
+"""Per-key rate limits: requests per second with a burst, concurrent requests, and tokens
+per minute on the generative routes.
+
+Rates are a GCRA (generic cell rate algorithm): one stored time per key, the
+"theoretical arrival time" (TAT) of the next request, so a check is O(1) and needs no
+timer. A key with rate R and burst B admits B requests at once, then one every 1/R s.
+The store is this process (:class:`MemoryStore`) or Redis
+(:class:`slipstream.security.redis_store.RedisStore`), where several server processes
+share one budget.
+
+Tokens are charged after a response (its usage), so a request is admitted while the
+key's token budget is not in debt, and its tokens may take the budget below zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass
+
+from slipstream.errors import TooManyRequests, Unavailable
+from slipstream.security.keys import ApiKey
+from slipstream.security.metrics import FrontDoorMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A store's answer for one bucket."""
+
+    allowed: bool
+    # Seconds until the request would be allowed (0 when allowed).
+    retry_after_s: float
+    # Seconds until the bucket is full again (the IETF RateLimit "t").
+    reset_s: float
+
+
+class StoreUnavailable(Exception):
+    """The store could not be asked (Redis down); the limiter decides what that means."""
+
+
+class LimitStore(ABC):
+    """Where GCRA arrival times live; one call per check, atomic per bucket."""
+
+    # In this process: :meth:`acquire_now` answers without awaiting anything.
+    local = False
+
+    def acquire_now(
+        self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
+    ) -> Verdict:
+        """:meth:`acquire` of a local store, without a coroutine (the hot path)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    async def acquire(
+        self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
+    ) -> Verdict:
+        """Take ``cost`` from ``bucket`` if ``burst`` allows it (``force``: take it even
+        into debt, never refused). Raises StoreUnavailable when the store cannot answer."""
+
+    async def close(self) -> None:  # noqa: B027 - most stores hold nothing to release
+        """Release connections."""
+
+
+def gcra(tat: float, now: float, rate_per_s: float, burst: int, cost: int, force: bool
+         ) -> tuple[Verdict, float]:  # fmt: skip
+    """One GCRA step: the verdict and the bucket's new arrival time (``tat`` if refused)."""
+    interval = 1.0 / rate_per_s
+    capacity = burst * interval
+    tat = max(tat, now)
+    new_tat = tat + cost * interval
+    ahead = new_tat - now
+    if ahead > capacity and not force:
+        return Verdict(False, ahead - capacity, tat - now), tat
+    return _ADMITTED, new_tat
+
+
+# What an admitted check answers: nothing else of it is read (saves an object a request).
+_ADMITTED = Verdict(True, 0.0, 0.0)
+
+
+class MemoryStore(LimitStore):
+    """Arrival times in a dict of this process."""
+
+    local = True
+
+    def __init__(self) -> None:
+        self._tats: dict[str, float] = {}
+
+    def acquire_now(
+        self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
+    ) -> Verdict:
+        verdict, self._tats[bucket] = gcra(
+            self._tats.get(bucket, 0.0), time.monotonic(), rate_per_s, burst, cost, force
+        )
+        return verdict
+
+    async def acquire(
+        self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
+    ) -> Verdict:
+        return self.acquire_now(bucket, rate_per_s, burst, cost, force)
+
+
+def _burst(rate_per_s: float, burst: int) -> int:
+    return burst or max(1, math.ceil(rate_per_s))
+
+
+class Limiter:
+    """The three limits of every key; :meth:`admit` before a request, :meth:`release`
+    after it, :meth:`charge_tokens` once a generative response's usage is known."""
+
+    def __init__(
+        self, store: LimitStore, metrics: FrontDoorMetrics, fail_closed: bool = False
+    ) -> None:
+        self.store = store
+        self._metrics = metrics
+        self._fail_closed = fail_closed
+        self._in_flight: Counter[str] = Counter()
+        self._store_down = False
+        self._local = store.local
+        # Key name -> its requests bucket (built once, not per request).
+        self._buckets: dict[str, str] = {}
+
+    @property
+    def local(self) -> bool:
+        """Whether :meth:`admit_now` may be used (the store is this process)."""
+        return self._local
+
+    def admit_now(self, key: ApiKey, generative: bool) -> bool:
+        """:meth:`admit` of a local store, without a coroutine (the hot path)."""
+        limits = key.limits
+        if limits.max_concurrent and self._in_flight[key.name] >= limits.max_concurrent:
+            self._refuse_concurrency(key)
+        if limits.requests_per_s:
+            burst = _burst(limits.requests_per_s, limits.burst)
+            verdict = self.store.acquire_now(self._bucket(key), limits.requests_per_s, burst, 1)
+            if not verdict.allowed:
+                self._refuse(key, "requests", burst, burst / limits.requests_per_s, verdict,
+                             f"{limits.requests_per_s:g} requests/s (burst {burst})")  # fmt: skip
+        if generative and limits.tokens_per_minute:
+            tpm = limits.tokens_per_minute
+            verdict = self.store.acquire_now(f"tok:{key.name}", tpm / 60.0, tpm, 0)
+            if not verdict.allowed:
+                self._refuse(key, "tokens", tpm, 60.0, verdict, f"{tpm} tokens/minute")
+        if limits.max_concurrent:
+            self._in_flight[key.name] += 1
+            return True
+        return False
+
+    def _bucket(self, key: ApiKey) -> str:
+        bucket = self._buckets.get(key.name)
+        if bucket is None:
+            bucket = self._buckets[key.name] = f"req:{key.name}"
+        return bucket
+
+    def _refuse_concurrency(self, key: ApiKey) -> None:
+        limit = key.limits.max_concurrent
+        self._metrics.limited[key.name, "concurrency"] += 1
+        raise TooManyRequests(
+            f"API key {key.name!r}: {limit} requests in flight already; wait for one to finish",
+            retry_after_s=1,
+            headers=_headers("concurrency", limit, 0, 1.0),
+        )
+
+    async def admit(self, key: ApiKey, generative: bool) -> bool:
+        """Admit one request of ``key`` or raise TooManyRequests; True when it counted
+        toward the key's concurrency (then :meth:`release` it)."""
+        if self._local:
+            return self.admit_now(key, generative)
+        limits = key.limits
+        if limits.max_concurrent and self._in_flight[key.name] >= limits.max_concurrent:
+            self._refuse_concurrency(key)
+        if limits.requests_per_s:
+            burst = _burst(limits.requests_per_s, limits.burst)
+            verdict = await self._ask(self._bucket(key), limits.requests_per_s, burst, 1)
+            if not verdict.allowed:
+                self._refuse(key, "requests", burst, burst / limits.requests_per_s, verdict,
+                             f"{limits.requests_per_s:g} requests/s (burst {burst})")  # fmt: skip
+        if generative and limits.tokens_per_minute:
+            tpm = limits.tokens_per_minute
+            verdict = await self._ask(f"tok:{key.name}", tpm / 60.0, tpm, 0)
+            if not verdict.allowed:
+                self._refuse(key, "tokens", tpm, 60.0, verdict, f"{tpm} tokens/minute")
+        if limits.max_concurrent:
+            self._in_flight[key.name] += 1
+            return True
+        return False
+
+    def release(self, key: ApiKey) -> None:
+        self._in_flight[key.name] -= 1
+        if not self._in_flight[key.name]:
+            del self._in_flight[key.name]
+
+    async def charge_tokens(self, key: ApiKey, tokens: int) -> None:
+        tpm = key.limits.tokens_per_minute
+        if tpm and tokens > 0:
+            await self._ask(f"tok:{key.name}", tpm / 60.0, tpm, tokens, force=True)
+
+    async def _ask(
+        self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
+    ) -> Verdict:
+        try:
+            verdict = await self.store.acquire(bucket, rate_per_s, burst, cost, force)
+        except StoreUnavailable as exc:
+            if not self._store_down:
+                self._store_down = True
+                logger.error("rate-limit store unreachable (%s): requests are %s until it "
+                             "answers again", exc,
+                             "refused" if self._fail_closed else "admitted")  # fmt: skip
+            if self._fail_closed:
+                self._metrics.store_errors["refused"] += 1
+                raise Unavailable(
+                    "the rate-limit store is unreachable; retry shortly", retry_after_s=1
+                ) from None
+            self._metrics.store_errors["admitted"] += 1
+            return Verdict(True, 0.0, 0.0)
+        if self._store_down:
+            self._store_down = False
+            logger.warning("rate-limit store answers again")
+        return verdict
+
+    def _refuse(self, key: ApiKey, limit: str, quota: int, window_s: float, verdict: Verdict,
+                what: str) -> None:  # fmt: skip
+        self._metrics.limited[key.name, limit] += 1
+        retry = max(1, math.ceil(verdict.retry_after_s))
+        raise TooManyRequests(
+            f"API key {key.name!r} is over its limit of {what}; retry after {retry} s",
+            retry_after_s=retry,
+            headers=_headers(limit, quota, math.ceil(window_s), verdict.reset_s),
+        )
+
+
+def _headers(policy: str, quota: int, window_s: float, reset_s: float) -> list[tuple[str, str]]:
+    """RateLimit-Policy and RateLimit as draft-ietf-httpapi-ratelimit-headers writes them."""
+    window = f";w={math.ceil(window_s)}" if window_s else ""
+    return [
+        ("ratelimit-policy", f'"{policy}";q={quota}{window}'),
+        ("ratelimit", f'"{policy}";r=0;t={max(1, math.ceil(reset_s))}'),
+    ]

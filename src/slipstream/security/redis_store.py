@@ -1,0 +1,176 @@
+"""The GCRA of :mod:`slipstream.security.limits` in Redis: one Lua script, so the read,
+the decision and the write are atomic, and every server process sharing the Redis
+shares each key's budget. The clock is Redis's own (``TIME``), so the processes' clocks
+need not agree.
+
+Checks go to Redis together: one script call (one round trip) at a time carries every
+check that queued meanwhile, and identical checks (one key's requests) travel as one
+entry with a count, of which the script admits as many as the bucket holds, in order.
+Under load a request so costs a small share of one call, not a call. The keys share a
+hash tag, so the script also runs on a Redis Cluster.
+
+After a failed call the store answers StoreUnavailable without asking Redis for
+``_RETRY_AFTER_FAILURE_S``, so an outage costs each request nothing but a check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from slipstream.security.limits import LimitStore, StoreUnavailable, Verdict
+
+# KEYS: one bucket per entry. ARGV: per entry "interval_us capacity_us cost force count".
+# Returns two integers per entry: how many of its count were admitted (the first ones),
+# and the bucket's reset time in us after them.
+_GCRA = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+local out = {}
+for i = 1, #KEYS do
+  local a, b, c, force, n = string.match(ARGV[i], '(%S+) (%S+) (%S+) (%S+) (%S+)')
+  local interval, capacity, cost, count = tonumber(a), tonumber(b), tonumber(c), tonumber(n)
+  local tat = tonumber(redis.call('GET', KEYS[i]) or now)
+  if tat < now then tat = now end
+  local admitted = count
+  if force ~= '1' then
+    if cost == 0 then
+      if tat - now > capacity then admitted = 0 end
+    else
+      admitted = math.floor((capacity - (tat - now)) / (cost * interval) + 1e-9)
+      if admitted < 0 then admitted = 0 end
+      if admitted > count then admitted = count end
+    end
+  end
+  local new_tat = tat + admitted * cost * interval
+  if admitted > 0 and cost > 0 then
+    redis.call('SET', KEYS[i], string.format('%.0f', new_tat), 'PX',
+               math.ceil((new_tat - now) / 1000) + 1000)
+  end
+  out[2 * i - 1] = admitted
+  out[2 * i] = math.floor(new_tat - now)
+end
+return out
+"""
+_PREFIX = "{slipstream-ratelimit}:"
+_RETRY_AFTER_FAILURE_S = 0.5
+# A Redis that does not answer within this is treated as down for the requests at hand.
+_SOCKET_TIMEOUT_S = 0.5
+# Most entries sent in one script call.
+_MAX_ENTRIES_PER_CALL = 512
+
+
+def redis_client(url: str) -> Any:
+    """An asyncio Redis client for ``url`` that fails fast instead of retrying."""
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return Redis.from_url(url, socket_timeout=_SOCKET_TIMEOUT_S,
+                          socket_connect_timeout=_SOCKET_TIMEOUT_S,
+                          retry=Retry(NoBackoff(), 0))  # fmt: skip
+
+
+# (bucket, "interval capacity cost force") -> the futures of the checks waiting on it.
+_Entries = dict[tuple[str, str], list["asyncio.Future[Verdict]"]]
+
+
+class RedisStore(LimitStore):
+    """GCRA buckets in Redis at ``url`` (``redis://host:port[/db]``)."""
+
+    def __init__(self, url: str) -> None:
+        self._client = redis_client(url)
+        self._script = self._client.register_script(_GCRA)
+        self._down_until = 0.0
+        self._pending: _Entries = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        # A flush is scheduled or a script call is under way: new checks just queue.
+        self._busy = False
+        # (rate, burst, cost, force) -> the entry's arguments, formatted once.
+        self._arguments: dict[tuple[float, int, int, bool], tuple[str, float]] = {}
+
+    async def acquire(
+        self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
+    ) -> Verdict:
+        if self._down_until and time.monotonic() < self._down_until:
+            raise StoreUnavailable("Redis failed a moment ago")
+        shape = (rate_per_s, burst, cost, force)
+        argument = self._arguments.get(shape)
+        if argument is None:
+            interval_us = 1e6 / rate_per_s
+            capacity_us = burst * interval_us
+            text = f"{interval_us:.3f} {capacity_us:.3f} {cost} {1 if force else 0}"
+            # A refused check's wait: the reset time plus its cost, less the capacity.
+            argument = self._arguments[shape] = (text, cost * interval_us - capacity_us)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Verdict] = loop.create_future()
+        waiting = self._pending.get((_PREFIX + bucket, argument[0]))
+        if waiting is None:
+            self._pending[_PREFIX + bucket, argument[0]] = [future]
+        else:
+            waiting.append(future)
+        if not self._busy:
+            self._busy = True
+            loop.call_soon(self._flush)
+        verdict = await future
+        if verdict.allowed:
+            return verdict
+        reset_s = verdict.reset_s
+        return Verdict(False, reset_s + argument[1] / 1e6, reset_s)
+
+    def _flush(self) -> None:
+        """Send what is queued as one call; checks arriving meanwhile wait for the next,
+        so under load each call carries what queued during the last round trip."""
+        if not self._pending:
+            self._busy = False
+            return
+        batch: _Entries = {}
+        for entry in list(self._pending)[:_MAX_ENTRIES_PER_CALL]:
+            batch[entry] = self._pending.pop(entry)
+        task = asyncio.get_running_loop().create_task(self._call(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._call_done)
+
+    def _call_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            self._flush()
+
+    async def _call(self, batch: _Entries) -> None:
+        try:
+            replies = await self._script(
+                keys=[bucket for bucket, _ in batch],
+                args=[f"{text} {len(futures)}" for (_, text), futures in batch.items()],
+            )
+            if len(replies) != 2 * len(batch):
+                raise ValueError(f"{len(replies)} numbers for {len(batch)} entries")
+        except Exception as exc:  # any failure of the store leaves the limiter to decide
+            self._down_until = time.monotonic() + _RETRY_AFTER_FAILURE_S
+            _fail(batch, StoreUnavailable(f"{type(exc).__name__}: {exc}"))
+            return
+        except BaseException as exc:  # cancelled: the waiting requests must not hang
+            _fail(batch, StoreUnavailable(f"the call was stopped: {exc!r}"))
+            raise
+        self._down_until = 0.0
+        for index, futures in enumerate(batch.values()):
+            admitted, reset_us = replies[2 * index], replies[2 * index + 1]
+            refused = Verdict(False, 0.0, reset_us / 1e6)  # its wait: see acquire
+            for position, future in enumerate(futures):
+                if not future.done():
+                    future.set_result(_ADMITTED if position < admitted else refused)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self._client.aclose()
+
+
+_ADMITTED = Verdict(True, 0.0, 0.0)
+
+
+def _fail(batch: _Entries, failure: StoreUnavailable) -> None:
+    for futures in batch.values():
+        for future in futures:
+            if not future.done():
+                future.set_exception(failure)

@@ -1,0 +1,30 @@
+"""TLS for the HTTP and gRPC front ends from PEM files (``--tls-cert/--tls-key``), with
+optional client certificates (``--tls-client-ca``: mutual TLS)."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+from typing import Any
+
+
+def http_context(cert: Path, key: Path, client_ca: Path | None = None) -> ssl.SSLContext:
+    """A server context (TLS 1.2+); with ``client_ca``, clients must show a certificate."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    if client_ca is not None:
+        context.load_verify_locations(client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def grpc_credentials(cert: Path, key: Path, client_ca: Path | None = None) -> Any:
+    """grpc.ServerCredentials of the same files."""
+    import grpc
+
+    return grpc.ssl_server_credentials(
+        [(key.read_bytes(), cert.read_bytes())],
+        root_certificates=client_ca.read_bytes() if client_ca is not None else None,
+        require_client_auth=client_ca is not None,
+    )

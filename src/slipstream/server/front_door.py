@@ -1,0 +1,160 @@
+"""The HTTP side of the front door: one router middleware for API keys, per-key rate
+limits, request ids and the access log (the checks live in :mod:`slipstream.security`).
+
+Installed only when one of them is configured, so a server without them pays nothing.
+Refusals are answered in the route's error shape: OpenAI's on ``/v1/``, V2's elsewhere.
+
+Example::
+
+    door = HttpFrontDoor(gate, limiter, access_log=True)
+    router = Router(v2_app.handle, [("/v1/", openai_app.handle)], middleware=[door])
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+
+from slipstream.errors import SlipstreamError, TooManyRequests
+from slipstream.protocol import openai, v2
+from slipstream.security.access import HttpAccess, RouteAccess
+from slipstream.security.gate import AccessRecord, Gate, body_model, request_id
+from slipstream.security.keys import ApiKey
+from slipstream.security.limits import Limiter
+from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
+from slipstream.server.router import Handler, Reply
+
+_GENERATIVE = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
+_REQUEST_ID = b"x-request-id"
+# A request's access before its path is classified (a refusal may come first).
+_UNCLASSIFIED = RouteAccess("key")
+
+
+class HttpFrontDoor:
+    """A :class:`Router` middleware; see the module docstring."""
+
+    def __init__(self, gate: Gate | None, limiter: Limiter | None, access_log: bool) -> None:
+        self._gate = gate
+        self._limiter = limiter
+        self._access_log = access_log
+        self._access = HttpAccess()
+
+    async def __call__(self, request: HttpRequest, call_next: Handler) -> Reply:
+        started = time.perf_counter()
+        rid = request_id(request.header(_REQUEST_ID)) if self._access_log else ""
+        key: ApiKey | None = None
+        access = _UNCLASSIFIED
+        counted = False
+        limiter = self._limiter
+        try:
+            access = self._access.classify(request.path)
+            gate = self._gate
+            if gate is not None:
+                key = gate.authenticate(request.header(b"authorization"), access.need)
+                if key is not None and key.models is not None:
+                    model = body_model(request.body) if access.model_in_body else access.model
+                    gate.authorize_model(key, model)
+                if key is not None and limiter is not None and key.limits.any:
+                    generative = access.template in _GENERATIVE
+                    if limiter.local:
+                        counted = limiter.admit_now(key, generative)
+                    else:
+                        counted = await limiter.admit(key, generative)
+        except SlipstreamError as exc:
+            return self._answered(_refusal(exc, request.path), request, key, access, rid, started)
+        try:
+            reply = await call_next(request)
+        except BaseException:
+            if counted and key is not None and limiter is not None:
+                limiter.release(key)
+            raise
+        if isinstance(reply, StreamingResponse):
+            reply.chunks = self._finish_stream(
+                reply.chunks, reply.status, request, key, access, counted, rid, started
+            )
+            if rid:
+                reply.headers.append((_REQUEST_ID, rid.encode()))
+            return reply
+        if counted and key is not None and limiter is not None:
+            limiter.release(key)
+        if key is not None and key.limits.tokens_per_minute and access.template in _GENERATIVE:
+            assert limiter is not None  # a key with limits implies a limiter
+            await limiter.charge_tokens(key, _usage_tokens(reply.body))
+        if rid:
+            return self._answered(reply, request, key, access, rid, started)
+        return reply
+
+    def _answered(self, reply: HttpResponse, request: HttpRequest, key: ApiKey | None,
+                  access: RouteAccess, rid: str, started: float) -> HttpResponse:  # fmt: skip
+        if rid:
+            reply.headers.append((_REQUEST_ID, rid.encode()))
+            self._log(request, reply.status, key, access, rid, started, len(reply.body))
+        return reply
+
+    async def _finish_stream(
+        self,
+        chunks: AsyncIterator[bytes],
+        status: int,
+        request: HttpRequest,
+        key: ApiKey | None,
+        access: RouteAccess,
+        counted: bool,
+        rid: str,
+        started: float,
+    ) -> AsyncIterator[bytes]:
+        """The stream's chunks, then the bookkeeping its end allows: the concurrency slot
+        back, its tokens charged, its access-log line."""
+        sent = events = 0
+        usage = 0
+        try:
+            async for chunk in chunks:
+                sent += len(chunk)
+                events += 1
+                if b'"usage":{' in chunk:
+                    data = chunk[chunk.find(b"data: ") + 6 :]
+                    usage = _usage_tokens(data.strip()) or usage
+                yield chunk
+        finally:
+            # A client that left closes this generator; the route's own must close at once
+            # too (the LLM engine frees the sequence's KV-cache blocks in its finally).
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
+            if key is not None and self._limiter is not None:
+                if counted:
+                    self._limiter.release(key)
+                if access.template in _GENERATIVE and key.limits.tokens_per_minute:
+                    # Without a usage chunk, each event carried about one token.
+                    await self._limiter.charge_tokens(key, usage or events)
+            if rid:
+                self._log(request, status, key, access, rid, started, sent)
+
+    def _log(self, request: HttpRequest, status: int, key: ApiKey | None, access: RouteAccess,
+             rid: str, started: float, bytes_out: int) -> None:  # fmt: skip
+        model = access.model
+        if not model and access.model_in_body:
+            model = body_model(request.body)
+        AccessRecord(
+            rid, "http", request.method, request.path, key.name if key else "-", model,
+            access.version, str(status), (time.perf_counter() - started) * 1e3,
+            len(request.body), bytes_out,
+        ).emit()  # fmt: skip
+
+
+def _refusal(exc: SlipstreamError, path: str) -> HttpResponse:
+    body = openai.error(exc) if path.startswith("/v1/") else v2.encode_error(exc.message)
+    reply = error_reply(exc, body)
+    if isinstance(exc, TooManyRequests):
+        reply.headers += [(name.encode(), value.encode()) for name, value in exc.headers]
+    return reply
+
+
+def _usage_tokens(body: bytes) -> int:
+    """prompt + completion tokens of an OpenAI response body (0 when it has no usage)."""
+    try:
+        usage = orjson.loads(body).get("usage") or {}
+        return int(usage.get("total_tokens") or 0)
+    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return 0

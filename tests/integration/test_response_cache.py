@@ -1,0 +1,74 @@
+"""Issue #13: the response cache in a real server (``--cache local:size=...``).
+
+A repeated request is a hit that never reaches the batcher (the execution count does not
+move), over HTTP and gRPC alike; another input is a miss; a model whose config does not
+enable the cache is never cached; Triton's nv_cache_* metrics count it all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
+from tests.utils import RemoteServer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    root = tmp_path_factory.mktemp("cache")
+    build_add_sub(root / "repo", "cached")
+    write_config(root / "repo", "cached", {"response_cache": {"enable": True}})
+    build_add_sub(root / "repo", "plain")
+    with RemoteServer(root / "repo", ["--cache", "local:size=1MB"], log_dir=root) as running:
+        yield running
+
+
+def metric(server: RemoteServer, name: str, model: str) -> float:
+    text = httpx.get(server.url("/metrics")).text
+    found = re.search(rf'^{name}{{model="{model}",version="1"}} (\S+)$', text, re.M)
+    assert found, f"{name} of {model} missing from /metrics"
+    return float(found.group(1))
+
+
+def infer(client: object, module: object, model: str, value: float) -> np.ndarray:
+    data = np.full((1, ADD_SUB_WIDTH), value, np.float32)
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        tensor = module.InferInput(name, [1, ADD_SUB_WIDTH], "FP32")  # type: ignore[attr-defined]
+        tensor.set_data_from_numpy(data)
+        inputs.append(tensor)
+    result = client.infer(model, inputs)  # type: ignore[attr-defined]
+    return np.asarray(result.as_numpy("OUTPUT0"))
+
+
+def test_a_repeated_request_is_answered_from_the_cache_without_running(
+    server: RemoteServer,
+) -> None:
+    http = httpclient.InferenceServerClient(server.http_address)
+    grpc = grpcclient.InferenceServerClient(server.grpc_address)
+    assert np.all(infer(http, httpclient, "cached", 1.0) == 2.0)  # a miss: runs
+    executions = metric(server, "slipstream_execution_count_total", "cached")
+    assert np.all(infer(http, httpclient, "cached", 1.0) == 2.0)  # a hit
+    assert np.all(infer(grpc, grpcclient, "cached", 1.0) == 2.0)  # the same key over gRPC
+    assert metric(server, "slipstream_execution_count_total", "cached") == executions
+    assert metric(server, "nv_cache_num_hits_per_model", "cached") == 2
+    assert metric(server, "nv_cache_num_misses_per_model", "cached") == 1
+    assert metric(server, "nv_cache_hit_duration_per_model", "cached") > 0
+    assert np.all(infer(http, httpclient, "cached", 3.0) == 6.0)  # other inputs: a miss
+    assert metric(server, "nv_cache_num_misses_per_model", "cached") == 2
+    stats = httpx.get(server.url("/v2/models/cached/stats")).json()["model_stats"][0]
+    assert stats["inference_stats"]["cache_hit"]["count"] == 2
+
+    for _ in range(2):  # not enabled in its config: runs every time
+        infer(http, httpclient, "plain", 1.0)
+    assert metric(server, "slipstream_execution_count_total", "plain") == 2
+    assert metric(server, "nv_cache_num_hits_per_model", "plain") == 0
+    http.close()
+    grpc.close()

@@ -1,0 +1,151 @@
+"""The front door's parts without sockets: the keys file, the gate, the GCRA limiter."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from slipstream.errors import PermissionDenied, TooManyRequests, Unauthenticated
+from slipstream.security.gate import Gate, body_model, request_id
+from slipstream.security.keys import KeyLimits, KeyRing, KeysFileError
+from slipstream.security.limits import Limiter, MemoryStore, gcra
+from slipstream.security.metrics import FrontDoorMetrics
+from slipstream.server.front_door import HttpFrontDoor
+from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
+
+
+def test_a_key_is_shown_once_and_only_its_hash_is_stored(tmp_path: Path) -> None:
+    ring = KeyRing.load(tmp_path / "keys.json", missing_ok=True)
+    secret, key = ring.create("ci", "infer", models=["mlp"])
+    ring.save()
+    text = (tmp_path / "keys.json").read_text()
+    assert secret not in text and key.sha256 in text and secret.startswith("ss-")
+    assert (tmp_path / "keys.json").stat().st_mode & 0o777 == 0o600
+    again = KeyRing.load(tmp_path / "keys.json")
+    assert again.find(secret.encode()) == key
+    assert again.find(secret.encode() + b"x") is None
+    with pytest.raises(KeysFileError, match="exists"):
+        again.create("ci", "admin")
+    with pytest.raises(KeysFileError, match="--models"):
+        again.create("bad", "infer", models=["../etc"])
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        (b"not json", "cannot read"),
+        (b'{"keys": [{"name": "a", "role": "root", "sha256": "00"}]}', "keys[0].role"),
+        (b'{"keys": [{"name": "a", "role": "infer", "sha256": "zz"}]}', "keys[0].sha256"),
+        (b'{"keys": [{"name": "", "role": "infer"}]}', "keys[0].name"),
+    ],
+)
+def test_a_malformed_keys_file_is_refused_naming_the_entry(
+    tmp_path: Path, content: bytes, named: str
+) -> None:
+    (tmp_path / "keys.json").write_bytes(content)
+    with pytest.raises(KeysFileError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        KeyRing.load(tmp_path / "keys.json")
+
+
+def test_the_gate_answers_401_403_and_counts_by_reason(tmp_path: Path) -> None:
+    ring = KeyRing.load(tmp_path / "k.json", missing_ok=True)
+    infer, _ = ring.create("app", "infer", models=["mlp"])
+    metrics = FrontDoorMetrics()
+    gate = Gate(ring, metrics)
+    assert gate.authenticate(None, "open") is None
+    assert gate.authenticate(None, "metrics") is None  # /metrics open unless configured
+    with pytest.raises(Unauthenticated):
+        Gate(ring, metrics, metrics_need_key=True).authenticate(None, "metrics")
+    with pytest.raises(Unauthenticated):
+        gate.authenticate(b"Bearer ss-nope", "infer")
+    key = gate.authenticate(b"bearer " + infer.encode(), "infer")
+    assert key is not None and key.name == "app"
+    assert gate.authenticate(infer.encode(), "infer") == key  # gRPC metadata: bare key
+    with pytest.raises(PermissionDenied, match="needs role 'admin'"):
+        gate.authenticate(infer.encode(), "admin")
+    gate.authorize_model(key, "mlp")
+    with pytest.raises(PermissionDenied, match="may not use model 'minilm'"):
+        gate.authorize_model(key, "minilm")
+    assert dict(metrics.refused) == {
+        "missing_key": 1, "unknown_key": 1, "wrong_role": 1, "wrong_model": 1,
+    }  # fmt: skip
+
+
+def test_body_model_and_request_ids() -> None:
+    assert body_model(orjson.dumps({"model": "m", "prompt": "x"})) == "m"
+    assert body_model(b"[1]") == body_model(b"{") == body_model(b'{"model": 3}') == ""
+    assert request_id(b"abc-1") == "abc-1"
+    assert len(request_id(b"bad\nid")) == 32 and len(request_id(b"x" * 129)) == 32
+
+
+def test_gcra_admits_the_burst_then_one_per_interval() -> None:
+    tat, now, admitted = 0.0, 100.0, 0
+    for _ in range(20):
+        verdict, tat = gcra(tat, now, rate_per_s=10, burst=5, cost=1, force=False)
+        admitted += verdict.allowed
+    assert admitted == 5
+    verdict, _ = gcra(tat, now, 10, 5, 1, False)
+    assert not verdict.allowed and verdict.retry_after_s == pytest.approx(0.1)
+    verdict, tat = gcra(tat, now + 0.1, 10, 5, 1, False)
+    assert verdict.allowed
+
+
+async def test_the_limiter_refuses_concurrency_and_token_debt_with_ietf_headers() -> None:
+    metrics = FrontDoorMetrics()
+    limiter = Limiter(MemoryStore(), metrics)
+    ring = KeyRing(Path("unused"), [])
+    _, key = ring.create("gen", "infer", limits=KeyLimits(max_concurrent=2, tokens_per_minute=600))
+    assert await limiter.admit(key, generative=True)
+    assert await limiter.admit(key, generative=True)
+    with pytest.raises(TooManyRequests) as refused:
+        await limiter.admit(key, generative=True)
+    assert dict(refused.value.headers)["ratelimit-policy"] == '"concurrency";q=2'
+    limiter.release(key)
+    limiter.release(key)
+    # 900 tokens on a 600/minute budget: in debt for 30 s, so the next request waits.
+    await limiter.charge_tokens(key, 900)
+    with pytest.raises(TooManyRequests) as refused:
+        await limiter.admit(key, generative=True)
+    assert 25 <= refused.value.retry_after_s <= 31
+    assert dict(refused.value.headers)["ratelimit-policy"] == '"tokens";q=600;w=60'
+    assert await limiter.admit(key, generative=False)  # tokens bound generative routes only
+    assert metrics.limited == {("gen", "concurrency"): 1, ("gen", "tokens"): 1}
+
+
+async def test_a_stream_holds_its_slot_until_it_ends_or_is_closed_and_closes_the_route() -> None:
+    ring = KeyRing(Path("unused"), [])
+    secret, _ = ring.create("single", "infer", limits=KeyLimits(max_concurrent=1))
+    metrics = FrontDoorMetrics()
+    door = HttpFrontDoor(Gate(ring, metrics), Limiter(MemoryStore(), metrics), access_log=False)
+    closed: list[str] = []
+
+    async def tokens() -> AsyncIterator[bytes]:
+        try:
+            for index in range(100):
+                yield b"data: %d\n\n" % index
+        finally:
+            closed.append("route")  # where the LLM engine frees the sequence's blocks
+
+    async def route(request: HttpRequest) -> StreamingResponse:
+        return StreamingResponse(200, tokens())
+
+    def request() -> HttpRequest:
+        headers = [(b"authorization", b"Bearer " + secret.encode())]
+        return HttpRequest("POST", "/v1/completions", headers, b'{"model": "m"}')
+
+    first = await door(request(), route)
+    assert isinstance(first, StreamingResponse)
+    assert await anext(first.chunks) == b"data: 0\n\n"
+    refused = await door(request(), route)
+    assert isinstance(refused, HttpResponse) and refused.status == 429
+    await first.chunks.aclose()  # the client left mid-stream
+    assert closed == ["route"]
+    second = await door(request(), route)
+    assert isinstance(second, StreamingResponse)
+    assert len([chunk async for chunk in second.chunks]) == 100  # to its end
+    third = await door(request(), route)
+    assert isinstance(third, StreamingResponse)
+    await third.chunks.aclose()
