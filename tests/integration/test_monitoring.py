@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.llm_models import smollm2_gguf
 from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
-from tests.utils import HOST, RemoteServer, free_ports
+from tests.utils import HOST, RemoteServer, free_ports, slipstream_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -76,15 +76,34 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     repo = tmp_path_factory.mktemp("monitoring-repo")
     drift = {"enable": True, "window": 100, "reference_samples": 100}
     build_add_sub(repo, "watched")
-    write_config(repo, "watched", {"max_batch_size": 64, "monitoring": {"drift": drift}})
+    write_config(repo, "watched", {"max_batch_size": 64, "monitoring": {"drift": drift},
+                                   "response_cache": {"enable": True}})  # fmt: skip
     (repo / "smol" / "1").mkdir(parents=True)
     os.link(smollm2_gguf(), repo / "smol" / "1" / "model.gguf")
     write_config(repo, "smol", {"backend": "llama_cpp",
                                 "generation": {"num_blocks": 32, "max_num_seqs": 2}})  # fmt: skip
-    args = ["--price-per-hour", "1.5", "--cost-window-s", "30"]
+    # The front door and the cache on, so their families are exported too: a key for the
+    # traffic, and a tight one that is rate-limited.
+    keys = repo.parent / "keys.json"
+    for name, limits in (("monitor", ["--rate", "1000", "--burst", "1000"]),
+                         ("tight", ["--rate", "0.1", "--burst", "1"])):  # fmt: skip
+        made = subprocess.run(
+            [*slipstream_command(), "keys", "create", "--auth-file", str(keys), "--name", name,
+             "--role", "admin", *limits], capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        KEYS[name] = made.stdout.strip()
+    args = ["--price-per-hour", "1.5", "--cost-window-s", "30", "--auth-file", str(keys),
+            "--cache", "local:size=16MB"]  # fmt: skip
     with RemoteServer(repo, args, log_dir=repo) as running:
         traffic(running)
         yield running
+
+
+KEYS: dict[str, str] = {}
+
+
+def auth(name: str = "monitor") -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
 
 
 def traffic(server: RemoteServer) -> None:
@@ -98,12 +117,19 @@ def traffic(server: RemoteServer) -> None:
             tensor = httpclient.InferInput(name, [20, ADD_SUB_WIDTH], "FP32")
             tensor.set_data_from_numpy(rng.normal(size=(20, ADD_SUB_WIDTH)).astype(np.float32))
             inputs.append(tensor)
-        client.infer("watched", inputs)
+        client.infer("watched", inputs, headers=auth())
+        if not _:  # the same request again: a cache hit
+            client.infer("watched", inputs, headers=auth())
     client.close()
-    httpx.post(server.url("/v2/models/watched/infer"), content=b"{bad", timeout=10)
+    httpx.post(server.url("/v2/models/watched/infer"), content=b"{bad", headers=auth(),
+               timeout=10)  # fmt: skip
+    httpx.get(server.url("/v2/models/watched"), timeout=10)  # no key: 401
+    for _ in range(3):  # past the tight key's burst: 429
+        httpx.get(server.url("/v2/models/watched"), headers=auth("tight"), timeout=10)
     for _ in range(2):
         body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 4}
-        httpx.post(server.url("/v1/completions"), json=body, timeout=60).raise_for_status()
+        reply = httpx.post(server.url("/v1/completions"), json=body, headers=auth(), timeout=60)
+        reply.raise_for_status()
 
 
 @pytest.fixture(scope="module")
@@ -235,5 +261,5 @@ def traffic_step(server: RemoteServer) -> None:
             tensor = httpclient.InferInput(name, [4, ADD_SUB_WIDTH], "FP32")
             tensor.set_data_from_numpy(rng.normal(size=(4, ADD_SUB_WIDTH)).astype(np.float32))
             inputs.append(tensor)
-        client.infer("watched", inputs)
+        client.infer("watched", inputs, headers=auth())
     client.close()

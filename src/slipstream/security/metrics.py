@@ -14,12 +14,15 @@ class FrontDoorMetrics(Collector):
     """Counts updated on the event loop; turned into metric families at scrape time."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        # reason: missing_key, unknown_key, wrong_role, wrong_model.
-        self.refused: Counter[str] = Counter()
+        # reason: missing_key, unknown_key, wrong_role, wrong_model. The known labels
+        # start at 0, so their series exist (and rate() works) before the first event.
+        self.refused: Counter[str] = Counter(
+            dict.fromkeys(("missing_key", "unknown_key", "wrong_role", "wrong_model"), 0)
+        )
         # (key name, limit): requests, concurrency, tokens.
         self.limited: Counter[tuple[str, str]] = Counter()
         # Rate-limit store calls that failed (Redis unreachable), by what was done.
-        self.store_errors: Counter[str] = Counter()
+        self.store_errors: Counter[str] = Counter(dict.fromkeys(("admitted", "refused"), 0))
         if registry is not None:
             registry.register(self)
 
