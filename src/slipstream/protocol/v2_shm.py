@@ -53,7 +53,10 @@ def region_ref(where: str, parameters: Mapping[str, Any]) -> SharedMemoryRef | N
     ``parameters`` are plain values (JSON, or gRPC InferParameters already unpacked).
     ``where`` names the tensor in errors, e.g. ``input 'INPUT0'``.
     """
-    if not any(key in parameters for key in PARAMETERS):
+    # Every tensor of every request passes here: most carry no parameters at all.
+    if not parameters or (
+        REGION not in parameters and OFFSET not in parameters and BYTE_SIZE not in parameters
+    ):
         return None
     region = parameters.get(REGION)
     if not isinstance(region, str) or not region:

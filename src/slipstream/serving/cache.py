@@ -42,6 +42,10 @@ _SOCKET_TIMEOUT_S = 0.5
 
 def request_key(name: str, version: str, request: InferRequest) -> bytes | None:
     """The cache key of ``request`` on this model version (None: not cacheable)."""
+    if request.shared_memory_inputs or any(o.shared_memory for o in request.outputs or ()):
+        # A client's region: the key would not see its bytes, and a hit would write no
+        # output into it.
+        return None
     digest = hashlib.blake2b(digest_size=20)
     digest.update(f"{name}\0{version}\0".encode())
     for input_name in sorted(request.inputs):

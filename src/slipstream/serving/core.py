@@ -176,11 +176,7 @@ class ModelServer(InferenceService):
         except Unavailable:
             self._refuse_generative(request.model_name)
             raise
-        if (
-            self._cache is not None
-            and model.config.response_cache.enable
-            and not _uses_shared_memory(request)
-        ):
+        if self._cache is not None and model.config.response_cache.enable:
             return await self._infer_cached(model, request, self._cache)
         return await self._run(model, request)
 
@@ -323,9 +319,3 @@ def _count_failure(metrics: ModelMetrics, exc: SlipstreamError) -> None:
     else:
         reason = "internal"
     metrics.count_failure(reason)
-
-
-def _uses_shared_memory(request: InferRequest) -> bool:
-    """Inputs read from, or outputs written to, a client's region: not cacheable (the
-    key would not see the region's bytes, and a hit would write no output there)."""
-    return bool(request.shared_memory_inputs) or any(o.shared_memory for o in request.outputs or ())
