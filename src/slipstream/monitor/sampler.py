@@ -74,6 +74,8 @@ class DriftMonitor:
         self._references: dict[str, Reference] = {}
         self._captured: dict[str, list[np.ndarray]] = {}
         self._pending: dict[str, list[np.ndarray]] = {}
+        # Rows gathered so far per tensor, into _captured or _pending (whichever fills).
+        self._rows: dict[str, int] = {}
         path = version_dir / REFERENCE_FILE if version_dir is not None else None
         if path is not None and path.is_file():
             self._load_reference(path)
@@ -126,6 +128,7 @@ class DriftMonitor:
                 with self._wake:
                     self._wake.wait_for(lambda: self._closed, self._settings.min_interval_s)
                 self._pending.clear()  # rows that came in with the last ones: not sampled
+                self._rows.clear()
                 self._open = True
 
     def _drain(self) -> None:
@@ -151,16 +154,16 @@ class DriftMonitor:
                 continue
             target = self._captured if self.state.reference == "capturing" else self._pending
             target.setdefault(name, []).append(rows)
+            self._rows[name] = self._rows.get(name, 0) + len(rows)
         if self.state.reference == "capturing":
             self._maybe_finish_capture()
 
     def _window_full(self) -> bool:
         window = self._settings.window
-        return any(sum(len(r) for r in parts) >= window for parts in self._pending.values())
+        return any(rows >= window for rows in self._rows.values())
 
     def _maybe_finish_capture(self) -> None:
-        counts = {name: sum(len(r) for r in parts) for name, parts in self._captured.items()}
-        self.state.reference_rows = min(counts.values(), default=0)
+        self.state.reference_rows = min(self._rows.values(), default=0)
         if self.state.reference_rows < self._settings.reference_samples:
             return
         for name, parts in self._captured.items():
@@ -171,6 +174,7 @@ class DriftMonitor:
             except ValueError as exc:  # rows of another shape than the first ones
                 self.state.skipped[name] = str(exc)
         self._captured.clear()
+        self._rows.clear()
         self.state.reference = "captured"
         logger.info(
             "drift reference of %s:%s captured from %d rows",
