@@ -133,23 +133,16 @@ class Limiter:
     def admit_now(self, key: ApiKey, generative: bool) -> bool:
         """:meth:`admit` of a local store, without a coroutine (the hot path)."""
         limits = key.limits
-        if limits.max_concurrent and self._in_flight[key.name] >= limits.max_concurrent:
-            self._refuse_concurrency(key)
+        self._check_concurrency(key)
         if limits.requests_per_s:
-            burst = _burst(limits.requests_per_s, limits.burst)
-            verdict = self.store.acquire_now(self._bucket(key), limits.requests_per_s, burst, 1)
-            if not verdict.allowed:
-                self._refuse(key, "requests", burst, burst / limits.requests_per_s, verdict,
-                             f"{limits.requests_per_s:g} requests/s (burst {burst})")  # fmt: skip
+            rate, burst = limits.requests_per_s, _burst(limits.requests_per_s, limits.burst)
+            self._check_requests(
+                key, burst, self.store.acquire_now(self._bucket(key), rate, burst, 1)
+            )
         if generative and limits.tokens_per_minute:
             tpm = limits.tokens_per_minute
-            verdict = self.store.acquire_now(f"tok:{key.name}", tpm / 60.0, tpm, 0)
-            if not verdict.allowed:
-                self._refuse(key, "tokens", tpm, 60.0, verdict, f"{tpm} tokens/minute")
-        if limits.max_concurrent:
-            self._in_flight[key.name] += 1
-            return True
-        return False
+            self._check_tokens(key, self.store.acquire_now(f"tok:{key.name}", tpm / 60.0, tpm, 0))
+        return self._count_in(key)
 
     def _bucket(self, key: ApiKey) -> str:
         bucket = self._buckets.get(key.name)
@@ -172,20 +165,33 @@ class Limiter:
         if self._local:
             return self.admit_now(key, generative)
         limits = key.limits
-        if limits.max_concurrent and self._in_flight[key.name] >= limits.max_concurrent:
-            self._refuse_concurrency(key)
+        self._check_concurrency(key)
         if limits.requests_per_s:
-            burst = _burst(limits.requests_per_s, limits.burst)
-            verdict = await self._ask(self._bucket(key), limits.requests_per_s, burst, 1)
-            if not verdict.allowed:
-                self._refuse(key, "requests", burst, burst / limits.requests_per_s, verdict,
-                             f"{limits.requests_per_s:g} requests/s (burst {burst})")  # fmt: skip
+            rate, burst = limits.requests_per_s, _burst(limits.requests_per_s, limits.burst)
+            self._check_requests(key, burst, await self._ask(self._bucket(key), rate, burst, 1))
         if generative and limits.tokens_per_minute:
             tpm = limits.tokens_per_minute
-            verdict = await self._ask(f"tok:{key.name}", tpm / 60.0, tpm, 0)
-            if not verdict.allowed:
-                self._refuse(key, "tokens", tpm, 60.0, verdict, f"{tpm} tokens/minute")
-        if limits.max_concurrent:
+            self._check_tokens(key, await self._ask(f"tok:{key.name}", tpm / 60.0, tpm, 0))
+        return self._count_in(key)
+
+    def _check_concurrency(self, key: ApiKey) -> None:
+        limit = key.limits.max_concurrent
+        if limit and self._in_flight[key.name] >= limit:
+            self._refuse_concurrency(key)
+
+    def _check_requests(self, key: ApiKey, burst: int, verdict: Verdict) -> None:
+        if not verdict.allowed:
+            rate = key.limits.requests_per_s
+            self._refuse(key, "requests", burst, burst / rate, verdict,
+                         f"{rate:g} requests/s (burst {burst})")  # fmt: skip
+
+    def _check_tokens(self, key: ApiKey, verdict: Verdict) -> None:
+        if not verdict.allowed:
+            tpm = key.limits.tokens_per_minute
+            self._refuse(key, "tokens", tpm, 60.0, verdict, f"{tpm} tokens/minute")
+
+    def _count_in(self, key: ApiKey) -> bool:
+        if key.limits.max_concurrent:
             self._in_flight[key.name] += 1
             return True
         return False
