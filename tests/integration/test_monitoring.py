@@ -109,18 +109,7 @@ def auth(name: str = "monitor") -> dict[str, str]:
 def traffic(server: RemoteServer) -> None:
     """Enough of every kind that each panel has a series: V2 inference past two drift
     windows, a failed request, completions (one from a shared prefix)."""
-    rng = np.random.default_rng(0)
-    client = httpclient.InferenceServerClient(f"{HOST}:{server.http_port}")
-    for _ in range(15):
-        inputs = []
-        for name in ("INPUT0", "INPUT1"):
-            tensor = httpclient.InferInput(name, [20, ADD_SUB_WIDTH], "FP32")
-            tensor.set_data_from_numpy(rng.normal(size=(20, ADD_SUB_WIDTH)).astype(np.float32))
-            inputs.append(tensor)
-        client.infer("watched", inputs, headers=auth())
-        if not _:  # the same request again: a cache hit
-            client.infer("watched", inputs, headers=auth())
-    client.close()
+    infer_watched(server, np.random.default_rng(0), requests=15, rows=20, repeat_first=True)
     httpx.post(server.url("/v2/models/watched/infer"), content=b"{bad", headers=auth(),
                timeout=10)  # fmt: skip
     httpx.get(server.url("/v2/models/watched"), timeout=10)  # no key: 401
@@ -253,13 +242,25 @@ def test_the_built_in_dashboard_draws_its_charts_in_a_real_browser(
 
 def traffic_step(server: RemoteServer) -> None:
     """A few requests between scrapes, so rates and quantiles have something to show."""
-    rng = np.random.default_rng()
+    infer_watched(server, np.random.default_rng(), requests=3, rows=4)
+
+
+def infer_watched(
+    server: RemoteServer,
+    rng: np.random.Generator,
+    requests: int,
+    rows: int,
+    repeat_first: bool = False,
+) -> None:
+    """V2 inference on `watched` with the stock tritonclient; ``repeat_first`` sends the
+    first request twice (the second is a cache hit)."""
     client = httpclient.InferenceServerClient(f"{HOST}:{server.http_port}")
-    for _ in range(3):
+    for index in range(requests):
         inputs = []
         for name in ("INPUT0", "INPUT1"):
-            tensor = httpclient.InferInput(name, [4, ADD_SUB_WIDTH], "FP32")
-            tensor.set_data_from_numpy(rng.normal(size=(4, ADD_SUB_WIDTH)).astype(np.float32))
+            tensor = httpclient.InferInput(name, [rows, ADD_SUB_WIDTH], "FP32")
+            tensor.set_data_from_numpy(rng.normal(size=(rows, ADD_SUB_WIDTH)).astype(np.float32))
             inputs.append(tensor)
-        client.infer("watched", inputs, headers=auth())
+        for _ in range(2 if repeat_first and index == 0 else 1):
+            client.infer("watched", inputs, headers=auth())
     client.close()
