@@ -321,6 +321,8 @@ async def serve_cap(record_from: str, port: int, model: str) -> None:
     """A grpc.aio server answering each RPC with bytes recorded once from the real one."""
     import grpc
 
+    from slipstream.protocol.grpc_codec import varint
+
     answers = record_answers(record_from, model)
     infer_answer = answers["ModelInfer"]
 
@@ -335,8 +337,8 @@ async def serve_cap(record_from: str, port: int, model: str) -> None:
         # recorded answer as field 3 (a parser reads fields in any order).
         async for request in requests:  # type: ignore[attr-defined]
             request_id = _request_id(request)
-            inner = infer_answer + b"\x1a" + _varint(len(request_id)) + request_id
-            yield b"\x12" + _varint(len(inner)) + inner
+            inner = infer_answer + b"\x1a" + varint(len(request_id)) + request_id
+            yield b"\x12" + varint(len(inner)) + inner
 
     handlers = {name: unary(answer) for name, answer in answers.items()}
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(stream)
@@ -388,17 +390,17 @@ def _request_id(message: bytes) -> bytes:
     """ModelInferRequest.id (field 3) read off the wire: fields 1 and 2 are strings."""
     position = 0
     while position < len(message):
-        tag, position = _read_varint(message, position)
+        tag, position = _readvarint(message, position)
         if tag & 7 != 2 or tag >> 3 > 3:
             return b""
-        length, position = _read_varint(message, position)
+        length, position = _readvarint(message, position)
         if tag >> 3 == 3:
             return message[position : position + length]
         position += length
     return b""
 
 
-def _read_varint(data: bytes, position: int) -> tuple[int, int]:
+def _readvarint(data: bytes, position: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         byte = data[position]
@@ -407,15 +409,6 @@ def _read_varint(data: bytes, position: int) -> tuple[int, int]:
         if byte < 0x80:
             return value, position
         shift += 7
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,11 +111,24 @@ async def _status(reader: asyncio.StreamReader) -> str:
     return data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "closed"
 
 
-async def header_bomb(port: int, stop: asyncio.Event) -> str:
+Behaviour = Callable[[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Event], Awaitable[str]]
+
+
+async def hostile(port: int, stop: asyncio.Event, behave: Behaviour) -> str:
+    """One connection that ``behave``s, then stays open until ``stop``; what it got."""
     opened = await _open(port)
     if opened is None:
         return "refused"
     reader, writer = opened
+    result = await behave(reader, writer, stop)
+    await stop.wait()
+    writer.close()
+    return result
+
+
+async def header_bomb(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stop: asyncio.Event
+) -> str:
     writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\nX-Big: ")
     status = asyncio.ensure_future(_status(reader))
     with contextlib.suppress(OSError):
@@ -123,17 +137,12 @@ async def header_bomb(port: int, stop: asyncio.Event) -> str:
                 break
             writer.write(b"a" * 65536)
             await writer.drain()
-    result = await status
-    await stop.wait()
-    writer.close()
-    return result
+    return await status
 
 
-async def slowloris(port: int, stop: asyncio.Event) -> str:
-    opened = await _open(port)
-    if opened is None:
-        return "refused"
-    reader, writer = opened
+async def slowloris(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stop: asyncio.Event
+) -> str:
     writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n")
     status = asyncio.ensure_future(_status(reader))
     with contextlib.suppress(OSError):
@@ -144,33 +153,26 @@ async def slowloris(port: int, stop: asyncio.Event) -> str:
             line += 1
     result = await status if status.done() else "held"
     status.cancel()
-    await stop.wait()
-    writer.close()
     return result
 
 
-async def idle(port: int, stop: asyncio.Event) -> str:
-    opened = await _open(port)
-    if opened is None:
-        return "refused"
-    reader, writer = opened
+async def idle(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stop: asyncio.Event
+) -> str:
     writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
-        result = head.split(b" ", 2)[1].decode()
+        return head.split(b" ", 2)[1].decode()
     except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
-        result = type(exc).__name__
-    await stop.wait()
-    writer.close()
-    return result
+        return type(exc).__name__
 
 
 async def attack(port: int, connections: int, hold_s: float) -> dict[str, dict[str, int]]:
     stop = asyncio.Event()
     kinds = {"header_bomb": header_bomb, "slowloris": slowloris, "idle": idle}
     tasks = {
-        kind: [asyncio.ensure_future(make(port, stop)) for _ in range(connections)]
-        for kind, make in kinds.items()
+        kind: [asyncio.ensure_future(hostile(port, stop, behave)) for _ in range(connections)]
+        for kind, behave in kinds.items()
     }
     await asyncio.sleep(hold_s)
     stop.set()

@@ -348,14 +348,14 @@ def serialize_stream_infer_response(response: InferResponse) -> bytes:
     """The wire bytes of ``ModelStreamInferResponse(infer_response=...)``, one copy."""
     parts = _infer_response_parts(response)
     size = sum(len(part) for part in parts)
-    return b"".join([_STREAM_INFER_RESPONSE_TAG, _varint(size), *parts])
+    return b"".join([_STREAM_INFER_RESPONSE_TAG, varint(size), *parts])
 
 
 def _infer_response_parts(response: InferResponse) -> list[bytes | memoryview]:
     header, raw_contents = _response_header(response)
     parts: list[bytes | memoryview] = [header.SerializeToString()]
     for data in raw_contents:
-        parts.append(_RAW_OUTPUT_TAG + _varint(len(data)))
+        parts.append(_RAW_OUTPUT_TAG + varint(len(data)))
         parts.append(data)
     return parts
 
@@ -383,7 +383,8 @@ def _response_header(
     return message, raw_contents
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """Protobuf's base-128 varint of a non-negative int (a length or a tag)."""
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
