@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -157,7 +158,10 @@ class V2RestApp:
     ) -> HttpResponse:
         # parts: <kind>sharedmemory [region <name>] status|register|unregister
         action = parts[-1]
-        region = parts[2] if len(parts) == 4 and parts[1] == "region" else ""
+        # Percent-decoded once, as model names are (tritonclient quotes the name it sends).
+        region = (
+            unquote(parts[2], errors="replace") if len(parts) == 4 and parts[1] == "region" else ""
+        )
         wanted = "GET" if action == "status" else "POST"
         if (
             (len(parts) != 2 and not region)
