@@ -350,7 +350,7 @@ def list_keys(auth_file: Path) -> None:
 @_AUTH_FILE
 @click.option("--name", required=True, help="The key to remove.")
 def revoke_key(auth_file: Path, name: str) -> None:
-    """Remove a key (servers read the file when they start)."""
+    """Remove a key (running servers read the change within a second)."""
     from slipstream.security.keys import KeyRing, KeysFileError
 
     try:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import grpc
@@ -32,7 +34,7 @@ from slipstream.security.keys import KeyLimits, KeyRing
 from slipstream.server.router import known_routes
 from slipstream.server.v2_grpc import SERVICE_NAME, _GrpcFrontend
 from tests.models import ADD_SUB_WIDTH, build_add_sub
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, slipstream_command
 
 # The model the restricted key may use ("ghost" is not in the repository, so an admin
 # load or unload of it changes nothing), and one it may not.
@@ -312,3 +314,40 @@ def test_the_access_log_has_one_json_line_per_request_and_echoes_request_ids(
     assert over_grpc["status"] == "OK"
     log = server.log_text()
     assert not any(secret in log for name, secret in secrets_.items() if name != "file")
+
+
+def test_keys_created_and_revoked_on_disk_take_effect_without_a_restart(
+    server: RemoteServer, secrets_: dict[str, str]
+) -> None:
+    cli = [*slipstream_command(), "keys"]
+    made = subprocess.run(
+        [*cli, "create", "--auth-file", secrets_["file"], "--name", "late", "--role", "infer"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    late = made.stdout.strip()
+    url = server.url("/v2/models/add_sub")
+
+    def status_within(expected: int, secret: str) -> None:
+        deadline = time.monotonic() + 10
+        while (status := httpx.get(url, headers=bearer(secret)).status_code) != expected:
+            assert time.monotonic() < deadline, f"{status} != {expected}: {server.log_tail()}"
+            time.sleep(0.1)
+
+    status_within(200, late)
+    # Remembered after its first check, a revoked key must still be refused.
+    subprocess.run([*cli, "revoke", "--auth-file", secrets_["file"], "--name", "late"],
+                   check=True, capture_output=True)  # fmt: skip
+    status_within(401, late)
+    assert httpx.get(url, headers=bearer(secrets_["infer"])).status_code == 200
+    # A keys file broken by hand keeps the keys in use, and says so in the log.
+    keys_file = Path(secrets_["file"])
+    good = keys_file.read_bytes()
+    try:
+        keys_file.write_bytes(b"{not json")
+        deadline = time.monotonic() + 10
+        while "cannot be used" not in server.log_text():
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.1)
+        assert httpx.get(url, headers=bearer(secrets_["infer"])).status_code == 200
+    finally:
+        keys_file.write_bytes(good)

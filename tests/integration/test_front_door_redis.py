@@ -19,8 +19,8 @@ import httpx
 import pytest
 import redis as redis_client
 
-from slipstream.errors import Unavailable
-from slipstream.security.keys import KeyLimits, KeyRing
+from slipstream.errors import TooManyRequests, Unavailable
+from slipstream.security.keys import ApiKey, KeyLimits, KeyRing
 from slipstream.security.limits import Limiter
 from slipstream.security.metrics import FrontDoorMetrics
 from slipstream.security.redis_store import RedisStore
@@ -213,3 +213,51 @@ async def test_the_redis_gcra_admits_concurrent_checks_exactly_as_the_local_one(
         assert not debt.allowed and 29 <= debt.retry_after_s <= 30.01
     finally:
         await store.close()
+
+
+async def test_fast_keys_spend_leases_and_two_processes_still_share_one_budget(
+    redis: RedisServer,
+) -> None:
+    """Two stores (two server processes) share each key's budget: at 2,000 requests/s
+    (leases of 10 tokens, LEASE_S of the rate) they admit no more than it together; at
+    10^6 requests/s (a key that never refuses) Redis answers a small share of the checks."""
+    ring = KeyRing(Path("unused.json"), [])
+    _, shared = ring.create("shared", "infer", limits=KeyLimits(2000.0, 40))
+    _, fast = ring.create("fast", "infer", limits=KeyLimits(1e6, 1_000_000))
+    limiters = [Limiter(RedisStore(redis.url), FrontDoorMetrics()) for _ in range(2)]
+    stats = redis_client.Redis(port=redis.port)
+
+    async def drive(key: ApiKey, seconds: float) -> tuple[int, int, float, int]:
+        """(admitted, refused, elapsed s, script calls) of 64 clients over both stores."""
+        counts = [0, 0]
+        calls = stats.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+
+        async def client(limiter: Limiter, until: float) -> None:
+            while time.monotonic() < until:
+                try:
+                    await limiter.admit(key, generative=False)
+                    counts[0] += 1
+                except TooManyRequests:
+                    counts[1] += 1
+                await asyncio.sleep(0)
+
+        started = time.monotonic()
+        await asyncio.gather(
+            *(client(limiter, started + seconds) for limiter in limiters for _ in range(32))
+        )
+        elapsed = time.monotonic() - started
+        calls = stats.info("commandstats")["cmdstat_evalsha"]["calls"] - calls
+        return counts[0], counts[1], elapsed, calls
+
+    try:
+        admitted, refused, elapsed, _ = await drive(shared, 1.0)
+        budget = 40 + 2000.0 * elapsed
+        assert refused > 0, "the clients never asked for more than the budget"
+        assert 0.8 * budget <= admitted <= budget + 1, (admitted, budget)
+        admitted, refused, _, calls = await drive(fast, 0.5)
+        assert refused == 0 and admitted > 1000
+        assert calls <= admitted / 20, f"{calls} script calls for {admitted} admitted requests"
+    finally:
+        for limiter in limiters:
+            await limiter.store.close()
+        stats.close()

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import orjson
 import pytest
 
 from slipstream.errors import PermissionDenied, TooManyRequests, Unauthenticated
-from slipstream.security.gate import Gate, body_model, request_id
+from slipstream.security.gate import Gate, body_model, request_id, watch_keys
 from slipstream.security.keys import KeyLimits, KeyRing, KeysFileError
 from slipstream.security.limits import Limiter, MemoryStore, gcra
 from slipstream.security.metrics import FrontDoorMetrics
@@ -149,3 +150,52 @@ async def test_a_stream_holds_its_slot_until_it_ends_or_is_closed_and_closes_the
     third = await door(request(), route)
     assert isinstance(third, StreamingResponse)
     await third.chunks.aclose()
+
+
+def test_the_gate_remembers_valid_credentials_only_until_the_keys_change(tmp_path: Path) -> None:
+    ring = KeyRing.load(tmp_path / "k.json", missing_ok=True)
+    secret, _ = ring.create("app", "infer")
+    header = b"Bearer " + secret.encode()
+    gate = Gate(ring, FrontDoorMetrics())
+    assert gate.authenticate(header, "infer") is not None
+    assert gate.authenticate(header, "infer") is not None  # the remembered credential
+    for _ in range(3):  # an unknown key is refused every time, never remembered
+        with pytest.raises(Unauthenticated):
+            gate.authenticate(b"Bearer ss-guess", "infer")
+    with pytest.raises(PermissionDenied):  # the role is checked on a remembered key too
+        gate.authenticate(header, "admin")
+    gate.replace_keys(KeyRing(tmp_path / "k.json", []))  # the key was revoked
+    with pytest.raises(Unauthenticated):
+        gate.authenticate(header, "infer")
+
+
+async def test_watch_keys_serves_a_changed_file_and_keeps_the_keys_when_it_breaks(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "k.json"
+    ring = KeyRing.load(path, missing_ok=True)
+    first, _ = ring.create("first", "infer")
+    ring.save()
+    gate = Gate(KeyRing.load(path), FrontDoorMetrics())
+    watcher = asyncio.create_task(watch_keys(gate, interval_s=0.01))
+    try:
+        second, _ = ring.create("second", "admin")
+        ring.save()
+        await _until(lambda: len(gate.keys.keys) == 2)
+        assert gate.authenticate(second.encode(), "admin") is not None
+        path.write_text("{broken")
+        await asyncio.sleep(0.05)
+        assert len(gate.keys.keys) == 2 and gate.authenticate(first.encode(), "infer")
+        path.unlink()
+        await asyncio.sleep(0.05)
+        assert len(gate.keys.keys) == 2
+    finally:
+        watcher.cancel()
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("never happened")

@@ -7,6 +7,7 @@ ask this gate; it answers with the key, or raises the 401 / 403 / 429 to send.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -16,18 +17,30 @@ import orjson
 
 from slipstream.errors import PermissionDenied, Unauthenticated
 from slipstream.security.access import Need
-from slipstream.security.keys import ApiKey, KeyRing
+from slipstream.security.keys import ApiKey, KeyRing, KeysFileError, file_state
 from slipstream.security.metrics import FrontDoorMetrics
 
 access_logger = logging.getLogger("slipstream.access")
+logger = logging.getLogger(__name__)
 
 _BEARER = b"bearer "
 # Longest X-Request-Id taken from a client; a longer or unprintable one is replaced.
 _MAX_REQUEST_ID = 128
+# Most verified credentials remembered (spellings of the keys' Authorization values).
+_MAX_KNOWN = 1024
 
 
 class Gate:
-    """API-key checks; one per server, shared by the HTTP and gRPC front doors."""
+    """API-key checks; one per server, shared by the HTTP and gRPC front doors.
+
+    A credential (the whole ``Authorization`` value) that passed the full check once is
+    remembered, so a client's next requests cost one dict lookup instead of a SHA-256 and
+    a constant-time comparison. The lookup compares only with credentials already proven
+    valid, and its hash is Python's keyed SipHash (a random key per process), so its
+    timing tells an attacker nothing about any secret. Only valid credentials enter, in
+    at most ``_MAX_KNOWN`` spellings; :meth:`replace_keys` (a changed keys file) forgets
+    them all, so a revoked key is refused from then on.
+    """
 
     def __init__(
         self, keys: KeyRing, metrics: FrontDoorMetrics, metrics_need_key: bool = False
@@ -35,11 +48,32 @@ class Gate:
         self._keys = keys
         self._metrics = metrics
         self._metrics_need_key = metrics_need_key
+        self._known: dict[bytes, ApiKey] = {}
+
+    @property
+    def keys(self) -> KeyRing:
+        return self._keys
+
+    def replace_keys(self, keys: KeyRing) -> None:
+        """Serve ``keys`` from now on (the keys file changed)."""
+        self._keys = keys
+        self._known = {}
 
     def authenticate(self, authorization: bytes | None, need: Need) -> ApiKey | None:
         """The request's key (None on an open route); raises 401 or 403 (wrong role)."""
         if need == "open" or (need == "metrics" and not self._metrics_need_key):
             return None
+        key = self._known.get(authorization) if authorization else None
+        if key is None:
+            key = self._verify(authorization)
+        if need == "admin" and key.role != "admin":
+            self._metrics.refused["wrong_role"] += 1
+            raise PermissionDenied(
+                f"API key {key.name!r} has role {key.role!r}; this route needs role 'admin'"
+            )
+        return key
+
+    def _verify(self, authorization: bytes | None) -> ApiKey:
         if not authorization:
             self._metrics.refused["missing_key"] += 1
             raise Unauthenticated(
@@ -53,11 +87,9 @@ class Gate:
         if key is None:
             self._metrics.refused["unknown_key"] += 1
             raise Unauthenticated("the API key is not known to this server; check it")
-        if need == "admin" and key.role != "admin":
-            self._metrics.refused["wrong_role"] += 1
-            raise PermissionDenied(
-                f"API key {key.name!r} has role {key.role!r}; this route needs role 'admin'"
-            )
+        if len(self._known) >= _MAX_KNOWN:
+            self._known = {}
+        self._known[authorization] = key
         return key
 
     def authorize_model(self, key: ApiKey | None, model: str) -> None:
@@ -68,6 +100,28 @@ class Gate:
                 f"API key {key.name!r} may not use model {model!r}; it may use "
                 f"{sorted(key.models or ())}"
             )
+
+
+async def watch_keys(gate: Gate, interval_s: float = 1.0) -> None:
+    """Serve the keys file's changes (`slipstream keys create|revoke` on a running
+    server) within ``interval_s``; a file that does not parse is logged and the keys in
+    use stay. Runs until cancelled."""
+    path = gate.keys.path
+    seen = gate.keys.file_state
+    while True:
+        await asyncio.sleep(interval_s)
+        state = file_state(path)
+        if state == seen:
+            continue
+        seen = state
+        try:
+            keys = KeyRing.load(path)
+        except KeysFileError as exc:
+            logger.error("keys file changed but cannot be used (%s); the %d keys read "
+                         "before stay in use", exc, len(gate.keys.keys))  # fmt: skip
+            continue
+        gate.replace_keys(keys)
+        logger.info("keys file %s read again: %d keys", path, len(keys.keys))
 
 
 def body_model(body: bytes) -> str:

@@ -70,6 +70,15 @@ class ApiKey:
         return self.models is None or model in self.models
 
 
+def file_state(path: Path) -> tuple[int, int, int] | None:
+    """What changes when a file is written or replaced (None: it is missing)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
 def hash_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
@@ -80,12 +89,15 @@ class KeyRing:
     def __init__(self, path: Path, keys: list[ApiKey]) -> None:
         self.path = path
         self.keys = keys
+        # The file as it was read (see file_state): what a later change differs from.
+        self.file_state = file_state(path)
         # SHA-256 digest -> (the same digest, the key).
         self._by_hash = {bytes.fromhex(k.sha256): (bytes.fromhex(k.sha256), k) for k in keys}
 
     @classmethod
     def load(cls, path: Path, missing_ok: bool = False) -> KeyRing:
         """Read a keys file; KeysFileError names the problem (``missing_ok``: empty ring)."""
+        before = file_state(path)
         try:
             data = orjson.loads(path.read_bytes())
         except FileNotFoundError:
@@ -101,7 +113,9 @@ class KeyRing:
         names = [key.name for key in keys]
         if len(set(names)) != len(names):
             raise KeysFileError(f"{path}: key names must be unique, got {sorted(names)}")
-        return cls(path, keys)
+        ring = cls(path, keys)
+        ring.file_state = before
+        return ring
 
     def find(self, secret: bytes) -> ApiKey | None:
         """The key ``secret`` is, or None; compared in constant time."""

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from slipstream.errors import TooManyRequests, Unavailable
-from slipstream.security.keys import ApiKey
+from slipstream.security.keys import ApiKey, KeyLimits
 from slipstream.security.metrics import FrontDoorMetrics
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,11 @@ class LimitStore(ABC):
         """Take ``cost`` from ``bucket`` if ``burst`` allows it (``force``: take it even
         into debt, never refused). Raises StoreUnavailable when the store cannot answer."""
 
+    def take_now(self, bucket: str, rate_per_s: float, burst: int, cost: int) -> bool:
+        """Admit the check without awaiting, where the store can (a lease it holds);
+        False: :meth:`acquire` must decide."""
+        return False
+
     async def close(self) -> None:  # noqa: B027 - most stores hold nothing to release
         """Release connections."""
 
@@ -94,15 +99,36 @@ class MemoryStore(LimitStore):
     def acquire_now(
         self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
     ) -> Verdict:
-        verdict, self._tats[bucket] = gcra(
-            self._tats.get(bucket, 0.0), time.monotonic(), rate_per_s, burst, cost, force
-        )
+        tats = self._tats
+        now = time.monotonic()
+        tat = tats.get(bucket, now)
+        if tat < now:
+            tat = now
+        interval = 1.0 / rate_per_s
+        new_tat = tat + cost * interval
+        if new_tat - now <= burst * interval or force:
+            tats[bucket] = new_tat  # the admitted path of gcra(), without its tuple
+            return _ADMITTED
+        verdict, tats[bucket] = gcra(tat, now, rate_per_s, burst, cost, force)
         return verdict
 
     async def acquire(
         self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
     ) -> Verdict:
         return self.acquire_now(bucket, rate_per_s, burst, cost, force)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One key's limits as its checks use them."""
+
+    limits: KeyLimits
+    bucket: str
+    tokens: str
+    rate_per_s: float
+    burst: int
+    max_concurrent: int
+    tokens_per_minute: int
 
 
 def _burst(rate_per_s: float, burst: int) -> int:
@@ -122,8 +148,8 @@ class Limiter:
         self._in_flight: Counter[str] = Counter()
         self._store_down = False
         self._local = store.local
-        # Key name -> its requests bucket (built once, not per request).
-        self._buckets: dict[str, str] = {}
+        # Key name -> what its checks need, built once (again when its limits change).
+        self._plans: dict[str, _Plan] = {}
 
     @property
     def local(self) -> bool:
@@ -132,23 +158,30 @@ class Limiter:
 
     def admit_now(self, key: ApiKey, generative: bool) -> bool:
         """:meth:`admit` of a local store, without a coroutine (the hot path)."""
-        limits = key.limits
-        self._check_concurrency(key)
-        if limits.requests_per_s:
-            rate, burst = limits.requests_per_s, _burst(limits.requests_per_s, limits.burst)
-            self._check_requests(
-                key, burst, self.store.acquire_now(self._bucket(key), rate, burst, 1)
-            )
-        if generative and limits.tokens_per_minute:
-            tpm = limits.tokens_per_minute
-            self._check_tokens(key, self.store.acquire_now(f"tok:{key.name}", tpm / 60.0, tpm, 0))
-        return self._count_in(key)
+        plan = self._plan(key)
+        if plan.rate_per_s:
+            verdict = self.store.acquire_now(plan.bucket, plan.rate_per_s, plan.burst, 1)
+            if not verdict.allowed:
+                self._check_requests(key, plan.burst, verdict)
+        if generative and plan.tokens_per_minute:
+            tpm = plan.tokens_per_minute
+            self._check_tokens(key, self.store.acquire_now(plan.tokens, tpm / 60.0, tpm, 0))
+        return self._count_in(key, plan)
 
-    def _bucket(self, key: ApiKey) -> str:
-        bucket = self._buckets.get(key.name)
-        if bucket is None:
-            bucket = self._buckets[key.name] = f"req:{key.name}"
-        return bucket
+    def _plan(self, key: ApiKey) -> _Plan:
+        """What ``key``'s checks need; refuses it first when its requests in flight are
+        at its limit."""
+        plan = self._plans.get(key.name)
+        if plan is None or plan.limits is not key.limits:
+            limits = key.limits
+            plan = self._plans[key.name] = _Plan(
+                limits, f"req:{key.name}", f"tok:{key.name}", limits.requests_per_s,
+                _burst(limits.requests_per_s, limits.burst) if limits.requests_per_s else 0,
+                limits.max_concurrent, limits.tokens_per_minute,
+            )  # fmt: skip
+        if plan.max_concurrent and self._in_flight[key.name] >= plan.max_concurrent:
+            self._refuse_concurrency(key)
+        return plan
 
     def _refuse_concurrency(self, key: ApiKey) -> None:
         limit = key.limits.max_concurrent
@@ -164,20 +197,14 @@ class Limiter:
         toward the key's concurrency (then :meth:`release` it)."""
         if self._local:
             return self.admit_now(key, generative)
-        limits = key.limits
-        self._check_concurrency(key)
-        if limits.requests_per_s:
-            rate, burst = limits.requests_per_s, _burst(limits.requests_per_s, limits.burst)
-            self._check_requests(key, burst, await self._ask(self._bucket(key), rate, burst, 1))
-        if generative and limits.tokens_per_minute:
-            tpm = limits.tokens_per_minute
-            self._check_tokens(key, await self._ask(f"tok:{key.name}", tpm / 60.0, tpm, 0))
-        return self._count_in(key)
-
-    def _check_concurrency(self, key: ApiKey) -> None:
-        limit = key.limits.max_concurrent
-        if limit and self._in_flight[key.name] >= limit:
-            self._refuse_concurrency(key)
+        plan = self._plan(key)
+        rate, burst = plan.rate_per_s, plan.burst
+        if rate and not self.store.take_now(plan.bucket, rate, burst, 1):
+            self._check_requests(key, burst, await self._ask(plan.bucket, rate, burst, 1))
+        if generative and plan.tokens_per_minute:
+            tpm = plan.tokens_per_minute
+            self._check_tokens(key, await self._ask(plan.tokens, tpm / 60.0, tpm, 0))
+        return self._count_in(key, plan)
 
     def _check_requests(self, key: ApiKey, burst: int, verdict: Verdict) -> None:
         if not verdict.allowed:
@@ -190,8 +217,8 @@ class Limiter:
             tpm = key.limits.tokens_per_minute
             self._refuse(key, "tokens", tpm, 60.0, verdict, f"{tpm} tokens/minute")
 
-    def _count_in(self, key: ApiKey) -> bool:
-        if key.limits.max_concurrent:
+    def _count_in(self, key: ApiKey, plan: _Plan) -> bool:
+        if plan.max_concurrent:
             self._in_flight[key.name] += 1
             return True
         return False

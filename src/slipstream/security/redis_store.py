@@ -9,6 +9,14 @@ entry with a count, of which the script admits as many as the bucket holds, in o
 Under load a request so costs a small share of one call, not a call. The keys share a
 hash tag, so the script also runs on a Redis Cluster.
 
+A fast key does not need a round trip a request: where a key's rate is high, a call
+asks for a *lease* beyond the checks at hand, up to ``LEASE_S`` of the key's rate, and
+the tokens Redis grants beyond them are spent by this process's next requests without
+asking (:meth:`RedisStore.take_now`). Redis has counted them already, so the shared
+budget holds; a lease unspent after the time it stands for is dropped (admitting less,
+never more). A key of up to ``1 / LEASE_S`` requests/s gets no lease: every check is
+Redis's.
+
 After a failed call the store answers StoreUnavailable without asking Redis for
 ``_RETRY_AFTER_FAILURE_S``, so an outage costs each request nothing but a check.
 """
@@ -16,7 +24,9 @@ After a failed call the store answers StoreUnavailable without asking Redis for
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from slipstream.security.limits import LimitStore, StoreUnavailable, Verdict
@@ -59,6 +69,8 @@ _RETRY_AFTER_FAILURE_S = 0.5
 _SOCKET_TIMEOUT_S = 0.5
 # Most entries sent in one script call.
 _MAX_ENTRIES_PER_CALL = 512
+# A lease is at most this much of a key's rate (and at most its burst).
+LEASE_S = 0.005
 
 
 def redis_client(url: str) -> Any:
@@ -76,6 +88,24 @@ def redis_client(url: str) -> Any:
 _Entries = dict[tuple[str, str], list["asyncio.Future[Verdict]"]]
 
 
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """One kind of check, formatted once."""
+
+    text: str  # the script's "interval capacity cost force"
+    wait_offset_us: float  # a refused check's wait: its reset time plus this
+    lease: int  # tokens asked for beyond the checks at hand (0: no lease)
+    lease_s: float  # how long leased tokens may be spent
+
+
+class _Lease:
+    __slots__ = ("tokens", "until")
+
+    def __init__(self, tokens: int, until: float) -> None:
+        self.tokens = tokens
+        self.until = until
+
+
 class RedisStore(LimitStore):
     """GCRA buckets in Redis at ``url`` (``redis://host:port[/db]``)."""
 
@@ -88,26 +118,53 @@ class RedisStore(LimitStore):
         # A flush is scheduled or a script call is under way: new checks just queue.
         self._busy = False
         # (rate, burst, cost, force) -> the entry's arguments, formatted once.
-        self._arguments: dict[tuple[float, int, int, bool], tuple[str, float]] = {}
+        self._shapes: dict[tuple[float, int, int, bool], _Shape] = {}
+        # "interval capacity cost force" -> its shape, for the replies.
+        self._by_text: dict[str, _Shape] = {}
+        # Prefixed bucket -> tokens Redis granted this process ahead of its requests.
+        self._leases: dict[str, _Lease] = {}
+
+    def take_now(self, bucket: str, rate_per_s: float, burst: int, cost: int) -> bool:
+        """Admit one check from this process's lease on ``bucket``, without a call; False
+        when there is none (then :meth:`acquire` asks Redis)."""
+        lease = self._leases.get(_PREFIX + bucket)
+        if lease is None or cost != 1:
+            return False
+        if time.monotonic() >= lease.until:
+            del self._leases[_PREFIX + bucket]
+            return False
+        lease.tokens -= 1
+        if not lease.tokens:
+            del self._leases[_PREFIX + bucket]
+        return True
+
+    def _shape(self, rate_per_s: float, burst: int, cost: int, force: bool) -> _Shape:
+        key = (rate_per_s, burst, cost, force)
+        shape = self._shapes.get(key)
+        if shape is None:
+            interval_us = 1e6 / rate_per_s
+            capacity_us = burst * interval_us
+            text = f"{interval_us:.3f} {capacity_us:.3f} {cost} {1 if force else 0}"
+            lease = 0
+            if cost == 1 and not force:
+                lease = min(burst, math.floor(rate_per_s * LEASE_S))
+                lease = lease if lease > 1 else 0
+            shape = self._shapes[key] = self._by_text[text] = _Shape(
+                text, cost * interval_us - capacity_us, lease, lease * interval_us / 1e6
+            )
+        return shape
 
     async def acquire(
         self, bucket: str, rate_per_s: float, burst: int, cost: int, force: bool = False
     ) -> Verdict:
         if self._down_until and time.monotonic() < self._down_until:
             raise StoreUnavailable("Redis failed a moment ago")
-        shape = (rate_per_s, burst, cost, force)
-        argument = self._arguments.get(shape)
-        if argument is None:
-            interval_us = 1e6 / rate_per_s
-            capacity_us = burst * interval_us
-            text = f"{interval_us:.3f} {capacity_us:.3f} {cost} {1 if force else 0}"
-            # A refused check's wait: the reset time plus its cost, less the capacity.
-            argument = self._arguments[shape] = (text, cost * interval_us - capacity_us)
+        shape = self._shape(rate_per_s, burst, cost, force)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Verdict] = loop.create_future()
-        waiting = self._pending.get((_PREFIX + bucket, argument[0]))
+        waiting = self._pending.get((_PREFIX + bucket, shape.text))
         if waiting is None:
-            self._pending[_PREFIX + bucket, argument[0]] = [future]
+            self._pending[_PREFIX + bucket, shape.text] = [future]
         else:
             waiting.append(future)
         if not self._busy:
@@ -117,7 +174,7 @@ class RedisStore(LimitStore):
         if verdict.allowed:
             return verdict
         reset_s = verdict.reset_s
-        return Verdict(False, reset_s + argument[1] / 1e6, reset_s)
+        return Verdict(False, reset_s + shape.wait_offset_us / 1e6, reset_s)
 
     def _flush(self) -> None:
         """Send what is queued as one call; checks arriving meanwhile wait for the next,
@@ -127,10 +184,31 @@ class RedisStore(LimitStore):
             return
         batch: _Entries = {}
         for entry in list(self._pending)[:_MAX_ENTRIES_PER_CALL]:
-            batch[entry] = self._pending.pop(entry)
+            futures = self._pending.pop(entry)
+            if entry[0] in self._leases:
+                futures = self._spend_lease(entry[0], futures)
+            if futures:
+                batch[entry] = futures
+        if not batch:
+            self._busy = False
+            return
         task = asyncio.get_running_loop().create_task(self._call(batch))
         self._tasks.add(task)
         task.add_done_callback(self._call_done)
+
+    def _spend_lease(
+        self, bucket: str, futures: list[asyncio.Future[Verdict]]
+    ) -> list[asyncio.Future[Verdict]]:
+        """Admit checks that queued while their bucket's lease came in; the rest."""
+        lease = self._leases[bucket]
+        spent = min(lease.tokens, len(futures)) if time.monotonic() < lease.until else 0
+        for future in futures[:spent]:
+            if not future.done():
+                future.set_result(_ADMITTED)
+        lease.tokens -= spent
+        if not lease.tokens or not spent:
+            del self._leases[bucket]
+        return futures[spent:]
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -141,7 +219,10 @@ class RedisStore(LimitStore):
         try:
             replies = await self._script(
                 keys=[bucket for bucket, _ in batch],
-                args=[f"{text} {len(futures)}" for (_, text), futures in batch.items()],
+                args=[
+                    f"{text} {len(futures) + self._by_text[text].lease}"
+                    for (_, text), futures in batch.items()
+                ],
             )
             if len(replies) != 2 * len(batch):
                 raise ValueError(f"{len(replies)} numbers for {len(batch)} entries")
@@ -153,8 +234,13 @@ class RedisStore(LimitStore):
             _fail(batch, StoreUnavailable(f"the call was stopped: {exc!r}"))
             raise
         self._down_until = 0.0
-        for index, futures in enumerate(batch.values()):
+        for index, ((bucket, text), futures) in enumerate(batch.items()):
             admitted, reset_us = replies[2 * index], replies[2 * index + 1]
+            if admitted > len(futures):
+                shape = self._by_text[text]
+                self._leases[bucket] = _Lease(
+                    admitted - len(futures), time.monotonic() + shape.lease_s
+                )
             refused = Verdict(False, 0.0, reset_us / 1e6)  # its wait: see acquire
             for position, future in enumerate(futures):
                 if not future.done():

@@ -42,7 +42,7 @@ class HttpFrontDoor:
         self._access = HttpAccess()
 
     async def __call__(self, request: HttpRequest, call_next: Handler) -> Reply:
-        started = time.perf_counter()
+        started = time.perf_counter() if self._access_log else 0.0
         rid = request_id(request.header(_REQUEST_ID)) if self._access_log else ""
         key: ApiKey | None = None
         access = _UNCLASSIFIED
@@ -53,23 +53,27 @@ class HttpFrontDoor:
             gate = self._gate
             if gate is not None:
                 key = gate.authenticate(request.header(b"authorization"), access.need)
-                if key is not None and key.models is not None:
-                    model = body_model(request.body) if access.model_in_body else access.model
-                    gate.authorize_model(key, model)
-                if key is not None and limiter is not None and key.limits.any:
-                    generative = access.template in _GENERATIVE
-                    if limiter.local:
-                        counted = limiter.admit_now(key, generative)
-                    else:
-                        counted = await limiter.admit(key, generative)
+                if key is not None:
+                    if key.models is not None:
+                        model = body_model(request.body) if access.model_in_body else access.model
+                        gate.authorize_model(key, model)
+                    if limiter is not None:
+                        generative = access.template in _GENERATIVE
+                        if limiter.local:
+                            counted = limiter.admit_now(key, generative)
+                        else:
+                            counted = await limiter.admit(key, generative)
         except SlipstreamError as exc:
             return self._answered(_refusal(exc, request.path), request, key, access, rid, started)
-        try:
+        if key is None or limiter is None:
             reply = await call_next(request)
-        except BaseException:
-            if counted and key is not None and limiter is not None:
-                limiter.release(key)
-            raise
+        else:
+            try:
+                reply = await call_next(request)
+            except BaseException:
+                if counted:
+                    limiter.release(key)
+                raise
         if isinstance(reply, StreamingResponse):
             reply.chunks = self._finish_stream(
                 reply.chunks, reply.status, request, key, access, counted, rid, started
@@ -77,11 +81,11 @@ class HttpFrontDoor:
             if rid:
                 reply.headers.append((_REQUEST_ID, rid.encode()))
             return reply
-        if counted and key is not None and limiter is not None:
-            limiter.release(key)
-        if key is not None and key.limits.tokens_per_minute and access.template in _GENERATIVE:
-            assert limiter is not None  # a key with limits implies a limiter
-            await limiter.charge_tokens(key, _usage_tokens(reply.body))
+        if key is not None and limiter is not None:
+            if counted:
+                limiter.release(key)
+            if key.limits.tokens_per_minute and access.template in _GENERATIVE:
+                await limiter.charge_tokens(key, _usage_tokens(reply.body))
         if rid:
             return self._answered(reply, request, key, access, rid, started)
         return reply

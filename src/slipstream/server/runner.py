@@ -23,7 +23,7 @@ from slipstream.monitor.registry import DriftMonitors
 from slipstream.observability.cost import CostTracker
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol.v2 import encode_error
-from slipstream.security.gate import Gate
+from slipstream.security.gate import Gate, watch_keys
 from slipstream.security.keys import KeyRing, KeysFileError
 from slipstream.security.limits import Limiter, LimitStore, MemoryStore
 from slipstream.security.metrics import FrontDoorMetrics
@@ -112,18 +112,20 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         await grpc_server.start()
         logger.info("gRPC server listening on %s:%d", settings.host, grpc_port)
 
-    cost_task = None
+    background: list[asyncio.Task[None]] = []
     if settings.price_per_hour is not None:
         tracker = CostTracker(metrics, settings.price_per_hour, settings.cost_window_s)
         metrics.registry.register(tracker)
-        cost_task = asyncio.create_task(_sample_costs(tracker))
+        background.append(asyncio.create_task(_sample_costs(tracker)))
+    if door and door[0] is not None:
+        background.append(asyncio.create_task(watch_keys(door[0])))
     # Models load while the servers already answer health/live (ready comes after).
     start_task = asyncio.create_task(service.start())
     stop_task = asyncio.create_task(stop.wait())
     exit_code = await _run_until_stopped(start_task, stop_task, settings)
     logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
                 settings.shutdown_timeout_s)  # fmt: skip
-    for task in (start_task, stop_task, *([cost_task] if cost_task else [])):
+    for task in (start_task, stop_task, *background):
         task.cancel()
     await asyncio.gather(
         *([http_server.shutdown(settings.shutdown_timeout_s)] if http_server else []),
@@ -157,17 +159,17 @@ def front_door_parts(
     keys = KeyRing.load(settings.auth_file)
     counts = FrontDoorMetrics(registry)
     gate = Gate(keys, counts, settings.metrics_need_key)
-    limiter = None
-    if any(key.limits.any for key in keys.keys):
-        store: LimitStore = MemoryStore()
-        if settings.rate_limit_store.startswith("redis://"):
-            from slipstream.security.redis_store import RedisStore
+    # Always a limiter, though no key has limits yet: a key created with limits while the
+    # server runs (the keys file is read again) is limited at once.
+    store: LimitStore = MemoryStore()
+    if settings.rate_limit_store.startswith("redis://"):
+        from slipstream.security.redis_store import RedisStore
 
-            store = RedisStore(settings.rate_limit_store)
-        limiter = Limiter(store, counts, settings.rate_limit_fail_closed)
+        store = RedisStore(settings.rate_limit_store)
+    limiter = Limiter(store, counts, settings.rate_limit_fail_closed)
     where = settings.rate_limit_store.split(":", 1)[0]  # no Redis password in the log
-    logger.info("API keys from %s: %d keys, %s", settings.auth_file, len(keys.keys),
-                f"rate limits in {where}" if limiter else "no rate limits")  # fmt: skip
+    logger.info("API keys from %s: %d keys, rate limits in %s", settings.auth_file,
+                len(keys.keys), where)  # fmt: skip
     return gate, limiter, settings.access_log
 
 
