@@ -39,6 +39,7 @@ def setup(
         "free": ring.create("free", "infer")[0],
         "metered": ring.create("metered", "infer",
                                limits=KeyLimits(tokens_per_minute=TOKENS_PER_MINUTE))[0],
+        "tenant": ring.create("tenant", "admin", models=["tiny"])[0],
     }  # fmt: skip
     ring.save()
     args = ["--cache", "local:size=8MB", "--auth-file", str(root / "keys.json")]
@@ -96,3 +97,18 @@ def test_tokens_per_minute_count_usage_and_refuse_when_spent(
     # The debt is paid back at the budget's rate: the wait says when.
     debt_s = (spent - TOKENS_PER_MINUTE) * 60 / TOKENS_PER_MINUTE
     assert abs(int(refused.headers["retry-after"]) - debt_s) <= 3
+
+
+def test_a_key_restricted_to_some_models_lists_only_those(
+    setup: tuple[RemoteServer, dict[str, str]],
+) -> None:
+    server, secrets = setup
+    every = openai.OpenAI(base_url=server.url("/v1"), api_key=secrets["free"], max_retries=0)
+    assert [model.id for model in every.models.list()] == ["tiny", "tiny_cached"]
+    tenant = openai.OpenAI(base_url=server.url("/v1"), api_key=secrets["tenant"], max_retries=0)
+    assert [model.id for model in tenant.models.list()] == ["tiny"]
+    with pytest.raises(openai.PermissionDeniedError):
+        tenant.models.retrieve("tiny_cached")
+    index = httpx.post(server.url("/v2/repository/index"),
+                       headers={"Authorization": f"Bearer {secrets['tenant']}"})  # fmt: skip
+    assert index.status_code == 200 and {entry["name"] for entry in index.json()} == {"tiny"}

@@ -113,3 +113,20 @@ def test_openai_request_schemas_are_the_validating_models(model: Any) -> None:
     assert set(schema.get("required", [])) == {
         name for name, field in model.model_fields.items() if field.is_required()
     }
+
+
+def test_every_operation_documents_the_front_doors_refusals() -> None:
+    document = openapi_document("test")
+    assert document["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+    for template, item in document["paths"].items():
+        shape = "OpenAIError" if template.startswith("/v1/") else "V2Error"
+        for method, operation in item.items():
+            if method == "parameters":
+                continue
+            responses = operation["responses"]
+            for status in ("401", "403", "429"):
+                schema = responses[status]["content"]["application/json"]["schema"]
+                assert schema["$ref"].endswith(shape), (method, template, status)
+            assert {"Retry-After", "RateLimit", "RateLimit-Policy"} <= set(
+                responses["429"]["headers"]
+            )

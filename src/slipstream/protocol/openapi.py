@@ -447,9 +447,52 @@ def openapi_document(version: str) -> dict[str, Any]:
             "type, param, code}} on /v1 routes.",
             "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
         },
-        "paths": _v2_paths() | _openai_paths(),
-        "components": {"schemas": v2_schemas() | openai_schemas()},
+        "paths": _with_front_door(_v2_paths() | _openai_paths()),
+        "components": {
+            "schemas": v2_schemas() | openai_schemas(),
+            "securitySchemes": {
+                "apiKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "An API key of `slipstream keys create`, where the server "
+                    "runs with --auth-file (gRPC: metadata `authorization`)",
+                }
+            },
+        },
+        # No key, or a key: a server without --auth-file asks for none.
+        "security": [{}, {"apiKey": []}],
     }
+
+
+_RATE_LIMIT_HEADERS = _RETRY_AFTER | {
+    "RateLimit-Policy": {
+        "description": 'The limit that refused the request, e.g. "requests";q=10;w=1 '
+        "(draft-ietf-httpapi-ratelimit-headers)",
+        "schema": {"type": "string"},
+    },
+    "RateLimit": {
+        "description": 'What is left of it, e.g. "requests";r=0;t=1',
+        "schema": {"type": "string"},
+    },
+}
+
+
+def _with_front_door(paths: dict[str, Any]) -> dict[str, Any]:
+    """Every operation's answers of the front door (servers with --auth-file; which
+    routes need which role: docs/security.md), in its route's error shape."""
+    for template, item in paths.items():
+        shape = _OPENAI_ERROR if template.startswith("/v1/") else _V2_ERROR
+        for method, operation in item.items():
+            if method not in ("get", "post", "put", "delete", "patch"):
+                continue  # the path's shared parameters
+            limited = response("Over a rate limit of the key", shape)
+            limited["headers"] = _RATE_LIMIT_HEADERS
+            operation["responses"] |= {
+                "401": response("No API key, or one this server does not know", shape),
+                "403": response("The key's role or models do not allow this", shape),
+                "429": limited,
+            }
+    return paths
 
 
 @cache

@@ -57,6 +57,7 @@ class HttpFrontDoor:
                     if key.models is not None:
                         model = body_model(request.body) if access.model_in_body else access.model
                         gate.authorize_model(key, model)
+                        request.models = key.models
                     if limiter is not None:
                         generative = access.template in _GENERATIVE
                         if limiter.local:

@@ -22,6 +22,9 @@ class HttpRequest:
     headers: list[tuple[bytes, bytes]]
     body: bytes
     query: bytes = b""
+    # The models the caller's API key may use (None: every model); set by the front door,
+    # so lists of models (/v1/models, the repository index) show only these.
+    models: frozenset[str] | None = None
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of a (lower-case) header, or None."""

@@ -76,7 +76,10 @@ class OpenAIApp:
         route = request.path.rstrip("/")
         if request.method in ("GET", "HEAD"):
             if route == "/v1/models":
-                return HttpResponse(200, openai.models_list(self._model_list()))
+                listed = self._model_list()
+                if request.models is not None:  # only what the caller's key may use
+                    listed = [entry for entry in listed if entry[0] in request.models]
+                return HttpResponse(200, openai.models_list(listed))
             if route.startswith("/v1/models/"):
                 name = path_model_name(route.removeprefix("/v1/models/"))
                 for entry, created in self._model_list():

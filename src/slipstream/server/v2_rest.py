@@ -122,17 +122,22 @@ class V2RestApp:
             if route == "models/stats":
                 return _json(v2_meta.model_stats_json(service.model_statistics()))
         if method == "POST" and parts[:1] == ["repository"]:
-            return await self._repository_route(parts[1:], request.body)
+            return await self._repository_route(parts[1:], request.body, request.models)
         raise no_route(method, f"/v2/{route}")
 
-    async def _repository_route(self, parts: list[str], body: bytes) -> HttpResponse:
+    async def _repository_route(
+        self, parts: list[str], body: bytes, visible: frozenset[str] | None
+    ) -> HttpResponse:
         service = self._service
         options = v2.load_json_object(body) if body else {}
         if parts == ["index"]:
             ready_only = options.get("ready", False)
             if type(ready_only) is not bool:
                 raise InvalidRequest(f"ready: expected true or false, got {ready_only!r}")
-            return _json(v2_meta.repository_index_json(service.repository_index(ready_only)))
+            entries = service.repository_index(ready_only)
+            if visible is not None:  # only what the caller's key may use
+                entries = [entry for entry in entries if entry.name in visible]
+            return _json(v2_meta.repository_index_json(entries))
         if len(parts) >= 3 and parts[0] == "models" and parts[-1] in ("load", "unload"):
             # Extra segments are a name with '/' in it: refused by name, not "no route".
             name = path_model_name("/".join(parts[1:-1]))
