@@ -479,7 +479,7 @@ _RATE_LIMIT_HEADERS = _RETRY_AFTER | {
 
 def _with_front_door(paths: dict[str, Any]) -> dict[str, Any]:
     """Every operation's answers of the front door (servers with --auth-file; which
-    routes need which role: docs/security.md), in its route's error shape."""
+    routes need which role: security/access.py), in its route's error shape."""
     for template, item in paths.items():
         shape = _OPENAI_ERROR if template.startswith("/v1/") else _V2_ERROR
         for method, operation in item.items():
