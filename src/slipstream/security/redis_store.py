@@ -14,7 +14,7 @@ asks for a *lease* beyond the checks at hand, up to ``LEASE_S`` of the key's rat
 the tokens Redis grants beyond them are spent by this process's next requests without
 asking (:meth:`RedisStore.take_now`). Redis has counted them already, so the shared
 budget holds; a lease unspent after the time it stands for is dropped (admitting less,
-never more). A key of up to ``1 / LEASE_S`` requests/s gets no lease: every check is
+never more). A key under ``2 / LEASE_S`` requests/s gets no lease: every check is
 Redis's.
 
 After a failed call the store answers StoreUnavailable without asking Redis for
