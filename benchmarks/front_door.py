@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import statistics
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -64,6 +66,14 @@ class Load:
     # other work shares the server's core.
     all_requests: int = 0
     server_cpu_s: float = 0.0
+    # The model's inferences and batch executions over the level (V2 statistics): their
+    # ratio is the mean batch, which moves CPU per request more than any per-request step.
+    inferences: int = 0
+    executions: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return self.inferences / self.executions if self.executions else 0.0
 
     @property
     def cpu_per_request_us(self) -> float:
@@ -236,18 +246,36 @@ def servers(specs: list[ServerSpec], core: int | None, work: Path) -> Iterator[N
 
 
 def rounds(
-    levels: dict[str, tuple[int, bytes]], connections: int, args: argparse.Namespace
+    levels: dict[str, tuple[int, bytes]],
+    connections: int,
+    args: argparse.Namespace,
+    stats: tuple[str, dict[str, str]] | None = None,
 ) -> dict[str, list[Load]]:
-    """Every level once per round, in turn, so drift on a shared machine hits all alike."""
+    """Every level once per round, in turn, so drift on a shared machine hits all alike.
+    ``stats``: (model, headers) to read each level's mean batch from the V2 statistics."""
     results: dict[str, list[Load]] = {label: [] for label in levels}
     processes = {label: _listening(port) for label, (port, _) in levels.items()}
     for _ in range(args.rounds):
         for label, target in levels.items():
             before = _cpu_s(processes[label])
+            counts = _model_counts(target[0], stats)
             load = drive([target], connections, args.warmup, args.duration)
             load.server_cpu_s = _cpu_s(processes[label]) - before
+            after = _model_counts(target[0], stats)
+            load.inferences, load.executions = after[0] - counts[0], after[1] - counts[1]
             results[label].append(load)
     return results
+
+
+def _model_counts(port: int, stats: tuple[str, dict[str, str]] | None) -> tuple[int, int]:
+    """(inference_count, execution_count) of the model's first version, or zeros."""
+    if stats is None:
+        return 0, 0
+    model, headers = stats
+    url = f"http://127.0.0.1:{port}/v2/models/{model}/stats"
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers)) as reply:
+        entry = json.load(reply)["model_stats"][0]
+    return int(entry["inference_count"]), int(entry["execution_count"])
 
 
 def _listening(port: int) -> psutil.Process | None:
@@ -270,6 +298,7 @@ def report(label: str, loads: list[Load], base: list[Load] | None = None, target
     rate = statistics.median(load.req_per_s for load in loads)
     p50 = statistics.median(load.p50_ms for load in loads)
     cpu_us = statistics.median(load.cpu_per_request_us for load in loads)
+    batch = statistics.median(load.mean_batch for load in loads)
     ratio = ""
     if base:
         ratios = [load.req_per_s / b.req_per_s for load, b in zip(loads, base, strict=True)]
@@ -290,15 +319,20 @@ def report(label: str, loads: list[Load], base: list[Load] | None = None, target
             if status != 200:
                 other[status] = other.get(status, 0) + count
     print(
-        f"  {label:<30} {rate:9.0f} req/s  p50 {p50:7.3f} ms  CPU/req {cpu_us:6.1f} us{ratio}"
-        f"{'  non-200: ' + str(other) if other else ''}",
+        f"  {label:<30} {rate:9.0f} req/s  p50 {p50:7.3f} ms  CPU/req {cpu_us:6.1f} us"
+        + (f"  batch {batch:5.1f}" if batch else "")
+        + ratio
+        + (f"  non-200: {other}" if other else ""),
         flush=True,
     )
 
 
 def auth_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
     print(f"1. auth + limiter, mlp, C={args.connections}")
-    auth_file, key = make_key(work, "bench", "--rate", "1000000", "--burst", "1000000")
+    # An admin key: it may also read the statistics (the mean batch of each level).
+    auth_file, key = make_key(
+        work, "bench", "--role", "admin", "--rate", "1000000", "--burst", "1000000"
+    )
     bearer = {"Authorization": f"Bearer {key}"}
     with redis_server(work, args.redis_core) as url:
         none = serve_spec("none", repo)
@@ -314,6 +348,7 @@ def auth_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
                 },
                 args.connections,
                 args,
+                stats=("mlp", bearer),
             )
     report("no auth, no limits", loads["none"])
     # What the Authorization header costs the HTTP parser alone, with no front door.
