@@ -68,6 +68,15 @@ def main() -> None:
 )
 @click.option("--shutdown-timeout-s", type=float, default=30.0, help=_help("shutdown_timeout_s"))
 @click.option(
+    "--idle-unload-seconds",
+    type=float,
+    default=_default("idle_unload_seconds"),
+    help=_help("idle_unload_seconds"),
+)
+@click.option(
+    "--load-wait-s", type=float, default=_default("load_wait_s"), help=_help("load_wait_s")
+)
+@click.option(
     "--max-header-bytes",
     type=int,
     default=_default("max_header_bytes"),

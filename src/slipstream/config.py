@@ -275,6 +275,16 @@ class ModelConfig(_Strict):
         description="/v1/embeddings: most tokens one request may carry, summed over its "
         "inputs (OpenAI's own limit is 300,000); more is refused with a 400",
     )
+    idle_unload_seconds: float | None = Field(
+        None,
+        ge=0,
+        description="Unload the model after this long without a request (0: never; unset: "
+        "the server's --idle-unload-seconds); the next request loads it again and waits "
+        "for it (scale to zero inside one server)",
+    )
+    pin: bool = Field(
+        False, description="Keep the model loaded however long it is idle (idle_unload_seconds)"
+    )
     trust_pickle: bool = Field(
         False,
         description="Allow loading a model file that unpickles when loaded (scikit-learn "
@@ -376,6 +386,19 @@ class ServerSettings(_Strict):
     )
     repository_poll_secs: float = Field(
         15.0, gt=0, description="How often poll mode rescans the repository."
+    )
+    idle_unload_seconds: float = Field(
+        0.0,
+        ge=0,
+        description="Unload a V2 model after this long without a request (0: never); a "
+        "model's config.yaml may set its own idle_unload_seconds, or pin: true. The next "
+        "request loads it again and waits for it, up to --load-wait-s.",
+    )
+    load_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest a request waits for its idle-unloaded model to load again (or "
+        "its own timeout, when shorter); past it: 503 with Retry-After, and the load goes on.",
     )
     max_request_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Larger request bodies are refused with 413."

@@ -18,11 +18,14 @@ class ModelStateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         ready = GaugeMetricFamily(
             "slipstream_model_ready",
-            "1 when the model version is READY; 0 while it loads, unloads or after its load "
-            "failed (state says which)",
+            "1 when the model version is READY; 0 while it loads, unloads, after its load "
+            "failed, or while it sleeps after an idle unload (state IDLE; its next request "
+            "loads it) (state says which)",
             labels=["model", "version", "state"],
         )
         for entry in self._service.repository_index():
             state = entry.state or "UNLOADED"
+            if state == "UNAVAILABLE" and entry.reason == "idle":
+                state = "IDLE"
             ready.add_metric([entry.name, entry.version, state], float(state == "READY"))
         yield ready

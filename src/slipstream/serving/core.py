@@ -22,7 +22,8 @@ from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
-from slipstream.serving.manager import ModelManager
+from slipstream.serving.idle import IdleWatcher
+from slipstream.serving.manager import ModelAsleep, ModelManager
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.service import InferenceService, ModelLane
 from slipstream.serving.shared_memory import SystemSharedMemory
@@ -74,6 +75,9 @@ class ModelServer(InferenceService):
         self._started = False
         self._stopping = False
         self._poll_task: asyncio.Task[None] | None = None
+        # Unloads models idle past their idle_unload_seconds (scale to zero).
+        self._idle = IdleWatcher(self.models, settings.idle_unload_seconds)
+        self._idle_task: asyncio.Task[None] | None = None
 
     @property
     def response_cache(self) -> ResponseCache | None:
@@ -97,13 +101,15 @@ class ModelServer(InferenceService):
         await others
         if mode == "poll":
             self._poll_task = asyncio.create_task(self._poll_forever())
+        self._idle_task = asyncio.create_task(self._idle.run())
         self._started = True
 
     async def stop(self) -> None:
         """Refuse new work, let queued and running requests finish, unload everything."""
         self._stopping = True
-        if self._poll_task is not None:
-            self._poll_task.cancel()
+        for task in (self._poll_task, self._idle_task):
+            if task is not None:
+                task.cancel()
         await asyncio.gather(self.models.close(), *(lane.close() for lane in self._lanes))
         self.shared_memory.close()
         if self._cache is not None:
@@ -133,23 +139,34 @@ class ModelServer(InferenceService):
         return ServerMetadata("slipstream", __version__, list(EXTENSIONS))
 
     def model_ready(self, name: str, version: str = "") -> bool:
+        """Loaded, or asleep (idle-unloaded) and able to load for its next request."""
         validate_model_name(name)  # a bad name is a 400, not "not ready"
         try:
             self.models.resolve(name, version)
+        except ModelAsleep:
+            return True
         except SlipstreamError:
             return False
         return True
 
     def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         model = self._resolve_for_metadata(name, version)
-        return model.metadata(self.models.loaded_versions(name))
+        if isinstance(model, ModelVersion):
+            return model.metadata(self.models.loaded_versions(name))
+        return model[0]
 
     def model_config(self, name: str, version: str = "") -> ModelConfig:
-        return self._resolve_for_metadata(name, version).config
+        model = self._resolve_for_metadata(name, version)
+        return model.config if isinstance(model, ModelVersion) else model[1]
 
-    def _resolve_for_metadata(self, name: str, version: str) -> ModelVersion:
+    def _resolve_for_metadata(
+        self, name: str, version: str
+    ) -> ModelVersion | tuple[ModelMetadata, ModelConfig]:
+        """The loaded version, or an asleep one's metadata and config as last loaded."""
         try:
             return self.models.resolve(name, version)
+        except ModelAsleep:
+            return self.models.sleeping_version(name, version)
         except Unavailable as exc:
             self._refuse_generative(name)
             # Metadata of a model that is not loaded is unknown: answer as Triton does.
@@ -158,10 +175,11 @@ class ModelServer(InferenceService):
     def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
         if name:
             if version:
-                return [self._resolve_for_metadata(name, version).stats.snapshot()]
+                model = self._resolve_for_metadata(name, version)
+                return [model.stats.snapshot()] if isinstance(model, ModelVersion) else []
             models = [m for m in self.models.all_loaded() if m.name == name]
             if not models:
-                self._resolve_for_metadata(name, version)
+                self._resolve_for_metadata(name, version)  # 404 unless asleep
         else:
             models = self.models.all_loaded()
         return [m.stats.snapshot() for m in sorted(models, key=lambda m: (m.name, m.version))]
@@ -173,12 +191,23 @@ class ModelServer(InferenceService):
             raise Unavailable("server is shutting down", retry_after_s=1)
         try:
             model = self.models.resolve(request.model_name, request.model_version)
+        except ModelAsleep:
+            model = await self._wake(request)
         except Unavailable:
             self._refuse_generative(request.model_name)
             raise
         if self._cache is not None and model.config.response_cache.enable:
             return await self._infer_cached(model, request, self._cache)
         return await self._run(model, request)
+
+    async def _wake(self, request: InferRequest) -> ModelVersion:
+        """Load the request's idle-unloaded model again and route the request to it; it
+        waits up to --load-wait-s (or its own timeout, when shorter)."""
+        wait_s = self.settings.load_wait_s
+        if request.timeout_us:
+            wait_s = min(wait_s, request.timeout_us / 1e6)
+        await self.models.wake(request.model_name, wait_s)
+        return self.models.resolve(request.model_name, request.model_version)
 
     async def _infer_cached(
         self, model: ModelVersion, request: InferRequest, cache: ResponseCache

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
 from slipstream.names import validate_model_name
+from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.repository.changes import (
     ModelFingerprint,
@@ -29,9 +32,12 @@ from slipstream.repository.layout import (
 from slipstream.runtime.base import BackendUnavailable
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.taps import TapFactory
-from slipstream.types import RepositoryEntry
+from slipstream.types import ModelMetadata, RepositoryEntry
 
 logger = logging.getLogger(__name__)
+
+# Longest wait between on-demand loads of a model whose wake-ups keep failing.
+_MAX_BACKOFF_S = 60.0
 
 
 @dataclass(slots=True)
@@ -55,6 +61,22 @@ class ModelState:
     attempted: ModelFingerprint | None = None
     # Load attempts finished, so a load that waited for another can tell one ran.
     attempts: int = 0
+    # Unloaded for being idle (see serving/idle.py): the next request loads it again.
+    # What its versions were, so metadata is answered without loading them.
+    asleep: bool = False
+    sleeping: dict[int, tuple[ModelMetadata, ModelConfig]] = field(default_factory=dict)
+    # A wake-up load that failed is not tried again before ``retry_at`` (monotonic s);
+    # each failure in a row doubles the wait, up to _MAX_BACKOFF_S.
+    retry_at: float = 0.0
+    failed_wakes: int = 0
+
+
+class ModelAsleep(Unavailable):
+    """The model was unloaded for being idle; :meth:`ModelManager.wake` loads it again."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"model {name!r} is loading after being idle", retry_after_s=1)
+        self.name = name
 
 
 class ModelManager:
@@ -71,7 +93,11 @@ class ModelManager:
         self._metrics = metrics
         self._unload_timeout_s = unload_timeout_s
         self._tap_factory = tap_factory
+        self.lifecycle = LifecycleMetrics()
+        metrics.registry.register(self.lifecycle)
         self._models: dict[str, ModelState] = {}
+        # Wake-up loads in progress: the requests that find a model asleep share one.
+        self._waking: dict[str, asyncio.Task[None]] = {}
         # One change at a time per model: a second load waits for the first.
         self._locks: dict[str, asyncio.Lock] = {}
         # What the previous poll found: files must look the same twice to be loaded.
@@ -97,6 +123,8 @@ class ModelManager:
             raise ModelNotFound(f"model {name!r}: version {version!r} is not a positive integer")
         model = state.versions.get(int(version))
         if model is None:
+            if state.asleep and int(version) in state.sleeping:
+                raise self._not_ready(state, f"{name} version {version}")
             if int(version) in state.failures or state.transition:
                 raise self._not_ready(state, f"{name} version {version}")
             loaded = ", ".join(map(str, sorted(state.versions))) or "none"
@@ -106,6 +134,15 @@ class ModelManager:
         return model
 
     def _not_ready(self, state: ModelState, what: str) -> Unavailable:
+        if state.asleep:
+            wait = state.retry_at - time.monotonic()
+            if state.transition or not state.failures or wait <= 0:
+                return ModelAsleep(state.name)
+            return Unavailable(
+                f"model {what!r} failed to load on demand: {self.failures(state.name)}; "
+                f"the next attempt is in {math.ceil(wait)} s",
+                retry_after_s=math.ceil(wait),
+            )
         if state.transition:
             return Unavailable(f"model {what!r} is {state.transition.lower()}", retry_after_s=1)
         if not state.failures:
@@ -125,7 +162,10 @@ class ModelManager:
         A model reloading beside its serving versions keeps the server ready: a load
         balancer that took the server out for a reload would fail the requests it serves.
         """
-        return any(state.transition and not state.versions for state in self._models.values())
+        return any(
+            state.transition and not state.versions and not state.asleep
+            for state in self._models.values()
+        )
 
     def failures(self, name: str) -> str:
         """Why a model (or some of its versions) failed to load; "" when none did."""
@@ -156,9 +196,15 @@ class ModelManager:
             on_disk = self._tensor_models()
         except FileNotFoundError:
             on_disk = {}
-        entries = []
+        entries: list[RepositoryEntry] = []
         for name in sorted(set(on_disk) | set(self._models)):
             state = self._models.get(name)
+            if state is not None and state.asleep and not state.versions and not state.transition:
+                if not ready_only:
+                    reason = self.failures(name) or "idle"
+                    entries.extend(RepositoryEntry(name, str(v), "UNAVAILABLE", reason)
+                                   for v in sorted(state.sleeping))  # fmt: skip
+                continue
             if state is None or not (state.versions or state.failures or state.transition):
                 if not ready_only:
                     entries.append(RepositoryEntry(name, "", "", ""))
@@ -291,16 +337,20 @@ class ModelManager:
         name = state.name
         # Counted apart until the swap: the serving version's series stay exposed meanwhile.
         metrics = ModelMetrics(name, str(version))
+        started = time.perf_counter()
         try:
             model = await ModelVersion.load(
                 name, version, model_file(path, config), config, metrics
             )
         except (ConfigError, BackendUnavailable, ValueError, OSError) as exc:
+            self.lifecycle.loaded(name, time.perf_counter() - started, ok=False)
             return str(exc)
         except Exception as exc:
             # Not one of the expected failures: keep the traceback for a bug report.
             logger.debug("model %s version %d: load raised", name, version, exc_info=True)
+            self.lifecycle.loaded(name, time.perf_counter() - started, ok=False)
             return f"{type(exc).__name__}: {exc}"
+        self.lifecycle.loaded(name, time.perf_counter() - started, ok=True)
         serving = state.versions.get(max(state.versions, default=0))
         if serving is not None:
             change = signature_change(serving.config, model.config)
@@ -330,12 +380,15 @@ class ModelManager:
         old = state.versions
         state.versions = versions  # the one step routing sees
         state.loaded = found if versions else None
+        if versions:  # loaded again (on demand, or by a load request): awake
+            state.asleep, state.sleeping, state.failed_wakes = False, {}, 0
         retired = [model for v, model in old.items() if versions.get(v) is not model]
         # Requests already routed to a retired version were queued on it in the same
         # event-loop step: its batcher lets them finish before it closes.
         await asyncio.gather(*(self._close(model) for model in retired))
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, reason: str = "request") -> None:
+        """Unload every version (``reason``: request or removed, as the metric says)."""
         validate_model_name(name)
         lock = self._locks.setdefault(name, asyncio.Lock())
         if lock.locked():
@@ -347,13 +400,88 @@ class ModelManager:
                     return
                 raise ModelNotFound(f"model {name!r} is not in the repository")
             state.transition = "UNLOADING"
+            self.lifecycle.unloads[name, reason] += len(state.versions)
             try:
                 await self._swap(state, {}, None)
                 state.failures = {}
                 state.kept_previous = False
                 state.attempted = None
+                state.asleep, state.sleeping = False, {}  # unloaded on purpose: stays so
             finally:
                 state.transition = ""
+
+    def idle_candidates(self) -> list[tuple[str, list[ModelVersion]]]:
+        """Each model serving now, with its versions: what the idle check looks at."""
+        return [
+            (name, list(state.versions.values()))
+            for name, state in self._models.items()
+            if state.versions and not state.transition
+        ]
+
+    async def sleep(self, name: str) -> bool:
+        """Unload ``name`` for being idle, so that its next request loads it again
+        (:meth:`wake`); False when a change of the model is under way or nothing serves."""
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        state = self._models.get(name)
+        if lock.locked() or state is None or not state.versions or state.transition:
+            return False
+        async with lock:
+            loaded = sorted(state.versions)
+            state.sleeping = {
+                v: (model.metadata([str(n) for n in loaded]), model.config)
+                for v, model in state.versions.items()
+            }
+            # Asleep before the swap: a request arriving meanwhile waits for the wake-up,
+            # which waits for this lock.
+            state.asleep = True
+            state.transition = "UNLOADING"
+            self.lifecycle.unloads[name, "idle"] += len(loaded)
+            try:
+                # The files stay the ones attempted: polling does not see a change.
+                await self._swap(state, {}, None)
+            finally:
+                state.transition = ""
+        logger.info("model %s: unloaded after being idle; its next request loads it again", name)
+        return True
+
+    def sleeping_version(self, name: str, version: str) -> tuple[ModelMetadata, ModelConfig]:
+        """Metadata and config of an asleep model's version (the newest when ``version``
+        is empty), as loaded before; ModelNotFound when it is not asleep."""
+        state = self._models.get(name)
+        if state is None or not state.asleep or not state.sleeping:
+            raise ModelNotFound(f"model {name!r} is not asleep")
+        number = int(version) if version.isdigit() else max(state.sleeping)
+        if number not in state.sleeping:
+            raise ModelNotFound(f"model {name!r} has no version {version} loaded")
+        return state.sleeping[number]
+
+    async def wake(self, name: str, wait_s: float) -> None:
+        """Load an asleep model again, waiting up to ``wait_s`` (503 past it; the load
+        goes on). Requests arriving together share one load."""
+        task = self._waking.get(name)
+        if task is None:
+            task = self._waking[name] = asyncio.create_task(self._wake(name))
+            task.add_done_callback(lambda _: self._waking.pop(name, None))
+        self.lifecycle.load_waits[name] += 1
+        try:
+            await asyncio.wait_for(asyncio.shield(task), wait_s)
+        except TimeoutError:
+            raise Unavailable(
+                f"model {name!r} is still loading after being idle ({wait_s:g} s, "
+                "--load-wait-s or the request's timeout); retry shortly",
+                retry_after_s=1,
+            ) from None
+
+    async def _wake(self, name: str) -> None:
+        state = self._models[name]
+        logger.info("model %s: a request arrived; loading it again after being idle", name)
+        try:
+            await self._load(name, expected=None)
+        except Exception as exc:  # the directory went away, say: recorded like a failed load
+            self._fail(state, {0: str(exc)}, kept_previous=False)
+        if not state.versions and state.asleep:
+            state.retry_at = time.monotonic() + min(_MAX_BACKOFF_S, 2.0**state.failed_wakes)
+            state.failed_wakes += 1
 
     async def _close(self, model: ModelVersion) -> None:
         await model.batcher.close(self._unload_timeout_s)
@@ -391,7 +519,7 @@ class ModelManager:
                 logger.error("repository poll: %s", outcome)
 
     async def _remove(self, name: str) -> None:
-        await self.unload(name)
+        await self.unload(name, reason="removed")
         self._models.pop(name, None)
         self._last_poll.pop(name, None)
 
