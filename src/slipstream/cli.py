@@ -143,6 +143,12 @@ def main() -> None:
     help=_help("rate_limit_fail_closed"),
 )
 @click.option("--access-log", is_flag=True, default=False, help=_help("access_log"))
+@click.option(
+    "--trace-startup",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help=_help("trace_startup"),
+)
 @click.option("--cache", default="", help=_help("cache"))
 @click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help=_help("tls_cert"))
 @click.option("--tls-key", type=click.Path(path_type=Path), default=None, help=_help("tls_key"))

@@ -499,6 +499,12 @@ class ServerSettings(_Strict):
         description="Refuse requests (503) while the Redis rate-limit store is unreachable; "
         "by default they are admitted (fail open) and the outage is logged and counted.",
     )
+    trace_startup: Path | None = Field(
+        None,
+        description="Write where start-up time went (process start, front ends listening, "
+        "each model's load and warm-up, ready) to this JSON file once ready; the log has "
+        "the same on one line.",
+    )
     access_log: bool = Field(
         False,
         description="Log one JSON line per request (logger slipstream.access) and echo or "

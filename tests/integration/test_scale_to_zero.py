@@ -1,16 +1,19 @@
-"""Issue #24: models idle past their idle_unload_seconds are unloaded, listed as
+"""Issue #24. Models idle past their idle_unload_seconds are unloaded, listed as
 UNAVAILABLE (idle), and loaded again by their next request, which waits and is answered;
 requests arriving together share one load; a load that fails answers 503 naming why and
 is not retried before its back-off; a pinned model stays; other models are untouched.
+The start-up trace names each stage, and a server of ONNX models never imports torch.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -159,3 +162,22 @@ def test_a_model_that_fails_to_load_on_demand_answers_503_naming_why_and_backs_o
         assert time.monotonic() < deadline, reply.text
         time.sleep(0.3)
     assert reply.json()["outputs"][0]["data"][0] == 6.0
+
+
+def test_the_start_up_trace_names_each_stage_and_an_onnx_server_imports_no_torch(
+    tmp_path: Path,
+) -> None:
+    build_add_sub(tmp_path / "repo", "onnx_only")
+    trace = tmp_path / "trace.json"
+    with RemoteServer(tmp_path / "repo", ["--trace-startup", str(trace)], log_dir=tmp_path) as s:
+        deadline = time.monotonic() + 10
+        while not trace.exists():
+            assert time.monotonic() < deadline, s.log_tail()
+            time.sleep(0.05)
+        assert "start-up (seconds since the process started): imported" in s.log_text()
+    doc = json.loads(trace.read_text())
+    stages = doc["stages_s"]
+    assert 0 < stages["imported"] <= stages["http_listening"] <= stages["ready"]
+    assert set(doc["models"]) == {"onnx_only/1"} and doc["models"]["onnx_only/1"]["load_s"] > 0
+    assert "onnxruntime" in doc["frameworks"]
+    assert not {"torch", "transformers", "sklearn", "llama_cpp"} & set(doc["frameworks"])

@@ -26,6 +26,7 @@ from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.engine import CacheStats, Engine
 from slipstream.llm.metrics import LlmMetrics
 from slipstream.llm.text import TextDelta, stream_text
+from slipstream.observability.startup import TRACE
 from slipstream.repository.layout import (
     list_models,
     model_path,
@@ -85,7 +86,9 @@ class LlmModels(GenerationService):
                 raise ConfigError(f"{name}: no version directory to serve (found {versions})")
             version = max(selected)
             source = _model_source(path / str(version), config)
+            started = time.perf_counter()
             engine = await _in_own_thread(_load_engine, source, config, threads)
+            TRACE.model_loaded(name, time.perf_counter() - started, 0.0)
         except Exception as exc:
             self._failures[name] = f"{type(exc).__name__}: {exc}"
             logger.error("generative model %s failed to load: %s", name, exc)

@@ -85,6 +85,7 @@ class ModelMetrics:
         self.compute_duration = Histogram(_LATENCY_BUCKETS_S)
         self.batch_size = Histogram(_BATCH_BUCKETS)
         self.model_load_duration_s = 0.0
+        self.warmup_duration_s = 0.0  # the part of the load spent warming up
         # Response cache (Triton's nv_cache_* counters): lookups, and their total time.
         self.cache_hits = 0
         self.cache_misses = 0

@@ -13,8 +13,10 @@ import signal
 import ssl
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import orjson
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from slipstream.config import ServerSettings
@@ -22,6 +24,7 @@ from slipstream.llm.service import LlmModels
 from slipstream.monitor.registry import DriftMonitors
 from slipstream.observability.cost import CostTracker
 from slipstream.observability.metrics import ServerMetrics
+from slipstream.observability.startup import TRACE
 from slipstream.protocol.v2 import encode_error
 from slipstream.security.gate import Gate, watch_keys
 from slipstream.security.keys import KeyRing, KeysFileError
@@ -47,6 +50,7 @@ _SPARE_FILES = 1024
 
 async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> int:
     """Serve until ``stop`` is set or a termination signal arrives; return the exit code."""
+    TRACE.mark("imported")
     stop = stop or asyncio.Event()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     loop = asyncio.get_running_loop()
@@ -91,6 +95,7 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
                          settings.host, settings.http_port, exc)  # fmt: skip
             return 1
         logger.info("HTTP server listening on %s:%d", settings.host, settings.http_port)
+        TRACE.mark("http_listening")
     grpc_server = None
     if settings.grpc_port:
         from slipstream.server.grpc_front_door import GrpcFrontDoor
@@ -111,6 +116,7 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
             return 1
         await grpc_server.start()
         logger.info("gRPC server listening on %s:%d", settings.host, grpc_port)
+        TRACE.mark("grpc_listening")
 
     background: list[asyncio.Task[None]] = []
     if settings.price_per_hour is not None:
@@ -136,6 +142,13 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         await door[1].store.close()
     logger.info("shutdown complete")
     return exit_code
+
+
+def _write_trace(path: Path) -> None:
+    try:
+        path.write_bytes(orjson.dumps(TRACE.as_json(), option=orjson.OPT_INDENT_2))
+    except OSError as exc:
+        logger.error("--trace-startup: cannot write %s: %s", path, exc)
 
 
 async def _sample_costs(tracker: CostTracker) -> None:
@@ -252,5 +265,9 @@ async def _run_until_stopped(
             if start_task.exception() is not None:
                 logger.error("model loading failed: %s", start_task.exception())
                 return 1
+            TRACE.mark("ready")
             logger.info("Slipstream is ready: HTTP port %s, gRPC port %s",
                         settings.http_port or "off", settings.grpc_port or "off")  # fmt: skip
+            logger.info("%s", TRACE.summary())
+            if settings.trace_startup is not None:
+                _write_trace(settings.trace_startup)

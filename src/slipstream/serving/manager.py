@@ -14,6 +14,7 @@ from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
 from slipstream.names import validate_model_name
 from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
+from slipstream.observability.startup import TRACE
 from slipstream.repository.changes import (
     ModelFingerprint,
     changed_versions,
@@ -351,6 +352,8 @@ class ModelManager:
             self.lifecycle.loaded(name, time.perf_counter() - started, ok=False)
             return f"{type(exc).__name__}: {exc}"
         self.lifecycle.loaded(name, time.perf_counter() - started, ok=True)
+        warmup_s = metrics.warmup_duration_s
+        TRACE.model_loaded(f"{name}/{version}", metrics.model_load_duration_s - warmup_s, warmup_s)
         serving = state.versions.get(max(state.versions, default=0))
         if serving is not None:
             change = signature_change(serving.config, model.config)

@@ -94,7 +94,9 @@ class ModelVersion:
         try:
             completed = complete_config(config, instances[0].signature(), backend_name)
             model = cls(name, version, completed, instances, metrics)
+            warm_up_started = time.perf_counter()
             await asyncio.to_thread(model._warm_up)
+            metrics.warmup_duration_s = time.perf_counter() - warm_up_started
         except BaseException:
             for instance in instances:
                 instance.close()
