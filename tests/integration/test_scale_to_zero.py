@@ -17,9 +17,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import tritonclient.http as httpclient
 
+from tests.llm_models import build_tiny_llama
 from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
 from tests.utils import RemoteServer
 
@@ -181,3 +183,29 @@ def test_the_start_up_trace_names_each_stage_and_an_onnx_server_imports_no_torch
     assert set(doc["models"]) == {"onnx_only/1"} and doc["models"]["onnx_only/1"]["load_s"] > 0
     assert "onnxruntime" in doc["frameworks"]
     assert not {"torch", "transformers", "sklearn", "llama_cpp"} & set(doc["frameworks"])
+
+
+def test_an_idle_generative_model_sleeps_and_its_next_generation_loads_it(
+    tmp_path: Path,
+) -> None:
+    tiny = build_tiny_llama(tmp_path / "hf")
+    shutil.copytree(tiny, tmp_path / "repo" / "tiny" / "1")
+    write_config(tmp_path / "repo", "tiny", {
+        "backend": "transformers", "generation": {"num_blocks": 32, "block_size": 16},
+        "idle_unload_seconds": IDLE_S,
+    })  # fmt: skip
+    with RemoteServer(tmp_path / "repo", log_dir=tmp_path) as server:
+        wait_asleep(server, "tiny")
+        sdk = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+        assert [model.id for model in sdk.models.list()] == ["tiny"]  # still offered
+        assert httpx.get(server.url("/v2/health/ready")).status_code == 200
+        reply = sdk.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content is not None
+        assert reply.usage is not None and reply.usage.completion_tokens == 4
+        assert index(server)["tiny"] == ("READY", "")
+        assert metric(server, r'slipstream_model_unloads_total\{model="tiny",reason="idle"\}') == 1
+        assert metric(server, r'slipstream_model_load_waits_total\{model="tiny"\}') == 1
+        assert loads(server, "tiny") == 2
+        wait_asleep(server, "tiny")  # and back to sleep once idle again

@@ -59,6 +59,10 @@ class GenerationService(ABC):
     def models(self) -> list[tuple[str, int]]:
         """(name, created unix time) of every ready model."""
 
+    async def wake(self, name: str) -> None:  # noqa: B027 - most lanes never sleep
+        """Load ``name`` again if it was unloaded for being idle, waiting for it (503 past
+        the wait); nothing for a model that is loaded or unknown."""
+
     @abstractmethod
     def engine(self, name: str) -> Engine:
         """The engine serving ``name`` (its tokenizer, limits and templates)."""

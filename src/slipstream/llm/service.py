@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -26,6 +27,7 @@ from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.engine import CacheStats, Engine
 from slipstream.llm.metrics import LlmMetrics
 from slipstream.llm.text import TextDelta, stream_text
+from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.startup import TRACE
 from slipstream.repository.layout import (
     list_models,
@@ -44,7 +46,16 @@ T = TypeVar("T")
 class LlmModels(GenerationService):
     """Loads the repository's generative models and runs generation on them."""
 
-    def __init__(self, repository: Path, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        repository: Path,
+        registry: CollectorRegistry,
+        idle_unload_s: float = 0.0,
+        load_wait_s: float = 60.0,
+        lifecycle: LifecycleMetrics | None = None,
+    ) -> None:
+        """``idle_unload_s``: the default idle delay (a model's config may set its own, or
+        pin it); ``load_wait_s``: how long a request waits for an idle model to load."""
         self.repository = repository
         self._engines: dict[str, Engine] = {}
         self._created: dict[str, int] = {}
@@ -55,6 +66,20 @@ class LlmModels(GenerationService):
         self._failures: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.metrics = LlmMetrics(registry, self.cache_stats)
+        self._lifecycle = lifecycle or LifecycleMetrics()
+        # Scale to zero: each model's idle delay (0: never), its requests admitted (the
+        # idle check's activity count), what it last saw, the models asleep (name ->
+        # the version to load again) and the loads that wake them.
+        self._idle_default_s = idle_unload_s
+        self._load_wait_s = load_wait_s
+        self._idle_delay: dict[str, float] = {}
+        self._admitted: dict[str, int] = {}
+        self._seen: dict[str, tuple[int, float]] = {}
+        self._asleep: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}
+        self._failed_wakes: dict[str, int] = {}
+        self._waking: dict[str, asyncio.Task[None]] = {}
+        self._idle_task: asyncio.Task[None] | None = None
 
     # -- loading -------------------------------------------------------------------------
 
@@ -75,6 +100,8 @@ class LlmModels(GenerationService):
         self._loading.update(name for name, *_ in wanted)
         threads = _llama_threads(sum(config.backend == "llama_cpp" for *_, config in wanted))
         await asyncio.gather(*(self._load(*item, threads) for item in wanted))
+        if self._idle_task is None:
+            self._idle_task = asyncio.create_task(self._unload_idle_forever())
 
     async def _load(
         self, name: str, path: Path, versions: list[int], config: ModelConfig, threads: int
@@ -89,11 +116,19 @@ class LlmModels(GenerationService):
             started = time.perf_counter()
             engine = await _in_own_thread(_load_engine, source, config, threads)
             TRACE.model_loaded(name, time.perf_counter() - started, 0.0)
+            self._lifecycle.loaded(name, time.perf_counter() - started, ok=True)
         except Exception as exc:
             self._failures[name] = f"{type(exc).__name__}: {exc}"
             logger.error("generative model %s failed to load: %s", name, exc)
+            self._lifecycle.loaded(name, 0.0, ok=False)
             return False
         else:
+            own = config.idle_unload_seconds
+            self._idle_delay[name] = 0.0 if config.pin else (
+                self._idle_default_s if own is None else own
+            )  # fmt: skip
+            self._asleep.pop(name, None)
+            self._failed_wakes.pop(name, None)
             previous = self._engines.get(name)
             self._engines[name] = engine
             self._versions[name] = version
@@ -134,12 +169,14 @@ class LlmModels(GenerationService):
     async def unload(self, name: str) -> None:
         """Stop serving ``name``: new requests get 404, running ones finish first."""
         async with self._locks.setdefault(name, asyncio.Lock()):
+            self._asleep.pop(name, None)  # unloaded on purpose: it stays so
             engine = self._engines.pop(name, None)
             self._created.pop(name, None)
             self._versions.pop(name, None)
             self._failures.pop(name, None)
             if engine is None:
                 return
+            self._lifecycle.unloads[name, "request"] += 1
             self._unloading.add(name)
             try:
                 await _drain_and_close(engine)
@@ -165,6 +202,9 @@ class LlmModels(GenerationService):
                 continue
             elif name in self._loading:
                 entries.append(RepositoryEntry(name, "", "LOADING", ""))
+            elif name in self._asleep:
+                version, reason = str(self._asleep[name]), self._failures.get(name, "idle")
+                entries.append(RepositoryEntry(name, version, "UNAVAILABLE", reason))
             elif name in self._unloading:
                 entries.append(RepositoryEntry(name, "", "UNLOADING", ""))
             elif name in self._failures:
@@ -174,8 +214,88 @@ class LlmModels(GenerationService):
         return entries
 
     async def close(self) -> None:
+        if self._idle_task is not None:
+            self._idle_task.cancel()
         engines, self._engines = self._engines, {}
         await asyncio.gather(*(engine.close() for engine in engines.values()))
+
+    # -- scale to zero -------------------------------------------------------------------
+
+    async def _unload_idle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            try:
+                await self.unload_idle(time.monotonic())
+            except Exception:
+                logger.exception("idle check of the generative models failed")
+
+    async def unload_idle(self, now: float) -> list[str]:
+        """Unload the models without a request for their idle delay; the names."""
+        unloaded = []
+        for name, engine in list(self._engines.items()):
+            delay = self._idle_delay.get(name, 0.0)
+            if delay <= 0:
+                continue
+            stats = engine.cache_stats()
+            activity = self._admitted.get(name, 0)
+            seen = self._seen.get(name)
+            if seen is None or seen[0] != activity or stats.running or stats.waiting:
+                self._seen[name] = (activity, now)
+            elif now - seen[1] >= delay and await self._sleep(name):
+                unloaded.append(name)
+        return unloaded
+
+    async def _sleep(self, name: str) -> bool:
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        if lock.locked():
+            return False
+        async with lock:
+            engine = self._engines.pop(name, None)
+            if engine is None:
+                return False
+            self._asleep[name] = self._versions.pop(name)
+            self._seen.pop(name, None)
+            self._lifecycle.unloads[name, "idle"] += 1
+            await _drain_and_close(engine)
+        logger.info("generative model %s: unloaded after being idle; its next request "
+                    "loads it again", name)  # fmt: skip
+        return True
+
+    async def wake(self, name: str) -> None:
+        if name not in self._asleep:
+            return
+        wait = self._retry_at.get(name, 0.0) - time.monotonic()
+        if name in self._failures and wait > 0 and name not in self._waking:
+            raise Unavailable(
+                f"model {name!r} failed to load on demand: {self._failures[name]}; the next "
+                f"attempt is in {math.ceil(wait)} s",
+                retry_after_s=math.ceil(wait),
+            )
+        task = self._waking.get(name)
+        if task is None:
+            task = self._waking[name] = asyncio.create_task(self._wake(name))
+            task.add_done_callback(lambda _: self._waking.pop(name, None))
+        self._lifecycle.load_waits[name] += 1
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self._load_wait_s)
+        except TimeoutError:
+            raise Unavailable(
+                f"model {name!r} is still loading after being idle ({self._load_wait_s:g} s, "
+                "--load-wait-s); retry shortly",
+                retry_after_s=1,
+            ) from None
+        if name in self._asleep:
+            raise Unavailable(f"model {name!r} failed to load on demand: "
+                              f"{self._failures.get(name, 'unknown error')}")  # fmt: skip
+
+    async def _wake(self, name: str) -> None:
+        logger.info("generative model %s: a request arrived; loading it again", name)
+        try:
+            await self.load(name)
+        except Exception as exc:  # InvalidRequest naming the failure, a vanished directory
+            self._failures.setdefault(name, str(exc))
+            failed = self._failed_wakes[name] = self._failed_wakes.get(name, 0) + 1
+            self._retry_at[name] = time.monotonic() + min(60.0, 2.0 ** (failed - 1))
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -184,7 +304,8 @@ class LlmModels(GenerationService):
         return sorted(self._created.items())
 
     def is_ready(self) -> bool:
-        return not self._loading
+        # A model loading again for a request after being idle keeps the server ready.
+        return not self._loading.difference(self._asleep)
 
     def engine(self, name: str) -> Engine:
         engine = self._engines.get(name)
@@ -192,6 +313,8 @@ class LlmModels(GenerationService):
             return engine
         if name in self._loading:
             raise Unavailable(f"model {name!r} is still loading", retry_after_s=5)
+        if name in self._asleep:
+            raise Unavailable(f"model {name!r} is asleep (idle); a generation request loads it")
         if name in self._failures:
             raise Unavailable(f"model {name!r} failed to load: {self._failures[name]}")
         served = ", ".join(self._engines) or "none"
@@ -208,6 +331,7 @@ class LlmModels(GenerationService):
     def admit(self, model: str, jobs: Sequence[Job]) -> Engine:
         """Check every job fits before anything is sent (400/503 come before a stream)."""
         engine = self.engine(model)
+        self._admitted[model] = self._admitted.get(model, 0) + 1
         if jobs:  # the jobs of one request share everything the engine checks here
             engine.check_features(jobs[0].params)
         for job in jobs:

@@ -40,6 +40,7 @@ async def respond(
     llm: GenerationService, raw: bytes, arrived: float
 ) -> HttpResponse | StreamingResponse:
     body: ResponsesRequest = openai.parse(raw, ResponsesRequest)
+    await llm.wake(body.model)
     engine = llm.engine(body.model)
     choice = body.choice()
     offered = body.tools or [] if choice != "none" else []

@@ -114,6 +114,7 @@ class OpenAIApp:
     async def _completions(self, request: HttpRequest) -> Reply:
         arrived = time.perf_counter()
         body: openai.CompletionRequest = openai.parse(request.body, openai.CompletionRequest)
+        await self._llm.wake(body.model)
         engine = self._llm.engine(body.model)
         given = body.prompts()  # 400 for an empty prompt list, before it is indexed
         flat = isinstance(body.prompt, list) and isinstance(body.prompt[0], int)
@@ -134,6 +135,7 @@ class OpenAIApp:
     async def _chat(self, request: HttpRequest) -> Reply:
         arrived = time.perf_counter()
         body: openai.ChatRequest = openai.parse(request.body, openai.ChatRequest)
+        await self._llm.wake(body.model)
         engine = self._llm.engine(body.model)
         choice = body.choice()
         offered = body.tools or [] if choice != "none" else []

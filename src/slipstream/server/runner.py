@@ -23,6 +23,7 @@ from slipstream.config import ServerSettings
 from slipstream.llm.service import LlmModels
 from slipstream.monitor.registry import DriftMonitors
 from slipstream.observability.cost import CostTracker
+from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.startup import TRACE
 from slipstream.protocol.v2 import encode_error
@@ -64,11 +65,18 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     disable_created_metrics()  # type: ignore[no-untyped-call]
     metrics = ServerMetrics()
     # Generative models (backend: transformers), served by the OpenAI routes.
-    generation = LlmModels(settings.model_repository, metrics.registry)
+    # Loads and unloads of both lanes' models, counted in one place.
+    lifecycle = LifecycleMetrics()
+    metrics.registry.register(lifecycle)
+    generation = LlmModels(
+        settings.model_repository, metrics.registry, settings.idle_unload_seconds,
+        settings.load_wait_s, lifecycle,
+    )  # fmt: skip
     # Drift monitors of the versions whose config enables them, fed after each response.
     monitors = DriftMonitors()
     metrics.registry.register(monitors)
-    service = ModelServer(settings, metrics, lanes=[generation], tap_factory=monitors.tap_for)
+    service = ModelServer(settings, metrics, lanes=[generation], tap_factory=monitors.tap_for,
+                          lifecycle=lifecycle)  # fmt: skip
     metrics.registry.register(ModelStateCollector(service))
     try:
         door = front_door_parts(settings, metrics.registry)

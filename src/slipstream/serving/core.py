@@ -17,6 +17,7 @@ from slipstream.errors import (
     Unavailable,
 )
 from slipstream.names import validate_model_name
+from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
@@ -57,15 +58,21 @@ class ModelServer(InferenceService):
         metrics: ServerMetrics | None = None,
         lanes: Sequence[ModelLane] = (),
         tap_factory: TapFactory | None = None,
+        lifecycle: LifecycleMetrics | None = None,
     ) -> None:
         """``lanes``: other sets of models served beside the V2 ones (the LLM lane), which
         this core starts, stops and waits for before it is ready, and nothing else.
-        ``tap_factory``: makes each loaded version's response tap (drift monitoring)."""
+        ``tap_factory``: makes each loaded version's response tap (drift monitoring).
+        ``lifecycle``: load and unload counts shared with the lanes."""
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
         trust_pickles_server_wide(settings.trust_pickle)
         self.models = ModelManager(
-            settings.model_repository, self.metrics, settings.shutdown_timeout_s, tap_factory
+            settings.model_repository,
+            self.metrics,
+            settings.shutdown_timeout_s,
+            tap_factory,
+            lifecycle,
         )
         self._lanes = list(lanes)
         self.shared_memory = SystemSharedMemory(settings.allow_client_shm)

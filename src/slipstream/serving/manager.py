@@ -89,13 +89,18 @@ class ModelManager:
         metrics: ServerMetrics,
         unload_timeout_s: float,
         tap_factory: TapFactory | None = None,
+        lifecycle: LifecycleMetrics | None = None,
     ) -> None:
+        """``lifecycle``: the load and unload counts, shared with the LLM lane (one is
+        made and registered when none is given)."""
         self.repository = repository
         self._metrics = metrics
         self._unload_timeout_s = unload_timeout_s
         self._tap_factory = tap_factory
-        self.lifecycle = LifecycleMetrics()
-        metrics.registry.register(self.lifecycle)
+        if lifecycle is None:
+            lifecycle = LifecycleMetrics()
+            metrics.registry.register(lifecycle)
+        self.lifecycle = lifecycle
         self._models: dict[str, ModelState] = {}
         # Wake-up loads in progress: the requests that find a model asleep share one.
         self._waking: dict[str, asyncio.Task[None]] = {}
