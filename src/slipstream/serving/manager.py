@@ -479,6 +479,14 @@ class ModelManager:
                 "--load-wait-s or the request's timeout); retry shortly",
                 retry_after_s=1,
             ) from None
+        state = self._models[name]
+        if state.asleep and not state.versions:  # the load failed: say why
+            wait = max(1, math.ceil(state.retry_at - time.monotonic()))
+            raise Unavailable(
+                f"model {name!r} failed to load on demand: {self.failures(name)}; the next "
+                f"attempt is in {wait} s",
+                retry_after_s=wait,
+            )
 
     async def _wake(self, name: str) -> None:
         state = self._models[name]
