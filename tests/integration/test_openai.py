@@ -513,3 +513,22 @@ def test_a_named_tool_call_validates_and_bias_forces_tokens(
         extra_body={"ignore_eos": True},
     ).choices[0].text  # fmt: skip
     assert text == reference.tokenizer.decode([forced] * 3)
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(
+    client: openai.OpenAI,
+) -> None:
+    """vLLM's stream_options.continuous_usage_stats, which guidellm asks for."""
+    chunks = list(client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    texts = [chunk for chunk in chunks if chunk.choices]
+    assert all(chunk.usage is not None for chunk in texts)
+    so_far = [chunk.usage.completion_tokens for chunk in texts if chunk.usage]
+    assert so_far == sorted(so_far) and so_far[-1] == 6
+    prompt = {chunk.usage.prompt_tokens for chunk in chunks if chunk.usage}
+    assert len(prompt) == 1 and prompt.pop() > 0
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 6

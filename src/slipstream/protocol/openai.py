@@ -54,6 +54,8 @@ _ZERO = {"type": "number", "enum": [0]}
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (guidellm and vLLM's tools ask for it).
+    continuous_usage_stats: bool = False
 
 
 # stream_options is refused unless stream is true (check_supported); the schema says so.

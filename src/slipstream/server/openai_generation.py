@@ -197,6 +197,8 @@ class StreamHead:
     chat: bool
     include_usage: bool
     pieces: Pieces | None
+    # stream_options.continuous_usage_stats: each chunk's usage is the usage so far.
+    continuous_usage: bool = False
 
 
 async def sse_events(
@@ -208,7 +210,7 @@ async def sse_events(
 ) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed completion: role first, reason last, [DONE]."""
     rid, created, model, chat, pieces = head.rid, head.created, head.model, head.chat, head.pieces
-    extra = {"usage": None} if head.include_usage else {}
+    extra: dict[str, Any] = {"usage": None} if head.include_usage else {}
     if chat:
         for index in range(choices):
             role = openai.chat_chunk(
@@ -223,6 +225,8 @@ async def sse_events(
     try:
         async for index, delta in stream:
             completion_tokens[index] = delta.completion_tokens
+            if head.continuous_usage:
+                extra = {"usage": openai.usage(prompt_tokens, sum(completion_tokens))}
             entries = pieces.entries(delta.logprobs) if pieces is not None else None
             if chat:
                 if delta.text or entries:

@@ -202,9 +202,11 @@ class OpenAIApp:
 
 
 def _head(body: Any, chat: bool, pieces: Pieces | None) -> StreamHead:
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options if body.stream else None
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     rid = openai.new_id("chatcmpl" if chat else "cmpl")
-    return StreamHead(rid, openai.now(), body.model, chat, include_usage, pieces)
+    return StreamHead(rid, openai.now(), body.model, chat, include_usage, pieces, continuous)
 
 
 def _openai_error(exc: SlipstreamError) -> HttpResponse:
