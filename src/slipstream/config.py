@@ -487,6 +487,14 @@ class ServerSettings(_Strict):
         "{enable: true}: local:size=256MB (LRU by bytes, this process) or "
         "redis://host:port[/db][?ttl=600] (shared); empty: none.",
     )
+    jobs_redis: str = Field(
+        "",
+        description="Asynchronous jobs (POST /v2/jobs, Prefer: respond-async) in the Redis "
+        "stream at redis://host:port[/db], run by `slipstream worker`s; empty: off.",
+    )
+    jobs_max_pending: int = Field(
+        100_000, ge=1, description="Unfinished jobs the stream holds before submissions get 503."
+    )
     tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS and gRPC TLS.")
     tls_key: Path | None = Field(None, description="PEM private key of --tls-cert.")
     tls_client_ca: Path | None = Field(
@@ -498,6 +506,13 @@ class ServerSettings(_Strict):
     def _check_store(cls, value: str) -> str:
         if value != "memory" and not value.startswith("redis://"):
             raise ValueError(f"expected memory or redis://host:port, got {value!r}")
+        return value
+
+    @field_validator("jobs_redis")
+    @classmethod
+    def _check_jobs_redis(cls, value: str) -> str:
+        if value and not value.startswith(("redis://", "rediss://")):
+            raise ValueError(f"expected redis://host:port[/db], got {value!r}")
         return value
 
     @field_validator("cache")

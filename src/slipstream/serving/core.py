@@ -180,6 +180,16 @@ class ModelServer(InferenceService):
             return await self._infer_cached(model, request, self._cache)
         return await self._run(model, request)
 
+    def check(self, request: InferRequest) -> None:
+        if self._stopping:
+            raise Unavailable("server is shutting down", retry_after_s=1)
+        try:
+            model = self.models.resolve(request.model_name, request.model_version)
+        except Unavailable:
+            self._refuse_generative(request.model_name)
+            raise
+        model.prepare(request)
+
     async def _infer_cached(
         self, model: ModelVersion, request: InferRequest, cache: ResponseCache
     ) -> InferResponse:
