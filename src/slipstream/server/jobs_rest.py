@@ -56,6 +56,7 @@ class JobRoutes:
     async def submit_named(self, http: HttpRequest) -> HttpResponse:
         """``POST /v2/jobs``: a V2 inference request whose ``model`` field (and optional
         ``model_version``) names what to run."""
+        self._require_queue()
         doc = v2.load_json_object(self._json_part(http))
         model = doc.get("model")
         if not isinstance(model, str) or not model:
