@@ -135,6 +135,14 @@ def main() -> None:
 )
 @click.option("--access-log", is_flag=True, default=False, help=_help("access_log"))
 @click.option("--cache", default="", help=_help("cache"))
+@click.option(
+    "--ray",
+    "on_ray",
+    is_flag=True,
+    default=False,
+    help="Serve each model as a Ray Serve application (ray_serve: in its config.yaml "
+    "scales it) on a local Ray cluster, or RAY_ADDRESS's; HTTP V2 routes only.",
+)
 @click.option("--jobs-redis", default="", help=_help("jobs_redis"))
 @click.option("--jobs-max-pending", type=int, default=_default("jobs_max_pending"),
               help=_help("jobs_max_pending"))  # fmt: skip
@@ -158,6 +166,7 @@ def serve(**options: Any) -> None:
       curl localhost:8000/v2/models/digits
     """  # fmt: skip
     options["load_models"] = list(options["load_models"])
+    on_ray = options.pop("on_ray")
     try:
         settings = ServerSettings(**options)
     except ValidationError as exc:
@@ -171,6 +180,10 @@ def serve(**options: Any) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if on_ray:
+        from slipstream.rayserve.app import run as run_on_ray
+
+        sys.exit(run_on_ray(settings))
     from slipstream.server.runner import serve as run_server
 
     try:

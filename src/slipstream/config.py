@@ -241,6 +241,18 @@ class ResponseCacheConfig(_Strict):
     )
 
 
+class RayServeConfig(_Strict):
+    """``ray_serve:`` in config.yaml: the model's deployment under ``slipstream serve --ray``
+    (Ray Serve's autoscaling_config names; min = max: a fixed number of replicas)."""
+
+    min_replicas: int = Field(1, ge=0, description="fewest replicas (0: none while idle)")
+    max_replicas: int = Field(1, ge=1, description="most replicas")
+    target_ongoing_requests: float = Field(2.0, gt=0, description="requests per replica")
+    upscale_delay_s: float = Field(30.0, ge=0, description="load held this long adds one")
+    downscale_delay_s: float = Field(600.0, ge=0, description="idle this long removes one")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per replica")
+
+
 class ModelConfig(_Strict):
     """The ``config.yaml`` of one model (shared by all its versions)."""
 
@@ -266,6 +278,7 @@ class ModelConfig(_Strict):
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
+    ray_serve: RayServeConfig = Field(default_factory=RayServeConfig)
     # Embedding models: the tokenizer file (in the model directory) that
     # /v1/embeddings uses to turn text into the model's input_ids and attention_mask.
     tokenizer: str = ""

@@ -335,3 +335,21 @@ def ended(store: redis_client.Redis) -> int:
             pipe.hget(record_key(f"job-{i}"), "state")
         states = pipe.execute()
     return sum(state in (b"done", b"failed") for state in states)
+
+
+def test_a_redis_outage_is_a_clear_503_and_jobs_run_again_once_it_is_back(
+    client: httpx.Client, worker: Worker, redis: RedisServer
+) -> None:
+    body = orjson.dumps({"model": "flaky", "inputs": [{"name": "INPUT0", "datatype": "FP32",
+                         "shape": [1, 4], "data": [9000.0, 1.0, 2.0, 3.0]}]})  # fmt: skip
+    redis.kill()
+    try:
+        reply = client.post("/v2/jobs", content=body)
+        assert reply.status_code == 503, reply.text
+        assert "job queue (Redis) is unreachable" in reply.json()["error"]
+        assert client.get("/v2/jobs/order-7001").status_code == 503
+    finally:
+        redis.start()  # empty: no persistence, the consumer group is gone too
+    reply = client.post("/v2/jobs", content=body)
+    assert reply.status_code == 202, reply.text
+    assert wait_done(client, reply.json()["job_id"])["status"] == "done"

@@ -100,6 +100,11 @@ class Worker:
                     await self.run_round(jobs)
             except Exception as exc:
                 await _redis_failed(exc)
+                if "NOGROUP" in str(exc):
+                    # A Redis restarted without persistence lost the group: a new one
+                    # reads the stream from its start.
+                    with contextlib.suppress(Exception):
+                        await self._consumer.ensure_group()
 
     async def reclaim_loop(self, stop: asyncio.Event) -> None:
         """Take over jobs idle past the reclaim timeout, a few times per timeout."""

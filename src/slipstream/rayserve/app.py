@@ -1,0 +1,148 @@
+"""``slipstream serve --ray``: every model of the repository as a Ray Serve application.
+
+Each model is one application at the route prefix ``/v2/models/<model>``, whose replicas
+each run the serving core on that one model (:class:`~slipstream.serving.core.ModelServer`:
+the same config, batcher and runtime as ``slipstream serve``) behind the same V2 REST
+front end (:class:`~slipstream.server.v2_rest.V2RestApp`: JSON and binary tensors,
+metadata, config, statistics). Ray's HTTP proxy routes by the longest prefix, so a request
+goes from the proxy straight to a replica of its model; one more application at ``/``
+answers the server's routes (health, metadata). The replicas of a model scale by its
+config.yaml's ``ray_serve:`` section (Ray Serve's autoscaling_config):
+
+    # REPO/minilm/config.yaml
+    ray_serve: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 4}
+
+    slipstream serve --ray --model-repository ./models --http-port 8000
+    RAY_ADDRESS=ray://head:10001 slipstream serve --ray ...     # an existing cluster
+
+Not served under Ray yet: gRPC, the OpenAI routes (generative models are skipped),
+asynchronous jobs, and ``/metrics`` of the replicas (each keeps its own registry).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from slipstream.config import ModelConfig, RayServeConfig, ServerSettings
+from slipstream.observability.metrics import ServerMetrics
+from slipstream.repository.layout import is_generative, list_models, read_config
+from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
+from slipstream.server.v2_rest import V2RestApp
+from slipstream.serving.core import ModelServer
+
+logger = logging.getLogger(__name__)
+
+# The root application (server routes) holds no model: it reserves no CPU.
+_ROOT_APP = "slipstream"
+_REPLICA_HEADER = b"x-slipstream-replica"
+
+
+def deployment_options(config: RayServeConfig) -> dict[str, Any]:
+    """Ray Serve deployment options of one model from its ``ray_serve:`` config.
+
+    >>> deployment_options(RayServeConfig(min_replicas=2, max_replicas=2))["num_replicas"]
+    2
+    >>> deployment_options(RayServeConfig(max_replicas=4))["autoscaling_config"]["max_replicas"]
+    4
+    """
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": config.num_cpus}}
+    if config.min_replicas == config.max_replicas:
+        options["num_replicas"] = config.max_replicas
+        return options
+    options["autoscaling_config"] = {
+        "min_replicas": config.min_replicas,
+        "max_replicas": config.max_replicas,
+        "target_ongoing_requests": config.target_ongoing_requests,
+        "upscale_delay_s": config.upscale_delay_s,
+        "downscale_delay_s": config.downscale_delay_s,
+    }
+    return options
+
+
+class V2Replica:
+    """One Ray Serve replica: a serving core on ``models`` behind the V2 REST routes."""
+
+    # Ray runs an async __init__ to its end before the replica takes requests.
+    async def __init__(self, settings: dict[str, Any], models: list[str]) -> None:  # type: ignore[misc]
+        explicit = {**settings, "model_control_mode": "explicit", "load_models": models}
+        self._metrics = ServerMetrics()
+        self._service = ModelServer(ServerSettings(**explicit), self._metrics)
+        self._app = V2RestApp(self._service, self._metrics)
+        self._replica = str(os.getpid()).encode()
+        # Loaded and warmed up before Ray routes a request here.
+        await self._service.start()
+
+    async def __call__(self, request: Any) -> Any:
+        """A Starlette request from Ray's proxy -> the V2 route's answer."""
+        from starlette.responses import Response
+
+        http = HttpRequest(
+            request.method, request.url.path,
+            [(k.lower(), v) for k, v in request.headers.raw], await request.body(),
+            request.url.query.encode(),
+        )  # fmt: skip
+        reply = await self._app.handle(http)
+        if isinstance(reply, StreamingResponse):  # no V2 route streams
+            reply = HttpResponse(500, b'{"error":"streaming is not served under Ray"}')
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reply.headers}
+        headers[_REPLICA_HEADER.decode()] = self._replica.decode()
+        return Response(reply.body, reply.status, headers, reply.content_type.decode())
+
+    def check_health(self) -> None:
+        """Ray replaces a replica whose check raises."""
+        if not self._service.is_live():
+            raise RuntimeError("the serving core is not live")
+
+    async def __del__(self) -> None:
+        await self._service.stop()
+
+
+def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
+    """Application name -> (route prefix, bound application); the root one last."""
+    from ray import serve
+
+    replica: Any = serve.deployment(V2Replica)
+    plain = settings.model_dump(mode="json")
+    apps: dict[str, tuple[str, Any]] = {}
+    for name, directory in list_models(settings.model_repository).items():
+        if is_generative(directory):
+            logger.warning("model %s is generative: not served under Ray (yet)", name)
+            continue
+        config: ModelConfig = read_config(directory)
+        options = deployment_options(config.ray_serve)
+        apps[name] = (f"/v2/models/{name}",
+                      replica.options(name=name, **options).bind(plain, [name]))  # fmt: skip
+    root = replica.options(name=_ROOT_APP, num_replicas=1, ray_actor_options={"num_cpus": 0})
+    apps[_ROOT_APP] = ("/", root.bind(plain, []))
+    return apps
+
+
+def run(settings: ServerSettings, address: str = "") -> int:
+    """Deploy every application, wait for SIGTERM/SIGINT, shut them down; the exit code."""
+    import ray
+    from ray import serve
+
+    ray.init(address=address or os.environ.get("RAY_ADDRESS") or None,
+             include_dashboard=False, log_to_driver=True)  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.http_port})
+        for name, (prefix, app) in applications(settings).items():
+            serve.run(app, name=name, route_prefix=prefix)
+            logger.info("Ray Serve application %s ready at %s", name, prefix)
+        logger.info("Slipstream on Ray Serve is ready: HTTP port %d", settings.http_port)
+        stop.wait()
+        logger.info("shutting down the Ray Serve applications")
+        serve.shutdown()  # type: ignore[no-untyped-call]
+        return 0
+    except Exception:
+        logger.exception("Ray Serve deployment failed")
+        return 1
+    finally:
+        ray.shutdown()
