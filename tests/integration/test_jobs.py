@@ -37,7 +37,8 @@ pytestmark = pytest.mark.slow
 
 # Short timeouts keep the retries and reclaims of these tests within seconds.
 WORKER_ARGS = ["--reclaim-after-s", "1", "--max-attempts", "3", "--prefetch", "32"]
-FLAKY_CONFIG = {"max_batch_size": 16}
+# A model queue shorter than a worker's rounds (2 x 32 jobs): the worker waits for room.
+FLAKY_CONFIG = {"max_batch_size": 16, "dynamic_batching": {"max_queue_size": 8}}
 MAX_PENDING = 20
 WAIT_S = 60.0
 

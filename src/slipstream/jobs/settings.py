@@ -41,7 +41,8 @@ class WorkerSettings(BaseModel):
     reclaim_after_s: float = Field(
         60.0, gt=0,
         description="A job read by a worker and not finished for this long (the worker "
-        "died, or the run faulted) is taken over by another worker.",
+        "died, or the run faulted) is taken over by another worker: longer than a job "
+        "runs, or slow jobs run twice (their result is still written once).",
     )  # fmt: skip
     result_ttl_s: int = Field(3600, ge=1, description="How long a finished job's result is kept.")
     metrics_port: int = Field(

@@ -20,20 +20,26 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 
 from slipstream.config import ServerSettings
-from slipstream.errors import ClientError, SlipstreamError
+from slipstream.errors import ClientError, RequestTimeout, SlipstreamError, Unavailable
 from slipstream.jobs.consumer import Claim, Finished, JobConsumer, StoredJob
 from slipstream.jobs.settings import WorkerSettings
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2
 from slipstream.server.runner import GIL_SWITCH_INTERVAL_S
 from slipstream.serving.core import ModelServer
+from slipstream.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
 
 # How long a round backs off after Redis failed, before it reads again.
 _REDIS_RETRY_S = 1.0
+# A model queue full (its max_queue_size below --prefetch x --rounds): how long a job
+# waits for room, and how often it asks.
+_QUEUE_FULL_WAIT_S = 30.0
+_QUEUE_FULL_BACKOFF_S = 0.05
 
 
 async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None) -> int:
@@ -141,7 +147,7 @@ class Worker:
             request = v2.decode_infer_request(
                 job.body, job.header_length, job.model_name, job.model_version
             )
-            response = await self._service.infer(request)
+            response = await self._infer(request)
             body, _ = v2.encode_infer_response(response, request)
         except ClientError as exc:
             # The request itself is wrong: no attempt can succeed.
@@ -152,6 +158,20 @@ class Worker:
             logger.exception("job %s failed unexpectedly", job.job_id)
             return Finished(job, "retry", error=f"internal error: {type(exc).__name__}")
         return Finished(job, "done", result=body)
+
+    async def _infer(self, request: InferRequest) -> InferResponse:
+        """The request's response; a full model queue (503) is waited out here, briefly,
+        rather than left for a reclaim (``--reclaim-after-s``) and counted as an attempt."""
+        deadline = time.monotonic() + _QUEUE_FULL_WAIT_S
+        while True:
+            try:
+                return await self._service.infer(request)
+            except RequestTimeout:
+                raise
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(_QUEUE_FULL_BACKOFF_S)
 
 
 def _spent(claim: Claim, max_attempts: int) -> Finished:
