@@ -250,6 +250,7 @@ class RayServeConfig(_Strict):
     target_ongoing_requests: float = Field(2.0, gt=0, description="requests per replica")
     upscale_delay_s: float = Field(30.0, ge=0, description="load held this long adds one")
     downscale_delay_s: float = Field(600.0, ge=0, description="idle this long removes one")
+    look_back_period_s: float = Field(30.0, gt=0, description="load averaged over this long")
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per replica")
 
 

@@ -1,19 +1,25 @@
 """Issue #17, part 1: ``slipstream serve --ray`` on a local Ray cluster, driven by the
 stock tritonclient through Ray Serve's HTTP proxy (V2 JSON and binary tensors).
 
-The model's config.yaml asks for two replicas (``ray_serve:``): both answer. Slow (a Ray
-cluster starts in ~5-10 s on two cores), so one server serves every case.
+``add_sub``'s config.yaml asks for two replicas (``ray_serve:``): both answer. ``slow``
+autoscales from one replica to two under load and back to one after it, with delays of
+a second (and Ray's metrics pushed every half second) so the test takes seconds. A Ray
+cluster starts in ~5-10 s on two cores, so one server serves every case.
 """
 
 from __future__ import annotations
 
 import doctest
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from tests.models import ADD_SUB_WIDTH, build_add_sub, run_onnx, write_config
 from tests.utils import RemoteServer
@@ -33,11 +39,52 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+# Autoscaling decided on metrics pushed every half second (Ray's default: 10 s).
+FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_MIN_HANDLE_METRICS_TIMEOUT_S": "1"}  # fmt: skip
+SLOW_WIDTH, SLOW_LAYERS, SLOW_ROWS = 1024, 8, 16
+
+
+def build_slow(repo: Path) -> None:
+    """X FP32 [-1, 8] -> Y [-1, 1] through 8 tanh(x @ W) layers of 1024: ~0.27 GFLOP for
+    16 rows, tens of ms on one core: requests that stay ongoing under load."""
+    rng = np.random.default_rng(0)
+    first = rng.standard_normal((8, SLOW_WIDTH)).astype(np.float32) / 3
+    weight = rng.standard_normal((SLOW_WIDTH, SLOW_WIDTH)).astype(np.float32) / 32
+    nodes = [helper.make_node("MatMul", ["X", "W0"], ["h0"])]
+    for layer in range(1, SLOW_LAYERS + 1):
+        nodes.append(helper.make_node("MatMul", [f"h{layer - 1}", "W"], [f"m{layer}"]))
+        nodes.append(helper.make_node("Tanh", [f"m{layer}"], [f"h{layer}"]))
+    nodes.append(helper.make_node("ReduceSum", [f"h{SLOW_LAYERS}", "axes"], ["Y"], keepdims=1))
+    graph = helper.make_graph(
+        nodes, "slow",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 1])],
+        [numpy_helper.from_array(first, "W0"), numpy_helper.from_array(weight, "W"),
+         numpy_helper.from_array(np.array([1], np.int64), "axes")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = repo / "slow" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    onnx.save(model, str(path))
+    write_config(repo, "slow", {
+        "instance_group": [{"count": 1}],
+        "parameters": {"intra_op_thread_count": "1"},
+        "ray_serve": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                      "upscale_delay_s": 0.5, "downscale_delay_s": 1, "look_back_period_s": 1,
+                      "num_cpus": 0.5},
+    })  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def server(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     repo = model_file.parents[2]
+    build_slow(repo)
     log_dir = tmp_path_factory.mktemp("ray_logs")
-    with RemoteServer(repo, ["--ray"], log_dir=log_dir, startup_timeout_s=180) as running:
+    with RemoteServer(repo, ["--ray"], log_dir=log_dir, startup_timeout_s=180,
+                      env=FAST_METRICS) as running:  # fmt: skip
         yield running
 
 
@@ -81,3 +128,43 @@ def test_the_deployment_options_follow_the_model_config() -> None:
     from slipstream.rayserve import app
 
     assert doctest.testmod(app).failed == 0
+
+
+def test_a_model_scales_from_one_replica_to_two_under_load_and_back_after(
+    server: RemoteServer,
+) -> None:
+    def replicas_logged(count: int) -> int:
+        word = "replica" if count == 1 else "replicas"
+        return server.log_text().count(f"model slow: {count} {word} running")
+
+    wait_log(server, lambda: replicas_logged(1) >= 1, "slow at 1 replica")
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [SLOW_ROWS, 8],
+                        "data": [0.5] * (SLOW_ROWS * 8)}]}  # fmt: skip
+    stop = threading.Event()
+    failures: list[int] = []
+
+    def load() -> None:
+        with httpx.Client(base_url=server.http_url, timeout=60) as client:
+            while not stop.is_set():
+                reply = client.post("/v2/models/slow/infer", json=body)
+                if reply.status_code != 200:
+                    failures.append(reply.status_code)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_log(server, lambda: replicas_logged(2) >= 1, "slow at 2 replicas under load")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert not failures
+    wait_log(server, lambda: replicas_logged(1) >= 2, "slow back at 1 replica after the load")
+
+
+def wait_log(server: RemoteServer, condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{server.log_tail()}"
+        time.sleep(0.2)

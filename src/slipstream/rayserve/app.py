@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 # The root application (server routes) holds no model: it reserves no CPU.
 _ROOT_APP = "slipstream"
 _REPLICA_HEADER = b"x-slipstream-replica"
+# How often the driver looks at the replicas (to log what autoscaling did).
+_STATUS_INTERVAL_S = 1.0
 
 
 def deployment_options(config: RayServeConfig) -> dict[str, Any]:
@@ -59,6 +61,9 @@ def deployment_options(config: RayServeConfig) -> dict[str, Any]:
         "target_ongoing_requests": config.target_ongoing_requests,
         "upscale_delay_s": config.upscale_delay_s,
         "downscale_delay_s": config.downscale_delay_s,
+        "look_back_period_s": config.look_back_period_s,
+        # Ray wants load reported more often than it averages over (default 10 s).
+        "metrics_interval_s": min(10.0, config.look_back_period_s / 2),
     }
     return options
 
@@ -105,7 +110,11 @@ def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
     """Application name -> (route prefix, bound application); the root one last."""
     from ray import serve
 
-    replica: Any = serve.deployment(V2Replica)
+    # A stopping replica drains its requests for --shutdown-timeout-s, looking every 0.5 s.
+    replica: Any = serve.deployment(
+        V2Replica, graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
+    )  # fmt: skip
     plain = settings.model_dump(mode="json")
     apps: dict[str, tuple[str, Any]] = {}
     for name, directory in list_models(settings.model_repository).items():
@@ -121,6 +130,19 @@ def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
     return apps
 
 
+def _log_replica_changes(status: Any, before: dict[str, int]) -> dict[str, int]:
+    """Log each model whose count of running replicas changed (autoscaling at work)."""
+    now = {}
+    for name, application in status.applications.items():
+        for deployment in application.deployments.values():
+            states = {str(state): count for state, count in deployment.replica_states.items()}
+            now[name] = sum(n for state, n in states.items() if state.endswith("RUNNING"))
+    for name, count in now.items():
+        if before.get(name) != count:
+            logger.info("model %s: %d replica%s running", name, count, "" if count == 1 else "s")
+    return now
+
+
 def run(settings: ServerSettings, address: str = "") -> int:
     """Deploy every application, wait for SIGTERM/SIGINT, shut them down; the exit code."""
     import ray
@@ -133,11 +155,17 @@ def run(settings: ServerSettings, address: str = "") -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": settings.host, "port": settings.http_port})
-        for name, (prefix, app) in applications(settings).items():
-            serve.run(app, name=name, route_prefix=prefix)
-            logger.info("Ray Serve application %s ready at %s", name, prefix)
+        apps = applications(settings)
+        root = apps.pop(_ROOT_APP)
+        # The models together; the root (health) only once they run, so ready means ready.
+        if apps:
+            serve.run_many([serve.RunTarget(app, name=name, route_prefix=prefix)
+                            for name, (prefix, app) in apps.items()])  # fmt: skip
+        serve.run(root[1], name=_ROOT_APP, route_prefix=root[0])
         logger.info("Slipstream on Ray Serve is ready: HTTP port %d", settings.http_port)
-        stop.wait()
+        counts: dict[str, int] = {}
+        while not stop.wait(_STATUS_INTERVAL_S):
+            counts = _log_replica_changes(serve.status(), counts)
         logger.info("shutting down the Ray Serve applications")
         serve.shutdown()  # type: ignore[no-untyped-call]
         return 0
