@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import time
@@ -31,7 +32,7 @@ from slipstream.types import InferRequest
 from tests.flaky import build_flaky, flaky_command, flaky_input, logged_runs
 from tests.models import ADD_SUB_WIDTH, build_add_sub
 from tests.redis_server import RedisServer
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +47,18 @@ WAIT_S = 60.0
 class Worker:
     """``slipstream worker`` (with the flaky backend) in a subprocess."""
 
-    def __init__(self, redis_url: str, repo: Path, log_dir: Path, name: str) -> None:
+    def __init__(self, redis_url: str, repo: Path, log_dir: Path, name: str, *args: str) -> None:
         self.name = name
         self.log_path = log_dir / f"worker-{name}.log"
         argv = [*flaky_command(), "worker", "--redis", redis_url, "--repository", str(repo),
-                "--consumer", name, *WORKER_ARGS]  # fmt: skip
+                "--consumer", name, *WORKER_ARGS, *args]  # fmt: skip
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )  # fmt: skip
+
+    metrics_url = ""
 
     def wait_ready(self) -> None:
         wait_for(lambda: "ready: jobs from" in self.log(), f"worker {self.name} ready", self)
@@ -112,7 +115,10 @@ def server(
 def worker(
     repo: Path, redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Worker]:
-    running = Worker(redis.url, repo, tmp_path_factory.mktemp("worker"), "w0")
+    metrics_port = free_ports(1)[0]
+    running = Worker(redis.url, repo, tmp_path_factory.mktemp("worker"), "w0",
+                     "--metrics-port", str(metrics_port))  # fmt: skip
+    running.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         running.wait_ready()
         yield running
@@ -226,6 +232,14 @@ def test_a_bad_submission_is_answered_at_once_naming_the_field(
     reply = client.post(path, content=orjson.dumps(body), headers=headers)
     assert reply.status_code == status, reply.text
     assert named in reply.json()["error"]
+
+
+def test_a_worker_serves_the_servers_metrics_names(client: httpx.Client, worker: Worker) -> None:
+    a = np.zeros((1, ADD_SUB_WIDTH), np.float32)
+    reply = client.post("/v2/jobs", content=add_sub_body(a, a, model="add_sub"))
+    wait_done(client, reply.json()["job_id"])
+    text = httpx.get(worker.metrics_url, timeout=10).text
+    assert re.search(r'slipstream_request_success_total\{model="add_sub",version="1"\} [1-9]', text)
 
 
 def test_unknown_jobs_are_404_and_the_routes_answer_405_for_other_methods(
