@@ -216,6 +216,7 @@ def _worker_help(field: str) -> str:
 @click.option("--max-attempts", type=int, default=3, help=_worker_help("max_attempts"))
 @click.option("--reclaim-after-s", type=float, default=60.0, help=_worker_help("reclaim_after_s"))
 @click.option("--result-ttl-s", type=int, default=3600, help=_worker_help("result_ttl_s"))
+@click.option("--trust-pickle", is_flag=True, default=False, help=_worker_help("trust_pickle"))
 @click.option("--metrics-port", type=int, default=0, help=_worker_help("metrics_port"))
 @click.option("--shutdown-timeout-s", type=float, default=30.0,
               help=_worker_help("shutdown_timeout_s"))  # fmt: skip

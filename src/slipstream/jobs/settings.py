@@ -45,6 +45,11 @@ class WorkerSettings(BaseModel):
         "runs, or slow jobs run twice (their result is still written once).",
     )  # fmt: skip
     result_ttl_s: int = Field(3600, ge=1, description="How long a finished job's result is kept.")
+    trust_pickle: bool = Field(
+        False,
+        description="Load pickle-based model files (as slipstream serve --trust-pickle): "
+        "only for a repository you trust like code.",
+    )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Serve /metrics (Prometheus) on this port; 0: off."
     )

@@ -53,7 +53,8 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None
     metrics = ServerMetrics()
     service = ModelServer(
         ServerSettings(model_repository=settings.model_repository, http_port=0, grpc_port=0,
-                       shutdown_timeout_s=settings.shutdown_timeout_s),
+                       shutdown_timeout_s=settings.shutdown_timeout_s,
+                       trust_pickle=settings.trust_pickle),
         metrics,
     )  # fmt: skip
     if settings.metrics_port:
