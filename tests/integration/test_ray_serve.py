@@ -10,6 +10,7 @@ cluster starts in ~5-10 s on two cores, so one server serves every case.
 from __future__ import annotations
 
 import doctest
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -168,3 +169,21 @@ def wait_log(server: RemoteServer, condition: Callable[[], bool], what: str) -> 
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}\n{server.log_tail()}"
         time.sleep(0.2)
+
+
+def test_metrics_at_the_root_hold_every_replicas_series_with_the_servers_names(
+    server: RemoteServer,
+) -> None:
+    pattern = re.compile(
+        r'^slipstream_request_success_total\{model="add_sub",.*replica="([^"]+)"', re.M
+    )
+    deadline = time.monotonic() + 30
+    with httpx.Client(base_url=server.http_url, timeout=30) as client:
+        while True:
+            text = client.get("/metrics").text
+            replicas = set(pattern.findall(text))
+            if len(replicas) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert len(replicas) == 2, text[-3000:]  # add_sub runs two replicas
+    assert "# TYPE slipstream_request_duration_seconds histogram" in text

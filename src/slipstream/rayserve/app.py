@@ -15,20 +15,32 @@ config.yaml's ``ray_serve:`` section (Ray Serve's autoscaling_config):
     slipstream serve --ray --model-repository ./models --http-port 8000
     RAY_ADDRESS=ray://head:10001 slipstream serve --ray ...     # an existing cluster
 
-Not served under Ray yet: gRPC, the OpenAI routes (generative models are skipped),
-asynchronous jobs, and ``/metrics`` of the replicas (each keeps its own registry).
+``/metrics`` at the root answers every replica's metrics, with the server's names and a
+``replica`` label (:mod:`slipstream.rayserve.metrics`). Not served under Ray yet: gRPC,
+the OpenAI routes (generative models are skipped), asynchronous jobs, API keys.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import threading
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
 from slipstream.config import ModelConfig, RayServeConfig, ServerSettings
 from slipstream.observability.metrics import ServerMetrics
+from slipstream.rayserve.metrics import (
+    BOARD_NAME,
+    BOARD_NAMESPACE,
+    PUSH_INTERVAL_S,
+    board_actor,
+    merged_text,
+    snapshot,
+)
 from slipstream.repository.layout import is_generative, list_models, read_config
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
 from slipstream.server.v2_rest import V2RestApp
@@ -73,13 +85,26 @@ class V2Replica:
 
     # Ray runs an async __init__ to its end before the replica takes requests.
     async def __init__(self, settings: dict[str, Any], models: list[str]) -> None:  # type: ignore[misc]
+        import ray
+
         explicit = {**settings, "model_control_mode": "explicit", "load_models": models}
         self._metrics = ServerMetrics()
         self._service = ModelServer(ServerSettings(**explicit), self._metrics)
         self._app = V2RestApp(self._service, self._metrics)
         self._replica = str(os.getpid()).encode()
+        # The root application (no models) answers /metrics for every replica.
+        self._gathers_metrics = not models
+        self._board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
+        actor = ray.get_runtime_context().get_actor_id() or str(os.getpid())
+        self._replica_id = f"{models[0] if models else 'root'}-{actor[:8]}"
         # Loaded and warmed up before Ray routes a request here.
         await self._service.start()
+        self._pusher = asyncio.create_task(self._push_metrics()) if models else None
+
+    async def _push_metrics(self) -> None:
+        while True:
+            self._board.put.remote(self._replica_id, snapshot(self._metrics.registry))
+            await asyncio.sleep(PUSH_INTERVAL_S)
 
     async def __call__(self, request: Any) -> Any:
         """A Starlette request from Ray's proxy -> the V2 route's answer."""
@@ -90,6 +115,9 @@ class V2Replica:
             [(k.lower(), v) for k, v in request.headers.raw], await request.body(),
             request.url.query.encode(),
         )  # fmt: skip
+        if self._gathers_metrics and http.path == "/metrics" and http.method in ("GET", "HEAD"):
+            text = merged_text(await self._board.all.remote())
+            return Response(text, 200, media_type=CONTENT_TYPE_LATEST)
         reply = await self._app.handle(http)
         if isinstance(reply, StreamingResponse):  # no V2 route streams
             reply = HttpResponse(500, b'{"error":"streaming is not served under Ray"}')
@@ -103,6 +131,9 @@ class V2Replica:
             raise RuntimeError("the serving core is not live")
 
     async def __del__(self) -> None:
+        if self._pusher is not None:
+            self._pusher.cancel()
+            self._board.drop.remote(self._replica_id)
         await self._service.stop()
 
 
@@ -150,6 +181,8 @@ def run(settings: ServerSettings, address: str = "") -> int:
 
     ray.init(address=address or os.environ.get("RAY_ADDRESS") or None,
              include_dashboard=False, log_to_driver=True)  # fmt: skip
+    # Owned by this process: it lives as long as the applications do.
+    board = board_actor().options(name=BOARD_NAME, namespace=BOARD_NAMESPACE).remote()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -168,6 +201,7 @@ def run(settings: ServerSettings, address: str = "") -> int:
             counts = _log_replica_changes(serve.status(), counts)
         logger.info("shutting down the Ray Serve applications")
         serve.shutdown()  # type: ignore[no-untyped-call]
+        ray.kill(board)
         return 0
     except Exception:
         logger.exception("Ray Serve deployment failed")
