@@ -1,15 +1,17 @@
 """Issue #17, part 1: ``slipstream serve --ray`` on a local Ray cluster, driven by the
 stock tritonclient through Ray Serve's HTTP proxy (V2 JSON and binary tensors).
 
-``add_sub``'s config.yaml asks for two replicas (``ray_serve:``): both answer. ``slow``
-autoscales from one replica to two under load and back to one after it, with delays of
-a second (and Ray's metrics pushed every half second) so the test takes seconds. A Ray
-cluster starts in ~5-10 s on two cores, so one server serves every case.
+``add_sub``'s config.yaml asks for two replicas (``ray_serve:``): both answer, and both
+report /metrics. ``slow`` autoscales from one replica to two under load and back to one
+after it, with delays of a second (and Ray's metrics pushed every half second) so the
+test takes seconds. ``smol`` (SmolLM2 on llama.cpp) answers the stock openai SDK on the
+OpenAI routes. A Ray cluster starts in ~5-10 s on two cores: one server serves every case.
 """
 
 from __future__ import annotations
 
 import doctest
+import os
 import re
 import threading
 import time
@@ -22,6 +24,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.llm_models import smollm2_gguf
 from tests.models import ADD_SUB_WIDTH, build_add_sub, run_onnx, write_config
 from tests.utils import RemoteServer
 
@@ -36,7 +39,7 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("ray_repo") / "models"
     path = build_add_sub(repo)
     write_config(repo, "add_sub", {"ray_serve": {"min_replicas": 2, "max_replicas": 2,
-                                                 "num_cpus": 0.5}})  # fmt: skip
+                                                 "num_cpus": 0.25}})  # fmt: skip
     return path
 
 
@@ -79,10 +82,20 @@ def build_slow(repo: Path) -> None:
     })  # fmt: skip
 
 
+def add_smollm2(repo: Path) -> None:
+    """SmolLM2 on llama.cpp: the OpenAI routes' application (/v1)."""
+    (repo / "smol" / "1").mkdir(parents=True)
+    os.link(smollm2_gguf(), repo / "smol" / "1" / "model.gguf")
+    generation = {"num_blocks": 64, "max_model_len": 1024}
+    write_config(repo, "smol", {"backend": "llama_cpp", "ray_serve": {"num_cpus": 0.5},
+                                "generation": generation})  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def server(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     repo = model_file.parents[2]
     build_slow(repo)
+    add_smollm2(repo)
     log_dir = tmp_path_factory.mktemp("ray_logs")
     with RemoteServer(repo, ["--ray"], log_dir=log_dir, startup_timeout_s=180,
                       env=FAST_METRICS) as running:  # fmt: skip
@@ -187,3 +200,20 @@ def test_metrics_at_the_root_hold_every_replicas_series_with_the_servers_names(
             time.sleep(0.5)
     assert len(replicas) == 2, text[-3000:]  # add_sub runs two replicas
     assert "# TYPE slipstream_request_duration_seconds histogram" in text
+
+
+def test_the_openai_routes_serve_the_generative_models_streamed_or_not(
+    server: RemoteServer,
+) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    messages = [{"role": "user", "content": "Say hello."}]
+    reply = client.chat.completions.create(model="smol", messages=messages, max_tokens=8,
+                                           temperature=0)  # fmt: skip
+    text = reply.choices[0].message.content
+    assert text and reply.usage is not None and reply.usage.completion_tokens <= 8
+    stream = client.chat.completions.create(model="smol", messages=messages, max_tokens=8,
+                                            temperature=0, stream=True)  # fmt: skip
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == text  # greedy: the same tokens, as server-sent events

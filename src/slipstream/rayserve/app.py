@@ -1,7 +1,7 @@
 """``slipstream serve --ray``: every model of the repository as a Ray Serve application.
 
-Each model is one application at the route prefix ``/v2/models/<model>``, whose replicas
-each run the serving core on that one model (:class:`~slipstream.serving.core.ModelServer`:
+Each V2 model is one application at the route prefix ``/v2/models/<model>``, whose
+replicas each run the serving core on that one model (:class:`~slipstream.serving.core.ModelServer`:
 the same config, batcher and runtime as ``slipstream serve``) behind the same V2 REST
 front end (:class:`~slipstream.server.v2_rest.V2RestApp`: JSON and binary tensors,
 metadata, config, statistics). Ray's HTTP proxy routes by the longest prefix, so a request
@@ -15,9 +15,11 @@ config.yaml's ``ray_serve:`` section (Ray Serve's autoscaling_config):
     slipstream serve --ray --model-repository ./models --http-port 8000
     RAY_ADDRESS=ray://head:10001 slipstream serve --ray ...     # an existing cluster
 
-``/metrics`` at the root answers every replica's metrics, with the server's names and a
-``replica`` label (:mod:`slipstream.rayserve.metrics`). Not served under Ray yet: gRPC,
-the OpenAI routes (generative models are skipped), asynchronous jobs, API keys.
+The generative models are one more application at ``/v1`` (the OpenAI routes: Ray routes
+by path, and an OpenAI request names its model in its body). ``/metrics`` at the root
+answers every replica's metrics, with the server's names and a ``replica`` label
+(:mod:`slipstream.rayserve.metrics`). Not served under Ray yet: gRPC, /v1/embeddings (its
+embedding model is a V2 application of its own), asynchronous jobs, API keys.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from slipstream.config import ModelConfig, RayServeConfig, ServerSettings
+from slipstream.llm.service import LlmModels
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.rayserve.metrics import (
     BOARD_NAME,
@@ -42,7 +45,9 @@ from slipstream.rayserve.metrics import (
     snapshot,
 )
 from slipstream.repository.layout import is_generative, list_models, read_config
-from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
+from slipstream.server.httpd import HttpRequest, StreamingResponse
+from slipstream.server.openai_rest import OpenAIApp
+from slipstream.server.router import Router
 from slipstream.server.v2_rest import V2RestApp
 from slipstream.serving.core import ModelServer
 
@@ -50,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 # The root application (server routes) holds no model: it reserves no CPU.
 _ROOT_APP = "slipstream"
+_OPENAI_APP = "openai"
 _REPLICA_HEADER = b"x-slipstream-replica"
 # How often the driver looks at the replicas (to log what autoscaling did).
 _STATUS_INTERVAL_S = 1.0
@@ -81,16 +87,29 @@ def deployment_options(config: RayServeConfig) -> dict[str, Any]:
 
 
 class V2Replica:
-    """One Ray Serve replica: a serving core on ``models`` behind the V2 REST routes."""
+    """One Ray Serve replica: a serving core on ``models`` behind the V2 REST routes, and
+    with ``generative`` the LLM lane on them behind the OpenAI routes (``/v1/``)."""
 
     # Ray runs an async __init__ to its end before the replica takes requests.
-    async def __init__(self, settings: dict[str, Any], models: list[str]) -> None:  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, settings: dict[str, Any], models: list[str], generative: bool = False
+    ) -> None:
         import ray
 
-        explicit = {**settings, "model_control_mode": "explicit", "load_models": models}
+        explicit = ServerSettings(
+            **{**settings, "model_control_mode": "explicit", "load_models": models}
+        )
         self._metrics = ServerMetrics()
-        self._service = ModelServer(ServerSettings(**explicit), self._metrics)
-        self._app = V2RestApp(self._service, self._metrics)
+        lanes: list[LlmModels] = []
+        if generative:
+            lanes.append(LlmModels(explicit.model_repository, self._metrics.registry))
+        self._service = ModelServer(explicit, self._metrics, lanes=lanes)
+        v2_app = V2RestApp(self._service, self._metrics)
+        routes = []
+        if generative:
+            openai_app = OpenAIApp(lanes[0], self._service, explicit.model_repository)
+            routes.append(("/v1/", openai_app.handle))
+        self._handle = Router(fallback=v2_app.handle, routes=routes).handle
         self._replica = str(os.getpid()).encode()
         # The root application (no models) answers /metrics for every replica.
         self._gathers_metrics = not models
@@ -109,6 +128,7 @@ class V2Replica:
     async def __call__(self, request: Any) -> Any:
         """A Starlette request from Ray's proxy -> the V2 route's answer."""
         from starlette.responses import Response
+        from starlette.responses import StreamingResponse as Streamed
 
         http = HttpRequest(
             request.method, request.url.path,
@@ -118,11 +138,11 @@ class V2Replica:
         if self._gathers_metrics and http.path == "/metrics" and http.method in ("GET", "HEAD"):
             text = merged_text(await self._board.all.remote())
             return Response(text, 200, media_type=CONTENT_TYPE_LATEST)
-        reply = await self._app.handle(http)
-        if isinstance(reply, StreamingResponse):  # no V2 route streams
-            reply = HttpResponse(500, b'{"error":"streaming is not served under Ray"}')
+        reply = await self._handle(http)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reply.headers}
         headers[_REPLICA_HEADER.decode()] = self._replica.decode()
+        if isinstance(reply, StreamingResponse):  # server-sent events of a generation
+            return Streamed(reply.chunks, reply.status, headers, reply.content_type.decode())
         return Response(reply.body, reply.status, headers, reply.content_type.decode())
 
     def check_health(self) -> None:
@@ -138,7 +158,10 @@ class V2Replica:
 
 
 def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
-    """Application name -> (route prefix, bound application); the root one last."""
+    """Application name -> (route prefix, bound application): one per V2 model, one at
+    ``/v1`` for the generative models (Ray routes by path, and an OpenAI request names its
+    model in the body: one application serves them all, scaled by the first one's
+    ``ray_serve:``), and the root one last."""
     from ray import serve
 
     # A stopping replica drains its requests for --shutdown-timeout-s, looking every 0.5 s.
@@ -148,14 +171,19 @@ def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
     )  # fmt: skip
     plain = settings.model_dump(mode="json")
     apps: dict[str, tuple[str, Any]] = {}
+    generative: dict[str, ModelConfig] = {}
     for name, directory in list_models(settings.model_repository).items():
-        if is_generative(directory):
-            logger.warning("model %s is generative: not served under Ray (yet)", name)
-            continue
         config: ModelConfig = read_config(directory)
+        if is_generative(directory):
+            generative[name] = config
+            continue
         options = deployment_options(config.ray_serve)
         apps[name] = (f"/v2/models/{name}",
                       replica.options(name=name, **options).bind(plain, [name]))  # fmt: skip
+    if generative:
+        options = deployment_options(next(iter(generative.values())).ray_serve)
+        bound = replica.options(name=_OPENAI_APP, **options).bind(plain, list(generative), True)
+        apps[_OPENAI_APP] = ("/v1", bound)
     root = replica.options(name=_ROOT_APP, num_replicas=1, ray_actor_options={"num_cpus": 0})
     apps[_ROOT_APP] = ("/", root.bind(plain, []))
     return apps
