@@ -281,7 +281,7 @@ def test_1000_jobs_survive_a_worker_killed_mid_batch_exactly_once(
     url = redis.url + "/2"  # a database of its own: no other test's worker reads it
     repo = tmp_path / "models"
     runs = tmp_path / "runs.jsonl"
-    build_flaky(repo, runs, delay_ms=10, config=FLAKY_CONFIG)
+    build_flaky(repo, runs, delay_ms=4, config=FLAKY_CONFIG)
     poisoned = {f"job-{i}" for i in range(0, 1000, 100)}  # 10 fail on purpose
     asyncio.run(submit_jobs(url, [(f"job-{i}", -i - 1.0 if f"job-{i}" in poisoned else i + 1.0)
                                   for i in range(1000)]))  # fmt: skip
