@@ -150,6 +150,17 @@ def main() -> None:
     help=_help("trace_startup"),
 )
 @click.option("--cache", default="", help=_help("cache"))
+@click.option(
+    "--ray",
+    "on_ray",
+    is_flag=True,
+    default=False,
+    help="Serve each model as a Ray Serve application (ray_serve: in its config.yaml "
+    "scales it) on a local Ray cluster, or RAY_ADDRESS's; HTTP V2 routes only.",
+)
+@click.option("--jobs-redis", default="", help=_help("jobs_redis"))
+@click.option("--jobs-max-pending", type=int, default=_default("jobs_max_pending"),
+              help=_help("jobs_max_pending"))  # fmt: skip
 @click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help=_help("tls_cert"))
 @click.option("--tls-key", type=click.Path(path_type=Path), default=None, help=_help("tls_key"))
 @click.option(
@@ -170,6 +181,7 @@ def serve(**options: Any) -> None:
       curl localhost:8000/v2/models/digits
     """  # fmt: skip
     options["load_models"] = list(options["load_models"])
+    on_ray = options.pop("on_ray")
     try:
         settings = ServerSettings(**options)
     except ValidationError as exc:
@@ -183,6 +195,10 @@ def serve(**options: Any) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if on_ray:
+        from slipstream.rayserve.app import run as run_on_ray
+
+        sys.exit(run_on_ray(settings))
     from slipstream.server.runner import serve as run_server
 
     try:
@@ -191,6 +207,66 @@ def serve(**options: Any) -> None:
         exit_code = uvloop.run(run_server(settings))
     except ImportError:  # pragma: no cover - uvloop is absent on Windows
         exit_code = asyncio.run(run_server(settings))
+    sys.exit(exit_code)
+
+
+def _worker_help(field: str) -> str:
+    from slipstream.jobs.settings import WorkerSettings
+
+    info = WorkerSettings.model_fields[field]
+    default = info.default
+    if field in ("redis", "model_repository", "consumer"):
+        return info.description or ""
+    return f"{info.description} [default: {default}]"
+
+
+@main.command()
+@click.option("--redis", required=True, help=_worker_help("redis"))
+@click.option("--repository", "--model-repository", "model_repository", required=True,
+              type=click.Path(file_okay=False, path_type=Path),
+              help=_worker_help("model_repository"))  # fmt: skip
+@click.option("--consumer", default=None, help=_worker_help("consumer"))
+@click.option("--prefetch", type=int, default=64, help=_worker_help("prefetch"))
+@click.option("--rounds", type=int, default=2, help=_worker_help("rounds"))
+@click.option("--max-attempts", type=int, default=3, help=_worker_help("max_attempts"))
+@click.option("--reclaim-after-s", type=float, default=60.0, help=_worker_help("reclaim_after_s"))
+@click.option("--result-ttl-s", type=int, default=3600, help=_worker_help("result_ttl_s"))
+@click.option("--trust-pickle", is_flag=True, default=False, help=_worker_help("trust_pickle"))
+@click.option("--metrics-port", type=int, default=0, help=_worker_help("metrics_port"))
+@click.option("--shutdown-timeout-s", type=float, default=30.0,
+              help=_worker_help("shutdown_timeout_s"))  # fmt: skip
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", help=_worker_help("log_level"))  # fmt: skip
+def worker(**options: Any) -> None:
+    """Run the asynchronous jobs of a Redis stream (servers started with --jobs-redis).
+
+    \b
+    Example:
+      slipstream worker --redis redis://localhost:6379 --repository ./models
+    Any number of workers, on any hosts, share the stream: each job runs once.
+    """  # fmt: skip
+    from slipstream.jobs.settings import WorkerSettings
+
+    if options["consumer"] is None:
+        del options["consumer"]
+    try:
+        settings = WorkerSettings(**options)
+    except ValidationError as exc:
+        raise click.BadParameter(format_validation_error("option", exc)) from None
+    if not settings.model_repository.is_dir():
+        raise click.BadParameter(
+            f"{settings.model_repository} is not a directory", param_hint="--repository"
+        )
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    from slipstream.server.worker import run_worker
+
+    try:
+        import uvloop
+
+        exit_code = uvloop.run(run_worker(settings))
+    except ImportError:  # pragma: no cover - uvloop is absent on Windows
+        exit_code = asyncio.run(run_worker(settings))
     sys.exit(exit_code)
 
 

@@ -241,6 +241,19 @@ class ResponseCacheConfig(_Strict):
     )
 
 
+class RayServeConfig(_Strict):
+    """``ray_serve:`` in config.yaml: the model's deployment under ``slipstream serve --ray``
+    (Ray Serve's autoscaling_config names; min = max: a fixed number of replicas)."""
+
+    min_replicas: int = Field(1, ge=0, description="fewest replicas (0: none while idle)")
+    max_replicas: int = Field(1, ge=1, description="most replicas")
+    target_ongoing_requests: float = Field(2.0, gt=0, description="requests per replica")
+    upscale_delay_s: float = Field(30.0, ge=0, description="load held this long adds one")
+    downscale_delay_s: float = Field(600.0, ge=0, description="idle this long removes one")
+    look_back_period_s: float = Field(30.0, gt=0, description="load averaged over this long")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per replica")
+
+
 class ModelConfig(_Strict):
     """The ``config.yaml`` of one model (shared by all its versions)."""
 
@@ -266,6 +279,7 @@ class ModelConfig(_Strict):
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
+    ray_serve: RayServeConfig = Field(default_factory=RayServeConfig)
     # Embedding models: the tokenizer file (in the model directory) that
     # /v1/embeddings uses to turn text into the model's input_ids and attention_mask.
     tokenizer: str = ""
@@ -516,6 +530,14 @@ class ServerSettings(_Strict):
         "{enable: true}: local:size=256MB (LRU by bytes, this process) or "
         "redis://host:port[/db][?ttl=600] (shared); empty: none.",
     )
+    jobs_redis: str = Field(
+        "",
+        description="Asynchronous jobs (POST /v2/jobs, Prefer: respond-async) in the Redis "
+        "stream at redis://host:port[/db], run by `slipstream worker`s; empty: off.",
+    )
+    jobs_max_pending: int = Field(
+        100_000, ge=1, description="Unfinished jobs the stream holds before submissions get 503."
+    )
     tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS and gRPC TLS.")
     tls_key: Path | None = Field(None, description="PEM private key of --tls-cert.")
     tls_client_ca: Path | None = Field(
@@ -527,6 +549,13 @@ class ServerSettings(_Strict):
     def _check_store(cls, value: str) -> str:
         if value != "memory" and not value.startswith("redis://"):
             raise ValueError(f"expected memory or redis://host:port, got {value!r}")
+        return value
+
+    @field_validator("jobs_redis")
+    @classmethod
+    def _check_jobs_redis(cls, value: str) -> str:
+        if value and not value.startswith(("redis://", "rediss://")):
+            raise ValueError(f"expected redis://host:port[/db], got {value!r}")
         return value
 
     @field_validator("cache")

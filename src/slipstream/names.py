@@ -83,3 +83,23 @@ def path_model_name(segment: str) -> str:
     still holding ``%`` after one decoding (``%252F``) is refused for the ``%``.
     """
     return validate_model_name(unquote(segment, errors="replace"))
+
+
+# A job id (jobs/, the Idempotency-Key header): printable, short, safe in a URL path and a
+# Redis key.
+JOB_ID_PATTERN = "^[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}$"
+_JOB_ID = re.compile(JOB_ID_PATTERN)
+
+
+def check_job_id(job_id: str, where: str = "Idempotency-Key") -> str:
+    """``job_id`` when it is a valid job id; InvalidRequest naming ``where`` otherwise.
+
+    >>> check_job_id("order-17:a")
+    'order-17:a'
+    """
+    if not _JOB_ID.fullmatch(job_id):
+        raise InvalidRequest(
+            f"{where}: {job_id[:_SHOWN_CHARS]!r} is not a job id; expected 1 to 128 ASCII "
+            "letters, digits, '_', '.', ':' or '-', starting with a letter, digit or '_'"
+        )
+    return job_id

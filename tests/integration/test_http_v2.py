@@ -1016,3 +1016,17 @@ def test_disconnected_client_request_is_never_run(
     after = model_stats(http, model)
     assert after["inference_count"] == before["inference_count"] + 2
     assert after["execution_count"] == before["execution_count"] + 2
+
+
+def test_without_a_job_stream_prefer_async_is_answered_at_once_and_jobs_are_404(
+    http: httpx.Client,
+) -> None:
+    # RFC 7240: a preference the server does not apply is ignored (no Preference-Applied).
+    body = infer_body(add_sub_inputs())
+    reply = http.post("/v2/models/add_sub/infer", content=body,
+                      headers={"Prefer": "respond-async"})  # fmt: skip
+    assert reply.status_code == 200 and "preference-applied" not in reply.headers
+    for method, path in (("POST", "/v2/jobs"), ("GET", "/v2/jobs/any")):
+        reply = http.request(method, path, content=body if method == "POST" else None)
+        assert reply.status_code == 404, reply.text
+        assert "--jobs-redis" in reply.json()["error"]

@@ -24,6 +24,7 @@ import re
 from functools import cache
 from typing import Any
 
+from slipstream.names import JOB_ID_PATTERN
 from slipstream.protocol.openapi_schemas import (
     JSON,
     MODEL_NAME_PATTERN,
@@ -114,6 +115,72 @@ _HEADER_LENGTH = {
 }
 
 
+_PREFER = {
+    "name": "Prefer",
+    "in": "header",
+    "required": False,
+    "description": "respond-async: run the request as a job (202 and its status; servers "
+    "started with --jobs-redis), else it is answered synchronously",
+    "schema": {"type": "string"},
+}
+_IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "description": "The job's id: submitting the same key again returns that job",
+    "schema": {"type": "string", "pattern": JOB_ID_PATTERN},
+}
+_JOB_ACCEPTED = {
+    "202": response(
+        "Job stored (or the existing job of this Idempotency-Key): its status; "
+        "Location names /v2/jobs/{job}",
+        json_content(ref("JobStatus")),
+    )
+}
+# GET /v2/jobs/{job}'s answer.
+JOB_STATUS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "job_id": {"type": "string"},
+        "status": {"enum": ["pending", "done", "failed"]},
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "attempts": {"type": "integer", "minimum": 0},
+        "result": ref("InferenceResponse"),
+        "error": {"type": "string"},
+        "error_status": {"type": "integer"},
+    },
+    "required": ["job_id", "status", "model_name", "model_version", "attempts"],
+}
+
+
+def _jobs_paths() -> dict[str, Any]:
+    """Asynchronous jobs (404 on a server without --jobs-redis)."""
+    body = {"required": True, "content": json_content(ref("JobRequest"))}
+    job = {"name": "job", "in": "path", "required": True,
+           "schema": {"type": "string", "pattern": JOB_ID_PATTERN}}  # fmt: skip
+    return {
+        "/v2/jobs": {
+            "post": {
+                "summary": "Submit a job: a V2 inference request naming its model",
+                "operationId": "job_submit",
+                "parameters": [_IDEMPOTENCY_KEY, _HEADER_LENGTH],
+                "requestBody": body,
+                "responses": _JOB_ACCEPTED | _v2_errors("400", "404", body=True),
+            }
+        },
+        "/v2/jobs/{job}": {
+            "parameters": [job],
+            "get": {
+                "summary": "A job's status, and its result when done",
+                "operationId": "job_status",
+                "responses": {"200": response("Status", json_content(ref("JobStatus")))}
+                | _v2_errors("400", "404"),
+            },
+        },
+    }
+
+
 def _v2_model_paths(prefix: str, params: list[dict[str, Any]]) -> dict[str, Any]:
     """The per-model routes under ``prefix`` (with or without /versions/{version})."""
     infer_body = {
@@ -165,9 +232,10 @@ def _v2_model_paths(prefix: str, params: list[dict[str, Any]]) -> dict[str, Any]
             "post": {
                 "summary": "Inference",
                 "operationId": _operation_id("model_infer", prefix),
-                "parameters": [_HEADER_LENGTH],
+                "parameters": [_HEADER_LENGTH, _PREFER, _IDEMPOTENCY_KEY],
                 "requestBody": infer_body,
                 "responses": {"200": response("Outputs", infer_ok)}
+                | _JOB_ACCEPTED
                 | _v2_errors("400", "404", body=True),
             },
         },
@@ -250,6 +318,7 @@ def _v2_paths() -> dict[str, Any]:
             },
         }
     paths |= _shared_memory_paths()
+    paths |= _jobs_paths()
     paths |= _v2_model_paths("/v2/models/{model}", [_MODEL])
     paths |= _v2_model_paths("/v2/models/{model}/versions/{version}", [_MODEL, _VERSION])
     text = {"text/plain": {"schema": {"type": "string"}}}
@@ -447,6 +516,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             "type, param, code}} on /v1 routes.",
             "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
         },
+<<<<<<< HEAD
         "paths": _with_front_door(_v2_paths() | _openai_paths()),
         "components": {
             "schemas": v2_schemas() | openai_schemas(),
@@ -493,6 +563,24 @@ def _with_front_door(paths: dict[str, Any]) -> dict[str, Any]:
                 "429": limited,
             }
     return paths
+=======
+        "paths": _v2_paths() | _openai_paths(),
+        "components": {"schemas": v2_schemas() | _job_schemas() | openai_schemas()},
+    }
+
+
+def _job_schemas() -> dict[str, Any]:
+    request = {
+        "allOf": [ref("InferenceRequest")],
+        "type": "object",
+        "properties": {
+            "model": {"type": "string", "pattern": MODEL_NAME_PATTERN},
+            "model_version": {"type": "string", "pattern": "^[0-9]{0,18}$"},
+        },
+        "required": ["model"],
+    }
+    return {"JobRequest": request, "JobStatus": JOB_STATUS_SCHEMA}
+>>>>>>> scaleout
 
 
 @cache

@@ -39,6 +39,11 @@ HTTP_ROUTES: dict[str, Need] = {
     "/v1/chat/completions": "infer",
     "/v1/responses": "infer",
     "/v1/embeddings": "infer",
+    # Asynchronous jobs: submitting one is inference; its status is its result. A job
+    # names no model in its path: a key limited to some models may read any job whose
+    # id it knows (the server's ids are 128 random bits).
+    "/v2/jobs": "infer",
+    "/v2/jobs/{job}": "infer",
     "/v2/models/stats": "admin",
     "/v2/models/{model}/stats": "admin",
     "/v2/models/{model}/versions/{version}/stats": "admin",
@@ -70,7 +75,7 @@ HTTP_ROUTES: dict[str, Need] = {
 }
 # OpenAI routes whose model is the body's "model" field.
 MODEL_IN_BODY = frozenset(
-    ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+    ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v2/jobs")
 )
 
 # gRPC method of inference.GRPCInferenceService -> (role, the request field naming the

@@ -84,12 +84,17 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     except (KeysFileError, OSError, ssl.SSLError) as exc:
         logger.error("%s", exc)
         return 1
+    jobs = None
+    if settings.jobs_redis:
+        from slipstream.jobs.queue import JobQueue
+
+        jobs = JobQueue(settings.jobs_redis, settings.jobs_max_pending)
     http_server = None
     if settings.http_port:
         openai_app = OpenAIApp(
             generation, service, settings.model_repository, cache=service.response_cache
         )
-        v2_app = V2RestApp(service, metrics, drift=monitors.report)
+        v2_app = V2RestApp(service, metrics, drift=monitors.report, jobs=jobs)
         router = Router(fallback=v2_app.handle, routes=[("/v1/", openai_app.handle)],
                         middleware=[HttpFrontDoor(*door)] if door else [])  # fmt: skip
         http_server = HttpServer(
@@ -146,6 +151,8 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         *([grpc_server.stop(grace=settings.shutdown_timeout_s)] if grpc_server else []),
     )
     await service.stop()
+    if jobs is not None:
+        await jobs.close()
     if door and door[1] is not None:
         await door[1].store.close()
     logger.info("shutdown complete")

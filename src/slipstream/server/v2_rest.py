@@ -18,12 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slipstream import __version__
 from slipstream.errors import InvalidRequest, ModelNotFound, SlipstreamError
+from slipstream.jobs.queue import JobQueue
 from slipstream.names import path_model_name
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta, v2_shm
 from slipstream.protocol.openapi import openapi_document
 from slipstream.server import dashboard
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
+from slipstream.server.jobs_rest import JobRoutes, prefers_async
 from slipstream.server.router import no_route
 from slipstream.serving.service import InferenceService
 from slipstream.serving.shared_memory import RegionNotFound, check_region_name
@@ -52,9 +54,12 @@ class V2RestApp:
         service: InferenceService,
         metrics: ServerMetrics,
         drift: Callable[[str, str], dict[str, Any]] | None = None,
+        jobs: JobQueue | None = None,
     ) -> None:
-        """``drift``: a version's drift report by (model, version), when monitoring runs."""
+        """``drift``: a version's drift report by (model, version), when monitoring runs;
+        ``jobs``: the asynchronous job stream (--jobs-redis), when there is one."""
         self._service = service
+        self._jobs = JobRoutes(service, jobs)
         self._metrics = metrics
         self._drift = drift
         self._openapi: bytes | None = None  # built at the first GET /openapi.json
@@ -82,6 +87,8 @@ class V2RestApp:
         if parts[0] == "v2":
             if len(parts) >= 3 and parts[1] == "models" and parts[2] != "stats":
                 return await self._model_route(method, parts[2:], request)
+            if parts[1:2] == ["jobs"]:
+                return await self._jobs_route(method, parts[2:], request)
             if len(parts) >= 3 and parts[1] in _SHARED_MEMORY:
                 return self._shared_memory_route(method, parts[1:], request)
             return await self._server_route(method, parts[1:], request)
@@ -158,6 +165,15 @@ class V2RestApp:
             return _empty(200)
         raise no_route("POST", f"/v2/repository/{'/'.join(parts)}")
 
+    async def _jobs_route(
+        self, method: str, parts: list[str], request: HttpRequest
+    ) -> HttpResponse:
+        if not parts and method == "POST":
+            return await self._jobs.submit_named(request)
+        if len(parts) == 1 and method in ("GET", "HEAD"):
+            return await self._jobs.status(unquote(parts[0], errors="replace"))
+        raise no_route(method, request.path)
+
     def _shared_memory_route(
         self, method: str, parts: list[str], request: HttpRequest
     ) -> HttpResponse:
@@ -218,6 +234,8 @@ class V2RestApp:
         raise no_route(method, request.path)
 
     async def _infer(self, name: str, version: str, http: HttpRequest) -> HttpResponse:
+        if self._jobs.enabled and prefers_async(http):
+            return await self._jobs.submit(name, version, http)
         header = http.header(_HEADER_LENGTH)
         header_length = (
             None if header is None else _int_header(header, "Inference-Header-Content-Length")

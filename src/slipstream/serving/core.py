@@ -216,6 +216,18 @@ class ModelServer(InferenceService):
         await self.models.wake(request.model_name, wait_s)
         return self.models.resolve(request.model_name, request.model_version)
 
+    def check(self, request: InferRequest) -> None:
+        if self._stopping:
+            raise Unavailable("server is shutting down", retry_after_s=1)
+        try:
+            model = self.models.resolve(request.model_name, request.model_version)
+        except ModelAsleep:
+            return  # idle-unloaded here: the worker that runs the job checks it
+        except Unavailable:
+            self._refuse_generative(request.model_name)
+            raise
+        model.prepare(request)
+
     async def _infer_cached(
         self, model: ModelVersion, request: InferRequest, cache: ResponseCache
     ) -> InferResponse:

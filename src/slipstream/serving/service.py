@@ -84,6 +84,12 @@ class InferenceService(ABC):
     async def infer(self, request: InferRequest) -> InferResponse:
         """Validate, queue, batch and run one request; raise SlipstreamError on failure."""
 
+    def check(self, request: InferRequest) -> None:
+        """Raise the ClientError (or Unavailable) ``infer`` would raise before running
+        ``request``, without running it: an asynchronous job is checked when submitted.
+        The default checks nothing (the job fails when run instead)."""
+        return None
+
     @abstractmethod
     def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
         """Statistics of one model version, every version of a model, or every model."""

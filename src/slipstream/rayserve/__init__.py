@@ -1,0 +1,1 @@
+"""The repository as Ray Serve applications (``slipstream serve --ray``); see :mod:`.app`."""

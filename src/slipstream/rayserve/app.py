@@ -1,0 +1,238 @@
+"""``slipstream serve --ray``: every model of the repository as a Ray Serve application.
+
+Each V2 model is one application at the route prefix ``/v2/models/<model>``, whose
+replicas each run the serving core on that one model (:class:`~slipstream.serving.core.ModelServer`:
+the same config, batcher and runtime as ``slipstream serve``) behind the same V2 REST
+front end (:class:`~slipstream.server.v2_rest.V2RestApp`: JSON and binary tensors,
+metadata, config, statistics). Ray's HTTP proxy routes by the longest prefix, so a request
+goes from the proxy straight to a replica of its model; one more application at ``/``
+answers the server's routes (health, metadata). The replicas of a model scale by its
+config.yaml's ``ray_serve:`` section (Ray Serve's autoscaling_config):
+
+    # REPO/minilm/config.yaml
+    ray_serve: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 4}
+
+    slipstream serve --ray --model-repository ./models --http-port 8000
+    RAY_ADDRESS=ray://head:10001 slipstream serve --ray ...     # an existing cluster
+
+The generative models are one more application at ``/v1`` (the OpenAI routes: Ray routes
+by path, and an OpenAI request names its model in its body). ``/metrics`` at the root
+answers every replica's metrics, with the server's names and a ``replica`` label
+(:mod:`slipstream.rayserve.metrics`). Not served under Ray yet: gRPC, /v1/embeddings (its
+embedding model is a V2 application of its own), asynchronous jobs, API keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from slipstream.config import ModelConfig, RayServeConfig, ServerSettings
+from slipstream.llm.service import LlmModels
+from slipstream.observability.metrics import ServerMetrics
+from slipstream.rayserve.metrics import (
+    BOARD_NAME,
+    BOARD_NAMESPACE,
+    PUSH_INTERVAL_S,
+    board_actor,
+    merged_text,
+    snapshot,
+)
+from slipstream.repository.layout import is_generative, list_models, read_config
+from slipstream.server.httpd import HttpRequest, StreamingResponse
+from slipstream.server.openai_rest import OpenAIApp
+from slipstream.server.router import Router
+from slipstream.server.v2_rest import V2RestApp
+from slipstream.serving.core import ModelServer
+
+logger = logging.getLogger(__name__)
+
+# The root application (server routes) holds no model: it reserves no CPU.
+_ROOT_APP = "slipstream"
+_OPENAI_APP = "openai"
+_REPLICA_HEADER = b"x-slipstream-replica"
+# How often the driver looks at the replicas (to log what autoscaling did).
+_STATUS_INTERVAL_S = 1.0
+
+
+def deployment_options(config: RayServeConfig) -> dict[str, Any]:
+    """Ray Serve deployment options of one model from its ``ray_serve:`` config.
+
+    >>> deployment_options(RayServeConfig(min_replicas=2, max_replicas=2))["num_replicas"]
+    2
+    >>> deployment_options(RayServeConfig(max_replicas=4))["autoscaling_config"]["max_replicas"]
+    4
+    """
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": config.num_cpus}}
+    if config.min_replicas == config.max_replicas:
+        options["num_replicas"] = config.max_replicas
+        return options
+    options["autoscaling_config"] = {
+        "min_replicas": config.min_replicas,
+        "max_replicas": config.max_replicas,
+        "target_ongoing_requests": config.target_ongoing_requests,
+        "upscale_delay_s": config.upscale_delay_s,
+        "downscale_delay_s": config.downscale_delay_s,
+        "look_back_period_s": config.look_back_period_s,
+        # Ray wants load reported more often than it averages over (default 10 s).
+        "metrics_interval_s": min(10.0, config.look_back_period_s / 2),
+    }
+    return options
+
+
+class V2Replica:
+    """One Ray Serve replica: a serving core on ``models`` behind the V2 REST routes, and
+    with ``generative`` the LLM lane on them behind the OpenAI routes (``/v1/``)."""
+
+    # Ray runs an async __init__ to its end before the replica takes requests.
+    async def __init__(  # type: ignore[misc]
+        self, settings: dict[str, Any], models: list[str], generative: bool = False
+    ) -> None:
+        import ray
+
+        explicit = ServerSettings(
+            **{**settings, "model_control_mode": "explicit", "load_models": models}
+        )
+        self._metrics = ServerMetrics()
+        lanes: list[LlmModels] = []
+        if generative:
+            lanes.append(LlmModels(explicit.model_repository, self._metrics.registry))
+        self._service = ModelServer(explicit, self._metrics, lanes=lanes)
+        v2_app = V2RestApp(self._service, self._metrics)
+        routes = []
+        if generative:
+            openai_app = OpenAIApp(lanes[0], self._service, explicit.model_repository)
+            routes.append(("/v1/", openai_app.handle))
+        self._handle = Router(fallback=v2_app.handle, routes=routes).handle
+        self._replica = str(os.getpid()).encode()
+        # The root application (no models) answers /metrics for every replica.
+        self._gathers_metrics = not models
+        self._board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
+        actor = ray.get_runtime_context().get_actor_id() or str(os.getpid())
+        self._replica_id = f"{models[0] if models else 'root'}-{actor[:8]}"
+        # Loaded and warmed up before Ray routes a request here.
+        await self._service.start()
+        self._pusher = asyncio.create_task(self._push_metrics()) if models else None
+
+    async def _push_metrics(self) -> None:
+        while True:
+            self._board.put.remote(self._replica_id, snapshot(self._metrics.registry))
+            await asyncio.sleep(PUSH_INTERVAL_S)
+
+    async def __call__(self, request: Any) -> Any:
+        """A Starlette request from Ray's proxy -> the V2 route's answer."""
+        from starlette.responses import Response
+        from starlette.responses import StreamingResponse as Streamed
+
+        http = HttpRequest(
+            request.method, request.url.path,
+            [(k.lower(), v) for k, v in request.headers.raw], await request.body(),
+            request.url.query.encode(),
+        )  # fmt: skip
+        if self._gathers_metrics and http.path == "/metrics" and http.method in ("GET", "HEAD"):
+            text = merged_text(await self._board.all.remote())
+            return Response(text, 200, media_type=CONTENT_TYPE_LATEST)
+        reply = await self._handle(http)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reply.headers}
+        headers[_REPLICA_HEADER.decode()] = self._replica.decode()
+        if isinstance(reply, StreamingResponse):  # server-sent events of a generation
+            return Streamed(reply.chunks, reply.status, headers, reply.content_type.decode())
+        return Response(reply.body, reply.status, headers, reply.content_type.decode())
+
+    def check_health(self) -> None:
+        """Ray replaces a replica whose check raises."""
+        if not self._service.is_live():
+            raise RuntimeError("the serving core is not live")
+
+    async def __del__(self) -> None:
+        if self._pusher is not None:
+            self._pusher.cancel()
+            self._board.drop.remote(self._replica_id)
+        await self._service.stop()
+
+
+def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
+    """Application name -> (route prefix, bound application): one per V2 model, one at
+    ``/v1`` for the generative models (Ray routes by path, and an OpenAI request names its
+    model in the body: one application serves them all, scaled by the first one's
+    ``ray_serve:``), and the root one last."""
+    from ray import serve
+
+    # A stopping replica drains its requests for --shutdown-timeout-s, looking every 0.5 s.
+    replica: Any = serve.deployment(
+        V2Replica, graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=0.5,
+    )  # fmt: skip
+    plain = settings.model_dump(mode="json")
+    apps: dict[str, tuple[str, Any]] = {}
+    generative: dict[str, ModelConfig] = {}
+    for name, directory in list_models(settings.model_repository).items():
+        config: ModelConfig = read_config(directory)
+        if is_generative(directory):
+            generative[name] = config
+            continue
+        options = deployment_options(config.ray_serve)
+        apps[name] = (f"/v2/models/{name}",
+                      replica.options(name=name, **options).bind(plain, [name]))  # fmt: skip
+    if generative:
+        options = deployment_options(next(iter(generative.values())).ray_serve)
+        bound = replica.options(name=_OPENAI_APP, **options).bind(plain, list(generative), True)
+        apps[_OPENAI_APP] = ("/v1", bound)
+    root = replica.options(name=_ROOT_APP, num_replicas=1, ray_actor_options={"num_cpus": 0})
+    apps[_ROOT_APP] = ("/", root.bind(plain, []))
+    return apps
+
+
+def _log_replica_changes(status: Any, before: dict[str, int]) -> dict[str, int]:
+    """Log each model whose count of running replicas changed (autoscaling at work)."""
+    now = {}
+    for name, application in status.applications.items():
+        for deployment in application.deployments.values():
+            states = {str(state): count for state, count in deployment.replica_states.items()}
+            now[name] = sum(n for state, n in states.items() if state.endswith("RUNNING"))
+    for name, count in now.items():
+        if before.get(name) != count:
+            logger.info("model %s: %d replica%s running", name, count, "" if count == 1 else "s")
+    return now
+
+
+def run(settings: ServerSettings, address: str = "") -> int:
+    """Deploy every application, wait for SIGTERM/SIGINT, shut them down; the exit code."""
+    import ray
+    from ray import serve
+
+    ray.init(address=address or os.environ.get("RAY_ADDRESS") or None,
+             include_dashboard=False, log_to_driver=True)  # fmt: skip
+    # Owned by this process: it lives as long as the applications do.
+    board = board_actor().options(name=BOARD_NAME, namespace=BOARD_NAMESPACE).remote()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.http_port})
+        apps = applications(settings)
+        root = apps.pop(_ROOT_APP)
+        # The models together; the root (health) only once they run, so ready means ready.
+        if apps:
+            serve.run_many([serve.RunTarget(app, name=name, route_prefix=prefix)
+                            for name, (prefix, app) in apps.items()])  # fmt: skip
+        serve.run(root[1], name=_ROOT_APP, route_prefix=root[0])
+        logger.info("Slipstream on Ray Serve is ready: HTTP port %d", settings.http_port)
+        counts: dict[str, int] = {}
+        while not stop.wait(_STATUS_INTERVAL_S):
+            counts = _log_replica_changes(serve.status(), counts)
+        logger.info("shutting down the Ray Serve applications")
+        serve.shutdown()  # type: ignore[no-untyped-call]
+        ray.kill(board)
+        return 0
+    except Exception:
+        logger.exception("Ray Serve deployment failed")
+        return 1
+    finally:
+        ray.shutdown()

@@ -1,0 +1,90 @@
+"""``/metrics`` of every replica under Ray, with the server's names.
+
+Each replica keeps its own Prometheus registry (the serving core's
+:class:`~slipstream.observability.metrics.ServerMetrics`). It sends a snapshot of it
+every ``PUSH_INTERVAL_S`` to one board (a Ray actor the driver owns); ``/metrics`` at the
+root application answers the latest snapshot of every live replica, each series with a
+``replica`` label, so one scrape of the Service sees every replica (the figures of a
+replica that stopped reporting drop out after ``STALE_AFTER_S``).
+
+    # replica                                   # the root application's /metrics
+    board.put.remote(replica_id, snapshot(registry))
+                                                text = merged_text(await board.all.remote())
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Metric, generate_latest
+
+BOARD_NAME = "slipstream-metrics"
+BOARD_NAMESPACE = "slipstream"
+PUSH_INTERVAL_S = 2.0
+STALE_AFTER_S = 3 * PUSH_INTERVAL_S
+
+# One metric family as plain data (picklable): name, type, help, samples of
+# (sample name, labels, value).
+Family = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
+
+
+def snapshot(registry: CollectorRegistry) -> list[Family]:
+    """Every family of ``registry`` now, as plain data."""
+    return [
+        (family.name, family.type, family.documentation,
+         [(s.name, dict(s.labels), float(s.value)) for s in family.samples])
+        for family in registry.collect()
+    ]  # fmt: skip
+
+
+def merged_text(reports: dict[str, list[Family]]) -> bytes:
+    """The Prometheus text of every replica's snapshot, a ``replica`` label on each series."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(reports))
+    return generate_latest(registry)
+
+
+class _Merged:
+    def __init__(self, reports: dict[str, list[Family]]) -> None:
+        self._reports = reports
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for replica, report in sorted(self._reports.items()):
+            for name, kind, documentation, samples in report:
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = Metric(name, documentation, kind)
+                for sample, labels, value in samples:
+                    family.add_sample(sample, {**labels, "replica": replica}, value)
+        yield from families.values()
+
+
+class MetricsBoard:
+    """The latest snapshot of each replica (a Ray actor: ``board_actor()``)."""
+
+    def __init__(self) -> None:
+        self._reports: dict[str, tuple[float, list[Family]]] = {}
+
+    def put(self, replica: str, report: list[Family]) -> None:
+        self._reports[replica] = (time.monotonic(), report)
+
+    def drop(self, replica: str) -> None:
+        self._reports.pop(replica, None)
+
+    def all(self) -> dict[str, list[Family]]:
+        """Every replica's snapshot, once stale ones are forgotten."""
+        now = time.monotonic()
+        for replica, (at, _) in list(self._reports.items()):
+            if now - at > STALE_AFTER_S:
+                del self._reports[replica]
+        return {replica: report for replica, (_, report) in self._reports.items()}
+
+
+def board_actor() -> Any:
+    """The board's actor class (Ray imported only here)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(MetricsBoard)

@@ -1,0 +1,219 @@
+"""Issue #17, part 1: ``slipstream serve --ray`` on a local Ray cluster, driven by the
+stock tritonclient through Ray Serve's HTTP proxy (V2 JSON and binary tensors).
+
+``add_sub``'s config.yaml asks for two replicas (``ray_serve:``): both answer, and both
+report /metrics. ``slow`` autoscales from one replica to two under load and back to one
+after it, with delays of a second (and Ray's metrics pushed every half second) so the
+test takes seconds. ``smol`` (SmolLM2 on llama.cpp) answers the stock openai SDK on the
+OpenAI routes. A Ray cluster starts in ~5-10 s on two cores: one server serves every case.
+"""
+
+from __future__ import annotations
+
+import doctest
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.llm_models import smollm2_gguf
+from tests.models import ADD_SUB_WIDTH, build_add_sub, run_onnx, write_config
+from tests.utils import RemoteServer
+
+pytest.importorskip("ray.serve")
+httpclient = pytest.importorskip("tritonclient.http")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("ray_repo") / "models"
+    path = build_add_sub(repo)
+    write_config(repo, "add_sub", {"ray_serve": {"min_replicas": 2, "max_replicas": 2,
+                                                 "num_cpus": 0.25}})  # fmt: skip
+    return path
+
+
+# Autoscaling decided on metrics pushed every half second (Ray's default: 10 s).
+FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_MIN_HANDLE_METRICS_TIMEOUT_S": "1"}  # fmt: skip
+SLOW_WIDTH, SLOW_LAYERS, SLOW_ROWS = 1024, 8, 16
+
+
+def build_slow(repo: Path) -> None:
+    """X FP32 [-1, 8] -> Y [-1, 1] through 8 tanh(x @ W) layers of 1024: ~0.27 GFLOP for
+    16 rows, tens of ms on one core: requests that stay ongoing under load."""
+    rng = np.random.default_rng(0)
+    first = rng.standard_normal((8, SLOW_WIDTH)).astype(np.float32) / 3
+    weight = rng.standard_normal((SLOW_WIDTH, SLOW_WIDTH)).astype(np.float32) / 32
+    nodes = [helper.make_node("MatMul", ["X", "W0"], ["h0"])]
+    for layer in range(1, SLOW_LAYERS + 1):
+        nodes.append(helper.make_node("MatMul", [f"h{layer - 1}", "W"], [f"m{layer}"]))
+        nodes.append(helper.make_node("Tanh", [f"m{layer}"], [f"h{layer}"]))
+    nodes.append(helper.make_node("ReduceSum", [f"h{SLOW_LAYERS}", "axes"], ["Y"], keepdims=1))
+    graph = helper.make_graph(
+        nodes, "slow",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", 1])],
+        [numpy_helper.from_array(first, "W0"), numpy_helper.from_array(weight, "W"),
+         numpy_helper.from_array(np.array([1], np.int64), "axes")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = repo / "slow" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    onnx.save(model, str(path))
+    write_config(repo, "slow", {
+        "instance_group": [{"count": 1}],
+        "parameters": {"intra_op_thread_count": "1"},
+        "ray_serve": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                      "upscale_delay_s": 0.5, "downscale_delay_s": 1, "look_back_period_s": 1,
+                      "num_cpus": 0.5},
+    })  # fmt: skip
+
+
+def add_smollm2(repo: Path) -> None:
+    """SmolLM2 on llama.cpp: the OpenAI routes' application (/v1)."""
+    (repo / "smol" / "1").mkdir(parents=True)
+    os.link(smollm2_gguf(), repo / "smol" / "1" / "model.gguf")
+    generation = {"num_blocks": 64, "max_model_len": 1024}
+    write_config(repo, "smol", {"backend": "llama_cpp", "ray_serve": {"num_cpus": 0.5},
+                                "generation": generation})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    repo = model_file.parents[2]
+    build_slow(repo)
+    add_smollm2(repo)
+    log_dir = tmp_path_factory.mktemp("ray_logs")
+    with RemoteServer(repo, ["--ray"], log_dir=log_dir, startup_timeout_s=180,
+                      env=FAST_METRICS) as running:  # fmt: skip
+        yield running
+
+
+def test_tritonclient_infers_through_ray_serve_as_through_slipstream(
+    server: RemoteServer, model_file: Path
+) -> None:
+    client = httpclient.InferenceServerClient(server.http_address, network_timeout=60)
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("add_sub")
+        assert client.get_model_metadata("add_sub")["versions"] == ["1"]
+        a = np.random.default_rng(0).standard_normal((3, ADD_SUB_WIDTH)).astype(np.float32)
+        b = np.ones_like(a)
+        expected = run_onnx(model_file, {"INPUT0": a, "INPUT1": b})
+        for binary in (False, True):
+            inputs = [httpclient.InferInput(n, list(a.shape), "FP32") for n in ("INPUT0", "INPUT1")]
+            inputs[0].set_data_from_numpy(a, binary_data=binary)
+            inputs[1].set_data_from_numpy(b, binary_data=binary)
+            outputs = [httpclient.InferRequestedOutput(n, binary_data=binary)
+                       for n in ("OUTPUT0", "OUTPUT1")]  # fmt: skip
+            result = client.infer("add_sub", inputs, outputs=outputs)
+            for name in ("OUTPUT0", "OUTPUT1"):
+                np.testing.assert_array_equal(result.as_numpy(name), expected[name])
+    finally:
+        client.close()
+
+
+def test_the_models_replicas_share_its_requests(server: RemoteServer) -> None:
+    seen = set()
+    with httpx.Client(base_url=server.http_url, timeout=30) as client:
+        for _ in range(40):
+            reply = client.get("/v2/models/add_sub/ready")
+            assert reply.status_code == 200
+            seen.add(reply.headers["x-slipstream-replica"])
+            if len(seen) == 2:
+                break
+    assert len(seen) == 2  # ray_serve: {min_replicas: 2, max_replicas: 2}
+
+
+def test_the_deployment_options_follow_the_model_config() -> None:
+    from slipstream.rayserve import app
+
+    assert doctest.testmod(app).failed == 0
+
+
+def test_a_model_scales_from_one_replica_to_two_under_load_and_back_after(
+    server: RemoteServer,
+) -> None:
+    def replicas_logged(count: int) -> int:
+        word = "replica" if count == 1 else "replicas"
+        return server.log_text().count(f"model slow: {count} {word} running")
+
+    wait_log(server, lambda: replicas_logged(1) >= 1, "slow at 1 replica")
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [SLOW_ROWS, 8],
+                        "data": [0.5] * (SLOW_ROWS * 8)}]}  # fmt: skip
+    stop = threading.Event()
+    failures: list[int] = []
+
+    def load() -> None:
+        with httpx.Client(base_url=server.http_url, timeout=60) as client:
+            while not stop.is_set():
+                reply = client.post("/v2/models/slow/infer", json=body)
+                if reply.status_code != 200:
+                    failures.append(reply.status_code)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_log(server, lambda: replicas_logged(2) >= 1, "slow at 2 replicas under load")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert not failures
+    wait_log(server, lambda: replicas_logged(1) >= 2, "slow back at 1 replica after the load")
+
+
+def wait_log(server: RemoteServer, condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{server.log_tail()}"
+        time.sleep(0.2)
+
+
+def test_metrics_at_the_root_hold_every_replicas_series_with_the_servers_names(
+    server: RemoteServer,
+) -> None:
+    pattern = re.compile(
+        r'^slipstream_request_success_total\{model="add_sub",.*replica="([^"]+)"', re.M
+    )
+    deadline = time.monotonic() + 30
+    with httpx.Client(base_url=server.http_url, timeout=30) as client:
+        while True:
+            text = client.get("/metrics").text
+            replicas = set(pattern.findall(text))
+            if len(replicas) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert len(replicas) == 2, text[-3000:]  # add_sub runs two replicas
+    assert "# TYPE slipstream_request_duration_seconds histogram" in text
+
+
+def test_the_openai_routes_serve_the_generative_models_streamed_or_not(
+    server: RemoteServer,
+) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    messages = [{"role": "user", "content": "Say hello."}]
+    reply = client.chat.completions.create(model="smol", messages=messages, max_tokens=4,
+                                           temperature=0)  # fmt: skip
+    text = reply.choices[0].message.content
+    assert text and reply.usage is not None and reply.usage.completion_tokens <= 4
+    stream = client.chat.completions.create(model="smol", messages=messages, max_tokens=4,
+                                            temperature=0, stream=True)  # fmt: skip
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == text  # greedy: the same tokens, as server-sent events
