@@ -28,6 +28,7 @@ from slipstream.names import JOB_ID_PATTERN
 from slipstream.protocol.openapi_schemas import (
     JSON,
     MODEL_NAME_PATTERN,
+    job_schemas,
     json_content,
     openai_schemas,
     ref,
@@ -136,21 +137,6 @@ _JOB_ACCEPTED = {
         "Location names /v2/jobs/{job}",
         json_content(ref("JobStatus")),
     )
-}
-# GET /v2/jobs/{job}'s answer.
-JOB_STATUS_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "job_id": {"type": "string"},
-        "status": {"enum": ["pending", "done", "failed"]},
-        "model_name": {"type": "string"},
-        "model_version": {"type": "string"},
-        "attempts": {"type": "integer", "minimum": 0},
-        "result": ref("InferenceResponse"),
-        "error": {"type": "string"},
-        "error_status": {"type": "integer"},
-    },
-    "required": ["job_id", "status", "model_name", "model_version", "attempts"],
 }
 
 
@@ -516,10 +502,9 @@ def openapi_document(version: str) -> dict[str, Any]:
             "type, param, code}} on /v1 routes.",
             "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
         },
-<<<<<<< HEAD
         "paths": _with_front_door(_v2_paths() | _openai_paths()),
         "components": {
-            "schemas": v2_schemas() | openai_schemas(),
+            "schemas": v2_schemas() | job_schemas() | openai_schemas(),
             "securitySchemes": {
                 "apiKey": {
                     "type": "http",
@@ -563,24 +548,6 @@ def _with_front_door(paths: dict[str, Any]) -> dict[str, Any]:
                 "429": limited,
             }
     return paths
-=======
-        "paths": _v2_paths() | _openai_paths(),
-        "components": {"schemas": v2_schemas() | _job_schemas() | openai_schemas()},
-    }
-
-
-def _job_schemas() -> dict[str, Any]:
-    request = {
-        "allOf": [ref("InferenceRequest")],
-        "type": "object",
-        "properties": {
-            "model": {"type": "string", "pattern": MODEL_NAME_PATTERN},
-            "model_version": {"type": "string", "pattern": "^[0-9]{0,18}$"},
-        },
-        "required": ["model"],
-    }
-    return {"JobRequest": request, "JobStatus": JOB_STATUS_SCHEMA}
->>>>>>> scaleout
 
 
 @cache

@@ -426,3 +426,34 @@ def _bound_integers(schema: Any) -> None:
     elif isinstance(schema, list):
         for value in schema:
             _bound_integers(value)
+
+
+# GET /v2/jobs/{job}'s answer.
+JOB_STATUS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "job_id": {"type": "string"},
+        "status": {"enum": ["pending", "done", "failed"]},
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "attempts": {"type": "integer", "minimum": 0},
+        "result": ref("InferenceResponse"),
+        "error": {"type": "string"},
+        "error_status": {"type": "integer"},
+    },
+    "required": ["job_id", "status", "model_name", "model_version", "attempts"],
+}
+
+
+def job_schemas() -> dict[str, Any]:
+    """The asynchronous jobs' request (a V2 request naming its model) and status."""
+    request = {
+        "allOf": [ref("InferenceRequest")],
+        "type": "object",
+        "properties": {
+            "model": {"type": "string", "pattern": MODEL_NAME_PATTERN},
+            "model_version": {"type": "string", "pattern": "^[0-9]{0,18}$"},
+        },
+        "required": ["model"],
+    }
+    return {"JobRequest": request, "JobStatus": JOB_STATUS_SCHEMA}
