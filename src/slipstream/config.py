@@ -241,6 +241,38 @@ class ResponseCacheConfig(_Strict):
     )
 
 
+class ShadowConfig(_Strict):
+    """``rollout.shadow``: mirror a share of the default route's traffic to a version."""
+
+    version: str = Field(pattern=r"^[1-9][0-9]*$", description="version that gets the copies")
+    share: float = Field(1.0, ge=0.0, le=1.0, description="share of requests mirrored")
+    queue: int = Field(256, ge=1, description="copies waiting at most; more are dropped")
+
+
+class RolloutConfig(_Strict):
+    """``rollout:`` in config.yaml: how requests that name no version pick one."""
+
+    weights: dict[str, float] = Field(
+        default_factory=dict, description='traffic share per version, e.g. {"1": 90, "2": 10}'
+    )
+    sticky_key: str = Field(
+        "route_key",
+        min_length=1,
+        description="request parameter whose value routes a request (X-Slipstream-Route-Key)",
+    )
+    shadow: ShadowConfig | None = None
+
+    @field_validator("weights")
+    @classmethod
+    def _check_weights(cls, weights: dict[str, float]) -> dict[str, float]:
+        for version, weight in weights.items():
+            if not version.isdigit() or int(version) < 1 or weight < 0:
+                raise ValueError(f"{version!r}: {weight}: expected a version >= 1 and weight >= 0")
+        if weights and not sum(weights.values()) > 0:
+            raise ValueError("at least one weight must be > 0")
+        return weights
+
+
 class ModelConfig(_Strict):
     """The ``config.yaml`` of one model (shared by all its versions)."""
 
@@ -266,6 +298,7 @@ class ModelConfig(_Strict):
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
+    rollout: RolloutConfig | None = None
     # Embedding models: the tokenizer file (in the model directory) that
     # /v1/embeddings uses to turn text into the model's input_ids and attention_mask.
     tokenizer: str = ""

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from slipstream import __version__
 from slipstream.config import ModelConfig, ServerSettings
@@ -18,12 +19,14 @@ from slipstream.errors import (
 )
 from slipstream.names import validate_model_name
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
+from slipstream.observability.rollout_metrics import RolloutMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.model import ModelVersion
+from slipstream.serving.rollout import Rollouts, Route
 from slipstream.serving.service import InferenceService, ModelLane
 from slipstream.serving.shared_memory import SystemSharedMemory
 from slipstream.serving.taps import TapFactory
@@ -66,6 +69,12 @@ class ModelServer(InferenceService):
         self.models = ModelManager(
             settings.model_repository, self.metrics, settings.shutdown_timeout_s, tap_factory
         )
+        self.rollout_metrics = RolloutMetrics()
+        self.metrics.registry.register(self.rollout_metrics.collector())
+        # Version choice for requests that name none: weighted splits, rollouts, shadows.
+        self.rollouts = Rollouts(
+            settings.model_repository, self.models, self.rollout_metrics, self._run_named
+        )
         self._lanes = list(lanes)
         self.shared_memory = SystemSharedMemory(settings.allow_client_shm)
         # --cache: answers for the models whose config enables response_cache.
@@ -95,6 +104,7 @@ class ModelServer(InferenceService):
         else:
             await self.models.load_all()
         await others
+        await self.rollouts.start()
         if mode == "poll":
             self._poll_task = asyncio.create_task(self._poll_forever())
         self._started = True
@@ -104,6 +114,7 @@ class ModelServer(InferenceService):
         self._stopping = True
         if self._poll_task is not None:
             self._poll_task.cancel()
+        await self.rollouts.close()
         await asyncio.gather(self.models.close(), *(lane.close() for lane in self._lanes))
         self.shared_memory.close()
         if self._cache is not None:
@@ -171,14 +182,53 @@ class ModelServer(InferenceService):
     async def infer(self, request: InferRequest) -> InferResponse:
         if self._stopping:
             raise Unavailable("server is shutting down", retry_after_s=1)
+        route = None if request.model_version else self.rollouts.route(request.model_name)
+        if route is not None:
+            return await self._infer_routed(route, request)
         try:
             model = self.models.resolve(request.model_name, request.model_version)
         except Unavailable:
             self._refuse_generative(request.model_name)
             raise
+        return await self._serve(model, request)
+
+    async def _serve(self, model: ModelVersion, request: InferRequest) -> InferResponse:
         if self._cache is not None and model.config.response_cache.enable:
             return await self._infer_cached(model, request, self._cache)
         return await self._run(model, request)
+
+    async def _infer_routed(self, route: Route, request: InferRequest) -> InferResponse:
+        """Run on the version the model's route picks; record the outcome in a running
+        rollout's window; offer the answer to the route's shadow."""
+        model = self.models.resolve(request.model_name, route.choose(request))
+        window = route.window
+        started_ns = time.perf_counter_ns()
+        try:
+            response = await self._serve(model, request)
+        except SlipstreamError as exc:
+            # A bad request is the client's fault, not the version's.
+            if window is not None and not isinstance(exc, ClientError):
+                window.version(model.version_str).record(False, 0.0)
+            raise
+        if window is not None:
+            seconds = (time.perf_counter_ns() - started_ns) / 1e9
+            window.version(model.version_str).record(True, seconds)
+        shadow = route.shadow
+        if shadow is not None and shadow.version != model.version_str:
+            shadow.offer(request, response)
+        return response
+
+    async def _run_named(self, request: InferRequest) -> InferResponse:
+        """Run a request on the version it names, unrouted (shadow copies)."""
+        return await self._run(self.models.resolve(request.model_name, request.model_version),
+                               request)  # fmt: skip
+
+    async def rollout(self, name: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        validate_model_name(name)
+        self._refuse_generative(name)
+        if body is None:
+            return self.rollouts.status(name)
+        return await self.rollouts.act(name, body)
 
     async def _infer_cached(
         self, model: ModelVersion, request: InferRequest, cache: ResponseCache

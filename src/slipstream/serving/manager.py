@@ -33,6 +33,9 @@ from slipstream.types import RepositoryEntry
 
 logger = logging.getLogger(__name__)
 
+# What serving() answers for a model never loaded.
+_NOTHING: dict[int, ModelVersion] = {}
+
 
 @dataclass(slots=True)
 class ModelState:
@@ -111,6 +114,12 @@ class ModelManager:
         if not state.failures:
             return Unavailable(_not_loaded(state.name))
         return Unavailable(f"model {what!r} is not ready: {'; '.join(state.failures.values())}")
+
+    def serving(self, name: str) -> dict[int, ModelVersion]:
+        """The versions serving ``name`` now; a reload replaces the dict (never mutates it),
+        so a caller can tell a change by identity."""
+        state = self._models.get(name)
+        return state.versions if state is not None else _NOTHING
 
     def loaded_versions(self, name: str) -> list[str]:
         state = self._models.get(name)
