@@ -7,6 +7,7 @@ reload with new weights moves only the keys that must move.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -34,9 +35,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     for version in (1, 2):
         build_add_constant(repo, "ab", version, float(version))
     write_config(repo, "ab", config({"1": 90, "2": 10}))
+    build_add_constant(repo, "mirror", 1, 1.0)
+    build_add_constant(repo, "mirror", 2, 1.0)  # the same answers
+    build_add_constant(repo, "mirror", 3, 1.5)  # answers that differ
+    shadow = {"version": "2", "share": 1.0, "queue": 64}
+    write_config(
+        repo, "mirror", {**config({"1": 100}), "rollout": {"weights": {"1": 100}, "shadow": shadow}}
+    )
     build_add_constant(repo, "bad", 1, 1.0)
     write_config(repo, "bad", {"rollout": {"weights": {"one": 90}}})
-    args = ["--model-control-mode", "explicit", "--load-model", "ab"]
+    args = ["--model-control-mode", "explicit", "--load-model", "ab", "--load-model", "mirror"]
     with RemoteServer(repo, args, log_dir=root) as running:
         yield running
 
@@ -111,3 +119,34 @@ def test_bad_weights_are_refused_naming_the_field(server: RemoteServer) -> None:
         reply = client.post(server.url("/v2/repository/models/bad/load"))
     assert reply.status_code == 400
     assert "rollout.weights" in reply.json()["error"], reply.text
+
+
+def shadow_counts(client: httpx.Client, server: RemoteServer, version: str) -> dict[str, float]:
+    counts = {}
+    for line in client.get(server.url("/metrics")).text.splitlines():
+        prefix = "slipstream_shadow_requests_total{"
+        if line.startswith(prefix) and 'model="mirror"' in line and f'version="{version}"' in line:
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            counts[outcome] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_shadow_copies_are_compared_and_never_returned(server: RemoteServer) -> None:
+    url = server.url("/v2/models/mirror/infer")
+    with httpx.Client(timeout=10) as client:
+        answers = [client.post(url, json=BODY).json() for _ in range(300)]
+        assert {a["model_version"] for a in answers} == {"1"}  # the shadow's never returned
+        time.sleep(0.5)  # the copies run after the answers
+        same = shadow_counts(client, server, "2")
+        assert same["agreed"] + same["dropped"] == 300 and same["agreed"] > 0, same
+        assert same["disagreed"] == same["failed"] == 0
+        write_config(server.repository, "mirror", {**config({"1": 100}), "rollout": {
+            "weights": {"1": 100}, "shadow": {"version": "3", "share": 0.5}}})  # fmt: skip
+        assert client.post(server.url("/v2/repository/models/mirror/load")).status_code == 200
+        for _ in range(200):
+            client.post(url, json=BODY)
+        time.sleep(0.5)
+        differ = shadow_counts(client, server, "3")
+    # Half the requests mirrored (share 0.5), every copy differing from its primary.
+    assert 95 <= differ["disagreed"] + differ["dropped"] <= 105, differ
+    assert differ["agreed"] == 0 and differ["disagreed"] > 0
