@@ -78,3 +78,32 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  {when}  {event['event']:<8} step {event['step'] + 1} "
                      f"({event['weight']:g}%)  {event['detail']}")  # fmt: skip
     return "\n".join(lines)
+
+
+def publish_version(
+    url: str, model: str, version: int, api_key: str = "", wait_s: float = 60.0
+) -> None:
+    """Have the server at ``url`` serve ``version`` of ``model``: load it (explicit model
+    control), or wait for the repository poll to (poll mode). RolloutClientError when it
+    does not serve it within ``wait_s``."""
+    base = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with httpx.Client(timeout=120, headers=headers) as client:
+            reply = client.post(f"{base}/v2/repository/models/{model}/load")
+            if reply.status_code != 200 and "model control mode" not in reply.text:
+                raise RolloutClientError(f"loading {model}: {reply.status_code}: {reply.text}")
+            deadline = time.monotonic() + wait_s
+            while True:
+                index = client.post(f"{base}/v2/repository/index", json={"ready": True})
+                ready = {(e["name"], e.get("version")) for e in index.json()}
+                if (model, str(version)) in ready:
+                    return
+                if time.monotonic() > deadline:
+                    raise RolloutClientError(
+                        f"the server does not serve {model} version {version} after {wait_s:g} s "
+                        "(with --model-control-mode none it loads new versions only at start)"
+                    )
+                time.sleep(0.5)
+    except httpx.HTTPError as exc:
+        raise RolloutClientError(f"{base}: {exc}; is the server running there?") from None

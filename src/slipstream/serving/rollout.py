@@ -193,6 +193,8 @@ class Rollouts:
 
     def status(self, name: str) -> dict[str, Any]:
         """What ``GET /v2/models/{name}/rollout`` answers."""
+        if not (self._repository / name).is_dir():
+            raise ModelNotFound(f"model {name!r} is not in the repository")
         route = self.route(name)
         weights = route.splitter.split.shares() if route and route.splitter else {}
         state = self._states.get(name)
