@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.models import build_add_constant, write_config
+from tests.models import build_add_constant, build_mean_embedding, mean_embedding, write_config
 from tests.utils import RemoteServer
 
 ROW = [0.0, 1.0, 2.0, 3.0]
@@ -42,11 +43,44 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     write_config(
         repo, "mirror", {**config({"1": 100}), "rollout": {"weights": {"1": 100}, "shadow": shadow}}
     )
+    build_embedding_versions(repo)
     build_add_constant(repo, "bad", 1, 1.0)
     write_config(repo, "bad", {"rollout": {"weights": {"one": 90}}})
-    args = ["--model-control-mode", "explicit", "--load-model", "ab", "--load-model", "mirror"]
+    args = ["--model-control-mode", "explicit", "--load-model", "ab", "--load-model", "mirror",
+            "--load-model", "emb"]  # fmt: skip
     with RemoteServer(repo, args, log_dir=root) as running:
         yield running
+
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+TABLE = np.random.default_rng(0).standard_normal((len(WORDS) + 1, 4)).astype(np.float32)
+
+
+def build_embedding_versions(repo: Path) -> None:
+    """``emb``: mean-of-token-rows embeddings; version 2's table is twice version 1's, so
+    a vector tells which version made it. A word-level tokenizer over WORDS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    for version, scale in ((1, 1.0), (2, 2.0)):
+        path = build_mean_embedding(repo, "emb", TABLE * scale)
+        if version == 2:
+            path.parent.rename(repo / "emb" / "2")
+    build_mean_embedding(repo, "emb", TABLE)
+    vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate(WORDS)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(repo / "emb" / "tokenizer.json"))
+    write_config(repo, "emb", {**config({"1": 50, "2": 50}), "tokenizer": "tokenizer.json",
+                               "max_batch_size": 2})  # fmt: skip
+
+
+def embedding_version(vector: list[float], words: str) -> str:
+    ids = [WORDS.index(w) + 1 for w in words.split()]
+    base = mean_embedding(TABLE, ids)
+    for version, scale in (("1", 1.0), ("2", 2.0)):
+        if np.allclose(vector, base * scale, atol=1e-4):
+            return version
+    raise AssertionError(f"{vector} is neither version's embedding of {words!r}")
 
 
 def versions_of(client: httpx.Client, server: RemoteServer, keys: list[str]) -> dict[str, str]:
@@ -150,3 +184,30 @@ def test_shadow_copies_are_compared_and_never_returned(server: RemoteServer) -> 
     # Half the requests mirrored (share 0.5), every copy differing from its primary.
     assert 95 <= differ["disagreed"] + differ["dropped"] <= 105, differ
     assert differ["agreed"] == 0 and differ["disagreed"] > 0
+
+
+def test_openai_embeddings_split_stick_to_user_and_keep_one_request_on_one_version(
+    server: RemoteServer,
+) -> None:
+    url = server.url("/v1/embeddings")
+    texts = ["alpha beta", "gamma", "delta epsilon zeta", "eta theta", "alpha", "beta gamma"]
+    seen: Counter[str] = Counter()
+    with httpx.Client(timeout=10) as client:
+        for i in range(60):
+            # Six texts, three pieces at max_batch_size 2: every piece on one version.
+            body = {"model": "emb", "input": texts}
+            data = client.post(url, json=body).json()["data"]
+            versions = {
+                embedding_version(d["embedding"], t) for d, t in zip(data, texts, strict=True)
+            }
+            assert len(versions) == 1, versions
+            seen.update(versions)
+            # OpenAI's `user` is the route key: the same user, the same version.
+            keyed = {"model": "emb", "input": "alpha beta", "user": f"user-{i}"}
+            once, again = (
+                embedding_version(client.post(url, json=keyed).json()["data"][0]["embedding"],
+                                  "alpha beta")
+                for _ in range(2)
+            )  # fmt: skip
+            assert once == again
+    assert seen["1"] > 10 and seen["2"] > 10, seen
