@@ -104,6 +104,8 @@ class Rollouts:
         self._shadows: dict[str, tuple[tuple[str, float, int], ShadowMirror]] = {}
         # model -> the running rollout whose windows a task judges, and that task.
         self._tasks: dict[str, tuple[RolloutState, asyncio.Task[None]]] = {}
+        # Retired shadow mirrors closing in the background (kept referenced until done).
+        self._closing: set[asyncio.Task[None]] = set()
 
     # -- routing (per request) -----------------------------------------------------------
 
@@ -112,6 +114,8 @@ class Rollouts:
         versions = self._models.serving(name)
         route = self._routes.get(name)
         if route is None or route.versions is not versions:
+            if not versions and name not in self._states:
+                return None  # unknown or unloaded: nothing kept for a name never served
             route = self._build(name, versions)
         return None if route.idle else route
 
@@ -141,9 +145,15 @@ class Rollouts:
             shadow.window = window.shadow if window is not None else None
         route = Route(versions, Splitter(split) if split else None, sticky_key, shadow, window)
         self._routes[name] = route
-        self._metrics.weights[name] = split.shares() if split else {}
-        self._metrics.states[name] = state.status if state else "none"
-        self._metrics.steps[name] = state.step if state else 0
+        metrics = self._metrics
+        if route.idle and state is None:
+            # Series only for models that route: not one per model of the repository.
+            for series in (metrics.weights, metrics.states, metrics.steps):
+                series.pop(name, None)
+            return route
+        metrics.weights[name] = split.shares() if split else {}
+        metrics.states[name] = state.status if state else "none"
+        metrics.steps[name] = state.step if state else 0
         return route
 
     def _shadow(self, name: str, spec: tuple[str, float, int] | None) -> ShadowMirror | None:
@@ -154,7 +164,9 @@ class Rollouts:
         if current is not None:
             del self._shadows[name]
             # Close the old one's workers in the background: routing never awaits.
-            asyncio.get_running_loop().create_task(current[1].close())
+            closing = asyncio.get_running_loop().create_task(current[1].close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         if spec is None:
             return None
         version, share, queue = spec
