@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -131,3 +132,21 @@ def test_the_plan_names_the_field_it_refuses() -> None:
         RolloutPlan(candidate="x")
     with pytest.raises(ValidationError, match="both version 2"):
         RolloutPlan(candidate="2", baseline="2")
+
+
+def test_p99s_are_compared_at_the_same_sample_count() -> None:
+    # One distribution; the canary has 30 requests, the baseline 3000. The p99 of 30
+    # samples sits near their maximum, a lower quantile than the p99 of 3000: compared
+    # as they are, the canary would look faster; at one sample count, neither does.
+    rng = np.random.default_rng(0)
+    plain, fair = [], []
+    for _ in range(200):
+        base, cand = VersionWindow(), VersionWindow()
+        for value in rng.exponential(0.001, 3000):
+            base.record(True, float(value))
+        for value in rng.exponential(0.001, 30):
+            cand.record(True, float(value))
+        plain.append(cand.p99_s() / base.p99_s())
+        fair.append(cand.p99_s(30) / base.p99_s(30))
+    assert np.median(plain) < 0.9
+    assert np.median(fair) == pytest.approx(1.0, abs=0.1)
