@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 # Float outputs agree when their cosine similarity is at least this.
 AGREEMENT_COSINE = 0.999
-# Copies run at once per shadow version: enough to keep up with a small model's load.
-_WORKERS = 4
+# How long the worker lets copies gather before running them together, and how many.
+_GATHER_S = 0.002
+_MAX_GATHERED = 64
 _GOLDEN = 0.6180339887498949
 
 RunVersion = Callable[[InferRequest], Awaitable[InferResponse]]
@@ -97,7 +98,7 @@ class ShadowMirror:
         if request.shared_memory_inputs or any(o.shared_memory for o in request.outputs or ()):
             return  # a region's contents may change once answered; no copy writes into one
         if not self._workers:
-            self._workers = [asyncio.create_task(self._work()) for _ in range(_WORKERS)]
+            self._workers = [asyncio.create_task(self._work())]
         copy = replace(request, model_version=self.version, id="", route_key="")
         try:
             self._queue.put_nowait((copy, response))
@@ -105,23 +106,32 @@ class ShadowMirror:
             self._count("dropped")
 
     async def _work(self) -> None:
+        """Take the copies queued, a few milliseconds' worth at a time, and run them side
+        by side: the shadow version's batcher runs them as one batch, which costs the
+        primary's CPU less than one run per copy."""
         while True:
-            request, primary = await self._queue.get()
-            try:
-                answer = await self._run(request)
-            except SlipstreamError as exc:
-                logger.debug("shadow request to version %s failed: %s", self.version, exc)
-                self._count("failed")
-                continue
-            except Exception:
-                logger.exception("shadow request to version %s failed", self.version)
-                self._count("failed")
-                continue
-            result = compare_outputs(primary.outputs, answer.outputs)
-            counts = self._counts
-            counts.max_abs_diff.observe(result.max_abs_diff)
-            counts.min_cosine = min(counts.min_cosine, result.cosine)
-            self._count("agreed" if result.agree else "disagreed")
+            batch = [await self._queue.get()]
+            await asyncio.sleep(_GATHER_S)
+            while len(batch) < _MAX_GATHERED and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            await asyncio.gather(*(self._compare(request, primary) for request, primary in batch))
+
+    async def _compare(self, request: InferRequest, primary: InferResponse) -> None:
+        try:
+            answer = await self._run(request)
+        except SlipstreamError as exc:
+            logger.debug("shadow request to version %s failed: %s", self.version, exc)
+            self._count("failed")
+            return
+        except Exception:
+            logger.exception("shadow request to version %s failed", self.version)
+            self._count("failed")
+            return
+        result = compare_outputs(primary.outputs, answer.outputs)
+        counts = self._counts
+        counts.max_abs_diff.observe(result.max_abs_diff)
+        counts.min_cosine = min(counts.min_cosine, result.cosine)
+        self._count("agreed" if result.agree else "disagreed")
 
     def _count(self, outcome: str) -> None:
         self._counts.outcomes[outcome] += 1
