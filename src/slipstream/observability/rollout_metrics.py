@@ -100,8 +100,11 @@ class _RolloutCollector(Collector):
         for model, counts in list(m.verdicts.items()):
             for outcome, count in counts.items():
                 verdicts.add_metric([model, outcome], count)
-        yield from (weight, state, step, verdicts)
-        yield from _shadow_families(list(m.shadows.items()))
+        # Only families with samples: a server without rollouts exports none of them.
+        yield from (f for f in (weight, state, step, verdicts) if f.samples)
+        shadows = list(m.shadows.items())
+        if shadows:
+            yield from _shadow_families(shadows)
 
 
 def _shadow_families(shadows: list[tuple[tuple[str, str], ShadowCounts]]) -> Iterator[Metric]:
