@@ -31,8 +31,10 @@ from tests.scripted import build_scripted, scripted_command, scripted_config
 from tests.utils import RemoteServer, slipstream_command
 
 INTERVAL_S = 1.0
-PLAN = {"action": "start", "candidate": "2", "steps": [20, 50, 100], "interval_s": INTERVAL_S,
-        "min_requests": 20}  # fmt: skip
+# Steps measured side by side with the baseline: a 100% step would judge the candidate
+# against the last baseline window, seconds earlier, on a machine others share.
+PLAN = {"action": "start", "candidate": "2", "steps": [25, 50], "interval_s": INTERVAL_S,
+        "min_requests": 10}  # fmt: skip
 FINAL = ("promoted", "rolled_back", "aborted")
 
 
@@ -126,8 +128,8 @@ def test_bad_candidates_roll_back_and_a_healthy_one_is_promoted(server: RemoteSe
             for model in ("errs", "good"):
                 reply = client.post(server.url(f"/v2/models/{model}/rollout"), json=PLAN)
                 assert reply.status_code == 200, reply.text
-            cli(server, "start", "slow", "--candidate", "2", "--steps", "20,50,100",
-                "--interval", "1s")  # fmt: skip
+            cli(server, "start", "slow", "--candidate", "2", "--steps", "25,50",
+                "--interval", "1s", "--min-requests", "10")  # fmt: skip
             final = {m: wait_for(client, server, m, lambda s: s["status"] in FINAL, 30)
                      for m in models}  # fmt: skip
             time.sleep(0.5)  # traffic after the verdicts: none may fail
@@ -139,7 +141,7 @@ def test_bad_candidates_roll_back_and_a_healthy_one_is_promoted(server: RemoteSe
             traffic.stop.set()
             thread.join(30)
     errs, slow, good = final["errs"], final["slow"], final["good"]
-    for state, why in ((errs, "error rate"), (slow, "p99")):
+    for state, why in ((errs, "error rate"), (slow, "max_p99_ratio")):
         assert state["status"] == "rolled_back", json.dumps(state["history"], indent=1)
         assert why in state["reason"], state["reason"]
         assert state["weights"] == {"1": 100.0}
@@ -147,7 +149,7 @@ def test_bad_candidates_roll_back_and_a_healthy_one_is_promoted(server: RemoteSe
         took = event_at(state, "rollback") - event_at(state, "start")
         assert took <= 2 * INTERVAL_S + 0.5, state["history"]
     assert good["status"] == "promoted", json.dumps(good["history"], indent=1)
-    assert [e["event"] for e in good["history"]] == ["start", "pass", "pass", "pass", "promote"]
+    assert [e["event"] for e in good["history"]] == ["start", "pass", "pass", "promote"]
     assert good["weights"] == {"2": 100.0}
     for model, (traffic, _) in drivers.items():
         outcomes = traffic.outcomes
@@ -172,8 +174,10 @@ def test_a_rollout_survives_kill_9_and_resumes_its_step(tmp_path: Path) -> None:
     for version in (1, 2):
         build_scripted(repo, "canary", version, delay_s=0.001)
     write_config(repo, "canary", scripted_config())
+    # Persistence is under test here, not the analysis: thresholds no healthy window misses
+    # on a busy machine.
     plan = {**PLAN, "steps": [10, 50, 100], "interval_s": 1.5, "min_requests": 10,
-            "max_p99_ratio": 3.0}  # fmt: skip
+            "max_p99_ratio": 100.0}  # fmt: skip
     first = RemoteServer(
         repo, [], log_dir=tmp_path, command=scripted_command(), expected_exit_code=-9
     )

@@ -115,7 +115,7 @@ def test_errors_fail_against_the_baseline_not_a_fixed_threshold() -> None:
 
 def test_a_slow_candidate_fails_on_p99_and_too_few_requests_is_inconclusive() -> None:
     verdict, reference = judge(PLAN, window((500, 0, 0.001), (100, 0, 0.003)), None)
-    assert verdict.outcome == "fail" and "p99" in verdict.reasons[0]
+    assert verdict.outcome == "fail" and "max_p99_ratio" in verdict.reasons[0]
     assert verdict.figures["p99_ratio"] == pytest.approx(3.0)
     verdict, _ = judge(PLAN, window((500, 0, 0.001), (49, 0, 0.003)), None)
     assert verdict.outcome == "inconclusive"
@@ -146,7 +146,22 @@ def test_p99s_are_compared_at_the_same_sample_count() -> None:
             base.record(True, float(value))
         for value in rng.exponential(0.001, 30):
             cand.record(True, float(value))
-        plain.append(cand.p99_s() / base.p99_s())
-        fair.append(cand.p99_s(30) / base.p99_s(30))
+        plain.append(cand.quantile_s(0.99) / base.quantile_s(0.99))
+        fair.append(cand.quantile_s(0.99, 30) / base.quantile_s(0.99, 30))
     assert np.median(plain) < 0.9
     assert np.median(fair) == pytest.approx(1.0, abs=0.1)
+
+
+def test_one_stalled_request_does_not_decide_a_small_window() -> None:
+    # 30 canary requests as fast as the baseline's, one of them stalled for 50 ms.
+    latencies = [0.005] * 29 + [0.05]
+    w = window((300, 0, 0.005), (0, 0, 0.0))
+    for latency in latencies:
+        w.version("2").record(True, latency)
+    small = PLAN.model_copy(update={"min_requests": 20})
+    verdict, _ = judge(small, w, None)
+    assert verdict.outcome == "pass", verdict
+    assert verdict.figures["tail_quantile"] == pytest.approx(0.9)
+    # Every request 3x slower fails whatever the quantile.
+    verdict, _ = judge(small, window((300, 0, 0.005), (30, 0, 0.015)), None)
+    assert verdict.outcome == "fail"
