@@ -1,7 +1,7 @@
 """Progressive rollouts through a real server under real traffic.
 
 Three models, each with a baseline version 1 and a candidate version 2 of the scripted
-backend (tests/scripted.py), are rolled out at once with 1 s analysis windows while a
+backend (tests/scripted.py), are rolled out at once with 1.5 s analysis windows while a
 client per model sends requests one after another (every 20th one marked):
 
 - ``errs``: the candidate fails the marked requests (5% of its traffic): rolled back;
@@ -30,7 +30,7 @@ from tests.models import write_config
 from tests.scripted import build_scripted, scripted_command, scripted_config
 from tests.utils import RemoteServer, slipstream_command
 
-INTERVAL_S = 1.0
+INTERVAL_S = 1.5
 # Steps measured side by side with the baseline: a 100% step would judge the candidate
 # against the last baseline window, seconds earlier, on a machine others share.
 PLAN = {"action": "start", "candidate": "2", "steps": [25, 50], "interval_s": INTERVAL_S,
@@ -129,7 +129,7 @@ def test_bad_candidates_roll_back_and_a_healthy_one_is_promoted(server: RemoteSe
                 reply = client.post(server.url(f"/v2/models/{model}/rollout"), json=PLAN)
                 assert reply.status_code == 200, reply.text
             cli(server, "start", "slow", "--candidate", "2", "--steps", "25,50",
-                "--interval", "1s", "--min-requests", "10")  # fmt: skip
+                "--interval", "1.5s", "--min-requests", "10")  # fmt: skip
             final = {m: wait_for(client, server, m, lambda s: s["status"] in FINAL, 30)
                      for m in models}  # fmt: skip
             time.sleep(0.5)  # traffic after the verdicts: none may fail
