@@ -452,6 +452,87 @@ def revoke_key(auth_file: Path, name: str) -> None:
         raise click.ClickException(str(exc)) from None
 
 
+_SERVER_URL = click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+                           help="The server's HTTP address.")  # fmt: skip
+_API_KEY = click.option("--api-key", envvar="SLIPSTREAM_API_KEY", default="",
+                        help="An admin key, when the server has --auth-file.")  # fmt: skip
+
+
+@main.group()
+def rollout() -> None:
+    """Canary rollouts of a new model version on a running server (admin API)."""
+
+
+def _rollout_call(url: str, model: str, body: dict[str, Any] | None, api_key: str) -> None:
+    from slipstream.rollout_client import RolloutClientError, format_status, rollout_request
+
+    try:
+        click.echo(format_status(rollout_request(url, model, body, api_key)))
+    except RolloutClientError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@rollout.command("start")
+@click.argument("model")
+@click.option("--candidate", required=True, help="The version rolled out.")
+@click.option("--baseline", default="", help="Compared against [default: what serves now].")
+@click.option("--steps", default="5,25,50,100", show_default=True,
+              help="Candidate traffic percent of each step.")  # fmt: skip
+@click.option("--interval", default="60s", show_default=True, help="Analysis window per step.")
+@click.option("--failure-limit", type=int, default=1, show_default=True,
+              help="Failed windows before rolling back.")  # fmt: skip
+@click.option("--min-requests", type=int, default=20, show_default=True,
+              help="Candidate requests a window needs to be judged.")  # fmt: skip
+@click.option("--max-error-rate-increase", type=float, default=0.01, show_default=True,
+              help="Candidate error rate minus the baseline's, at most.")  # fmt: skip
+@click.option("--max-p99-ratio", type=float, default=1.5, show_default=True,
+              help="Candidate p99 / baseline p99, at most.")  # fmt: skip
+@click.option("--shadow-share", type=float, default=0.0, show_default=True,
+              help="Share of the baseline's requests also mirrored to the candidate.")  # fmt: skip
+@_SERVER_URL
+@_API_KEY
+def rollout_start(model: str, url: str, api_key: str, **options: Any) -> None:
+    """Start a progressive rollout: each step's window compares candidate and baseline.
+
+    \b
+    Example:
+      slipstream rollout start mlp --candidate 3 --steps 5,25,50,100 --interval 60s
+    """
+    from slipstream.rollout_client import parse_duration
+
+    try:
+        steps = [float(s) for s in options.pop("steps").split(",") if s.strip()]
+        interval_s = parse_duration(options.pop("interval"))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    body = {"action": "start", "steps": steps, "interval_s": interval_s, **options}
+    if not body["baseline"]:
+        del body["baseline"]
+    _rollout_call(url, model, body, api_key)
+
+
+@rollout.command("status")
+@click.argument("model")
+@_SERVER_URL
+@_API_KEY
+def rollout_status(model: str, url: str, api_key: str) -> None:
+    """Print the rollout's state, weights, last verdict and history."""
+    _rollout_call(url, model, None, api_key)
+
+
+def _rollout_action(action: str) -> None:
+    @rollout.command(action, help=f"{action.title()} the model's rollout.")
+    @click.argument("model")
+    @_SERVER_URL
+    @_API_KEY
+    def command(model: str, url: str, api_key: str) -> None:
+        _rollout_call(url, model, {"action": action}, api_key)
+
+
+for _action in ("pause", "resume", "promote", "abort"):
+    _rollout_action(_action)
+
+
 # The tools beside the serving path. Their command modules import only click and
 # pydantic; each loads its heavier dependencies when its command runs.
 main.add_command(bench)

@@ -71,6 +71,9 @@ class InferRequest:
     # Inputs to read from shared-memory regions (not yet in ``inputs``): the serving
     # core reads them in before the request is checked against the model.
     shared_memory_inputs: dict[str, SharedMemoryInput] = field(default_factory=dict)
+    # Sticky routing (rollouts): requests with one key go to one version. From the
+    # X-Slipstream-Route-Key header, the gRPC metadata of that name, or OpenAI's `user`.
+    route_key: str = ""
 
 
 @dataclass(slots=True)

@@ -81,7 +81,8 @@ def has_model(template: str) -> bool:
 # rule there fails this test: health probes and the document open, /metrics open by
 # default; repository, config and statistics need admin; the rest (inference, metadata,
 # the OpenAI routes) needs infer. The dashboard shows /metrics (its rule); a drift report
-# is monitoring like statistics (admin); shared-memory regions carry inference (infer).
+# is monitoring like statistics (admin); shared-memory regions carry inference (infer);
+# a rollout changes which version serves, as loading does (admin).
 def expected_http_need(template: str) -> str:
     if (
         "/health/" in template
@@ -91,7 +92,7 @@ def expected_http_need(template: str) -> str:
         return "open"
     if template == "/metrics" or template.startswith("/dashboard"):
         return "metrics"
-    if "/repository/" in template or template.endswith(("/config", "/stats", "/drift")):
+    if "/repository/" in template or template.endswith(("/config", "/stats", "/drift", "/rollout")):
         return "admin"
     return "infer"
 

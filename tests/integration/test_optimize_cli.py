@@ -152,3 +152,25 @@ def test_distill_from_the_command_line_writes_version_2(tmp_path: Path) -> None:
     record = json.loads((repo / "digits" / "2" / "optimization.json").read_text())
     assert record["passes"][0]["name"] == "distill"
     assert record["size_bytes_after"] < record["size_bytes_before"] / 2
+
+
+def test_optimize_rollout_publishes_the_version_and_starts_a_canary(
+    repo_and_data: tuple[Path, Path, np.ndarray], tmp_path: Path
+) -> None:
+    repo, validation, _ = repo_and_data
+    args = ["--model-control-mode", "explicit", "--load-model", "digits"]
+    with RemoteServer(repo, args, log_dir=tmp_path) as server:
+        # Without a config.yaml, --rollout writes one that keeps the baseline serving.
+        outcome = CliRunner().invoke(main, [
+            "optimize", "--model", str(repo / "digits"), "--repository", str(repo),
+            "--name", "digits", "--passes", "graph", "--validation", str(validation),
+            "--batch-size", "1", "--profile-seconds", "0.05", "--rollout",
+            "--url", server.http_url, "--rollout-steps", "10,50,100",
+            "--rollout-interval", "30s",
+        ])  # fmt: skip
+        assert outcome.exit_code == 0, outcome.output
+        status = httpx.get(server.url("/v2/models/digits/rollout")).json()
+    assert (status["status"], status["candidate"], status["baseline"]) == ("running", "2", "1")
+    assert status["weights"] == {"1": 90.0, "2": 10.0}
+    assert status["plan"]["interval_s"] == 30.0
+    assert (repo / "digits" / "rollout.json").is_file()

@@ -37,6 +37,7 @@ ROUTES = {
     ("get", "/dashboard"), ("get", "/dashboard/{file}"),
     ("get", "/v1/models"), ("get", "/v1/models/{model}"), ("post", "/v1/completions"),
     ("post", "/v1/chat/completions"), ("post", "/v1/embeddings"), ("post", "/v1/responses"),
+    ("get", "/v2/models/{model}/rollout"), ("post", "/v2/models/{model}/rollout"),
 } | {
     (method, prefix + suffix)
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")

@@ -168,6 +168,21 @@ if TYPE_CHECKING:
     show_default=True,
     help="Timed seconds per batch size in the before/after speed profile.",
 )
+@click.option(
+    "--rollout",
+    is_flag=True,
+    help="Then have the server at --url load the new version and start a canary rollout "
+    "of it against the version serving now (the model's config must serve both: "
+    "version_policy: {all: {}}, written so when --rollout finds no config.yaml).",
+)
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="--rollout: the server's HTTP address.")  # fmt: skip
+@click.option("--api-key", envvar="SLIPSTREAM_API_KEY", default="",
+              help="--rollout: an admin key, when the server has --auth-file.")  # fmt: skip
+@click.option("--rollout-steps", default="5,25,50,100", show_default=True,
+              help="--rollout: candidate traffic percent of each step.")  # fmt: skip
+@click.option("--rollout-interval", default="60s", show_default=True,
+              help="--rollout: analysis window per step.")  # fmt: skip
 def optimize(**options: Any) -> None:
     """Optimize a model, check its accuracy, and write it as a new version.
 
@@ -177,6 +192,8 @@ def optimize(**options: Any) -> None:
           --passes graph,int8-dynamic --validation val.npz
       slipstream optimize --model teacher.pt --repository models --name digits \\
           --passes distill --student mlp-tiny --train train.npz --validation val.npz
+      slipstream optimize --model models/mlp --repository models --name mlp \\
+          --passes int8-dynamic --validation val.npz --rollout --url http://127.0.0.1:8000
     """  # fmt: skip
     from rich.console import Console
 
@@ -212,6 +229,7 @@ def optimize(**options: Any) -> None:
         profile_seconds=options["profile_seconds"],
     )
     console = Console(stderr=True)
+    plan = _rollout_plan(options, request.repository / request.name) if options["rollout"] else None
     try:
         result = _run_with_progress(request, optimize_model, console)
     except OptimizeError as exc:
@@ -219,6 +237,60 @@ def optimize(**options: Any) -> None:
     _report(result, console)
     if not result.gate.passed:
         sys.exit(1)
+    if plan is not None and result.version is not None:
+        _start_rollout(options, request.name, result.version, plan, console)
+
+
+def _rollout_plan(options: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+    """The rollout --rollout will start, checked before any work; a model without a
+    config gets one that serves every version (the baseline stays loaded)."""
+    from slipstream.rollout_client import parse_duration
+
+    try:
+        steps = [float(s) for s in options["rollout_steps"].split(",") if s.strip()]
+        interval_s = parse_duration(options["rollout_interval"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if any((model_dir / name).exists() for name in ("config.yaml", "config.yml")):
+        from slipstream.config import ConfigError
+        from slipstream.repository.layout import read_config, read_model_directory
+
+        try:
+            policy = read_config(read_model_directory(model_dir)).version_policy
+        except (ConfigError, OSError) as exc:
+            raise click.UsageError(str(exc)) from None
+        if len(policy.select([1, 2])) < 2:
+            raise click.UsageError(
+                f"--rollout: {model_dir}/config.yaml serves only one version, so loading the "
+                "new one would retire the baseline; add version_policy: {all: {}}"
+            )
+    else:
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.yaml").write_text(
+            "# Written by slipstream optimize --rollout: baseline and candidate both serve.\n"
+            "version_policy:\n  all: {}\n"
+        )
+    return {"action": "start", "steps": steps, "interval_s": interval_s}
+
+
+def _start_rollout(
+    options: dict[str, Any], name: str, version: int, plan: dict[str, Any], console: Console
+) -> None:
+    from slipstream.rollout_client import (
+        RolloutClientError,
+        format_status,
+        publish_version,
+        rollout_request,
+    )
+
+    try:
+        publish_version(options["url"], name, version, options["api_key"])
+        status = rollout_request(
+            options["url"], name, {**plan, "candidate": str(version)}, options["api_key"]
+        )
+    except RolloutClientError as exc:
+        raise click.ClickException(f"version {version} written, but no rollout: {exc}") from None
+    console.print(format_status(status))
 
 
 def _run_with_progress(request: Any, run: Any, console: Console) -> OptimizationResult:

@@ -305,6 +305,23 @@ def _v2_paths() -> dict[str, Any]:
         }
     paths |= _shared_memory_paths()
     paths |= _jobs_paths()
+
+    rollout = json_content(ref("RolloutStatus"))
+    paths["/v2/models/{model}/rollout"] = {
+        "parameters": [_MODEL],
+        "get": {
+            "summary": "The model's rollout: status, weights, history (status none: no rollout)",
+            "operationId": "model_rollout",
+            "responses": {"200": response("Rollout", rollout)} | _v2_errors("400", "404"),
+        },
+        "post": {
+            "summary": "Start a rollout, or pause, resume, promote or abort it",
+            "operationId": "model_rollout_action",
+            "requestBody": {"required": True, "content": json_content(ref("RolloutAction"))},
+            "responses": {"200": response("Rollout", rollout)}
+            | _v2_errors("400", "404", body=True),
+        },
+    }
     paths |= _v2_model_paths("/v2/models/{model}", [_MODEL])
     paths |= _v2_model_paths("/v2/models/{model}/versions/{version}", [_MODEL, _VERSION])
     text = {"text/plain": {"schema": {"type": "string"}}}

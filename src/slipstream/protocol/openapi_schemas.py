@@ -47,7 +47,7 @@ def v2_schemas() -> dict[str, Any]:
         "properties": {"count": {"type": "integer"}, "ns": {"type": "integer"}},
         "required": ["count", "ns"],
     }
-    return {
+    return _rollout_schemas() | {
         "V2Error": {
             "type": "object",
             "properties": {"error": {"type": "string"}},
@@ -457,3 +457,40 @@ def job_schemas() -> dict[str, Any]:
         "required": ["model"],
     }
     return {"JobRequest": request, "JobStatus": JOB_STATUS_SCHEMA}
+
+
+def _rollout_schemas() -> dict[str, Any]:
+    """The rollout admin API (serving/rollout_state.py's RolloutPlan is the full check)."""
+    version = {"type": "string", "pattern": "^[1-9][0-9]{0,17}$"}
+    return {
+        "RolloutAction": {
+            "type": "object",
+            "properties": {
+                "action": {"enum": ["start", "pause", "resume", "promote", "abort"]},
+                "candidate": version,
+                "baseline": version,
+                "steps": {"type": "array", "items": {"type": "number"}},
+                "interval_s": {"type": "number"},
+                "failure_limit": {"type": "integer"},
+                "min_requests": {"type": "integer"},
+                "max_error_rate_increase": {"type": "number"},
+                "max_p99_ratio": {"type": "number"},
+                "min_agreement": {"type": "number"},
+                "shadow_share": {"type": "number"},
+            },
+            "required": ["action"],
+        },
+        "RolloutStatus": {
+            "type": "object",
+            "properties": {
+                "model": {"type": "string"},
+                "status": {
+                    "enum": ["none", "running", "paused", "promoted", "rolled_back", "aborted"]
+                },
+                "weights": {"type": "object", "additionalProperties": {"type": "number"}},
+                "step": {"type": "integer"},
+                "history": {"type": "array", "items": {"type": "object"}},
+            },
+            "required": ["model", "status", "weights"],
+        },
+    }

@@ -60,6 +60,8 @@ HTTP_ROUTES: dict[str, Need] = {
     # A version's drift report, like its statistics.
     "/v2/models/{model}/drift": "admin",
     "/v2/models/{model}/versions/{version}/drift": "admin",
+    # Rollouts change which version serves: as the repository's load and unload.
+    "/v2/models/{model}/rollout": "admin",
     # Shared-memory regions are how co-located clients send inference tensors. Regions
     # are not kept apart per key: any key of the infer role may unregister any region.
     "/v2/systemsharedmemory/status": "infer",

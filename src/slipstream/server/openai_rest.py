@@ -196,7 +196,9 @@ class OpenAIApp:
 
     async def _embeddings(self, request: HttpRequest) -> Reply:
         body: openai.EmbeddingRequest = openai.parse(request.body, openai.EmbeddingRequest)
-        vectors, prompt_tokens = await self._embedder.embed(body.model, body.texts())
+        route_key = request.header(b"x-slipstream-route-key")
+        key = route_key.decode("latin-1") if route_key else (body.user or "")
+        vectors, prompt_tokens = await self._embedder.embed(body.model, body.texts(), key)
         reply = openai.embeddings(body.model, vectors, body.encoding_format, prompt_tokens)
         return HttpResponse(200, reply)
 

@@ -35,11 +35,13 @@ from slipstream.serving.service import InferenceService
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "inference.GRPCInferenceService"
+# Sticky routing during rollouts, as HTTP's X-Slipstream-Route-Key header.
+ROUTE_KEY_METADATA = "x-slipstream-route-key"
 
 # What clients see for an internal fault; the details stay in the server log.
 _INTERNAL_MESSAGE = "internal error while serving the request; see the server log"
 
-_Unary = Callable[[Any], Awaitable[Any]]
+_Unary = Callable[..., Awaitable[Any]]
 
 # RPCs one client connection may have open at once (gRPC's default: unlimited); more
 # wait in the client until one ends, so one connection cannot pile up unbounded work.
@@ -140,7 +142,7 @@ class _GrpcFrontend:
             response_type = getattr(pb, f"{name}Response")
             serializer = None if name == "ModelInfer" else response_type.SerializeToString
             handlers[name] = grpc.unary_unary_rpc_method_handler(
-                _unary_behavior(name, call),
+                _unary_behavior(name, call, with_context=name == "ModelInfer"),
                 request_deserializer=getattr(pb, f"{name}Request").FromString,
                 response_serializer=serializer,
             )
@@ -184,10 +186,12 @@ class _GrpcFrontend:
 
     # ------------------------------------------------------------ inference
 
-    async def model_infer(self, request: pb.ModelInferRequest) -> bytes:
+    async def model_infer(self, request: pb.ModelInferRequest, context: Any) -> bytes:
         # Serialised here rather than by grpc: see grpc_codec.serialize_infer_response.
         validate_model_name(request.model_name)
-        response = await self._service.infer(grpc_codec.decode_infer_request(request))
+        decoded = grpc_codec.decode_infer_request(request)
+        decoded.route_key = _route_key(context)
+        response = await self._service.infer(decoded)
         return grpc_codec.serialize_infer_response(response)
 
     async def model_stream_infer(
@@ -203,8 +207,10 @@ class _GrpcFrontend:
         answers: asyncio.Queue[bytes | None] = asyncio.Queue()
         in_flight: set[asyncio.Task[None]] = set()
 
+        route_key = _route_key(context)
+
         async def answer(request: pb.ModelInferRequest) -> None:
-            answers.put_nowait(await self._stream_answer(request))
+            answers.put_nowait(await self._stream_answer(request, route_key))
 
         async def read_requests() -> None:
             try:
@@ -228,11 +234,13 @@ class _GrpcFrontend:
             for task in list(in_flight):
                 task.cancel()
 
-    async def _stream_answer(self, request: pb.ModelInferRequest) -> bytes:
+    async def _stream_answer(self, request: pb.ModelInferRequest, route_key: str) -> bytes:
         # A failed request is answered on the stream; the stream itself stays open.
         try:
             validate_model_name(request.model_name)
-            response = await self._service.infer(grpc_codec.decode_infer_request(request))
+            decoded = grpc_codec.decode_infer_request(request)
+            decoded.route_key = route_key
+            response = await self._service.infer(decoded)
             return grpc_codec.serialize_stream_infer_response(response)
         except SlipstreamError as exc:
             message = exc.message
@@ -331,11 +339,24 @@ def _check_no_load_parameters(
         )
 
 
-def _unary_behavior(name: str, call: _Unary) -> Callable[[Any, Any], Awaitable[Any]]:
-    """Wrap one RPC so errors become gRPC statuses."""
+def _route_key(context: Any) -> str:
+    """The x-slipstream-route-key metadata of a call ("" when absent): sticky routing."""
+    for key, value in context.invocation_metadata() or ():
+        if key == ROUTE_KEY_METADATA:
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return ""
+
+
+def _unary_behavior(
+    name: str, call: Callable[..., Awaitable[Any]], with_context: bool = False
+) -> Callable[[Any, Any], Awaitable[Any]]:
+    """Wrap one RPC so errors become gRPC statuses; ``with_context``: the call takes the
+    RPC's context too."""
 
     async def behavior(request: Any, context: Any) -> Any:
         try:
+            if with_context:
+                return await call(request, context)
             return await call(request)
         except SlipstreamError as exc:
             await _abort_with(context, exc)

@@ -36,6 +36,8 @@ _BINARY = b"application/octet-stream"
 _SHARED_MEMORY = ("systemsharedmemory", "cudasharedmemory")
 _SHARED_MEMORY_ACTIONS = ("status", "register", "unregister")
 _HEADER_LENGTH = b"inference-header-content-length"
+# Sticky routing during rollouts: requests with one key run on one version.
+_ROUTE_KEY = b"x-slipstream-route-key"
 
 
 def _json(value: Any) -> HttpResponse:
@@ -216,6 +218,9 @@ class V2RestApp:
         service = self._service
         if method == "POST" and action == "infer":
             return await self._infer(name, version, request)
+        if action == "rollout" and not version and method in ("GET", "HEAD", "POST"):
+            body = v2.load_json_object(request.body) if method == "POST" else None
+            return _json(await service.rollout(name, body))
         if method in ("GET", "HEAD"):
             if action == "":
                 return _json(v2_meta.model_metadata_json(service.model_metadata(name, version)))
@@ -241,6 +246,9 @@ class V2RestApp:
             None if header is None else _int_header(header, "Inference-Header-Content-Length")
         )
         request = v2.decode_infer_request(http.body, header_length, name, version)
+        route_key = http.header(_ROUTE_KEY)
+        if route_key:
+            request.route_key = route_key.decode("latin-1")
         # A client that disconnects cancels this task, which drops its queued work.
         response = await self._service.infer(request)
         payload, json_length = v2.encode_infer_response(response, request)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from slipstream import __version__
 from slipstream.config import ModelConfig, ServerSettings
@@ -19,6 +20,7 @@ from slipstream.errors import (
 from slipstream.names import validate_model_name
 from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
+from slipstream.observability.rollout_metrics import RolloutMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
 from slipstream.runtime.pickles import trust_pickles_server_wide
@@ -26,6 +28,7 @@ from slipstream.serving.cache import ResponseCache, build_cache, request_key
 from slipstream.serving.idle import IdleWatcher
 from slipstream.serving.manager import ModelAsleep, ModelManager
 from slipstream.serving.model import ModelVersion
+from slipstream.serving.rollout import Rollouts, Route
 from slipstream.serving.service import InferenceService, ModelLane
 from slipstream.serving.shared_memory import SystemSharedMemory
 from slipstream.serving.taps import TapFactory
@@ -74,6 +77,12 @@ class ModelServer(InferenceService):
             tap_factory,
             lifecycle,
         )
+        self.rollout_metrics = RolloutMetrics()
+        self.metrics.registry.register(self.rollout_metrics.collector())
+        # Version choice for requests that name none: weighted splits, rollouts, shadows.
+        self.rollouts = Rollouts(
+            settings.model_repository, self.models, self.rollout_metrics, self._run_named
+        )
         self._lanes = list(lanes)
         self.shared_memory = SystemSharedMemory(settings.allow_client_shm)
         # --cache: answers for the models whose config enables response_cache.
@@ -106,6 +115,7 @@ class ModelServer(InferenceService):
         else:
             await self.models.load_all()
         await others
+        await self.rollouts.start()
         if mode == "poll":
             self._poll_task = asyncio.create_task(self._poll_forever())
         self._idle_task = asyncio.create_task(self._idle.run())
@@ -117,6 +127,7 @@ class ModelServer(InferenceService):
         for task in (self._poll_task, self._idle_task):
             if task is not None:
                 task.cancel()
+        await self.rollouts.close()
         await asyncio.gather(self.models.close(), *(lane.close() for lane in self._lanes))
         self.shared_memory.close()
         if self._cache is not None:
@@ -196,6 +207,9 @@ class ModelServer(InferenceService):
     async def infer(self, request: InferRequest) -> InferResponse:
         if self._stopping:
             raise Unavailable("server is shutting down", retry_after_s=1)
+        route = None if request.model_version else self.rollouts.route(request.model_name)
+        if route is not None:
+            return await self._infer_routed(route, request)
         try:
             model = self.models.resolve(request.model_name, request.model_version)
         except ModelAsleep:
@@ -203,18 +217,23 @@ class ModelServer(InferenceService):
         except Unavailable:
             self._refuse_generative(request.model_name)
             raise
+        return await self._serve(model, request)
+
+    async def _serve(self, model: ModelVersion, request: InferRequest) -> InferResponse:
         if self._cache is not None and model.config.response_cache.enable:
             return await self._infer_cached(model, request, self._cache)
         return await self._run(model, request)
 
-    async def _wake(self, request: InferRequest) -> ModelVersion:
-        """Load the request's idle-unloaded model again and route the request to it; it
-        waits up to --load-wait-s (or its own timeout, when shorter)."""
+    async def _wake(self, request: InferRequest, version: str | None = None) -> ModelVersion:
+        """Load the request's idle-unloaded model again and route the request to it (to
+        ``version`` when a rollout chose one); it waits up to --load-wait-s (or its own
+        timeout, when shorter)."""
         wait_s = self.settings.load_wait_s
         if request.timeout_us:
             wait_s = min(wait_s, request.timeout_us / 1e6)
         await self.models.wake(request.model_name, wait_s)
-        return self.models.resolve(request.model_name, request.model_version)
+        chosen = request.model_version if version is None else version
+        return self.models.resolve(request.model_name, chosen)
 
     def check(self, request: InferRequest) -> None:
         if self._stopping:
@@ -227,6 +246,43 @@ class ModelServer(InferenceService):
             self._refuse_generative(request.model_name)
             raise
         model.prepare(request)
+
+    async def _infer_routed(self, route: Route, request: InferRequest) -> InferResponse:
+        """Run on the version the model's route picks; record the outcome in a running
+        rollout's window; offer the answer to the route's shadow."""
+        version = route.choose(request)
+        try:
+            model = self.models.resolve(request.model_name, version)
+        except ModelAsleep:
+            model = await self._wake(request, version)
+        window = route.window
+        started_ns = time.perf_counter_ns()
+        try:
+            response = await self._serve(model, request)
+        except SlipstreamError as exc:
+            # A bad request is the client's fault, not the version's.
+            if window is not None and not isinstance(exc, ClientError):
+                window.version(model.version_str).record(False, 0.0)
+            raise
+        if window is not None:
+            seconds = (time.perf_counter_ns() - started_ns) / 1e9
+            window.version(model.version_str).record(True, seconds)
+        shadow = route.shadow
+        if shadow is not None and shadow.version != model.version_str:
+            shadow.offer(request, response)
+        return response
+
+    async def _run_named(self, request: InferRequest) -> InferResponse:
+        """Run a request on the version it names, unrouted (shadow copies)."""
+        return await self._run(self.models.resolve(request.model_name, request.model_version),
+                               request)  # fmt: skip
+
+    async def rollout(self, name: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        validate_model_name(name)
+        self._refuse_generative(name)
+        if body is None:
+            return self.rollouts.status(name)
+        return await self.rollouts.act(name, body)
 
     async def _infer_cached(
         self, model: ModelVersion, request: InferRequest, cache: ResponseCache

@@ -13,6 +13,7 @@ is the vectors. The OpenAI ``/v1/embeddings`` route is a thin caller of this.
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,14 @@ class Embedder:
         except SlipstreamError:
             return False
 
-    async def embed(self, model: str, texts: list[str]) -> tuple[np.ndarray, int]:
+    async def embed(
+        self, model: str, texts: list[str], route_key: str = ""
+    ) -> tuple[np.ndarray, int]:
         """The vectors of ``texts`` ([len(texts), width]) and how many tokens they took.
+
+        ``route_key`` (sticky routing, e.g. OpenAI's ``user``) picks the version during a
+        rollout; without one, a request of several pieces gets a key of its own, so all
+        its pieces run on one version.
 
         InvalidRequest (400) names the limit when the texts take more than the model's
         ``max_request_tokens``. If one piece fails, or the caller is cancelled (the
@@ -65,7 +72,11 @@ class Embedder:
                 f"{config.max_request_tokens} in one request (max_request_tokens in its "
                 "config.yaml); send fewer or shorter inputs"
             )
-        runs = [asyncio.ensure_future(self._run(model, config, *piece)) for piece in pieces]
+        if not route_key and len(pieces) > 1:
+            route_key = os.urandom(8).hex()
+        runs = [
+            asyncio.ensure_future(self._run(model, config, route_key, *piece)) for piece in pieces
+        ]
         try:
             vectors = await asyncio.gather(*runs)
         finally:
@@ -74,14 +85,14 @@ class Embedder:
         return np.concatenate(vectors), prompt_tokens
 
     async def _run(
-        self, model: str, config: ModelConfig, ids: np.ndarray, mask: np.ndarray
+        self, model: str, config: ModelConfig, route_key: str, ids: np.ndarray, mask: np.ndarray
     ) -> np.ndarray:
         """One piece through the model's V2 queue: [rows, width]."""
         feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
         inputs = {t.name: feeds[t.name] for t in config.input if t.name in feeds}
         if not config.max_batch_size:
             inputs = {name: array[0] for name, array in inputs.items()}
-        response = await self._service.infer(InferRequest(model, "", inputs))
+        response = await self._service.infer(InferRequest(model, "", inputs, route_key=route_key))
         output: np.ndarray = next(iter(response.outputs.values()))
         return output if config.max_batch_size else output[None]
 

@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 # Longest wait between on-demand loads of a model whose wake-ups keep failing.
 _MAX_BACKOFF_S = 60.0
 
+# What serving() answers for a model never loaded.
+_NOTHING: dict[int, ModelVersion] = {}
+
 
 @dataclass(slots=True)
 class ModelState:
@@ -154,6 +157,12 @@ class ModelManager:
         if not state.failures:
             return Unavailable(_not_loaded(state.name))
         return Unavailable(f"model {what!r} is not ready: {'; '.join(state.failures.values())}")
+
+    def serving(self, name: str) -> dict[int, ModelVersion]:
+        """The versions serving ``name`` now; a reload replaces the dict (never mutates it),
+        so a caller can tell a change by identity."""
+        state = self._models.get(name)
+        return state.versions if state is not None else _NOTHING
 
     def loaded_versions(self, name: str) -> list[str]:
         state = self._models.get(name)

@@ -9,9 +9,10 @@ raises Unavailable from ``infer``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Protocol
 
 from slipstream.config import ModelConfig
+from slipstream.errors import ModelNotFound
 from slipstream.observability.stats import ModelStats
 from slipstream.serving.shared_memory import SystemSharedMemory
 from slipstream.types import (
@@ -104,3 +105,8 @@ class InferenceService(ABC):
     @abstractmethod
     async def unload_model(self, name: str) -> None:
         """Unload every version of a model; ModelNotFound if it is not in the repository."""
+
+    async def rollout(self, name: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """A model's rollout: its status (``body`` None), or an action on it
+        (``{"action": "start", "candidate": "2", ...}``, pause, resume, promote, abort)."""
+        raise ModelNotFound("rollouts are not served by this server")

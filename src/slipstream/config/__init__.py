@@ -11,14 +11,44 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from slipstream.config.base import Strict as _Strict
+from slipstream.config.sections import (
+    GENERATIVE_BACKENDS,
+    DriftSettings,
+    GenerationSettings,
+    MonitoringSettings,
+    RayServeConfig,
+    ResponseCacheConfig,
+    RolloutConfig,
+    ShadowConfig,
+)
 from slipstream.datatypes import from_config_datatype
 from slipstream.names import MODEL_NAME_RULE, model_name_problem
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+__all__ = [
+    "GENERATIVE_BACKENDS",
+    "ConfigError",
+    "DriftSettings",
+    "DynamicBatching",
+    "GenerationSettings",
+    "InstanceGroup",
+    "ModelConfig",
+    "MonitoringSettings",
+    "RayServeConfig",
+    "ResponseCacheConfig",
+    "RolloutConfig",
+    "ServerSettings",
+    "ShadowConfig",
+    "TensorConfig",
+    "VersionPolicy",
+    "WarmupInput",
+    "WarmupSample",
+    "format_validation_error",
+    "parse_cache_spec",
+    "parse_model_config",
+]
 
 
 class TensorConfig(_Strict):
@@ -142,118 +172,6 @@ class WarmupSample(_Strict):
     count: int = Field(1, ge=1, le=1000)
 
 
-# Backends served by the OpenAI lane (slipstream.llm) rather than the V2 tensor lane.
-GENERATIVE_BACKENDS = ("transformers", "llama_cpp")
-
-
-class GenerationSettings(_Strict):
-    """``generation:`` in the config.yaml of a generative model: the KV-cache budget.
-
-    The cache is allocated once, at load: ``num_blocks`` blocks of ``block_size`` tokens
-    (per layer, keys and values). Sequences get blocks as they grow and give them back
-    when they finish; a request that could never fit is refused with a 400, and one that
-    does not fit now waits (up to ``max_queue_size`` waiting, then 503).
-    """
-
-    block_size: int = Field(16, ge=4, le=1024, description="tokens per KV-cache block")
-    num_blocks: int = Field(512, ge=1, description="blocks in the KV cache")
-    max_batch_tokens: int = Field(
-        256, ge=16, description="tokens one forward step may process (prefill chunks + decodes)"
-    )
-    max_num_seqs: int = Field(32, ge=1, description="sequences decoded together at most")
-    max_queue_size: int = Field(
-        256, ge=1, description="sequences waiting for the cache before new ones get 503"
-    )
-    max_model_len: int = Field(
-        0, ge=0, description="prompt + completion tokens at most; 0 = the model's own limit"
-    )
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it")
-    prefix_caching: bool = Field(
-        True,
-        description="llama_cpp: reuse the cached keys and values of a prompt prefix another "
-        "sequence computed (a shared system prompt, the earlier turns of a chat)",
-    )
-    kv_streams: Literal["auto", "shared", "per_sequence"] = Field(
-        "auto",
-        description="llama_cpp: one KV cache every sequence shares (a long request may use "
-        "all of it), or one stream per sequence (each holds the cache's tokens divided by "
-        "max_num_seqs, and attention reads only its own stream: faster with many sequences "
-        "at once); auto = per_sequence when one stream holds max_model_len tokens",
-    )
-    threads: int = Field(
-        0,
-        ge=0,
-        description="CPU threads of this model's forward passes; 0 = automatic (llama_cpp: "
-        "the process's cores split evenly among its llama_cpp models; transformers: torch's "
-        "default)",
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-
-
-class DriftSettings(_Strict):
-    """``monitoring.drift:`` in config.yaml: test requests against a reference, off the
-    hot path (requests are sampled into a bounded queue and a worker thread tests each
-    window of ``window`` samples)."""
-
-    enable: bool = False
-    window: int = Field(500, ge=20, description="samples (batch rows) per tested window")
-    sample_rate: float = Field(
-        1.0, gt=0, le=1, description="share of requests sampled (1.0: every request)"
-    )
-    reference_samples: int = Field(
-        1000,
-        ge=20,
-        description="rows captured from the first requests of a version as its reference, "
-        "when the version has no drift_reference.npz (slipstream monitor reference)",
-    )
-    alpha: float = Field(
-        0.05, gt=0, lt=1, description="false-alarm rate per window (Bonferroni over features)"
-    )
-    min_interval_s: float = Field(
-        10.0,
-        ge=0,
-        description="seconds from one window's test to the next window's first sample; "
-        "requests in between are not sampled, so a busy model pays for one window per "
-        "interval",
-    )
-    queue_size: int = Field(
-        10_000, ge=1, description="sampled requests waiting for the worker; more are dropped"
-    )
-    tensors: list[str] = Field(
-        default_factory=list,
-        description="inputs and outputs to test, by name; empty: every input and output",
-    )
-
-
-class MonitoringSettings(_Strict):
-    """``monitoring:`` in config.yaml."""
-
-    drift: DriftSettings = Field(default_factory=DriftSettings)
-
-
-class ResponseCacheConfig(_Strict):
-    """``response_cache:`` in a model's config.yaml (Triton's name and meaning)."""
-
-    enable: bool = Field(
-        False,
-        description="Answer a request identical to an earlier one (same version, inputs, "
-        "requested outputs and parameters) from the server's --cache, without running it",
-    )
-
-
-class RayServeConfig(_Strict):
-    """``ray_serve:`` in config.yaml: the model's deployment under ``slipstream serve --ray``
-    (Ray Serve's autoscaling_config names; min = max: a fixed number of replicas)."""
-
-    min_replicas: int = Field(1, ge=0, description="fewest replicas (0: none while idle)")
-    max_replicas: int = Field(1, ge=1, description="most replicas")
-    target_ongoing_requests: float = Field(2.0, gt=0, description="requests per replica")
-    upscale_delay_s: float = Field(30.0, ge=0, description="load held this long adds one")
-    downscale_delay_s: float = Field(600.0, ge=0, description="idle this long removes one")
-    look_back_period_s: float = Field(30.0, gt=0, description="load averaged over this long")
-    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per replica")
-
-
 class ModelConfig(_Strict):
     """The ``config.yaml`` of one model (shared by all its versions)."""
 
@@ -280,6 +198,7 @@ class ModelConfig(_Strict):
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
     response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
     ray_serve: RayServeConfig = Field(default_factory=RayServeConfig)
+    rollout: RolloutConfig | None = None
     # Embedding models: the tokenizer file (in the model directory) that
     # /v1/embeddings uses to turn text into the model's input_ids and attention_mask.
     tokenizer: str = ""
