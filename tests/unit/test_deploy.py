@@ -193,3 +193,29 @@ def test_kustomize_renders_the_directory_offline() -> None:
     kinds = [d["kind"] for d in yaml.safe_load_all(rendered.stdout)]
     assert sorted(kinds) == sorted(["PersistentVolumeClaim", "Deployment", "Deployment",
         "Service", "HorizontalPodAutoscaler", "ServiceMonitor", "ScaledObject"])  # fmt: skip
+
+
+def test_scale_to_zero_manifests_wake_on_traffic_and_are_ready_at_once() -> None:
+    """KServe's serverless InferenceService and KEDA's worker ScaledObject both go to zero
+    replicas, and what wakes them is what Slipstream serves: requests (Knative's
+    concurrency) and unread jobs of the stream the server writes; the pods' readiness is
+    asked every second, so a woken pod serves as soon as it is ready."""
+    serverless = named("InferenceService", "mlp-serverless")
+    annotations = serverless["metadata"]["annotations"]
+    assert annotations["serving.kserve.io/deploymentMode"] == "Serverless"
+    predictor = serverless["spec"]["predictor"]
+    assert predictor["minReplicas"] == 0 < predictor["maxReplicas"]
+    assert predictor["scaleMetric"] == "concurrency" and predictor["scaleTarget"] > 0
+    assert predictor["model"]["runtime"] == "slipstream"
+    runtime = named("ClusterServingRuntime", "slipstream")["spec"]["containers"][0]
+    assert runtime["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert runtime["readinessProbe"]["periodSeconds"] == 1
+    server = named("Deployment", "slipstream")["spec"]["template"]["spec"]["containers"][0]
+    assert server["readinessProbe"]["periodSeconds"] == 1
+    from_zero = named("ScaledObject", "slipstream-worker-from-zero")["spec"]
+    assert from_zero["minReplicaCount"] == 0 and from_zero["cooldownPeriod"] >= 60
+    assert named("Deployment", from_zero["scaleTargetRef"]["name"])
+    trigger = from_zero["triggers"][0]["metadata"]
+    assert (trigger["stream"], trigger["consumerGroup"]) == (STREAM, GROUP)
+    assert int(trigger["lagCount"]) > 0 and trigger["activationLagCount"] == "0"
+    assert all(isinstance(v, str) for v in trigger.values())  # KEDA: strings
