@@ -96,6 +96,12 @@ def server(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     repo = model_file.parents[2]
     build_slow(repo)
     add_smollm2(repo)
+    # Scale to zero: no replica while idle, one started by a request (#24).
+    build_add_sub(repo, "napper")
+    write_config(repo, "napper", {"ray_serve": {
+        "min_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 1,
+        "upscale_delay_s": 0, "downscale_delay_s": 1, "look_back_period_s": 1, "num_cpus": 0.25,
+    }})  # fmt: skip
     log_dir = tmp_path_factory.mktemp("ray_logs")
     with RemoteServer(repo, ["--ray"], log_dir=log_dir, startup_timeout_s=180,
                       env=FAST_METRICS) as running:  # fmt: skip
@@ -175,6 +181,27 @@ def test_a_model_scales_from_one_replica_to_two_under_load_and_back_after(
             thread.join(60)
     assert not failures
     wait_log(server, lambda: replicas_logged(1) >= 2, "slow back at 1 replica after the load")
+
+
+def test_a_model_at_zero_replicas_is_woken_by_a_request_and_goes_back_to_zero(
+    server: RemoteServer,
+) -> None:
+    def logged(count: int) -> int:
+        word = "replica" if count == 1 else "replicas"
+        return server.log_text().count(f"model napper: {count} {word} running")
+
+    wait_log(server, lambda: logged(0) >= 1, "napper at zero replicas")
+    data = [1.5] * ADD_SUB_WIDTH
+    body = {"inputs": [{"name": name, "datatype": "FP32", "shape": [1, ADD_SUB_WIDTH],
+                        "data": data} for name in ("INPUT0", "INPUT1")]}  # fmt: skip
+    started = time.monotonic()
+    reply = httpx.post(server.url("/v2/models/napper/infer"), json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    outputs = {output["name"]: output["data"] for output in reply.json()["outputs"]}
+    assert outputs["OUTPUT0"] == [3.0] * ADD_SUB_WIDTH
+    print(f"first request at zero replicas answered in {time.monotonic() - started:.2f} s")
+    wait_log(server, lambda: logged(1) >= 1, "napper at one replica")
+    wait_log(server, lambda: logged(0) >= 2, "napper back at zero replicas")
 
 
 def wait_log(server: RemoteServer, condition: Callable[[], bool], what: str) -> None:
