@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -142,13 +143,34 @@ class TrialServer:
                 with urllib.request.urlopen(f"{self.url}/v2/health/ready", timeout=2) as reply:
                     if reply.status == 200:
                         return
-            except (urllib.error.URLError, OSError):
+            except urllib.error.HTTPError:
+                # Up but not ready: a model that failed to load keeps it so (strict
+                # readiness), so say why now instead of waiting for the timeout.
+                failure = self._load_failure()
+                if failure:
+                    raise TrialServerError(
+                        f"the model failed to load: {failure}", self.log_tail()
+                    ) from None
+            except OSError:
                 pass
             if time.monotonic() > deadline:
                 raise TrialServerError(
                     f"server not ready after {self._startup_timeout_s:.0f} s", self.log_tail()
                 )
             time.sleep(0.1)
+
+    def _load_failure(self) -> str:
+        """The reason of the first model version the repository index lists as failed."""
+        request = urllib.request.Request(f"{self.url}/v2/repository/index", data=b"{}")
+        try:
+            with urllib.request.urlopen(request, timeout=2) as reply:
+                index = json.loads(reply.read())
+        except (OSError, ValueError):
+            return ""
+        for entry in index if isinstance(index, list) else []:
+            if isinstance(entry, dict) and entry.get("state") == "UNAVAILABLE":
+                return str(entry.get("reason") or "unavailable")
+        return ""
 
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after a grace period; the exit code (None: never ran)."""
