@@ -161,7 +161,6 @@ class OptunaSearch(SearchStrategy):
             seed=self._seed,
             n_startup_trials=startup,
             multivariate=True,
-            warn_independent_sampling=False,
         )
         study = optuna.create_study(direction="maximize", sampler=sampler)
         distributions: dict[str, BaseDistribution] = {
