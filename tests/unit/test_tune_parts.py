@@ -213,3 +213,35 @@ def test_the_verdict_shows_the_closest_when_nothing_met_the_slo() -> None:
     assert "p99 90.00 ms" in text
     page = html_report(_result([], None, None))
     assert "no trial produced a measurement" in page
+
+
+def test_ctrl_c_keeps_what_was_measured_and_writes_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from slipstream.tune import session
+    from slipstream.tune.cli import EXIT_INTERRUPTED, tune
+
+    build_add_sub(tmp_path)
+    calls: list[dict[str, object]] = []
+
+    def fake_trial(context: object, trial: int, config: dict[str, object]) -> TrialRecord:
+        calls.append(config)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        record = _record(trial, 100.0 * trial, 10.0, 0.1)
+        record.config = dict(config)
+        return record
+
+    monkeypatch.setattr(session, "run_trial", fake_trial)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        tune,
+        [str(tmp_path / "add_sub"), "--slo", "p99_ms=50", "--mode", "brute", "--out", str(out)],
+    )
+    assert result.exit_code == EXIT_INTERRUPTED, result.output
+    document = json.loads((out / "tune.json").read_text())
+    assert document["interrupted"] is True and len(document["trials"]) == 2
+    assert document["winner"] == 2
+    assert "Interrupted" in (out / "tune.html").read_text()
