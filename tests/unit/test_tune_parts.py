@@ -245,3 +245,48 @@ def test_ctrl_c_keeps_what_was_measured_and_writes_the_report(
     assert document["interrupted"] is True and len(document["trials"]) == 2
     assert document["winner"] == 2
     assert "Interrupted" in (out / "tune.html").read_text()
+
+
+def test_validation_rows_measure_the_drop_instead_of_the_record(tmp_path: Path) -> None:
+    import numpy as np
+
+    from slipstream.tune.variants import measure_drops
+
+    build_add_sub(tmp_path)
+    # Claimed drop 0.5 in its record; the file is the original's, so measured: 0.
+    _optimized(tmp_path, 2, ["graph"], {"metric": "cosine", "after": {"mean_cosine": 0.5}})
+    rng = np.random.default_rng(0)
+    rows = {name: rng.standard_normal((20, 16)).astype(np.float32) for name in ("INPUT0", "INPUT1")}
+    np.savez(tmp_path / "val.npz", **rows)  # type: ignore[arg-type]
+    _, variants = find_variants(tmp_path / "add_sub")
+    assert variants[1].accuracy_drop == 0.5
+    measure_drops(variants, tmp_path / "val.npz")
+    assert [(v.accuracy_drop, v.accuracy_metric, v.accuracy_source) for v in variants] == [
+        (0.0, "cosine", "--validation"),
+        (pytest.approx(0.0, abs=1e-6), "cosine", "--validation"),
+    ]
+    with pytest.raises(TuneInputError, match="--validation"):
+        (tmp_path / "bad.npz").write_bytes(b"no")
+        measure_drops(variants, tmp_path / "bad.npz")
+
+
+def test_a_gpu_profile_is_skipped_for_a_cpu_backend(tmp_path: Path) -> None:
+    from slipstream.tune.session import TuneOptions, plan_tune
+    from slipstream.tune.settings import Catalogue, usable_cpus
+
+    build_add_sub(tmp_path)
+    catalogue = Catalogue(
+        profiles=[
+            HardwareProfile(name="cpu", cores=1, price_per_hour=0.1),
+            HardwareProfile(name="gpu", cores=1, gpu="0", price_per_hour=1.0),
+        ]
+    )
+    options = TuneOptions(
+        model_dir=tmp_path / "add_sub", slo=parse_slo("p99_ms=5", None), catalogue=catalogue,
+        work_dir=tmp_path / "work",
+    )  # fmt: skip
+    plan = plan_tune(options)
+    assert plan.space.size == 60 and plan.priced
+    [cpu, gpu] = plan.profiles
+    assert cpu["skipped"] == "" and cpu["cpus"] == usable_cpus()[:1]
+    assert gpu["skipped"].startswith("asks for GPU 0; the model's backend onnxruntime runs on")

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from slipstream.runtime import backend_for_file
 from slipstream.tune.measure import MeasureSettings
 from slipstream.tune.results import TrialRecord, TuneResult, closest, leaderboard, pareto_front
 from slipstream.tune.search import SearchMode, default_trials, make_strategy
@@ -28,6 +29,10 @@ from slipstream.tune.trials import TrialContext, run_trial, score
 from slipstream.tune.variants import Variant, apply_budget, find_variants, measure_drops
 
 logger = logging.getLogger(__name__)
+
+# Backends a GPU profile can measure: torch (parameters.device cuda). Slipstream's ONNX
+# Runtime backend runs the CPU execution provider only.
+GPU_BACKENDS = ("torch",)
 
 
 @dataclass
@@ -85,7 +90,7 @@ class _Plan:
 
 def plan_tune(options: TuneOptions) -> _Plan:
     """Variants, profiles and the space; TuneInputError when nothing can be searched."""
-    _, variants = find_variants(options.model_dir)
+    config, variants = find_variants(options.model_dir)
     if options.validation is not None:
         measure_drops(variants, options.validation)
     apply_budget(variants, options.max_accuracy_drop)
@@ -94,7 +99,8 @@ def plan_tune(options: TuneOptions) -> _Plan:
         reasons = "; ".join(f"{v.name}: {v.excluded}" for v in variants)
         raise TuneInputError(f"every model variant is excluded ({reasons})")
     usable = usable_cpus()
-    profiles, cpu_sets = _profiles(options.catalogue.profiles, usable)
+    backend = config.backend or backend_for_file(variants[0].model_file)
+    profiles, cpu_sets = _profiles(options.catalogue.profiles, usable, backend)
     runnable = [p for p in options.catalogue.profiles if p.name in cpu_sets]
     if not runnable:
         reasons = "; ".join(f"{p['name']}: {p['skipped']}" for p in profiles)
@@ -125,7 +131,7 @@ def plan_tune(options: TuneOptions) -> _Plan:
 
 
 def _profiles(
-    catalogue: list[HardwareProfile], usable: list[int]
+    catalogue: list[HardwareProfile], usable: list[int], backend: str
 ) -> tuple[list[dict[str, Any]], dict[str, list[int]]]:
     listed, cpu_sets = [], {}
     gpu_here = any(Path("/dev").glob("nvidia[0-9]*"))
@@ -136,6 +142,11 @@ def _profiles(
             entry["skipped"] = (
                 f"needs {profile.cores or profile.cpus} cores; this machine lets the tuner "
                 f"use {len(usable)} ({','.join(map(str, usable))})"
+            )
+        elif profile.gpu is not None and backend not in GPU_BACKENDS:
+            entry["skipped"] = (
+                f"asks for GPU {profile.gpu}; the model's backend {backend} runs on the CPU "
+                "here (the torch backend runs on a GPU: parameters.device cuda)"
             )
         elif profile.gpu is not None and not gpu_here:
             entry["skipped"] = f"asks for GPU {profile.gpu}; no NVIDIA GPU is visible here"

@@ -49,6 +49,8 @@ def model_config(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
     config["instance_group"] = [{"count": int(point["instances"]), "kind": kind}]
     parameters = dict(config.get("parameters") or {})
     parameters["intra_op_thread_count"] = str(point["threads"])
+    if point.get("gpu"):
+        parameters["device"] = "cuda"  # the torch backend's setting (see runtime/torch.py)
     config["parameters"] = parameters
     return config
 
