@@ -2,10 +2,11 @@
 
 The winner's model file becomes ``MODEL_DIR/<next>/``, and its settings (batch size,
 queue delay, instances, threads) go into ``MODEL_DIR/config.yaml`` (the previous one is
-kept as ``config.yaml.before-tune``). A server polling the repository
-(``--model-control-mode poll``) loads the new version; one in explicit mode loads it on
-``POST /v2/repository/models/<name>/load``. The hardware profile cannot be written into a
-config: ``tuned.json`` in the version directory says which cores it was measured on.
+kept as ``config.yaml.before-tune``; a ``config.yml`` is rewritten in place). A server
+polling the repository (``--model-control-mode poll``) loads the new version; one in
+explicit mode loads it on ``POST /v2/repository/models/<name>/load``. The hardware
+profile cannot be written into a config: ``tuned.json`` in the version directory says
+which cores it ran on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from slipstream.repository.layout import read_model_directory
+from slipstream.repository.layout import CONFIG_FILENAMES, read_model_directory
 from slipstream.tune.results import TuneResult
 from slipstream.tune.trials import model_config
 
@@ -35,9 +36,12 @@ def apply_winner(result: TuneResult, model_dir: Path, base_config: dict[str, Any
     source = Path(variant["model_file"])
     version = max(read_model_directory(model_dir).versions, default=0) + 1
     config = model_config(base_config, {**record.config, "gpu": profile.get("gpu")})
-    config_path = model_dir / "config.yaml"
+    config_path = next(
+        (model_dir / n for n in CONFIG_FILENAMES if (model_dir / n).is_file()),
+        model_dir / CONFIG_FILENAMES[0],
+    )
     if config_path.exists():
-        shutil.copy2(config_path, model_dir / "config.yaml.before-tune")
+        shutil.copy2(config_path, config_path.with_name(config_path.name + ".before-tune"))
     staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=model_dir))
     try:
         shutil.copyfile(source, staging / source.name)
