@@ -79,12 +79,22 @@ def test_reaches_95_percent_of_brute_with_a_fifth_of_its_trials(strategy: Search
 
 
 def test_quick_climbs_from_the_smallest_point_and_stops_at_a_peak() -> None:
-    found = QuickSearch().search(SPACE, serving_like, max_trials=SPACE.size)
+    found = QuickSearch().search(SPACE, serving_like, max_trials=SPACE.size // 5)
     assert found[0].point == SPACE.first()
     peak = max(found, key=lambda e: e.rank_score)
-    # No neighbour of where it stopped is better: it was measured and lost.
+    # No neighbour of the best point is better: each was measured and lost.
     measured = {e.point: e.rank_score for e in found}
     assert all(measured[p] <= peak.rank_score for p in SPACE.neighbours(peak.point))
+
+
+def test_quick_climbs_again_from_random_points_while_trials_remain() -> None:
+    # A plateau of misses (every point but one scores the same): each climb stops at
+    # once, and new ones start at random points until the budget is spent.
+    target = ("int8", "2core", 8, 1000, 2)
+    table = {p: (5.0 if p == target else -2.0) for p in SPACE.points()}
+    assert len(QuickSearch(seed=3).search(SPACE, table.get, max_trials=100)) == 100
+    found = QuickSearch(seed=3).search(SPACE, table.get, max_trials=SPACE.size)
+    assert max(e.rank_score for e in found) == 5.0
 
 
 def test_optuna_stops_early_when_nothing_improves() -> None:
@@ -101,8 +111,10 @@ def test_a_failed_trial_ranks_below_any_measured_one() -> None:
 
 
 def test_default_trials() -> None:
-    assert default_trials("brute", SPACE) == default_trials("quick", SPACE) == 144
-    assert default_trials("optuna", SPACE) == 29
+    assert default_trials("brute", SPACE) == 144
+    assert default_trials("quick", SPACE) == default_trials("optuna", SPACE) == 29
+    small = Space((Dimension("b", (1, 2, 4)),))
+    assert default_trials("quick", small) == 3
 
 
 def test_space_neighbours_step_along_one_dimension() -> None:

@@ -6,9 +6,10 @@ point twice and never more than ``max_trials`` of them, and returns what it meas
 The tuner's objective runs a real server; tests pass a table.
 
 - ``brute``: every point, in order (Model Analyzer's brute mode).
-- ``quick``: hill climbing from the smallest configuration: measure the neighbours of
-  the current point one by one, move to the first that is better, stop when none is
-  (Model Analyzer's quick mode walks one dimension at a time the same way).
+- ``quick``: hill climbing from the smallest configuration of each model variant on
+  each hardware profile: measure the neighbours of the current point one by one, move
+  to the first that is better, stop when none is (Model Analyzer's quick mode climbs
+  each model's configurations the same way); trials left start climbs at random points.
 - ``optuna``: Optuna's TPE sampler over the dimensions (ordered ones as integer ranges
   of their value index, so TPE sees that 8 lies between 4 and 16), stopping early
   when ``patience`` trials in a row bring no improvement.
@@ -23,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import random
@@ -112,15 +114,32 @@ class BruteSearch(SearchStrategy):
 
 
 class QuickSearch(SearchStrategy):
-    """Hill climbing; ``start`` is the first point (default: the space's smallest)."""
+    """Hill climbing, one climb per combination of the unordered dimensions (each model
+    variant on each hardware profile), each from its smallest configuration, then climbs
+    from random points while trials remain; the best point of all climbs wins.
+    ``start`` replaces the first climb's start."""
 
     name: SearchMode = "quick"
 
-    def __init__(self, start: Point | None = None) -> None:
+    def __init__(self, start: Point | None = None, seed: int = 0) -> None:
         self._start = start
+        self._seed = seed
 
     def _run(self, space: Space, trials: Trials) -> None:
-        current = trials.measure(self._start or space.first())
+        starts = _climb_starts(space)
+        if self._start is not None:
+            starts = [self._start, *(p for p in starts if p != self._start)]
+        for start in starts:
+            self._climb(space, trials, start)
+        # Measurements are noisy and most of a tight SLO's space can miss it: a climb
+        # can stop on a plateau of misses. Trials left start new climbs at random.
+        rng = random.Random(self._seed)
+        while (fresh := _random_unmeasured(space, trials, rng)) is not None:
+            self._climb(space, trials, fresh)
+
+    @staticmethod
+    def _climb(space: Space, trials: Trials, start: Point) -> None:
+        current = trials.measure(start)
         while True:
             # First improvement: move as soon as a neighbour beats the current point
             # (measuring every neighbour first costs a trial per dimension per step).
@@ -133,6 +152,12 @@ class QuickSearch(SearchStrategy):
             if better is None:
                 return
             current = better
+
+
+def _climb_starts(space: Space) -> list[Point]:
+    """The smallest ordered configuration for every combination of unordered values."""
+    choices = [d.values if not d.ordered else d.values[:1] for d in space.dimensions]
+    return list(itertools.product(*choices))
 
 
 class OptunaSearch(SearchStrategy):
@@ -220,13 +245,13 @@ def make_strategy(mode: SearchMode, *, patience: int = 15, seed: int = 0) -> Sea
     if mode == "brute":
         return BruteSearch()
     if mode == "quick":
-        return QuickSearch()
+        return QuickSearch(seed=seed)
     return OptunaSearch(patience=patience, seed=seed)
 
 
 def default_trials(mode: SearchMode, space: Space) -> int:
-    """Trials when --trials is not given: all for brute and quick (quick stops on its
-    own), a fifth of the space (at least 10) for optuna."""
-    if mode == "optuna":
-        return min(space.size, max(10, math.ceil(space.size / 5)))
-    return space.size
+    """Trials when --trials is not given: all for brute, a fifth of the space (at least
+    10) for quick and optuna (optuna may stop before)."""
+    if mode == "brute":
+        return space.size
+    return min(space.size, max(10, math.ceil(space.size / 5)))

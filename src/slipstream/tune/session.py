@@ -188,6 +188,12 @@ def run_tune(options: TuneOptions, listener: TuneListener | None = None) -> Tune
         if options.catalogue.source
         else [],
     )
+    shared = [p["name"] for p in plan.profiles if p.get("cpus") and p["cpus"] == usable_cpus()]
+    if shared:
+        result.notes.append(
+            f"the load generator shared the cores of {', '.join(shared)} (no other core "
+            "was usable): their figures include its CPU"
+        )
     listener.started(space.size, max_trials)
 
     def objective(point: Point) -> float | None:

@@ -7,10 +7,12 @@ ready, or a benchmark that cannot run, is a ``failed`` record with the server's 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +136,8 @@ def run_trial(
         startup_timeout_s=context.startup_timeout_s,
     )
     try:
-        with server:
+        with server, client_affinity(context.cpu_sets[profile.name]) as client_cpus:
+            record.client_cpus = client_cpus
             measure = _measure_settings(context, profile, server)
             curve = measure_curve(measure, context.slo, progress)
             _fill(record, curve, context.slo)
@@ -148,6 +151,27 @@ def run_trial(
     if record.status != "failed":
         shutil.rmtree(trial_dir / "repo", ignore_errors=True)
     return record
+
+
+@contextlib.contextmanager
+def client_affinity(server_cpus: list[int]) -> Iterator[list[int] | None]:
+    """Run the load generator (this process and the bench workers it starts) on the
+    usable cores the server is not pinned to, so it does not take the profile's cores;
+    yields them, or None when no core is left and the two share."""
+    try:
+        usable = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        yield None
+        return
+    others = [cpu for cpu in usable if cpu not in server_cpus]
+    if not others:
+        yield None
+        return
+    os.sched_setaffinity(0, others)
+    try:
+        yield others
+    finally:
+        os.sched_setaffinity(0, usable)
 
 
 def _measure_settings(
