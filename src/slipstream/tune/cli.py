@@ -110,9 +110,9 @@ def tune(**options: Any) -> None:
         click.echo(f"wrote {path}", err=True)
     if options["apply_winner"] and result.winner is not None and not result.interrupted:
         from slipstream.tune.apply import apply_winner
-        from slipstream.tune.session import _raw_config
+        from slipstream.tune.session import raw_config
 
-        version = apply_winner(result, tune_options.model_dir, _raw_config(tune_options.model_dir))
+        version = apply_winner(result, tune_options.model_dir, raw_config(tune_options.model_dir))
         result.applied_version = version
         report.write_json(result, options["out_dir"] / "tune.json")
         click.echo(f"applied: {tune_options.model_dir / str(version)}", err=True)

@@ -80,7 +80,7 @@ class TuneListener:
 
 
 @dataclass
-class _Plan:
+class TunePlan:
     space: Space
     variants: list[Variant]
     profiles: list[dict[str, Any]]
@@ -88,7 +88,7 @@ class _Plan:
     priced: bool
 
 
-def plan_tune(options: TuneOptions) -> _Plan:
+def plan_tune(options: TuneOptions) -> TunePlan:
     """Variants, profiles and the space; TuneInputError when nothing can be searched."""
     config, variants = find_variants(options.model_dir)
     if options.validation is not None:
@@ -117,7 +117,7 @@ def plan_tune(options: TuneOptions) -> _Plan:
     )
     context = TrialContext(
         model_dir=options.model_dir,
-        base_config=_raw_config(options.model_dir),
+        base_config=raw_config(options.model_dir),
         variants={v.name: v for v in eligible},
         profiles={p.name: p for p in runnable},
         cpu_sets=cpu_sets,
@@ -127,7 +127,7 @@ def plan_tune(options: TuneOptions) -> _Plan:
         startup_timeout_s=options.startup_timeout_s,
     )
     priced = all(p.price_per_hour > 0 for p in runnable)
-    return _Plan(space, variants, profiles, context, priced)
+    return TunePlan(space, variants, profiles, context, priced)
 
 
 def _profiles(
@@ -157,7 +157,7 @@ def _profiles(
     return listed, cpu_sets
 
 
-def _raw_config(model_dir: Path) -> dict[str, Any]:
+def raw_config(model_dir: Path) -> dict[str, Any]:
     for name in ("config.yaml", "config.yml"):
         path = model_dir / name
         if path.is_file():
@@ -174,26 +174,7 @@ def run_tune(options: TuneOptions, listener: TuneListener | None = None) -> Tune
     plan = plan_tune(options)
     space = plan.space
     max_trials = min(space.size, options.trials or default_trials(options.mode, space))
-    result = TuneResult(
-        model=options.model_dir.name,
-        model_dir=str(options.model_dir),
-        slo={**options.slo.latency_ms, "min_throughput": options.slo.min_throughput},
-        mode=options.mode,
-        space={d.name: list(d.values) for d in space.dimensions},
-        space_size=space.size,
-        variants=[_variant_entry(v) for v in plan.variants],
-        profiles=plan.profiles,
-        trials=[],
-        notes=[f"hardware catalogue: {options.catalogue.source}"]
-        if options.catalogue.source
-        else [],
-    )
-    shared = [p["name"] for p in plan.profiles if p.get("cpus") and p["cpus"] == usable_cpus()]
-    if shared:
-        result.notes.append(
-            f"the load generator shared the cores of {', '.join(shared)} (no other core "
-            "was usable): their figures include its CPU"
-        )
+    result = _new_result(options, plan)
     listener.started(space.size, max_trials)
 
     def objective(point: Point) -> float | None:
@@ -223,8 +204,33 @@ def run_tune(options: TuneOptions, listener: TuneListener | None = None) -> Tune
     return result
 
 
+def _new_result(options: TuneOptions, plan: TunePlan) -> TuneResult:
+    space = plan.space
+    result = TuneResult(
+        model=options.model_dir.name,
+        model_dir=str(options.model_dir),
+        slo={**options.slo.latency_ms, "min_throughput": options.slo.min_throughput},
+        mode=options.mode,
+        space={d.name: list(d.values) for d in space.dimensions},
+        space_size=space.size,
+        variants=[_variant_entry(v) for v in plan.variants],
+        profiles=plan.profiles,
+        trials=[],
+        notes=[f"hardware catalogue: {options.catalogue.source}"]
+        if options.catalogue.source
+        else [],
+    )
+    shared = [p["name"] for p in plan.profiles if p.get("cpus") and p["cpus"] == usable_cpus()]
+    if shared:
+        result.notes.append(
+            f"the load generator shared the cores of {', '.join(shared)} (no other core "
+            "was usable): their figures include its CPU"
+        )
+    return result
+
+
 def _remeasure(
-    plan: _Plan, result: TuneResult, options: TuneOptions, listener: TuneListener
+    plan: TunePlan, result: TuneResult, options: TuneOptions, listener: TuneListener
 ) -> None:
     """Measure the best few again: their figures become medians with a spread."""
     top = leaderboard(result.trials)[: options.remeasure_top]
@@ -256,8 +262,3 @@ def _variant_entry(variant: Variant) -> dict[str, Any]:
     entry = asdict(variant)
     entry["model_file"] = str(variant.model_file)
     return entry
-
-
-def trials_budget_note(mode: SearchMode, space_size: int, measured: int) -> str:
-    share = 100.0 * measured / space_size if space_size else 0.0
-    return f"{mode}: {measured} of {space_size} configurations measured ({share:.0f}%)"
