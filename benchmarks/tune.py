@@ -154,13 +154,16 @@ def replay(table: dict[str, Any]) -> dict[str, Any]:
 def tuned_vs_default(
     args: argparse.Namespace, work: Path, p99_ms: float, table: dict[str, Any]
 ) -> dict[str, Any]:
-    mine = [t for t in table["trials"] if t["config"]["profile"] == VERSUS and t["status"] == "ok"]
+    mine = [
+        t for t in table["trials"] if t["config"]["profile"] == args.versus and t["status"] == "ok"
+    ]
     tuned = max(mine, key=lambda t: t["throughput"] or 0.0)["config"]
     plan = plan_tune(options(args, work, p99_ms, "versus"))
     runs: dict[str, list[float]] = {"tuned": [], "default": []}
     trial = 0
     for _ in range(args.rounds):
-        for name, point in (("default", default_point(VERSUS, 1)), ("tuned", tuned)):
+        cores = int(args.versus.removesuffix("core"))
+        for name, point in (("default", default_point(args.versus, cores)), ("tuned", tuned)):
             trial += 1
             record = run_trial(plan.context, trial, point)
             runs[name].append(record.throughput or 0.0)
@@ -214,6 +217,9 @@ def main() -> None:
     parser.add_argument("--reuse-table", action="store_true")
     parser.add_argument("--skip-live", action="store_true", help="no live optuna tune")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--versus", choices=["1core", "2core"], default=VERSUS, help="profile of steps 4 and 5"
+    )
     parser.add_argument("--warmup-s", type=float, default=0.5)
     parser.add_argument("--window-s", type=float, default=1.0)
     parser.add_argument("--max-windows", type=int, default=4)
@@ -244,7 +250,7 @@ def main() -> None:
             }  # fmt: skip
             print(f"optuna live: {report['optuna_live']}", flush=True)
         report["versus"] = tuned_vs_default(args, work, p99_ms, table)
-        print(f"tuned vs default ({VERSUS}): {report['versus']}", flush=True)
+        print(f"tuned vs default ({args.versus}): {report['versus']}", flush=True)
         report["cost"] = cost_agreement(args, work, p99_ms, report["versus"]["tuned_config"])
         print(f"cost, tune / bench: {report['cost']}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
