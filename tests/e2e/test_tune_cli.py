@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 
 from slipstream.tune.cli import EXIT_SLO_UNMET, tune
-from tests.models import build_add_sub
+from tests.models import build_add_sub, build_mean_embedding
 from tests.utils import RemoteServer
 
 pytestmark = pytest.mark.slow
@@ -118,3 +119,13 @@ def test_bad_input_is_a_usage_error(tmp_path: Path) -> None:
     assert (
         result.exit_code == 2 and "no hardware profile of the catalogue runs here" in result.output
     )
+
+
+def test_inputs_bench_cannot_make_stop_the_tune_at_the_first_trial(tmp_path: Path) -> None:
+    # Variable token dims and no --shape: every trial would fail the same way.
+    build_mean_embedding(tmp_path, "embed", np.eye(8, dtype=np.float32))
+    result = _tune(str(tmp_path / "embed"), "--slo", "p99_ms=50", "--out", str(tmp_path / "o"))
+    assert result.exit_code == 2, result.output
+    assert "input 'input_ids' has variable dims" in result.output
+    assert "slipstream tune takes --shape and --input-data" in result.output
+    assert not (tmp_path / "o" / "tune.json").exists()

@@ -86,9 +86,10 @@ def tune(**options: Any) -> None:
 
     \b
     Examples:
-      slipstream tune models/minilm --slo p99_ms=100
-      slipstream tune models/minilm --slo p99_ms=100 --profiles catalogue.yaml \\
-          --mode optuna --max-accuracy-drop 0.01 --apply
+      slipstream tune models/mlp --slo p99_ms=10 --price-per-hour 0.17
+      slipstream tune models/minilm --slo p99_ms=80 --profiles catalogue.yaml \\
+          --shape input_ids:128 --shape attention_mask:128 --mode optuna \\
+          --max-accuracy-drop 0.01 --apply
     """  # fmt: skip
     try:
         from slipstream.bench.core.output import terminal_console

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slipstream.bench.core.endpoint import parse_endpoint
+from slipstream.bench.core.errors import BenchError
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.v2.results import LevelResult
 from slipstream.bench.v2.runner import LevelRunner, ProgressListener, build_requests, worker_plan
 from slipstream.bench.v2.server_api import ServerApi, connect_api
 from slipstream.bench.v2.settings import BenchSettings
 from slipstream.bench.v2.workers import WorkerPool
-from slipstream.tune.settings import Slo
+from slipstream.tune.settings import Slo, TuneInputError
 
 _API_TIMEOUT_S = 10.0
 
@@ -95,12 +96,20 @@ def within_latency(level: LevelResult, slo: Slo) -> bool:
 def measure_curve(
     settings: MeasureSettings, slo: Slo, progress: ProgressListener | None = None
 ) -> LoadCurve:
-    """Measure levels until the latency SLO breaks; BenchError when bench cannot run."""
+    """Measure levels until the latency SLO breaks; BenchError when bench cannot run,
+    TuneInputError when it cannot make requests from the tune's inputs."""
     first = settings.bench_settings(1)
     endpoint = parse_endpoint(first.url, first.protocol)
     api = connect_api(endpoint, first.model, "", _API_TIMEOUT_S)
     try:
-        requests = build_requests(first, api.signature())
+        try:
+            requests = build_requests(first, api.signature())
+        except BenchError as exc:
+            # The inputs are the tune's, not the configuration's: every trial would fail
+            # the same way.
+            raise TuneInputError(
+                f"{exc} (slipstream tune takes --shape and --input-data)"
+            ) from None
         pool = WorkerPool(lambda worker_id: worker_plan(first, endpoint, requests, worker_id))
         try:
             return _sweep(settings, slo, pool, api, progress or ProgressListener())
