@@ -28,6 +28,7 @@ import itertools
 import logging
 import math
 import random
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -182,11 +183,13 @@ class OptunaSearch(SearchStrategy):
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         startup = self._startup_trials or max(3, min(10, trials.left // 3))
-        sampler = optuna.samplers.TPESampler(
-            seed=self._seed,
-            n_startup_trials=startup,
-            multivariate=True,
-        )
+        with warnings.catch_warnings():
+            # Optuna before 4.x marked multivariate TPE experimental; it is what models
+            # the dimensions' interplay (batch size with instances, threads with cores).
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(
+                seed=self._seed, n_startup_trials=startup, multivariate=True
+            )
         study = optuna.create_study(direction="maximize", sampler=sampler)
         distributions: dict[str, BaseDistribution] = {
             d.name: IntDistribution(0, len(d.values) - 1)
