@@ -15,6 +15,10 @@ measures:
 `llama-server` (llama.cpp's own, built once by `benchmarks/peers/llama_server.py`) is
 started on the same SmolLM2 file the same way: spawned until `/health` answers 200.
 
+With `--ray`, each model is also served by `slipstream serve --ray` with
+`ray_serve: {min_replicas: 0}`: once Ray reports no replica of it running, one request
+is timed until its answer (a replica started for it, its model loaded); V2 models only.
+
 Figures are medians over the rounds, with the range. Requests: V2 JSON of zeros shaped
 from the model's metadata (batch 1, variable dims 8); SmolLM2: one chat message,
 `max_tokens` 1.
@@ -46,6 +50,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 SLIPSTREAM = Path(sys.executable).parent / "slipstream"
 MODELS = ("digits", "minilm", "smollm2")
+# Under Ray the generative models are one application (/v1) of their own, not one per
+# model: its scale to zero is not timed here.
+RAY_MODELS = ("digits", "minilm")
 _DTYPES = {"FP32": 0.0, "FP16": 0.0, "FP64": 0.0, "INT64": 0, "INT32": 0, "INT8": 0, "BOOL": False}
 
 
@@ -73,13 +80,16 @@ def wait_for(url: str, deadline_s: float, started: float) -> float:
             time.sleep(0.01)
 
 
-def request_for(client: httpx.Client, base: str, model: str) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of one small request to ``model``."""
+def request_for(
+    client: httpx.Client, base: str, model: str, meta: dict[str, Any] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of one small request to ``model`` (``meta``: its V2 metadata,
+    else asked of the server)."""
     if model == "smollm2":
         body = {"model": model, "max_tokens": 1,
                 "messages": [{"role": "user", "content": "Hello"}]}  # fmt: skip
         return "/v1/chat/completions", body
-    meta = client.get(f"{base}/v2/models/{model}").json()
+    meta = meta or client.get(f"{base}/v2/models/{model}").json()
     inputs = []
     for tensor in meta["inputs"]:
         shape = [1 if i == 0 and d == -1 else (8 if d == -1 else d)
@@ -142,6 +152,49 @@ def slipstream_round(repo: Path, model: str, work: Path, core: int) -> dict[str,
             "trace": traced}  # fmt: skip
 
 
+def ray_round(repo: Path, model: str, work: Path) -> float:
+    """Seconds a request waits for a Ray Serve replica started for it from zero."""
+    single = work / f"ray-{model}"
+    if not single.exists():
+        shutil.copytree(repo / model, single / model, copy_function=os.link)
+        config = single / model / "config.yaml"
+        text = config.read_text() if config.exists() else ""
+        config.unlink(missing_ok=True)  # a hard link: the original stays as it was
+        config.write_text(text + "\nray_serve:\n  min_replicas: 0\n  max_replicas: 1\n"
+                          "  downscale_delay_s: 1\n  look_back_period_s: 1\n")  # fmt: skip
+    port = free_port()
+    argv = [str(SLIPSTREAM), "serve", "--ray", "--model-repository", str(single), "--host",
+            "127.0.0.1", "--http-port", str(port)]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    log_path = work / f"ray-{model}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while f"model {model}: 0 replicas running" not in log_path.read_text():
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise TimeoutError(f"{model} never at zero replicas: see {log_path}")
+                time.sleep(0.2)
+            with httpx.Client(timeout=120) as client:
+                path, body = request_for(client, base, model, _metadata(repo / model))
+                return timed_request(client, base, path, body)
+        finally:
+            proc.terminate()
+            proc.wait(120)
+
+
+def _metadata(model_dir: Path) -> dict[str, Any]:
+    """The V2 metadata of an ONNX model directory, read from its file (no server needed:
+    at zero replicas, asking would start one)."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(next(model_dir.rglob("*.onnx"))))
+    kinds = {"tensor(float)": "FP32", "tensor(int64)": "INT64", "tensor(int32)": "INT32"}
+    return {"inputs": [{"name": i.name, "datatype": kinds[i.type],
+                        "shape": [d if isinstance(d, int) else -1 for d in i.shape]}
+                       for i in session.get_inputs()]}  # fmt: skip
+
+
 def llama_server_round(repo: Path, work: Path, core: int) -> dict[str, Any]:
     port = free_port()
     gguf = next((repo / "smollm2").rglob("*.gguf"))
@@ -167,6 +220,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--core", type=int, default=0, help="the servers' core")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--ray", action="store_true", help="also Ray Serve from zero replicas")
     args = parser.parse_args()
     os.sched_setaffinity(0, {(args.core + 1) % os.cpu_count()})  # type: ignore[operator]
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,6 +231,11 @@ def main() -> None:
             for model in MODELS:
                 results.setdefault(model, []).append(slipstream_round(repo, model, work, args.core))
             results.setdefault("llama-server", []).append(llama_server_round(repo, work, args.core))
+        if args.ray:  # once: each start of Ray takes tens of seconds
+            for model in RAY_MODELS:
+                results.setdefault(f"ray-{model}", []).append(
+                    {"first_from_zero_s": ray_round(repo, model, work)}
+                )
     print(f"cold starts, median of {args.rounds} rounds [range]; server on core {args.core}, "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     print(f"{'':<14} {'start to ready':<26} {'first answer, loaded':<26} "
@@ -196,6 +255,9 @@ def main() -> None:
     print(f"smollm2 first answer after idle / llama-server start: "
           f"{statistics.median(smol) / statistics.median(llama):.2f} "
           "(target: <= 3 s, or <= 1.5x llama-server's start)")  # fmt: skip
+    for model in RAY_MODELS if args.ray else ():
+        seconds = results[f"ray-{model}"][0]["first_from_zero_s"]
+        print(f"Ray Serve, {model}: first answer from zero replicas {seconds:.2f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -21,6 +21,7 @@ from slipstream.bench.cli import bench
 from slipstream.config import ServerSettings, format_validation_error
 from slipstream.optimize.cli import optimize
 from slipstream.profile.cli import profile
+from slipstream.tune.cli import tune
 
 
 def _help(field: str) -> str:
@@ -538,3 +539,4 @@ for _action in ("pause", "resume", "promote", "abort"):
 main.add_command(bench)
 main.add_command(profile)
 main.add_command(optimize)
+main.add_command(tune)

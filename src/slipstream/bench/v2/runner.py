@@ -102,7 +102,7 @@ def run_bench(settings: BenchSettings, progress: ProgressListener | None = None)
         signature = api.signature()
         requests = build_requests(settings, signature)
         sampler = ProcessSampler(settings.server_pid) if settings.server_pid else None
-        pool = WorkerPool(lambda worker_id: _plan(settings, endpoint, requests, worker_id))
+        pool = WorkerPool(lambda worker_id: worker_plan(settings, endpoint, requests, worker_id))
         try:
             runner = LevelRunner(settings, pool, api, sampler, listener)
             levels = []
@@ -145,7 +145,7 @@ def build_requests(settings: BenchSettings, signature: RemoteModel) -> list[Enco
         raise BenchError(str(exc)) from None
 
 
-def _plan(
+def worker_plan(
     settings: BenchSettings, endpoint: Endpoint, requests: list[EncodedRequest], worker_id: int
 ) -> WorkerPlan:
     return WorkerPlan(

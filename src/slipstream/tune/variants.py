@@ -1,0 +1,166 @@
+"""The model variants a tune searches over: every version of the model directory.
+
+A version written by ``slipstream optimize`` carries ``optimization.json``: its passes
+and the accuracy gate's figures. Its accuracy drop is read from there, in the gate
+metric's unit (top1 / agreement: percentage points; cosine: 1 - mean cosine; mae /
+maxae: the error), or measured on ``--validation`` rows against the original (the
+newest version without that file, i.e. not made by optimize). A variant whose drop is
+over ``--max-accuracy-drop`` is kept in the report with the reason and not searched.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slipstream.config import ModelConfig
+from slipstream.repository.layout import model_file, read_config, read_model_directory
+from slipstream.tune.settings import TuneInputError
+
+# optimize's record in a version directory (slipstream.optimize.core.RECORD_NAME).
+RECORD_NAME = "optimization.json"
+
+
+@dataclass
+class Variant:
+    """One version of the model, as a point of the search's variant dimension."""
+
+    # "v2 int8-dynamic", "v1 original": what the leaderboard shows.
+    name: str
+    version: int
+    model_file: Path
+    # Passes that made it (empty for an original).
+    passes: list[str]
+    # Accuracy drop in the metric's unit (0 for the original); None: unknown.
+    accuracy_drop: float | None
+    # top1, agreement, cosine, mae, maxae; "" when not known.
+    accuracy_metric: str
+    # Where the drop comes from: "optimization.json", "--validation", "original".
+    accuracy_source: str
+    # Why the variant is not searched (over the accuracy budget, unreadable); "" if it is.
+    excluded: str = ""
+
+
+def find_variants(model_dir: Path) -> tuple[ModelConfig, list[Variant]]:
+    """The model's config and its versions, oldest first; TuneInputError if it has none."""
+    if not model_dir.is_dir():
+        raise TuneInputError(f"MODEL_DIR {model_dir}: not a directory (expected REPO/NAME)")
+    directory = read_model_directory(model_dir)
+    if not directory.versions:
+        raise TuneInputError(f"MODEL_DIR {model_dir}: no version directory (1/, 2/, ...)")
+    config = read_config(directory)
+    if config.generative:
+        raise TuneInputError(
+            f"MODEL_DIR {model_dir}: backend {config.backend} is a generative model; "
+            "tune measures V2 tensor models"
+        )
+    variants = []
+    for version in directory.versions:
+        version_dir = model_dir / str(version)
+        path = model_file(version_dir, config)
+        record = _record(version_dir)
+        if record is None:
+            variants.append(Variant(f"v{version} original", version, path, [], 0.0, "", "original"))
+            continue
+        passes = [str(p.get("name", "?")) for p in record.get("passes", [])]
+        metric, drop = gate_drop(record.get("gate", {}))
+        variants.append(
+            Variant(
+                name=f"v{version} {'+'.join(passes) or 'optimized'}",
+                version=version,
+                model_file=path,
+                passes=passes,
+                accuracy_drop=drop,
+                accuracy_metric=metric,
+                accuracy_source=RECORD_NAME,
+            )
+        )
+    return config, variants
+
+
+def _record(version_dir: Path) -> dict[str, Any] | None:
+    path = version_dir / RECORD_NAME
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TuneInputError(f"{path}: cannot be read ({exc}); fix or remove it") from None
+    return data if isinstance(data, dict) else {}
+
+
+def gate_drop(gate: dict[str, Any]) -> tuple[str, float | None]:
+    """(metric, drop) from an optimization.json gate; drop None when the figures are absent.
+
+    >>> gate_drop({"metric": "top1", "before": {"top1_percent": 97.0},
+    ...            "after": {"top1_percent": 96.5}})
+    ('top1', 0.5)
+    """
+    metric = str(gate.get("metric", ""))
+    before, after = gate.get("before") or {}, gate.get("after") or {}
+    return metric, drop_from_values(metric, before, after)
+
+
+def drop_from_values(
+    metric: str, before: dict[str, float], after: dict[str, float]
+) -> float | None:
+    """The drop a gate's ``before``/``after`` values mean, in the metric's unit."""
+    try:
+        if metric == "top1":
+            return round(float(before["top1_percent"]) - float(after["top1_percent"]), 6)
+        if metric == "agreement":
+            return round(100.0 - float(after["agreement_percent"]), 6)
+        if metric == "cosine":
+            return round(1.0 - float(after["mean_cosine"]), 6)
+        if metric in ("mae", "maxae"):
+            return float(after[metric])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return None
+
+
+def measure_drops(variants: list[Variant], validation: Path) -> None:
+    """Measure each variant's drop on ``validation`` against the original (in place)."""
+    from slipstream.optimize.data import DataError, load_dataset
+    from slipstream.optimize.gate import choose_metric, compare_outputs, run_model
+
+    originals = [v for v in variants if not v.passes]
+    reference = originals[-1] if originals else variants[0]
+    try:
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(
+            str(reference.model_file), providers=["CPUExecutionProvider"]
+        )
+        data = load_dataset(validation, [i.name for i in session.get_inputs()])
+        output_name, before = run_model(reference.model_file, data)
+    except (DataError, OSError, ValueError) as exc:
+        raise TuneInputError(f"--validation {validation}: {exc}") from None
+    metric, _ = choose_metric(None, data.labels is not None, output_name, before)
+    for variant in variants:
+        _, after = run_model(variant.model_file, data, output_name)
+        values = compare_outputs(metric, 0.0, before, after, data.labels)
+        variant.accuracy_metric = metric
+        variant.accuracy_drop = (
+            0.0 if variant is reference else drop_from_values(metric, *values[:2])
+        )
+        variant.accuracy_source = "--validation"
+
+
+def apply_budget(variants: list[Variant], max_drop: float | None) -> None:
+    """Mark the variants over ``max_drop`` (or of unknown drop) as excluded, with why."""
+    if max_drop is None:
+        return
+    for variant in variants:
+        if variant.accuracy_drop is None:
+            variant.excluded = (
+                f"accuracy drop unknown ({variant.accuracy_source} has no gate figures); "
+                "give --validation to measure it"
+            )
+        elif variant.accuracy_drop > max_drop:
+            variant.excluded = (
+                f"accuracy drop {variant.accuracy_drop:g} ({variant.accuracy_metric}) is over "
+                f"--max-accuracy-drop {max_drop:g}"
+            )
