@@ -30,7 +30,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.llm_models import smollm2_gguf
-from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
+from tests.models import ADD_SUB_WIDTH, build_add_constant, build_add_sub, write_config
 from tests.utils import HOST, RemoteServer, free_ports, slipstream_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -78,6 +78,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     build_add_sub(repo, "watched")
     write_config(repo, "watched", {"max_batch_size": 64, "monitoring": {"drift": drift},
                                    "response_cache": {"enable": True}})  # fmt: skip
+    # Two versions split 80/20, version 2 also shadowing everything version 1 answers:
+    # the rollout panel's weights and shadow comparisons.
+    for version, constant in ((1, 1.0), (2, 1.5)):
+        build_add_constant(repo, "split", version, constant)
+    write_config(repo, "split", {
+        "version_policy": {"all": {}},
+        "rollout": {"weights": {"1": 80, "2": 20}, "shadow": {"version": "2", "share": 1.0}},
+    })  # fmt: skip
     (repo / "smol" / "1").mkdir(parents=True)
     os.link(smollm2_gguf(), repo / "smol" / "1" / "model.gguf")
     write_config(repo, "smol", {"backend": "llama_cpp",
@@ -115,6 +123,11 @@ def traffic(server: RemoteServer) -> None:
     httpx.get(server.url("/v2/models/watched"), timeout=10)  # no key: 401
     for _ in range(3):  # past the tight key's burst: 429
         httpx.get(server.url("/v2/models/watched"), headers=auth("tight"), timeout=10)
+    split = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4],
+                         "data": [1.0, 2.0, 3.0, 4.0]}]}  # fmt: skip
+    for _ in range(20):
+        httpx.post(server.url("/v2/models/split/infer"), json=split, headers=auth(),
+                   timeout=10).raise_for_status()  # fmt: skip
     for _ in range(2):
         body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 4}
         reply = httpx.post(server.url("/v1/completions"), json=body, headers=auth(), timeout=60)

@@ -251,6 +251,11 @@ def _remeasure(
 
 def _rank(result: TuneResult) -> None:
     board = leaderboard(result.trials)
+    # The re-measured first: the winner is one measured several times, never a single
+    # run that happened to be luckier than a re-measured configuration's median.
+    board = [r for r in board if len(r.throughput_runs) > 1] + [
+        r for r in board if len(r.throughput_runs) <= 1
+    ]
     result.leaderboard = [r.trial for r in board]
     result.pareto = [r.trial for r in pareto_front(result.trials)]
     result.winner = board[0].trial if board else None
