@@ -49,15 +49,22 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 _SPARE_FILES = 1024
 
 
-async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> int:
-    """Serve until ``stop`` is set or a termination signal arrives; return the exit code."""
-    TRACE.mark("imported")
+def stop_on_signals(stop: asyncio.Event | None) -> asyncio.Event:
+    """``stop`` (a new event when None), set by SIGTERM or SIGINT; the GIL switch interval
+    a serving process wants set too."""
     stop = stop or asyncio.Event()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> int:
+    """Serve until ``stop`` is set or a termination signal arrives; return the exit code."""
+    TRACE.mark("imported")
+    stop = stop_on_signals(stop)
 
     _raise_open_files_limit(settings.max_connections)
     # No *_created series beside prometheus_client's counters and histograms (the LLM

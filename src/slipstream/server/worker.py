@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-import sys
 import time
 
 from slipstream.config import ServerSettings
@@ -28,7 +26,7 @@ from slipstream.jobs.consumer import Claim, Finished, JobConsumer, StoredJob
 from slipstream.jobs.settings import WorkerSettings
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2
-from slipstream.server.runner import GIL_SWITCH_INTERVAL_S
+from slipstream.server.runner import stop_on_signals
 from slipstream.serving.core import ModelServer
 from slipstream.types import InferRequest, InferResponse
 
@@ -44,12 +42,7 @@ _QUEUE_FULL_BACKOFF_S = 0.05
 
 async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None) -> int:
     """Process jobs until ``stop`` is set or SIGTERM/SIGINT arrives; the exit code."""
-    stop = stop or asyncio.Event()
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals(stop)
     metrics = ServerMetrics()
     service = ModelServer(
         ServerSettings(model_repository=settings.model_repository, http_port=0, grpc_port=0,
