@@ -138,6 +138,7 @@ def main() -> None:
 @click.option("--auth-file", type=click.Path(path_type=Path), default=None, help=_help("auth_file"))
 @click.option("--metrics-need-key/--metrics-open", default=False, help=_help("metrics_need_key"))
 @click.option("--rate-limit-store", default="memory", help=_help("rate_limit_store"))
+@click.option("--rollout-store", default="", help=_help("rollout_store"))
 @click.option(
     "--rate-limit-fail-closed/--rate-limit-fail-open",
     default=False,

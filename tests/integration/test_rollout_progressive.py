@@ -25,8 +25,11 @@ from typing import Any
 
 import httpx
 import pytest
+import redis as redis_client
 
+from slipstream.serving.rollout_store import REDIS_KEY
 from tests.models import write_config
+from tests.redis_server import RedisServer
 from tests.scripted import build_scripted, scripted_command, scripted_config
 from tests.utils import RemoteServer, slipstream_command
 
@@ -205,3 +208,36 @@ def test_a_rollout_survives_kill_9_and_resumes_its_step(tmp_path: Path) -> None:
         assert reply.status_code == 400 and "aborted" in reply.json()["error"]
         state = status(client, second, "canary")
         assert state["weights"] == {"1": 100.0}
+
+
+def test_a_rollout_kept_in_redis_survives_kill_9_without_writing_the_repository(
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    for version in (1, 2):
+        build_scripted(repo, "canary", version, delay_s=0.001)
+    write_config(repo, "canary", scripted_config())
+    # An interval no test waits for: persistence is under test, not the analysis.
+    plan = {**PLAN, "steps": [10, 50, 100], "interval_s": 600.0}
+    with RedisServer(tmp_path / "redis") as redis:
+        args = ["--rollout-store", redis.url]
+        first = RemoteServer(
+            repo, args, log_dir=tmp_path, command=scripted_command(), expected_exit_code=-9
+        )
+        with first, httpx.Client(timeout=30) as client:
+            reply = client.post(first.url("/v2/models/canary/rollout"), json=plan)
+            assert reply.status_code == 200, reply.text
+            first.kill()
+        stored = redis_client.Redis(port=redis.port).hget(REDIS_KEY, "canary")
+        assert stored is not None and json.loads(stored)["status"] == "running"
+        assert not (repo / "canary" / "rollout.json").exists()
+        with RemoteServer(repo, args, log_dir=tmp_path, command=scripted_command()) as second, \
+                httpx.Client(timeout=30) as client:  # fmt: skip
+            state = status(client, second, "canary")
+            assert (state["status"], state["step"]) == ("running", 0)
+            assert state["weights"] == {"1": 90.0, "2": 10.0}
+            assert "aborted" in cli(second, "abort", "canary")
+        assert (
+            json.loads(redis_client.Redis(port=redis.port).hget(REDIS_KEY, "canary"))["status"]
+            == "aborted"
+        )

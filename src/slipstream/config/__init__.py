@@ -427,6 +427,12 @@ class ServerSettings(_Strict):
         description="Where the keys' rate limits are counted: memory (this process) or "
         "redis://host:port[/db] (shared by every server using that Redis).",
     )
+    rollout_store: str = Field(
+        "",
+        pattern=r"^(|rediss?://.+)$",
+        description="Where rollouts keep their state: empty for REPO/<model>/rollout.json, or "
+        "redis://host:port[/db] (a read-only repository; state that outlives the pod).",
+    )
     rate_limit_fail_closed: bool = Field(
         False,
         description="Refuse requests (503) while the Redis rate-limit store is unreachable; "

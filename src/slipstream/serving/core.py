@@ -29,6 +29,7 @@ from slipstream.serving.idle import IdleWatcher
 from slipstream.serving.manager import ModelAsleep, ModelManager
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.rollout import Rollouts, Route
+from slipstream.serving.rollout_store import rollout_store
 from slipstream.serving.service import InferenceService, ModelLane
 from slipstream.serving.shared_memory import SystemSharedMemory
 from slipstream.serving.taps import TapFactory
@@ -81,8 +82,9 @@ class ModelServer(InferenceService):
         self.metrics.registry.register(self.rollout_metrics.collector())
         # Version choice for requests that name none: weighted splits, rollouts, shadows.
         self.rollouts = Rollouts(
-            settings.model_repository, self.models, self.rollout_metrics, self._run_named
-        )
+            settings.model_repository, self.models, self.rollout_metrics, self._run_named,
+            rollout_store(settings.rollout_store, settings.model_repository),
+        )  # fmt: skip
         self._lanes = list(lanes)
         self.shared_memory = SystemSharedMemory(settings.allow_client_shm)
         # --cache: answers for the models whose config enables response_cache.

@@ -6,7 +6,8 @@ model's serving versions or its rollout change:
 - a **progressive rollout** (``POST /v2/models/{m}/rollout``, ``slipstream rollout
   start``) routes by its state's weights, judges each analysis window (candidate against
   baseline, serving/rollout_analysis.py), steps up, promotes at the end or rolls back;
-  its state persists in ``REPO/<model>/rollout.json`` and resumes after a restart;
+  its state persists (``REPO/<model>/rollout.json``, or Redis: serving/rollout_store.py)
+  and resumes after a restart;
 - else a model's config.yaml ``rollout:`` gives static weights (A/B) and a shadow;
 - else there is no route and the serving core resolves the newest version as before.
 
@@ -19,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +36,12 @@ from slipstream.serving.model import ModelVersion
 from slipstream.serving.rollout_analysis import Verdict, VersionWindow, Window, judge
 from slipstream.serving.rollout_split import Split, Splitter
 from slipstream.serving.rollout_state import RolloutPlan, RolloutState
+from slipstream.serving.rollout_store import FileStore, RolloutStore, StoreError
 from slipstream.serving.shadow import ShadowMirror
 from slipstream.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "rollout.json"
 _DEFAULT_STICKY_KEY = "route_key"
 # Copies a rollout's shadow queue holds (config.yaml's shadow.queue for static shadows).
 _ROLLOUT_SHADOW_QUEUE = 256
@@ -90,8 +89,10 @@ class Rollouts:
         models: ModelManager,
         metrics: RolloutMetrics,
         run: RunRequest,
+        store: RolloutStore | None = None,
     ) -> None:
         self._repository = repository
+        self._store = store or FileStore(repository)
         self._models = models
         self._metrics = metrics
         self._run = run
@@ -177,13 +178,18 @@ class Rollouts:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Read the rollouts persisted in the repository; resume the running ones."""
-        for path in sorted(self._repository.glob(f"*/{STATE_FILE}")):
-            name = path.parent.name
+        """Read the persisted rollouts; resume the running ones."""
+        try:
+            documents = self._store.load_all()
+        except StoreError as exc:
+            logger.error("rollouts: %s; starting without them", exc)
+            documents = {}
+        for name, document in documents.items():
             try:
-                state = RolloutState.from_json(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                logger.error("model %s: ignoring %s, which cannot be read: %s", name, path, exc)
+                state = RolloutState.from_json(document)
+            except (ValueError, KeyError, TypeError) as exc:
+                logger.error("model %s: ignoring its persisted rollout, which cannot be read: "
+                             "%s", name, exc)  # fmt: skip
                 continue
             self._states[name] = state
             logger.info("model %s: rollout of version %s is %s at step %d (%g%%)", name,
@@ -301,14 +307,12 @@ class Rollouts:
         self.route(name)  # metrics show the new weights at once
 
     def _save(self, name: str, state: RolloutState) -> None:
-        """Write the state atomically: a crash leaves the old file or the new one."""
-        path = self._repository / name / STATE_FILE
-        temporary = path.with_name(f".{STATE_FILE}.tmp")
-        with temporary.open("w") as file:
-            json.dump(state.to_json(), file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
+        """Persist the state (see serving/rollout_store.py); a failure is logged and the
+        rollout goes on in memory, to be lost with the process."""
+        try:
+            self._store.save(name, state.to_json())
+        except StoreError as exc:
+            logger.error("model %s: the rollout's state is not persisted: %s", name, exc)
 
     # -- analysis ------------------------------------------------------------------------
 
