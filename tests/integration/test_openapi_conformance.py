@@ -106,6 +106,11 @@ MODEL_DEPENDENT = (
 CONTENT_DEPENDENT = (
     "does not compile", "set one constraint", "needs tools", "no tool named",
     "only allowed when", "not supported together with", "cannot be combined with",
+    # A rollout's plan: steps in increasing order, a candidate that is loaded, a baseline
+    # other than it, no rollout active already, an action its state allows.
+    "expected increasing percentages", "is not loaded", "is not a loaded version",
+    "promote or abort it first", "cannot pause", "cannot resume", "cannot promote",
+    "cannot abort", "are both version",
 )  # fmt: skip
 
 

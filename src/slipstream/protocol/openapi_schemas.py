@@ -465,20 +465,31 @@ def _rollout_schemas() -> dict[str, Any]:
     return {
         "RolloutAction": {
             "type": "object",
+            "description": "start: the plan's fields beside the action (steps increasing, "
+            "the baseline another loaded version than the candidate, the candidate loaded, "
+            "no other rollout active); pause, resume, promote, abort: the action alone, "
+            "possible in the states the status names",
             "properties": {
                 "action": {"enum": ["start", "pause", "resume", "promote", "abort"]},
                 "candidate": version,
-                "baseline": version,
-                "steps": {"type": "array", "items": {"type": "number"}},
-                "interval_s": {"type": "number"},
-                "failure_limit": {"type": "integer"},
-                "min_requests": {"type": "integer"},
-                "max_error_rate_increase": {"type": "number"},
-                "max_p99_ratio": {"type": "number"},
-                "min_agreement": {"type": "number"},
-                "shadow_share": {"type": "number"},
+                "baseline": {"type": "string", "pattern": "^([1-9][0-9]{0,17})?$"},
+                "steps": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+                },
+                "interval_s": {"type": "number", "exclusiveMinimum": 0},
+                "failure_limit": {"type": "integer", "minimum": 1},
+                "min_requests": {"type": "integer", "minimum": 1},
+                "max_error_rate_increase": {"type": "number", "minimum": 0, "maximum": 1},
+                "max_p99_ratio": {"type": "number", "exclusiveMinimum": 0},
+                "min_agreement": {"type": "number", "minimum": 0, "maximum": 1},
+                "shadow_share": {"type": "number", "minimum": 0, "maximum": 1},
             },
             "required": ["action"],
+            "if": {"properties": {"action": {"const": "start"}}},
+            "then": {"required": ["candidate"]},
+            "additionalProperties": False,
         },
         "RolloutStatus": {
             "type": "object",
