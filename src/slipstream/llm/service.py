@@ -129,6 +129,7 @@ class LlmModels(GenerationService):
             )  # fmt: skip
             self._asleep.pop(name, None)
             self._failed_wakes.pop(name, None)
+            self._seen.pop(name, None)  # a fresh load starts the idle clock again
             previous = self._engines.get(name)
             self._engines[name] = engine
             self._versions[name] = version

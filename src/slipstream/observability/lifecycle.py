@@ -32,17 +32,15 @@ class LifecycleMetrics(Collector):
 
     def loaded(self, model: str, seconds: float, ok: bool) -> None:
         """One version's load attempt finished."""
-        if model not in self.load_waits:
-            # Every series of the model from its first load on, so rate() works at once.
+        histogram = self._durations.get(model)
+        if histogram is None:  # its first load: every series of it from now on (rate())
+            histogram = self._durations[model] = Histogram(_LOAD_BUCKETS_S)
             for outcome in ("ready", "failed"):
                 self.loads[model, outcome] += 0
             for reason in UNLOAD_REASONS:
                 self.unloads[model, reason] += 0
             self.load_waits[model] += 0
         self.loads[model, "ready" if ok else "failed"] += 1
-        histogram = self._durations.get(model)
-        if histogram is None:
-            histogram = self._durations[model] = Histogram(_LOAD_BUCKETS_S)
         histogram.observe(seconds)
 
     def collect(self) -> Iterator[Metric]:

@@ -213,9 +213,7 @@ class ModelServer(InferenceService):
         if route is not None:
             return await self._infer_routed(route, request)
         try:
-            model = self.models.resolve(request.model_name, request.model_version)
-        except ModelAsleep:
-            model = await self._wake(request)
+            model = await self._resolve(request, request.model_version)
         except Unavailable:
             self._refuse_generative(request.model_name)
             raise
@@ -226,16 +224,18 @@ class ModelServer(InferenceService):
             return await self._infer_cached(model, request, self._cache)
         return await self._run(model, request)
 
-    async def _wake(self, request: InferRequest, version: str | None = None) -> ModelVersion:
-        """Load the request's idle-unloaded model again and route the request to it (to
-        ``version`` when a rollout chose one); it waits up to --load-wait-s (or its own
-        timeout, when shorter)."""
-        wait_s = self.settings.load_wait_s
-        if request.timeout_us:
-            wait_s = min(wait_s, request.timeout_us / 1e6)
-        await self.models.wake(request.model_name, wait_s)
-        chosen = request.model_version if version is None else version
-        return self.models.resolve(request.model_name, chosen)
+    async def _resolve(self, request: InferRequest, version: str) -> ModelVersion:
+        """The loaded ``version`` of the request's model ("" : the default one). A model
+        unloaded for being idle is loaded again first, the request waiting up to
+        --load-wait-s (or its own timeout, when shorter)."""
+        try:
+            return self.models.resolve(request.model_name, version)
+        except ModelAsleep:
+            wait_s = self.settings.load_wait_s
+            if request.timeout_us:
+                wait_s = min(wait_s, request.timeout_us / 1e6)
+            await self.models.wake(request.model_name, wait_s)
+            return self.models.resolve(request.model_name, version)
 
     def check(self, request: InferRequest) -> None:
         if self._stopping:
@@ -252,11 +252,7 @@ class ModelServer(InferenceService):
     async def _infer_routed(self, route: Route, request: InferRequest) -> InferResponse:
         """Run on the version the model's route picks; record the outcome in a running
         rollout's window; offer the answer to the route's shadow."""
-        version = route.choose(request)
-        try:
-            model = self.models.resolve(request.model_name, version)
-        except ModelAsleep:
-            model = await self._wake(request, version)
+        model = await self._resolve(request, route.choose(request))
         window = route.window
         started_ns = time.perf_counter_ns()
         try:

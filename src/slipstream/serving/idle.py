@@ -32,8 +32,9 @@ class IdleWatcher:
     def __init__(self, manager: ModelManager, default_s: float) -> None:
         self._manager = manager
         self._default_s = default_s
-        # Model -> (its activity count when it last changed, and when that was).
-        self._seen: dict[str, tuple[int, float]] = {}
+        # Model -> (its activity count when it last changed, when that was, and the
+        # version it was counted on: a reload starts the idle clock again).
+        self._seen: dict[str, tuple[int, float, ModelVersion]] = {}
 
     def delay_s(self, versions: list[ModelVersion]) -> float:
         """The model's idle delay (0: never unloaded), from its config or the default."""
@@ -70,8 +71,8 @@ class IdleWatcher:
             activity = sum(_activity(model) for model in versions)
             busy = any(model.batcher.num_pending for model in versions)
             seen = self._seen.get(name)
-            if seen is None or seen[0] != activity or busy:
-                self._seen[name] = (activity, now)
+            if seen is None or seen[0] != activity or busy or seen[2] is not versions[0]:
+                self._seen[name] = (activity, now, versions[0])
                 continue
             if now - seen[1] >= delay and await self._manager.sleep(name):
                 del self._seen[name]
