@@ -84,18 +84,18 @@ def redis_client(url: str) -> Any:
                           retry=Retry(NoBackoff(), 0))  # fmt: skip
 
 
-# (bucket, "interval capacity cost force") -> the futures of the checks waiting on it.
-_Entries = dict[tuple[str, str], list["asyncio.Future[Verdict]"]]
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _Shape:
-    """One kind of check, formatted once."""
+    """One kind of check, formatted once (one object per kind: compared by identity)."""
 
     text: str  # the script's "interval capacity cost force"
     wait_offset_us: float  # a refused check's wait: its reset time plus this
     lease: int  # tokens asked for beyond the checks at hand (0: no lease)
     lease_s: float  # how long leased tokens may be spent
+
+
+# (bucket, shape) -> the futures of the checks waiting on it.
+_Entries = dict[tuple[str, _Shape], list["asyncio.Future[Verdict]"]]
 
 
 class _Lease:
@@ -119,8 +119,6 @@ class RedisStore(LimitStore):
         self._busy = False
         # (rate, burst, cost, force) -> the entry's arguments, formatted once.
         self._shapes: dict[tuple[float, int, int, bool], _Shape] = {}
-        # "interval capacity cost force" -> its shape, for the replies.
-        self._by_text: dict[str, _Shape] = {}
         # Prefixed bucket -> tokens Redis granted this process ahead of its requests.
         self._leases: dict[str, _Lease] = {}
 
@@ -149,7 +147,7 @@ class RedisStore(LimitStore):
             if cost == 1 and not force:
                 lease = min(burst, math.floor(rate_per_s * LEASE_S))
                 lease = lease if lease > 1 else 0
-            shape = self._shapes[key] = self._by_text[text] = _Shape(
+            shape = self._shapes[key] = _Shape(
                 text, cost * interval_us - capacity_us, lease, lease * interval_us / 1e6
             )
         return shape
@@ -162,9 +160,9 @@ class RedisStore(LimitStore):
         shape = self._shape(rate_per_s, burst, cost, force)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Verdict] = loop.create_future()
-        waiting = self._pending.get((_PREFIX + bucket, shape.text))
+        waiting = self._pending.get((_PREFIX + bucket, shape))
         if waiting is None:
-            self._pending[_PREFIX + bucket, shape.text] = [future]
+            self._pending[_PREFIX + bucket, shape] = [future]
         else:
             waiting.append(future)
         if not self._busy:
@@ -220,8 +218,8 @@ class RedisStore(LimitStore):
             replies = await self._script(
                 keys=[bucket for bucket, _ in batch],
                 args=[
-                    f"{text} {len(futures) + self._by_text[text].lease}"
-                    for (_, text), futures in batch.items()
+                    f"{shape.text} {len(futures) + shape.lease}"
+                    for (_, shape), futures in batch.items()
                 ],
             )
             if len(replies) != 2 * len(batch):
@@ -234,10 +232,9 @@ class RedisStore(LimitStore):
             _fail(batch, StoreUnavailable(f"the call was stopped: {exc!r}"))
             raise
         self._down_until = 0.0
-        for index, ((bucket, text), futures) in enumerate(batch.items()):
+        for index, ((bucket, shape), futures) in enumerate(batch.items()):
             admitted, reset_us = replies[2 * index], replies[2 * index + 1]
             if admitted > len(futures):
-                shape = self._by_text[text]
                 self._leases[bucket] = _Lease(
                     admitted - len(futures), time.monotonic() + shape.lease_s
                 )
