@@ -174,6 +174,7 @@ def main() -> None:
     default="info",
     help=_help("log_level"),
 )
+@click.option("--frontends", type=int, default=0, help=_help("frontends"))
 def serve(**options: Any) -> None:
     """Serve every model of a repository over V2 HTTP and gRPC.
 
@@ -201,7 +202,10 @@ def serve(**options: Any) -> None:
         from slipstream.rayserve.app import run as run_on_ray
 
         sys.exit(run_on_ray(settings))
-    from slipstream.server.runner import serve as run_server
+    if settings.frontends:
+        from slipstream.server.split import serve_split as run_server
+    else:
+        from slipstream.server.runner import serve as run_server
 
     try:
         import uvloop

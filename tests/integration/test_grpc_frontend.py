@@ -30,6 +30,7 @@ from slipstream.types import (
     ModelMetadata,
     RepositoryEntry,
     ServerMetadata,
+    SharedMemoryRegionStatus,
     TensorMetadata,
 )
 from tests.models import build_add_sub
@@ -101,17 +102,17 @@ class FakeService(InferenceService):
     def is_live(self) -> bool:
         return True
 
-    def is_ready(self) -> bool:
+    async def is_ready(self) -> bool:
         return True
 
-    def server_metadata(self) -> ServerMetadata:
+    async def server_metadata(self) -> ServerMetadata:
         return ServerMetadata(name="slipstream", version="0.1.0", extensions=["statistics"])
 
-    def model_ready(self, name: str, version: str = "") -> bool:
+    async def model_ready(self, name: str, version: str = "") -> bool:
         model = self.models.get(name)
         return model is not None and model.loaded
 
-    def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
+    async def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         config = self._model(name).config
         batch = [-1] if config.max_batch_size else []
 
@@ -126,7 +127,7 @@ class FakeService(InferenceService):
             outputs=tensors(config.output),
         )
 
-    def model_config(self, name: str, version: str = "") -> ModelConfig:
+    async def model_config(self, name: str, version: str = "") -> ModelConfig:
         return self._model(name).config
 
     async def infer(self, request: InferRequest) -> InferResponse:
@@ -159,12 +160,12 @@ class FakeService(InferenceService):
             model_name=request.model_name, model_version="1", outputs=outputs, id=request.id
         )
 
-    def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
+    async def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
         if name:
             return [self._model(name).stats]
         return [m.stats for m in self.models.values() if m.loaded]
 
-    def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
+    async def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
         return [
             RepositoryEntry(name, "1" if m.loaded else "", "READY" if m.loaded else "", "")
             for name, m in self.models.items()
@@ -176,6 +177,15 @@ class FakeService(InferenceService):
 
     async def unload_model(self, name: str) -> None:
         self._model(name, loaded=False).loaded = False
+
+    async def region_status(self, name: str = "") -> list[SharedMemoryRegionStatus]:
+        return []
+
+    async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        raise InvalidRequest("no shared memory here")
+
+    async def unregister_region(self, name: str = "") -> None:
+        return None
 
 
 @dataclass

@@ -126,7 +126,7 @@ class IdleMachine(RuleBasedStateMachine):
 
     @invariant()
     def matches_the_model(self) -> None:
-        index = {e.name: (e.state, e.reason) for e in self.server.repository_index()}
+        index = {e.name: (e.state, e.reason) for e in self.server.index_now()}
         for model in MODELS:
             loaded = bool(self.server.models.loaded_versions(model))
             assert loaded != self.asleep[model], (model, index[model], self.asleep)

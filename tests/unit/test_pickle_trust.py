@@ -47,7 +47,7 @@ async def test_a_pickle_is_refused_unless_its_config_opts_in(
         assert "model.joblib is a pickle (sklearn backend)" in message
         assert "`trust_pickle: true` to untrusted/config.yaml" in message
         assert "--trust-pickle" in message and "skl2onnx" in message
-        assert not server.model_ready("untrusted")
+        assert not await server.model_ready("untrusted")
         assert "loading the pickle" not in caplog.text
 
         await server.load_model("trusted")
@@ -65,7 +65,7 @@ async def test_the_server_flag_trusts_every_model(tmp_path: Path) -> None:
     await server.start()
     try:
         await server.load_model("untrusted")
-        assert server.model_ready("untrusted")
+        assert await server.model_ready("untrusted")
     finally:
         await server.stop()
     # The flag is the server's setting: a server started without it refuses again.

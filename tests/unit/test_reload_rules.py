@@ -185,7 +185,7 @@ async def served(server: ModelServer) -> tuple[str, float]:
 
 
 def index(server: ModelServer) -> dict[tuple[str, str], str]:
-    return {(e.version, e.state): e.reason for e in server.repository_index() if e.name == "scale"}
+    return {(e.version, e.state): e.reason for e in server.index_now() if e.name == "scale"}
 
 
 def failed_loads(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -221,7 +221,7 @@ async def test_a_failed_reload_keeps_the_serving_version(
     (failed,) = [(key, why) for key, why in entries.items() if key[1] == "UNAVAILABLE"]
     assert reason in failed[1]
     # The model is as ready as before: strict readiness does not take the server out.
-    assert explicit.model_ready("scale") and explicit.is_ready()
+    assert await explicit.model_ready("scale") and await explicit.is_ready()
 
 
 async def test_a_signature_change_is_refused_until_the_model_is_unloaded(
@@ -286,7 +286,7 @@ async def test_load_and_unload_in_flight_together_end_as_the_last_call_says(
 ) -> None:
     write_scale_model(repo / "scale" / "2" / "model.onnx", factor=3.0)
     await asyncio.gather(explicit.load_model("scale"), explicit.unload_model("scale"))
-    assert not explicit.model_ready("scale")
+    assert not await explicit.model_ready("scale")
     assert index(explicit) == {("", ""): ""}  # in the repository, not loaded
     await asyncio.gather(explicit.unload_model("scale"), explicit.load_model("scale"))
     assert await served(explicit) == ("2", 3.0)

@@ -146,10 +146,10 @@ async def test_bad_models_fail_alone(repository: Path) -> None:
             await server.infer(request("scale", x, "1"))
         with pytest.raises(Unavailable, match="max_batch_size"):
             await server.infer(request("broken", x))
-        index = {(e.name, e.state): e.reason for e in server.repository_index()}
+        index = {(e.name, e.state): e.reason for e in await server.repository_index()}
         assert "max_batch_size" in index[("broken", "UNAVAILABLE")]
         assert "version directory" in index[("empty", "UNAVAILABLE")]
-        assert server.is_live() and not server.is_ready()  # strict readiness, as Triton
+        assert server.is_live() and not await server.is_ready()  # strict readiness, as Triton
     finally:
         await server.stop()
 
@@ -189,11 +189,11 @@ async def test_explicit_mode_loads_and_unloads_on_request(repository: Path) -> N
     server = ModelServer(settings)
     await server.start()
     try:
-        assert not server.model_ready("scale")
+        assert not await server.model_ready("scale")
         await server.load_model("scale")
-        assert server.model_ready("scale") and server.model_ready("scale", "2")
+        assert await server.model_ready("scale") and await server.model_ready("scale", "2")
         await server.unload_model("scale")
-        assert not server.model_ready("scale")
+        assert not await server.model_ready("scale")
         with pytest.raises(InvalidRequest, match="max_batch_size"):
             await server.load_model("broken")
         with pytest.raises(ModelNotFound):
@@ -220,7 +220,7 @@ async def test_poll_picks_up_new_and_removed_models(repository: Path) -> None:
         write_scale_model(repository / "fresh" / "1" / "model.onnx", factor=5.0)
         # The first poll sees new files, the second sees them unchanged and loads them.
         await server.models.poll_once()
-        assert not server.model_ready("fresh")
+        assert not await server.model_ready("fresh")
         await server.models.poll_once()
         out = await server.infer(request("fresh", np.ones((1, 3), np.float32)))
         np.testing.assert_allclose(out.outputs["y"], 5.0)
@@ -233,6 +233,6 @@ async def test_poll_picks_up_new_and_removed_models(repository: Path) -> None:
             path.unlink() if path.is_file() else path.rmdir()
         (repository / "fresh").rmdir()
         await server.models.poll_once()
-        assert not server.model_ready("fresh")
+        assert not await server.model_ready("fresh")
     finally:
         await server.stop()

@@ -413,6 +413,15 @@ class ServerSettings(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Logging level; debug logs every request with its id."
     )
+    frontends: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="0: one process serves everything (fastest for small CPU models on few "
+        "cores). N: N front-end processes (HTTP, gRPC, OpenAI; sharing the ports) in front "
+        "of one engine process that runs the models, so decoding and gRPC scale past one "
+        "core and the models never wait for the front ends' GIL.",
+    )
 
     auth_file: Path | None = Field(
         None,

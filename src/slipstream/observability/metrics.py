@@ -114,7 +114,11 @@ class TransportMetrics:
 class ServerMetrics:
     """Every model version's metrics, exposed through one registry."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, with_transport: bool = True
+    ) -> None:
+        """``with_transport``: export the HTTP transport's series (not in an engine
+        process, which has no HTTP server: its front ends export theirs)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self._models: dict[tuple[str, str], ModelMetrics] = {}
         self.transport = TransportMetrics()
@@ -123,7 +127,8 @@ class ServerMetrics:
         self.cache_enabled = False
         self.registry.register(_Collector(self._models))
         self.registry.register(_CacheCollector(self))
-        self.registry.register(_TransportCollector(self.transport))
+        if with_transport:
+            self.registry.register(_TransportCollector(self.transport))
 
     def models(self) -> list[ModelMetrics]:
         """The versions exposed now."""

@@ -15,51 +15,22 @@ replica that stopped reporting drop out after ``STALE_AFTER_S``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Metric, generate_latest
+from slipstream.observability import merge
+from slipstream.observability.merge import Family, snapshot
+
+__all__ = ["BOARD_NAME", "MetricsBoard", "board_actor", "merged_text", "snapshot"]
 
 BOARD_NAME = "slipstream-metrics"
 BOARD_NAMESPACE = "slipstream"
 PUSH_INTERVAL_S = 2.0
 STALE_AFTER_S = 3 * PUSH_INTERVAL_S
 
-# One metric family as plain data (picklable): name, type, help, samples of
-# (sample name, labels, value).
-Family = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
-
-
-def snapshot(registry: CollectorRegistry) -> list[Family]:
-    """Every family of ``registry`` now, as plain data."""
-    return [
-        (family.name, family.type, family.documentation,
-         [(s.name, dict(s.labels), float(s.value)) for s in family.samples])
-        for family in registry.collect()
-    ]  # fmt: skip
-
 
 def merged_text(reports: dict[str, list[Family]]) -> bytes:
     """The Prometheus text of every replica's snapshot, a ``replica`` label on each series."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged(reports))
-    return generate_latest(registry)
-
-
-class _Merged:
-    def __init__(self, reports: dict[str, list[Family]]) -> None:
-        self._reports = reports
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for replica, report in sorted(self._reports.items()):
-            for name, kind, documentation, samples in report:
-                family = families.get(name)
-                if family is None:
-                    family = families[name] = Metric(name, documentation, kind)
-                for sample, labels, value in samples:
-                    family.add_sample(sample, {**labels, "replica": replica}, value)
-        yield from families.values()
+    return merge.merged_text(reports, "replica")
 
 
 class MetricsBoard:

@@ -96,13 +96,17 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
-    async def start(self, host: str, port: int, ssl: SSLContext | None = None) -> int:
+    async def start(
+        self, host: str, port: int, ssl: SSLContext | None = None, reuse_port: bool = False
+    ) -> int:
         """Bind and listen (HTTPS with ``ssl``); returns the bound port (for port 0).
-        OSError if it cannot."""
+        ``reuse_port``: share the port with other processes (SO_REUSEPORT; the kernel
+        spreads new connections over them). OSError if it cannot."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Connection(self), host, port, backlog=4096, reuse_address=True, ssl=ssl
-        )
+            lambda: _Connection(self), host, port, backlog=4096, reuse_address=True, ssl=ssl,
+            reuse_port=reuse_port or None,
+        )  # fmt: skip
         self._sweep()
         return int(self._server.sockets[0].getsockname()[1])
 

@@ -86,7 +86,7 @@ class JobRoutes:
                 "shared_memory_region: a job runs later, on another host: send its tensors "
                 "in the request, not in a shared-memory region"
             )
-        self._service.check(request)
+        await self._service.check(request)
         body, header_length = encode_stored_request(request)
         submitted = await queue.submit(job_id, model, version, body, header_length)
         status = await queue.status(submitted.job_id)

@@ -76,13 +76,13 @@ class OpenAIApp:
         route = request.path.rstrip("/")
         if request.method in ("GET", "HEAD"):
             if route == "/v1/models":
-                listed = self._model_list()
+                listed = await self._model_list()
                 if request.models is not None:  # only what the caller's key may use
                     listed = [entry for entry in listed if entry[0] in request.models]
                 return HttpResponse(200, openai.models_list(listed))
             if route.startswith("/v1/models/"):
                 name = path_model_name(route.removeprefix("/v1/models/"))
-                for entry, created in self._model_list():
+                for entry, created in await self._model_list():
                     if entry == name:
                         return HttpResponse(200, openai.model_card(name, created))
                 raise ModelNotFound(f"model: {name!r} is not served here")
@@ -101,11 +101,11 @@ class OpenAIApp:
                 return await respond(self._llm, request.body, time.perf_counter())
         raise no_route(request.method, request.path)
 
-    def _model_list(self) -> list[tuple[str, int]]:
+    async def _model_list(self) -> list[tuple[str, int]]:
         models = dict(self._llm.models())
         started = int(time.time())
-        for entry in self._service.repository_index(ready_only=True):
-            if entry.name not in models and self._embedder.is_embedding_model(entry.name):
+        for entry in await self._service.repository_index(ready_only=True):
+            if entry.name not in models and await self._embedder.is_embedding_model(entry.name):
                 models[entry.name] = started
         return sorted(models.items())
 

@@ -12,9 +12,10 @@ import logging
 import signal
 import ssl
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -34,10 +35,14 @@ from slipstream.security.metrics import FrontDoorMetrics
 from slipstream.server.front_door import HttpFrontDoor
 from slipstream.server.httpd import HttpLimits, HttpServer
 from slipstream.server.openai_rest import OpenAIApp
-from slipstream.server.router import Router
+from slipstream.server.router import Handler, Router
 from slipstream.server.state_metrics import ModelStateCollector
 from slipstream.server.v2_rest import V2RestApp
 from slipstream.serving.core import ModelServer
+from slipstream.serving.service import InferenceService
+
+if TYPE_CHECKING:
+    from slipstream.jobs.queue import JobQueue
 
 logger = logging.getLogger(__name__)
 
@@ -49,29 +54,86 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 _SPARE_FILES = 1024
 
 
-def stop_on_signals(stop: asyncio.Event | None) -> asyncio.Event:
-    """``stop`` (a new event when None), set by SIGTERM or SIGINT; the GIL switch interval
-    a serving process wants set too."""
+def stop_on_signals(
+    stop: asyncio.Event | None, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+) -> asyncio.Event:
+    """``stop`` (a new event when None), set by SIGTERM or SIGINT (or ``signals``); the
+    GIL switch interval a serving process wants set too."""
     stop = stop or asyncio.Event()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     return stop
 
 
 async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> int:
-    """Serve until ``stop`` is set or a termination signal arrives; return the exit code."""
+    """Serve in this process until ``stop`` is set or a termination signal arrives;
+    return the exit code. (``--frontends N``: ``server/split.py`` instead.)"""
     TRACE.mark("imported")
     stop = stop_on_signals(stop)
 
-    _raise_open_files_limit(settings.max_connections)
+    raise_open_files_limit(settings.max_connections)
+    core = build_core(settings)
+    service, metrics, monitors = core.service, core.metrics, core.monitors
+    try:
+        door = front_door_parts(settings, metrics.registry)
+        tls = TlsSetup.of(settings)
+    except (KeysFileError, OSError, ssl.SSLError) as exc:
+        logger.error("%s", exc)
+        return 1
+    jobs = job_queue(settings)
+    openai_app = OpenAIApp(
+        core.generation, service, settings.model_repository, cache=service.response_cache
+    )
+
+    async def drift(model: str, version: str) -> dict[str, Any]:
+        return monitors.report(model, version)
+
+    try:
+        fronts = await start_front_ends(
+            settings, service, metrics, openai_app.handle, door, tls, jobs, drift=drift
+        )
+    except OSError as exc:
+        logger.error("%s", exc)
+        return 1
+
+    background = background_tasks(settings, core, door)
+    # Models load while the servers already answer health/live (ready comes after).
+    start_task = asyncio.create_task(service.start())
+    stop_task = asyncio.create_task(stop.wait())
+    exit_code = await run_until_stopped(start_task, stop_task, settings)
+    logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
+                settings.shutdown_timeout_s)  # fmt: skip
+    for task in (start_task, stop_task, *background):
+        task.cancel()
+    await fronts.shutdown(settings.shutdown_timeout_s)
+    await service.stop()
+    await close_parts(jobs, door)
+    logger.info("shutdown complete")
+    return exit_code
+
+
+@dataclass(frozen=True, slots=True)
+class Core:
+    """The serving core and what is built with it: the process that runs the models."""
+
+    service: ModelServer
+    metrics: ServerMetrics
+    # The generative models (the LLM lane), served by the OpenAI routes.
+    generation: LlmModels
+    # Drift monitors of the versions whose config enables them, fed after each response.
+    monitors: DriftMonitors
+
+
+def build_core(settings: ServerSettings, with_transport: bool = True) -> Core:
+    """The serving core, the LLM lane and their metrics in one registry.
+    ``with_transport``: also the HTTP transport's series (not in an engine process)."""
     # No *_created series beside prometheus_client's counters and histograms (the LLM
     # lane's): in the text format each is a family of its own that nothing plots.
     disable_created_metrics()  # type: ignore[no-untyped-call]
-    metrics = ServerMetrics()
-    # Generative models (backend: transformers), served by the OpenAI routes.
+    metrics = ServerMetrics(with_transport=with_transport)
     # Loads and unloads of both lanes' models, counted in one place.
     lifecycle = LifecycleMetrics()
     metrics.registry.register(lifecycle)
@@ -79,50 +141,70 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
         settings.model_repository, metrics.registry, settings.idle_unload_seconds,
         settings.load_wait_s, lifecycle,
     )  # fmt: skip
-    # Drift monitors of the versions whose config enables them, fed after each response.
     monitors = DriftMonitors()
     metrics.registry.register(monitors)
     service = ModelServer(settings, metrics, lanes=[generation], tap_factory=monitors.tap_for,
                           lifecycle=lifecycle)  # fmt: skip
     metrics.registry.register(ModelStateCollector(service))
-    try:
-        door = front_door_parts(settings, metrics.registry)
-        tls = TlsSetup.of(settings)
-    except (KeysFileError, OSError, ssl.SSLError) as exc:
-        logger.error("%s", exc)
-        return 1
-    jobs = None
-    if settings.jobs_redis:
-        from slipstream.jobs.queue import JobQueue
+    return Core(service, metrics, generation, monitors)
 
-        jobs = JobQueue(settings.jobs_redis, settings.jobs_max_pending)
-    http_server = None
-    if settings.http_port:
-        openai_app = OpenAIApp(
-            generation, service, settings.model_repository, cache=service.response_cache
+
+@dataclass(slots=True)
+class FrontEnds:
+    """The HTTP and gRPC servers of one process (either may be off)."""
+
+    http: HttpServer | None = None
+    grpc: Any = None  # grpc.aio.Server
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Stop accepting; let in-flight requests finish, up to ``timeout_s``."""
+        await asyncio.gather(
+            *([self.http.shutdown(timeout_s)] if self.http else []),
+            *([self.grpc.stop(grace=timeout_s)] if self.grpc else []),
         )
-        v2_app = V2RestApp(service, metrics, drift=monitors.report, jobs=jobs)
-        router = Router(fallback=v2_app.handle, routes=[("/v1/", openai_app.handle)],
+
+
+async def start_front_ends(
+    settings: ServerSettings,
+    service: InferenceService,
+    metrics: ServerMetrics,
+    openai: Handler,
+    door: tuple[Gate | None, Limiter | None, bool] | None,
+    tls: TlsSetup,
+    jobs: JobQueue | None,
+    drift: Callable[[str, str], Awaitable[dict[str, Any]]] | None = None,
+    metrics_text: Callable[[], Awaitable[bytes]] | None = None,
+    reuse_port: bool = False,
+) -> FrontEnds:
+    """Start the HTTP (V2 and, under /v1/, ``openai``) and gRPC servers on ``service``.
+    ``reuse_port``: share the ports with the other front-end processes (SO_REUSEPORT).
+    OSError naming the port when one cannot be bound."""
+    fronts = FrontEnds()
+    if settings.http_port:
+        v2_app = V2RestApp(service, metrics, drift=drift, jobs=jobs, metrics_text=metrics_text)
+        router = Router(fallback=v2_app.handle, routes=[("/v1/", openai)],
                         middleware=[HttpFrontDoor(*door)] if door else [])  # fmt: skip
-        http_server = HttpServer(
+        fronts.http = HttpServer(
             router.handle, error_body=encode_error, limits=http_limits(settings),
             metrics=metrics.transport,
         )  # fmt: skip
         try:
-            await http_server.start(settings.host, settings.http_port, ssl=tls.http_context)
+            await fronts.http.start(
+                settings.host, settings.http_port, ssl=tls.http_context, reuse_port=reuse_port
+            )
         except OSError as exc:
-            logger.error("HTTP server could not bind %s:%d: %s; choose another with --http-port",
-                         settings.host, settings.http_port, exc)  # fmt: skip
-            return 1
+            raise OSError(
+                f"HTTP server could not bind {settings.host}:{settings.http_port}: {exc}; "
+                "choose another with --http-port"
+            ) from None
         logger.info("HTTP server listening on %s:%d", settings.host, settings.http_port)
         TRACE.mark("http_listening")
-    grpc_server = None
     if settings.grpc_port:
         from slipstream.server.grpc_front_door import GrpcFrontDoor
         from slipstream.server.v2_grpc import build_grpc_server
 
         try:
-            grpc_server, grpc_port = build_grpc_server(
+            fronts.grpc, grpc_port = build_grpc_server(
                 service,
                 settings.host,
                 settings.grpc_port,
@@ -130,40 +212,49 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
                 max_concurrent_streams=settings.grpc_max_concurrent_streams,
                 interceptors=[GrpcFrontDoor(*door)] if door else [],
                 credentials=tls.grpc_credentials,
+                reuse_port=reuse_port,
             )
-        except OSError as exc:
-            logger.error("%s", exc)
-            return 1
-        await grpc_server.start()
+        except OSError:
+            await fronts.shutdown(0)
+            raise
+        await fronts.grpc.start()
         logger.info("gRPC server listening on %s:%d", settings.host, grpc_port)
         TRACE.mark("grpc_listening")
+    return fronts
 
+
+def job_queue(settings: ServerSettings) -> JobQueue | None:
+    if not settings.jobs_redis:
+        return None
+    from slipstream.jobs.queue import JobQueue
+
+    return JobQueue(settings.jobs_redis, settings.jobs_max_pending)
+
+
+def background_tasks(
+    settings: ServerSettings,
+    core: Core | None,
+    door: tuple[Gate | None, Limiter | None, bool] | None,
+) -> list[asyncio.Task[None]]:
+    """The cost gauges' sampler (where the models run) and the keys file's watcher (where
+    requests arrive)."""
     background: list[asyncio.Task[None]] = []
-    if settings.price_per_hour is not None:
-        tracker = CostTracker(metrics, settings.price_per_hour, settings.cost_window_s)
-        metrics.registry.register(tracker)
+    if core is not None and settings.price_per_hour is not None:
+        tracker = CostTracker(core.metrics, settings.price_per_hour, settings.cost_window_s)
+        core.metrics.registry.register(tracker)
         background.append(asyncio.create_task(_sample_costs(tracker)))
     if door and door[0] is not None:
         background.append(asyncio.create_task(watch_keys(door[0])))
-    # Models load while the servers already answer health/live (ready comes after).
-    start_task = asyncio.create_task(service.start())
-    stop_task = asyncio.create_task(stop.wait())
-    exit_code = await _run_until_stopped(start_task, stop_task, settings)
-    logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
-                settings.shutdown_timeout_s)  # fmt: skip
-    for task in (start_task, stop_task, *background):
-        task.cancel()
-    await asyncio.gather(
-        *([http_server.shutdown(settings.shutdown_timeout_s)] if http_server else []),
-        *([grpc_server.stop(grace=settings.shutdown_timeout_s)] if grpc_server else []),
-    )
-    await service.stop()
+    return background
+
+
+async def close_parts(
+    jobs: JobQueue | None, door: tuple[Gate | None, Limiter | None, bool] | None
+) -> None:
     if jobs is not None:
         await jobs.close()
     if door and door[1] is not None:
         await door[1].store.close()
-    logger.info("shutdown complete")
-    return exit_code
 
 
 def _write_trace(path: Path) -> None:
@@ -236,7 +327,7 @@ class TlsSetup:
                    grpc_credentials(settings.tls_cert, settings.tls_key, ca))  # fmt: skip
 
 
-def _raise_open_files_limit(max_connections: int) -> None:
+def raise_open_files_limit(max_connections: int) -> None:
     """Let the process hold --max-connections sockets (plus model files, gRPC, ...).
 
     Many systems start processes with a soft limit of 1024 open files; past it, accepting
@@ -273,10 +364,14 @@ def http_limits(settings: ServerSettings) -> HttpLimits:
     )
 
 
-async def _run_until_stopped(
-    start_task: asyncio.Task[None], stop_task: asyncio.Task[bool], settings: ServerSettings
+async def run_until_stopped(
+    start_task: asyncio.Task[None],
+    stop_task: asyncio.Task[bool],
+    settings: ServerSettings,
+    on_ready: Callable[[], object] | None = None,
 ) -> int:
-    """Wait for a stop signal; 0 on a requested stop, 1 when model loading crashed."""
+    """Wait for a stop signal; 0 on a requested stop, 1 when model loading crashed.
+    ``on_ready`` is called once the models have started."""
     watched: set[asyncio.Task[Any]] = {start_task, stop_task}
     while True:
         done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
@@ -288,6 +383,8 @@ async def _run_until_stopped(
                 logger.error("model loading failed: %s", start_task.exception())
                 return 1
             TRACE.mark("ready")
+            if on_ready is not None:
+                on_ready()
             logger.info("Slipstream is ready: HTTP port %s, gRPC port %s",
                         settings.http_port or "off", settings.grpc_port or "off")  # fmt: skip
             logger.info("%s", TRACE.summary())

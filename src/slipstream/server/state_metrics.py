@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from slipstream.serving.service import InferenceService
+from slipstream.serving.core import ModelServer
 
 
 class ModelStateCollector(Collector):
-    def __init__(self, service: InferenceService) -> None:
+    def __init__(self, service: ModelServer) -> None:
         self._service = service
 
     def collect(self) -> Iterator[Metric]:
@@ -23,7 +23,7 @@ class ModelStateCollector(Collector):
             "loads it) (state says which)",
             labels=["model", "version", "state"],
         )
-        for entry in self._service.repository_index():
+        for entry in self._service.index_now():
             state = entry.state or "UNLOADED"
             if state == "UNAVAILABLE" and entry.reason == "idle":
                 state = "IDLE"

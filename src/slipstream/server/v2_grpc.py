@@ -67,6 +67,7 @@ def build_grpc_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
     credentials: grpc.ServerCredentials | None = None,
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
     """A gRPC server (not started) serving ``service``, and the port it bound.
 
@@ -75,7 +76,8 @@ def build_grpc_server(
     address cannot be bound. ``interceptors`` run before every RPC, in order: the gRPC
     side of the HTTP router's middleware (auth, rate limits, request ids). A message
     over ``max_message_bytes`` is refused with RESOURCE_EXHAUSTED. ``credentials``
-    (``grpc.ssl_server_credentials``) serve TLS.
+    (``grpc.ssl_server_credentials``) serve TLS. ``reuse_port``: share the port with
+    the other front-end processes of this server (SO_REUSEPORT).
     """
     frontend = _GrpcFrontend(service)
     server = grpc.aio.server(
@@ -86,8 +88,9 @@ def build_grpc_server(
             ("grpc.max_concurrent_streams", max_concurrent_streams),
             *_KEEPALIVE_OPTIONS,
             # gRPC sets SO_REUSEPORT by default, which lets a second server bind the
-            # same port silently and steal half the connections; fail loudly instead.
-            ("grpc.so_reuseport", 0),
+            # same port silently and steal half the connections; fail loudly instead,
+            # unless this server's own front-end processes share the port on purpose.
+            ("grpc.so_reuseport", int(reuse_port)),
         ],
     )
     server.add_generic_rpc_handlers(
@@ -159,21 +162,25 @@ class _GrpcFrontend:
         return pb.ServerLiveResponse(live=self._service.is_live())
 
     async def server_ready(self, request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self._service.is_ready())
+        return pb.ServerReadyResponse(ready=await self._service.is_ready())
 
     async def model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
         name = validate_model_name(request.name)
-        return pb.ModelReadyResponse(ready=self._service.model_ready(name, request.version))
+        return pb.ModelReadyResponse(ready=await self._service.model_ready(name, request.version))
 
     async def server_metadata(self, request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
-        return grpc_codec.encode_server_metadata(self._service.server_metadata())
+        return grpc_codec.encode_server_metadata(await self._service.server_metadata())
 
     async def model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
-        metadata = self._service.model_metadata(validate_model_name(request.name), request.version)
+        metadata = await self._service.model_metadata(
+            validate_model_name(request.name), request.version
+        )
         return grpc_codec.encode_model_metadata(metadata)
 
     async def model_config(self, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
-        config = self._service.model_config(validate_model_name(request.name), request.version)
+        config = await self._service.model_config(
+            validate_model_name(request.name), request.version
+        )
         return grpc_codec.encode_model_config(config)
 
     async def model_statistics(
@@ -181,7 +188,7 @@ class _GrpcFrontend:
     ) -> pb.ModelStatisticsResponse:
         # An empty name asks for every model.
         name = validate_model_name(request.name) if request.name else ""
-        stats = self._service.model_statistics(name, request.version)
+        stats = await self._service.model_statistics(name, request.version)
         return grpc_codec.encode_model_statistics(stats)
 
     # ------------------------------------------------------------ inference
@@ -255,7 +262,7 @@ class _GrpcFrontend:
         self, request: pb.RepositoryIndexRequest
     ) -> pb.RepositoryIndexResponse:
         _check_repository_name(request.repository_name)
-        entries = self._service.repository_index(ready_only=request.ready)
+        entries = await self._service.repository_index(ready_only=request.ready)
         return grpc_codec.encode_repository_index(entries)
 
     async def repository_model_load(
@@ -281,13 +288,13 @@ class _GrpcFrontend:
     async def system_shared_memory_status(
         self, request: pb.SystemSharedMemoryStatusRequest
     ) -> pb.SystemSharedMemoryStatusResponse:
-        return v2_shm.encode_status_grpc(self._service.shared_memory.status(request.name))
+        return v2_shm.encode_status_grpc(await self._service.region_status(request.name))
 
     async def system_shared_memory_register(
         self, request: pb.SystemSharedMemoryRegisterRequest
     ) -> pb.SystemSharedMemoryRegisterResponse:
         register = v2_shm.decode_register_grpc(request)
-        self._service.shared_memory.register(
+        await self._service.register_region(
             request.name, register.key, register.offset, register.byte_size
         )
         return pb.SystemSharedMemoryRegisterResponse()
@@ -295,7 +302,7 @@ class _GrpcFrontend:
     async def system_shared_memory_unregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest
     ) -> pb.SystemSharedMemoryUnregisterResponse:
-        self._service.shared_memory.unregister(request.name)
+        await self._service.unregister_region(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     # No CUDA regions exist here (see v2_rest): none listed, none to unregister.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -55,16 +55,23 @@ class V2RestApp:
         self,
         service: InferenceService,
         metrics: ServerMetrics,
-        drift: Callable[[str, str], dict[str, Any]] | None = None,
+        drift: Callable[[str, str], Awaitable[dict[str, Any]]] | None = None,
         jobs: JobQueue | None = None,
+        metrics_text: Callable[[], Awaitable[bytes]] | None = None,
     ) -> None:
         """``drift``: a version's drift report by (model, version), when monitoring runs;
-        ``jobs``: the asynchronous job stream (--jobs-redis), when there is one."""
+        ``jobs``: the asynchronous job stream (--jobs-redis), when there is one;
+        ``metrics_text``: what /metrics answers (default: ``metrics``' registry; the
+        split layout's front ends gather every process's)."""
         self._service = service
         self._jobs = JobRoutes(service, jobs)
         self._metrics = metrics
         self._drift = drift
         self._openapi: bytes | None = None  # built at the first GET /openapi.json
+        self._metrics_text = metrics_text or self._local_metrics
+
+    async def _local_metrics(self) -> bytes:
+        return generate_latest(self._metrics.registry)
 
     async def handle(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
         """Answer one request; a SlipstreamError becomes its status and {"error": ...}."""
@@ -92,12 +99,12 @@ class V2RestApp:
             if parts[1:2] == ["jobs"]:
                 return await self._jobs_route(method, parts[2:], request)
             if len(parts) >= 3 and parts[1] in _SHARED_MEMORY:
-                return self._shared_memory_route(method, parts[1:], request)
+                return await self._shared_memory_route(method, parts[1:], request)
             return await self._server_route(method, parts[1:], request)
         if parts == ["health"] and method in ("GET", "HEAD"):
             # vLLM's and llama-server's probe, which tools made for them (guidellm) ask
             # first: readiness, as /v2/health/ready.
-            if self._service.is_ready():
+            if await self._service.is_ready():
                 return HttpResponse(200, b'{"status":"ok"}')
             return HttpResponse(503, b'{"status":"not ready"}')
         if parts[0] == "dashboard" and len(parts) <= 2 and method in ("GET", "HEAD"):
@@ -108,7 +115,7 @@ class V2RestApp:
                 )
             return HttpResponse(200, found[0], found[1])
         if parts == ["metrics"] and method in ("GET", "HEAD"):
-            body = generate_latest(self._metrics.registry)
+            body = await self._metrics_text()
             return HttpResponse(200, body, CONTENT_TYPE_LATEST.encode())
         if parts == ["openapi.json"] and method in ("GET", "HEAD"):
             if self._openapi is None:
@@ -123,13 +130,13 @@ class V2RestApp:
         route = "/".join(parts)
         if method in ("GET", "HEAD"):
             if route == "":
-                return _json(v2_meta.server_metadata_json(service.server_metadata()))
+                return _json(v2_meta.server_metadata_json(await service.server_metadata()))
             if route == "health/live":
                 return _empty(200 if service.is_live() else 503)
             if route == "health/ready":
-                return _empty(200 if service.is_ready() else 503)
+                return _empty(200 if await service.is_ready() else 503)
             if route == "models/stats":
-                return _json(v2_meta.model_stats_json(service.model_statistics()))
+                return _json(v2_meta.model_stats_json(await service.model_statistics()))
         if method == "POST" and parts[:1] == ["repository"]:
             return await self._repository_route(parts[1:], request.body, request.models)
         raise no_route(method, f"/v2/{route}")
@@ -143,7 +150,7 @@ class V2RestApp:
             ready_only = options.get("ready", False)
             if type(ready_only) is not bool:
                 raise InvalidRequest(f"ready: expected true or false, got {ready_only!r}")
-            entries = service.repository_index(ready_only)
+            entries = await service.repository_index(ready_only)
             if visible is not None:  # only what the caller's key may use
                 entries = [entry for entry in entries if entry.name in visible]
             return _json(v2_meta.repository_index_json(entries))
@@ -176,7 +183,7 @@ class V2RestApp:
             return await self._jobs.status(unquote(parts[0], errors="replace"))
         raise no_route(method, request.path)
 
-    def _shared_memory_route(
+    async def _shared_memory_route(
         self, method: str, parts: list[str], request: HttpRequest
     ) -> HttpResponse:
         # parts: <kind>sharedmemory [region <name>] status|register|unregister
@@ -197,14 +204,14 @@ class V2RestApp:
             check_region_name(region)
         if parts[0] == "cudasharedmemory":
             return _cuda_shared_memory(action, region)
-        regions = self._service.shared_memory
+        service = self._service
         if action == "status":
-            return HttpResponse(200, v2_shm.status_json(regions.status(region)))
+            return HttpResponse(200, v2_shm.status_json(await service.region_status(region)))
         if action == "register":
             register = v2_shm.decode_register_json(request.body)
-            regions.register(region, register.key, register.offset, register.byte_size)
+            await service.register_region(region, register.key, register.offset, register.byte_size)
         else:
-            regions.unregister(region)
+            await service.unregister_region(region)
         return _empty(200)
 
     async def _model_route(
@@ -223,19 +230,21 @@ class V2RestApp:
             return _json(await service.rollout(name, body))
         if method in ("GET", "HEAD"):
             if action == "":
-                return _json(v2_meta.model_metadata_json(service.model_metadata(name, version)))
+                return _json(
+                    v2_meta.model_metadata_json(await service.model_metadata(name, version))
+                )
             if action == "ready":
-                return _empty(200 if service.model_ready(name, version) else 400)
+                return _empty(200 if await service.model_ready(name, version) else 400)
             if action == "config":
-                return _json(v2_meta.model_config_json(service.model_config(name, version)))
+                return _json(v2_meta.model_config_json(await service.model_config(name, version)))
             if action == "stats":
-                stats = service.model_statistics(name, version)
+                stats = await service.model_statistics(name, version)
                 return _json(v2_meta.model_stats_json(stats))
             if action == "drift":
-                service.model_metadata(name, version)  # 404 / 400 for an unknown one first
+                await service.model_metadata(name, version)  # 404 / 400 for an unknown one
                 if self._drift is None:
                     raise ModelNotFound("drift monitoring is not running in this server")
-                return _json(self._drift(name, version))
+                return _json(await self._drift(name, version))
         raise no_route(method, request.path)
 
     async def _infer(self, name: str, version: str, http: HttpRequest) -> HttpResponse:

@@ -39,6 +39,7 @@ from slipstream.types import (
     ModelMetadata,
     RepositoryEntry,
     ServerMetadata,
+    SharedMemoryRegionStatus,
 )
 
 logger = logging.getLogger(__name__)
@@ -148,17 +149,21 @@ class ModelServer(InferenceService):
     def is_live(self) -> bool:
         return not self._stopping
 
-    def is_ready(self) -> bool:
+    async def is_ready(self) -> bool:
+        return self.ready_now()
+
+    def ready_now(self) -> bool:
+        """``is_ready`` without a coroutine (this process's scrape-time collectors)."""
         if not self._started or self._stopping or self.models.pending_work():
             return False
         if not all(lane.is_ready() for lane in self._lanes):
             return False
         return not (self.settings.strict_readiness and self.models.has_failures())
 
-    def server_metadata(self) -> ServerMetadata:
+    async def server_metadata(self) -> ServerMetadata:
         return ServerMetadata("slipstream", __version__, list(EXTENSIONS))
 
-    def model_ready(self, name: str, version: str = "") -> bool:
+    async def model_ready(self, name: str, version: str = "") -> bool:
         """Loaded, or asleep (idle-unloaded) and able to load for its next request."""
         validate_model_name(name)  # a bad name is a 400, not "not ready"
         try:
@@ -169,13 +174,13 @@ class ModelServer(InferenceService):
             return False
         return True
 
-    def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
+    async def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         model = self._resolve_for_metadata(name, version)
         if isinstance(model, ModelVersion):
             return model.metadata(self.models.loaded_versions(name))
         return model[0]
 
-    def model_config(self, name: str, version: str = "") -> ModelConfig:
+    async def model_config(self, name: str, version: str = "") -> ModelConfig:
         model = self._resolve_for_metadata(name, version)
         return model.config if isinstance(model, ModelVersion) else model[1]
 
@@ -192,7 +197,7 @@ class ModelServer(InferenceService):
             # Metadata of a model that is not loaded is unknown: answer as Triton does.
             raise ModelNotFound(exc.message) from None
 
-    def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
+    async def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
         if name:
             if version:
                 model = self._resolve_for_metadata(name, version)
@@ -237,7 +242,7 @@ class ModelServer(InferenceService):
             await self.models.wake(request.model_name, wait_s)
             return self.models.resolve(request.model_name, version)
 
-    def check(self, request: InferRequest) -> None:
+    async def check(self, request: InferRequest) -> None:
         if self._stopping:
             raise Unavailable("server is shutting down", retry_after_s=1)
         try:
@@ -281,6 +286,17 @@ class ModelServer(InferenceService):
         if body is None:
             return self.rollouts.status(name)
         return await self.rollouts.act(name, body)
+
+    # -- shared-memory regions ------------------------------------------------------------
+
+    async def region_status(self, name: str = "") -> list[SharedMemoryRegionStatus]:
+        return self.shared_memory.status(name)
+
+    async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.shared_memory.register(name, key, offset, byte_size)
+
+    async def unregister_region(self, name: str = "") -> None:
+        self.shared_memory.unregister(name)
 
     async def _infer_cached(
         self, model: ModelVersion, request: InferRequest, cache: ResponseCache
@@ -364,7 +380,11 @@ class ModelServer(InferenceService):
 
     # -- repository ----------------------------------------------------------------------
 
-    def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
+    async def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
+        return self.index_now(ready_only)
+
+    def index_now(self, ready_only: bool = False) -> list[RepositoryEntry]:
+        """``repository_index`` without a coroutine (scrape-time collectors)."""
         entries = self.models.index(ready_only)
         for lane in self._lanes:
             entries.extend(lane.index(ready_only))

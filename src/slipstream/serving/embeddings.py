@@ -35,9 +35,9 @@ class Embedder:
         # (model, tokenizer file named in its config) -> the loaded tokenizer.
         self._tokenizers: dict[tuple[str, str], Any] = {}
 
-    def is_embedding_model(self, name: str) -> bool:
+    async def is_embedding_model(self, name: str) -> bool:
         try:
-            return bool(self._service.model_config(name).tokenizer)
+            return bool((await self._service.model_config(name)).tokenizer)
         except SlipstreamError:
             return False
 
@@ -54,7 +54,7 @@ class Embedder:
         ``max_request_tokens``. If one piece fails, or the caller is cancelled (the
         client went away), the other pieces are cancelled too.
         """
-        config = self._service.model_config(model)
+        config = await self._service.model_config(model)
         if not config.tokenizer:
             raise InvalidRequest(
                 f"model: {model!r} is not an embedding model (its config.yaml names no tokenizer)"

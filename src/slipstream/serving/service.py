@@ -14,13 +14,13 @@ from typing import Any, Protocol
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelNotFound
 from slipstream.observability.stats import ModelStats
-from slipstream.serving.shared_memory import SystemSharedMemory
 from slipstream.types import (
     InferRequest,
     InferResponse,
     ModelMetadata,
     RepositoryEntry,
     ServerMetadata,
+    SharedMemoryRegionStatus,
 )
 
 
@@ -53,50 +53,52 @@ class ModelLane(Protocol):
 
 
 class InferenceService(ABC):
-    """The serving core as the front ends see it."""
+    """The serving core as the front ends see it.
 
-    # The client shared-memory regions (Triton's systemsharedmemory extension): the
-    # front ends register, list and unregister them; ``infer`` reads and writes them.
-    shared_memory: SystemSharedMemory
+    Every method but ``is_live`` is a coroutine: the core may run in this process
+    (:class:`slipstream.serving.core.ModelServer`) or in an engine process behind
+    ZeroMQ (:class:`slipstream.engine.remote.RemoteInferenceService`), and the front
+    ends cannot tell which.
+    """
 
     @abstractmethod
     def is_live(self) -> bool:
         """The process is up and serving requests (V2 health/live)."""
 
     @abstractmethod
-    def is_ready(self) -> bool:
+    async def is_ready(self) -> bool:
         """Every model that should be loaded is READY (V2 health/ready)."""
 
     @abstractmethod
-    def server_metadata(self) -> ServerMetadata: ...
+    async def server_metadata(self) -> ServerMetadata: ...
 
     @abstractmethod
-    def model_ready(self, name: str, version: str = "") -> bool:
+    async def model_ready(self, name: str, version: str = "") -> bool:
         """False for unknown models as well as not-yet-ready ones."""
 
     @abstractmethod
-    def model_metadata(self, name: str, version: str = "") -> ModelMetadata: ...
+    async def model_metadata(self, name: str, version: str = "") -> ModelMetadata: ...
 
     @abstractmethod
-    def model_config(self, name: str, version: str = "") -> ModelConfig:
+    async def model_config(self, name: str, version: str = "") -> ModelConfig:
         """The completed config the model version runs with."""
 
     @abstractmethod
     async def infer(self, request: InferRequest) -> InferResponse:
         """Validate, queue, batch and run one request; raise SlipstreamError on failure."""
 
-    def check(self, request: InferRequest) -> None:
+    async def check(self, request: InferRequest) -> None:
         """Raise the ClientError (or Unavailable) ``infer`` would raise before running
         ``request``, without running it: an asynchronous job is checked when submitted.
         The default checks nothing (the job fails when run instead)."""
         return None
 
     @abstractmethod
-    def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
+    async def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
         """Statistics of one model version, every version of a model, or every model."""
 
     @abstractmethod
-    def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]: ...
+    async def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]: ...
 
     @abstractmethod
     async def load_model(self, name: str) -> None:
@@ -110,3 +112,20 @@ class InferenceService(ABC):
         """A model's rollout: its status (``body`` None), or an action on it
         (``{"action": "start", "candidate": "2", ...}``, pause, resume, promote, abort)."""
         raise ModelNotFound("rollouts are not served by this server")
+
+    # -- the client shared-memory regions (Triton's systemsharedmemory extension) -------
+    # ``infer`` reads inputs from them and writes outputs into them.
+
+    @abstractmethod
+    async def region_status(self, name: str = "") -> list[SharedMemoryRegionStatus]:
+        """One registered region (RegionNotFound when absent), or every one (``name``
+        empty)."""
+
+    @abstractmethod
+    async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Register ``byte_size`` bytes at ``offset`` of the POSIX shared-memory object
+        ``key`` as region ``name``; InvalidRequest naming the cause when it cannot be."""
+
+    @abstractmethod
+    async def unregister_region(self, name: str = "") -> None:
+        """Forget region ``name`` (every region when empty)."""

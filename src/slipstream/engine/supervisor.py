@@ -1,0 +1,196 @@
+"""The split layout's parent process: starts the engine and the front ends, keeps them up.
+
+    supervisor (this process: no sockets of its own)
+      |- engine process      ROUTER at ipc://<socket dir>/engine   (models, batchers, LLM loop)
+      |- front end 0         HTTP + gRPC ports (SO_REUSEPORT)      -> DEALER to the engine
+      |- front end 1 ...
+
+A child that dies is started again, after a back-off that doubles from 1 s to 30 s
+(reset once a child has run for a minute); meanwhile the front ends answer 503 with
+Retry-After (:mod:`slipstream.engine.client`). An engine that exits before it was ever
+ready (its models failed to start) stops the whole server with its exit code, as the
+one-process server does. On SIGTERM or SIGINT the front ends drain first (the engine
+still answers their in-flight requests), then the engine stops.
+
+The children are given the targets to run (``server/split.py`` composes them), so this
+module knows processes, not models. They run under ``multiprocessing``'s spawn method:
+a fresh interpreter each, nothing inherited but their arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event as ProcessEvent
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_FIRST_BACKOFF_S = 1.0
+_MAX_BACKOFF_S = 30.0
+# A child that ran this long before it died starts again without waiting.
+_HEALTHY_AFTER_S = 60.0
+# Beyond the drain: how long a child may take to exit before it is killed.
+_EXIT_GRACE_S = 10.0
+
+
+def socket_dir() -> Path:
+    """A new directory for the engine's socket that only this user can open (0700):
+    the messages on it are pickles, which only this server's processes may send."""
+    return Path(tempfile.mkdtemp(prefix="slipstream-"))
+
+
+def engine_address(directory: Path) -> str:
+    return f"ipc://{directory / 'engine'}"
+
+
+@dataclass(slots=True)
+class _Child:
+    """One child process and what it takes to start it again."""
+
+    name: str
+    target: Callable[..., None]
+    args: tuple[Any, ...]
+    process: BaseProcess | None = None
+    started_at: float = 0.0
+    backoff_s: float = _FIRST_BACKOFF_S
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Supervisor:
+    """Runs one engine and ``len(frontends)`` front ends; see the module docstring.
+
+    ``engine`` is called as ``engine(*engine_args, ready)`` in its process, where
+    ``ready`` is a multiprocessing Event it sets once its models have started; each
+    front end as ``target(*args)``.
+    """
+
+    def __init__(
+        self,
+        engine: tuple[Callable[..., None], tuple[Any, ...]],
+        frontends: list[tuple[Callable[..., None], tuple[Any, ...]]],
+        shutdown_timeout_s: float,
+    ) -> None:
+        self._context = multiprocessing.get_context("spawn")
+        self._ready: ProcessEvent = self._context.Event()
+        self._engine = _Child("engine", engine[0], (*engine[1], self._ready))
+        self._frontends = [
+            _Child(f"front end {index}", target, args)
+            for index, (target, args) in enumerate(frontends)
+        ]
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._stopping = False
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Start everything, keep it running until ``stop`` is set; the exit code."""
+        self._start(self._engine)
+        for child in self._frontends:
+            self._start(child)
+        watchers = [
+            asyncio.create_task(self._keep_up(child)) for child in (self._engine, *self._frontends)
+        ]
+        stop_task = asyncio.create_task(stop.wait())
+        failed = asyncio.create_task(self._engine_failed_at_start())
+        done, _ = await asyncio.wait({stop_task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        exit_code = failed.result() if failed in done else 0
+        self._stopping = True
+        for task in (*watchers, stop_task, failed):
+            task.cancel()
+        await self._stop_all()
+        return exit_code
+
+    @property
+    def engine_pid(self) -> int | None:
+        process = self._engine.process
+        return process.pid if process is not None else None
+
+    def _start(self, child: _Child) -> None:
+        process = self._context.Process(target=child.target, args=child.args, name=child.name)
+        process.start()
+        child.process, child.started_at = process, time.monotonic()
+        child.exited = asyncio.Event()
+        asyncio.get_running_loop().add_reader(process.sentinel, self._on_exit, child, process)
+        logger.info("%s started (pid %d)", child.name, process.pid)
+
+    def _on_exit(self, child: _Child, process: BaseProcess) -> None:
+        asyncio.get_running_loop().remove_reader(process.sentinel)
+        process.join(0)
+        child.exited.set()
+
+    async def _keep_up(self, child: _Child) -> None:
+        """Start ``child`` again each time it dies, after its back-off."""
+        while True:
+            await child.exited.wait()
+            if child is self._engine and not self._ready.is_set():
+                return  # it never started: the server stops (_engine_failed_at_start)
+            process = child.process
+            assert process is not None
+            ran_s = time.monotonic() - child.started_at
+            if ran_s >= _HEALTHY_AFTER_S:
+                child.backoff_s = 0.0
+            logger.error("%s (pid %d) exited with code %s after %.1f s; starting it again in "
+                         "%.0f s", child.name, process.pid, process.exitcode, ran_s,
+                         child.backoff_s)  # fmt: skip
+            await asyncio.sleep(child.backoff_s)
+            child.backoff_s = min(_MAX_BACKOFF_S, max(_FIRST_BACKOFF_S, 2 * child.backoff_s))
+            self._start(child)
+
+    async def _engine_failed_at_start(self) -> int:
+        """The exit code of an engine that stopped before it was ever ready."""
+        await self._engine.exited.wait()
+        process = self._engine.process
+        if self._ready.is_set() or process is None:
+            await asyncio.Event().wait()  # it had started: _keep_up restarts it
+        code = process.exitcode if process is not None else 1
+        logger.error("the engine process exited (code %s) before its models were ready", code)
+        return code or 1
+
+    async def _stop_all(self) -> None:
+        """Drain the front ends, then stop the engine; kill what does not exit in time."""
+        await asyncio.gather(*(self._stop(child) for child in self._frontends))
+        await self._stop(self._engine)
+
+    async def _stop(self, child: _Child) -> None:
+        process = child.process
+        if process is None or process.exitcode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()  # SIGTERM: the child drains and exits
+        deadline = self._shutdown_timeout_s + _EXIT_GRACE_S
+        try:
+            await asyncio.wait_for(child.exited.wait(), deadline)
+        except TimeoutError:
+            logger.error("%s (pid %d) did not exit within %.0f s; killing it", child.name,
+                         process.pid, deadline)  # fmt: skip
+            process.kill()
+            await asyncio.to_thread(process.join, 5)
+        if process.exitcode not in (0, None):
+            logger.warning("%s exited with code %s", child.name, process.exitcode)
+
+
+def remove_socket_dir(directory: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def watch_parent(stop: asyncio.Event, interval_s: float = 1.0) -> asyncio.Task[None]:
+    """In a child: set ``stop`` when the supervisor is gone (killed with -9 it can send no
+    signal), so no orphaned front end keeps a port or engine keeps the models."""
+    parent = os.getppid()
+
+    async def watch() -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(interval_s)
+        logger.error("the supervisor process (pid %d) is gone; stopping", parent)
+        stop.set()
+
+    return asyncio.create_task(watch())

@@ -1,0 +1,80 @@
+"""Messages between front-end processes and the engine process, as ZeroMQ frames.
+
+A message is one Python value (a request, a response, metadata, an error) pickled with
+protocol 5 and its large buffers taken *out of band*: every numpy array's data travels
+as a frame of its own, and the receiver rebuilds the array over the received frame's
+memory. No tensor is copied into a Python object on either side (the kernel's copy
+through the socket is the only one), and the pickler sees only the small header.
+
+    frames = encode(("call", 7, "infer", (request,)))   # [header, array data, ...]
+    socket.send_multipart(frames, copy=False)
+    value = decode(await socket.recv_multipart(copy=False))
+
+Pickle runs code from what it loads, so only processes of one server talk this way:
+the sockets live in a directory only the server's user can open
+(:func:`slipstream.engine.supervisor.socket_dir`).
+
+Errors cross as (class name, message, attributes) and are rebuilt as the same
+:mod:`slipstream.errors` class, so a front end answers a remote 400/404/503 exactly as
+the in-process server would.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+from slipstream import errors
+from slipstream.errors import InternalError, SlipstreamError
+
+# Out-of-band buffers smaller than this are pickled inline: a frame of its own costs
+# more than copying a few hundred bytes into the header.
+_INLINE_BYTES = 512
+
+
+def encode(value: Any) -> list[Any]:
+    """``value`` as frames: the pickled header, then one frame per large buffer."""
+    buffers: list[pickle.PickleBuffer] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes < _INLINE_BYTES:
+            return True  # true: pickle this one in band
+        buffers.append(buffer)
+        return False
+
+    header = pickle.dumps(value, protocol=5, buffer_callback=out_of_band)
+    return [header, *buffers]
+
+
+def decode(frames: Sequence[Any]) -> Any:
+    """The value :func:`encode` made; arrays lie over the frames' memory (read-only)."""
+    first = frames[0]
+    header = first.buffer if hasattr(first, "buffer") else first
+    buffers = [frame.buffer if hasattr(frame, "buffer") else frame for frame in frames[1:]]
+    return pickle.loads(header, buffers=buffers)
+
+
+def error_state(error: BaseException) -> tuple[str, str, dict[str, Any]]:
+    """What crosses the boundary for an error: a SlipstreamError's class (the nearest
+    one :mod:`slipstream.errors` defines, for subclasses declared elsewhere), message
+    and attributes; anything else as an internal error (its details stay in the log
+    where it was raised)."""
+    if isinstance(error, SlipstreamError):
+        for cls in type(error).__mro__:
+            if getattr(errors, cls.__name__, None) is cls:
+                return cls.__name__, error.message, dict(vars(error))
+    return "InternalError", "internal error in the engine process; see the server log", {}
+
+
+def rebuild_error(state: tuple[str, str, dict[str, Any]]) -> SlipstreamError:
+    """The error :func:`error_state` described, as the same class."""
+    name, message, attributes = state
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, SlipstreamError)):
+        cls = InternalError
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    vars(error).update(attributes)
+    error.message = message
+    return error

@@ -1,0 +1,54 @@
+"""One ``/metrics`` answer for several processes: snapshots of their registries, merged.
+
+A process that does not answer the scrape itself (a Ray replica, a front-end or engine
+process of the split layout) sends :func:`snapshot` of its registry as plain, picklable
+data; the process that answers merges them with :func:`merged_text`, each series
+labelled with where it came from (``replica="..."``, ``frontend="0"``).
+
+    text = merged_text({"": engine_families, "0": mine, "1": other_frontend}, "frontend")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Metric, generate_latest
+
+# One metric family as plain data: name, type, help, samples of (sample name, labels,
+# value).
+Family = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
+
+
+def snapshot(registry: CollectorRegistry) -> list[Family]:
+    """Every family of ``registry`` now, as plain data."""
+    return [
+        (family.name, family.type, family.documentation,
+         [(s.name, dict(s.labels), float(s.value)) for s in family.samples])
+        for family in registry.collect()
+    ]  # fmt: skip
+
+
+def merged_text(reports: dict[str, list[Family]], label: str) -> bytes:
+    """The Prometheus text of every snapshot in ``reports``, each series given ``label``
+    set to its report's key (none for the key "")."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(reports, label))
+    return generate_latest(registry)
+
+
+class _Merged:
+    def __init__(self, reports: dict[str, list[Family]], label: str) -> None:
+        self._reports = reports
+        self._label = label
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for source, report in sorted(self._reports.items()):
+            extra = {self._label: source} if source else {}
+            for name, kind, documentation, samples in report:
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = Metric(name, documentation, kind)
+                for sample, labels, value in samples:
+                    family.add_sample(sample, {**labels, **extra}, value)
+        yield from families.values()

@@ -1,0 +1,286 @@
+"""``slipstream serve --frontends N``: N front-end processes in front of one engine process.
+
+    supervisor                 engine/supervisor.py: starts, restarts and stops the rest
+    engine process             the serving core (batchers, runtimes), the LLM lane and the
+                               OpenAI app; answers the front ends (engine/host.py)
+    front end x N              HTTP and gRPC on shared ports: V2 decoding and encoding,
+                               the front door (keys, limits, TLS), jobs; V2 calls go to the
+                               engine through engine/remote.py, /v1/ requests are
+                               forwarded whole (the tokenizers and the LLM loop live
+                               beside the engines)
+
+What runs where is composed here; how the processes talk is ``engine/``'s business.
+``/metrics`` on any front end answers every process's series: the engine's as they are,
+each front end's with a ``frontend`` label (front ends send theirs to the engine every
+second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Coroutine
+from multiprocessing.synchronize import Event as ProcessEvent
+from typing import Any
+
+from prometheus_client import disable_created_metrics
+
+from slipstream.config import ServerSettings
+from slipstream.engine.client import EngineClient
+from slipstream.engine.host import EngineHost
+from slipstream.engine.remote import SERVICE_CALLS, RemoteInferenceService
+from slipstream.engine.supervisor import (
+    Supervisor,
+    engine_address,
+    remove_socket_dir,
+    socket_dir,
+    watch_parent,
+)
+from slipstream.errors import SlipstreamError
+from slipstream.observability.merge import Family, merged_text, snapshot
+from slipstream.observability.metrics import ServerMetrics
+from slipstream.observability.startup import TRACE
+from slipstream.protocol import openai
+from slipstream.security.keys import KeysFileError
+from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
+from slipstream.server.openai_rest import OpenAIApp
+from slipstream.server.runner import (
+    TlsSetup,
+    background_tasks,
+    build_core,
+    close_parts,
+    front_door_parts,
+    job_queue,
+    raise_open_files_limit,
+    run_until_stopped,
+    start_front_ends,
+    stop_on_signals,
+)
+
+logger = logging.getLogger(__name__)
+
+# How often each front end sends its own series to the engine, and how long the engine
+# keeps a front end's last ones (a front end that stopped drops out).
+METRICS_PUSH_S = 1.0
+_METRICS_STALE_S = 5.0
+# How long a starting front end waits to reach the engine before it listens anyway
+# (answering 503 until the engine is there).
+_CONNECT_WAIT_S = 10.0
+
+
+async def serve_split(settings: ServerSettings, stop: asyncio.Event | None = None) -> int:
+    """Run the supervisor until ``stop`` or a termination signal; the exit code."""
+    stop = stop_on_signals(stop)
+    directory = socket_dir()
+    address = engine_address(directory)
+    supervisor = Supervisor(
+        engine=(run_engine, (settings, address)),
+        frontends=[(run_frontend, (settings, address, i)) for i in range(settings.frontends)],
+        shutdown_timeout_s=settings.shutdown_timeout_s,
+    )
+    logger.info("split layout: %d front-end processes and one engine process",
+                settings.frontends)  # fmt: skip
+    try:
+        return await supervisor.run(stop)
+    finally:
+        remove_socket_dir(directory)
+
+
+# -- the engine process ------------------------------------------------------------------
+
+
+def run_engine(settings: ServerSettings, address: str, ready: ProcessEvent) -> None:
+    """The engine process's entry point (spawned by the supervisor)."""
+    _child_setup(settings, "engine")
+    sys.exit(_run(_serve_engine(settings, address, ready)))
+
+
+async def _serve_engine(settings: ServerSettings, address: str, ready: ProcessEvent) -> int:
+    TRACE.mark("imported")
+    stop = stop_on_signals(None, (signal.SIGTERM,))
+    parent = watch_parent(stop)
+    core = build_core(settings, with_transport=False)
+    service = core.service
+    openai_app = OpenAIApp(
+        core.generation, service, settings.model_repository, cache=service.response_cache
+    )
+    board = _FrontEndBoard()
+
+    async def drift(model: str, version: str) -> dict[str, Any]:
+        return core.monitors.report(model, version)
+
+    async def metrics(asking: str) -> tuple[list[Family], dict[str, list[Family]]]:
+        return snapshot(core.metrics.registry), board.others(asking)
+
+    async def forward(request: HttpRequest) -> AsyncIterator[Any]:
+        """An OpenAI request run here: its whole response, or a stream's head and then
+        its chunks."""
+        reply = await openai_app.handle(request)
+        if isinstance(reply, HttpResponse):
+            yield reply
+            return
+        yield (reply.status, reply.content_type, reply.headers)
+        async for chunk in reply.chunks:
+            yield chunk
+
+    calls = {name: getattr(service, name) for name in SERVICE_CALLS}
+    calls.update(drift=drift, metrics=metrics)
+    host = EngineHost(address, calls, streams={"http": forward}, tells={"board": board.put})
+    host.start()
+    background = background_tasks(settings, core, None)
+    start_task = asyncio.create_task(service.start())
+    stop_task = asyncio.create_task(stop.wait())
+    exit_code = await run_until_stopped(start_task, stop_task, settings, on_ready=ready.set)
+    logger.info("engine stopping")
+    for task in (start_task, stop_task, parent, *background):
+        task.cancel()
+    await host.close()
+    await service.stop()
+    logger.info("engine stopped")
+    return exit_code
+
+
+class _FrontEndBoard:
+    """The last series each front end sent, for /metrics on any of them."""
+
+    def __init__(self) -> None:
+        self._reports: dict[str, tuple[float, list[Family]]] = {}
+
+    def put(self, frontend: str, report: list[Family]) -> None:
+        self._reports[frontend] = (time.monotonic(), report)
+
+    def others(self, asking: str) -> dict[str, list[Family]]:
+        now = time.monotonic()
+        return {
+            name: report
+            for name, (at, report) in self._reports.items()
+            if name != asking and now - at <= _METRICS_STALE_S
+        }
+
+
+# -- a front-end process -----------------------------------------------------------------
+
+
+def run_frontend(settings: ServerSettings, address: str, index: int) -> None:
+    """A front-end process's entry point (spawned by the supervisor)."""
+    _child_setup(settings, f"frontend {index}")
+    sys.exit(_run(_serve_frontend(settings, address, index)))
+
+
+async def _serve_frontend(settings: ServerSettings, address: str, index: int) -> int:
+    stop = stop_on_signals(None, (signal.SIGTERM,))
+    parent = watch_parent(stop)
+    raise_open_files_limit(settings.max_connections)
+    disable_created_metrics()  # type: ignore[no-untyped-call]
+    metrics = ServerMetrics()
+    try:
+        door = front_door_parts(settings, metrics.registry)
+        tls = TlsSetup.of(settings)
+    except (KeysFileError, OSError) as exc:
+        logger.error("%s", exc)
+        return 1
+    client = EngineClient(address)
+    client.start()
+    await client.wait_connected(_CONNECT_WAIT_S)
+    service = RemoteInferenceService(client)
+    jobs = job_queue(settings)
+    name = str(index)
+
+    async def drift(model: str, version: str) -> dict[str, Any]:
+        report: dict[str, Any] = await client.call("drift", model, version)
+        return report
+
+    async def metrics_text() -> bytes:
+        reports = {name: snapshot(metrics.registry)}
+        with contextlib.suppress(SlipstreamError):  # the engine away: this process's own
+            engine, others = await client.call("metrics", name)
+            reports.update(others)
+            reports[""] = engine
+        return merged_text(reports, "frontend")
+
+    try:
+        fronts = await start_front_ends(
+            settings, service, metrics, OpenAIForwarder(client).handle, door, tls, jobs,
+            drift=drift, metrics_text=metrics_text, reuse_port=True,
+        )  # fmt: skip
+    except OSError as exc:
+        logger.error("%s", exc)
+        await client.close()
+        return 1
+    background = [*background_tasks(settings, None, door),
+                  asyncio.create_task(_push_metrics(client, name, metrics))]  # fmt: skip
+    await stop.wait()
+    service.stop()
+    logger.info("front end %d draining (up to %.0f s)", index, settings.shutdown_timeout_s)
+    await fronts.shutdown(settings.shutdown_timeout_s)
+    for task in (parent, *background):
+        task.cancel()
+    await client.close()
+    await close_parts(jobs, door)
+    return 0
+
+
+async def _push_metrics(client: EngineClient, name: str, metrics: ServerMetrics) -> None:
+    while True:
+        client.tell("board", name, snapshot(metrics.registry))
+        await asyncio.sleep(METRICS_PUSH_S)
+
+
+class OpenAIForwarder:
+    """The /v1/ routes of a front end: each request runs whole in the engine process
+    (beside the tokenizers and the generation loop); streamed answers are relayed chunk
+    by chunk, and a client that goes away cancels the engine's side."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self._client = client
+
+    async def handle(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
+        items = self._client.stream("http", request)
+        try:
+            first = await anext(items)
+        except SlipstreamError as exc:
+            return error_reply(exc, openai.error(exc))
+        if isinstance(first, HttpResponse):
+            async for _ in items:  # the end of the stream
+                pass
+            return first
+        status, content_type, headers = first
+        return StreamingResponse(status, _relay(items), content_type, headers)
+
+
+async def _relay(items: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A stream's chunks; an engine lost part-way ends it with OpenAI's error event."""
+    try:
+        async for chunk in items:
+            yield chunk
+    except SlipstreamError as exc:
+        yield openai.error_event(exc)
+    finally:
+        await items.aclose()  # type: ignore[attr-defined]
+
+
+# -- both kinds of child -----------------------------------------------------------------
+
+
+def _child_setup(settings: ServerSettings, role: str) -> None:
+    """Logging as ``slipstream serve`` sets it, each line saying which process; Ctrl-C
+    left to the supervisor (it reaches the whole process group), which stops the children
+    in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is absent on Windows
+        return asyncio.run(main)
+    return uvloop.run(main)
