@@ -32,13 +32,17 @@ TENSOR_BYTES = ADD_SUB_WIDTH * 4
 Client = httpclient.InferenceServerClient | grpcclient.InferenceServerClient
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+# One process, and the split layout (--frontends 2), where the regions are registered in
+# the engine process, which reads and writes them, whichever front end is asked.
+@pytest.fixture(scope="module", params=[[], ["--frontends", "2"]], ids=["one-process", "split"])
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[RemoteServer]:
     tmp = tmp_path_factory.mktemp("shared_memory")
     repo = tmp / "models"
     build_add_sub(repo)
     build_identity(repo, "BYTES")
-    with RemoteServer(repo, ["--allow-client-shm"], log_dir=tmp) as remote:
+    with RemoteServer(repo, ["--allow-client-shm", *request.param], log_dir=tmp) as remote:
         yield remote
 
 

@@ -97,10 +97,10 @@ class EngineClient:
             return await future
         except asyncio.CancelledError:
             # The client went away: the engine drops the work (a queued request leaves
-            # its batcher's queue).
-            if self.connected and not future.done():
-                with contextlib.suppress(Exception):
-                    await self._send(("cancel", call_id))
+            # its batcher's queue). Awaiting the answer cancelled ``future`` too, so an
+            # answer that came is a result, anything else is work still running there.
+            if future.cancelled() or not future.done():
+                self._post(("cancel", call_id))
             raise
         finally:
             self._calls.pop(call_id, None)
@@ -125,16 +125,20 @@ class EngineClient:
                 yield item
         finally:
             self._streams.pop(call_id, None)
-            if not finished and self.connected:
-                with contextlib.suppress(Exception):
-                    await self._send(("cancel", call_id))
+            if not finished:
+                self._post(("cancel", call_id))
 
     def tell(self, method: str, *args: Any) -> None:
         """A one-way message (dropped while the engine is away)."""
+        self._post(("tell", method, args))
+
+    def _post(self, message: Any) -> None:
+        """Send without waiting (from a cancelled task too); dropped while the engine is
+        away or its queue is full."""
         if not self.connected:
             return
         with contextlib.suppress(zmq.Again):
-            self._socket.send_multipart(encode(("tell", method, args)), flags=zmq.NOBLOCK)
+            self._socket.send_multipart(encode(message), flags=zmq.NOBLOCK)
 
     async def _send(self, message: Any) -> None:
         if not self.connected:

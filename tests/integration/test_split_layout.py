@@ -1,0 +1,224 @@
+"""``slipstream serve --frontends 2``: two front-end processes and one engine process, driven
+as users drive a server: tritonclient over HTTP and gRPC, the openai SDK, curl-like
+httpx, Prometheus' /metrics; then the engine killed with -9 under load.
+
+Each test opens fresh connections, so with SO_REUSEPORT the kernel spreads them over both
+front ends; what the engine counts (statistics, the index, regions) is one view whatever
+front end is asked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.llm_models import smollm2_gguf
+from tests.models import ADD_SUB_WIDTH, build_add_constant, build_add_sub
+from tests.utils import RemoteServer
+
+FRONTENDS = 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    tmp = tmp_path_factory.mktemp("split")
+    repo = tmp / "models"
+    build_add_sub(repo)
+    build_add_constant(repo, "plus", 1, 1.0)
+    (repo / "smollm2" / "1").mkdir(parents=True)
+    os.link(smollm2_gguf(), repo / "smollm2" / "1" / "model.gguf")
+    (repo / "smollm2" / "config.yaml").write_text(
+        "backend: llama_cpp\ngeneration: {max_model_len: 512, max_num_seqs: 4}\n"
+    )
+    args = ["--frontends", str(FRONTENDS), "--model-control-mode", "explicit",
+            "--load-model", "add_sub", "--load-model", "smollm2"]  # fmt: skip
+    with RemoteServer(repo, args, log_dir=tmp) as remote:
+        yield remote
+
+
+def engine_pids(server: RemoteServer) -> list[int]:
+    """The engine processes the supervisor has started so far, oldest first."""
+    log = Path(server.log_path).read_text()
+    return [int(pid) for pid in re.findall(r"engine started \(pid (\d+)\)", log)]
+
+
+def add_sub_inputs(
+    mod: object, rows: int, seed: int
+) -> tuple[list[object], np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    a, b = (rng.standard_normal((rows, ADD_SUB_WIDTH)).astype(np.float32) for _ in range(2))
+    inputs = [mod.InferInput("INPUT0", [rows, ADD_SUB_WIDTH], "FP32"),
+              mod.InferInput("INPUT1", [rows, ADD_SUB_WIDTH], "FP32")]  # fmt: skip
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    return inputs, a, b
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_batches_of_every_size_through_both_front_ends(server: RemoteServer, protocol: str) -> None:
+    mod = httpclient if protocol == "http" else grpcclient
+    address = server.http_address if protocol == "http" else server.grpc_address
+    for rows in range(1, 9):
+        client = mod.InferenceServerClient(address)  # a new connection each time
+        inputs, a, b = add_sub_inputs(mod, rows, rows)
+        result = client.infer("add_sub", inputs)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b, rtol=1e-6)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b, rtol=1e-6)
+        client.close()
+
+
+def test_every_front_end_serves_and_the_engine_counts_them_all(server: RemoteServer) -> None:
+    before = httpclient.InferenceServerClient(server.http_address).get_inference_statistics(
+        "add_sub"
+    )["model_stats"][0]["inference_stats"]["success"]["count"]
+    sent = 40
+    for i in range(sent):
+        with httpx.Client() as http:  # fresh connections: the kernel picks a front end
+            body = {"inputs": [
+                {"name": n, "shape": [1, ADD_SUB_WIDTH], "datatype": "FP32",
+                 "data": [float(i)] * ADD_SUB_WIDTH} for n in ("INPUT0", "INPUT1")]}  # fmt: skip
+            answer = http.post(server.url("/v2/models/add_sub/infer"), json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["outputs"][0]["data"][0] == 2 * i
+    after = httpclient.InferenceServerClient(server.http_address).get_inference_statistics(
+        "add_sub"
+    )["model_stats"][0]["inference_stats"]["success"]["count"]
+    assert after - before == sent
+    # Every front end's own series are in one scrape, each under its label.
+    text = httpx.get(server.url("/metrics")).text
+    frontends = set(re.findall(r'slipstream_http_connections_open\{frontend="(\d+)"\}', text))
+    assert frontends == {str(i) for i in range(FRONTENDS)}, text[:2000]
+    # The engine's series come once, without a front-end label.
+    success = re.findall(r"slipstream_request_success_total\{([^}]*)\} (\S+)", text)
+    add_sub = [(labels, float(value)) for labels, value in success if 'model="add_sub"' in labels]
+    assert len(add_sub) == 1 and "frontend" not in add_sub[0][0]
+    assert add_sub[0][1] >= after
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_metadata_config_index_and_errors_as_in_one_process(
+    server: RemoteServer, protocol: str
+) -> None:
+    mod = httpclient if protocol == "http" else grpcclient
+    client = mod.InferenceServerClient(
+        server.http_address if protocol == "http" else server.grpc_address
+    )
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("add_sub")
+    metadata = (
+        client.get_model_metadata("add_sub", as_json=True)
+        if protocol == "grpc"
+        else (client.get_model_metadata("add_sub"))
+    )
+    assert metadata["name"] == "add_sub"
+    config = client.get_model_config("add_sub")
+    assert "add_sub" in str(config)
+    index = client.get_model_repository_index(**({"as_json": True} if protocol == "grpc" else {}))
+    names = {entry["name"] for entry in (index["models"] if protocol == "grpc" else index)}
+    assert {"add_sub", "plus", "smollm2"} <= names
+    with pytest.raises(InferenceServerException) as info:
+        client.get_model_metadata("no_such_model")
+    assert "no_such_model" in str(info.value.message())
+    inputs, _, _ = add_sub_inputs(mod, 2, 0)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("add_sub", inputs[:1])
+    assert "INPUT1" in str(info.value.message())
+    client.close()
+
+
+def test_explicit_load_and_unload_are_seen_by_every_front_end(server: RemoteServer) -> None:
+    grpc = grpcclient.InferenceServerClient(server.grpc_address)
+    assert not grpc.is_model_ready("plus")
+    grpc.load_model("plus")
+    for _ in range(FRONTENDS * 3):  # fresh HTTP connections land on either front end
+        assert httpx.get(server.url("/v2/models/plus/ready")).status_code == 200
+    grpc.unload_model("plus")
+    for _ in range(FRONTENDS * 3):
+        assert httpx.get(server.url("/v2/models/plus/ready")).status_code == 400
+
+
+def test_openai_requests_run_in_the_engine_streamed_or_not(server: RemoteServer) -> None:
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+    assert "smollm2" in [model.id for model in client.models.list().data]
+    whole = client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0
+    )
+    streamed = client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0,
+        stream=True,
+    )  # fmt: skip
+    text = "".join(chunk.choices[0].text for chunk in streamed)
+    assert text == whole.choices[0].text and whole.usage.completion_tokens == 6
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="absent", prompt="x", max_tokens=2)
+    assert "absent" in str(info.value)
+
+
+def test_a_killed_engine_fails_in_flight_requests_with_503_then_serves_again(
+    server: RemoteServer,
+) -> None:
+    """kill -9 of the engine under load: every request is answered (200, or 503 with
+    Retry-After while it is away), none hangs, and the restarted engine serves."""
+    body = {"inputs": [
+        {"name": n, "shape": [1, ADD_SUB_WIDTH], "datatype": "FP32",
+         "data": [1.0] * ADD_SUB_WIDTH} for n in ("INPUT0", "INPUT1")]}  # fmt: skip
+    outcomes: Counter[object] = Counter()
+    retry_after: set[str | None] = set()
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=10) as http:
+            while not stop.is_set():
+                try:
+                    answer = http.post(server.url("/v2/models/add_sub/infer"), json=body)
+                except httpx.HTTPError as exc:
+                    outcomes[type(exc).__name__] += 1
+                    continue
+                outcomes[answer.status_code] += 1
+                if answer.status_code == 503:
+                    retry_after.add(answer.headers.get("retry-after"))
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.5)
+        old = engine_pids(server)[-1]
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (len(engine_pids(server)) > 1 and _ready(server)):
+            assert time.monotonic() < deadline, "the engine was not restarted"
+            time.sleep(0.1)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads), "a request hung"
+    assert set(outcomes) <= {200, 503}, outcomes
+    assert outcomes[503] > 0 and retry_after == {"1"}, (outcomes, retry_after)
+    # The restarted engine loaded what explicit mode had loaded at start.
+    inputs, a, b = add_sub_inputs(httpclient, 3, 9)
+    result = httpclient.InferenceServerClient(server.http_address).infer("add_sub", inputs)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b, rtol=1e-6)
+
+
+def _ready(server: RemoteServer) -> bool:
+    try:
+        return httpx.get(server.url("/v2/health/ready"), timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
