@@ -18,6 +18,16 @@ that ceiling the gRPC front end reaches (issue #25's target: >= 0.8 for unary).
 Each (case, concurrency) is measured once per round; ``--rounds`` alternates the cases so
 that a machine whose speed drifts (shared cores) touches every case alike, and the median
 over the rounds is reported.
+
+``--layouts`` measures the same Slipstream cases against each process layout in turn (one
+server at a time): ``one`` (everything in one process, the default layout), and
+``split<N>`` (``--frontends N``: N front-end processes and one engine process). A layout
+may name its own cores as ``split2@0,1``; otherwise it runs on ``--server-cores``. The
+ratios ``<case>[split<N>] / <case>[one]`` are issue #25's layout targets (>= 0.9 for one
+front end on the same core; >= 1.4 for two front ends on two cores, the load generator on
+cores of its own where the host has them: the host's core count is printed).
+
+    .venv/bin/python benchmarks/frontends.py --layouts one,split1,split2@0,1 --cases http,grpc
 """
 
 from __future__ import annotations
@@ -94,6 +104,10 @@ def main() -> None:
     parser.add_argument("--server-cores", default="0")
     parser.add_argument("--client-cores", default="1")
     parser.add_argument("--cases", default=",".join(c.name for c in CASES))
+    parser.add_argument(
+        "--layouts", default="one",
+        help="process layouts to measure, e.g. one,split1,split2@0,1 (see the docstring)",
+    )  # fmt: skip
     parser.add_argument("--no-perf-analyzer", action="store_true")
     parser.add_argument("--json", type=Path, help="write the results here")
     # Internal: run the no-work cap server (started by this script).
@@ -112,16 +126,25 @@ def run(args: argparse.Namespace) -> None:
     wanted = set(args.cases.split(","))
     cases = [case for case in CASES if case.name in wanted]
     tool = None if args.no_perf_analyzer else ensure_perf_analyzer()
+    layouts = parse_layouts(args.layouts, args.server_cores)
+    results: dict[str, dict[int, list[float | None]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = args.repo or build_mlp(Path(tmp) / "models")
-        http_port, grpc_port, cap_port = free_ports(3)
-        ports = {"http": http_port, "grpc": grpc_port, "cap": cap_port}
-        with (
-            slipstream_server(repo, args.server_cores, http_port, grpc_port, Path(tmp)),
-            cap_server(args, grpc_port, cap_port),
-        ):
-            results = measure_all(tool, cases, levels, ports, args)
-    report(results, levels, args, tool is not None)
+        for layout_index, (layout, frontends, cores) in enumerate(layouts):
+            http_port, grpc_port, cap_port = free_ports(3)
+            ports = {"http": http_port, "grpc": grpc_port, "cap": cap_port}
+            # The cap does not depend on the layout: measured beside the first one only.
+            wanted_here = [c for c in cases if not (c.cap and layout_index)]
+            with (
+                slipstream_server(repo, cores, http_port, grpc_port, Path(tmp), frontends),
+                cap_server(args, grpc_port, cap_port),
+            ):
+                print(f"layout {layout}: {frontends or 'one process'} front ends, cores {cores}")
+                measured = measure_all(tool, wanted_here, levels, ports, args)
+            for name, by_level in measured.items():
+                key = name if layout == "one" or name.startswith("cap") else f"{name}[{layout}]"
+                results[key] = by_level
+    report(results, levels, args, tool is not None, layouts)
 
 
 def measure_all(
@@ -189,11 +212,25 @@ def measure(
         return float(levels[0]["throughput_infer_per_s"])
 
 
+def parse_layouts(text: str, default_cores: str) -> list[tuple[str, int, str]]:
+    """(name, front ends, cores) of each layout in ``one,split1,split2@0,1``."""
+    layouts = []
+    for item in text.replace(",split", ";split").replace(",one", ";one").split(";"):
+        name, _, cores = item.partition("@")
+        if name != "one" and not (name.startswith("split") and name[5:].isdigit()):
+            raise SystemExit(f"--layouts: {item!r} is neither one nor split<N>[@cores]")
+        frontends = 0 if name == "one" else int(name[5:])
+        layouts.append((name if name == "one" else f"{name}@{cores or default_cores}",
+                        frontends, cores or default_cores))  # fmt: skip
+    return layouts
+
+
 def report(
     results: dict[str, dict[int, list[float | None]]],
     levels: list[int],
     args: argparse.Namespace,
     perf_analyzer: bool,
+    layouts: list[tuple[str, int, str]],
 ) -> None:
     medians = {
         name: {n: _median(values) for n, values in by_level.items()}
@@ -207,7 +244,12 @@ def report(
         print(f"{name:18s}" + "".join(f"{_fmt(by_level[n]):>12s}" for n in levels))
     ratios: dict[str, dict[int, float | None]] = {}
     print()
-    for a, b in RATIOS:
+    pairs = list(RATIOS)
+    for layout, _, _ in layouts:
+        if layout != "one":
+            pairs += [(f"{case}[{layout}]", case) for case in ("http", "grpc", "grpc_stream")]
+            pairs += [(f"grpc[{layout}]", "cap_grpc")]
+    for a, b in pairs:
         if a in medians and b in medians:
             key = f"{a} / {b}"
             ratios[key] = {n: _ratio(medians[a][n], medians[b][n]) for n in levels}
@@ -218,9 +260,10 @@ def report(
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "model": args.model, "server_cores": args.server_cores,
+            "layouts": [{"name": n, "frontends": f, "cores": c} for n, f, c in layouts],
             "client_cores": args.client_cores, "host_cpus": os.cpu_count(),
             "load_generator": "perf_analyzer" if perf_analyzer else "slipstream bench",
-            "cases": [asdict(c) for c in CASES if c.name in results],
+            "cases": [asdict(c) for c in CASES],
             "infer_per_s": {k: {str(n): v for n, v in m.items()} for k, m in medians.items()},
             "rounds": {k: {str(n): v for n, v in m.items()} for k, m in results.items()},
             "ratios": {k: {str(n): v for n, v in m.items()} for k, m in ratios.items()},
@@ -241,13 +284,13 @@ def build_mlp(repo: Path) -> Path:
 
 @contextmanager
 def slipstream_server(
-    repo: Path, cores: str, http_port: int, grpc_port: int, log_dir: Path
+    repo: Path, cores: str, http_port: int, grpc_port: int, log_dir: Path, frontends: int = 0
 ) -> Iterator[None]:
     command = [
         "taskset", "-c", cores, str(VENV_BIN / "slipstream"), "serve",
         "--model-repository", str(repo), "--host", "127.0.0.1",
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--allow-client-shm",
-        "--log-level", "warning",
+        "--log-level", "warning", "--frontends", str(frontends),
     ]  # fmt: skip
     with _process(command, log_dir / "slipstream.log"):
         _wait_http(f"http://127.0.0.1:{http_port}/v2/health/ready")

@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from slipstream.engine.channel import Channel
 from slipstream.engine.host import HIGH_WATER_MARK
-from slipstream.engine.wire import decode, encode, rebuild_error
+from slipstream.engine.wire import error_state, rebuild_error
 from slipstream.errors import Unavailable
 
 logger = logging.getLogger(__name__)
@@ -41,8 +41,8 @@ class EngineClient:
 
     def __init__(self, address: str) -> None:
         self._address = address
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
+        self._context = zmq.Context()
+        self._socket: zmq.Socket[Any] = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -50,14 +50,15 @@ class EngineClient:
         # is away is refused by this client, never parked in ZeroMQ's pipe.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._socket.setsockopt(zmq.RECONNECT_IVL, 50)
-        self._monitor = self._socket.get_monitor_socket(
+        self._monitor: zmq.Socket[Any] = self._socket.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
         )
+        self._channel = Channel(self._socket, self._on_answer, on_unencodable=self._unsent)
         self._ids = itertools.count()
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._streams: dict[int, asyncio.Queue[Any]] = {}
         self._connected = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def connected(self) -> bool:
@@ -65,8 +66,11 @@ class EngineClient:
 
     def start(self) -> None:
         """Connect and start reading answers (call on the loop that will use it)."""
+        self._loop = asyncio.get_running_loop()
         self._socket.connect(self._address)
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        self._channel.start()
+        self._loop.add_reader(self._monitor.FD, self._on_events)
+        self._loop.call_soon(self._on_events)
 
     async def wait_connected(self, timeout_s: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -74,11 +78,10 @@ class EngineClient:
         return self.connected
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        self._channel.stop()
+        if self._loop is not None:
+            self._loop.remove_reader(self._monitor.FD)
+            self._loop = None
         self._fail_all("the front end is shutting down")
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
@@ -89,11 +92,12 @@ class EngineClient:
 
     async def call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` in the engine; its result, or its error raised here."""
+        self._check_connected()
         call_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
+        self._channel.post(("call", call_id, method, args))
         try:
-            await self._send(("call", call_id, method, args))
             return await future
         except asyncio.CancelledError:
             # The client went away: the engine drops the work (a queued request leaves
@@ -108,12 +112,13 @@ class EngineClient:
     async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
         """The items ``method(*args)`` yields in the engine, as they come. Closing this
         iterator early cancels the engine's side."""
+        self._check_connected()
         call_id = next(self._ids)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[call_id] = queue
+        self._channel.post(("stream", call_id, method, args))
         finished = False
         try:
-            await self._send(("stream", call_id, method, args))
             while True:
                 item = await queue.get()
                 if item is _END:
@@ -133,54 +138,47 @@ class EngineClient:
         self._post(("tell", method, args))
 
     def _post(self, message: Any) -> None:
-        """Send without waiting (from a cancelled task too); dropped while the engine is
-        away or its queue is full."""
-        if not self.connected:
-            return
-        with contextlib.suppress(zmq.Again):
-            self._socket.send_multipart(encode(message), flags=zmq.NOBLOCK)
+        if self.connected:
+            self._channel.post(message)
 
-    async def _send(self, message: Any) -> None:
+    def _check_connected(self) -> None:
         if not self.connected:
             raise EngineGone(
                 "the engine process is not running (starting or restarting); retry shortly",
                 retry_after_s=RETRY_AFTER_S,
             )
-        await self._socket.send_multipart(encode(message), copy=False)
 
     # -- answers and the connection ---------------------------------------------------------
 
-    async def _read(self) -> None:
-        socket = self._socket
-        while True:
-            frames = await socket.recv_multipart(copy=False)
-            try:
-                message = decode(frames)
-            except Exception:
-                logger.exception("undecodable answer from the engine; dropped")
-                continue
-            kind, call_id = message[0], message[1]
-            if kind == "ok" or kind == "err":
-                future = self._calls.get(call_id)
-                if future is not None and not future.done():
-                    if kind == "ok":
-                        future.set_result(message[2])
-                    else:
-                        future.set_exception(rebuild_error(message[2]))
-                    continue
-            queue = self._streams.get(call_id)
-            if queue is None:
-                continue  # an answer to a call given up on
-            if kind == "item":
-                queue.put_nowait(message[2])
-            elif kind == "end":
-                queue.put_nowait(_END)
-            elif kind == "err":
-                queue.put_nowait(rebuild_error(message[2]))
+    def _on_answer(self, peer: bytes | None, message: Any) -> None:
+        kind, call_id = message[0], message[1]
+        if kind == "ok" or kind == "err":
+            future = self._calls.get(call_id)
+            if future is not None and not future.done():
+                if kind == "ok":
+                    future.set_result(message[2])
+                else:
+                    future.set_exception(rebuild_error(message[2]))
+                return
+        queue = self._streams.get(call_id)
+        if queue is None:
+            return  # an answer to a call given up on
+        if kind == "item":
+            queue.put_nowait(message[2])
+        elif kind == "end":
+            queue.put_nowait(_END)
+        elif kind == "err":
+            queue.put_nowait(rebuild_error(message[2]))
 
-    async def _watch(self) -> None:
-        while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
+    def _unsent(self, peer: bytes | None, message: Any) -> None:
+        """A call whose arguments cannot be pickled fails here (a fault of this server)."""
+        if message[0] in ("call", "stream"):
+            self._on_answer(None, ("err", message[1], error_state(RuntimeError())))
+
+    def _on_events(self) -> None:
+        monitor = self._monitor
+        while not monitor.closed and int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             if event["event"] == zmq.EVENT_CONNECTED:
                 logger.info("connected to the engine process")
                 self._connected.set()

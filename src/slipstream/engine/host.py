@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
-from slipstream.engine.wire import decode, encode, error_state
+from slipstream.engine.channel import Channel
+from slipstream.engine.wire import error_state
 from slipstream.errors import SlipstreamError
 
 logger = logging.getLogger(__name__)
@@ -53,59 +53,63 @@ class EngineHost:
         self._calls = dict(calls)
         self._streams = dict(streams or {})
         self._tells = dict(tells or {})
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
+        self._context = zmq.Context()
+        self._socket: zmq.Socket[Any] = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
-        # A reply to a front end that has gone raises instead of vanishing, so the
-        # stream feeding it is cancelled (an LLM sequence stops generating).
+        # A reply to a front end that has gone raises instead of vanishing, so its calls
+        # and streams are cancelled (an LLM sequence stops generating).
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.setsockopt(zmq.LINGER, 0)
         # (front end, call id) -> the task answering it, for cancels.
         self._tasks: dict[tuple[bytes, int], asyncio.Task[None]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._channel = Channel(
+            self._socket, self._on_message, routed=True, on_lost=self._cancel_peer,
+            on_unencodable=self._answer_unencodable,
+        )  # fmt: skip
 
     def start(self) -> None:
         """Bind and start answering (call on the loop that will serve)."""
         self._socket.bind(self._address)
-        self._reader = asyncio.create_task(self._read())
+        self._channel.start()
 
     async def close(self) -> None:
         """Stop reading, cancel unfinished calls, close the socket."""
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        for task in list(self._tasks.values()):
+        self._channel.stop()
+        tasks = list(self._tasks.values())
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._socket.close(linger=0)
         self._context.term()
 
-    async def _read(self) -> None:
-        socket = self._socket
-        while True:
-            frames = await socket.recv_multipart(copy=False)
-            peer = frames[0].bytes
-            try:
-                message = decode(frames[1:])
-            except Exception:
-                logger.exception("undecodable message from a front end; dropped")
-                continue
-            kind = message[0]
-            if kind == "call" or kind == "stream":
-                _, call_id, method, args = message
-                run = self._answer if kind == "call" else self._stream
-                self._track((peer, call_id), asyncio.create_task(run(peer, call_id, method, args)))
-            elif kind == "cancel":
-                running = self._tasks.get((peer, message[1]))
-                if running is not None:
-                    running.cancel()
-            elif kind == "tell":
-                self._tell(message[1], message[2])
+    def _on_message(self, peer: bytes | None, message: Any) -> None:
+        assert peer is not None
+        kind = message[0]
+        if kind == "call" or kind == "stream":
+            _, call_id, method, args = message
+            run = self._answer if kind == "call" else self._stream
+            key = (peer, call_id)
+            task = asyncio.create_task(run(peer, call_id, method, args))
+            self._tasks[key] = task
+            task.add_done_callback(lambda _: self._tasks.pop(key, None))
+        elif kind == "cancel":
+            running = self._tasks.get((peer, message[1]))
+            if running is not None:
+                running.cancel()
+        elif kind == "tell":
+            self._tell(message[1], message[2])
 
-    def _track(self, key: tuple[bytes, int], task: asyncio.Task[None]) -> None:
-        self._tasks[key] = task
-        task.add_done_callback(lambda _: self._tasks.pop(key, None))
+    def _cancel_peer(self, peer: bytes) -> None:
+        """A front end that went away: nothing it asked for is worth finishing."""
+        for (owner, _), task in list(self._tasks.items()):
+            if owner == peer:
+                task.cancel()
+
+    def _answer_unencodable(self, peer: bytes | None, message: Any) -> None:
+        if peer is not None and message[0] in ("ok", "item"):
+            state = error_state(RuntimeError("the answer cannot be sent"))
+            self._channel.post(("err", message[1], state), peer)
 
     def _tell(self, method: str, args: tuple[Any, ...]) -> None:
         handler = self._tells.get(method)
@@ -125,45 +129,28 @@ class EngineHost:
             return  # the front end gave up on it (the client went away): no answer
         except BaseException as exc:
             self._log_fault(method, exc)
-            await self._send(peer, ("err", call_id, error_state(exc)))
+            self._channel.post(("err", call_id, error_state(exc)), peer)
             return
-        await self._send(peer, ("ok", call_id, result))
+        self._channel.post(("ok", call_id, result), peer)
 
     async def _stream(self, peer: bytes, call_id: int, method: str, args: Any) -> None:
         items: AsyncIterator[Any] | None = None
         try:
             items = self._streams[method](*args)
             async for item in items:
-                if not await self._send(peer, ("item", call_id, item)):
-                    return
+                self._channel.post(("item", call_id, item), peer)
         except asyncio.CancelledError:
             return
         except BaseException as exc:
             self._log_fault(method, exc)
-            await self._send(peer, ("err", call_id, error_state(exc)))
+            self._channel.post(("err", call_id, error_state(exc)), peer)
             return
         finally:
             aclose = getattr(items, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
-        await self._send(peer, ("end", call_id))
-
-    async def _send(self, peer: bytes, message: Any) -> bool:
-        """Send to ``peer``; False when it is gone (or the message cannot be encoded,
-        which then answers the call with an internal error instead)."""
-        try:
-            frames = encode(message)
-        except Exception:
-            logger.exception("engine: cannot encode the answer to call %s", message[1])
-            frames = encode(("err", message[1], error_state(RuntimeError())))
-        try:
-            await self._socket.send_multipart([peer, *frames], copy=False)
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                return False
-            raise
-        return True
+        self._channel.post(("end", call_id), peer)
 
     @staticmethod
     def _log_fault(method: str, exc: BaseException) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
+from slipstream.engine.host import Call
+from slipstream.engine.wire import request_fields, request_from, response_fields, response_from
 from slipstream.observability.stats import ModelStats
 from slipstream.serving.service import InferenceService
 from slipstream.types import (
@@ -64,11 +66,10 @@ class RemoteInferenceService(InferenceService):
         return config
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        response: InferResponse = await self._client.call("infer", request)
-        return response
+        return response_from(await self._client.call("infer", request_fields(request)))
 
     async def check(self, request: InferRequest) -> None:
-        await self._client.call("check", request)
+        await self._client.call("check", request_fields(request))
 
     async def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
         stats: list[ModelStats] = await self._client.call("model_statistics", name, version)
@@ -99,10 +100,22 @@ class RemoteInferenceService(InferenceService):
         await self._client.call("unregister_region", name)
 
 
-# The engine-side names of the contract's calls: the engine serves exactly these on its
-# ModelServer (see server/split.py).
-SERVICE_CALLS = (
-    "is_ready", "server_metadata", "model_ready", "model_metadata", "model_config", "infer",
-    "check", "model_statistics", "repository_index", "load_model", "unload_model", "rollout",
-    "region_status", "register_region", "unregister_region",
-)  # fmt: skip
+def engine_calls(service: InferenceService) -> dict[str, Call]:
+    """What the engine answers for :class:`RemoteInferenceService`: each method of the
+    contract, run on the engine's own ``service`` (its ModelServer)."""
+    calls: dict[str, Call] = {
+        name: getattr(service, name)
+        for name in ("is_ready", "server_metadata", "model_ready", "model_metadata",
+                     "model_config", "model_statistics", "repository_index", "load_model",
+                     "unload_model", "rollout", "region_status", "register_region",
+                     "unregister_region")
+    }  # fmt: skip
+
+    async def infer(fields: tuple[Any, ...]) -> tuple[Any, ...]:
+        return response_fields(await service.infer(request_from(fields)))
+
+    async def check(fields: tuple[Any, ...]) -> None:
+        await service.check(request_from(fields))
+
+    calls.update(infer=infer, check=check)
+    return calls

@@ -21,12 +21,14 @@ the in-process server would.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections.abc import Sequence
 from typing import Any
 
 from slipstream import errors
 from slipstream.errors import InternalError, SlipstreamError
+from slipstream.types import InferRequest, InferResponse
 
 # Out-of-band buffers smaller than this are pickled inline: a frame of its own costs
 # more than copying a few hundred bytes into the header.
@@ -78,3 +80,25 @@ def rebuild_error(state: tuple[str, str, dict[str, Any]]) -> SlipstreamError:
     vars(error).update(attributes)
     error.message = message
     return error
+
+
+# Requests and responses cross as tuples of their fields: pickling a slotted dataclass
+# runs its Python-level __getstate__, which cost about 3 us of the 9 a request took.
+_REQUEST_FIELDS = tuple(field.name for field in dataclasses.fields(InferRequest))
+_RESPONSE_FIELDS = tuple(field.name for field in dataclasses.fields(InferResponse))
+
+
+def request_fields(request: InferRequest) -> tuple[Any, ...]:
+    return tuple([getattr(request, name) for name in _REQUEST_FIELDS])
+
+
+def request_from(fields: tuple[Any, ...]) -> InferRequest:
+    return InferRequest(*fields)
+
+
+def response_fields(response: InferResponse) -> tuple[Any, ...]:
+    return tuple([getattr(response, name) for name in _RESPONSE_FIELDS])
+
+
+def response_from(fields: tuple[Any, ...]) -> InferResponse:
+    return InferResponse(*fields)

@@ -32,7 +32,7 @@ from prometheus_client import disable_created_metrics
 from slipstream.config import ServerSettings
 from slipstream.engine.client import EngineClient
 from slipstream.engine.host import EngineHost
-from slipstream.engine.remote import SERVICE_CALLS, RemoteInferenceService
+from slipstream.engine.remote import RemoteInferenceService, engine_calls
 from slipstream.engine.supervisor import (
     Supervisor,
     engine_address,
@@ -127,7 +127,7 @@ async def _serve_engine(settings: ServerSettings, address: str, ready: ProcessEv
         async for chunk in reply.chunks:
             yield chunk
 
-    calls = {name: getattr(service, name) for name in SERVICE_CALLS}
+    calls = engine_calls(service)
     calls.update(drift=drift, metrics=metrics)
     host = EngineHost(address, calls, streams={"http": forward}, tells={"board": board.put})
     host.start()
