@@ -303,15 +303,18 @@ def test_versions_match_onnxruntime(versions_http: httpx.Client, tmp_path: Path)
 # ---------------------------------------------------------------------------- shutdown
 
 
+# In one process, and in the split layout (the front ends drain while the engine still
+# runs their requests; the engine is given the launcher's registered gated backend).
+@pytest.mark.parametrize("layout", [[], ["--frontends", "2"]], ids=["one-process", "split"])
 def test_sigterm_lets_running_and_queued_requests_finish_and_exits_0(
-    tmp_path: Path, log_dir: Path
+    tmp_path: Path, log_dir: Path, layout: list[str]
 ) -> None:
     repo = tmp_path / "repo"
     gate = Gate(tmp_path / "gate")
     build_gated(repo, "held", gate, {"max_batch_size": 1})
     xs = [gated_input(float(tag)) for tag in (1, 2)]
     server = RemoteServer(
-        repo, ["--shutdown-timeout-s", "30"], log_dir=log_dir, command=gated_command()
+        repo, ["--shutdown-timeout-s", "30", *layout], log_dir=log_dir, command=gated_command()
     )
     with server, ThreadPoolExecutor(2) as pool:
         clients = [httpx.Client(base_url=server.http_url, timeout=CLIENT_TIMEOUT_S) for _ in xs]

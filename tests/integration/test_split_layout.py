@@ -42,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     (repo / "smollm2" / "1").mkdir(parents=True)
     os.link(smollm2_gguf(), repo / "smollm2" / "1" / "model.gguf")
     (repo / "smollm2" / "config.yaml").write_text(
-        "backend: llama_cpp\ngeneration: {max_model_len: 512, max_num_seqs: 4}\n"
+        "backend: llama_cpp\ngeneration: {max_model_len: 512, max_num_seqs: 4, threads: 1}\n"
     )
     args = ["--frontends", str(FRONTENDS), "--model-control-mode", "explicit",
             "--load-model", "add_sub", "--load-model", "smollm2"]  # fmt: skip
@@ -166,6 +166,34 @@ def test_openai_requests_run_in_the_engine_streamed_or_not(server: RemoteServer)
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="absent", prompt="x", max_tokens=2)
     assert "absent" in str(info.value)
+
+
+def test_a_client_leaving_a_stream_stops_its_sequence_in_the_engine(
+    server: RemoteServer,
+) -> None:
+    body = {"model": "smollm2", "prompt": "Tell me a long story about", "max_tokens": 300,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    before = _generated_tokens(server)
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", server.url("/v1/completions"), json=body) as answer,
+    ):
+        events = (line for line in answer.iter_lines() if line.startswith("data:"))
+        for _ in range(3):
+            next(events)
+    # The engine ends the sequence when the relay is cancelled; its tokens are counted then.
+    deadline = time.monotonic() + 10
+    while _generated_tokens(server) == before:
+        assert time.monotonic() < deadline, "the sequence never ended"
+        time.sleep(0.05)
+    time.sleep(1.0)  # a sequence still running would add ~100 tokens a second here
+    assert 3 <= _generated_tokens(server) - before < 60
+
+
+def _generated_tokens(server: RemoteServer) -> float:
+    text = httpx.get(server.url("/metrics")).text
+    found = re.search(r'slipstream_llm_generation_tokens_total\{model="smollm2"\} (\S+)', text)
+    return float(found.group(1)) if found else 0.0
 
 
 def test_a_killed_engine_fails_in_flight_requests_with_503_then_serves_again(

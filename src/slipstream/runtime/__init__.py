@@ -47,6 +47,17 @@ def register_backend(name: str, module: str, class_name: str) -> None:
     if name in _BACKENDS:
         raise ValueError(f"backend {name!r} is already registered")
     _BACKENDS[name] = (module, class_name, "")
+    _REGISTERED[name] = (module, class_name)
+
+
+# The backends added by register_backend: what a spawned engine process registers again
+# (``slipstream serve --frontends N`` runs the models in a fresh interpreter).
+_REGISTERED: dict[str, tuple[str, str]] = {}
+
+
+def registered_backends() -> dict[str, tuple[str, str]]:
+    """name -> (module, class name) of every backend added with register_backend."""
+    return dict(_REGISTERED)
 
 
 def get_backend(name: str) -> type[Backend]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from prometheus_client import disable_created_metrics
 
+from slipstream import runtime
 from slipstream.config import ServerSettings
 from slipstream.engine.client import EngineClient
 from slipstream.engine.host import EngineHost
@@ -78,24 +79,34 @@ async def serve_split(settings: ServerSettings, stop: asyncio.Event | None = Non
     directory = socket_dir()
     address = engine_address(directory)
     supervisor = Supervisor(
-        engine=(run_engine, (settings, address)),
+        engine=(run_engine, (settings, address, runtime.registered_backends())),
         frontends=[(run_frontend, (settings, address, i)) for i in range(settings.frontends)],
         shutdown_timeout_s=settings.shutdown_timeout_s,
     )
     logger.info("split layout: %d front-end processes and one engine process",
                 settings.frontends)  # fmt: skip
     try:
-        return await supervisor.run(stop)
+        exit_code = await supervisor.run(stop)
     finally:
         remove_socket_dir(directory)
+    logger.info("shutdown complete")
+    return exit_code
 
 
 # -- the engine process ------------------------------------------------------------------
 
 
-def run_engine(settings: ServerSettings, address: str, ready: ProcessEvent) -> None:
-    """The engine process's entry point (spawned by the supervisor)."""
+def run_engine(
+    settings: ServerSettings,
+    address: str,
+    backends: dict[str, tuple[str, str]],
+    ready: ProcessEvent,
+) -> None:
+    """The engine process's entry point (spawned by the supervisor). ``backends``: those
+    the launcher registered (runtime.register_backend), registered here again."""
     _child_setup(settings, "engine")
+    for name, (module, class_name) in backends.items():
+        runtime.register_backend(name, module, class_name)
     sys.exit(_run(_serve_engine(settings, address, ready)))
 
 
@@ -215,7 +226,8 @@ async def _serve_frontend(settings: ServerSettings, address: str, index: int) ->
                   asyncio.create_task(_push_metrics(client, name, metrics))]  # fmt: skip
     await stop.wait()
     service.stop()
-    logger.info("front end %d draining (up to %.0f s)", index, settings.shutdown_timeout_s)
+    logger.info("shutting down: front end %d finishing in-flight requests (up to %.0f s)",
+                index, settings.shutdown_timeout_s)  # fmt: skip
     await fronts.shutdown(settings.shutdown_timeout_s)
     for task in (parent, *background):
         task.cancel()
