@@ -199,6 +199,12 @@ def serve(**options: Any) -> None:
         stream=sys.stderr,
     )
     if on_ray:
+        if settings.frontends:
+            raise click.BadParameter(
+                "--frontends splits one server into processes; under --ray, Ray Serve runs "
+                "the replicas: leave --frontends out (or 0)",
+                param_hint="--frontends",
+            )
         from slipstream.rayserve.app import run as run_on_ray
 
         sys.exit(run_on_ray(settings))

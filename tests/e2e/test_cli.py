@@ -93,6 +93,8 @@ def test_repository_option_is_required() -> None:
         (["--http-port", "70000"], "http_port"),
         (["--max-request-bytes", "10"], "max_request_bytes"),
         (["--log-level", "loud"], "--log-level"),
+        (["--frontends", "-1"], "frontends"),
+        (["--frontends", "2", "--ray"], "--frontends"),
     ],
 )
 def test_invalid_option_values_exit_non_zero_naming_the_option(
@@ -104,10 +106,11 @@ def test_invalid_option_values_exit_non_zero_naming_the_option(
     assert "Traceback" not in result.stderr
 
 
-def test_serve_an_empty_repository_and_stop_on_sigint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [[], ["--frontends", "1"]], ids=["one-process", "split"])
+def test_serve_an_empty_repository_and_stop_on_sigint(tmp_path: Path, layout: list[str]) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
-    with RemoteServer(repo, log_dir=tmp_path) as server:
+    with RemoteServer(repo, layout, log_dir=tmp_path) as server:
         assert httpx.get(server.url("/v2/health/ready"), timeout=10).status_code == 200
         index = httpx.post(server.url("/v2/repository/index"), timeout=10).json()
         assert index == []
