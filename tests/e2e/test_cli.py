@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -117,3 +118,20 @@ def test_serve_an_empty_repository_and_stop_on_sigint(tmp_path: Path, layout: li
         assert server.proc is not None
         server.proc.send_signal(signal.SIGINT)  # Ctrl-C: the same graceful stop as SIGTERM
         assert server.wait() == 0, server.log_tail()
+
+
+@pytest.mark.parametrize("layout", [[], ["--frontends", "2"]], ids=["one-process", "split"])
+def test_a_port_in_use_stops_the_server_naming_it(tmp_path: Path, layout: list[str]) -> None:
+    """A front end that cannot listen is not started again and again: the server exits 1
+    and says which port, as one process does."""
+    (tmp_path / "repo").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli(
+            "serve", "--model-repository", str(tmp_path / "repo"), "--host", "127.0.0.1",
+            "--http-port", str(port), "--grpc-port", "0", *layout,
+        )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"could not bind 127.0.0.1:{port}" in result.stderr, result.stderr[-2000:]

@@ -7,10 +7,11 @@
 
 A child that dies is started again, after a back-off that doubles from 1 s to 30 s
 (reset once a child has run for a minute); meanwhile the front ends answer 503 with
-Retry-After (:mod:`slipstream.engine.client`). An engine that exits before it was ever
-ready (its models failed to start) stops the whole server with its exit code, as the
-one-process server does. On SIGTERM or SIGINT the front ends drain first (the engine
-still answers their in-flight requests), then the engine stops.
+Retry-After (:mod:`slipstream.engine.client`). A child that exits before it was ever
+ready (an engine whose models failed to start, a front end that could not bind its port)
+stops the whole server with its exit code, as the one-process server does. On SIGTERM or
+SIGINT the front ends drain first (the engine still answers their in-flight requests),
+then the engine stops.
 
 The children are given the targets to run (``server/split.py`` composes them), so this
 module knows processes, not models. They run under ``multiprocessing``'s spawn method:
@@ -61,6 +62,8 @@ class _Child:
     name: str
     target: Callable[..., None]
     args: tuple[Any, ...]
+    # Set by the child once it serves (the engine: models started; a front end: listening).
+    ready: ProcessEvent
     process: BaseProcess | None = None
     started_at: float = 0.0
     backoff_s: float = _FIRST_BACKOFF_S
@@ -70,9 +73,8 @@ class _Child:
 class Supervisor:
     """Runs one engine and ``len(frontends)`` front ends; see the module docstring.
 
-    ``engine`` is called as ``engine(*engine_args, ready)`` in its process, where
-    ``ready`` is a multiprocessing Event it sets once its models have started; each
-    front end as ``target(*args)``.
+    Each child is called as ``target(*args, ready)`` in its process, where ``ready`` is a
+    multiprocessing Event it sets once it serves.
     """
 
     def __init__(
@@ -82,10 +84,9 @@ class Supervisor:
         shutdown_timeout_s: float,
     ) -> None:
         self._context = multiprocessing.get_context("spawn")
-        self._ready: ProcessEvent = self._context.Event()
-        self._engine = _Child("engine", engine[0], (*engine[1], self._ready))
+        self._engine = self._child("engine", *engine)
         self._frontends = [
-            _Child(f"front end {index}", target, args)
+            self._child(f"front end {index}", target, args)
             for index, (target, args) in enumerate(frontends)
         ]
         self._shutdown_timeout_s = shutdown_timeout_s
@@ -100,14 +101,21 @@ class Supervisor:
             asyncio.create_task(self._keep_up(child)) for child in (self._engine, *self._frontends)
         ]
         stop_task = asyncio.create_task(stop.wait())
-        failed = asyncio.create_task(self._engine_failed_at_start())
-        done, _ = await asyncio.wait({stop_task, failed}, return_when=asyncio.FIRST_COMPLETED)
-        exit_code = failed.result() if failed in done else 0
+        failures = [
+            asyncio.create_task(self._failed_at_start(child))
+            for child in (self._engine, *self._frontends)
+        ]
+        done, _ = await asyncio.wait({stop_task, *failures}, return_when=asyncio.FIRST_COMPLETED)
+        exit_code = next((task.result() for task in failures if task in done), 0)
         self._stopping = True
-        for task in (*watchers, stop_task, failed):
+        for task in (*watchers, stop_task, *failures):
             task.cancel()
         await self._stop_all()
         return exit_code
+
+    def _child(self, name: str, target: Callable[..., None], args: tuple[Any, ...]) -> _Child:
+        ready = self._context.Event()
+        return _Child(name, target, (*args, ready), ready)
 
     @property
     def engine_pid(self) -> int | None:
@@ -131,8 +139,8 @@ class Supervisor:
         """Start ``child`` again each time it dies, after its back-off."""
         while True:
             await child.exited.wait()
-            if child is self._engine and not self._ready.is_set():
-                return  # it never started: the server stops (_engine_failed_at_start)
+            if not child.ready.is_set():
+                return  # it never started: the server stops (_failed_at_start)
             process = child.process
             assert process is not None
             ran_s = time.monotonic() - child.started_at
@@ -145,14 +153,14 @@ class Supervisor:
             child.backoff_s = min(_MAX_BACKOFF_S, max(_FIRST_BACKOFF_S, 2 * child.backoff_s))
             self._start(child)
 
-    async def _engine_failed_at_start(self) -> int:
-        """The exit code of an engine that stopped before it was ever ready."""
-        await self._engine.exited.wait()
-        process = self._engine.process
-        if self._ready.is_set() or process is None:
+    async def _failed_at_start(self, child: _Child) -> int:
+        """The exit code of ``child`` if it stops before it was ever ready."""
+        await child.exited.wait()
+        process = child.process
+        if child.ready.is_set() or process is None:
             await asyncio.Event().wait()  # it had started: _keep_up restarts it
         code = process.exitcode if process is not None else 1
-        logger.error("the engine process exited (code %s) before its models were ready", code)
+        logger.error("%s exited (code %s) before it was ready; stopping", child.name, code)
         return code or 1
 
     async def _stop_all(self) -> None:

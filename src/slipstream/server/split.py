@@ -176,13 +176,16 @@ class _FrontEndBoard:
 # -- a front-end process -----------------------------------------------------------------
 
 
-def run_frontend(settings: ServerSettings, address: str, index: int) -> None:
-    """A front-end process's entry point (spawned by the supervisor)."""
+def run_frontend(settings: ServerSettings, address: str, index: int, ready: ProcessEvent) -> None:
+    """A front-end process's entry point (spawned by the supervisor); ``ready`` is set
+    once it listens."""
     _child_setup(settings, f"frontend {index}")
-    sys.exit(_run(_serve_frontend(settings, address, index)))
+    sys.exit(_run(_serve_frontend(settings, address, index, ready)))
 
 
-async def _serve_frontend(settings: ServerSettings, address: str, index: int) -> int:
+async def _serve_frontend(
+    settings: ServerSettings, address: str, index: int, ready: ProcessEvent
+) -> int:
     stop = stop_on_signals(None, (signal.SIGTERM,))
     parent = watch_parent(stop)
     raise_open_files_limit(settings.max_connections)
@@ -222,6 +225,7 @@ async def _serve_frontend(settings: ServerSettings, address: str, index: int) ->
         logger.error("%s", exc)
         await client.close()
         return 1
+    ready.set()
     background = [*background_tasks(settings, None, door),
                   asyncio.create_task(_push_metrics(client, name, metrics))]  # fmt: skip
     await stop.wait()
