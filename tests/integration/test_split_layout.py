@@ -24,6 +24,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from tests.llm_models import smollm2_gguf
@@ -45,7 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
         "backend: llama_cpp\ngeneration: {max_model_len: 512, max_num_seqs: 4, threads: 1}\n"
     )
     args = ["--frontends", str(FRONTENDS), "--model-control-mode", "explicit",
-            "--load-model", "add_sub", "--load-model", "smollm2"]  # fmt: skip
+            "--load-model", "add_sub", "--load-model", "smollm2", "--allow-client-shm"]  # fmt: skip
     with RemoteServer(repo, args, log_dir=tmp) as remote:
         yield remote
 
@@ -200,7 +201,33 @@ def test_a_killed_engine_fails_in_flight_requests_with_503_then_serves_again(
     server: RemoteServer,
 ) -> None:
     """kill -9 of the engine under load: every request is answered (200, or 503 with
-    Retry-After while it is away), none hangs, and the restarted engine serves."""
+    Retry-After while it is away), none hangs, and the restarted engine serves, with the
+    shared-memory regions registered before it died."""
+    rows = 2
+    a, b = (np.full((rows, ADD_SUB_WIDTH), v, np.float32) for v in (3.0, 4.0))
+    key = f"/slipstream_split_{os.getpid()}"
+    region = shm.create_shared_memory_region("split_in", key, a.nbytes + b.nbytes)
+    try:
+        shm.set_shared_memory_region(region, [a, b])
+        http = httpclient.InferenceServerClient(server.http_address)
+        http.register_system_shared_memory("split_in", key, a.nbytes + b.nbytes)
+        _kill_the_engine_under_load(server)
+        grpc = grpcclient.InferenceServerClient(server.grpc_address)
+        assert [r.name for r in grpc.get_system_shared_memory_status().regions.values()] == [
+            "split_in"
+        ]
+        inputs = [
+            grpcclient.InferInput(n, [rows, ADD_SUB_WIDTH], "FP32") for n in ("INPUT0", "INPUT1")
+        ]
+        inputs[0].set_shared_memory("split_in", a.nbytes)
+        inputs[1].set_shared_memory("split_in", b.nbytes, offset=a.nbytes)
+        np.testing.assert_array_equal(grpc.infer("add_sub", inputs).as_numpy("OUTPUT0"), a + b)
+        http.unregister_system_shared_memory()
+    finally:
+        shm.destroy_shared_memory_region(region)
+
+
+def _kill_the_engine_under_load(server: RemoteServer) -> None:
     body = {"inputs": [
         {"name": n, "shape": [1, ADD_SUB_WIDTH], "datatype": "FP32",
          "data": [1.0] * ADD_SUB_WIDTH} for n in ("INPUT0", "INPUT1")]}  # fmt: skip

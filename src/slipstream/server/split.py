@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Coroutine
 from multiprocessing.synchronize import Event as ProcessEvent
+from pathlib import Path
 from typing import Any
 
+import orjson
 from prometheus_client import disable_created_metrics
 
 from slipstream import runtime
@@ -61,6 +64,7 @@ from slipstream.server.runner import (
     start_front_ends,
     stop_on_signals,
 )
+from slipstream.serving.shared_memory import SystemSharedMemory
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ async def serve_split(settings: ServerSettings, stop: asyncio.Event | None = Non
     directory = socket_dir()
     address = engine_address(directory)
     supervisor = Supervisor(
-        engine=(run_engine, (settings, address, runtime.registered_backends())),
+        engine=(run_engine, (settings, directory, runtime.registered_backends())),
         frontends=[(run_frontend, (settings, address, i)) for i in range(settings.frontends)],
         shutdown_timeout_s=settings.shutdown_timeout_s,
     )
@@ -98,7 +102,7 @@ async def serve_split(settings: ServerSettings, stop: asyncio.Event | None = Non
 
 def run_engine(
     settings: ServerSettings,
-    address: str,
+    directory: Path,
     backends: dict[str, tuple[str, str]],
     ready: ProcessEvent,
 ) -> None:
@@ -107,10 +111,10 @@ def run_engine(
     _child_setup(settings, "engine")
     for name, (module, class_name) in backends.items():
         runtime.register_backend(name, module, class_name)
-    sys.exit(_run(_serve_engine(settings, address, ready)))
+    sys.exit(_run(_serve_engine(settings, directory, ready)))
 
 
-async def _serve_engine(settings: ServerSettings, address: str, ready: ProcessEvent) -> int:
+async def _serve_engine(settings: ServerSettings, directory: Path, ready: ProcessEvent) -> int:
     TRACE.mark("imported")
     stop = stop_on_signals(None, (signal.SIGTERM,))
     parent = watch_parent(stop)
@@ -138,9 +142,23 @@ async def _serve_engine(settings: ServerSettings, address: str, ready: ProcessEv
         async for chunk in reply.chunks:
             yield chunk
 
+    journal = _RegionJournal(directory / "regions.json", service.shared_memory)
+    journal.restore()
+
+    async def register_region(name: str, key: str, offset: int, byte_size: int) -> None:
+        await service.register_region(name, key, offset, byte_size)
+        journal.save()
+
+    async def unregister_region(name: str = "") -> None:
+        await service.unregister_region(name)
+        journal.save()
+
     calls = engine_calls(service)
-    calls.update(drift=drift, metrics=metrics)
-    host = EngineHost(address, calls, streams={"http": forward}, tells={"board": board.put})
+    calls.update(drift=drift, metrics=metrics, register_region=register_region,
+                 unregister_region=unregister_region)  # fmt: skip
+    host = EngineHost(
+        engine_address(directory), calls, streams={"http": forward}, tells={"board": board.put}
+    )
     host.start()
     background = background_tasks(settings, core, None)
     start_task = asyncio.create_task(service.start())
@@ -153,6 +171,41 @@ async def _serve_engine(settings: ServerSettings, address: str, ready: ProcessEv
     await service.stop()
     logger.info("engine stopped")
     return exit_code
+
+
+class _RegionJournal:
+    """The client shared-memory regions registered in the engine, written to the split
+    layout's private directory on every change, so that an engine started again after it
+    died registers them again: the clients' shared-memory objects outlive it, and their
+    requests go on naming the regions."""
+
+    def __init__(self, path: Path, regions: SystemSharedMemory) -> None:
+        self._path = path
+        self._regions = regions
+
+    def restore(self) -> None:
+        try:
+            saved = orjson.loads(self._path.read_bytes())
+        except FileNotFoundError:
+            return
+        except (OSError, orjson.JSONDecodeError) as exc:
+            logger.error("cannot read the registered regions from %s: %s", self._path, exc)
+            return
+        for region in saved:
+            try:
+                self._regions.register(
+                    region["name"], region["key"], region["offset"], region["byte_size"]
+                )
+            except SlipstreamError as exc:
+                logger.warning("region %r is not registered again: %s", region["name"], exc)
+        if saved:
+            logger.info("registered %d shared-memory regions again", len(saved))
+
+    def save(self) -> None:
+        regions = [dataclasses.asdict(status) for status in self._regions.status()]
+        temporary = self._path.with_suffix(".tmp")
+        temporary.write_bytes(orjson.dumps(regions))
+        temporary.replace(self._path)
 
 
 class _FrontEndBoard:
