@@ -25,6 +25,9 @@ from slipstream.engine.wire import decode, encode
 
 logger = logging.getLogger(__name__)
 
+# Messages queued towards a peer before sends wait (ZeroMQ's default is 1,000; a front
+# end with a few thousand requests in flight would stall).
+HIGH_WATER_MARK = 100_000
 # Frames at least this large are sent without a copy (the copy of a small frame costs less
 # than the release callback a zero-copy frame needs).
 ZERO_COPY_BYTES = 65_536
@@ -33,6 +36,15 @@ _FULL_RETRY_S = 0.001
 
 # (peer or None, message) for each message received.
 OnMessage = Callable[[bytes | None, Any], None]
+
+
+def open_socket(context: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
+    """A socket of ``kind`` with this package's queue bounds, closed without lingering."""
+    socket: zmq.Socket[Any] = context.socket(kind)
+    socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+    socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+    socket.setsockopt(zmq.LINGER, 0)
+    return socket
 
 
 class Channel:

@@ -20,8 +20,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from slipstream.engine.channel import Channel
-from slipstream.engine.host import HIGH_WATER_MARK
+from slipstream.engine.channel import Channel, open_socket
 from slipstream.engine.wire import error_state, rebuild_error
 from slipstream.errors import Unavailable
 
@@ -42,10 +41,7 @@ class EngineClient:
     def __init__(self, address: str) -> None:
         self._address = address
         self._context = zmq.Context()
-        self._socket: zmq.Socket[Any] = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
-        self._socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
-        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket = open_socket(self._context, zmq.DEALER)
         # Queue nothing for a peer that is not connected: a call made while the engine
         # is away is refused by this client, never parked in ZeroMQ's pipe.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)

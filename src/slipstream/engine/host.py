@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from slipstream.engine.channel import Channel
+from slipstream.engine.channel import Channel, open_socket
 from slipstream.engine.wire import error_state
 from slipstream.errors import SlipstreamError
 
@@ -33,10 +33,6 @@ logger = logging.getLogger(__name__)
 
 Call = Callable[..., Awaitable[Any]]
 Stream = Callable[..., AsyncIterator[Any]]
-
-# Messages queued towards one front end before sends wait (ZeroMQ's default is 1,000;
-# a front end with a few thousand requests in flight would stall the engine's replies).
-HIGH_WATER_MARK = 100_000
 
 
 class EngineHost:
@@ -54,13 +50,10 @@ class EngineHost:
         self._streams = dict(streams or {})
         self._tells = dict(tells or {})
         self._context = zmq.Context()
-        self._socket: zmq.Socket[Any] = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
-        self._socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        self._socket = open_socket(self._context, zmq.ROUTER)
         # A reply to a front end that has gone raises instead of vanishing, so its calls
         # and streams are cancelled (an LLM sequence stops generating).
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._socket.setsockopt(zmq.LINGER, 0)
         # (front end, call id) -> the task answering it, for cancels.
         self._tasks: dict[tuple[bytes, int], asyncio.Task[None]] = {}
         self._channel = Channel(
