@@ -268,4 +268,4 @@ class BoundaryMachine(RuleBasedStateMachine):
 
 
 TestBoundary = BoundaryMachine.TestCase
-TestBoundary.settings = settings(max_examples=15, stateful_step_count=10, deadline=None)
+TestBoundary.settings = settings(max_examples=10, stateful_step_count=10, deadline=None)
