@@ -92,9 +92,11 @@ def test_signature_datatypes(tmp_path: Path, datatype: str) -> None:
     assert backend.signature().inputs == (TensorSpec("INPUT0", datatype, (-1, -1)),)
 
 
-def test_outputs_are_copies_the_next_run_does_not_overwrite(tmp_path: Path) -> None:
+def test_read_only_inputs_run_and_outputs_outlive_the_next_run(tmp_path: Path) -> None:
     backend = OpenVinoBackend.load(build_matmul_chain(tmp_path / "m.onnx"), {}, 1)
-    first = backend.run({"x": np.ones((2, 16), np.float32)}, ["y"])["y"]
+    # Read-only, as an array over a gRPC request's bytes is.
+    ones = np.frombuffer(np.ones((2, 16), np.float32).tobytes(), np.float32).reshape(2, 16)
+    first = backend.run({"x": ones}, ["y"])["y"]
     kept = first.copy()
     backend.run({"x": np.full((2, 16), 3.0, np.float32)}, ["y"])
     np.testing.assert_array_equal(first, kept)

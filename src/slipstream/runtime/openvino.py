@@ -37,6 +37,7 @@ Example config.yaml::
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,14 +71,17 @@ _HINTS = ("LATENCY", "THROUGHPUT")
 _SUFFIXES = (".xml", ".onnx")
 
 _core: ov.Core | None = None
+# Models load on worker threads, several at once at start-up.
+_core_lock = threading.Lock()
 
 
 def core() -> ov.Core:
     """The process's one OpenVINO Core (it holds the plugins; creating one costs ~50 ms)."""
     global _core
-    if _core is None:
-        _core = ov.Core()
-    return _core
+    with _core_lock:
+        if _core is None:
+            _core = ov.Core()
+        return _core
 
 
 def compile_properties(parameters: dict[str, str], instance_count: int) -> dict[str, Any]:
@@ -132,6 +136,14 @@ def _summary(exc: RuntimeError) -> str:
     return "; ".join(kept or lines)
 
 
+def _indexes(ports: Any) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for index, port in enumerate(ports):
+        for name in port.get_names():
+            found.setdefault(name, index)
+    return found
+
+
 class OpenVinoBackend(Backend):
     """One compiled OpenVINO model and its infer request, on the CPU plugin."""
 
@@ -146,11 +158,9 @@ class OpenVinoBackend(Backend):
         )
         self._compiled = compiled
         self._request = compiled.create_infer_request()
-        # Output name -> index: a request names outputs, the infer request numbers them.
-        self._output_index: dict[str, int] = {}
-        for index, port in enumerate(model.outputs):
-            for name in port.get_names():
-                self._output_index.setdefault(name, index)
+        # Name -> index: requests name tensors, the infer request numbers them.
+        self._input_index = _indexes(model.inputs)
+        self._output_index = _indexes(model.outputs)
 
     @classmethod
     def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> OpenVinoBackend:
@@ -182,12 +192,21 @@ class OpenVinoBackend(Backend):
     def run(
         self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
     ) -> dict[str, np.ndarray]:
-        # share_inputs: OpenVINO reads the arrays in place instead of copying them in.
-        # share_outputs: views of the request's own buffers, which the next run
-        # overwrites: the requested ones are copied out below, the others never are.
-        results = self._request.infer(inputs, share_inputs=True, share_outputs=True)
-        values = results.to_tuple()
-        return {name: np.array(values[self._output_index[name]]) for name in output_names}
+        # Tensors set by index over the arrays' own memory, then a bare infer(): about
+        # 8 us a call less than infer(dict), which wraps every output (a 64-feature
+        # classifier: 25 instead of 32 us a run). The outputs are the request's own
+        # buffers, which the next run overwrites: the requested ones are copied out.
+        # OpenVINO shares only writeable memory: an array over a request's read-only
+        # bytes (a gRPC raw content) is copied, any other is used in place.
+        request = self._request
+        for name, array in inputs.items():
+            tensor = ov.Tensor(np.require(array, requirements=("C", "W")), shared_memory=True)
+            request.set_input_tensor(self._input_index[name], tensor)
+        request.infer()
+        return {
+            name: request.get_output_tensor(self._output_index[name]).data.copy()
+            for name in output_names
+        }
 
     def close(self) -> None:
         del self._request, self._compiled
