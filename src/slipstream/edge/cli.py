@@ -110,6 +110,11 @@ def build(**options: Any) -> None:
         result = export_bundle(request)
     except ExportError as exc:
         raise click.ClickException(str(exc)) from None
+    except ModuleNotFoundError as exc:
+        # optimize's passes read and write ONNX with the onnx package.
+        raise click.ClickException(
+            f"slipstream export needs {exc.name}: pip install {exc.name}"
+        ) from None
     manifest = result.manifest
     size = manifest.size
     click.echo(
