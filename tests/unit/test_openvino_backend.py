@@ -23,9 +23,11 @@ ov = pytest.importorskip("openvino")
 
 from slipstream.runtime.openvino import OpenVinoBackend, compile_properties  # noqa: E402
 
-# A MatMul chain slow enough (tens of ms on one thread) to see who holds the GIL.
+# A MatMul chain slow enough to see who holds the GIL: ~150 ms a run on one thread, far
+# above the scheduling hiccups of a loaded machine.
 _SLOW_WIDTH = 1024
-_SLOW_LAYERS = 12
+_SLOW_LAYERS = 4
+_SLOW_ROWS = 2048
 
 
 def _save(graph: onnx.GraphProto, path: Path, opsets: dict[str, int] | None = None) -> Path:
@@ -143,7 +145,7 @@ async def test_a_served_version_completes_its_config_and_loads_each_instance(
 def test_a_run_releases_the_gil(tmp_path: Path) -> None:
     path = build_matmul_chain(tmp_path / "slow.onnx", _SLOW_WIDTH, _SLOW_LAYERS)
     backend = OpenVinoBackend.load(path, {"intra_op_thread_count": "1"}, 1)
-    x = np.ones((64, _SLOW_WIDTH), np.float32)
+    x = np.ones((_SLOW_ROWS, _SLOW_WIDTH), np.float32)
     backend.run({"x": x}, ["y"])
     started = time.perf_counter()
     backend.run({"x": x}, ["y"])
@@ -158,7 +160,7 @@ def test_a_run_releases_the_gil(tmp_path: Path) -> None:
         longest_gap, last, ticks = max(longest_gap, now - last), now, ticks + 1
     runner.join()
     # Held for the whole run, the GIL would stall this loop once for about one_run_s.
-    assert one_run_s > 0.01 and longest_gap < one_run_s / 2, (one_run_s, longest_gap, ticks)
+    assert one_run_s > 0.05 and longest_gap < one_run_s / 2, (one_run_s, longest_gap, ticks)
 
 
 def test_a_file_openvino_cannot_read_names_its_operators(tmp_path: Path) -> None:
