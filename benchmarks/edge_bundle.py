@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.edge import ExportRequest, TargetOptions, export_bundle, verify_bundle
+from slipstream.edge.export import ExportRequest, export_bundle
+from slipstream.edge.manifest import verify_bundle
+from slipstream.edge.targets import TargetOptions
 
 import models
 from optimize import CALIBRATION_STRIDE, SENTENCES, tokenize

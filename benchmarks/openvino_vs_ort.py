@@ -44,12 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.edge import (
-    ExportRequest,
-    TargetOptions,
-    export_bundle,
-    verify_bundle,
-)
+from slipstream.edge.export import ExportRequest, export_bundle
+from slipstream.edge.manifest import verify_bundle
+from slipstream.edge.targets import TargetOptions
 from slipstream.runtime import get_backend
 from slipstream.runtime.base import Backend
 

@@ -17,7 +17,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from slipstream.edge import ExportRequest, TargetOptions, export_bundle
+from slipstream.edge.export import ExportRequest, export_bundle
+from slipstream.edge.targets import TargetOptions
 from tests.models import build_add_sub, build_tiny_encoder, run_onnx, tiny_encoder_rows
 from tests.models import write_config as write_model_config
 from tests.utils import RemoteServer

@@ -14,17 +14,9 @@ import yaml
 from click.testing import CliRunner
 
 from slipstream.cli import main
-from slipstream.edge import (
-    BundleError,
-    ExportError,
-    ExportRequest,
-    TargetOptions,
-    check_samples,
-    export_bundle,
-    read_manifest,
-    verify_bundle,
-)
-from slipstream.edge.manifest import sha256_of
+from slipstream.edge.export import ExportRequest, check_samples, export_bundle
+from slipstream.edge.manifest import BundleError, read_manifest, sha256_of, verify_bundle
+from slipstream.edge.targets import ExportError, TargetOptions
 from tests.models import build_tiny_encoder, tiny_encoder_rows, write_config
 
 pytest.importorskip("openvino")

@@ -4,24 +4,6 @@
 Runtime's ``.ort`` format, OpenVINO IR), judges it with optimize's accuracy gate, and
 writes it with its config, sample rows and a ``manifest`` of every file's SHA-256;
 ``manifest.verify_bundle`` checks a bundle against it. A bundle directory is a model
-repository entry as it is.
+repository entry as it is. Nothing is imported here: the ``slipstream`` CLI loads
+``edge.cli`` (click only) at start-up, the exporter when the command runs.
 """
-
-from slipstream.edge.export import ExportRequest, ExportResult, check_samples, export_bundle
-from slipstream.edge.manifest import BundleError, Manifest, read_manifest, verify_bundle
-from slipstream.edge.targets import TARGETS, ExportError, Target, TargetOptions
-
-__all__ = [
-    "TARGETS",
-    "BundleError",
-    "ExportError",
-    "ExportRequest",
-    "ExportResult",
-    "Manifest",
-    "Target",
-    "TargetOptions",
-    "check_samples",
-    "export_bundle",
-    "read_manifest",
-    "verify_bundle",
-]
