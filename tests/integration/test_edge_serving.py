@@ -8,6 +8,7 @@ without the extra: the OpenVINO models are not ready and say why, the rest serve
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,7 +118,9 @@ def test_without_openvino_its_models_say_how_to_install_it_and_the_rest_serve(
     blocker = tmp_path / "no_openvino" / "openvino"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text(_NO_OPENVINO)
-    env = {"PYTHONPATH": str(blocker.parent)}
+    # First on the server's path, before whatever the test run has there.
+    paths = [str(blocker.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {"PYTHONPATH": os.pathsep.join(paths)}
     # Ready once loading is done: by default (Triton's strict readiness) a server with a
     # failed model reports not ready, and still serves the others.
     args = ["--no-strict-readiness"]
