@@ -187,3 +187,51 @@ def build_mean_embedding(repo: Path, name: str, table: np.ndarray) -> Path:
 
 def mean_embedding(table: np.ndarray, ids: list[int]) -> np.ndarray:
     return np.asarray(table[ids].mean(axis=0), dtype=np.float32)
+
+
+def build_tiny_encoder(repo: Path, name: str = "encoder", vocab: int = 64, dim: int = 32) -> Path:
+    """A MiniLM-shaped toy: embedding lookup, masked mean, a projection and a tanh.
+
+    Inputs ``input_ids`` and ``attention_mask`` INT64 [-1, -1]; output ``embedding``
+    FP32 [-1, dim // 2]. A Gather and a MatMul with fixed random weights: what the
+    int8 passes quantize in a real encoder, small enough to quantize in milliseconds.
+    """
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal((vocab, dim)).astype(np.float32)
+    weight = (rng.standard_normal((dim, dim // 2)) / np.sqrt(dim)).astype(np.float32)
+    nodes = [
+        helper.make_node("Gather", ["table", "input_ids"], ["rows"]),
+        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["maskf", "last"], ["mask3"]),
+        helper.make_node("Mul", ["rows", "mask3"], ["masked"]),
+        helper.make_node("ReduceSum", ["masked", "tokens_axis"], ["summed"], keepdims=0),
+        helper.make_node("ReduceSum", ["maskf", "tokens_axis"], ["count"], keepdims=1),
+        helper.make_node("Div", ["summed", "count"], ["mean"]),
+        helper.make_node("MatMul", ["mean", "weight"], ["projected"]),
+        helper.make_node("Tanh", ["projected"], ["embedding"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "tokens"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "tokens"]),
+        ],
+        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", dim // 2])],
+        initializer=[
+            numpy_helper.from_array(table, "table"),
+            numpy_helper.from_array(weight, "weight"),
+            numpy_helper.from_array(np.array([-1], dtype=np.int64), "last"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "tokens_axis"),
+        ],
+    )
+    return _save(_model(graph), repo, name, 1)
+
+
+def tiny_encoder_rows(count: int, vocab: int = 64, tokens: int = 6) -> dict[str, np.ndarray]:
+    """``count`` rows for :func:`build_tiny_encoder`, the last tokens of some padded."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(1, vocab, size=(count, tokens), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[::3, tokens - 2 :] = 0
+    return {"input_ids": ids * mask, "attention_mask": mask}

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from slipstream import __version__
 from slipstream.bench.cli import bench
 from slipstream.config import ServerSettings, format_validation_error
+from slipstream.edge.cli import export
 from slipstream.optimize.cli import optimize
 from slipstream.profile.cli import profile
 from slipstream.tune.cli import tune
@@ -551,3 +552,4 @@ main.add_command(bench)
 main.add_command(profile)
 main.add_command(optimize)
 main.add_command(tune)
+main.add_command(export)

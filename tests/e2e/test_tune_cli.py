@@ -25,6 +25,9 @@ pytestmark = pytest.mark.slow
 TINY = [
     "--mode", "brute", "--queue-delays-us", "0", "--instances", "1", "--threads", "1",
     "--warmup-s", "0.2", "--window-s", "0.25", "--max-windows", "3", "--max-concurrency", "2",
+    # The model's own backend only (with the openvino extra, each variant is tried on
+    # OpenVINO too: tests/unit/test_tune_parts.py checks those twins).
+    "--backends", "onnxruntime",
 ]  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from slipstream.tune.settings import (
     parse_slo,
 )
 from slipstream.tune.trials import model_config
-from slipstream.tune.variants import apply_budget, find_variants, gate_drop
+from slipstream.tune.variants import Variant, apply_budget, find_variants, gate_drop
 from tests.models import build_add_sub, write_config
 
 EXAMPLE_CATALOGUE = Path(__file__).resolve().parents[2] / "examples" / "tune" / "catalogue.yaml"
@@ -283,10 +283,42 @@ def test_a_gpu_profile_is_skipped_for_a_cpu_backend(tmp_path: Path) -> None:
     )
     options = TuneOptions(
         model_dir=tmp_path / "add_sub", slo=parse_slo("p99_ms=5", None), catalogue=catalogue,
-        work_dir=tmp_path / "work",
+        work_dir=tmp_path / "work", backends=("onnxruntime",),
     )  # fmt: skip
     plan = plan_tune(options)
     assert plan.space.size == 60 and plan.priced
     [cpu, gpu] = plan.profiles
     assert cpu["skipped"] == "" and cpu["cpus"] == usable_cpus()[:1]
     assert gpu["skipped"].startswith("asks for GPU 0; the model's backend onnxruntime runs on")
+
+
+def test_onnx_variants_are_also_tried_on_openvino(tmp_path: Path) -> None:
+    from slipstream.tune.trials import write_trial_repository
+    from slipstream.tune.variants import backend_variants
+
+    build_add_sub(tmp_path)
+    config, variants = find_variants(tmp_path / "add_sub")
+    twins = backend_variants(variants, config, ["onnxruntime", "openvino"])
+    assert [(v.name, v.backend) for v in twins] == [
+        ("v1 original", ""),
+        ("v1 original on openvino", "openvino"),
+    ]
+    assert backend_variants(variants, config, ["onnxruntime"]) == variants
+    with pytest.raises(TuneInputError, match="--backends: unknown backend 'tensorrt'"):
+        backend_variants(variants, config, ["tensorrt"])
+    point = {"max_batch_size": 8, "max_queue_delay_us": 0, "instances": 1, "threads": 1}
+    written = model_config({}, {**point, "backend": twins[1].backend})
+    assert written["backend"] == "openvino"
+    assert "backend" not in model_config({}, {**point, "backend": ""})
+    # An OpenVINO IR variant brings its weights file into the trial's repository.
+    ir = twins[0].model_file.with_name("model.xml")
+    ir.write_text("<net/>")
+    ir.with_suffix(".bin").write_bytes(b"weights")
+    ir_variant = Variant("v1 ir", 1, ir, [], 0.0, "", "original", backend="openvino")
+    repository = write_trial_repository(
+        tmp_path / "trial", tmp_path / "add_sub", ir_variant, written
+    )
+    assert sorted(p.name for p in (repository / "add_sub" / "1").iterdir()) == [
+        "model.bin",
+        "model.xml",
+    ]

@@ -178,7 +178,8 @@ class ModelConfig(_Strict):
     name: str = ""
     backend: str = Field(
         "",
-        description="onnxruntime, torch, sklearn, transformers or llama_cpp; default by file type",
+        description="onnxruntime, torch, sklearn, openvino, transformers or llama_cpp; default by "
+        "file type",
     )
     platform: str = ""
     default_model_filename: str = ""

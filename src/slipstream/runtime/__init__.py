@@ -1,4 +1,4 @@
-"""Backends that execute a model: ONNX Runtime (default), torch, scikit-learn."""
+"""Backends that execute a model: ONNX Runtime (default), torch, scikit-learn, OpenVINO."""
 
 from __future__ import annotations
 
@@ -12,15 +12,20 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "onnxruntime": ("slipstream.runtime.onnx", "OnnxBackend", ""),
     "torch": ("slipstream.runtime.torch", "TorchBackend", "torch"),
     "sklearn": ("slipstream.runtime.sklearn", "SklearnBackend", "sklearn"),
+    "openvino": ("slipstream.runtime.openvino", "OpenVinoBackend", "openvino"),
 }
 
 # model file extension -> default backend name
 _BY_EXTENSION: dict[str, str] = {
     ".onnx": "onnxruntime",
+    # ONNX Runtime's own format (``slipstream export --target mobile`` writes it).
+    ".ort": "onnxruntime",
     ".pt": "torch",
     ".pt2": "torch",
     ".joblib": "sklearn",
     ".pkl": "sklearn",
+    # OpenVINO IR: model.xml, its weights in model.bin beside it.
+    ".xml": "openvino",
 }
 
 BACKEND_NAMES = tuple(_BACKENDS)
@@ -34,6 +39,17 @@ def backend_for_file(path: Path) -> str:
     except KeyError:
         known = ", ".join(_BY_EXTENSION)
         raise ValueError(f"{path.name}: unknown model file type; expected one of {known}") from None
+
+
+def model_files(path: Path) -> list[Path]:
+    """The files a model file needs to load: itself, and for OpenVINO IR its weights.
+
+    >>> [p.name for p in model_files(Path("1/model.xml"))]
+    ['model.xml', 'model.bin']
+    """
+    if path.suffix.lower() == ".xml":
+        return [path, path.with_suffix(".bin")]
+    return [path]
 
 
 def register_backend(name: str, module: str, class_name: str) -> None:

@@ -1,4 +1,4 @@
-"""ONNX Runtime backend, the default for ``.onnx`` files.
+"""ONNX Runtime backend, the default for ``.onnx`` files and ONNX Runtime's own ``.ort`` format.
 
 Thread defaults favour the batcher over ORT's own parallelism: the cores this process may
 use are shared out among the model's instances, and ORT's spin-waiting is off, because a
@@ -109,7 +109,7 @@ class OnnxBackend(Backend):
     """One ONNX Runtime InferenceSession on the CPU execution provider."""
 
     name = "onnxruntime"
-    file_extensions = (".onnx",)
+    file_extensions = (".onnx", ".ort")
     releases_gil = True
 
     def __init__(self, session: ort.InferenceSession) -> None:

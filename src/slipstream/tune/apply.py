@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from slipstream.repository.layout import CONFIG_FILENAMES, read_model_directory
+from slipstream.runtime import model_files
 from slipstream.tune.results import TuneResult
 from slipstream.tune.trials import model_config
 
@@ -35,7 +36,10 @@ def apply_winner(result: TuneResult, model_dir: Path, base_config: dict[str, Any
     profile = next(p for p in result.profiles if p["name"] == record.config["profile"])
     source = Path(variant["model_file"])
     version = max(read_model_directory(model_dir).versions, default=0) + 1
-    config = model_config(base_config, {**record.config, "gpu": profile.get("gpu")})
+    config = model_config(
+        base_config,
+        {**record.config, "gpu": profile.get("gpu"), "backend": variant.get("backend", "")},
+    )
     config_path = next(
         (model_dir / n for n in CONFIG_FILENAMES if (model_dir / n).is_file()),
         model_dir / CONFIG_FILENAMES[0],
@@ -44,7 +48,8 @@ def apply_winner(result: TuneResult, model_dir: Path, base_config: dict[str, Any
         shutil.copy2(config_path, config_path.with_name(config_path.name + ".before-tune"))
     staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=model_dir))
     try:
-        shutil.copyfile(source, staging / source.name)
+        for path in model_files(source):
+            shutil.copyfile(path, staging / path.name)
         tuned = {
             "trial": record.trial,
             "config": record.config,

@@ -53,6 +53,9 @@ EXIT_INTERRUPTED = 130
               help="instance_group count values searched.")  # fmt: skip
 @click.option("--threads", default="1,2", show_default=True,
               help="intra_op_thread_count values searched.")  # fmt: skip
+@click.option("--backends", default="auto", show_default=True,
+              help="Backends each ONNX variant is also served on, comma-separated "
+              "(onnxruntime, openvino); auto: every installed one.")  # fmt: skip
 @click.option("--remeasure", type=click.IntRange(min=0), default=3, show_default=True,
               help="Measure the best N configurations once more (figures become medians "
               "with a spread).")  # fmt: skip
@@ -157,6 +160,7 @@ def _tune_options(options: dict[str, Any]) -> Any:
             queue_delays_us=int_list(options["queue_delays_us"], "--queue-delays-us"),
             instances=int_list(options["instances"], "--instances", minimum=1),
             threads=int_list(options["threads"], "--threads", minimum=1),
+            backends=tuple(b.strip() for b in options["backends"].split(",") if b.strip()),
             remeasure_top=options["remeasure"],
             patience=options["patience"],
             seed=options["seed"],

@@ -26,7 +26,14 @@ from slipstream.tune.search import SearchMode, default_trials, make_strategy
 from slipstream.tune.settings import Catalogue, HardwareProfile, Slo, TuneInputError, usable_cpus
 from slipstream.tune.space import Dimension, Point, Space
 from slipstream.tune.trials import TrialContext, run_trial, score
-from slipstream.tune.variants import Variant, apply_budget, find_variants, measure_drops
+from slipstream.tune.variants import (
+    AUTO_BACKENDS,
+    Variant,
+    apply_budget,
+    backend_variants,
+    find_variants,
+    measure_drops,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,9 @@ class TuneOptions:
     queue_delays_us: tuple[int, ...] = (0, 1000, 4000)
     instances: tuple[int, ...] = (1, 2)
     threads: tuple[int, ...] = (1, 2)
+    # Backends each variant is tried on beside the model's own: "auto" is every installed
+    # backend that reads its file (ONNX: ONNX Runtime and OpenVINO); () the own only.
+    backends: tuple[str, ...] = (AUTO_BACKENDS,)
     # The best N configurations are measured again `remeasure_runs` more times each.
     remeasure_top: int = 3
     remeasure_runs: int = 1
@@ -93,6 +103,7 @@ def plan_tune(options: TuneOptions) -> TunePlan:
     config, variants = find_variants(options.model_dir)
     if options.validation is not None:
         measure_drops(variants, options.validation)
+    variants = backend_variants(variants, config, options.backends)
     apply_budget(variants, options.max_accuracy_drop)
     eligible = [v for v in variants if not v.excluded]
     if not eligible:

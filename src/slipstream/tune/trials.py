@@ -21,6 +21,7 @@ import yaml
 
 from slipstream.bench.core.errors import BenchError
 from slipstream.bench.v2.runner import ProgressListener
+from slipstream.runtime import model_files
 from slipstream.tune.measure import LoadCurve, MeasureSettings, measure_curve, slo_ratio
 from slipstream.tune.results import LevelFigures, TrialRecord
 from slipstream.tune.server import TrialServer, TrialServerError
@@ -39,6 +40,8 @@ def model_config(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
     [{'count': 2, 'kind': 'KIND_CPU'}]
     """
     config = copy.deepcopy(base)
+    if point.get("backend"):
+        config["backend"] = point["backend"]
     config["max_batch_size"] = int(point["max_batch_size"])
     batching = dict(config.get("dynamic_batching") or {})
     batching["max_queue_delay_microseconds"] = int(point["max_queue_delay_us"])
@@ -67,7 +70,8 @@ def write_trial_repository(
         shutil.rmtree(target)
     version_dir = target / "1"
     version_dir.mkdir(parents=True)
-    _link_or_copy(variant.model_file, version_dir / variant.model_file.name)
+    for path in model_files(variant.model_file):
+        _link_or_copy(path, version_dir / path.name)
     for entry in model_dir.iterdir():
         if entry.name.isdigit() or entry.name in ("config.yaml", "config.yml"):
             continue
@@ -126,7 +130,9 @@ def run_trial(
         accuracy_drop=variant.accuracy_drop,
     )
     trial_dir = context.work_dir / f"trial-{trial:03d}"
-    config = model_config(context.base_config, {**point, "gpu": profile.gpu})
+    config = model_config(
+        context.base_config, {**point, "gpu": profile.gpu, "backend": variant.backend}
+    )
     repository = write_trial_repository(trial_dir, context.model_dir, variant, config)
     server = TrialServer(
         repository,

@@ -6,21 +6,36 @@ metric's unit (top1 / agreement: percentage points; cosine: 1 - mean cosine; mae
 maxae: the error), or measured on ``--validation`` rows against the original (the
 newest version without that file, i.e. not made by optimize). A variant whose drop is
 over ``--max-accuracy-drop`` is kept in the report with the reason and not searched.
+
+Each variant is served by a backend: the model's own (``backend:`` in its config.yaml,
+else by file type), and, with ``--backends``, every other installed backend that reads
+the file: an ONNX version becomes a second variant on OpenVINO ("v1 original on
+openvino") when the ``openvino`` extra is installed, with the same accuracy drop (both
+run the same graph in FP32; OpenVINO's precision is pinned to f32 by default).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from slipstream.config import ModelConfig
 from slipstream.repository.layout import model_file, read_config, read_model_directory
+from slipstream.runtime import BACKEND_NAMES, backend_for_file
 from slipstream.tune.settings import TuneInputError
 
 # optimize's record in a version directory (slipstream.optimize.core.RECORD_NAME).
 RECORD_NAME = "optimization.json"
+# Backends that read each model file type, beside the file type's default backend, and
+# the module each needs installed.
+_ALSO_READ_BY = {".onnx": ("onnxruntime", "openvino")}
+_BACKEND_MODULES = {"onnxruntime": "onnxruntime", "openvino": "openvino"}
+# --backends: every installed backend that reads the variant's file.
+AUTO_BACKENDS = "auto"
 
 
 @dataclass
@@ -41,6 +56,8 @@ class Variant:
     accuracy_source: str
     # Why the variant is not searched (over the accuracy budget, unreadable); "" if it is.
     excluded: str = ""
+    # The backend that serves it (config.yaml's backend:); "" for the model's own.
+    backend: str = ""
 
 
 def find_variants(model_dir: Path) -> tuple[ModelConfig, list[Variant]]:
@@ -164,3 +181,39 @@ def apply_budget(variants: list[Variant], max_drop: float | None) -> None:
                 f"accuracy drop {variant.accuracy_drop:g} ({variant.accuracy_metric}) is over "
                 f"--max-accuracy-drop {max_drop:g}"
             )
+
+
+def backend_variants(
+    variants: list[Variant], config: ModelConfig, backends: Sequence[str]
+) -> list[Variant]:
+    """``variants`` on the model's own backend, each followed by its twins on the other
+    ``backends`` that read its file (``("auto",)``: every installed one; ``()``: none).
+
+    >>> from slipstream.config import ModelConfig
+    >>> original = Variant("v1 original", 1, Path("1/model.onnx"), [], 0.0, "", "original")
+    >>> [v.name for v in backend_variants([original], ModelConfig(), ["openvino"])]
+    ['v1 original', 'v1 original on openvino']
+    """
+    unknown = [b for b in backends if b != AUTO_BACKENDS and b not in BACKEND_NAMES]
+    if unknown:
+        raise TuneInputError(
+            f"--backends: unknown backend {unknown[0]!r}; expected {AUTO_BACKENDS} or some of "
+            + ", ".join(BACKEND_NAMES)
+        )
+    found = []
+    for variant in variants:
+        found.append(variant)
+        own = config.backend or backend_for_file(variant.model_file)
+        readers = _ALSO_READ_BY.get(variant.model_file.suffix.lower(), ())
+        if AUTO_BACKENDS in backends:
+            wanted = [b for b in readers if _installed(b)]
+        else:
+            wanted = [b for b in backends if b in readers]
+        for backend in wanted:
+            if backend != own:
+                found.append(replace(variant, name=f"{variant.name} on {backend}", backend=backend))
+    return found
+
+
+def _installed(backend: str) -> bool:
+    return importlib.util.find_spec(_BACKEND_MODULES[backend]) is not None
