@@ -202,7 +202,7 @@ def test_a_killed_engine_fails_in_flight_requests_with_503_then_serves_again(
 ) -> None:
     """kill -9 of the engine under load: every request is answered (200, or 503 with
     Retry-After while it is away), none hangs, and the restarted engine serves, with the
-    shared-memory regions registered before it died."""
+    shared-memory regions registered and the models loaded before it died."""
     rows = 2
     a, b = (np.full((rows, ADD_SUB_WIDTH), v, np.float32) for v in (3.0, 4.0))
     key = f"/slipstream_split_{os.getpid()}"
@@ -211,7 +211,9 @@ def test_a_killed_engine_fails_in_flight_requests_with_503_then_serves_again(
         shm.set_shared_memory_region(region, [a, b])
         http = httpclient.InferenceServerClient(server.http_address)
         http.register_system_shared_memory("split_in", key, a.nbytes + b.nbytes)
+        http.load_model("plus")  # explicit mode: loaded at run time, not at start
         _kill_the_engine_under_load(server)
+        assert http.is_model_ready("plus")
         grpc = grpcclient.InferenceServerClient(server.grpc_address)
         assert [r.name for r in grpc.get_system_shared_memory_status().regions.values()] == [
             "split_in"

@@ -35,7 +35,7 @@ from prometheus_client import disable_created_metrics
 from slipstream import runtime
 from slipstream.config import ServerSettings
 from slipstream.engine.client import EngineClient
-from slipstream.engine.host import EngineHost
+from slipstream.engine.host import Call, EngineHost
 from slipstream.engine.remote import RemoteInferenceService, engine_calls
 from slipstream.engine.supervisor import (
     Supervisor,
@@ -64,6 +64,7 @@ from slipstream.server.runner import (
     start_front_ends,
     stop_on_signals,
 )
+from slipstream.serving.core import ModelServer
 from slipstream.serving.shared_memory import SystemSharedMemory
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,10 @@ async def _serve_engine(settings: ServerSettings, directory: Path, ready: Proces
     TRACE.mark("imported")
     stop = stop_on_signals(None, (signal.SIGTERM,))
     parent = watch_parent(stop)
+    journal = _EngineJournal(directory / "engine-state.json")
+    explicit = settings.model_control_mode == "explicit"
+    if explicit and journal.models is not None:
+        settings = settings.model_copy(update={"load_models": journal.models})
     core = build_core(settings, with_transport=False)
     service = core.service
     openai_app = OpenAIApp(
@@ -142,20 +147,10 @@ async def _serve_engine(settings: ServerSettings, directory: Path, ready: Proces
         async for chunk in reply.chunks:
             yield chunk
 
-    journal = _RegionJournal(directory / "regions.json", service.shared_memory)
-    journal.restore()
-
-    async def register_region(name: str, key: str, offset: int, byte_size: int) -> None:
-        await service.register_region(name, key, offset, byte_size)
-        journal.save()
-
-    async def unregister_region(name: str = "") -> None:
-        await service.unregister_region(name)
-        journal.save()
-
+    journal.restore_regions(service.shared_memory)
     calls = engine_calls(service)
-    calls.update(drift=drift, metrics=metrics, register_region=register_region,
-                 unregister_region=unregister_region)  # fmt: skip
+    calls.update(drift=drift, metrics=metrics)
+    _journaled_calls(calls, service, journal, settings.load_models if explicit else [])
     host = EngineHost(
         engine_address(directory), calls, streams={"http": forward}, tells={"board": board.put}
     )
@@ -173,39 +168,76 @@ async def _serve_engine(settings: ServerSettings, directory: Path, ready: Proces
     return exit_code
 
 
-class _RegionJournal:
-    """The client shared-memory regions registered in the engine, written to the split
-    layout's private directory on every change, so that an engine started again after it
-    died registers them again: the clients' shared-memory objects outlive it, and their
-    requests go on naming the regions."""
+class _EngineJournal:
+    """What an engine was asked to change at run time, written to the split layout's
+    private directory on every change, so that an engine started again after it died
+    serves as the one before it did: the client shared-memory regions (the clients'
+    objects outlive the engine, and their requests go on naming the regions) and, in
+    explicit model-control mode, the models loaded and unloaded through the repository
+    API."""
 
-    def __init__(self, path: Path, regions: SystemSharedMemory) -> None:
+    def __init__(self, path: Path) -> None:
         self._path = path
-        self._regions = regions
-
-    def restore(self) -> None:
+        self.regions: list[dict[str, Any]] = []
+        # None: no change yet (the models of --load-model).
+        self.models: list[str] | None = None
         try:
-            saved = orjson.loads(self._path.read_bytes())
+            saved = orjson.loads(path.read_bytes())
         except FileNotFoundError:
             return
         except (OSError, orjson.JSONDecodeError) as exc:
-            logger.error("cannot read the registered regions from %s: %s", self._path, exc)
+            logger.error("cannot read the engine's state from %s: %s", path, exc)
             return
-        for region in saved:
+        self.regions, self.models = saved["regions"], saved["models"]
+
+    def restore_regions(self, regions: SystemSharedMemory) -> None:
+        for region in self.regions:
             try:
-                self._regions.register(
+                regions.register(
                     region["name"], region["key"], region["offset"], region["byte_size"]
                 )
             except SlipstreamError as exc:
                 logger.warning("region %r is not registered again: %s", region["name"], exc)
-        if saved:
-            logger.info("registered %d shared-memory regions again", len(saved))
+        if self.regions:
+            logger.info("registered %d shared-memory regions again", len(self.regions))
 
-    def save(self) -> None:
-        regions = [dataclasses.asdict(status) for status in self._regions.status()]
+    def save(self, regions: SystemSharedMemory | None = None) -> None:
+        if regions is not None:
+            self.regions = [dataclasses.asdict(status) for status in regions.status()]
         temporary = self._path.with_suffix(".tmp")
-        temporary.write_bytes(orjson.dumps(regions))
+        temporary.write_bytes(orjson.dumps({"regions": self.regions, "models": self.models}))
         temporary.replace(self._path)
+
+
+def _journaled_calls(
+    calls: dict[str, Call], service: ModelServer, journal: _EngineJournal, explicit: list[str]
+) -> None:
+    """Wrap the calls that change the engine's state so each change is journaled.
+    ``explicit``: the models loaded now in explicit mode (empty in other modes)."""
+    loaded = set(explicit)
+
+    async def register_region(name: str, key: str, offset: int, byte_size: int) -> None:
+        await service.register_region(name, key, offset, byte_size)
+        journal.save(service.shared_memory)
+
+    async def unregister_region(name: str = "") -> None:
+        await service.unregister_region(name)
+        journal.save(service.shared_memory)
+
+    async def load_model(name: str) -> None:
+        await service.load_model(name)
+        loaded.add(name)
+        journal.models = sorted(loaded)
+        journal.save()
+
+    async def unload_model(name: str) -> None:
+        await service.unload_model(name)
+        loaded.discard(name)
+        journal.models = sorted(loaded)
+        journal.save()
+
+    calls.update(register_region=register_region, unregister_region=unregister_region,
+                 load_model=load_model, unload_model=unload_model)  # fmt: skip
 
 
 class _FrontEndBoard:
