@@ -121,6 +121,8 @@ class Reference:
     alpha: float = 0.05
     # [raw features, projected] when the tensor was projected; None otherwise.
     projection: np.ndarray | None = field(default=None, repr=False)
+    # PSI bin shares of the reference's continuous features, by feature (made once).
+    _shares: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def from_samples(
@@ -163,6 +165,13 @@ class Reference:
     def num_features(self) -> int:
         return len(self.kinds)
 
+    def _reference_shares(self, index: int) -> np.ndarray:
+        """The reference's share in each PSI bin of a continuous feature (made once)."""
+        shares = self._shares.get(index)
+        if shares is None:
+            shares = self._shares[index] = _histogram(self.samples[:, index], self.edges[index])
+        return shares
+
     def test(self, data: np.ndarray) -> DriftReport:
         """Test a window ([samples, ...], the reference's feature shape) against it."""
         rows = _rows(data)
@@ -174,6 +183,14 @@ class Reference:
         if self.projection is not None:
             rows = rows.astype(np.float64) @ self.projection
         threshold = self.alpha / self.num_features
+        # Every continuous feature's KS test in one call (the same exact p-values as one
+        # call a feature, at a third of the time: the per-call checks dominated).
+        continuous = [i for i, kind in enumerate(self.kinds) if kind != "categorical"]
+        ks_tests: dict[int, tuple[float, float]] = {}
+        if continuous:
+            ks = _stats().ks_2samp(self.samples[:, continuous], rows[:, continuous], axis=0)
+            ks_tests = dict(zip(continuous, zip(ks.statistic.tolist(), ks.pvalue.tolist(),
+                                                strict=True), strict=True))  # fmt: skip
         results = []
         for index, kind in enumerate(self.kinds):
             expected, observed = self.samples[:, index], rows[:, index]
@@ -181,10 +198,9 @@ class Reference:
                 bins = self.categories[index]
                 statistic, p_value, shares = _categorical(bins, expected, observed)
             else:
-                ks = _stats().ks_2samp(expected, observed)
-                statistic, p_value = float(ks.statistic), float(ks.pvalue)
+                statistic, p_value = ks_tests[index]
                 bins = self.edges[index]
-                shares = (_histogram(expected, bins), _histogram(observed, bins))
+                shares = (self._reference_shares(index), _histogram(observed, bins))
             name = f"p{index}" if kind == "projected" else str(index)
             results.append(
                 FeatureDrift(
