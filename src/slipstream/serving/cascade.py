@@ -182,6 +182,13 @@ class Cascade:
             parameters[FAILED_STAGE_PARAMETER] = answer.failed_stage
         return InferResponse(self.name, "1", answer.outputs, id=request.id, parameters=parameters)
 
+    async def run_rows(
+        self, request: InferRequest, wanted: list[str], local: LocalCall
+    ) -> dict[str, np.ndarray]:
+        """``wanted`` outputs of every row of ``request`` as the stages answer them (what
+        ``slipstream cascade calibrate`` runs)."""
+        return (await self._run(request, wanted, local)).outputs
+
     def _wanted(self, request: InferRequest) -> list[str]:
         if not request.outputs:
             return self._output_names
