@@ -60,7 +60,7 @@ def pick_threshold(
     """The lowest threshold whose accuracy reaches ``target`` (CalibrationError if none).
 
     >>> c = pick_threshold(np.array([0.9, 0.8, 0.6, 0.5]), np.array([1, 1, 0, 1]),
-    ...                    np.array([1, 1, 1, 1]), target=0.75)
+    ...                    np.array([1, 1, 1, 1]), target=0.9)
     >>> float(c.threshold), c.accuracy, c.first_stage_share
     (0.8, 1.0, 0.5)
     """
