@@ -15,19 +15,24 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import click
 import numpy as np
 import yaml
 
 from slipstream.config import ConfigError, ServerSettings, parse_model_config
 from slipstream.serving.cascade import Cascade, Stage, confidence
-from slipstream.serving.core import ModelServer
 from slipstream.tensors import read_tensor_file
 from slipstream.types import InferRequest
+
+if TYPE_CHECKING:
+    from slipstream.serving.core import ModelServer
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +111,8 @@ async def calibrate(
     if labels is None:
         raise CalibrationError(f"{data}: no {LABELS_NAME!r} array; save the expected class "
                                f"of each row under that name")  # fmt: skip
+    from slipstream.serving.core import ModelServer  # the serving core: only when run
+
     settings = ServerSettings(model_repository=repository, model_control_mode="explicit",
                               load_models=[name])  # fmt: skip
     server = ModelServer(settings)
@@ -198,3 +205,56 @@ def write_threshold(config_path: Path, threshold: float) -> bool:
     parse_model_config(data, str(config_path))
     config_path.write_text(yaml.safe_dump(data, sort_keys=False))
     return False
+
+
+@click.group()
+def cascade() -> None:
+    """Cascades: models that escalate unsure rows to a larger model."""
+
+
+@cascade.command("calibrate")
+@click.argument("name")
+@click.option("--data", type=click.Path(exists=True, path_type=Path), required=True,
+              help="Labelled rows (held out from training): .npz, a directory of .npy "
+              "files or V2 JSON requests, arrays named like the cascade's inputs plus "
+              "'labels' (the expected class per row).")  # fmt: skip
+@click.option("--model-repository", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("models"), show_default=True)  # fmt: skip
+@click.option("--max-accuracy-drop", type=float, default=0.005, show_default=True,
+              help="Target: the accuracy of the rest of the cascade alone minus this "
+              "(0.005: half a point).")  # fmt: skip
+@click.option("--target-accuracy", type=float, default=None,
+              help="Target accuracy (0..1) instead of --max-accuracy-drop.")  # fmt: skip
+@click.option("--prediction-output", default="",
+              help="Output holding the predicted class (class ids, or scores to argmax); "
+              "default: the first stage's confidence output.")  # fmt: skip
+@click.option("--batch-size", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--write", is_flag=True,
+              help="Write the threshold into the cascade's config.yaml.")  # fmt: skip
+def calibrate_command(name: str, data: Path, model_repository: Path, max_accuracy_drop: float,
+                      target_accuracy: float | None, prediction_output: str, batch_size: int,
+                      write: bool) -> None:  # fmt: skip
+    """Pick cascade NAME's first threshold from labelled data: the lowest (the first
+    stage answering the most rows) whose accuracy reaches the target.
+
+    Example: slipstream cascade calibrate digits_cascade --data val.npz --write
+    """
+    from slipstream.tensors import TensorFileError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        run = calibrate(model_repository, name, data, target_accuracy, max_accuracy_drop,
+                        prediction_output, batch_size)  # fmt: skip
+        found = asyncio.run(run)
+    except (CalibrationError, ConfigError, TensorFileError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"threshold {found.threshold:.6g}: accuracy {found.accuracy:.4f} "
+               f"(target {found.target_accuracy:.4f}), first stage answers "
+               f"{found.first_stage_share:.1%} of {found.rows} rows")  # fmt: skip
+    click.echo(f"first stage alone {found.first_stage_accuracy:.4f}, the rest alone "
+               f"{found.rest_accuracy:.4f}")  # fmt: skip
+    if write:
+        config = model_repository / name / "config.yaml"
+        in_place = write_threshold(config, found.threshold)
+        click.echo(f"wrote threshold into {config}" + ("" if in_place else
+                   " (rewritten: its comments are gone)"))  # fmt: skip
