@@ -235,3 +235,33 @@ def tiny_encoder_rows(count: int, vocab: int = 64, tokens: int = 6) -> dict[str,
     mask = np.ones_like(ids)
     mask[::3, tokens - 2 :] = 0
     return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+# Width of the toy classifier's input (one score per class).
+CLASSIFIER_CLASSES = 4
+
+
+def build_classifier(repo: Path, name: str, label_offset: int = 0) -> Path:
+    """A toy classifier: ``x`` FP32 [-1, 4] scores in, ``probabilities`` (softmax of
+    the scores) FP32 [-1, 4] and ``label`` (argmax + ``label_offset``) INT64 [-1] out.
+
+    A row like [9, 0, 0, 0] is a confident answer (top probability ~1); [0, 0, 0, 0] an
+    unsure one (0.25). ``label_offset`` tells two such models' answers apart.
+    """
+    width = CLASSIFIER_CLASSES
+    offset = numpy_helper.from_array(np.array(label_offset, np.int64), "offset")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Softmax", ["x"], ["probabilities"], axis=1),
+            helper.make_node("ArgMax", ["x"], ["argmax"], axis=1, keepdims=0),
+            helper.make_node("Add", ["argmax", "offset"], ["label"]),
+        ],
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+        [
+            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["N", width]),
+            helper.make_tensor_value_info("label", TensorProto.INT64, ["N"]),
+        ],
+        initializer=[offset],
+    )
+    return _save(_model(graph), repo, name, 1)

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from slipstream import __version__
 from slipstream.bench.cli import bench
+from slipstream.calibrate import cascade
 from slipstream.config import ServerSettings, format_validation_error
 from slipstream.edge.cli import export
 from slipstream.optimize.cli import optimize
@@ -553,3 +554,4 @@ main.add_command(profile)
 main.add_command(optimize)
 main.add_command(tune)
 main.add_command(export)
+main.add_command(cascade)

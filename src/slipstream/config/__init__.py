@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from slipstream.config.base import Strict as _Strict
+from slipstream.config.cascade import CascadeConfig, CascadeStage, ConfidenceRule
 from slipstream.config.sections import (
     GENERATIVE_BACKENDS,
     DriftSettings,
@@ -29,6 +30,9 @@ from slipstream.names import MODEL_NAME_RULE, model_name_problem
 
 __all__ = [
     "GENERATIVE_BACKENDS",
+    "CascadeConfig",
+    "CascadeStage",
+    "ConfidenceRule",
     "ConfigError",
     "DriftSettings",
     "DynamicBatching",
@@ -200,6 +204,11 @@ class ModelConfig(_Strict):
     response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
     ray_serve: RayServeConfig = Field(default_factory=RayServeConfig)
     rollout: RolloutConfig | None = None
+    cascade: CascadeConfig | None = Field(
+        None,
+        description="this model is a cascade of other models (see config/cascade.py): no "
+        "model file; its inputs and outputs are its first stage's",
+    )
     # Embedding models: the tokenizer file (in the model directory) that
     # /v1/embeddings uses to turn text into the model's input_ids and attention_mask.
     tokenizer: str = ""
@@ -250,6 +259,18 @@ class ModelConfig(_Strict):
             flat[key] = item if isinstance(item, str) else str(item)
         return flat
 
+    @model_validator(mode="after")
+    def _check_cascade(self) -> ModelConfig:
+        if self.cascade is not None:
+            # A cascade runs no file of its own: these would be silently ignored.
+            own = sorted(self.model_fields_set & _MODEL_FILE_KEYS)
+            if own:
+                raise ValueError(
+                    f"a cascade has no model file of its own and takes its signature from "
+                    f"its first stage; remove {', '.join(own)} (set them on the stages' models)"
+                )
+        return self
+
     @property
     def generative(self) -> bool:
         return self.backend in GENERATIVE_BACKENDS
@@ -257,6 +278,14 @@ class ModelConfig(_Strict):
     @property
     def instance_count(self) -> int:
         return sum(group.count for group in self.instance_group)
+
+
+# Keys about a model file and how it runs, which a cascade does not have.
+_MODEL_FILE_KEYS = frozenset({
+    "backend", "platform", "default_model_filename", "max_batch_size", "input", "output",
+    "dynamic_batching", "instance_group", "version_policy", "model_warmup", "parameters",
+    "generation", "tokenizer", "rollout", "ray_serve", "trust_pickle",
+})  # fmt: skip
 
 
 def _checked_model_name(name: str) -> str:

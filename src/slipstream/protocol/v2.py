@@ -49,7 +49,9 @@ from slipstream.protocol import v2_shm
 from slipstream.types import InferRequest, InferResponse, RequestedOutput, SharedMemoryInput
 
 __all__ = [
+    "binary_payload",
     "decode_infer_request",
+    "decode_tensors",
     "encode_error",
     "encode_infer_response",
     "load_json_object",
@@ -109,7 +111,7 @@ def decode_infer_request(
     elif not isinstance(request_id, str):
         raise InvalidRequest(f"id: expected a string, got {_show(request_id)}")
     priority, timeout_us, binary_data_output, parameters = _decode_parameters(doc.get("parameters"))
-    inputs, shared_inputs = _decode_inputs(doc.get("inputs"), binary)
+    inputs, shared_inputs = decode_tensors(doc.get("inputs"), binary)
     return InferRequest(
         model_name=model_name,
         model_version=model_version,
@@ -157,7 +159,7 @@ def encode_infer_response(
         if name in response.in_shared_memory:
             pass  # written into the client's region: name, datatype and shape only
         elif binary:
-            payload, size = _binary_payload(array, datatype)
+            payload, size = binary_payload(array, datatype)
             entry["parameters"] = {"binary_data_size": size}
             payloads.append(payload)
         elif datatype == "BYTES":
@@ -280,21 +282,22 @@ def _tensor_parameters(where: str, raw: Any) -> dict[str, Any]:
     return raw
 
 
-def _decode_inputs(
-    raw: Any, binary: memoryview | None
+def decode_tensors(
+    raw: Any, binary: memoryview | None, field: str = "inputs"
 ) -> tuple[dict[str, np.ndarray], dict[str, SharedMemoryInput]]:
-    """The inputs sent in the request, and those to read from shared memory."""
+    """The tensors of a request's ``inputs`` (or a response's ``outputs``: ``field``)
+    with their data, and those to read from shared memory."""
     if raw is None:
-        raise InvalidRequest("inputs: required field is missing; expected a list of tensors")
+        raise InvalidRequest(f"{field}: required field is missing; expected a list of tensors")
     if not isinstance(raw, list):
-        raise InvalidRequest(f"inputs: expected a list, got {_show(raw)}")
+        raise InvalidRequest(f"{field}: expected a list, got {_show(raw)}")
     inputs: dict[str, np.ndarray] = {}
     shared: dict[str, SharedMemoryInput] = {}
     offset = 0  # into `binary`: inputs' binary data follow each other in input order
     for index, item in enumerate(raw):
         name, array, offset = _decode_input(index, item, binary, offset)
         if name in inputs or name in shared:
-            raise InvalidRequest(f"inputs: input {name!r} appears more than once")
+            raise InvalidRequest(f"{field}: {field[:-1]} {name!r} appears more than once")
         if isinstance(array, SharedMemoryInput):
             shared[name] = array
         else:
@@ -302,7 +305,7 @@ def _decode_inputs(
     if binary is not None and offset != len(binary):
         raise InvalidRequest(
             f"binary data: the body holds {len(binary)} bytes after the JSON header but "
-            f"the inputs' binary_data_size add up to {offset}"
+            f"the {field}' binary_data_size add up to {offset}"
         )
     return inputs, shared
 
@@ -532,8 +535,8 @@ def _bytes_from_binary(where: str, chunk: memoryview, count: int) -> np.ndarray:
 # ---------------------------------------------------------------------------- encoding
 
 
-def _binary_payload(array: np.ndarray, datatype: str) -> tuple[Any, int]:
-    """(bytes-like payload, its size) of one binary output."""
+def binary_payload(array: np.ndarray, datatype: str) -> tuple[Any, int]:
+    """(bytes-like payload, its size) of one tensor in the binary extension."""
     if datatype != "BYTES":
         # bytes.join reads a C-contiguous array's buffer directly, saving a tobytes() copy.
         contiguous = np.ascontiguousarray(array)

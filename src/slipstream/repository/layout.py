@@ -151,6 +151,26 @@ def is_generative(model: ModelDirectory) -> bool:
         return False
 
 
+def is_cascade(model: ModelDirectory) -> bool:
+    """Whether the model is a cascade of other models (``cascade:`` in its config.yaml),
+    which the serving core builds from its stages rather than loading a file. A config
+    that does not parse says a cascade when it mentions one, so its error is reported
+    where cascades are loaded."""
+    try:
+        return read_config(model).cascade is not None
+    except ConfigError:
+        return any(
+            "cascade:" in _config_text(model.path / filename) for filename in CONFIG_FILENAMES
+        )
+
+
+def _config_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def named_model_file(version_dir: Path, config: ModelConfig) -> Path | None:
     """The file ``default_model_filename`` names (ConfigError if missing), or None."""
     if not config.default_model_filename:

@@ -27,6 +27,7 @@ from slipstream.server import dashboard
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.server.jobs_rest import JobRoutes, prefers_async
 from slipstream.server.router import no_route
+from slipstream.serving.cascade import FAILED_STAGE_PARAMETER, STAGE_PARAMETER
 from slipstream.serving.service import InferenceService
 from slipstream.serving.shared_memory import RegionNotFound, check_region_name
 
@@ -38,6 +39,10 @@ _SHARED_MEMORY_ACTIONS = ("status", "register", "unregister")
 _HEADER_LENGTH = b"inference-header-content-length"
 # Sticky routing during rollouts: requests with one key run on one version.
 _ROUTE_KEY = b"x-slipstream-route-key"
+# Which stage of a cascade answered (serving/cascade.py), and the stage that failed when
+# an earlier one's answer stands in for it.
+_CASCADE_STAGE = b"x-slipstream-cascade-stage"
+_CASCADE_FALLBACK = b"x-slipstream-cascade-fallback"
 
 
 def _json(value: Any) -> HttpResponse:
@@ -261,9 +266,23 @@ class V2RestApp:
         # A client that disconnects cancels this task, which drops its queued work.
         response = await self._service.infer(request)
         payload, json_length = v2.encode_infer_response(response, request)
+        headers = _cascade_headers(response.parameters) if response.parameters else []
         if json_length is None:
-            return HttpResponse(200, payload)
-        return HttpResponse(200, payload, _BINARY, [(_HEADER_LENGTH, str(json_length).encode())])
+            return HttpResponse(200, payload, headers=headers)
+        headers.append((_HEADER_LENGTH, str(json_length).encode()))
+        return HttpResponse(200, payload, _BINARY, headers)
+
+
+def _cascade_headers(parameters: dict[str, Any]) -> list[tuple[bytes, bytes]]:
+    """The X-Slipstream-Cascade-* headers of a cascade's response (none for a model's)."""
+    headers = []
+    stage = parameters.get(STAGE_PARAMETER)
+    if isinstance(stage, str):
+        headers.append((_CASCADE_STAGE, stage.encode("latin-1", errors="replace")))
+    failed = parameters.get(FAILED_STAGE_PARAMETER)
+    if isinstance(failed, str):
+        headers.append((_CASCADE_FALLBACK, failed.encode("latin-1", errors="replace")))
+    return headers
 
 
 def _cuda_shared_memory(action: str, region: str) -> HttpResponse:

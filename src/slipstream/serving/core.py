@@ -25,6 +25,8 @@ from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
+from slipstream.serving.cascade import Cascade
+from slipstream.serving.cascade_registry import Cascades
 from slipstream.serving.idle import IdleWatcher
 from slipstream.serving.manager import ModelAsleep, ModelManager
 from slipstream.serving.model import ModelVersion
@@ -86,6 +88,8 @@ class ModelServer(InferenceService):
             settings.model_repository, self.models, self.rollout_metrics, self._run_named,
             rollout_store(settings.rollout_store, settings.model_repository),
         )  # fmt: skip
+        # Models that are chains of other models (serving/cascade.py).
+        self.cascades = Cascades(settings.model_repository, self.models, self.metrics)
         self._lanes = list(lanes)
         self.shared_memory = SystemSharedMemory(settings.allow_client_shm)
         # --cache: answers for the models whose config enables response_cache.
@@ -113,10 +117,13 @@ class ModelServer(InferenceService):
         if mode == "explicit":
             for name in self.settings.load_models:
                 validate_model_name(name)
-                if self._lane_of(name) is None:
+                if self.cascades.handles(name):
+                    await self.cascades.load(name, quiet=True)
+                elif self._lane_of(name) is None:
                     await self.models.load(name)
         else:
             await self.models.load_all()
+            await self.cascades.load_all()  # after the models: they are its stages
         await others
         await self.rollouts.start()
         if mode == "poll":
@@ -131,6 +138,7 @@ class ModelServer(InferenceService):
             if task is not None:
                 task.cancel()
         await self.rollouts.close()
+        await self.cascades.close()
         await asyncio.gather(self.models.close(), *(lane.close() for lane in self._lanes))
         self.shared_memory.close()
         if self._cache is not None:
@@ -141,6 +149,7 @@ class ModelServer(InferenceService):
             await asyncio.sleep(self.settings.repository_poll_secs)
             try:
                 await self.models.poll_once()
+                await self.cascades.poll()
             except Exception:
                 logger.exception("repository poll failed")
 
@@ -158,7 +167,8 @@ class ModelServer(InferenceService):
             return False
         if not all(lane.is_ready() for lane in self._lanes):
             return False
-        return not (self.settings.strict_readiness and self.models.has_failures())
+        failures = self.models.has_failures() or self.cascades.has_failures()
+        return not (self.settings.strict_readiness and failures)
 
     async def server_metadata(self) -> ServerMetadata:
         return ServerMetadata("slipstream", __version__, list(EXTENSIONS))
@@ -166,6 +176,8 @@ class ModelServer(InferenceService):
     async def model_ready(self, name: str, version: str = "") -> bool:
         """Loaded, or asleep (idle-unloaded) and able to load for its next request."""
         validate_model_name(name)  # a bad name is a 400, not "not ready"
+        if self.cascades.get(name) is not None:
+            return version in ("", "1")
         try:
             self.models.resolve(name, version)
         except ModelAsleep:
@@ -175,14 +187,30 @@ class ModelServer(InferenceService):
         return True
 
     async def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
+        if (cascade := self._cascade_for_metadata(name, version)) is not None:
+            return cascade.metadata
         model = self._resolve_for_metadata(name, version)
         if isinstance(model, ModelVersion):
             return model.metadata(self.models.loaded_versions(name))
         return model[0]
 
     async def model_config(self, name: str, version: str = "") -> ModelConfig:
+        if (cascade := self._cascade_for_metadata(name, version)) is not None:
+            return cascade.config
         model = self._resolve_for_metadata(name, version)
         return model.config if isinstance(model, ModelVersion) else model[1]
+
+    def _cascade_for_metadata(self, name: str, version: str) -> Cascade | None:
+        cascade = self.cascades.get(name)
+        if cascade is not None and version not in ("", "1"):
+            raise ModelNotFound(f"model {name!r} is a cascade; its one version is 1")
+        if cascade is None and self.cascades.handles(name):
+            raise ModelNotFound(f"cascade {name!r} is not loaded: {self._cascade_failure(name)}")
+        return cascade
+
+    def _cascade_failure(self, name: str) -> str:
+        entry = next((e for e in self.cascades.index() if e.name == name), None)
+        return entry.reason if entry is not None and entry.reason else "not loaded yet"
 
     def _resolve_for_metadata(
         self, name: str, version: str
@@ -198,6 +226,8 @@ class ModelServer(InferenceService):
             raise ModelNotFound(exc.message) from None
 
     async def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
+        if name and (cascade := self._cascade_for_metadata(name, version)) is not None:
+            return [cascade.stats.snapshot()]
         if name:
             if version:
                 model = self._resolve_for_metadata(name, version)
@@ -207,13 +237,23 @@ class ModelServer(InferenceService):
                 self._resolve_for_metadata(name, version)  # 404 unless asleep
         else:
             models = self.models.all_loaded()
-        return [m.stats.snapshot() for m in sorted(models, key=lambda m: (m.name, m.version))]
+        found = [(m.name, m.version_str, m.stats) for m in models]
+        if not name:
+            found += [(c.name, "1", c.stats) for c in self.cascades.serving()]
+        return [stats.snapshot() for _, _, stats in sorted(found, key=lambda f: (f[0], f[1]))]
 
     # -- inference -----------------------------------------------------------------------
 
     async def infer(self, request: InferRequest) -> InferResponse:
         if self._stopping:
             raise Unavailable("server is shutting down", retry_after_s=1)
+        cascade = self.cascades.get(request.model_name)
+        if cascade is not None:
+            return await self._infer_cascade(cascade, request)
+        return await self._infer_model(request)
+
+    async def _infer_model(self, request: InferRequest) -> InferResponse:
+        """A request on a model (not a cascade): the version its route or name picks."""
         route = None if request.model_version else self.rollouts.route(request.model_name)
         if route is not None:
             return await self._infer_routed(route, request)
@@ -221,8 +261,23 @@ class ModelServer(InferenceService):
             model = await self._resolve(request, request.model_version)
         except Unavailable:
             self._refuse_generative(request.model_name)
+            if self.cascades.handles(request.model_name):
+                failure = self._cascade_failure(request.model_name)
+                raise Unavailable(
+                    f"cascade {request.model_name!r} is not loaded: {failure}"
+                ) from None
             raise
         return await self._serve(model, request)
+
+    async def _infer_cascade(self, cascade: Cascade, request: InferRequest) -> InferResponse:
+        """Shared-memory inputs are read and outputs written here, around the stages."""
+        if request.shared_memory_inputs:
+            self.shared_memory.read_inputs(request)
+        targets = self.shared_memory.output_targets(request) if request.outputs else None
+        response = await cascade.infer(request, self._infer_model)
+        if targets:
+            self.shared_memory.write_outputs(targets, response)
+        return response
 
     async def _serve(self, model: ModelVersion, request: InferRequest) -> InferResponse:
         if self._cache is not None and model.config.response_cache.enable:
@@ -245,6 +300,8 @@ class ModelServer(InferenceService):
     async def check(self, request: InferRequest) -> None:
         if self._stopping:
             raise Unavailable("server is shutting down", retry_after_s=1)
+        if self.cascades.get(request.model_name) is not None:
+            return  # its stages check the request when it runs
         try:
             model = self.models.resolve(request.model_name, request.model_version)
         except ModelAsleep:
@@ -385,7 +442,7 @@ class ModelServer(InferenceService):
 
     def index_now(self, ready_only: bool = False) -> list[RepositoryEntry]:
         """``repository_index`` without a coroutine (scrape-time collectors)."""
-        entries = self.models.index(ready_only)
+        entries = self.models.index(ready_only) + self.cascades.index(ready_only)
         for lane in self._lanes:
             entries.extend(lane.index(ready_only))
         return sorted(entries, key=lambda entry: (entry.name, entry.version))
@@ -405,6 +462,9 @@ class ModelServer(InferenceService):
 
     async def load_model(self, name: str) -> None:
         self._check_explicit("load")
+        if self.cascades.handles(name):
+            await self.cascades.load(name)
+            return
         lane = self._lane_of(name)
         if lane is not None:
             await lane.load(name)
@@ -416,6 +476,9 @@ class ModelServer(InferenceService):
 
     async def unload_model(self, name: str) -> None:
         self._check_explicit("unload")
+        if self.cascades.handles(name):
+            await self.cascades.unload(name)
+            return
         lane = self._lane_of(name)
         if lane is not None:
             await lane.unload(name)

@@ -23,6 +23,7 @@ from slipstream.repository.changes import (
 )
 from slipstream.repository.layout import (
     ModelDirectory,
+    is_cascade,
     is_generative,
     list_models,
     model_file,
@@ -242,9 +243,10 @@ class ModelManager:
     # -- loading and unloading ---------------------------------------------------------
 
     def _tensor_models(self) -> dict[str, ModelDirectory]:
-        """The repository's models minus the generative ones (slipstream.llm serves those)."""
+        """The repository's models minus the generative ones (slipstream.llm serves those)
+        and the cascades (serving/cascade.py builds those from their stages)."""
         found = list_models(self.repository)
-        return {name: d for name, d in found.items() if not is_generative(d)}
+        return {name: d for name, d in found.items() if not (is_generative(d) or is_cascade(d))}
 
     async def load_all(self) -> None:
         names = list(self._tensor_models())
