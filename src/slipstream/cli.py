@@ -20,6 +20,7 @@ from slipstream import __version__
 from slipstream.bench.cli import bench
 from slipstream.config import ServerSettings, format_validation_error
 from slipstream.edge.cli import export
+from slipstream.edge.fleet_cli import edge, fleet
 from slipstream.optimize.cli import optimize
 from slipstream.profile.cli import profile
 from slipstream.tune.cli import tune
@@ -553,3 +554,5 @@ main.add_command(profile)
 main.add_command(optimize)
 main.add_command(tune)
 main.add_command(export)
+main.add_command(fleet)
+main.add_command(edge)
