@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -21,15 +22,22 @@ from tests.models import build_add_constant
 SAMPLE_ROWS = np.arange(8, dtype=np.float32).reshape(2, 4)
 
 
-def write_bundle(out: Path, name: str, version: int, wrong_samples: bool = False) -> Path:
-    """The bundle directory ``out`` (see the module docstring); its model adds ``version``."""
+def write_bundle(
+    out: Path,
+    name: str,
+    version: int,
+    wrong_samples: bool = False,
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """The bundle directory ``out`` (see the module docstring); its model adds ``version``.
+    ``config``: more keys of its config.yaml."""
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as scratch:
         model = build_add_constant(Path(scratch), name, version, float(version))
         (out / str(version)).mkdir()
         shutil.copyfile(model, out / str(version) / "model.onnx")
-    config = {"backend": "onnxruntime", "max_batch_size": 8}
-    (out / "config.yaml").write_text(yaml.safe_dump(config))
+    settings = {"backend": "onnxruntime", "max_batch_size": 8, **(config or {})}
+    (out / "config.yaml").write_text(yaml.safe_dump(settings))
     expected = SAMPLE_ROWS + version + (1.0 if wrong_samples else 0.0)
     np.savez(out / "sample_inputs.npz", INPUT0=SAMPLE_ROWS)
     np.savez(out / "sample_outputs.npz", OUTPUT0=expected.astype(np.float32))

@@ -21,14 +21,20 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import urllib3
 from tuf.api import exceptions as tuf_errors
 from tuf.ngclient import Updater
+from tuf.ngclient.fetcher import FetcherInterface
 from tuf.ngclient.urllib3_fetcher import Urllib3Fetcher
 
 from slipstream.edge.fleet_repo import INDEX_TARGET, IndexEntry, read_index
 from slipstream.edge.manifest import BundleError, verify_bundle
 
 logger = logging.getLogger(__name__)
+
+
+# A download that did not complete: the publisher is down, the network is, or it is slow.
+_NETWORK_ERRORS = (tuf_errors.DownloadError, urllib3.exceptions.HTTPError, OSError)
 
 
 class FleetSyncError(RuntimeError):
@@ -67,10 +73,17 @@ class FleetDirs:
 class FleetClient:
     """Opens one TUF session per sync (an Updater refreshes once, as ngclient intends)."""
 
-    def __init__(self, url: str, dirs: FleetDirs, timeout_s: int = 10) -> None:
+    def __init__(
+        self,
+        url: str,
+        dirs: FleetDirs,
+        timeout_s: int = 10,
+        fetcher: FetcherInterface | None = None,
+    ) -> None:
+        """``fetcher``: how files are fetched (default: urllib3 with ``timeout_s``)."""
         self.url = url.rstrip("/")
         self.dirs = dirs
-        self._timeout_s = timeout_s
+        self._fetcher = fetcher or Urllib3Fetcher(socket_timeout=timeout_s)
 
     def open(self) -> FleetSync:
         """A refreshed session; FleetSyncError when the metadata is refused or unreachable."""
@@ -81,13 +94,15 @@ class FleetClient:
             metadata_base_url=f"{self.url}/metadata/",
             target_dir=str(self.dirs.downloads),
             target_base_url=f"{self.url}/targets/",
-            fetcher=Urllib3Fetcher(socket_timeout=self._timeout_s),
+            fetcher=self._fetcher,
             bootstrap=self.dirs.trusted_root.read_bytes(),
         )
         try:
             updater.refresh()
-        except (tuf_errors.RepositoryError, tuf_errors.DownloadError, OSError) as exc:
+        except tuf_errors.RepositoryError as exc:
             raise FleetSyncError(f"fleet metadata refused: {_cause(exc)}") from None
+        except _NETWORK_ERRORS as exc:
+            raise FleetSyncError(f"fleet repository unreachable: {_cause(exc)}") from None
         return FleetSync(updater, self.dirs)
 
 
@@ -114,23 +129,7 @@ class FleetSync:
         tar = self._download(entry.target)
         if tar is None:
             raise FleetSyncError(f"{entry.target}: in the index but not in the signed targets")
-        staged = self._dirs.staging / entry.name
-        shutil.rmtree(staged, ignore_errors=True)
-        staged.mkdir(parents=True)
-        try:
-            with tarfile.open(tar, mode="r:") as archive:
-                archive.extractall(staged, filter="data")
-            manifest = verify_bundle(staged).manifest
-        except (tarfile.TarError, OSError, BundleError) as exc:
-            shutil.rmtree(staged, ignore_errors=True)
-            raise FleetSyncError(f"bundle {entry.target} refused: {exc}") from None
-        if (manifest.name, manifest.version) != (entry.name, entry.version):
-            shutil.rmtree(staged, ignore_errors=True)
-            raise FleetSyncError(
-                f"bundle {entry.target} refused: its manifest says {manifest.name} version "
-                f"{manifest.version}, the index {entry.name} version {entry.version}"
-            )
-        return staged
+        return unpack_bundle(tar, self._dirs.staging / entry.name, entry)
 
     def _download(self, target: str) -> Path | None:
         """A verified local copy of ``target`` (downloaded unless already cached)."""
@@ -140,8 +139,28 @@ class FleetSync:
                 return None
             cached = self._updater.find_cached_target(info)
             return Path(cached or self._updater.download_target(info))
-        except (tuf_errors.RepositoryError, tuf_errors.DownloadError, OSError) as exc:
+        except (tuf_errors.RepositoryError, *_NETWORK_ERRORS) as exc:
             raise FleetSyncError(f"{target} refused: {_cause(exc)}") from None
+
+
+def unpack_bundle(tar: Path, staged: Path, entry: IndexEntry) -> Path:
+    """Unpack ``tar`` into ``staged`` and check it against its manifest, which must name
+    the entry's model and version; FleetSyncError names what is wrong (nothing is left)."""
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    try:
+        with tarfile.open(tar, mode="r:") as archive:
+            archive.extractall(staged, filter="data")
+        manifest = verify_bundle(staged).manifest
+        if (manifest.name, manifest.version) != (entry.name, entry.version):
+            raise BundleError(
+                f"its manifest says {manifest.name} version {manifest.version}, the index "
+                f"{entry.name} version {entry.version}"
+            )
+    except (tarfile.TarError, OSError, BundleError) as exc:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise FleetSyncError(f"bundle {entry.target} refused: {exc}") from None
+    return staged
 
 
 def _cause(exc: BaseException) -> str:
