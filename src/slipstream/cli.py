@@ -21,6 +21,7 @@ from slipstream.bench.cli import bench
 from slipstream.calibrate import cascade
 from slipstream.config import ServerSettings, format_validation_error
 from slipstream.edge.cli import export
+from slipstream.edge.fleet_cli import edge, fleet
 from slipstream.optimize.cli import optimize
 from slipstream.profile.cli import profile
 from slipstream.tune.cli import tune
@@ -555,3 +556,5 @@ main.add_command(optimize)
 main.add_command(tune)
 main.add_command(export)
 main.add_command(cascade)
+main.add_command(fleet)
+main.add_command(edge)

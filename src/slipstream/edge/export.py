@@ -46,6 +46,9 @@ from slipstream.edge.manifest import (
     file_entries,
     sha256_of,
 )
+
+# check_samples lives in samples.py (the device imports it without optimize's passes).
+from slipstream.edge.samples import check_samples as check_samples
 from slipstream.edge.targets import (
     ExportError,
     Target,
@@ -299,38 +302,3 @@ def _write_samples(bundle: Path, model: Backend, rows: Dataset, count: int) -> S
     np.savez(bundle / SAMPLE_INPUTS, **inputs)  # type: ignore[arg-type]
     np.savez(bundle / SAMPLE_OUTPUTS, **outputs)  # type: ignore[arg-type]
     return SampleFiles(SAMPLE_INPUTS, SAMPLE_OUTPUTS, count)
-
-
-def check_samples(bundle: Path, rtol: float = 1e-4, atol: float = 1e-5) -> list[str]:
-    """Run the bundle's sample inputs on its model here; a problem per output that differs
-    from the shipped outputs beyond the tolerance (integer outputs must be equal)."""
-    from slipstream.edge.manifest import read_manifest
-
-    manifest = read_manifest(bundle)
-    try:
-        config = read_config(read_model_directory(bundle))
-        path = model_file(bundle / str(manifest.version), config)
-    except ConfigError as exc:
-        return [str(exc)]
-    with np.load(bundle / manifest.samples.inputs) as stored:
-        inputs = {name: stored[name] for name in stored.files}
-    with np.load(bundle / manifest.samples.outputs) as stored:
-        expected = {name: stored[name] for name in stored.files}
-    model = get_backend(manifest.backend).load(path, config.parameters, 1)
-    try:
-        got = model.run(inputs, list(expected))
-    finally:
-        model.close()
-    problems = []
-    for name, want in expected.items():
-        if want.dtype.kind in "fc":
-            close = np.allclose(got[name], want, rtol=rtol, atol=atol)
-        else:
-            close = bool(np.array_equal(got[name], want))
-        if not close:
-            worst = float(np.max(np.abs(got[name].astype(np.float64) - want)))
-            problems.append(
-                f"{manifest.samples.outputs}: output {name!r} differs from what {path.name} "
-                f"answers here by up to {worst:.3g} (rtol {rtol:g}, atol {atol:g})"
-            )
-    return problems

@@ -12,7 +12,7 @@ import logging
 import signal
 import ssl
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,9 +68,19 @@ def stop_on_signals(
     return stop
 
 
-async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> int:
+# A task that runs beside the front ends once the models have started, given the serving
+# core, and is cancelled at shutdown (``slipstream edge``'s fleet agent).
+Companion = Callable[[ModelServer], Coroutine[Any, Any, None]]
+
+
+async def serve(
+    settings: ServerSettings,
+    stop: asyncio.Event | None = None,
+    companions: Sequence[Companion] = (),
+) -> int:
     """Serve in this process until ``stop`` is set or a termination signal arrives;
-    return the exit code. (``--frontends N``: ``server/split.py`` instead.)"""
+    return the exit code. (``--frontends N``: ``server/split.py`` instead.)
+    ``companions`` start once the models have started."""
     TRACE.mark("imported")
     stop = stop_on_signals(stop)
 
@@ -103,7 +113,11 @@ async def serve(settings: ServerSettings, stop: asyncio.Event | None = None) -> 
     # Models load while the servers already answer health/live (ready comes after).
     start_task = asyncio.create_task(service.start())
     stop_task = asyncio.create_task(stop.wait())
-    exit_code = await run_until_stopped(start_task, stop_task, settings)
+
+    def start_companions() -> None:
+        background.extend(asyncio.create_task(run(service)) for run in companions)
+
+    exit_code = await run_until_stopped(start_task, stop_task, settings, start_companions)
     logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
                 settings.shutdown_timeout_s)  # fmt: skip
     for task in (start_task, stop_task, *background):
