@@ -23,7 +23,7 @@ TORCH_WHEELS ?= /opt/wheels
 # test), libb64-0d (perf_analyzer, benchmarks/peers/perf_analyzer.py).
 DEBIAN_PACKAGES := redis-server prometheus chromium chromium-driver libb64-0d
 
-.PHONY: install debian-packages lock run models test test-fast test-lowest lint unit bench clean vendor
+.PHONY: install debian-packages lock run models test test-suite test-fast test-lowest lint unit bench clean vendor
 
 install: debian-packages $(VENV)/.installed
 
@@ -81,10 +81,13 @@ lint: install
 	$(VENV)/bin/ruff format --check src tests examples benchmarks
 	$(VENV)/bin/mypy
 
-# Lint (mypy alone is ~50 s of one core on a clean clone) runs beside the lowest-bound
-# run, each on a core of its own; then the whole suite.
+# Lint (mypy alone is ~50 s of one core on a clean clone), the lowest-bound run and the
+# whole suite run at once: the suite keeps about one core of two busy, and the other two
+# fit beside it. Each one's output is printed when it ends.
 test: install
-	$(MAKE) --no-print-directory -j2 --output-sync=target lint test-lowest
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint test-lowest test-suite
+
+test-suite: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q
 
 # The common fast path while working (about 1.5 min here): every test not marked slow.
