@@ -589,14 +589,10 @@ def _unchanged(loaded: ModelFingerprint | None, found: ModelFingerprint, version
 
 
 def _no_version(name: str, directory: ModelDirectory) -> str:
-    return (
-        f"{name}: no version directory to serve (found {list(directory.versions)}, "
-        "version_policy selects none); add REPO/<model>/1/model.onnx"
-    )
+    return (f"{name}: no version directory to serve (found {list(directory.versions)}, "
+            "version_policy selects none); add REPO/<model>/1/model.onnx")  # fmt: skip
 
 
 def _not_loaded(name: str) -> str:
-    return (
-        f"model {name!r} is in the repository but not loaded; load it with "
-        f"POST /v2/repository/models/{name}/load (--model-control-mode explicit)"
-    )
+    return (f"model {name!r} is in the repository but not loaded; load it with "
+            f"POST /v2/repository/models/{name}/load (--model-control-mode explicit)")  # fmt: skip
