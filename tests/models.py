@@ -152,6 +152,20 @@ def _for_ort(array: np.ndarray) -> np.ndarray:
     return text
 
 
+def _masked_mean_nodes(output: str) -> list[onnx.NodeProto]:
+    """``output`` = mean of the rows of initializer ``table`` that ``input_ids`` picks,
+    over ``attention_mask`` (initializers ``last`` = [-1] and ``tokens_axis`` = [1])."""
+    return [
+        helper.make_node("Gather", ["table", "input_ids"], ["rows"]),
+        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["maskf", "last"], ["mask3"]),
+        helper.make_node("Mul", ["rows", "mask3"], ["masked"]),
+        helper.make_node("ReduceSum", ["masked", "tokens_axis"], ["summed"], keepdims=0),
+        helper.make_node("ReduceSum", ["maskf", "tokens_axis"], ["count"], keepdims=1),
+        helper.make_node("Div", ["summed", "count"], [output]),
+    ]
+
+
 def build_mean_embedding(repo: Path, name: str, table: np.ndarray) -> Path:
     """Sentence embedding = mean of token rows of ``table`` over the attention mask.
 
@@ -159,15 +173,7 @@ def build_mean_embedding(repo: Path, name: str, table: np.ndarray) -> Path:
     FP32 [-1, dim]. The numpy reference is :func:`mean_embedding`.
     """
     dim = table.shape[1]
-    nodes = [
-        helper.make_node("Gather", ["table", "input_ids"], ["rows"]),
-        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
-        helper.make_node("Unsqueeze", ["maskf", "last"], ["mask3"]),
-        helper.make_node("Mul", ["rows", "mask3"], ["masked"]),
-        helper.make_node("ReduceSum", ["masked", "tokens_axis"], ["summed"], keepdims=0),
-        helper.make_node("ReduceSum", ["maskf", "tokens_axis"], ["count"], keepdims=1),
-        helper.make_node("Div", ["summed", "count"], ["embedding"]),
-    ]
+    nodes = _masked_mean_nodes("embedding")
     graph = helper.make_graph(
         nodes,
         name,
@@ -200,13 +206,7 @@ def build_tiny_encoder(repo: Path, name: str = "encoder", vocab: int = 64, dim: 
     table = rng.standard_normal((vocab, dim)).astype(np.float32)
     weight = (rng.standard_normal((dim, dim // 2)) / np.sqrt(dim)).astype(np.float32)
     nodes = [
-        helper.make_node("Gather", ["table", "input_ids"], ["rows"]),
-        helper.make_node("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
-        helper.make_node("Unsqueeze", ["maskf", "last"], ["mask3"]),
-        helper.make_node("Mul", ["rows", "mask3"], ["masked"]),
-        helper.make_node("ReduceSum", ["masked", "tokens_axis"], ["summed"], keepdims=0),
-        helper.make_node("ReduceSum", ["maskf", "tokens_axis"], ["count"], keepdims=1),
-        helper.make_node("Div", ["summed", "count"], ["mean"]),
+        *_masked_mean_nodes("mean"),
         helper.make_node("MatMul", ["mean", "weight"], ["projected"]),
         helper.make_node("Tanh", ["projected"], ["embedding"]),
     ]

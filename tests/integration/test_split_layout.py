@@ -82,7 +82,9 @@ def test_batches_of_every_size_through_both_front_ends(server: RemoteServer, pro
         client.close()
 
 
-def test_every_front_end_serves_and_the_engine_counts_them_all(server: RemoteServer) -> None:
+def test_the_engine_counts_every_request_and_metrics_show_every_front_end(
+    server: RemoteServer,
+) -> None:
     before = httpclient.InferenceServerClient(server.http_address).get_inference_statistics(
         "add_sub"
     )["model_stats"][0]["inference_stats"]["success"]["count"]

@@ -117,11 +117,6 @@ class Supervisor:
         ready = self._context.Event()
         return _Child(name, target, (*args, ready), ready)
 
-    @property
-    def engine_pid(self) -> int | None:
-        process = self._engine.process
-        return process.pid if process is not None else None
-
     def _start(self, child: _Child) -> None:
         process = self._context.Process(target=child.target, args=child.args, name=child.name)
         process.start()

@@ -159,10 +159,6 @@ class ModelServer(InferenceService):
         return not self._stopping
 
     async def is_ready(self) -> bool:
-        return self.ready_now()
-
-    def ready_now(self) -> bool:
-        """``is_ready`` without a coroutine (this process's scrape-time collectors)."""
         if not self._started or self._stopping or self.models.pending_work():
             return False
         if not all(lane.is_ready() for lane in self._lanes):
