@@ -36,6 +36,7 @@ from slipstream.repository.layout import (
     read_config,
     read_model_directory,
 )
+from slipstream.runtime import heap
 from slipstream.types import RepositoryEntry
 
 logger = logging.getLogger(__name__)
@@ -488,6 +489,7 @@ async def _drain_and_close(engine: Engine, timeout_s: float = 30.0) -> None:
             break
         await asyncio.sleep(0.05)
     await engine.close()
+    heap.reclaim_soon()
 
 
 def _llama_threads(models: int) -> int:

@@ -30,13 +30,13 @@ import contextlib
 import logging
 import socket
 import struct
-from collections import deque
 from ssl import SSLContext
 from typing import cast
 
 import httptools
 
 from slipstream.observability.metrics import TransportMetrics
+from slipstream.runtime import heap
 from slipstream.server.http_messages import (
     STATUS_LINES,
     ErrorBody,
@@ -95,6 +95,8 @@ class HttpServer:
         self._idle: dict[_Connection, None] = {}
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
+        # Connections closed since freed memory was last handed back (runtime.heap.trim).
+        self._closed_since_trim = 0
 
     async def start(
         self, host: str, port: int, ssl: SSLContext | None = None, reuse_port: bool = False
@@ -121,6 +123,10 @@ class HttpServer:
         now = loop.time()
         for connection in list(self._connections):
             connection.enforce_timeouts(now)
+        # What closed connections freed (their buffers: up to the header limit each) goes
+        # back to the OS rather than staying in the allocator's free lists.
+        if self._closed_since_trim and heap.trim():
+            self._closed_since_trim = 0
         limits = self._limits
         interval = min(
             5.0,
@@ -159,7 +165,7 @@ class HttpServer:
             self._sweeper.cancel()
         for connection in list(self._connections):
             connection.close_when_idle()
-        waiting = [c.finished for c in self._connections]
+        waiting = [c.finished() for c in self._connections]
         if waiting:
             _, pending = await asyncio.wait(waiting, timeout=timeout_s)
             if pending:
@@ -169,7 +175,20 @@ class HttpServer:
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: parse requests, run the handler in order, write replies."""
+    """One client connection: parse requests, run the handler in order, write replies.
+
+    Slotted, and its futures made only when something waits on them: thousands of open
+    connections (idle keep-alive, slowloris) cost little memory and give the garbage
+    collector little to walk."""
+
+    __slots__ = (
+        "_begun", "_body", "_body_size", "_body_started_at", "_closing", "_completed",
+        "_final_reply", "_finished", "_head_bytes", "_head_started_at", "_headers",
+        "_input_closed", "_known_head_bytes", "_last_active", "_last_read_at", "_limits",
+        "_loop", "_lost", "_parser", "_phase", "_reading_paused", "_received_any",
+        "_requests", "_server", "_transport", "_url", "_worker", "_writable",
+        "_write_paused_at",
+    )  # fmt: skip
 
     def __init__(self, server: HttpServer) -> None:
         self._server = server
@@ -186,15 +205,16 @@ class _Connection(asyncio.Protocol):
         self._known_head_bytes = 0
         self._body: list[bytes] = []
         self._body_size = 0
-        self._requests: deque[tuple[HttpRequest, bool]] = deque()
+        # Pipelined requests waiting for their turn (at most _MAX_PIPELINED).
+        self._requests: list[tuple[HttpRequest, bool]] = []
         self._worker: asyncio.Task[None] | None = None
         self._closing = False
         # No more requests are parsed (an error reply is due, or the connection closes).
         self._input_closed = False
         # The error reply that ends the connection once the requests before it are answered.
         self._final_reply: bytes | None = None
-        self._writable = asyncio.Event()
-        self._writable.set()
+        # Set while the transport's buffer is full (pause_writing): the writer waits on it.
+        self._writable: asyncio.Future[None] | None = None
         now = self._loop.time()
         # Loop time of the last response (or of the connection's start).
         self._last_active = now
@@ -212,7 +232,8 @@ class _Connection(asyncio.Protocol):
         # Messages begun and completed so far: data_received compares them around a feed.
         self._begun = 0
         self._completed = 0
-        self.finished: asyncio.Future[None] = self._loop.create_future()
+        self._lost = False
+        self._finished: asyncio.Future[None] | None = None  # made by finished()
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
@@ -275,15 +296,25 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = self._input_closed = True
         self._server._connections.discard(self)
+        self._server._closed_since_trim += 1
         self._server._mark_busy(self)
         # The client is gone: cancel its in-flight request (queued inference is dropped).
         if self._worker is not None and not self._worker.done():
             self._worker.cancel()
         self._requests.clear()
         self._release()
-        self._writable.set()
-        if not self.finished.done():
-            self.finished.set_result(None)
+        self._lost = True
+        self._wake_writer()
+        if self._finished is not None and not self._finished.done():
+            self._finished.set_result(None)
+
+    def finished(self) -> asyncio.Future[None]:
+        """Done once the connection is gone."""
+        if self._finished is None:
+            self._finished = self._loop.create_future()
+            if self._lost:
+                self._finished.set_result(None)
+        return self._finished
 
     def _release(self) -> None:
         """Drop the parser (with the partial header it buffers) and request buffers."""
@@ -291,12 +322,22 @@ class _Connection(asyncio.Protocol):
         self._url, self._headers, self._body = b"", [], []
 
     def pause_writing(self) -> None:
-        self._writable.clear()
+        if self._writable is None:
+            self._writable = self._loop.create_future()
         self._write_paused_at = self._loop.time()
 
     def resume_writing(self) -> None:
-        self._writable.set()
+        self._wake_writer()
         self._write_paused_at = None
+
+    def _wake_writer(self) -> None:
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    async def _until_writable(self) -> None:
+        if self._writable is not None:
+            await asyncio.shield(self._writable)
 
     # -- httptools callbacks ---------------------------------------------------------------
 
@@ -374,7 +415,7 @@ class _Connection(asyncio.Protocol):
 
     async def _serve_queued(self) -> None:
         while self._requests and not self._closing:
-            request, keep_alive = self._requests.popleft()
+            request, keep_alive = self._requests.pop(0)
             try:
                 response = await self._server._handler(request)
             except Exception:
@@ -407,8 +448,7 @@ class _Connection(asyncio.Protocol):
     async def _write(self, request: HttpRequest, response: HttpResponse, keep_alive: bool) -> None:
         if self._transport is None or self._closing:
             return
-        if not self._writable.is_set():
-            await self._writable.wait()
+        await self._until_writable()
         parts = response_head(response.status, response.content_type, response.headers, keep_alive)
         parts[-1:-1] = (b"content-length: ", str(len(response.body)).encode(), b"\r\n")
         if request.method != "HEAD":
@@ -433,8 +473,7 @@ class _Connection(asyncio.Protocol):
             async for chunk in chunks:
                 if not chunk:
                     continue
-                if not self._writable.is_set():
-                    await self._writable.wait()
+                await self._until_writable()
                 if self._transport is None or self._closing:
                     return False
                 self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))

@@ -28,6 +28,7 @@ from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.startup import TRACE
 from slipstream.protocol.v2 import encode_error
+from slipstream.runtime import heap
 from slipstream.security.gate import Gate, watch_keys
 from slipstream.security.keys import KeyRing, KeysFileError
 from slipstream.security.limits import Limiter, LimitStore, MemoryStore
@@ -397,6 +398,7 @@ async def run_until_stopped(
                 logger.error("model loading failed: %s", start_task.exception())
                 return 1
             TRACE.mark("ready")
+            heap.settle()
             if on_ready is not None:
                 on_ready()
             logger.info("Slipstream is ready: HTTP port %s, gRPC port %s",

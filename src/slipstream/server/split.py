@@ -49,6 +49,7 @@ from slipstream.observability.merge import Family, merged_text, snapshot
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.startup import TRACE
 from slipstream.protocol import openai
+from slipstream.runtime import heap
 from slipstream.security.keys import KeysFileError
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.server.openai_rest import OpenAIApp
@@ -311,6 +312,7 @@ async def _serve_frontend(
         await client.close()
         return 1
     ready.set()
+    heap.settle()
     background = [*background_tasks(settings, None, door),
                   asyncio.create_task(_push_metrics(client, name, metrics))]  # fmt: skip
     await stop.wait()

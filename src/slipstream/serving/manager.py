@@ -31,6 +31,7 @@ from slipstream.repository.layout import (
     read_config,
     read_model_directory,
 )
+from slipstream.runtime import heap
 from slipstream.runtime.base import BackendUnavailable
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.taps import TapFactory
@@ -515,6 +516,7 @@ class ModelManager:
         if model.tap is not None:
             model.tap.close()
         self._metrics.remove(model.metrics)
+        heap.reclaim_soon()
         logger.info("model %s version %s unloaded", model.name, model.version_str)
 
     async def close(self) -> None:

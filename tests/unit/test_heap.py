@@ -1,0 +1,70 @@
+"""runtime/heap.py: start-up objects frozen out of the collector's walk, a retired
+model's cycles collected all the same, freed memory handed back at a bounded rate."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from slipstream.runtime import heap
+
+
+class Model:
+    """Stands for a loaded model whose objects refer to each other (a cycle)."""
+
+    def __init__(self) -> None:
+        self.self_reference = self
+
+
+@pytest.fixture(autouse=True)
+def thawed() -> Iterator[None]:
+    yield
+    gc.unfreeze()
+
+
+def test_settle_freezes_what_exists_so_a_collection_skips_it() -> None:
+    model = Model()
+    alive = weakref.ref(model)
+    heap.settle()
+    assert gc.get_freeze_count() > 0
+    del model
+    gc.collect()
+    assert alive() is not None  # frozen: the collector does not look at it
+
+
+async def test_a_retired_models_frozen_cycle_is_reclaimed_and_the_rest_frozen_again() -> None:
+    model = Model()
+    alive = weakref.ref(model)
+    heap.settle()
+    del model
+    heap.reclaim_soon()
+    heap.reclaim_soon()  # coalesced with the first
+    await asyncio.sleep(heap.RECLAIM_DELAY_S + 0.5)
+    assert alive() is None
+    assert gc.get_freeze_count() > 0
+
+
+async def test_a_reclaim_pending_on_a_closed_loop_does_not_block_the_next() -> None:
+    heap.reclaim_soon()  # this test's loop closes before it runs
+    assert heap._reclaim_loop is asyncio.get_running_loop()
+
+
+async def test_reclaim_runs_on_a_new_loop_after_the_old_one_closed() -> None:
+    model = Model()
+    alive = weakref.ref(model)
+    heap.settle()
+    del model
+    heap.reclaim_soon()
+    await asyncio.sleep(heap.RECLAIM_DELAY_S + 0.5)
+    assert alive() is None
+
+
+@pytest.mark.skipif(heap._malloc_trim is None, reason="no glibc malloc_trim on this system")
+def test_trim_runs_at_most_once_an_interval_unless_forced() -> None:
+    assert heap.trim(force=True)
+    assert not heap.trim()
+    assert heap.trim(force=True)
