@@ -76,6 +76,13 @@ class Legitimate:
     def latencies(self, start: float, end: float) -> list[float]:
         return [lat for at, lat, ok in self.requests if ok and start <= at < end]
 
+    def slowest(self, start: float, end: float, count: int) -> list[tuple[float, float]]:
+        """The ``count`` slowest requests that ended in [start, end): (seconds into the
+        window at which each began, latency in ms), slowest first."""
+        during = [(at - lat, lat) for at, lat, ok in self.requests if ok and start <= at < end]
+        during.sort(key=lambda item: -item[1])
+        return [(round(began - start, 3), round(lat * 1000, 2)) for began, lat in during[:count]]
+
     def failures(self) -> int:
         return sum(not ok for _, _, ok in self.requests)
 
@@ -274,6 +281,7 @@ def run(args: argparse.Namespace, port: int, server: psutil.Process) -> dict[str
     for entry, window in zip(rounds, windows, strict=True):
         during = legit.latencies(*window)
         entry["p99_ms"], entry["requests"] = p99_ms(during), len(during)
+        entry["slowest"] = legit.slowest(*window, 20)
     calm = legit.latencies(*quiet)
     return {
         "connections_per_kind": args.connections,

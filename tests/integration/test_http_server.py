@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from slipstream.observability.metrics import TransportMetrics
+from slipstream.server import httpd
 from slipstream.server.httpd import (
     HttpLimits,
     HttpRequest,
@@ -260,6 +261,41 @@ async def test_an_unterminated_header_is_refused_as_it_arrives(limited: tuple) -
     huge = await exchange(port, b"GET / HTTP/1.1\r\nX: " + b"c" * 4_000_000, True)
     assert huge.startswith(b"HTTP/1.1 431")
     await poll(lambda: not http._connections, "connections released")
+
+
+async def test_a_refused_client_that_keeps_sending_stops_being_read_past_the_budget(
+    limited: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What refused clients send after their refusal is read and dropped (so each can
+    read its 431) within a budget the server shares; one that streams past it is no
+    longer read, and nothing it sends is copied out of the kernel any more."""
+    http, _, metrics, port = limited
+    monkeypatch.setattr(httpd, "_DISCARD_BURST_BYTES", 1_000_000)
+    monkeypatch.setattr(httpd, "_DISCARD_BYTES_S", 1000)
+    http._discard_budget = 1_000_000.0
+    discarded = 0
+    received = httpd._Connection.data_received
+
+    def counting(connection: httpd._Connection, data: bytes) -> None:
+        nonlocal discarded
+        if connection._input_closed:
+            discarded += len(data)
+        received(connection, data)
+
+    monkeypatch.setattr(httpd._Connection, "data_received", counting)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: t\r\nX-Endless: ")
+    status = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+    # Until the server stops reading: the writes then wait (or the linger's close resets).
+    with contextlib.suppress(ConnectionError, TimeoutError):
+        for _ in range(64):  # 8 MB in all, far past the budget
+            writer.write(b"b" * 131072)
+            await asyncio.wait_for(writer.drain(), 0.5)
+    assert (await status).startswith(b"HTTP/1.1 431")
+    await poll(lambda: metrics.closed_by_limit["discard_budget"] == 1, "reading stopped")
+    assert discarded <= 1_000_000 + 2 * 262144  # the budget, and the reads that crossed it
+    writer.close()
+    await poll(lambda: not http._connections, "the lingering connection closed")
 
 
 async def test_a_refusal_is_answered_after_the_pipelined_requests_before_it(
