@@ -46,8 +46,7 @@ CONNECTION_CLOSE_REASONS = (
     "keep_alive_timeout",  # idle between requests for --keep-alive-timeout-s
     "evicted_idle",  # at --max-connections: the longest-idle one closed for a new one
     "refused_full",  # at --max-connections with none idle: the new one refused (503)
-    # Still sending after its refusal past the server's discard budget: reading stopped,
-    # and the close at the end of the lingering resets it.
+    # Still sending after its refusal when the server's discard budget ran out: reset.
     "discard_budget",
 )
 
