@@ -78,7 +78,7 @@ def scraper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     try:
         yield prometheus
     finally:
-        prometheus.stop()
+        prometheus.close()
 
 
 @pytest.fixture(scope="module")
@@ -138,19 +138,17 @@ def traffic(server: RemoteServer) -> None:
     """Enough of every kind that each panel has a series: V2 inference past two drift
     windows, a failed request, completions (one from a shared prefix)."""
     infer_watched(server, np.random.default_rng(0), requests=15, rows=20, repeat_first=True)
-    httpx.post(server.url("/v2/models/watched/infer"), content=b"{bad", headers=auth(),
-               timeout=10)  # fmt: skip
-    httpx.get(server.url("/v2/models/watched"), timeout=10)  # no key: 401
+    server.http.post("/v2/models/watched/infer", content=b"{bad", headers=auth())
+    server.http.get("/v2/models/watched")  # no key: 401
     for _ in range(3):  # past the tight key's burst: 429
-        httpx.get(server.url("/v2/models/watched"), headers=auth("tight"), timeout=10)
+        server.http.get("/v2/models/watched", headers=auth("tight"))
     split = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4],
                          "data": [1.0, 2.0, 3.0, 4.0]}]}  # fmt: skip
     for _ in range(20):
-        httpx.post(server.url("/v2/models/split/infer"), json=split, headers=auth(),
-                   timeout=10).raise_for_status()  # fmt: skip
+        server.http.post("/v2/models/split/infer", json=split, headers=auth()).raise_for_status()
     for _ in range(2):
         body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 4}
-        reply = httpx.post(server.url("/v1/completions"), json=body, headers=auth(), timeout=60)
+        reply = server.http.post("/v1/completions", json=body, headers=auth())
         reply.raise_for_status()
 
 
@@ -160,6 +158,7 @@ class Prometheus:
     def __init__(self, workdir: Path) -> None:
         self._workdir = workdir
         self._process: subprocess.Popen[bytes] | None = None
+        self._http = httpx.Client(timeout=10)
         self.target_port = 0
         self.url = ""
         # When the server's traffic ended (seconds since the epoch, as Prometheus stamps).
@@ -181,6 +180,19 @@ class Prometheus:
             self._process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         self.target_port, self.url = target_port, f"http://{HOST}:{port}"
 
+    def query(self, expr: str, wait: bool = False) -> list[dict[str, object]]:
+        """The result of an instant query; [] when not up yet and ``wait``."""
+        try:
+            reply = self._http.get(f"{self.url}/api/v1/query", params={"query": expr})
+        except httpx.TransportError:
+            if wait:
+                return []
+            raise
+        doc = reply.json()
+        assert doc["status"] == "success", (expr, doc)
+        result: list[dict[str, object]] = doc["data"]["result"]
+        return result
+
     def exited(self) -> bool:
         return self._process is not None and self._process.poll() is not None
 
@@ -193,44 +205,37 @@ class Prometheus:
             self._process.wait(30)
             self._process = None
 
+    def close(self) -> None:
+        self.stop()
+        self._http.close()
+
 
 @pytest.fixture(scope="module")
-def prometheus(server: RemoteServer, scraper: Prometheus) -> str:
-    """The URL of a Prometheus that scraped the server five times after its traffic
-    (rates need two samples in their range)."""
+def prometheus(server: RemoteServer, scraper: Prometheus) -> Prometheus:
+    """The Prometheus, once it scraped the server five times after its traffic (rates
+    need two samples in their range)."""
     deadline = time.monotonic() + 60
     while True:
-        found = query(scraper.url, 'up{job="slipstream"}[1m]', wait=True)
+        found = scraper.query('up{job="slipstream"}[1m]', wait=True)
         values: Any = found[0]["values"] if found else []
         if sum(1 for at, up in values if at >= scraper.traffic_done_s and up == "1") >= 5:
-            return scraper.url
+            return scraper
         assert not scraper.exited(), scraper.log_tail()
         assert time.monotonic() < deadline, "prometheus did not scrape the server"
         time.sleep(0.1)
 
 
-def query(url: str, expr: str, wait: bool = False) -> list[dict[str, object]]:
-    try:
-        reply = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
-    except httpx.TransportError:
-        if wait:
-            return []
-        raise
-    doc = reply.json()
-    assert doc["status"] == "success", (expr, doc)
-    result: list[dict[str, object]] = doc["data"]["result"]
-    return result
-
-
-def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus: str) -> None:
-    empty = [(title, expr) for title, expr in panel_queries() if not query(prometheus, expr)]
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(
+    prometheus: Prometheus,
+) -> None:
+    empty = [(title, expr) for title, expr in panel_queries() if not prometheus.query(expr)]
     assert not empty, empty
 
 
 def test_every_exported_metric_family_is_on_a_panel_or_in_an_alert(
     server: RemoteServer,
 ) -> None:
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = server.http.get("/metrics").text
     families = {family.name for family in text_string_to_metric_families(text)}
     assert {"slipstream_drift_p_value", "slipstream_llm_kv_cache_blocks_used"} <= families
     shown = " ".join(expr for _, expr in panel_queries()) + ALERTS
