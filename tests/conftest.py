@@ -1,4 +1,6 @@
-"""Makes the shared helpers importable as ``tests.utils`` and ``tests.models``.
+"""Makes the shared helpers importable as ``tests.utils`` and ``tests.models``, keeps
+what collection imported out of the garbage collector's way, and builds the example
+models once per session.
 
 ``tests/`` is deliberately not a package (each tier's modules are collected by file),
 so the repository root is put on ``sys.path`` once here instead.
@@ -6,9 +8,37 @@ so the repository root is put on ``sys.path`` once here instead.
 
 from __future__ import annotations
 
+import gc
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection made (torch, transformers, scipy, every test module: ~0.5M
+    objects that live as long as the session): the collector's full passes, automatic or
+    a ``gc.collect()`` in the code under test, then look only at what tests make. A full
+    pass took ~0.3 s here; the unit tests spent 11.8 s collecting garbage, now 6.2 s."""
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture(scope="session")
+def example_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``REPO``: the README's models (digits, minilm, smollm2) as ``make run`` builds
+    them, with ``python examples/build_models.py REPO``; built once for the session (the
+    minilm export and its check against sentence-transformers take seconds). Tests only
+    read it."""
+    models = tmp_path_factory.mktemp("example-models") / "models"
+    subprocess.run(
+        [sys.executable, str(Path(_ROOT) / "examples" / "build_models.py"), str(models),
+         "--only", "digits,minilm,smollm2"],
+        check=True, capture_output=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    return models

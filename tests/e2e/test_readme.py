@@ -29,15 +29,13 @@ def test_readme_starts_with_the_two_commands() -> None:
 
 
 @pytest.fixture(scope="module")
-def example_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
-    workdir = tmp_path_factory.mktemp("readme")
-    subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "build_models.py"), str(workdir / "models"),
-         "--only", "digits,minilm,smollm2"],
-        check=True, capture_output=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
-    # smollm2 loads its GGUF file on llama.cpp in about a second; minilm exports to ONNX first.
-    with RemoteServer(workdir / "models", log_dir=workdir, startup_timeout_s=300) as server:
+def example_server(
+    example_models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RemoteServer]:
+    """`make run`'s server of examples/build_models.py's models (tests/conftest.py)."""
+    log_dir = tmp_path_factory.mktemp("readme")
+    # smollm2 loads its GGUF file on llama.cpp in about a second.
+    with RemoteServer(example_models, log_dir=log_dir, startup_timeout_s=300) as server:
         yield server
 
 

@@ -1,5 +1,5 @@
 """``slipstream tune`` as a user runs it, on add_sub with tiny trials (two or three real
-servers each, levels of ~1 s): the files it writes, the accuracy budget, ``--apply``
+servers each, levels of ~0.4 s): the files it writes, the accuracy budget, ``--apply``
 picked up by a running server, an SLO nothing meets (exit 3, the closest shown) and a
 trial whose server cannot load its model (recorded failed with its log tail).
 """
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 TINY = [
     "--mode", "brute", "--queue-delays-us", "0", "--instances", "1", "--threads", "1",
-    "--warmup-s", "0.2", "--window-s", "0.25", "--max-windows", "3", "--max-concurrency", "2",
+    "--warmup-s", "0.1", "--window-s", "0.1", "--max-windows", "3", "--max-concurrency", "2",
     # The model's own backend only (with the openvino extra, each variant is tried on
     # OpenVINO too: tests/unit/test_tune_parts.py checks those twins).
     "--backends", "onnxruntime",

@@ -53,7 +53,7 @@ def send(server: RemoteServer, model: str, rng: np.random.Generator, shift: floa
 
 
 def drift(server: RemoteServer, model: str) -> httpx.Response:
-    return httpx.get(server.url(f"/v2/models/{model}/drift"), timeout=10)
+    return server.http.get(f"/v2/models/{model}/drift", timeout=10)
 
 
 def send_until(
@@ -117,7 +117,7 @@ def test_a_reference_is_captured_and_a_shifted_input_is_found(
 
 
 def scrape(server: RemoteServer) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = server.http.get("/metrics", timeout=10).text
     return {
         (sample.name, frozenset(sample.labels.items())): sample.value
         for family in text_string_to_metric_families(text)
@@ -131,7 +131,7 @@ def test_a_model_without_monitoring_answers_404_naming_the_setting(server: Remot
     assert "monitoring.drift.enable" in reply.json()["error"]
     reply = drift(server, "no_such_model")
     assert reply.status_code == 404 and "no_such_model" in reply.json()["error"]
-    reply = httpx.get(server.url("/v2/models/watched/versions/7/drift"), timeout=10)
+    reply = server.http.get("/v2/models/watched/versions/7/drift", timeout=10)
     assert reply.status_code in (400, 404) and "7" in reply.json()["error"]
 
 
@@ -140,7 +140,7 @@ def test_a_bad_monitoring_setting_is_a_load_error_naming_it(tmp_path: Path) -> N
     build_identity(repo, "FP32", "bad")
     write_config(repo, "bad", {"monitoring": {"drift": {"enable": True, "window": 3}}})
     with RemoteServer(repo, ["--no-strict-readiness"], log_dir=tmp_path) as running:
-        index = httpx.post(running.url("/v2/repository/index"), timeout=10).json()
+        index = running.http.post("/v2/repository/index", timeout=10).json()
         (entry,) = [e for e in index if e["name"] == "bad"]
         assert entry["state"] == "UNAVAILABLE"
         assert "monitoring.drift.window" in entry["reason"]

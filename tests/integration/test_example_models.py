@@ -36,10 +36,11 @@ def _io(session: ort.InferenceSession) -> tuple[list[tuple[str, str]], list[tupl
 
 
 def test_digits_onnx_and_sklearn_agree_and_are_accurate(
-    build_models: ModuleType, tmp_path: Path
+    build_models: ModuleType, example_models: Path
 ) -> None:
-    onnx_path = build_models.build_digits(tmp_path)
-    assert onnx_path == tmp_path / "digits" / "1" / "model.onnx"
+    # The session's build (tests/conftest.py): build_digits finds it built.
+    onnx_path = build_models.build_digits(example_models)
+    assert onnx_path == example_models / "digits" / "1" / "model.onnx"
     session = _session(onnx_path)
     assert _io(session) == (
         [("input", "tensor(float)")],
@@ -54,7 +55,7 @@ def test_digits_onnx_and_sklearn_agree_and_are_accurate(
     assert probabilities.shape == (len(x_test), 10)
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
 
-    sklearn_dir = tmp_path / "digits_sklearn"
+    sklearn_dir = example_models / "digits_sklearn"
     config = (sklearn_dir / "config.yaml").read_text()
     # A pickle: the server loads it only because the example's config opts in.
     assert "backend: sklearn" in config and "trust_pickle: true" in config
@@ -91,19 +92,20 @@ def test_mlp_shape_and_determinism(build_models: ModuleType, tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_minilm_embeds_like_sentence_transformers(build_models: ModuleType, tmp_path: Path) -> None:
-    # build_minilm itself checks cosine > 0.999 against sentence-transformers.
-    onnx_path = build_models.build_minilm(tmp_path)
+def test_minilm_embeds_like_sentence_transformers(example_models: Path) -> None:
+    # The session's build (tests/conftest.py); build_minilm itself checked cosine > 0.999
+    # against sentence-transformers before it wrote the model.
+    onnx_path = example_models / "minilm" / "1" / "model.onnx"
     session = _session(onnx_path)
     assert _io(session) == (
         [("input_ids", "tensor(int64)"), ("attention_mask", "tensor(int64)")],
         [("sentence_embedding", "tensor(float)")],
     )
-    assert "max_batch_size: 64" in (tmp_path / "minilm" / "config.yaml").read_text()
+    assert "max_batch_size: 64" in (example_models / "minilm" / "config.yaml").read_text()
 
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(tmp_path / "minilm" / "tokenizer" / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(example_models / "minilm" / "tokenizer" / "tokenizer.json"))
     sentences = ["A cat sits on the mat.", "A kitten rests on a rug.", "Stock markets fell today."]
     encodings = tokenizer.encode_batch(sentences)
     feeds = {

@@ -152,7 +152,7 @@ def assert_greedy_path(alone: Any, prompt: list[int], text: str, max_tokens: int
 
 
 def metric(server: RemoteServer, name: str, **labels: str) -> float:
-    text = httpx.get(server.url("/metrics")).text
+    text = server.http.get("/metrics").text
     wanted = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
     match = re.search(rf"^{name}\{{{wanted}[^}}]*\}} (\S+)$", text, re.M)
     assert match, f"{name} {labels} not in /metrics"
@@ -379,7 +379,7 @@ def test_a_file_that_is_not_gguf_is_a_clear_load_error(server: RemoteServer) -> 
 
 def test_a_context_longer_than_the_model_s_is_a_clear_load_error(server: RemoteServer) -> None:
     body = {"model": "too_long", "prompt": "Hi", "max_tokens": 2}
-    reply = httpx.post(server.url("/v1/completions"), json=body)
+    reply = server.http.post("/v1/completions", json=body)
     assert reply.status_code == 503
     assert "max_model_len 100000 exceeds the 8192 tokens" in reply.json()["error"]["message"]
 
@@ -409,7 +409,7 @@ def test_a_client_that_disconnects_frees_its_sequence(server: RemoteServer) -> N
     before = cancelled()
     body = {"model": "smol", "prompt": "Hello", "max_tokens": 500, "stream": True,
             "ignore_eos": True}  # fmt: skip
-    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=30) as reply:
+    with server.http.stream("POST", "/v1/completions", json=body, timeout=30) as reply:
         lines = reply.iter_lines()
         assert next(lines).startswith("data: ")
         assert metric(server, "slipstream_llm_sequences_running", model="smol") == 1
@@ -449,35 +449,35 @@ def test_generative_models_are_indexed_loaded_and_unloaded_at_run_time(tmp_path:
     with RemoteServer(repo, args, log_dir=tmp_path) as server:
 
         def index() -> dict[str, tuple[str, str, str]]:
-            entries = httpx.post(server.url("/v2/repository/index"), json={}).json()
+            entries = server.http.post("/v2/repository/index", json={}).json()
             return {e["name"]: (e.get("version", ""), e.get("state", ""), e.get("reason", ""))
                     for e in entries}  # fmt: skip
 
         def served() -> list[str]:
-            return sorted(m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"])
+            return sorted(m["id"] for m in server.http.get("/v1/models").json()["data"])
 
         def complete(model: str) -> httpx.Response:
             body = {"model": model, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
-            return httpx.post(server.url("/v1/completions"), json=body, timeout=60)
+            return server.http.post("/v1/completions", json=body, timeout=60)
 
         assert index() == {"first": ("1", "READY", ""), "second": ("", "", ""),
                            "broken": ("", "", "")}  # fmt: skip
         assert served() == ["first"]
         assert complete("second").status_code == 404
 
-        load = httpx.post(server.url("/v2/repository/models/second/load"), timeout=60)
+        load = server.http.post("/v2/repository/models/second/load", timeout=60)
         assert load.status_code == 200, load.text
         assert index()["second"] == ("1", "READY", "")
         assert served() == ["first", "second"]
         assert complete("second").json()["usage"]["completion_tokens"] == 3
 
-        unload = httpx.post(server.url("/v2/repository/models/first/unload"), timeout=60)
+        unload = server.http.post("/v2/repository/models/first/unload", timeout=60)
         assert unload.status_code == 200, unload.text
         assert index()["first"] == ("", "", "")
         assert served() == ["second"]
         assert complete("first").status_code == 404
 
-        bad = httpx.post(server.url("/v2/repository/models/broken/load"), timeout=60)
+        bad = server.http.post("/v2/repository/models/broken/load", timeout=60)
         assert bad.status_code == 400
         assert "not a GGUF file" in bad.json()["error"]
         _version, state, reason = index()["broken"]

@@ -344,7 +344,7 @@ def test_constrained_sequences_do_not_change_their_neighbours(
     """An unconstrained greedy request gives the same text beside constrained ones."""
     plain = {"model": "smol", "prompt": "The weather today is", "max_tokens": 20,
              "temperature": 0, "ignore_eos": True}  # fmt: skip
-    alone_text = httpx.post(server.url("/v1/completions"), json=plain).json()["choices"][0]["text"]
+    alone_text = server.http.post("/v1/completions", json=plain).json()["choices"][0]["text"]
 
     async def together() -> list[httpx.Response]:
         constrained = {**plain, "max_tokens": 40, "ignore_eos": False, "guided_json": {
@@ -398,12 +398,12 @@ def test_bad_feature_requests_are_400_naming_the_field(
     else:
         body["prompt"] = "hi"
     path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    reply = httpx.post(server.url(path), json=body)
+    reply = server.http.post(path, json=body)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param, error
     # The server is unharmed.
-    assert httpx.post(server.url("/v1/completions"), json={
+    assert server.http.post("/v1/completions", json={
         "model": "smol", "prompt": "hi", "max_tokens": 1}).status_code == 200  # fmt: skip
 
 
@@ -535,7 +535,7 @@ def test_bad_tool_requests_are_400_naming_the_field(
 ) -> None:
     body = {"model": "smol", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
             **extra}  # fmt: skip
-    reply = httpx.post(server.url("/v1/chat/completions"), json=body)
+    reply = server.http.post("/v1/chat/completions", json=body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param, reply.json()
 
@@ -628,6 +628,6 @@ def test_bad_response_requests_are_400_naming_the_field(
     server: RemoteServer, extra: dict[str, Any], param: str
 ) -> None:
     body = {"model": "smol", "input": "hi", **extra}
-    reply = httpx.post(server.url("/v1/responses"), json=body)
+    reply = server.http.post("/v1/responses", json=body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param, reply.json()

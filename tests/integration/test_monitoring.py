@@ -21,6 +21,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -72,8 +73,26 @@ def panel_queries() -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+def scraper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    prometheus = Prometheus(tmp_path_factory.mktemp("prometheus"))
+    try:
+        yield prometheus
+    finally:
+        prometheus.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, scraper: Prometheus) -> Iterator[RemoteServer]:
     repo = tmp_path_factory.mktemp("monitoring-repo")
+    keys = repo.parent / "keys.json"
+    args = ["--price-per-hour", "1.5", "--cost-window-s", "30", "--auth-file", str(keys),
+            "--cache", "local:size=16MB"]  # fmt: skip
+    unstarted = RemoteServer(repo, args, log_dir=repo)
+    # Prometheus first: its first scrape comes ~5.5 s after it starts (service discovery
+    # hands over the targets after 5 s), time spent building the models and the keys,
+    # starting the server and sending its traffic. The `prometheus` fixture then waits
+    # for scrapes after the traffic.
+    scraper.start(unstarted.http_port)
     drift = {"enable": True, "window": 100, "reference_samples": 100}
     build_add_sub(repo, "watched")
     write_config(repo, "watched", {"max_batch_size": 64, "monitoring": {"drift": drift},
@@ -92,7 +111,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
                                 "generation": {"num_blocks": 32, "max_num_seqs": 2}})  # fmt: skip
     # The front door and the cache on, so their families are exported too: a key for the
     # traffic, and a tight one that is rate-limited.
-    keys = repo.parent / "keys.json"
     for name, limits in (("monitor", ["--rate", "1000", "--burst", "1000"]),
                          ("tight", ["--rate", "0.1", "--burst", "1"])):  # fmt: skip
         made = subprocess.run(
@@ -100,10 +118,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
              "--role", "admin", *limits], capture_output=True, text=True, check=True,
         )  # fmt: skip
         KEYS[name] = made.stdout.strip()
-    args = ["--price-per-hour", "1.5", "--cost-window-s", "30", "--auth-file", str(keys),
-            "--cache", "local:size=16MB"]  # fmt: skip
-    with RemoteServer(repo, args, log_dir=repo) as running:
+    with unstarted as running:
+        if running.http_port != scraper.target_port:  # a port taken meanwhile: moved
+            scraper.stop()
+            scraper.start(running.http_port)
         traffic(running)
+        scraper.traffic_done_s = time.time()
         yield running
 
 
@@ -118,77 +138,104 @@ def traffic(server: RemoteServer) -> None:
     """Enough of every kind that each panel has a series: V2 inference past two drift
     windows, a failed request, completions (one from a shared prefix)."""
     infer_watched(server, np.random.default_rng(0), requests=15, rows=20, repeat_first=True)
-    httpx.post(server.url("/v2/models/watched/infer"), content=b"{bad", headers=auth(),
-               timeout=10)  # fmt: skip
-    httpx.get(server.url("/v2/models/watched"), timeout=10)  # no key: 401
+    server.http.post("/v2/models/watched/infer", content=b"{bad", headers=auth())
+    server.http.get("/v2/models/watched")  # no key: 401
     for _ in range(3):  # past the tight key's burst: 429
-        httpx.get(server.url("/v2/models/watched"), headers=auth("tight"), timeout=10)
+        server.http.get("/v2/models/watched", headers=auth("tight"))
     split = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4],
                          "data": [1.0, 2.0, 3.0, 4.0]}]}  # fmt: skip
     for _ in range(20):
-        httpx.post(server.url("/v2/models/split/infer"), json=split, headers=auth(),
-                   timeout=10).raise_for_status()  # fmt: skip
+        server.http.post("/v2/models/split/infer", json=split, headers=auth()).raise_for_status()
     for _ in range(2):
         body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 4}
-        reply = httpx.post(server.url("/v1/completions"), json=body, headers=auth(), timeout=60)
+        reply = server.http.post("/v1/completions", json=body, headers=auth())
         reply.raise_for_status()
 
 
+class Prometheus:
+    """Debian's prometheus, scraping one server every 0.5 s, with the alert rules."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._workdir = workdir
+        self._process: subprocess.Popen[bytes] | None = None
+        self._http = httpx.Client(timeout=10)
+        self.target_port = 0
+        self.url = ""
+        # When the server's traffic ended (seconds since the epoch, as Prometheus stamps).
+        self.traffic_done_s = 0.0
+
+    def start(self, target_port: int) -> None:
+        (port,) = free_ports(1)
+        config = {
+            "global": {"scrape_interval": "500ms", "evaluation_interval": "1s"},
+            "rule_files": [str(MONITORING / "alerts.yml")],
+            "scrape_configs": [{"job_name": "slipstream",
+                                "static_configs": [{"targets": [f"{HOST}:{target_port}"]}]}],
+        }  # fmt: skip
+        (self._workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        argv = [tool("prometheus"), f"--config.file={self._workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self._workdir / f'data-{port}'}",
+                f"--web.listen-address={HOST}:{port}"]  # fmt: skip
+        with (self._workdir / "prometheus.log").open("wb") as log:
+            self._process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        self.target_port, self.url = target_port, f"http://{HOST}:{port}"
+
+    def query(self, expr: str, wait: bool = False) -> list[dict[str, object]]:
+        """The result of an instant query; [] when not up yet and ``wait``."""
+        try:
+            reply = self._http.get(f"{self.url}/api/v1/query", params={"query": expr})
+        except httpx.TransportError:
+            if wait:
+                return []
+            raise
+        doc = reply.json()
+        assert doc["status"] == "success", (expr, doc)
+        result: list[dict[str, object]] = doc["data"]["result"]
+        return result
+
+    def exited(self) -> bool:
+        return self._process is not None and self._process.poll() is not None
+
+    def log_tail(self) -> str:
+        return (self._workdir / "prometheus.log").read_text()[-2000:]
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(30)
+            self._process = None
+
+    def close(self) -> None:
+        self.stop()
+        self._http.close()
+
+
 @pytest.fixture(scope="module")
-def prometheus(server: RemoteServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    workdir = tmp_path_factory.mktemp("prometheus")
-    (port,) = free_ports(1)
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(MONITORING / "alerts.yml")],
-        "scrape_configs": [{"job_name": "slipstream",
-                            "static_configs": [{"targets": [f"{HOST}:{server.http_port}"]}]}],
-    }  # fmt: skip
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    argv = [tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
-            f"--storage.tsdb.path={workdir / 'data'}",
-            f"--web.listen-address={HOST}:{port}"]  # fmt: skip
-    with (workdir / "prometheus.log").open("wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://{HOST}:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        # Ready, and several scrapes in: rates need two samples in their range.
-        while (
-            len(query(url, 'up{job="slipstream"}[1m]', wait=True)) == 0
-            or len(query(url, 'up{job="slipstream"}[1m]')[0]["values"]) < 5
-        ):
-            assert process.poll() is None, (workdir / "prometheus.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "prometheus did not scrape the server"
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(30)
+def prometheus(server: RemoteServer, scraper: Prometheus) -> Prometheus:
+    """The Prometheus, once it scraped the server five times after its traffic (rates
+    need two samples in their range)."""
+    deadline = time.monotonic() + 60
+    while True:
+        found = scraper.query('up{job="slipstream"}[1m]', wait=True)
+        values: Any = found[0]["values"] if found else []
+        if sum(1 for at, up in values if at >= scraper.traffic_done_s and up == "1") >= 5:
+            return scraper
+        assert not scraper.exited(), scraper.log_tail()
+        assert time.monotonic() < deadline, "prometheus did not scrape the server"
+        time.sleep(0.1)
 
 
-def query(url: str, expr: str, wait: bool = False) -> list[dict[str, object]]:
-    try:
-        reply = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
-    except httpx.TransportError:
-        if wait:
-            return []
-        raise
-    doc = reply.json()
-    assert doc["status"] == "success", (expr, doc)
-    result: list[dict[str, object]] = doc["data"]["result"]
-    return result
-
-
-def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus: str) -> None:
-    empty = [(title, expr) for title, expr in panel_queries() if not query(prometheus, expr)]
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(
+    prometheus: Prometheus,
+) -> None:
+    empty = [(title, expr) for title, expr in panel_queries() if not prometheus.query(expr)]
     assert not empty, empty
 
 
 def test_every_exported_metric_family_is_on_a_panel_or_in_an_alert(
     server: RemoteServer,
 ) -> None:
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = server.http.get("/metrics").text
     families = {family.name for family in text_string_to_metric_families(text)}
     assert {"slipstream_drift_p_value", "slipstream_llm_kv_cache_blocks_used"} <= families
     shown = " ".join(expr for _, expr in panel_queries()) + ALERTS
@@ -203,9 +250,10 @@ def test_every_exported_metric_family_is_on_a_panel_or_in_an_alert(
 def test_the_built_in_dashboard_draws_its_charts_in_a_real_browser(
     server: RemoteServer, tmp_path: Path
 ) -> None:
-    """Debian's chromium, headless, opens /dashboard: the charts draw from /metrics (a
-    canvas with coloured pixels), a screenshot is taken, and no request left for another
-    host (every resource the page loaded is this server's)."""
+    """Debian's chromium, headless, opens /dashboard (scraping every 0.5 s rather than
+    every 2 s): the charts draw from /metrics (a canvas with coloured pixels), a screenshot
+    is taken, and no request left for another host (every resource the page loaded is this
+    server's)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -217,7 +265,7 @@ def test_the_built_in_dashboard_draws_its_charts_in_a_real_browser(
         options.add_argument(flag)
     driver = webdriver.Chrome(options=options, service=Service(tool("chromedriver")))
     try:
-        driver.get(server.url("/dashboard"))
+        driver.get(server.url("/dashboard?every_s=0.5"))
         deadline = time.monotonic() + 60
         while True:
             traffic_step(server)

@@ -106,7 +106,7 @@ def reference(tiny_dir: Path) -> Any:
 
 
 def metric(server: RemoteServer, name: str, **labels: str) -> float:
-    text = httpx.get(server.url("/metrics")).text
+    text = server.http.get("/metrics").text
     wanted = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
     match = re.search(rf"^{name}\{{{wanted}[^}}]*\}} (\S+)$", text, re.M)
     assert match, f"{name} {labels} not in /metrics"
@@ -257,14 +257,14 @@ def test_streamed_chat_sends_role_first_and_reason_last(client: openai.OpenAI) -
 def test_bad_requests_get_openai_errors(
     server: RemoteServer, body: dict[str, Any], status: int, param: str
 ) -> None:
-    reply = httpx.post(server.url("/v1/completions"), json=body)
+    reply = server.http.post("/v1/completions", json=body)
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and error["message"] and error["type"]
 
 
 def test_malformed_json_and_sdk_error_types(server: RemoteServer, client: openai.OpenAI) -> None:
-    reply = httpx.post(server.url("/v1/chat/completions"), content=b"{nope")
+    reply = server.http.post("/v1/chat/completions", content=b"{nope")
     assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
@@ -291,7 +291,7 @@ def test_sequences_that_do_not_fit_together_wait_and_all_finish_correctly(
     body = {"model": "tiny_small", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     prompts = ["Hello world", "The capital", "A paged"]
     alone = [
-        httpx.post(server.url("/v1/completions"), json=body | {"prompt": p}, timeout=60).json()
+        server.http.post("/v1/completions", json=body | {"prompt": p}, timeout=60).json()
         for p in prompts
     ]
 
@@ -326,7 +326,7 @@ def test_a_client_that_disconnects_frees_its_blocks(server: RemoteServer) -> Non
     cancelled_before = _cancelled(server)
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 400, "stream": True,
             "ignore_eos": True}  # fmt: skip
-    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=30) as reply:
+    with server.http.stream("POST", "/v1/completions", json=body, timeout=30) as reply:
         lines = reply.iter_lines()
         assert next(lines).startswith("data: ")
         assert metric(server, "slipstream_llm_kv_cache_blocks_used", model="tiny") > 0
@@ -407,9 +407,9 @@ def test_embeddings_beyond_the_limits_are_refused_naming_them(server: RemoteServ
 
 
 def test_embeddings_of_a_generative_model_are_refused(server: RemoteServer) -> None:
-    reply = httpx.post(server.url("/v1/embeddings"), json={"model": "tiny", "input": "x"})
+    reply = server.http.post("/v1/embeddings", json={"model": "tiny", "input": "x"})
     assert reply.status_code == 404
-    reply = httpx.post(server.url("/v1/embeddings"), json={"model": "embed", "input": [""]})
+    reply = server.http.post("/v1/embeddings", json={"model": "embed", "input": [""]})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "input[0]"
 
 
@@ -488,7 +488,7 @@ def test_constraints_hold_even_on_random_weights(server: RemoteServer) -> None:
         for seed in range(3):
             body = {"model": "tiny", "messages": [{"role": "user", "content": "Go"}],
                     "max_tokens": 60, "temperature": 1.0, "seed": seed, **extra}  # fmt: skip
-            reply = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60).json()
+            reply = server.http.post("/v1/chat/completions", json=body, timeout=60).json()
             choice = reply["choices"][0]
             assert choice["finish_reason"] == "stop", (extra, choice)
             assert check(choice["message"]["content"]) is not False, (extra, choice)

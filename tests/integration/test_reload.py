@@ -218,7 +218,7 @@ def test_explicit_reloads_under_load(repo: Path, tmp_path: Path) -> None:
 
 
 def test_poll_reloads_under_load(repo: Path, tmp_path: Path) -> None:
-    args = ["--model-control-mode", "poll", "--repository-poll-secs", "0.5"]
+    args = ["--model-control-mode", "poll", "--repository-poll-secs", "0.25"]
     staging = tmp_path / "staging"
     with (
         RemoteServer(repo, args, log_dir=tmp_path) as server,
@@ -263,9 +263,9 @@ def test_poll_reloads_under_load(repo: Path, tmp_path: Path) -> None:
 
 def test_poll_waits_for_a_copy_in_progress(repo: Path, tmp_path: Path) -> None:
     # The test appends the second half within one poll interval of seeing the server
-    # notice the first: 2 s leaves room for a loaded machine. The exact rule runs
-    # without any timing in tests/unit/test_reload_rules.py.
-    args = ["--model-control-mode", "poll", "--repository-poll-secs", "2"]
+    # notice the first (it looks every 5 ms): 1 s leaves room for a loaded machine. The
+    # exact rule runs without any timing in tests/unit/test_reload_rules.py.
+    args = ["--model-control-mode", "poll", "--repository-poll-secs", "1"]
     staging = tmp_path / "staging"
     build_add_constant(staging, "m", 2, 20.0)
     data = (staging / "m" / "2" / "model.onnx").read_bytes()

@@ -57,16 +57,16 @@ def infer(server: RemoteServer, model: str, value: float, **parameters: object) 
     ]}  # fmt: skip
     if parameters:
         body["parameters"] = parameters
-    return httpx.post(server.url(f"/v2/models/{model}/infer"), json=body, timeout=60)
+    return server.http.post(f"/v2/models/{model}/infer", json=body)
 
 
 def index(server: RemoteServer) -> dict[str, tuple[str, str]]:
-    entries = httpx.post(server.url("/v2/repository/index"), json={}).json()
+    entries = server.http.post("/v2/repository/index", json={}).json()
     return {entry["name"]: (entry.get("state", ""), entry.get("reason", "")) for entry in entries}
 
 
 def metric(server: RemoteServer, pattern: str) -> float:
-    text = httpx.get(server.url("/metrics")).text
+    text = server.http.get("/metrics").text
     found = re.search(pattern + r" ([0-9.e+]+)", text)
     return float(found.group(1)) if found else 0.0
 
@@ -88,14 +88,11 @@ def test_an_idle_model_unloads_and_its_next_request_loads_it_and_is_answered(
     wait_asleep(server, "sleepy")
     assert index(server)["pinned"] == ("READY", "")
     # Asleep, it still answers metadata, and is ready: its next request loads it.
-    assert httpx.get(server.url("/v2/models/sleepy")).json()["inputs"][0]["name"] == "INPUT0"
-    assert httpx.get(server.url("/v2/models/sleepy/ready")).status_code == 200
+    assert server.http.get("/v2/models/sleepy").json()["inputs"][0]["name"] == "INPUT0"
+    assert server.http.get("/v2/models/sleepy/ready").status_code == 200
     # IDLE, not UNAVAILABLE: the "model not ready" alert does not page for a sleeping model.
     assert metric(server, r'slipstream_model_ready\{model="sleepy",version="1",state="IDLE"\}') == 0
-    assert (
-        'model="sleepy",version="1",state="UNAVAILABLE"'
-        not in httpx.get(server.url("/metrics")).text
-    )
+    assert 'model="sleepy",version="1",state="UNAVAILABLE"' not in server.http.get("/metrics").text
     before = loads(server, "sleepy")
     client = httpclient.InferenceServerClient(server.http_address)
     inputs = []
@@ -198,7 +195,7 @@ def test_an_idle_generative_model_sleeps_and_its_next_generation_loads_it(
         wait_asleep(server, "tiny")
         sdk = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
         assert [model.id for model in sdk.models.list()] == ["tiny"]  # still offered
-        assert httpx.get(server.url("/v2/health/ready")).status_code == 200
+        assert server.http.get("/v2/health/ready").status_code == 200
         reply = sdk.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
         )

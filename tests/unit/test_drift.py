@@ -97,6 +97,21 @@ def test_psi_grows_with_the_shift() -> None:
     assert psis[0] < 0.02 and psis[-1] > 0.5
 
 
+def test_the_p_values_are_scipys_whether_or_not_a_statistic_was_seen_before() -> None:
+    """Reference.test reuses ks_2samp's answer for a statistic it has seen at the same
+    sizes: every window still gets what ks_2samp answers for it (ties included)."""
+    from scipy import stats
+
+    rng = np.random.default_rng(8)
+    samples = np.round(rng.normal(size=(1000, 8)), 1)
+    reference = Reference.from_samples("x", samples)
+    for _ in range(12):  # 96 tests, 9 of them on a statistic seen before
+        window = np.round(rng.normal(size=(300, 8)) + 0.1, 1)
+        for index, feature in enumerate(reference.test(window).features):
+            expected = stats.ks_2samp(samples[:, index], window[:, index])
+            assert (feature.statistic, feature.p_value) == (expected.statistic, expected.pvalue)
+
+
 def test_windows_of_the_wrong_shape_and_tiny_references_are_refused() -> None:
     rng = np.random.default_rng(6)
     reference = Reference.from_samples("x", rng.normal(size=(100, 8)))

@@ -1,11 +1,13 @@
-// Live charts of this server's /metrics, per model: scraped every 2 s from this page's own
-// origin, rates and quantiles computed here from consecutive scrapes (as Prometheus's
-// rate() and histogram_quantile() would), drawn with the vendored uPlot. No request
-// leaves for another host.
+// Live charts of this server's /metrics, per model: scraped every 2 s (`?every_s=0.5`:
+// every half second) from this page's own origin, rates and quantiles computed here from
+// consecutive scrapes (as Prometheus's rate() and histogram_quantile() would), drawn with
+// the vendored uPlot. No request leaves for another host.
 "use strict";
 
-const SCRAPE_MS = 2000;
-const KEEP_POINTS = 300; // 10 minutes
+// Seconds between scrapes: 2, or the page's `?every_s=` when it is at least 0.25.
+const EVERY_S = Number(new URLSearchParams(location.search).get("every_s"));
+const SCRAPE_MS = 1000 * (EVERY_S >= 0.25 ? EVERY_S : 2);
+const KEEP_POINTS = 300; // 10 minutes at 2 s
 
 // Prometheus text format -> Map(name -> [{labels, value}]).
 function parseMetrics(text) {
