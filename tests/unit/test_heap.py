@@ -22,13 +22,17 @@ class Model:
 
 @pytest.fixture(autouse=True)
 def thawed() -> Iterator[None]:
-    yield
+    """Each test starts with nothing frozen; the session's freeze (tests/conftest.py)
+    is put back after it."""
     gc.unfreeze()
+    yield
+    gc.freeze()
 
 
 def test_settle_freezes_what_exists_so_a_collection_skips_it() -> None:
     model = Model()
     alive = weakref.ref(model)
+    assert gc.get_freeze_count() == 0
     heap.settle()
     assert gc.get_freeze_count() > 0
     del model
