@@ -1,6 +1,6 @@
-"""Makes the shared helpers importable as ``tests.utils`` and ``tests.models``, keeps
-what collection imported out of the garbage collector's way, and builds the example
-models once per session.
+"""Makes the shared helpers importable as ``tests.utils`` and ``tests.models``, compiles
+the package once, keeps what collection imported out of the garbage collector's way, and
+builds the example models once per session.
 
 ``tests/`` is deliberately not a package (each tier's modules are collected by file),
 so the repository root is put on ``sys.path`` once here instead.
@@ -8,6 +8,7 @@ so the repository root is put on ``sys.path`` once here instead.
 
 from __future__ import annotations
 
+import compileall
 import gc
 import subprocess
 import sys
@@ -18,6 +19,15 @@ import pytest
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the package (and the helpers here) to bytecode where it is missing or
+    stale, as imports do unless PYTHONDONTWRITEBYTECODE is set: with it set, every server,
+    worker and tool process a test starts compiled the ~200 modules it imports again,
+    ~0.13 s a process here."""
+    compileall.compile_dir(Path(_ROOT) / "src" / "slipstream", quiet=2)
+    compileall.compile_dir(Path(__file__).parent, maxlevels=0, quiet=2)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
