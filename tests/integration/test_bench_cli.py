@@ -28,7 +28,7 @@ from tests.utils import RemoteServer, free_ports
 # Slow: the whole module runs in `make test`, not in `make test-fast`.
 pytestmark = pytest.mark.slow
 
-SHORT = ["--warmup-s", "0.2", "--window-s", "0.3", "--duration", "0.6"]
+SHORT = ["--warmup-s", "0.1", "--window-s", "0.3", "--duration", "0.6"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

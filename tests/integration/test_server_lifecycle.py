@@ -363,7 +363,7 @@ def test_poll_mode_loads_added_models_and_unloads_removed_ones(
 ) -> None:
     repo = tmp_path / "repo"
     build_add_sub(repo)
-    args = ["--model-control-mode", "poll", "--repository-poll-secs", "0.5"]
+    args = ["--model-control-mode", "poll", "--repository-poll-secs", "0.25"]
     with (
         RemoteServer(repo, args, log_dir=log_dir) as server,
         httpx.Client(base_url=server.http_url, timeout=CLIENT_TIMEOUT_S) as http,

@@ -102,10 +102,11 @@ class Gate:
             )
 
 
-async def watch_keys(gate: Gate, interval_s: float = 1.0) -> None:
+async def watch_keys(gate: Gate, interval_s: float = 0.25) -> None:
     """Serve the keys file's changes (`slipstream keys create|revoke` on a running
-    server) within ``interval_s``; a file that does not parse is logged and the keys in
-    use stay. Runs until cancelled."""
+    server) within ``interval_s`` (a stat of the file each time: a revoked key is refused
+    within a quarter second); a file that does not parse is logged and the keys in use
+    stay. Runs until cancelled."""
     path = gate.keys.path
     seen = gate.keys.file_state
     while True:
