@@ -208,7 +208,7 @@ def wait_log(server: RemoteServer, condition: Callable[[], bool], what: str) -> 
     deadline = time.monotonic() + 60
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}\n{server.log_tail()}"
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def test_metrics_at_the_root_hold_every_replicas_series_with_the_servers_names(

@@ -156,7 +156,6 @@ class Reference:
             rows = rows.astype(np.float64) @ projection
         kinds: list[FeatureKind] = []
         categories: list[np.ndarray] = []
-        edges: list[np.ndarray] = []
         for column in rows.T:
             # Only integers can be categories: a float column's values are never counted.
             integral = column.dtype.kind in "iub"
@@ -164,23 +163,38 @@ class Reference:
             if projection is None and integral and len(values) <= max_categories:
                 kinds.append("categorical")
                 categories.append(values)
-                edges.append(np.empty(0))
             else:
                 kinds.append("projected" if projection is not None else "continuous")
                 categories.append(np.empty(0))
-                edges.append(np.unique(np.quantile(column, np.linspace(0.1, 0.9, 9))))
+        # Every continuous feature's deciles in one call (the same values as a call each).
+        continuous = [i for i, kind in enumerate(kinds) if kind != "categorical"]
+        deciles = np.quantile(rows[:, continuous], np.linspace(0.1, 0.9, 9), axis=0)
+        edges = [np.empty(0)] * len(kinds)
+        for index, column_deciles in zip(continuous, deciles.T, strict=True):
+            edges[index] = np.unique(column_deciles)
         return cls(tensor, rows, kinds, categories, edges, alpha, projection)
 
     @property
     def num_features(self) -> int:
         return len(self.kinds)
 
-    def _reference_shares(self, index: int) -> np.ndarray:
-        """The reference's share in each PSI bin of a continuous feature (made once)."""
+    def _reference_shares(self, index: int, ordered: np.ndarray) -> np.ndarray:
+        """The reference's share in each PSI bin of a continuous feature (made once from
+        ``ordered``, its values sorted)."""
         shares = self._shares.get(index)
         if shares is None:
-            shares = self._shares[index] = _histogram(self.samples[:, index], self.edges[index])
+            shares = self._shares[index] = _histogram(ordered, self.edges[index])
         return shares
+
+    def _sorted_samples(self, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """[features, n] twice: the reference's values as ``dtype``, each feature sorted,
+        and each feature's empirical CDF at its own values (made once)."""
+        if self._sorted is None or self._sorted[0].dtype != dtype:
+            # A feature's values contiguous, as searchsorted wants them.
+            ordered = np.sort(np.ascontiguousarray(self.samples.T, dtype=dtype), axis=1)
+            ranks = [np.searchsorted(values, values, side="right") for values in ordered]
+            self._sorted = (ordered, np.stack(ranks) / ordered.shape[1])
+        return self._sorted
 
     def test(self, data: np.ndarray) -> DriftReport:
         """Test a window ([samples, ...], the reference's feature shape) against it."""
@@ -194,17 +208,27 @@ class Reference:
             rows = rows.astype(np.float64) @ self.projection
         threshold = self.alpha / self.num_features
         continuous = [i for i, kind in enumerate(self.kinds) if kind != "categorical"]
-        ks_tests = self._ks_tests(rows, continuous) if continuous else {}
+        ks_tests: dict[int, tuple[float, float]] = {}
+        if continuous:
+            # [features, m]: the window as ks_2samp compares it with the reference, sorted.
+            dtype = np.result_type(self.samples.dtype, rows.dtype)
+            window = np.sort(np.ascontiguousarray(rows.T, dtype=dtype), axis=1)
+            reference = self._sorted_samples(dtype)[0]
+            ks_tests = self._ks_tests(rows, continuous, window)
         results = []
         for index, kind in enumerate(self.kinds):
-            expected, observed = self.samples[:, index], rows[:, index]
             if kind == "categorical":
                 bins = self.categories[index]
-                statistic, p_value, shares = _categorical(bins, expected, observed)
+                statistic, p_value, shares = _categorical(
+                    bins, self.samples[:, index], rows[:, index]
+                )
             else:
                 statistic, p_value = ks_tests[index]
                 bins = self.edges[index]
-                shares = (self._reference_shares(index), _histogram(observed, bins))
+                shares = (
+                    self._reference_shares(index, reference[index]),
+                    _histogram(window[index], bins),
+                )
             name = f"p{index}" if kind == "projected" else str(index)
             results.append(
                 FeatureDrift(
@@ -222,18 +246,14 @@ class Reference:
         detected = any(f.drifted for f in results)
         return DriftReport(self.tensor, rows.shape[0], threshold, detected, tuple(results))
 
-    def _ks_tests(self, rows: np.ndarray, continuous: list[int]) -> dict[int, tuple[float, float]]:
+    def _ks_tests(
+        self, rows: np.ndarray, continuous: list[int], window: np.ndarray
+    ) -> dict[int, tuple[float, float]]:
         """ks_2samp's (statistic, exact p-value) of each continuous feature: from
         _KS_RESULTS when a window of these sizes had the feature's statistic before, else
-        from one ks_2samp call for every feature not found there."""
-        dtype = np.result_type(self.samples.dtype, rows.dtype)  # ks_2samp compares as this
-        if self._sorted is None or self._sorted[0].dtype != dtype:
-            # [features, n]: a feature's values contiguous, as searchsorted wants them.
-            ordered = np.sort(np.ascontiguousarray(self.samples.T, dtype=dtype), axis=1)
-            ranks = [np.searchsorted(values, values, side="right") for values in ordered]
-            self._sorted = (ordered, np.stack(ranks) / ordered.shape[1])
-        reference, reference_cdf = self._sorted
-        window = np.sort(np.ascontiguousarray(rows.T, dtype=dtype), axis=1)  # [features, m]
+        from one ks_2samp call for every feature not found there. ``window``: ``rows``
+        sorted, as in test()."""
+        reference, reference_cdf = self._sorted_samples(window.dtype)
         tests: dict[int, tuple[float, float]] = {}
         keys: dict[int, tuple[int, int, float] | None] = {}
         for index in continuous:
@@ -301,9 +321,13 @@ def _ks_statistic(
     return float(below if below > above else above)
 
 
-def _histogram(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    counts = np.bincount(np.searchsorted(edges, values, side="right"), minlength=len(edges) + 1)
-    return counts / max(len(values), 1)
+def _histogram(ordered: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The share of the sorted values ``ordered`` in each bin split at ``edges``: below
+    the first edge, from each edge up to the next, from the last edge up (NaN, sorted
+    last, in the last bin)."""
+    below = np.searchsorted(ordered, edges, side="left")  # values under each edge
+    counts = np.diff(below, prepend=0, append=len(ordered))
+    return counts / max(len(ordered), 1)
 
 
 def _psi(expected: np.ndarray, actual: np.ndarray) -> float:

@@ -57,8 +57,9 @@ logger = logging.getLogger(__name__)
 _ROOT_APP = "slipstream"
 _OPENAI_APP = "openai"
 _REPLICA_HEADER = b"x-slipstream-replica"
-# How often the driver looks at the replicas (to log what autoscaling did).
-_STATUS_INTERVAL_S = 1.0
+# How often the driver looks at the replicas (to log what autoscaling did): a status
+# call to the controller, a few ms, twice a second.
+_STATUS_INTERVAL_S = 0.5
 
 
 def deployment_options(config: RayServeConfig) -> dict[str, Any]:
