@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 
@@ -92,6 +92,7 @@ class RemoteServer:
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self._http: httpx.Client | None = None
+        self._sdks: list[Any] = []
 
     def _pick_ports(self) -> None:
         self.http_port, self.grpc_port = free_ports(2)
@@ -137,6 +138,16 @@ class RemoteServer:
         if self._http is None:
             self._http = httpx.Client(base_url=self.http_url, timeout=60)
         return self._http
+
+    def openai(self, api_key: str = "unused") -> Any:
+        """An ``openai.OpenAI`` client of the ``/v1`` routes (no retries), closed with the
+        server: a client left open leaks its pooled sockets, which the collector then
+        reports as a ResourceWarning against whichever test runs next."""
+        import openai
+
+        sdk = openai.OpenAI(base_url=self.url("/v1"), api_key=api_key, max_retries=0)
+        self._sdks.append(sdk)
+        return sdk
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -237,6 +248,8 @@ class RemoteServer:
         if self._http is not None:
             self._http.close()
             self._http = None
+        while self._sdks:
+            self._sdks.pop().close()
         if self.proc is None:
             return 0
         self.terminate()

@@ -227,9 +227,9 @@ def test_stock_clients_send_their_keys(server: RemoteServer, secrets_: dict[str,
         with pytest.raises(InferenceServerException, match="API key"):
             add_sub_infer(client, module, headers={"authorization": "Bearer ss-wrong"})
         client.close()
-    sdk = openai.OpenAI(base_url=server.url("/v1"), api_key=secrets_["infer"], max_retries=0)
+    sdk = server.openai(secrets_["infer"])
     assert sdk.models.list().data == []  # no generative model here; the key is accepted
-    wrong = openai.OpenAI(base_url=server.url("/v1"), api_key="ss-wrong", max_retries=0)
+    wrong = server.openai("ss-wrong")
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
 

@@ -59,7 +59,7 @@ def test_deterministic_generations_of_an_enabled_model_come_from_the_cache(
     setup: tuple[RemoteServer, dict[str, str]],
 ) -> None:
     server, secrets = setup
-    client = openai.OpenAI(base_url=server.url("/v1"), api_key=secrets["free"], max_retries=0)
+    client = server.openai(secrets["free"])
     first = chat(client, "tiny_cached", temperature=0)
     assert chat(client, "tiny_cached", temperature=0) == first  # the same answer, id and all
     assert chat(client, "tiny_cached", temperature=0, max_tokens=7) != first  # another request
@@ -103,9 +103,9 @@ def test_a_key_restricted_to_some_models_lists_only_those(
     setup: tuple[RemoteServer, dict[str, str]],
 ) -> None:
     server, secrets = setup
-    every = openai.OpenAI(base_url=server.url("/v1"), api_key=secrets["free"], max_retries=0)
+    every = server.openai(secrets["free"])
     assert [model.id for model in every.models.list()] == ["tiny", "tiny_cached"]
-    tenant = openai.OpenAI(base_url=server.url("/v1"), api_key=secrets["tenant"], max_retries=0)
+    tenant = server.openai(secrets["tenant"])
     assert [model.id for model in tenant.models.list()] == ["tiny"]
     with pytest.raises(openai.PermissionDeniedError):
         tenant.models.retrieve("tiny_cached")

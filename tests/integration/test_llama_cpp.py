@@ -80,8 +80,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
 
 
 @pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+def client(server: RemoteServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0) as sdk:
+        yield sdk
 
 
 @pytest.fixture(scope="module")

@@ -232,8 +232,7 @@ def test_metrics_at_the_root_hold_every_replicas_series_with_the_servers_names(
 def test_the_openai_routes_serve_the_generative_models_streamed_or_not(
     server: RemoteServer,
 ) -> None:
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+    client = server.openai()
     assert [m.id for m in client.models.list().data] == ["smol"]
     messages = [{"role": "user", "content": "Say hello."}]
     reply = client.chat.completions.create(model="smol", messages=messages, max_tokens=4,

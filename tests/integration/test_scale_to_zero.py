@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import openai
 import pytest
 import tritonclient.http as httpclient
 
@@ -193,7 +192,7 @@ def test_an_idle_generative_model_sleeps_and_its_next_generation_loads_it(
     })  # fmt: skip
     with RemoteServer(tmp_path / "repo", log_dir=tmp_path) as server:
         wait_asleep(server, "tiny")
-        sdk = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+        sdk = server.openai()
         assert [model.id for model in sdk.models.list()] == ["tiny"]  # still offered
         assert server.http.get("/v2/health/ready").status_code == 200
         reply = sdk.chat.completions.create(

@@ -155,7 +155,7 @@ def test_explicit_load_and_unload_are_seen_by_every_front_end(server: RemoteServ
 
 
 def test_openai_requests_run_in_the_engine_streamed_or_not(server: RemoteServer) -> None:
-    client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+    client = server.openai()
     assert "smollm2" in [model.id for model in client.models.list().data]
     whole = client.completions.create(
         model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0
