@@ -1,12 +1,17 @@
 """Shadow traffic's cost on the primary: p50 latency of `mlp` with and without a 100% shadow.
 
-Prints a ratio (a script, never a test). `mlp` (examples/build_models.py) is served twice
-from one repository build: as it is, and as `mlp_shadow`, the same file as versions 1 and
-2 with `rollout: {weights: {"1": 100}, shadow: {version: "2", share: 1.0}}`, so every
-request answered by version 1 is also run on version 2 after its answer and compared.
+Prints a ratio (a script, never a test). `mlp` (examples/build_models.py) is served three
+times from one repository build: as it is; as `mlp_routed`, the same file as versions 1
+and 2 with `rollout: {weights: {"1": 100}}` (the route alone); and as `mlp_shadow`, with
+`rollout: {weights: {"1": 100}, shadow: {version: "2", share: 1.0}}`, so every request
+answered by version 1 is also run on version 2 after its answer and compared.
+
 The server runs on core 0; this script sends requests one after another (C=1, keep-alive
-HTTP, V2 JSON) from core 1, the two models in turns (ABBA) for `--rounds` rounds of
-`--requests` each. Target (issue #15): shadow p50 / plain p50 <= 1.05.
+HTTP, V2 JSON) from core 1. This machine's latency drifts by 20% over seconds, so the
+models take turns in short blocks (`--block` requests, the order reversed every other
+turn) with a pause after each block for shadow copies still queued to finish (they must
+not land on the next model's block); a round pools `--blocks` blocks of each model.
+Target (issue #15): shadow p50 / plain p50 <= 1.05.
 
     .venv/bin/python benchmarks/rollout_shadow.py              # ~1 min on 2 cores
 """
@@ -47,10 +52,18 @@ def build(repo: Path) -> None:
         "rollout": {"weights": {"1": 100}, "shadow": {"version": "2", "share": 1.0}},
     }
     (repo / "mlp_shadow" / "config.yaml").write_text(yaml.safe_dump(shadowed))  # fmt: skip
+    (repo / "mlp_routed").mkdir()
+    (repo / "mlp_routed" / "config.yaml").write_text(
+        yaml.safe_dump({**shadowed, "rollout": {"weights": {"1": 100}}})
+    )
+    for version in ("1", "2"):
+        (repo / "mlp_routed" / version).mkdir()
+        for source in (repo / "mlp_shadow" / version).iterdir():
+            os.link(source, repo / "mlp_routed" / version / source.name)
 
 
-def latency_ms(client: httpx.Client, url: str, body: bytes, requests: int) -> tuple[float, float]:
-    """(p50, p99) of ``requests`` sent one at a time."""
+def timings_s(client: httpx.Client, url: str, body: bytes, requests: int) -> list[float]:
+    """Latencies of ``requests`` sent one at a time."""
     timings = []
     headers = {"Content-Type": "application/json"}
     for _ in range(requests):
@@ -58,8 +71,12 @@ def latency_ms(client: httpx.Client, url: str, body: bytes, requests: int) -> tu
         reply = client.post(url, content=body, headers=headers)
         timings.append(time.perf_counter() - started)
         reply.raise_for_status()
-    timings.sort()
-    return statistics.median(timings) * 1e3, timings[int(0.99 * (len(timings) - 1))] * 1e3
+    return timings
+
+
+def p50_p99_ms(timings: list[float]) -> tuple[float, float]:
+    ordered = sorted(timings)
+    return statistics.median(ordered) * 1e3, ordered[int(0.99 * (len(ordered) - 1))] * 1e3
 
 
 def shadow_outcomes(client: httpx.Client, base: str) -> dict[str, float]:
@@ -70,10 +87,17 @@ def shadow_outcomes(client: httpx.Client, base: str) -> dict[str, float]:
     return counts
 
 
+MODELS = ("mlp", "mlp_routed", "mlp_shadow")
+# After each block: long enough for the shadow's gathering (20 ms), its wait for a
+# primary answer (20 ms at most) and the copies' run.
+PAUSE_S = 0.1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--blocks", type=int, default=8, help="blocks of each model a round")
+    parser.add_argument("--block", type=int, default=150, help="requests a block")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -89,26 +113,36 @@ def main() -> int:
                 "--grpc-port", "0"]  # fmt: skip
         spec = ServerSpec("slipstream", argv, port, "/v2/health/ready")
         logs = ROOT / "benchmarks" / "results" / "work" / "logs"
-        ratios, tails = [], []
+        shadow_ratios, routed_ratios, tails = [], [], []
         with running(spec, cores[0], logs / "rollout_shadow.log"), httpx.Client() as client:
             base = spec.url("")
-            for model in ("mlp", "mlp_shadow"):  # warm-up
-                latency_ms(client, f"{base}/v2/models/{model}/infer", body, 500)
+            url = {model: f"{base}/v2/models/{model}/infer" for model in MODELS}
+            for model in MODELS:  # warm-up
+                timings_s(client, url[model], body, 500)
+            time.sleep(PAUSE_S)
             for index in range(args.rounds):
-                order = ("mlp", "mlp_shadow") if index % 2 == 0 else ("mlp_shadow", "mlp")
-                got = {m: latency_ms(client, f"{base}/v2/models/{m}/infer", body, args.requests)
-                       for m in order}  # fmt: skip
-                ratios.append(got["mlp_shadow"][0] / got["mlp"][0])
-                tails.append(got["mlp_shadow"][1] / got["mlp"][1])
-                plain, shadowed = got["mlp"], got["mlp_shadow"]
-                print(f"round {index + 1}: mlp p50 {plain[0]:.3f} ms, with a 100% shadow "
-                      f"{shadowed[0]:.3f} ms ({ratios[-1]:.3f}); p99 {plain[1]:.3f} ms / "
-                      f"{shadowed[1]:.3f} ms ({tails[-1]:.3f})", flush=True)  # fmt: skip
+                pooled: dict[str, list[float]] = {model: [] for model in MODELS}
+                for turn in range(args.blocks):
+                    for model in MODELS if turn % 2 == 0 else reversed(MODELS):
+                        pooled[model] += timings_s(client, url[model], body, args.block)
+                        time.sleep(PAUSE_S)
+                got = {model: p50_p99_ms(pooled[model]) for model in MODELS}
+                plain, routed, shadowed = got["mlp"], got["mlp_routed"], got["mlp_shadow"]
+                shadow_ratios.append(shadowed[0] / plain[0])
+                routed_ratios.append(routed[0] / plain[0])
+                tails.append(shadowed[1] / plain[1])
+                print(f"round {index + 1}: p50 mlp {plain[0]:.3f} ms, routed {routed[0]:.3f} "
+                      f"ms ({routed_ratios[-1]:.3f}), with a 100% shadow {shadowed[0]:.3f} ms "
+                      f"({shadow_ratios[-1]:.3f}); p99 {plain[1]:.3f} ms / {shadowed[1]:.3f} ms "
+                      f"({tails[-1]:.3f})", flush=True)  # fmt: skip
             outcomes = shadow_outcomes(client, base)
     print(f"shadow copies: {outcomes}")
-    print(f"100% shadow on mlp at C=1: primary p50 x{statistics.median(ratios):.3f} "
-          f"(rounds {min(ratios):.3f}-{max(ratios):.3f}; target <= 1.05); p99 "
-          f"x{statistics.median(tails):.3f} (rounds {min(tails):.3f}-{max(tails):.3f}); "
+
+    def spread(ratios: list[float]) -> str:
+        return f"x{statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})"
+
+    print(f"100% shadow on mlp at C=1: primary p50 {spread(shadow_ratios)}, target <= 1.05; "
+          f"the route alone p50 {spread(routed_ratios)}; p99 {spread(tails)}; "
           f"load average at end: {os.getloadavg()}")  # fmt: skip
     return 0
 

@@ -165,10 +165,18 @@ def shadow_counts(client: httpx.Client, server: RemoteServer, version: str) -> d
     return counts
 
 
+def _rows(index: int) -> dict[str, Any]:
+    """Request ``index``: 1 or 3 rows, its own values (copies run stacked, so an answer
+    sliced at the wrong offset would disagree with its primary)."""
+    rows = 1 + 2 * (index % 2)
+    data = (np.arange(rows * 4, dtype=np.float32) + 10 * index).tolist()
+    return {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [rows, 4], "data": data}]}
+
+
 def test_shadow_copies_are_compared_and_never_returned(server: RemoteServer) -> None:
     url = server.url("/v2/models/mirror/infer")
     with httpx.Client(timeout=10) as client:
-        answers = [client.post(url, json=BODY).json() for _ in range(300)]
+        answers = [client.post(url, json=_rows(index)).json() for index in range(300)]
         assert {a["model_version"] for a in answers} == {"1"}  # the shadow's never returned
         time.sleep(0.5)  # the copies run after the answers
         same = shadow_counts(client, server, "2")

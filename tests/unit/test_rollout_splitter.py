@@ -6,9 +6,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from slipstream.serving.rollout_split import Split, Splitter, key_point
-from slipstream.serving.shadow import compare_outputs
+from slipstream.serving.shadow import Comparison, compare_many, compare_outputs
 
 
 def test_unkeyed_requests_follow_the_weights_closely_from_the_first_requests() -> None:
@@ -78,3 +80,63 @@ def test_shadow_comparison_of_labels_tensors_and_text() -> None:
     assert compare_outputs(text, {"t": np.array([b"yes", b"no"], dtype=object)}).agree
     assert not compare_outputs(text, {"t": np.array([b"yes", b"No"], dtype=object)}).agree
     assert not compare_outputs(labels, {}).agree
+
+
+def _one_pair(primary: dict[str, np.ndarray], shadow: dict[str, np.ndarray]) -> Comparison:
+    """The comparison of one pair written plainly, output by output."""
+    agree, max_diff, cosine = True, 0.0, 1.0
+    for name, expected in primary.items():
+        got = shadow.get(name)
+        if got is None or got.shape != expected.shape:  # disagrees; the others still count
+            agree, max_diff, cosine = False, float("inf"), min(cosine, 0.0)
+        elif expected.dtype.kind == "f" or got.dtype.kind == "f":
+            a, b = expected.astype(np.float64).ravel(), got.astype(np.float64).ravel()
+            if a.size:
+                max_diff = max(max_diff, float(np.max(np.abs(a - b))))
+                norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+                similarity = float(a @ b) / norms if norms > 0 else float(np.array_equal(a, b))
+                cosine = min(cosine, similarity)
+                agree = agree and similarity >= 0.999
+        else:
+            agree = agree and bool(np.array_equal(expected, got))
+    return Comparison(agree, max_diff, cosine)
+
+
+@st.composite
+def _answer_pairs(
+    draw: st.DrawFn,
+) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]]:
+    """A batch of (primary, shadow) answers with float, integer and 0-d outputs: shapes
+    that vary between pairs (some empty), shadows equal, perturbed, negated or zero, and
+    outputs missing or reshaped."""
+    primaries, shadows = [], []
+    for seed in range(draw(st.integers(1, 6))):
+        rng = np.random.default_rng(draw(st.integers(0, 2**16)) + seed)
+        rows = draw(st.sampled_from([0, 1, 3]))
+        y = rng.normal(size=(rows, 4)).astype(draw(st.sampled_from([np.float32, np.float64])))
+        label = rng.integers(0, 3, size=rows)
+        how = draw(st.sampled_from(["same", "close", "negated", "zero", "missing", "reshaped"]))
+        got_y = {"same": y, "close": y + 1e-4, "negated": -y, "zero": y * 0,
+                 "missing": y, "reshaped": y.reshape(-1)}[how]  # fmt: skip
+        got_label = label if draw(st.booleans()) else (label + 1) % 3
+        score = np.array(rng.normal())  # a 0-d output
+        got_score = score if draw(st.booleans()) else -score
+        primaries.append({"y": y, "label": label, "score": score})
+        shadow = {"y": got_y, "label": got_label, "score": got_score}
+        if how == "missing":
+            del shadow["y"]
+        shadows.append(shadow)
+    return primaries, shadows
+
+
+@given(_answer_pairs())
+def test_pairs_compared_together_match_each_compared_alone(
+    batch: tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]],
+) -> None:
+    primaries, shadows = batch
+    together = compare_many(primaries, shadows)
+    for primary, shadow, result in zip(primaries, shadows, together, strict=True):
+        alone = _one_pair(primary, shadow)
+        assert result.agree == alone.agree
+        assert result.max_abs_diff == pytest.approx(alone.max_abs_diff)
+        assert result.cosine == pytest.approx(alone.cosine)

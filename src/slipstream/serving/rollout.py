@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,17 +36,14 @@ from slipstream.serving.rollout_analysis import Verdict, VersionWindow, Window, 
 from slipstream.serving.rollout_split import Split, Splitter
 from slipstream.serving.rollout_state import RolloutPlan, RolloutState
 from slipstream.serving.rollout_store import FileStore, RolloutStore, StoreError
-from slipstream.serving.shadow import ShadowMirror
-from slipstream.types import InferRequest, InferResponse
+from slipstream.serving.shadow import RunCopies, ShadowMirror
+from slipstream.types import InferRequest
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_STICKY_KEY = "route_key"
 # Copies a rollout's shadow queue holds (config.yaml's shadow.queue for static shadows).
 _ROLLOUT_SHADOW_QUEUE = 256
-
-# Runs a request on the version it names (the serving core's path, no routing).
-RunRequest = Callable[[InferRequest], Awaitable[InferResponse]]
 
 
 @dataclass(slots=True)
@@ -88,7 +84,7 @@ class Rollouts:
         repository: Path,
         models: ModelManager,
         metrics: RolloutMetrics,
-        run: RunRequest,
+        run: RunCopies,
         store: RolloutStore | None = None,
     ) -> None:
         self._repository = repository
