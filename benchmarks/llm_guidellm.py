@@ -5,7 +5,10 @@ here it runs from a venv of its own (`.bench-venvs/guidellm`, built once with th
 CPU torch wheel the lock pins, since guidellm requires torch). Both tools drive the same
 server in turns with the same request shape: SmolLM2-135M-Instruct Q4_1, prompts of
 `--prompt-tokens` synthetic tokens, `--output-tokens` tokens out with `ignore_eos`,
-streamed `/v1/completions`, closed loop at each `--concurrency`, `--requests` requests.
+streamed `/v1/completions`, greedy (`temperature: 0`, which guidellm is told to send as
+an extra body field; bench always does), closed loop at each `--concurrency`,
+`--requests` requests. (guidellm also asks for `continuous_usage_stats`, bench only for
+the final usage: a usage object in every chunk, the one difference left.)
 Servers: Slipstream (`backend: llama_cpp`) and llama.cpp's own `llama-server`
 (benchmarks/peers/llama_server.py builds it once).
 
@@ -94,6 +97,10 @@ def run_guidellm(
                 "model": "smollm2",
                 "request_format": "/v1/completions",
                 "api_routes": {"/health": health},
+                # bench sends temperature 0; guidellm sends none, so servers drew each
+                # token from the whole vocabulary (OpenAI's default temperature 1) for
+                # guidellm and took the argmax for bench: not the same request.
+                "extras": {"body": {"temperature": 0.0}},
             },
             "profile": {"kind": "concurrent", "streams": [level]},
             "tokenizer": {"kind": "hf_auto", "model": str(tokenizer)},
