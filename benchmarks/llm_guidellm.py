@@ -9,8 +9,10 @@ streamed `/v1/completions`, greedy (`temperature: 0`, which guidellm is told to 
 an extra body field; bench always does), closed loop at each `--concurrency`,
 `--requests` requests. (guidellm also asks for `continuous_usage_stats`, bench only for
 the final usage: a usage object in every chunk, the one difference left.)
-Servers: Slipstream (`backend: llama_cpp`) and llama.cpp's own `llama-server`
-(benchmarks/peers/llama_server.py builds it once).
+Servers: Slipstream (`backend: llama_cpp`, prefix cache off: with it, each run's prompts
+stay cached and later runs decode beside that residue, which spread one tool's runs by
+20% at C=4) and llama.cpp's own `llama-server` (benchmarks/peers/llama_server.py builds
+it once).
 
 The server is pinned to core 0 with one thread, the load generators to core 1, so a
 tool's own CPU use does not slow the server it measures. For each server and level the
@@ -153,7 +155,7 @@ def main() -> int:
         raise SystemExit("could not build the guidellm venv (see above)")
     levels = [int(c) for c in args.concurrency.split(",")]
     makers = {
-        "slipstream": (lambda work: slipstream_spec(work / "repo", 1, True), "health"),
+        "slipstream": (lambda work: slipstream_spec(work / "repo", 1, False), "health"),
         "llama-server": (lambda _work: llama_server_spec(1, max(levels)), "health"),
     }
     print(f"load average at start: {os.getloadavg()}", flush=True)
