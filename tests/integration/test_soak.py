@@ -1,4 +1,4 @@
-"""A one-minute soak (benchmarks/soak.py) against a real ``slipstream serve``: V2 JSON,
+"""A 30-second soak (benchmarks/soak.py) against a real ``slipstream serve``: V2 JSON,
 binary and gRPC inference, streamed chat completions (every other one cancelled),
 a model unloaded and loaded all along, and malformed requests, all at once.
 
@@ -21,19 +21,20 @@ pytest.importorskip("llama_cpp", reason="the llama extra is not installed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
-# RSS the server may add after 15 s of warm-up, in the remaining 45 s. Seen: +2.5 MB in
+# RSS the server may add after 10 s of warm-up, in the remaining 20 s. Seen: +2.5 MB in
 # 40 s on a 275 MB server. A leak of a few kB per request (some 50,000 requests a minute
-# here) would show as 100 MB and more in 45 s. The 30-minute soak is the benchmark.
+# here) would show as 50 MB and more in 20 s. (30 s, not the minute issue #18 names:
+# the suite's 8-minute budget; the 30-minute soak is the benchmark.)
 MAX_GROWTH_AFTER_WARMUP_MB = 32
 
 
-def test_a_minute_of_mixed_traffic_loses_nothing_and_memory_stays_bounded(
+def test_half_a_minute_of_mixed_traffic_loses_nothing_and_memory_stays_bounded(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "soak.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "1",
-         "--warmup-s", "15", "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "0.5",
+         "--warmup-s", "10", "--json", str(out)],
         capture_output=True, text=True, timeout=240, check=False, cwd=ROOT,
     )  # fmt: skip
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
