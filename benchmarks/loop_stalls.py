@@ -27,7 +27,7 @@ from pathlib import Path
 
 import uvloop
 
-from slipstream.server import httpd
+from slipstream.server import http_connection, httpd
 from slipstream.server.http_messages import HttpLimits, HttpRequest, HttpResponse
 
 ATTACK = """
@@ -69,7 +69,7 @@ class Probe:
 READ = {"before": 0, "after": 0}
 
 
-class Counting(httpd._Connection):
+class Counting(http_connection.Connection):
     """The server's connection, counting what it reads before and after a refusal."""
 
     __slots__ = ()
@@ -87,7 +87,7 @@ async def main(args: argparse.Namespace) -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
         os.sched_setaffinity(0, {cores[0]})
-    httpd._Connection = Counting
+    httpd.Connection = Counting  # type: ignore[misc]
     limits = HttpLimits(header_timeout_s=args.header_timeout_s)
     server = httpd.HttpServer(handler, error_body=lambda m: m.encode(), limits=limits)
     port = await server.start("127.0.0.1", 0)

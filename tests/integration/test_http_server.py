@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from slipstream.observability.metrics import TransportMetrics
-from slipstream.server import httpd
+from slipstream.server import http_connection, httpd
 from slipstream.server.httpd import (
     HttpLimits,
     HttpRequest,
@@ -274,15 +274,15 @@ async def test_a_refused_client_that_keeps_sending_is_reset_past_the_budget(
     monkeypatch.setattr(httpd, "_DISCARD_BYTES_S", 1000)
     http._discard_budget = 1_000_000.0
     discarded = 0
-    received = httpd._Connection.data_received
+    received = http_connection.Connection.data_received
 
-    def counting(connection: httpd._Connection, data: bytes) -> None:
+    def counting(connection: http_connection.Connection, data: bytes) -> None:
         nonlocal discarded
         if connection._input_closed:
             discarded += len(data)
         received(connection, data)
 
-    monkeypatch.setattr(httpd._Connection, "data_received", counting)
+    monkeypatch.setattr(http_connection.Connection, "data_received", counting)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET / HTTP/1.1\r\nHost: t\r\nX-Endless: ")
     status = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
