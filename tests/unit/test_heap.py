@@ -40,14 +40,21 @@ def test_settle_freezes_what_exists_so_a_collection_skips_it() -> None:
     assert alive() is not None  # frozen: the collector does not look at it
 
 
-async def test_a_retired_models_frozen_cycle_is_reclaimed_and_the_rest_frozen_again() -> None:
+async def retire_frozen_model(reclaims: int) -> weakref.ref[Model]:
+    """A model frozen by settle(), then dropped, ``reclaims`` reclaim_soon() calls made
+    and their delay waited; a reference that tells whether the model was collected."""
     model = Model()
     alive = weakref.ref(model)
     heap.settle()
     del model
-    heap.reclaim_soon()
-    heap.reclaim_soon()  # coalesced with the first
+    for _ in range(reclaims):
+        heap.reclaim_soon()
     await asyncio.sleep(heap.RECLAIM_DELAY_S + 0.5)
+    return alive
+
+
+async def test_a_retired_models_frozen_cycle_is_reclaimed_and_the_rest_frozen_again() -> None:
+    alive = await retire_frozen_model(reclaims=2)  # the second coalesced with the first
     assert alive() is None
     assert gc.get_freeze_count() > 0
 
@@ -58,12 +65,7 @@ async def test_a_reclaim_pending_on_a_closed_loop_does_not_block_the_next() -> N
 
 
 async def test_reclaim_runs_on_a_new_loop_after_the_old_one_closed() -> None:
-    model = Model()
-    alive = weakref.ref(model)
-    heap.settle()
-    del model
-    heap.reclaim_soon()
-    await asyncio.sleep(heap.RECLAIM_DELAY_S + 0.5)
+    alive = await retire_frozen_model(reclaims=1)
     assert alive() is None
 
 

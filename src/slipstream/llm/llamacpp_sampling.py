@@ -64,8 +64,7 @@ class SequenceSampler:
         self.n_vocab = int(lib.llama_vocab_n_tokens(vocab))
         # An llguidance LLMatcher when the output is constrained.
         self._matcher = matcher
-        # Sampled by draw() in numpy (see the module docstring), or by llama.cpp's chain.
-        self._plain = (
+        plain = (
             matcher is None
             and params.logprobs is None
             and params.repetition_penalty == 1.0
@@ -73,9 +72,10 @@ class SequenceSampler:
             and not params.presence_penalty
             and not params.logit_bias
         )
-        self._rng = np.random.default_rng(params.seed) if self._plain else None
+        # Set when draw() samples in numpy (see the module docstring); else llama.cpp's chain.
+        self._rng = np.random.default_rng(params.seed) if plain else None
         self.chain = None
-        if not self._plain:
+        if not plain:
             self.chain = self._build_chain(prompt, len(prompt) + params.max_tokens)
         # Kept only when logprobs need them: the penalties' view of the history.
         self._prompt_tokens = np.unique(prompt) if params.logprobs is not None else None

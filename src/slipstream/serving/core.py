@@ -342,9 +342,11 @@ class ModelServer(InferenceService):
             model = self.models.resolve(first.model_name, first.model_version)
         except SlipstreamError as exc:
             return [exc] * len(requests)
-        results: list[InferResponse | SlipstreamError | None] = [None] * len(requests)
+        # Every copy's answer or error: each is set below or by its chunk's run.
+        results: list[Any] = [None] * len(requests)
         chunks: list[list[tuple[int, PreparedRequest]]] = []
-        open_chunks: dict[tuple[Any, ...], list[tuple[int, PreparedRequest]]] = {}
+        # The chunk still filling for each shape and output list, and its rows so far.
+        filling: dict[tuple[Any, ...], tuple[list[tuple[int, PreparedRequest]], int]] = {}
         limit = model.config.max_batch_size
         for index, request in enumerate(requests):
             try:
@@ -353,19 +355,20 @@ class ModelServer(InferenceService):
                 results[index] = exc
                 continue
             key = (prepared.shape_key, tuple(prepared.output_names))
-            chunk = open_chunks.get(key)
-            if chunk is None or not limit or sum(p.rows for _, p in chunk) + prepared.rows > limit:
-                chunk = open_chunks[key] = []
+            chunk, rows = filling.get(key, (None, 0))
+            if chunk is None or not limit or rows + prepared.rows > limit:
+                chunk, rows = [], 0
                 chunks.append(chunk)
             chunk.append((index, prepared))
+            filling[key] = (chunk, rows + prepared.rows)
         await asyncio.gather(*(self._run_stacked(model, chunk, results) for chunk in chunks))
-        return [result if result is not None else Unavailable("not run") for result in results]
+        return results
 
     async def _run_stacked(
         self,
         model: ModelVersion,
         chunk: list[tuple[int, PreparedRequest]],
-        results: list[InferResponse | SlipstreamError | None],
+        results: list[Any],
     ) -> None:
         started_ns = time.perf_counter_ns()
         prepared = [p for _, p in chunk]
@@ -379,8 +382,7 @@ class ModelServer(InferenceService):
             outputs = await model.batcher.submit(inputs, rows, prepared[0].shape_key)
         except SlipstreamError as exc:
             for index, _ in chunk:
-                model.stats.record_request(ok=False, total_ns=time.perf_counter_ns() - started_ns)
-                _count_failure(model.metrics, exc)
+                _record_failure(model, exc, time.perf_counter_ns() - started_ns)
                 results[index] = exc
             return
         elapsed_ns = time.perf_counter_ns() - started_ns
@@ -393,9 +395,7 @@ class ModelServer(InferenceService):
                 outputs={name: outputs[name][start:stop] for name in one.output_names},
             )
             start = stop
-            model.stats.record_request(ok=True, total_ns=elapsed_ns)
-            model.metrics.request_success += 1
-            model.metrics.request_duration.observe(elapsed_ns / 1e9)
+            _record_success(model, elapsed_ns)
         if model.tap is not None:
             model.tap.offer(inputs, outputs)
 
@@ -449,7 +449,6 @@ class ModelServer(InferenceService):
 
     async def _run(self, model: ModelVersion, request: InferRequest) -> InferResponse:
         started_ns = time.perf_counter_ns()
-        metrics = model.metrics
         targets = None
         try:
             if request.shared_memory_inputs:
@@ -476,13 +475,10 @@ class ModelServer(InferenceService):
             model.stats.record_request(ok=False, total_ns=time.perf_counter_ns() - started_ns)
             raise
         except SlipstreamError as exc:
-            model.stats.record_request(ok=False, total_ns=time.perf_counter_ns() - started_ns)
-            _count_failure(metrics, exc)
+            _record_failure(model, exc, time.perf_counter_ns() - started_ns)
             raise
         elapsed_ns = time.perf_counter_ns() - started_ns
-        model.stats.record_request(ok=True, total_ns=elapsed_ns)
-        metrics.request_success += 1
-        metrics.request_duration.observe(elapsed_ns / 1e9)
+        _record_success(model, elapsed_ns)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "request id=%r model=%s version=%s rows=%d took %.3f ms",
@@ -554,6 +550,17 @@ class ModelServer(InferenceService):
                 f"{self.settings.model_control_mode!r}; start the server with "
                 "--model-control-mode explicit"
             )
+
+
+def _record_success(model: ModelVersion, elapsed_ns: int) -> None:
+    model.stats.record_request(ok=True, total_ns=elapsed_ns)
+    model.metrics.request_success += 1
+    model.metrics.request_duration.observe(elapsed_ns / 1e9)
+
+
+def _record_failure(model: ModelVersion, exc: SlipstreamError, elapsed_ns: int) -> None:
+    model.stats.record_request(ok=False, total_ns=elapsed_ns)
+    _count_failure(model.metrics, exc)
 
 
 def _count_failure(metrics: ModelMetrics, exc: SlipstreamError) -> None:
