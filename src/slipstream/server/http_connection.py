@@ -12,20 +12,21 @@ import contextlib
 import logging
 import socket
 import struct
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import httptools
 
+from slipstream.observability.metrics import TransportMetrics
 from slipstream.server.http_messages import (
     STATUS_LINES,
+    ErrorBody,
+    Handler,
+    HttpLimits,
     HttpRequest,
     HttpResponse,
     StreamingResponse,
     response_head,
 )
-
-if TYPE_CHECKING:
-    from slipstream.server.httpd import HttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,21 @@ _REQUEST_LINE_OVERHEAD = 32
 _LINGER_S = 2.0
 # Where the parser is in a connection's current request.
 _IDLE, _HEAD, _BODY = 0, 1, 2
+
+
+class ConnectionOwner(Protocol):
+    """What a connection needs of its server (``httpd.HttpServer``)."""
+
+    handler: Handler
+    error_body: ErrorBody
+    limits: HttpLimits
+    metrics: TransportMetrics
+
+    def admit(self, connection: Connection) -> bool: ...
+    def forget(self, connection: Connection) -> None: ...
+    def mark_idle(self, connection: Connection) -> None: ...
+    def mark_busy(self, connection: Connection) -> None: ...
+    def may_discard(self, size: int) -> bool: ...
 
 
 class Connection(asyncio.Protocol):
@@ -56,7 +72,7 @@ class Connection(asyncio.Protocol):
         "_write_paused_at",
     )  # fmt: skip
 
-    def __init__(self, server: HttpServer) -> None:
+    def __init__(self, server: ConnectionOwner) -> None:
         self._server = server
         self._limits = server.limits
         self._loop = asyncio.get_running_loop()
