@@ -44,6 +44,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -145,6 +146,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="turns of each tool")
     parser.add_argument("--servers", default="slipstream,llama-server")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--raw", type=Path, help="keep every run's own JSON report here")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -192,6 +194,10 @@ def main() -> int:
                             )
                         )
                     results.setdefault(label, {})[str(level)] = runs
+                    if args.raw:
+                        args.raw.mkdir(parents=True, exist_ok=True)
+                        for report in work.glob(f"{label}-{level}-*"):
+                            shutil.copy(report, args.raw / report.name)
                     report_level(label, level, runs)
     print(f"load average at end: {os.getloadavg()}")
     if args.json:
