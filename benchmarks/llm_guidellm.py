@@ -21,7 +21,13 @@ cache never serves one run the last one's) and the medians are compared:
 
 - output tok/s: output tokens of the level / its duration (bench: first send to last
   response; guidellm: its benchmark's duration);
-- TTFT p50;
+- TTFT p50 and mean. At C>1 with requests of one length, a closed loop's streams lock
+  into a phase: prompts are read one after another, so TTFTs fall in steps (one prompt's
+  reading, two, three...) and which step the median lands on changes from run to run of
+  the same tool (bench's C=4 runs on one server: p50 1,520 and 1,910 ms). Each run of a
+  Slipstream server is also checked against the server's own TTFT over the same requests
+  (its `/metrics` histogram's sum and count before and after): a tool's mean should sit a
+  few ms above it;
 - time per output token after the first, p50 over requests: bench's TPOT (vLLM's:
   (E2E - TTFT) / (tokens - 1)) against guidellm's `inter_token_latency` (the same
   quantity per request: first token to last over tokens - 1). guidellm's name is not
@@ -48,15 +54,19 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 from llm_llama_cpp import SLIPSTREAM, gguf_path, llama_server_spec, slipstream_spec
 
 from servers import ServerSpec, ensure_venv, running
 
 ROOT = Path(__file__).resolve().parents[1]
-METRICS = ("output_tok_per_s", "ttft_p50_ms", "per_token_p50_ms")
+METRICS = ("output_tok_per_s", "ttft_p50_ms", "ttft_mean_ms", "per_token_p50_ms")
+TTFT_METRIC = "slipstream_llm_time_to_first_token_seconds"
 
 
 def export_tokenizer(directory: Path) -> Path:
@@ -78,10 +88,13 @@ def run_bench(
             "--output-tokens", str(args.output_tokens), "--ignore-eos",
             "--seed", str(seed), "--json", str(out)]  # fmt: skip
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-    result = json.loads(out.read_text())["levels"][0]
+    report = json.loads(out.read_text())
+    result = report["levels"][0]
     return {
+        "probe_ttft_ms": report["probe_ttft_ms"],
         "output_tok_per_s": result["output_throughput_tok_per_s"],
         "ttft_p50_ms": result["ttft"]["p50_ms"],
+        "ttft_mean_ms": result["ttft"]["mean_ms"],
         "per_token_p50_ms": result["tpot"]["p50_ms"],
         "gap_p50_ms": result["itl"]["p50_ms"],
         "errors": result["errors"],
@@ -132,9 +145,46 @@ def run_guidellm(
     return {
         "output_tok_per_s": tokens / benchmark["duration"],
         "ttft_p50_ms": metrics["time_to_first_token_ms"]["successful"]["median"],
+        "ttft_mean_ms": metrics["time_to_first_token_ms"]["successful"]["mean"],
         "per_token_p50_ms": metrics["inter_token_latency_ms"]["successful"]["median"],
         "errors": metrics["request_totals"]["errored"],
     }
+
+
+def server_ttft(url: str) -> tuple[float, float] | None:
+    """Slipstream's own TTFT so far, (sum in seconds, count), from its /metrics (arrival
+    of the request to its first token, as the server saw them); None from another
+    server."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    totals = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        for part in ("_sum", "_count"):
+            if name.startswith(TTFT_METRIC + part + "{"):
+                totals[part] = totals.get(part, 0.0) + float(value)
+    if f"# TYPE {TTFT_METRIC} histogram" not in text:
+        return None
+    return totals.get("_sum", 0.0), totals.get("_count", 0.0)  # none before a first request
+
+
+def measured(url: str, run: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """``run``'s figures, with the server's own mean TTFT over the run's requests where
+    it reports one: each tool's mean should sit a little above it (the first chunk's way
+    back). bench's warm-up request is taken out of the server's figure by the TTFT bench
+    measured for it."""
+    before = server_ttft(url)
+    figures = run()
+    after = server_ttft(url)
+    if before and after:
+        total_s, count = after[0] - before[0], after[1] - before[1]
+        if "probe_ttft_ms" in figures:  # bench's warm-up request, in no level's figures
+            total_s, count = total_s - figures["probe_ttft_ms"] / 1000, count - 1
+        if count > 0:
+            figures["server_ttft_mean_ms"] = 1000 * total_s / count
+    return figures
 
 
 def main() -> int:
@@ -179,20 +229,16 @@ def main() -> int:
                         out = work / f"{label}-{level}-{turn}"
                         seeds = next(fresh), next(fresh)
                         runs["bench"].append(
-                            run_bench(url, level, seeds[0], args, out.with_suffix(".b"))
-                        )
-                        runs["guidellm"].append(
-                            run_guidellm(
-                                python,
+                            measured(
                                 url,
-                                health,
-                                tokenizer,
-                                level,
-                                seeds[1],
-                                args,
-                                out.with_suffix(".g.json"),
+                                partial(
+                                    run_bench, url, level, seeds[0], args, out.with_suffix(".b")
+                                ),
                             )
                         )
+                        runs["guidellm"].append(measured(url, partial(
+                            run_guidellm, python, url, health, tokenizer, level, seeds[1],
+                            args, out.with_suffix(".g.json"))))  # fmt: skip
                     results.setdefault(label, {})[str(level)] = runs
                     if args.raw:
                         args.raw.mkdir(parents=True, exist_ok=True)
@@ -213,6 +259,11 @@ def report_level(label: str, level: int, runs: dict[str, list[dict[str, float]]]
         spread = [round(r[metric], 1) for tool in ("bench", "guidellm") for r in runs[tool]]
         cells.append(f"{metric} bench {ours:.1f} / guidellm {theirs:.1f} = {ours / theirs:.3f} "
                      f"(runs {spread})")  # fmt: skip
+    for tool, done in runs.items():
+        server = [r["server_ttft_mean_ms"] for r in done if "server_ttft_mean_ms" in r]
+        if server:
+            pairs = [f"{r['ttft_mean_ms']:.0f}/{r['server_ttft_mean_ms']:.0f}" for r in done]
+            cells.append(f"{tool}'s TTFT mean / the server's, per run (ms): {pairs}")
     errors = sum(r["errors"] for tool in runs.values() for r in tool)
     gaps = statistics.median(r["gap_p50_ms"] for r in runs["bench"])
     print(f"{label} C={level}: " + "; ".join(cells) + f"; bench's ITL p50 (every gap) "

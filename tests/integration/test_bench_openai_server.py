@@ -79,6 +79,8 @@ def test_api_closed_loop_chat_counts_every_token(server: RemoteServer) -> None:
     )  # fmt: skip
     [level] = result.levels
     assert (result.protocol, result.distribution, level.concurrency) == ("openai-chat", None, 2)
+    # The warm-up's first token, measured but in no level.
+    assert result.probe_ttft_ms is not None and result.probe_ttft_ms > 0
     assert {r.max_tokens for r in level.request_results} <= {4, 5, 6}
     _check_consistent(level, max_in_flight=2)
     # SLOs of a minute: every request is good.

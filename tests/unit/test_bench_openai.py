@@ -29,7 +29,7 @@ from slipstream.bench.openai.results import (
     meets_slos,
     tpot_s,
 )
-from slipstream.bench.openai.runner import LevelRun, ProgressListener, request_result
+from slipstream.bench.openai.runner import LevelRun, ProgressListener, _probe, request_result
 from slipstream.bench.openai.settings import OpenAIBenchSettings, TokenRange, parse_goodput
 from slipstream.reports import write_csv_rows, write_json
 
@@ -397,6 +397,32 @@ async def test_open_loop_sends_on_schedule_whatever_the_responses_do() -> None:
     for request, sent_at in zip(measured.requests, client.sent_at, strict=True):
         assert sent_at - started >= request.arrival_s - 0.0011
     assert measured.requests[-1].arrival_s == pytest.approx(0.1)
+
+
+async def test_the_warm_up_shares_no_prefix_with_the_run_and_reports_its_ttft() -> None:
+    """The probe warms the server on a prompt as long as the first request's, but a
+    prefix cache must not serve any measured request from it."""
+    sent: list[bytes] = []
+
+    class Recording(FakeClient):
+        async def send(self, payload: bytes) -> StreamState:
+            sent.append(payload)
+            return await super().send(payload)
+
+    for protocol in ("openai-completions", "openai-chat"):
+        sent.clear()
+        settings = _settings(protocol=protocol, num_requests=8, prompt_tokens=32, seed=5)
+        requests = build_requests(settings)
+        ttft_s = await _probe(Recording(service_s=0.05), settings, requests[0])  # type: ignore[arg-type]
+        assert ttft_s is not None and 0.005 < ttft_s < 0.05
+        [body] = [json.loads(p) for p in sent]
+        probe = (
+            body["prompt"] if protocol == "openai-completions" else body["messages"][0]["content"]
+        )
+        assert probe == requests[0].prompt[::-1]
+        assert body["max_tokens"] <= 4
+        for request in requests:
+            assert probe[:2] != request.prompt[:2]
 
 
 def test_response_format_constrains_every_request(tmp_path: Path) -> None:

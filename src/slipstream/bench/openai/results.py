@@ -168,6 +168,9 @@ class OpenAIBenchResult:
     goodput_slos_ms: dict[str, float]
     levels: list[OpenAILevelResult]
     warnings: list[str] = field(default_factory=list)
+    # The warm-up request's time to first token (its prompt alone on the server, before
+    # the first level); None when it produced no content. Not in any level's figures.
+    probe_ttft_ms: float | None = None
     # The settings as given, for the JSON record.
     settings: dict[str, Any] = field(default_factory=dict)
 

@@ -151,7 +151,7 @@ async def run_bench_async(
         raise BenchError(str(exc)) from None
     client = OpenAIClient(endpoint, settings.path, settings.timeout_s)
     try:
-        await _probe(client, settings, requests[0])
+        probe_ttft_s = await _probe(client, settings, requests[0])
         levels = []
         for level in settings.load_levels():
             listener.level_started(level, len(requests))
@@ -170,24 +170,32 @@ async def run_bench_async(
         ignore_eos=settings.ignore_eos,
         goodput_slos_ms=dict(settings.goodput),
         levels=levels,
+        probe_ttft_ms=None if probe_ttft_s is None else probe_ttft_s * 1000,
         settings=settings.model_dump(mode="json"),
     )
 
 
 async def _probe(
     client: OpenAIClient, settings: OpenAIBenchSettings, request: GenerationRequest
-) -> None:
-    """One short request, not measured: fails fast on a wrong URL or model."""
+) -> float | None:
+    """One short request, not in any level: fails fast on a wrong URL or model, and
+    returns its time to first token (None when it produced no content).
+
+    Its prompt is the first request's reversed: as long, so it warms the same shapes,
+    but no prefix of any request's, so a server's prefix cache cannot serve the first
+    measured request from the probe."""
+    started_s = time.monotonic()
     body = request_body(
         settings.protocol,
         settings.model,
-        request.prompt,
+        request.prompt[::-1],
         min(request.max_tokens, _PROBE_MAX_TOKENS),
         settings.ignore_eos,
     )
     stream = await client.send(client.encode(body))
     if stream.error is None:
-        return
+        first = stream.first_content_s
+        return None if first is None else first - started_s
     message = f"the warm-up request to {settings.url}{settings.path} failed: {stream.error}"
     if stream.error_message:
         message += f" ({stream.error_message[:300]})"
