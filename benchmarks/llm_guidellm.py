@@ -67,6 +67,7 @@ from servers import ServerSpec, ensure_venv, running
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("output_tok_per_s", "ttft_p50_ms", "ttft_mean_ms", "per_token_p50_ms")
 TTFT_METRIC = "slipstream_llm_time_to_first_token_seconds"
+ITL_METRIC = "slipstream_llm_inter_token_latency_seconds"
 
 
 def export_tokenizer(directory: Path) -> Path:
@@ -96,6 +97,7 @@ def run_bench(
         "ttft_p50_ms": result["ttft"]["p50_ms"],
         "ttft_mean_ms": result["ttft"]["mean_ms"],
         "per_token_p50_ms": result["tpot"]["p50_ms"],
+        "per_token_mean_ms": result["tpot"]["mean_ms"],
         "gap_p50_ms": result["itl"]["p50_ms"],
         "errors": result["errors"],
     }
@@ -147,43 +149,53 @@ def run_guidellm(
         "ttft_p50_ms": metrics["time_to_first_token_ms"]["successful"]["median"],
         "ttft_mean_ms": metrics["time_to_first_token_ms"]["successful"]["mean"],
         "per_token_p50_ms": metrics["inter_token_latency_ms"]["successful"]["median"],
+        "per_token_mean_ms": metrics["inter_token_latency_ms"]["successful"]["mean"],
         "errors": metrics["request_totals"]["errored"],
     }
 
 
-def server_ttft(url: str) -> tuple[float, float] | None:
-    """Slipstream's own TTFT so far, (sum in seconds, count), from its /metrics (arrival
-    of the request to its first token, as the server saw them); None from another
-    server."""
+def server_histograms(url: str) -> dict[str, tuple[float, float]] | None:
+    """Slipstream's own TTFT and inter-token gaps so far, each (sum in seconds, count),
+    from its /metrics, as the server timed them; None from another server."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    totals = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        for part in ("_sum", "_count"):
-            if name.startswith(TTFT_METRIC + part + "{"):
-                totals[part] = totals.get(part, 0.0) + float(value)
     if f"# TYPE {TTFT_METRIC} histogram" not in text:
         return None
-    return totals.get("_sum", 0.0), totals.get("_count", 0.0)  # none before a first request
+    totals = dict.fromkeys((f"{m}{part}" for m in (TTFT_METRIC, ITL_METRIC)
+                            for part in ("_sum", "_count")), 0.0)  # fmt: skip
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        series = name.partition("{")[0]
+        if series in totals:
+            totals[series] += float(value)
+    return {
+        metric: (totals[metric + "_sum"], totals[metric + "_count"])
+        for metric in (TTFT_METRIC, ITL_METRIC)
+    }
 
 
 def measured(url: str, run: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """``run``'s figures, with the server's own mean TTFT over the run's requests where
-    it reports one: each tool's mean should sit a little above it (the first chunk's way
-    back). bench's warm-up request is taken out of the server's figure by the TTFT bench
-    measured for it."""
-    before = server_ttft(url)
+    """``run``'s figures, with the server's own means over the run's requests where it
+    reports them: TTFT (a tool's should sit a few ms above: the first chunk's way back)
+    and the gap between tokens (the token-weighted mean of the requests' time per output
+    token; with ``ignore_eos`` every request has as many, so the tools' mean TPOT).
+    bench's warm-up request is taken out of the server's TTFT by the TTFT bench measured
+    for it (its 3 gaps stay in, among thousands)."""
+    before = server_histograms(url)
     figures = run()
-    after = server_ttft(url)
-    if before and after:
-        total_s, count = after[0] - before[0], after[1] - before[1]
-        if "probe_ttft_ms" in figures:  # bench's warm-up request, in no level's figures
-            total_s, count = total_s - figures["probe_ttft_ms"] / 1000, count - 1
-        if count > 0:
-            figures["server_ttft_mean_ms"] = 1000 * total_s / count
+    after = server_histograms(url)
+    if before is None or after is None:
+        return figures
+    total_s, count = (a - b for a, b in zip(after[TTFT_METRIC], before[TTFT_METRIC], strict=True))
+    if "probe_ttft_ms" in figures:  # bench's warm-up request, in no level's figures
+        total_s, count = total_s - figures["probe_ttft_ms"] / 1000, count - 1
+    if count > 0:
+        figures["server_ttft_mean_ms"] = 1000 * total_s / count
+    total_s, count = (a - b for a, b in zip(after[ITL_METRIC], before[ITL_METRIC], strict=True))
+    if count > 0:
+        figures["server_per_token_mean_ms"] = 1000 * total_s / count
     return figures
 
 
@@ -260,10 +272,12 @@ def report_level(label: str, level: int, runs: dict[str, list[dict[str, float]]]
         cells.append(f"{metric} bench {ours:.1f} / guidellm {theirs:.1f} = {ours / theirs:.3f} "
                      f"(runs {spread})")  # fmt: skip
     for tool, done in runs.items():
-        server = [r["server_ttft_mean_ms"] for r in done if "server_ttft_mean_ms" in r]
-        if server:
-            pairs = [f"{r['ttft_mean_ms']:.0f}/{r['server_ttft_mean_ms']:.0f}" for r in done]
-            cells.append(f"{tool}'s TTFT mean / the server's, per run (ms): {pairs}")
+        for ours, server, what in (("ttft_mean_ms", "server_ttft_mean_ms", "TTFT"),
+                                   ("per_token_mean_ms", "server_per_token_mean_ms",
+                                    "time per output token")):  # fmt: skip
+            if all(server in r for r in done):
+                ratios = [f"{r[ours] / r[server]:.3f}" for r in done]
+                cells.append(f"{tool}'s {what} mean / the server's, per run: {ratios}")
     errors = sum(r["errors"] for tool in runs.values() for r in tool)
     gaps = statistics.median(r["gap_p50_ms"] for r in runs["bench"])
     print(f"{label} C={level}: " + "; ".join(cells) + f"; bench's ITL p50 (every gap) "
