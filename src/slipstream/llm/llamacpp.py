@@ -13,7 +13,11 @@ only the sequence's own stream: at 16 sequences a step took 47-51 ms instead of 
   each decoding sequence plus chunks of prompts still being read; a request joins at the
   next step and leaves when it is done. Prompts are read in chunks of at most
   ``generation.max_batch_tokens`` tokens per step (minus the decoding tokens), so a long
-  prompt never stalls the streams already decoding;
+  prompt never stalls the streams already decoding. A step that ends one prompt reads
+  another whole only when it is short: a CPU step costs about its tokens, so reading
+  two long prompts together delays the first one's first token by the second's reading
+  for nothing (``_worth_packing``: at C=4 on 128-token prompts, TTFT mean -23%, output
+  tok/s unchanged);
 * **admission by KV budget**: a sequence is scheduled when its prompt plus ``max_tokens``
   fits the cache beside what running sequences have reserved (per sequence: when a
   stream is free, since any admitted request fits one); until then it waits (at most
