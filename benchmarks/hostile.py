@@ -6,11 +6,11 @@ keeps, and the server's memory during and after (issue #18's targets).
 
 The server serves `mlp` (examples/build_models.py), pinned to core 0; the legitimate
 client and the attackers run on core 1 (on a 1-core host everything shares it), the
-attackers at nice 19: on a real network they would not share the legitimate client's CPU,
-and at equal priority their ~2,000 writes a second delay the client's own wake-ups by
-milliseconds, which the client would count against the server (`--attackers-nice 0` to
-see it). The legitimate client sends V2 JSON inference on `mlp` over one keep-alive connection in a
-closed loop and records every latency. First a quiet phase (the client alone), then
+attackers at nice 19: on a real network they would not share the legitimate client's
+CPU, and at equal priority their ~2,000 writes a second delay the client's own wake-ups
+by milliseconds, which the client would count against the server (`--attackers-nice 0`
+to see it). The legitimate client sends V2 JSON inference on `mlp` over one keep-alive
+connection in a closed loop and records every latency. First a quiet phase (the client alone), then
 rounds of, all at once (with `--gap-s` of quiet again between rounds; the quiet p99 is of
 every quiet window together, since this machine's own latency drifts over minutes):
 

@@ -61,6 +61,7 @@ from typing import Any
 
 import httpx
 from llm_llama_cpp import SLIPSTREAM, gguf_path, llama_server_spec, slipstream_spec
+from prometheus_client.parser import text_string_to_metric_families
 
 from servers import ServerSpec, ensure_venv, running
 
@@ -158,22 +159,19 @@ def server_histograms(url: str) -> dict[str, tuple[float, float]] | None:
     """Slipstream's own TTFT and inter-token gaps so far, each (sum in seconds, count),
     from its /metrics, as the server timed them; None from another server."""
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
+        reply = httpx.get(url + "/metrics", timeout=10)
+        families = list(text_string_to_metric_families(reply.text)) if reply.is_success else []
+    except (httpx.HTTPError, ValueError):  # no /metrics, or not Prometheus's text
         return None
-    if f"# TYPE {TTFT_METRIC} histogram" not in text:
-        return None
-    totals = dict.fromkeys((f"{m}{part}" for m in (TTFT_METRIC, ITL_METRIC)
-                            for part in ("_sum", "_count")), 0.0)  # fmt: skip
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        series = name.partition("{")[0]
-        if series in totals:
-            totals[series] += float(value)
-    return {
-        metric: (totals[metric + "_sum"], totals[metric + "_count"])
-        for metric in (TTFT_METRIC, ITL_METRIC)
-    }
+    totals = {}
+    for family in families:
+        if family.name in (TTFT_METRIC, ITL_METRIC):
+            samples = [(s.name, s.value) for s in family.samples]
+            totals[family.name] = (
+                sum(v for n, v in samples if n.endswith("_sum")),
+                sum(v for n, v in samples if n.endswith("_count")),
+            )
+    return totals if TTFT_METRIC in totals else None
 
 
 def measured(url: str, run: Callable[[], dict[str, float]]) -> dict[str, float]:
@@ -188,14 +186,14 @@ def measured(url: str, run: Callable[[], dict[str, float]]) -> dict[str, float]:
     after = server_histograms(url)
     if before is None or after is None:
         return figures
-    total_s, count = (a - b for a, b in zip(after[TTFT_METRIC], before[TTFT_METRIC], strict=True))
-    if "probe_ttft_ms" in figures:  # bench's warm-up request, in no level's figures
-        total_s, count = total_s - figures["probe_ttft_ms"] / 1000, count - 1
-    if count > 0:
-        figures["server_ttft_mean_ms"] = 1000 * total_s / count
-    total_s, count = (a - b for a, b in zip(after[ITL_METRIC], before[ITL_METRIC], strict=True))
-    if count > 0:
-        figures["server_per_token_mean_ms"] = 1000 * total_s / count
+    # A warm-up request bench ran besides the measured ones: (its TTFT in s, 1 request).
+    probe = (figures["probe_ttft_ms"] / 1000, 1) if "probe_ttft_ms" in figures else (0, 0)
+    for metric, key, extra in ((TTFT_METRIC, "server_ttft_mean_ms", probe),
+                               (ITL_METRIC, "server_per_token_mean_ms", (0, 0))):  # fmt: skip
+        total_s = after[metric][0] - before[metric][0] - extra[0]
+        count = after[metric][1] - before[metric][1] - extra[1]
+        if count > 0:
+            figures[key] = 1000 * total_s / count
     return figures
 
 

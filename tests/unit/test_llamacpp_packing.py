@@ -3,7 +3,7 @@ of ``_worth_packing``: on a CPU a step's cost grows with its tokens)."""
 
 from __future__ import annotations
 
-from slipstream.llm.llamacpp_scheduler import _STEP_COST_TOKENS, _worth_packing
+from slipstream.llm.llamacpp_scheduler import _worth_packing
 
 
 def test_a_long_prompt_waits_for_the_next_step() -> None:
@@ -20,7 +20,6 @@ def test_short_prompts_arriving_together_share_a_step() -> None:
     # all) to save the fourth a step of 2 + 3 tokens' worth: it waits.
     assert not _worth_packing(5, room=200, finishing=3, decodes=0)
     assert _worth_packing(1, room=200, finishing=3, decodes=0)
-    assert _STEP_COST_TOKENS >= 1
 
 
 def test_part_of_a_prompt_never_follows_another_prompts_end() -> None:
