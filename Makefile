@@ -23,7 +23,7 @@ TORCH_WHEELS ?= /opt/wheels
 # test), libb64-0d (perf_analyzer, benchmarks/peers/perf_analyzer.py).
 DEBIAN_PACKAGES := redis-server prometheus chromium chromium-driver libb64-0d
 
-.PHONY: install debian-packages lock run models test test-suite test-fast test-lowest lint unit bench clean vendor
+.PHONY: install debian-packages lock run models test test-suite test-soak test-fast test-lowest lint unit bench clean vendor
 
 install: debian-packages $(VENV)/.installed
 
@@ -81,14 +81,22 @@ lint: install
 	$(VENV)/bin/ruff format --check src tests examples benchmarks
 	$(VENV)/bin/mypy
 
-# Lint (mypy alone is ~50 s of one core on a clean clone), the lowest-bound run and the
-# whole suite run at once: the suite keeps about one core of two busy, and the other two
-# fit beside it. Each one's output is printed when it ends.
+# Lint (mypy alone is ~50 s of one core on a clean clone), the lowest-bound run, the soak
+# and the rest of the suite run at once: the suite keeps about one core of two busy, and
+# the others take turns on the second (the soak after lint and the lowest-bound run, so
+# the three never share it). Each one's output is printed when it ends.
 test: install
-	$(MAKE) --no-print-directory -j3 --output-sync=target lint test-lowest test-suite
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint test-lowest test-soak test-suite
 
 test-suite: install
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not soak"
+
+# The minute of mixed traffic (tests/integration/test_soak.py), confined to the last core
+# this process may use: its server and load generator share that core, whatever runs on
+# the others. `pytest -m soak` runs it alone, unconfined.
+SOAK_CORE := $(lastword $(shell $(PYTHON) -c "import os; print(*sorted(os.sched_getaffinity(0)))" 2>/dev/null))
+test-soak: install | lint test-lowest
+	HF_HUB_OFFLINE=1 $(if $(SOAK_CORE),taskset -c $(SOAK_CORE)) $(VENV)/bin/pytest -q -m soak
 
 # The common fast path while working (about 1.5 min here): every test not marked slow.
 # `make test` (and CI) runs the slow ones too.

@@ -1,10 +1,13 @@
-"""A 30-second soak (benchmarks/soak.py) against a real ``slipstream serve``: V2 JSON,
+"""A one-minute soak (benchmarks/soak.py) against a real ``slipstream serve``: V2 JSON,
 binary and gRPC inference, streamed chat completions (every other one cancelled),
 a model unloaded and loaded all along, and malformed requests, all at once.
 
 No request may get an unexpected 5xx or lose its response, the server must exit 0 with
 no traceback in its log, and its RSS must stay bounded once warm. The full soak (30
 minutes, its RSS slope in MB per 10 minutes) is run by hand: see benchmarks/README.md.
+
+`make test` runs it (marker ``soak``) beside the rest of the suite, confined to one core:
+server and load generator share that core, so it sends about half of what it would on two.
 """
 
 from __future__ import annotations
@@ -18,22 +21,21 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="the llama extra is not installed")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
-# RSS the server may add after 10 s of warm-up, in the remaining 20 s. Seen: +2.5 MB in
-# 40 s on a 275 MB server. A leak of a few kB per request (some 50,000 requests a minute
-# here) would show as 50 MB and more in 20 s. (30 s, not the minute issue #18 names:
-# the suite's 8-minute budget; the 30-minute soak is the benchmark.)
+# RSS the server may add after 10 s of warm-up, in the remaining 50 s. Seen: +2.5 MB in
+# 40 s on a 275 MB server. A leak of a few kB per request (some 25,000 requests a minute
+# on one core) would show as 50 MB and more in 50 s.
 MAX_GROWTH_AFTER_WARMUP_MB = 32
 
 
-def test_half_a_minute_of_mixed_traffic_loses_nothing_and_memory_stays_bounded(
+def test_a_minute_of_mixed_traffic_loses_nothing_and_memory_stays_bounded(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "soak.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "0.5",
+        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "1",
          "--warmup-s", "10", "--json", str(out)],
         capture_output=True, text=True, timeout=240, check=False, cwd=ROOT,
     )  # fmt: skip
