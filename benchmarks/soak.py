@@ -20,7 +20,9 @@ It counts, per kind: answers as expected, unexpected 5xx (a 503 with Retry-After
 backpressure, not a fault), other unexpected statuses, and lost responses (a transport
 error or timeout on a request nobody cancelled, a stream that ended without [DONE]).
 The server's RSS is sampled every 10 s; the slope after warm-up (least squares) is
-printed in MB per 10 minutes, with the growth from the end of warm-up to the end.
+printed in MB per 10 minutes, with the growth from the end of warm-up to the end, and
+the slope over the second half of the run (a leak keeps growing there; the allocator
+settling on its level after the warm-up does not).
 tests/integration/test_soak.py runs it for a minute and asserts on the JSON it writes.
 `--trace-memory DIR` runs the server under tracemalloc (benchmarks/traced_serve.py) and
 prints what its Python heap gained from the end of warm-up to the end.
@@ -185,7 +187,7 @@ class Soak:
         if cancel:
             tally.cancelled += 1
             tally.ok += 1
-        elif events and events[-1] == "data: [DONE]" and not any('"error"' in e for e in events):
+        elif events and events[-1] == "data: [DONE]" and not any(map(_is_error, events)):
             tally.ok += 1
         else:
             tally.lost += 1
@@ -233,6 +235,17 @@ class Soak:
         self.rss.append((time.monotonic() - started, self.process.memory_info().rss))
 
 
+def _is_error(event: str) -> bool:
+    """Whether a server-sent event is an error (a top-level ``error`` object), not a
+    chunk whose text happens to say "error" (sampled text may say anything)."""
+    if not event.startswith("data: {"):
+        return False
+    try:
+        return "error" in json.loads(event[6:])
+    except ValueError:
+        return True
+
+
 async def _lines(reply: httpx.Response, stop_after_one: bool) -> Any:
     async for line in reply.aiter_lines():
         if line:
@@ -261,7 +274,9 @@ async def drive(soak: Soak, concurrency: int) -> None:
 
 
 def rss_figures(samples: list[tuple[float, int]], warmup_s: float) -> dict[str, float]:
-    """Slope of RSS after warm-up (least squares, MB per 10 min) and the growth."""
+    """Slope of RSS after warm-up (least squares, MB per 10 min) and the growth; and the
+    slope over the run's second half, which tells a leak (it grows all along) from the
+    allocator settling on its level later than the warm-up (a step, then flat)."""
     after = [(t, rss) for t, rss in samples if t >= warmup_s]
     mb = 1e6
     if len(after) < 2:
@@ -269,8 +284,11 @@ def rss_figures(samples: list[tuple[float, int]], warmup_s: float) -> dict[str, 
     times = np.array([t for t, _ in after])
     values = np.array([rss for _, rss in after], dtype=np.float64) / mb
     slope = float(np.polyfit(times, values, 1)[0]) * 600
+    half = [(t, rss / mb) for t, rss in samples if t >= samples[-1][0] / 2]
+    late = float(np.polyfit(*zip(*half, strict=True), 1)[0]) * 600 if len(half) > 1 else slope
     return {
         "slope_mb_per_10min": slope,
+        "second_half_slope_mb_per_10min": late,
         "growth_after_warmup_mb": float(values[-1] - values[0]),
         "rss_start_mb": samples[0][1] / mb,
         "rss_end_mb": samples[-1][1] / mb,
@@ -398,11 +416,12 @@ def _print(result: dict[str, Any]) -> None:
               f"{t['unexpected_other']:>7}{t['lost']:>6}{t['cancelled']:>8}")  # fmt: skip
         for example in t["examples"] or []:
             print(f"    {example}")
-    rss = result["rss"]
+    rss, nan = result["rss"], float("nan")
     print(f"RSS: start {rss.get('rss_start_mb', 0):.1f} MB, max {rss.get('rss_max_mb', 0):.1f}, "
           f"end {rss.get('rss_end_mb', 0):.1f}; after {result['warmup_s']:g} s of warm-up: "
           f"slope {rss['slope_mb_per_10min']:+.2f} MB per 10 min, growth "
-          f"{rss['growth_after_warmup_mb']:+.1f} MB")  # fmt: skip
+          f"{rss['growth_after_warmup_mb']:+.1f} MB; second half of the run: slope "
+          f"{rss.get('second_half_slope_mb_per_10min', nan):+.2f} MB per 10 min")  # fmt: skip
     print(
         f"server: exit code {result['server_exit_code']}, "
         f"{result['server_tracebacks']} tracebacks in its log"
