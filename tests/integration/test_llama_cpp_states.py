@@ -35,7 +35,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CACHE_TOKENS = 96  # of the shared layout
 # Token ids of ordinary words; prompts are prefixes and extensions of one another.
-BASE = [504, 3468, 282, 260, 3725, 314, 1345, 30, 657, 253, 2397, 1117, 28, 5629, 288, 441]
+# Longer than the scheduler's shortest prefix worth a stream copy (16), so the
+# per-sequence machine copies some prefixes and declines others.
+BASE = [504, 3468, 282, 260, 3725, 314, 1345, 30, 657, 253, 2397, 1117, 28, 5629, 288, 441,
+        1174, 2013, 314, 5200, 288, 3110, 30, 827]  # fmt: skip
 
 
 def _engine(kv_streams: str) -> LlamaCppEngine:
@@ -192,3 +195,37 @@ TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = SETTINGS
 TestPerSequenceScheduler = PerSequenceMachine.TestCase
 TestPerSequenceScheduler.settings = SETTINGS
+
+
+def test_a_sequence_with_its_own_stream_closes_the_gap_a_finished_one_left() -> None:
+    """With a KV stream per sequence, llama.cpp runs each run of consecutive sequence ids
+    as a forward pass of its own: a new sequence takes the idle slot between two running
+    ones (the gap the cancelled one left), not the empty slot past them."""
+    engine = _engine("per_sequence")
+    prompts = [[600 + 10 * n + i for i in range(6)] for n in range(4)]
+    loop = asyncio.new_event_loop()
+    first_token = [asyncio.Event() for _ in prompts]
+
+    async def run(n: int, max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        async for _ in engine.generate(prompts[n], params):
+            first_token[n].set()
+
+    async def scenario() -> None:
+        running = []
+        for n in range(3):  # slots 0, 1 and 2, in turn
+            running.append(asyncio.ensure_future(run(n, 48)))
+            await first_token[n].wait()
+        running[1].cancel()
+        while engine.cache_stats().running != 2:
+            await asyncio.sleep(0.005)
+        await run(3, 4)
+        await asyncio.gather(running[0], running[2])
+
+    try:
+        loop.run_until_complete(asyncio.wait_for(scenario(), 120))
+    finally:
+        loop.run_until_complete(engine.close())
+        loop.close()
+    held = [engine.slot_tokens(slot)[:6] for slot in range(engine.slots)]
+    assert held == [prompts[0], prompts[3], prompts[2], []], held

@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 # for SmolLM2 on llama.cpp's CPU kernels; rounded up, so prompts of a token or two more
 # than a step's decodes still pack.
 _STEP_COST_TOKENS = 2
+# With a KV stream per sequence, the shortest cached prefix worth reusing: a shorter one
+# costs more than reading it again (a copy of the whole stream, or a slot away from the
+# running sequences' ids: see Scheduler._stream_rank).
+_MIN_STREAM_PREFIX = 16
 
 
 @dataclass(frozen=True)
@@ -225,9 +229,14 @@ class Scheduler:
             shared = _common_prefix(slot.tokens, prompt, len(prompt) - 1)
             if shared > common:
                 source, common = slot, shared
-        # Run in the source slot itself when it is idle, else in the emptiest idle slot.
+        if self._engine.per_sequence and common < _MIN_STREAM_PREFIX:
+            # Not worth a stream copy, nor a place outside the running ids' runs.
+            source, common = None, 0
+        # Run in the source slot itself when it is idle, else in the best idle slot.
         if source is not None and source.sequence is None:
             target = source
+        elif self._engine.per_sequence:
+            target = min(idle, key=self._stream_rank())
         else:
             target = min(idle, key=lambda slot: (len(slot.tokens) > 0, slot.released_at))
         if self._engine.per_sequence:
@@ -245,6 +254,19 @@ class Scheduler:
         sequence.slot = target.index
         sequence.cached = target.tokens
         return True
+
+    def _stream_rank(self) -> Callable[[_Slot], tuple[int, bool, float]]:
+        """The order to pick an idle slot in when each sequence has a KV stream: next to
+        running ones first (llama.cpp runs each run of consecutive sequence ids in a step
+        as a forward pass of its own, so a slot that closes a gap saves a pass per step
+        and one beside a run costs none), then empty, then least recently used."""
+        running = {slot.index for slot in self._slots if slot.sequence is not None}
+
+        def rank(slot: _Slot) -> tuple[int, bool, float]:
+            beside = (slot.index - 1 in running) + (slot.index + 1 in running)
+            return -beside, len(slot.tokens) > 0, slot.released_at
+
+        return rank
 
     def _take_stream(self, target: _Slot, source: _Slot | None, common: int) -> None:
         """Per-sequence streams: keep ``common`` tokens of ``source``'s prefix in ``target``."""
@@ -326,17 +348,15 @@ class Scheduler:
         engine, lib = self._engine, self._lib
         batch = engine.batch
         budget = engine.settings.max_batch_tokens
-        count = 0
-        outputs: list[tuple[LlamaSequence, int]] = []
+        # What each sequence reads this step, as (sequence, first, end) of its prompt; a
+        # decoding sequence's one token (its pending one) is (sequence, -1, -1).
         # Decoding sequences first (one token each), then prompt chunks in arrival order.
+        reads: list[tuple[LlamaSequence, int, int]] = []
         for sequence in self._running:
-            if sequence.pending >= 0 and count < budget:
-                _add(batch, count, sequence.pending, len(sequence.cached), sequence.slot, True)
-                sequence.cached.append(sequence.pending)
-                sequence.pending = -1
-                outputs.append((sequence, count))
-                count += 1
-        decodes, finishing = count, 0
+            if sequence.pending >= 0 and len(reads) < budget:
+                reads.append((sequence, -1, -1))
+        count = decodes = len(reads)
+        finishing = 0
         for sequence in self._running:
             if count >= budget:
                 break
@@ -349,6 +369,22 @@ class Scheduler:
                 break
             end = min(len(sequence.prompt), start + budget - count)
             finishing += end == len(sequence.prompt)
+            reads.append((sequence, start, end))
+            count += end - start
+        # Into the batch in sequence-id order: with a KV stream per sequence, llama.cpp
+        # splits a batch into one forward pass per run of consecutive ids (in batch order),
+        # each reading every weight again; a shared cache takes the batch whole either way.
+        reads.sort(key=lambda read: read[0].slot)
+        outputs: list[tuple[LlamaSequence, int]] = []
+        count = 0
+        for sequence, start, end in reads:
+            if start < 0:
+                _add(batch, count, sequence.pending, len(sequence.cached), sequence.slot, True)
+                sequence.cached.append(sequence.pending)
+                sequence.pending = -1
+                outputs.append((sequence, count))
+                count += 1
+                continue
             for position in range(start, end):
                 last = position == len(sequence.prompt) - 1
                 _add(batch, count, sequence.prompt[position], position, sequence.slot, last)
