@@ -29,6 +29,7 @@ from slipstream.config import GenerationSettings
 from slipstream.llm.engine import SamplingParams
 
 pytest.importorskip("llama_cpp", reason="the llama extra is not installed")
+from slipstream.llm import llamacpp_scheduler
 from slipstream.llm.llamacpp import LlamaCppEngine, load_llama_cpp_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -229,3 +230,38 @@ def test_a_sequence_with_its_own_stream_closes_the_gap_a_finished_one_left() -> 
         loop.close()
     held = [engine.slot_tokens(slot)[:6] for slot in range(engine.slots)]
     assert held == [prompts[0], prompts[3], prompts[2], []], held
+
+
+def test_an_idle_prefix_nothing_reuses_is_dropped_once_enough_tokens_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One shared cache: every token attends over the cells up to the highest in use, idle
+    prefixes' included, so a prefix nobody reused while the engine ran
+    ``_IDLE_PREFIX_TOKENS`` tokens is dropped; while nothing runs it stays."""
+    monkeypatch.setattr(llamacpp_scheduler, "_IDLE_PREFIX_TOKENS", 64)
+    engine = _engine("shared")
+    prompts = [[600 + 10 * n + i for i in range(8)] for n in range(4)]
+    loop = asyncio.new_event_loop()
+
+    async def run(*sequences: int, max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+        async def one(n: int) -> None:
+            async for _ in engine.generate(prompts[n], params):
+                pass
+
+        await asyncio.gather(*(one(n) for n in sequences))
+
+    try:
+        loop.run_until_complete(run(0, max_tokens=2))  # slot 0, then idle
+        loop.run_until_complete(asyncio.sleep(0.2))
+        kept = engine.slot_tokens(0)
+        # Three more in the empty slots, 3 x (8 + 16) tokens: past 64 since slot 0 went
+        # idle, while the cache (96) holds them all beside it, so no room was needed.
+        loop.run_until_complete(run(1, 2, 3, max_tokens=16))
+    finally:
+        loop.run_until_complete(engine.close())
+        loop.close()
+    assert kept[:8] == prompts[0]
+    held = [engine.slot_tokens(slot)[:8] for slot in range(engine.slots)]
+    assert held == [[], prompts[1], prompts[2], prompts[3]], held

@@ -33,6 +33,13 @@ _STEP_COST_TOKENS = 2
 # costs more than reading it again (a copy of the whole stream, or a slot away from the
 # running sequences' ids: see Scheduler._stream_rank).
 _MIN_STREAM_PREFIX = 16
+# With one shared cache, how many tokens the engine may run past an idle cached prefix
+# before it is dropped. Every token a step reads attends over every cell up to the
+# highest one in use, idle prefixes' included (~0.3-0.45 us a cell and token for SmolLM2
+# here, against ~4 ms a prompt token to read one again), so prefixes nobody asks for
+# again would slow every step: a cache full of them halves single-stream decode. Counted
+# in tokens run, not seconds: on an idle server a prefix (a chat's last turn) stays.
+_IDLE_PREFIX_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,8 @@ class _Slot:
     sequence: LlamaSequence | None = None
     # For least-recently-used eviction of idle slots.
     released_at: float = 0.0
+    # The engine's tokens run when the slot went idle (see _IDLE_PREFIX_TOKENS).
+    released_at_token: int = 0
 
 
 class Scheduler:
@@ -97,6 +106,7 @@ class Scheduler:
         self._slots = [_Slot(i) for i in range(engine.slots)]
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._tokens_run = 0
 
     # -- called from the event loop ------------------------------------------------------
 
@@ -320,6 +330,14 @@ class Scheduler:
                 lib.llama_memory_seq_cp(memory, source.index, target.index, 0, common)
         return common
 
+    def _drop_stale_prefixes(self) -> None:
+        """Shared cache: drop idle prefixes nothing has reused in _IDLE_PREFIX_TOKENS."""
+        oldest = self._tokens_run - _IDLE_PREFIX_TOKENS
+        for slot in self._slots:
+            if slot.sequence is None and slot.tokens and slot.released_at_token < oldest:
+                self._lib.llama_memory_seq_rm(self._engine.memory, slot.index, -1, -1)
+                slot.tokens = []
+
     def _free_sampler(self, sequence: LlamaSequence) -> None:
         if sequence.sampler is not None:
             sequence.sampler.free()
@@ -337,6 +355,7 @@ class Scheduler:
         slot = self._slots[sequence.slot]
         slot.sequence = None
         slot.released_at = time.monotonic()
+        slot.released_at_token = self._tokens_run
         if not self._engine.settings.prefix_caching:
             self._lib.llama_memory_seq_rm(self._engine.memory, slot.index, -1, -1)
             slot.tokens = []
@@ -395,6 +414,9 @@ class Scheduler:
         batch.n_tokens = count
         if count == 0:
             return
+        self._tokens_run += count
+        if not engine.per_sequence:
+            self._drop_stale_prefixes()
         status = lib.llama_decode(engine.context, batch)
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
