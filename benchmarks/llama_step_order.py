@@ -42,7 +42,10 @@ def context(model: Any, slots: int, unified: bool, threads: int) -> Any:
     return lib.llama_init_from_model(model, params)
 
 
-def _put(batch: Any, index: int, token: int, position: int, sequence: int, logits: bool) -> None:
+def put_token(
+    batch: Any, index: int, token: int, position: int, sequence: int, logits: bool
+) -> None:
+    """Token ``index`` of a llama_batch: one sequence id, logits wanted or not."""
     batch.token[index] = token
     batch.pos[index] = position
     batch.n_seq_id[index] = 1
@@ -59,13 +62,14 @@ def step_ms(ctx: Any, order: list[int], steps: int) -> float:
     try:
         for sequence in order:
             for i in range(PROMPT_TOKENS):
-                _put(batch, i, rng.randrange(1000, 20000), i, sequence, i == PROMPT_TOKENS - 1)
+                put_token(batch, i, rng.randrange(1000, 20000), i, sequence, i == PROMPT_TOKENS - 1)
             batch.n_tokens = PROMPT_TOKENS
             assert lib.llama_decode(ctx, batch) == 0
         times = []
         for step in range(steps):
+            position = PROMPT_TOKENS + step
             for i, sequence in enumerate(order):
-                _put(batch, i, rng.randrange(1000, 20000), PROMPT_TOKENS + step, sequence, True)
+                put_token(batch, i, rng.randrange(1000, 20000), position, sequence, True)
             batch.n_tokens = len(order)
             started = time.perf_counter()
             assert lib.llama_decode(ctx, batch) == 0

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp as lib
+from llama_step_order import put_token
 from llm_llama_cpp import SLIPSTREAM, gguf_path
 
 from models import REPO_ROOT
@@ -40,20 +41,12 @@ RESIDUE_CELLS = 8_000
 _QUIET = lib.llama_log_callback(lambda *_: None)  # kept referenced for the process's life
 
 
-def _put(batch: Any, index: int, token: int, position: int, sequence: int, logits: bool) -> None:
-    batch.token[index] = token
-    batch.pos[index] = position
-    batch.n_seq_id[index] = 1
-    batch.seq_id[index][0] = sequence
-    batch.logits[index] = logits
-
-
 def _read(ctx: Any, batch: Any, sequence: int, tokens: int, rng: random.Random) -> int:
     position = 0
     while position < tokens:
         chunk = min(256, tokens - position)
         for i in range(chunk):
-            _put(batch, i, rng.randrange(1000, 20000), position + i, sequence, i == chunk - 1)
+            put_token(batch, i, rng.randrange(1000, 20000), position + i, sequence, i == chunk - 1)
         batch.n_tokens = chunk
         assert lib.llama_decode(ctx, batch) == 0
         position += chunk
@@ -65,7 +58,7 @@ def _decode_ms(ctx: Any, batch: Any, positions: dict[int, int], sequences: list[
     times = []
     for _ in range(steps):
         for i, sequence in enumerate(sequences):
-            _put(batch, i, rng.randrange(1000, 20000), positions[sequence], sequence, True)
+            put_token(batch, i, rng.randrange(1000, 20000), positions[sequence], sequence, True)
             positions[sequence] += 1
         batch.n_tokens = len(sequences)
         started = time.perf_counter()
