@@ -7,7 +7,7 @@ GGUF. Greedy completions are checked against llama-cpp-python's own ``Llama`` cl
 the same file: token for token where the shapes of llama.cpp's work are the same (one
 sequence alone), and as a greedy path of the model where they differ (concurrent
 sequences, a prompt read in chunks, a prefix taken from the cache): there, every token
-must be llama.cpp's best next token given the text before it, or within ``NEAR_TIE`` of
+must be llama.cpp's best next token given the text before it, or within a near-tie of
 it. Steps of other shapes run other kernels (activations quantized per block or not,
 other sums), so logits move by a few hundredths and two tokens that near-tie can swap;
 llama-server's continuous batching behaves the same. A sequence that read another's
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 
+from tests.llama_greedy import greedy_path, token_text
 from tests.llm_models import smollm2_gguf
 from tests.models import write_config
 from tests.utils import RemoteServer
@@ -40,9 +40,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 STEP_TOKENS = 64  # max_batch_tokens of `smol`: longer prompts are read in chunks
 SMALL_CACHE = 128  # tokens of `smol_small`'s cache
 STREAM_TOKENS = 256  # tokens of each of `smol_streams`'s 8 KV streams
-# Logits by which a token may trail llama.cpp's best and still count as a greedy choice.
-# Seen: a first token that trailed by 0.011 on another CPU; garbage trails by whole units.
-NEAR_TIE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -120,36 +117,11 @@ def _ids(alone: Any, text: str) -> list[int]:
 
 
 def _text(alone: Any, ids: list[int]) -> str:
-    return str(alone.model.detokenize(ids).decode("utf-8", errors="replace"))
+    return token_text(alone.model, ids)
 
 
 def assert_greedy_path(alone: Any, prompt: list[int], text: str, max_tokens: int) -> None:
-    """``text`` is ``max_tokens`` tokens that llama.cpp alone would choose greedily after
-    ``prompt``, each its best next token or within ``NEAR_TIE`` logits of it."""
-    model = alone.model
-    model.reset()
-    model.eval(prompt)
-    tokens: list[int] = []
-    while len(tokens) < max_tokens:
-        logits = model.scores[model.n_tokens - 1]
-        best = float(logits.max())
-        # The best-scoring near-tie whose text the reply continues with.
-        chosen = next(
-            (
-                int(token)
-                for token in np.argsort(-logits)[:16]
-                if logits[token] >= best - NEAR_TIE
-                and text.startswith(_text(alone, [*tokens, int(token)]).rstrip("\ufffd"))
-            ),
-            None,
-        )
-        assert chosen is not None, (
-            f"token {len(tokens)} of {text!r} is not llama.cpp's greedy choice after "
-            f"{_text(alone, tokens)!r}: it preferred {_text(alone, [int(logits.argmax())])!r}"
-        )
-        tokens.append(chosen)
-        model.eval([chosen])
-    assert _text(alone, tokens) == text
+    greedy_path(alone.model, prompt, text, max_tokens)
 
 
 def metric(server: RemoteServer, name: str, **labels: str) -> float:
