@@ -92,11 +92,12 @@ test-suite: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not soak"
 
 # The minute of mixed traffic (tests/integration/test_soak.py), confined to the last core
-# this process may use: its server and load generator share that core, whatever runs on
-# the others. `pytest -m soak` runs it alone, unconfined.
+# this process may use and at a lower priority: its server and load generator share that
+# core and yield it to the rest of the suite, whose wall time is make test's. `pytest -m
+# soak` runs it alone, unconfined.
 SOAK_CORE := $(lastword $(shell $(PYTHON) -c "import os; print(*sorted(os.sched_getaffinity(0)))" 2>/dev/null))
 test-soak: install | lint test-lowest
-	HF_HUB_OFFLINE=1 $(if $(SOAK_CORE),taskset -c $(SOAK_CORE)) $(VENV)/bin/pytest -q -m soak
+	HF_HUB_OFFLINE=1 nice -n 10 $(if $(SOAK_CORE),taskset -c $(SOAK_CORE)) $(VENV)/bin/pytest -q -m soak
 
 # The common fast path while working (about 1.5 min here): every test not marked slow.
 # `make test` (and CI) runs the slow ones too.
