@@ -35,10 +35,11 @@ _STEP_COST_TOKENS = 2
 _MIN_STREAM_PREFIX = 16
 # With one shared cache, how many tokens the engine may run past an idle cached prefix
 # before it is dropped. Every token a step reads attends over every cell up to the
-# highest one in use, idle prefixes' included (~0.3-0.45 us a cell and token for SmolLM2
+# highest one in use, idle prefixes' included (~0.2-0.45 us a cell and token for SmolLM2
 # here, against ~4 ms a prompt token to read one again), so prefixes nobody asks for
-# again would slow every step: a cache full of them halves single-stream decode. Counted
-# in tokens run, not seconds: on an idle server a prefix (a chat's last turn) stays.
+# again would slow every step: a cache full of them cost make run's smollm2 about 30% of
+# its single-stream decode (benchmarks/llm_prefix_residue.py). Counted in tokens run, not
+# seconds: on an idle server a prefix (a chat's last turn) stays.
 _IDLE_PREFIX_TOKENS = 2048
 
 
