@@ -28,7 +28,11 @@ only the sequence's own stream: at 16 sequences a step took 47-51 ms instead of 
   idle, else by ``llama_memory_seq_cp`` (in a shared cache the cells are shared, no data
   copied; across streams llama.cpp copies the whole stream, and the tail after the
   prefix is dropped). Idle slots are evicted, least recently used first, when the cache
-  or the sequence ids run out;
+  or the sequence ids run out; in a shared cache also once the engine has run 2,048
+  tokens without reusing one (its cells would slow every step's attention). With a
+  stream per sequence a prefix under 16 tokens is not reused, and a new sequence takes
+  the idle slot beside running ones: llama.cpp runs each run of consecutive sequence ids
+  in a step as a forward pass of its own, so the step's batch also goes in id order;
 * **sampling** by llama.cpp's sampler chain, one per sequence: penalties and logit bias,
   then greedy, or temperature, top-k, top-p and a seeded draw; logprobs and llguidance
   constraints (structured outputs, required tool calls) only for the sequences that ask
