@@ -95,7 +95,7 @@ test-suite: install
 # this process may use and at a lower priority: its server and load generator share that
 # core and yield it to the rest of the suite, whose wall time is make test's. `pytest -m
 # soak` runs it alone, unconfined.
-SOAK_CORE := $(lastword $(shell $(PYTHON) -c "import os; print(*sorted(os.sched_getaffinity(0)))" 2>/dev/null))
+SOAK_CORE = $(lastword $(shell $(PYTHON) -c "import os; print(*sorted(os.sched_getaffinity(0)))" 2>/dev/null))
 test-soak: install | lint test-lowest
 	HF_HUB_OFFLINE=1 nice -n 10 $(if $(SOAK_CORE),taskset -c $(SOAK_CORE)) $(VENV)/bin/pytest -q -m soak
 

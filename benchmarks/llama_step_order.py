@@ -31,7 +31,17 @@ PROMPT_TOKENS = 64
 _QUIET = lib.llama_log_callback(lambda *_: None)
 
 
-def context(model: Any, slots: int, unified: bool, threads: int) -> Any:
+def load_model() -> Any:
+    """SmolLM2's GGUF on llama.cpp, its log silenced."""
+    lib.llama_backend_init()
+    lib.llama_log_set(_QUIET, None)
+    return lib.llama_model_load_from_file(str(gguf_path()).encode(),
+                                          lib.llama_model_default_params())  # fmt: skip
+
+
+def context(model: Any, slots: int, unified: bool, threads: int, flash: bool = True) -> Any:
+    """A context of ``slots`` sequences of STREAM_TOKENS cells each, steps of up to 256
+    tokens; ``flash``: llama.cpp's default flash attention (auto), else off."""
     params = lib.llama_context_default_params()
     params.n_ctx = slots * STREAM_TOKENS
     params.n_batch = params.n_ubatch = 256
@@ -39,6 +49,8 @@ def context(model: Any, slots: int, unified: bool, threads: int) -> Any:
     params.kv_unified = unified
     params.n_threads = params.n_threads_batch = threads
     params.no_perf = True
+    if not flash:
+        params.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
     return lib.llama_init_from_model(model, params)
 
 
@@ -92,10 +104,7 @@ def main() -> None:
         f"{n} contiguous, shuffled": random.Random(1).sample(range(n), n),
         f"{n} on every other id, in order": list(range(0, 2 * n, 2)),
     }
-    lib.llama_backend_init()
-    lib.llama_log_set(_QUIET, None)
-    model = lib.llama_model_load_from_file(str(gguf_path()).encode(),
-                                           lib.llama_model_default_params())  # fmt: skip
+    model = load_model()
     print(f"{Path(gguf_path()).name}, {args.threads} threads, load average {os.getloadavg()}")
     for unified in (False, True):
         ctx = context(model, 2 * n, unified, args.threads)

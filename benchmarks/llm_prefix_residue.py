@@ -11,7 +11,7 @@ those of idle prefixes the prefix cache keeps included. Two parts:
    on a fresh server, right after 40 distinct 480-token prompts (which leave idle
    prefixes behind), and after 8 more ordinary requests. The engine drops an idle prefix
    nothing reused while it ran 2,048 tokens, so the last figure should be back near the
-   first; without that the cache stays full of old prefixes (the code before: 0.75x).
+   first; without that the cache stays full of old prefixes (the code before: 0.69-0.73x).
 
     .venv/bin/python benchmarks/llm_prefix_residue.py           # ~4 min on 2 cores
 """
@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp as lib
-from llama_step_order import put_token
-from llm_llama_cpp import SLIPSTREAM, gguf_path
+from llama_step_order import context, load_model, put_token
+from llm_llama_cpp import SLIPSTREAM
 
 from models import REPO_ROOT
 from servers import ServerSpec, free_port, running
 
 RESIDUE_CELLS = 8_000
-_QUIET = lib.llama_log_callback(lambda *_: None)  # kept referenced for the process's life
 
 
 def _read(ctx: Any, batch: Any, sequence: int, tokens: int, rng: random.Random) -> int:
@@ -69,18 +68,9 @@ def _decode_ms(ctx: Any, batch: Any, positions: dict[int, int], sequences: list[
 
 def llama_alone(threads: int, flash_modes: tuple[str, ...]) -> None:
     print(f"1. llama.cpp alone: one shared cache of 16,384 cells, {threads} threads")
-    lib.llama_backend_init()
-    lib.llama_log_set(_QUIET, None)
-    model = lib.llama_model_load_from_file(str(gguf_path()).encode(),
-                                           lib.llama_model_default_params())  # fmt: skip
+    model = load_model()
     for flash in flash_modes:
-        params = lib.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 16384, 256, 256, 32
-        params.kv_unified, params.no_perf = True, True
-        params.n_threads = params.n_threads_batch = threads
-        if flash == "off":
-            params.flash_attn_type = 0
-        ctx = lib.llama_init_from_model(model, params)
+        ctx = context(model, 32, True, threads, flash=flash == "auto")  # 32 x 512 cells
         memory, batch = lib.llama_get_memory(ctx), lib.llama_batch_init(256, 0, 1)
         figures = {}
         for residue in (0, RESIDUE_CELLS):

@@ -237,7 +237,7 @@ def test_an_idle_prefix_nothing_reuses_is_dropped_once_enough_tokens_ran(
 ) -> None:
     """One shared cache: every token attends over the cells up to the highest in use, idle
     prefixes' included, so a prefix nobody reused while the engine ran
-    ``_IDLE_PREFIX_TOKENS`` tokens is dropped; while nothing runs it stays."""
+    ``_IDLE_PREFIX_TOKENS`` tokens is dropped, and the other slots' prefixes are kept."""
     monkeypatch.setattr(llamacpp_scheduler, "_IDLE_PREFIX_TOKENS", 64)
     engine = _engine("shared")
     prompts = [[600 + 10 * n + i for i in range(8)] for n in range(4)]
@@ -255,7 +255,7 @@ def test_an_idle_prefix_nothing_reuses_is_dropped_once_enough_tokens_ran(
     try:
         loop.run_until_complete(run(0, max_tokens=2))  # slot 0, then idle
         loop.run_until_complete(asyncio.sleep(0.2))
-        kept = engine.slot_tokens(0)
+        kept = engine.slot_tokens(0)  # the set-up: slot 0 holds the first prompt
         # Three more in the empty slots, 3 x (8 + 16) tokens: past 64 since slot 0 went
         # idle, while the cache (96) holds them all beside it, so no room was needed.
         loop.run_until_complete(run(1, 2, 3, max_tokens=16))

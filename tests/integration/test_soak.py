@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 # RSS the server may add after 10 s of warm-up, in the remaining 50 s. Seen: +2.5 MB in
-# 40 s on a 275 MB server. A leak of a few kB per request (some 25,000 requests a minute
-# on one core) would show as 50 MB and more in 50 s.
+# 40 s on a 275 MB server. A leak of a few kB per request (some 32,000 requests a minute
+# on one core alone, fewer beside the suite) would show as 50 MB and more in 50 s.
 MAX_GROWTH_AFTER_WARMUP_MB = 32
 
 

@@ -35,7 +35,7 @@ _STEP_COST_TOKENS = 2
 _MIN_STREAM_PREFIX = 16
 # With one shared cache, how many tokens the engine may run past an idle cached prefix
 # before it is dropped. Every token a step reads attends over every cell up to the
-# highest one in use, idle prefixes' included (~0.2-0.45 us a cell and token for SmolLM2
+# highest one in use, idle prefixes' included (~0.1-0.45 us a cell and token for SmolLM2
 # here, against ~4 ms a prompt token to read one again), so prefixes nobody asks for
 # again would slow every step: a cache full of them cost make run's smollm2 about 30% of
 # its single-stream decode (benchmarks/llm_prefix_residue.py). Counted in tokens run, not
