@@ -227,3 +227,54 @@ def test_cosine_gate_for_embeddings() -> None:
     )
     assert not far.passed and far.after["min_cosine"] == pytest.approx(-1.0)
     assert far.shortfall == pytest.approx(0.98 + 1.0)
+
+
+def _sequence_model(path: Path) -> Path:
+    """``x`` FP32 [batch, tokens, 8] -> MatMul -> ``y`` [batch, tokens, 4]: a dim beyond
+    the batch dim is variable, as a transformer's sequence length is."""
+    weight = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "sequence",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "tokens", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "tokens", 4])],
+        [numpy_helper.from_array(weight, "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_variable_dims_are_profiled_on_the_validation_rows(tmp_path: Path) -> None:
+    # Without --shape the speed profile takes the validation rows' dims (it raised
+    # ProfileError after the gate passed, and the version was never written).
+    source = _sequence_model(tmp_path / "repo" / "seq" / "1" / "model.onnx")
+    rows = np.random.default_rng(1).standard_normal((24, 5, 8)).astype(np.float32)
+    np.savez(tmp_path / "val.npz", x=rows)
+    request = OptimizeRequest(
+        model=source, repository=tmp_path / "repo", name="seq", passes=["int8-dynamic"],
+        validation=tmp_path / "val.npz", metric="mae", max_drop=1.0, profile_seconds=0.02,
+    )  # fmt: skip
+    result = optimize_model(request)
+    assert result.version == 2
+    assert [s.batch_size for s in result.speed_after] == [1, 8]
+    assert all(s.p50_ms is not None and s.p50_ms > 0 for s in result.speed_before)
+
+
+def test_a_speed_profile_that_cannot_run_leaves_a_note_and_the_version(tmp_path: Path) -> None:
+    source = _sequence_model(tmp_path / "repo" / "seq" / "1" / "model.onnx")
+    rows = np.random.default_rng(1).standard_normal((24, 5, 8)).astype(np.float32)
+    np.savez(tmp_path / "val.npz", x=rows)
+    request = OptimizeRequest(
+        model=source, repository=tmp_path / "repo", name="seq", passes=["int8-dynamic"],
+        validation=tmp_path / "val.npz", metric="mae", max_drop=1.0, profile_seconds=0.02,
+        shapes={"x": [5, 9]},  # the last dim is declared 8
+    )  # fmt: skip
+    result = optimize_model(request)
+    assert result.version == 2 and (tmp_path / "repo" / "seq" / "2" / "model.onnx").is_file()
+    assert result.speed_after == []
+    assert any(note.startswith("speed not measured: input 'x'") for note in result.notes)
+    record = json.loads((tmp_path / "repo" / "seq" / "2" / "optimization.json").read_text())
+    assert any("speed not measured" in note for note in record["notes"])

@@ -123,7 +123,8 @@ if TYPE_CHECKING:
     "shapes",
     multiple=True,
     callback=shapes_option,
-    help="NAME:D1,D2 dims after the batch dim of a variable-dim input (repeatable).",
+    help="NAME:D1,D2 dims after the batch dim of a variable-dim input for the speed "
+    "profile's random inputs (repeatable) [default: the profile runs the validation rows].",
 )
 @click.option(
     "--graph-level",
