@@ -15,7 +15,9 @@ request at a time) to another; redis-server runs on `--redis-core` (default: the
 generator's; on two cores there is no third to give it). Each level
 runs a warm-up (discarded), then `--duration` seconds; the servers of one figure all run
 at once and its levels take turns, `--rounds` times, and the figure is the median of the
-per-round ratios (the range beside it). Beside req/s, each level prints the server's CPU
+per-round ratios (the range beside it); figure 1 starts its servers afresh each round and
+rotates the order, and measures a second identical server beside them (the noise floor
+between two processes). Beside req/s, each level prints the server's CPU
 per request (its process's CPU time over the level, by psutil) and a figure's ratio of
 those ("by CPU/req"): a capacity ratio that other work on the server's core blurs less.
 Figures taken beside other work are noisy: the load average is printed with them.
@@ -334,23 +336,41 @@ def auth_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
         work, "bench", "--role", "admin", "--rate", "1000000", "--burst", "1000000"
     )
     bearer = {"Authorization": f"Bearer {key}"}
+    labels = ("none", "twin", "header", "memory", "redis")
+    loads: dict[str, list[Load]] = {label: [] for label in labels}
+    one_round = argparse.Namespace(**{**vars(args), "rounds": 1})
     with redis_server(work, args.redis_core) as url:
-        none = serve_spec("none", repo)
-        memory = serve_spec("auth", repo, "--auth-file", str(auth_file))
-        shared = serve_spec("redis", repo, "--auth-file", str(auth_file), "--rate-limit-store", url)
-        with servers([none, memory, shared], args.server_core, work):
-            loads = rounds(
-                {
-                    "none": (none.port, infer_request(none.port, "mlp")),
-                    "header": (none.port, infer_request(none.port, "mlp", bearer)),
-                    "memory": (memory.port, infer_request(memory.port, "mlp", bearer)),
-                    "redis": (shared.port, infer_request(shared.port, "mlp", bearer)),
-                },
-                args.connections,
-                args,
-                stats=("mlp", bearer),
+        # Fresh server processes every round, the levels' order rotated: two identical
+        # processes differ by a few percent (memory layout, hash seeds), as much as the
+        # door costs, so that difference must average out over the rounds, not stay in
+        # every round's ratio.
+        for turn in range(args.rounds):
+            none = serve_spec("none", repo)
+            # The same server again: the noise floor of comparing two processes.
+            twin = serve_spec("twin", repo)
+            memory = serve_spec("auth", repo, "--auth-file", str(auth_file))
+            shared = serve_spec(
+                "redis", repo, "--auth-file", str(auth_file), "--rate-limit-store", url
             )
+            levels = {
+                "none": (none.port, infer_request(none.port, "mlp")),
+                "twin": (twin.port, infer_request(twin.port, "mlp")),
+                "header": (none.port, infer_request(none.port, "mlp", bearer)),
+                "memory": (memory.port, infer_request(memory.port, "mlp", bearer)),
+                "redis": (shared.port, infer_request(shared.port, "mlp", bearer)),
+            }
+            order = labels[turn % len(labels) :] + labels[: turn % len(labels)]
+            with servers([none, twin, memory, shared], args.server_core, work):
+                measured = rounds(
+                    {label: levels[label] for label in order},
+                    args.connections,
+                    one_round,
+                    stats=("mlp", bearer),
+                )
+            for label in labels:
+                loads[label] += measured[label]
     report("no auth, no limits", loads["none"])
+    report("the same, a second process", loads["twin"], loads["none"])
     # What the Authorization header costs the HTTP parser alone, with no front door.
     report("no auth, header sent anyway", loads["header"], loads["none"])
     report("auth + in-process limiter", loads["memory"], loads["none"], ">= 0.97")
