@@ -43,8 +43,8 @@ EXIT_INTERRUPTED = 130
               show_default=True, help="brute: every configuration; quick: hill climbing; "
               "optuna: TPE with early stopping.")  # fmt: skip
 @click.option("--trials", type=click.IntRange(min=1),
-              help="Most configurations measured [default: all for brute and quick, a fifth "
-              "of the space for optuna].")  # fmt: skip
+              help="Most configurations measured [default: all for brute; a fifth of the "
+              "space, at least 10, for quick and optuna (optuna may stop before)].")  # fmt: skip
 @click.option("--batch-sizes", default="1,4,8,16,32", show_default=True,
               help="max_batch_size values searched.")  # fmt: skip
 @click.option("--queue-delays-us", default="0,1000,4000", show_default=True,
