@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -247,6 +248,12 @@ def _dynamic_quantizer(settings: PassSettings) -> Quantizer:
     def quantize(
         source: Path, target: Path, exclude: Sequence[str], only: Sequence[str] | None
     ) -> None:
+        with _without_preprocessing_hint():
+            _quantize_dynamic(source, target, exclude, only)
+
+    def _quantize_dynamic(
+        source: Path, target: Path, exclude: Sequence[str], only: Sequence[str] | None
+    ) -> None:
         quantize_dynamic(
             source,
             target,
@@ -263,6 +270,27 @@ def _dynamic_quantizer(settings: PassSettings) -> Quantizer:
         )
 
     return quantize
+
+
+# ONNX Runtime's quantizers log "Please consider [to run] pre-processing before
+# quantization ..." on the root logger for every model they quantize (an int8 search
+# quantizes one per candidate); the graph pass is the pre-processing it means.
+_PREPROCESSING_HINT = "pre-processing before quantization"
+
+
+def _drop_preprocessing_hint(record: logging.LogRecord) -> bool:
+    message = str(record.msg)
+    return not (message.startswith("Please consider") and _PREPROCESSING_HINT in message)
+
+
+@contextmanager
+def _without_preprocessing_hint() -> Iterator[None]:
+    root = logging.getLogger()
+    root.addFilter(_drop_preprocessing_hint)
+    try:
+        yield
+    finally:
+        root.removeFilter(_drop_preprocessing_hint)
 
 
 def _search_note(result: SearchResult, rows: int) -> str:
@@ -298,18 +326,19 @@ def _int8_static(source: Path, target: Path, context: PassContext) -> _PassResul
     reader = _CalibrationReader(
         context.calibration, settings.calibration_batch_size, context.on_progress
     )
-    quantize_static(
-        source,
-        target,
-        calibration_data_reader=reader,
-        quant_format=QuantFormat.QDQ,
-        op_types_to_quantize=list(settings.int8_op_types),
-        per_channel=True,
-        activation_type=QuantType.QInt8,
-        weight_type=QuantType.QInt8,
-        calibrate_method=method,
-        extra_options={"ActivationSymmetric": False, "WeightSymmetric": True},
-    )
+    with _without_preprocessing_hint():
+        quantize_static(
+            source,
+            target,
+            calibration_data_reader=reader,
+            quant_format=QuantFormat.QDQ,
+            op_types_to_quantize=list(settings.int8_op_types),
+            per_channel=True,
+            activation_type=QuantType.QInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=method,
+            extra_options={"ActivationSymmetric": False, "WeightSymmetric": True},
+        )
     recorded = {
         "format": "QDQ",
         "op_types": list(settings.int8_op_types),
