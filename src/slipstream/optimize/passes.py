@@ -274,7 +274,8 @@ def _dynamic_quantizer(settings: PassSettings) -> Quantizer:
 
 # ONNX Runtime's quantizers log "Please consider [to run] pre-processing before
 # quantization ..." on the root logger for every model they quantize (an int8 search
-# quantizes one per candidate); the graph pass is the pre-processing it means.
+# quantizes one per candidate). It is advice (shape inference and graph optimization
+# first, which `--passes graph,int8-...` partly does), not a fault.
 _PREPROCESSING_HINT = "pre-processing before quantization"
 
 
