@@ -247,32 +247,31 @@ def _sequence_model(path: Path) -> Path:
     return path
 
 
-def test_variable_dims_are_profiled_on_the_validation_rows(tmp_path: Path) -> None:
-    # Without --shape the speed profile takes the validation rows' dims (it raised
-    # ProfileError after the gate passed, and the version was never written).
+def _sequence_request(tmp_path: Path, **changes: Any) -> OptimizeRequest:
+    """int8-dynamic of :func:`_sequence_model` with its speed profile, 24 rows of 5 tokens."""
     source = _sequence_model(tmp_path / "repo" / "seq" / "1" / "model.onnx")
     rows = np.random.default_rng(1).standard_normal((24, 5, 8)).astype(np.float32)
     np.savez(tmp_path / "val.npz", x=rows)
-    request = OptimizeRequest(
-        model=source, repository=tmp_path / "repo", name="seq", passes=["int8-dynamic"],
-        validation=tmp_path / "val.npz", metric="mae", max_drop=1.0, profile_seconds=0.02,
-    )  # fmt: skip
-    result = optimize_model(request)
+    fields: dict[str, Any] = {
+        "model": source, "repository": tmp_path / "repo", "name": "seq",
+        "passes": ["int8-dynamic"], "validation": tmp_path / "val.npz", "metric": "mae",
+        "max_drop": 1.0, "profile_seconds": 0.02,
+    }  # fmt: skip
+    return OptimizeRequest(**(fields | changes))
+
+
+def test_variable_dims_are_profiled_on_the_validation_rows(tmp_path: Path) -> None:
+    # Without --shape the speed profile takes the validation rows' dims (it raised
+    # ProfileError after the gate passed, and the version was never written).
+    result = optimize_model(_sequence_request(tmp_path))
     assert result.version == 2
     assert [s.batch_size for s in result.speed_after] == [1, 8]
     assert all(s.p50_ms is not None and s.p50_ms > 0 for s in result.speed_before)
 
 
 def test_a_speed_profile_that_cannot_run_leaves_a_note_and_the_version(tmp_path: Path) -> None:
-    source = _sequence_model(tmp_path / "repo" / "seq" / "1" / "model.onnx")
-    rows = np.random.default_rng(1).standard_normal((24, 5, 8)).astype(np.float32)
-    np.savez(tmp_path / "val.npz", x=rows)
-    request = OptimizeRequest(
-        model=source, repository=tmp_path / "repo", name="seq", passes=["int8-dynamic"],
-        validation=tmp_path / "val.npz", metric="mae", max_drop=1.0, profile_seconds=0.02,
-        shapes={"x": [5, 9]},  # the last dim is declared 8
-    )  # fmt: skip
-    result = optimize_model(request)
+    # The last dim is declared 8.
+    result = optimize_model(_sequence_request(tmp_path, shapes={"x": [5, 9]}))
     assert result.version == 2 and (tmp_path / "repo" / "seq" / "2" / "model.onnx").is_file()
     assert result.speed_after == []
     assert any(note.startswith("speed not measured: input 'x'") for note in result.notes)
