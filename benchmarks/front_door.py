@@ -341,9 +341,9 @@ def auth_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
     one_round = argparse.Namespace(**{**vars(args), "rounds": 1})
     with redis_server(work, args.redis_core) as url:
         # Fresh server processes every round, the levels' order rotated: two identical
-        # processes differ by a few percent (memory layout, hash seeds), as much as the
-        # door costs, so that difference must average out over the rounds, not stay in
-        # every round's ratio.
+        # processes kept for a whole run differed by 2.5%, as much as the door costs, so
+        # that difference must average out over the rounds, not stay in every round's
+        # ratio.
         for turn in range(args.rounds):
             none = serve_spec("none", repo)
             # The same server again: the noise floor of comparing two processes.

@@ -89,8 +89,8 @@ def model_directory(args: argparse.Namespace) -> Path:
     source = args.repo / "minilm"
     target.mkdir(parents=True, exist_ok=True)
     (target / "1").mkdir(exist_ok=True)
-    (target / "1" / "model.onnx").write_bytes((source / "1" / "model.onnx").read_bytes())
-    (target / "config.yaml").write_text((source / "config.yaml").read_text())
+    shutil.copyfile(source / "1" / "model.onnx", target / "1" / "model.onnx")
+    shutil.copyfile(source / "config.yaml", target / "config.yaml")
     shutil.copytree(source / "tokenizer", target / "tokenizer", dirs_exist_ok=True)
     sentences = [line.strip() for line in SENTENCES.read_text().splitlines() if line.strip()]
     rows = tokenize(source / "tokenizer" / "tokenizer.json", sentences)

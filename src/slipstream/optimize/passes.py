@@ -249,25 +249,20 @@ def _dynamic_quantizer(settings: PassSettings) -> Quantizer:
         source: Path, target: Path, exclude: Sequence[str], only: Sequence[str] | None
     ) -> None:
         with _without_preprocessing_hint():
-            _quantize_dynamic(source, target, exclude, only)
-
-    def _quantize_dynamic(
-        source: Path, target: Path, exclude: Sequence[str], only: Sequence[str] | None
-    ) -> None:
-        quantize_dynamic(
-            source,
-            target,
-            op_types_to_quantize=list(settings.int8_op_types),
-            per_channel=settings.per_channel,
-            # Signed weights, unsigned activations (U8S8): the pairing ORT's x86 int8
-            # GEMMs run fastest, with VNNI at full 8-bit weight precision.
-            weight_type=QuantType.QInt8,
-            nodes_to_exclude=list(exclude),
-            nodes_to_quantize=list(only or []),
-            # Tensors after com.microsoft ops (graph level extended) get no inferred
-            # type; they are FP32.
-            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
-        )
+            quantize_dynamic(
+                source,
+                target,
+                op_types_to_quantize=list(settings.int8_op_types),
+                per_channel=settings.per_channel,
+                # Signed weights, unsigned activations (U8S8): the pairing ORT's x86 int8
+                # GEMMs run fastest, with VNNI at full 8-bit weight precision.
+                weight_type=QuantType.QInt8,
+                nodes_to_exclude=list(exclude),
+                nodes_to_quantize=list(only or []),
+                # Tensors after com.microsoft ops (graph level extended) get no inferred
+                # type; they are FP32.
+                extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+            )
 
     return quantize
 

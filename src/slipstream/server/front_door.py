@@ -86,11 +86,7 @@ class HttpFrontDoor:
             access = self._access.classify(request.path)
             key = self._authenticate(request, access)
             if key is not None and limiter is not None:
-                generative = access.template in _GENERATIVE
-                if limiter.local:
-                    counted = limiter.admit_now(key, generative)
-                else:
-                    counted = await limiter.admit(key, generative)
+                counted = await limiter.admit(key, access.template in _GENERATIVE)
         except SlipstreamError as exc:
             return self._answered(_refusal(exc, request.path), request, key, access, rid, started)
         return await self._settle(request, call_next, key, access, counted, rid, started)
