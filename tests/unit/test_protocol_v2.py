@@ -383,6 +383,10 @@ JSON_ERRORS: list[tuple[Any, str]] = [
     ),
     ({"inputs": [_input([-1, 2, 3, 4, 5, 2**63], datatype="INT64")]}, "does not fit INT64"),
     ({"inputs": [_input([True] * 6, datatype="INT8")]}, "INT8 data must be integers"),
+    (
+        {"inputs": [_input([1, 2, 3, 4, 5, None], datatype="UINT8")]},
+        "UINT8 data must be integers, got null",
+    ),
     ({"inputs": [_input([True] * 6)]}, "FP32 data must be numbers, got booleans"),
     ({"inputs": [_input([1, 0, 1, 0, 1, 0], datatype="BOOL")]}, "BOOL data must be true/false"),
     ({"inputs": [_input(["a", "b", "c", "d", "e", 6], datatype="BYTES")]}, "must be strings"),

@@ -441,10 +441,14 @@ def _numeric_from_json(
     return natural.astype(dtype).ravel()
 
 
+_NOTHING = object()
+
+
 def _exact_integers(where: str, data: list[Any], datatype: str, dtype: np.dtype[Any]) -> np.ndarray:
     flat = np.array(data, dtype=object).ravel().tolist()
-    bad = next((value for value in flat if type(value) is not int), None)
-    if bad is not None:
+    # A sentinel, not None: a JSON null is itself a bad value.
+    bad = next((value for value in flat if type(value) is not int), _NOTHING)
+    if bad is not _NOTHING:
         raise InvalidRequest(f"{where}: {datatype} data must be integers, got {_show(bad)}")
     try:
         return np.array(flat, dtype=dtype)
