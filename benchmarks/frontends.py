@@ -19,6 +19,15 @@ Each (case, concurrency) is measured once per round; ``--rounds`` alternates the
 that a machine whose speed drifts (shared cores) touches every case alike, and the median
 over the rounds is reported.
 
+The cap ladder (``cap_grpc_decode``, ``cap_grpc_coded``, ``cap_grpc_model``) adds, one
+at a time, what serving a request needs on top of the cap, still without Slipstream's
+serving core: the request parsed into arrays by our codec; then a fresh answer encoded by
+it; then the model run by ONNX Runtime inline. Each is a grpc.aio server of its own on the
+same cores; ``<rung> / cap_grpc`` shows what grpcio leaves for each layer (issue #25).
+
+    .venv/bin/python benchmarks/frontends.py --cases grpc,cap_grpc,cap_grpc_decode,\
+cap_grpc_coded,cap_grpc_model --concurrency 16 --rounds 3
+
 ``--layouts`` measures the same Slipstream cases against each process layout in turn (one
 server at a time): ``one`` (everything in one process, the default layout), and
 ``split<N>`` (``--frontends N``: N front-end processes and one engine process). A layout
@@ -46,7 +55,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -68,8 +77,8 @@ class Case:
     protocol: str
     # Extra perf_analyzer arguments.
     perf_args: tuple[str, ...] = ()
-    # Against the no-work cap server instead of Slipstream.
-    cap: bool = False
+    # Against a cap server with this handler (see CAP_HANDLERS) instead of Slipstream.
+    cap: str = ""
     # slipstream bench's --protocol for this case; None: perf_analyzer only.
     bench_protocol: str | None = None
 
@@ -80,9 +89,16 @@ CASES = [
     Case("grpc", "grpc", bench_protocol="grpc"),
     Case("grpc_shm", "grpc", ("--shared-memory", "system")),
     Case("grpc_stream", "grpc", ("--streaming",)),
-    Case("cap_grpc", "grpc", cap=True, bench_protocol="grpc"),
-    Case("cap_grpc_stream", "grpc", ("--streaming",), cap=True),
+    Case("cap_grpc", "grpc", cap="recorded", bench_protocol="grpc"),
+    Case("cap_grpc_stream", "grpc", ("--streaming",), cap="recorded"),
+    Case("cap_grpc_decode", "grpc", cap="decode", bench_protocol="grpc"),
+    Case("cap_grpc_coded", "grpc", cap="coded", bench_protocol="grpc"),
+    Case("cap_grpc_model", "grpc", cap="model", bench_protocol="grpc"),
 ]
+# What a cap server's ModelInfer does, each rung adding one layer to the one before:
+# answer recorded bytes; parse the request into arrays (protobuf, then our codec); encode
+# a fresh answer with our codec; run the model with ONNX Runtime, inline on the loop.
+CAP_HANDLERS = ("recorded", "decode", "coded", "model")
 # Printed as "a / b": the ratios the issue's targets are stated in.
 RATIOS = [
     ("grpc", "cap_grpc"),
@@ -91,6 +107,10 @@ RATIOS = [
     ("grpc_stream", "http"),
     ("http_shm", "http"),
     ("grpc_shm", "grpc"),
+    ("cap_grpc_decode", "cap_grpc"),
+    ("cap_grpc_coded", "cap_grpc"),
+    ("cap_grpc_model", "cap_grpc"),
+    ("grpc", "cap_grpc_model"),
 ]
 
 
@@ -110,11 +130,13 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--no-perf-analyzer", action="store_true")
     parser.add_argument("--json", type=Path, help="write the results here")
-    # Internal: run the no-work cap server (started by this script).
+    # Internal: run a cap server (started by this script).
     parser.add_argument("--cap-server", nargs=2, metavar=("RECORD_FROM", "PORT"))
+    parser.add_argument("--cap-handler", choices=CAP_HANDLERS, default="recorded")
     args = parser.parse_args()
     if args.cap_server:
-        asyncio.run(serve_cap(args.cap_server[0], int(args.cap_server[1]), args.model))
+        record_from, port = args.cap_server[0], int(args.cap_server[1])
+        asyncio.run(serve_cap(record_from, port, args.model, args.cap_handler, args.repo))
         return
     run(args)
 
@@ -131,13 +153,16 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         repo = args.repo or build_mlp(Path(tmp) / "models")
         for layout_index, (layout, frontends, cores) in enumerate(layouts):
-            http_port, grpc_port, cap_port = free_ports(3)
-            ports = {"http": http_port, "grpc": grpc_port, "cap": cap_port}
-            # The cap does not depend on the layout: measured beside the first one only.
+            # The caps do not depend on the layout: measured beside the first one only.
             wanted_here = [c for c in cases if not (c.cap and layout_index)]
+            handlers = sorted({c.cap for c in wanted_here if c.cap})
+            http_port, grpc_port, *cap_ports = free_ports(2 + len(handlers))
+            ports = {"http": http_port, "grpc": grpc_port}
+            by_handler = dict(zip(handlers, cap_ports, strict=True))
+            ports.update({f"cap:{h}": port for h, port in by_handler.items()})
             with (
                 slipstream_server(repo, cores, http_port, grpc_port, Path(tmp), frontends),
-                cap_server(args, grpc_port, cap_port),
+                cap_servers(args, repo, grpc_port, by_handler),
             ):
                 print(f"layout {layout}: {frontends or 'one process'} front ends, cores {cores}")
                 measured = measure_all(tool, wanted_here, levels, ports, args)
@@ -160,7 +185,7 @@ def measure_all(
     }
     for _ in range(args.rounds):
         for case in cases:
-            port = ports["cap" if case.cap else case.protocol]
+            port = ports[f"cap:{case.cap}" if case.cap else case.protocol]
             for level in levels:
                 rate = measure(tool, case, port, level, args)
                 results[case.name][level].append(rate)
@@ -298,13 +323,20 @@ def slipstream_server(
 
 
 @contextmanager
-def cap_server(args: argparse.Namespace, grpc_port: int, cap_port: int) -> Iterator[None]:
-    command = [
-        "taskset", "-c", args.server_cores, sys.executable, __file__, "--model", args.model,
-        "--cap-server", f"127.0.0.1:{grpc_port}", str(cap_port),
-    ]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp, _process(command, Path(tmp) / "cap.log"):
-        _wait_port(cap_port)
+def cap_servers(
+    args: argparse.Namespace, repo: Path, grpc_port: int, ports: dict[str, int]
+) -> Iterator[None]:
+    """A cap server for each handler in ``ports`` (handler -> its port)."""
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        for handler, port in ports.items():
+            command = [
+                "taskset", "-c", args.server_cores, sys.executable, __file__,
+                "--model", args.model, "--repo", str(repo), "--cap-handler", handler,
+                "--cap-server", f"127.0.0.1:{grpc_port}", str(port),
+            ]  # fmt: skip
+            stack.enter_context(_process(command, Path(tmp) / f"cap-{handler}.log"))
+        for port in ports.values():
+            _wait_port(port)
         yield
 
 
@@ -360,8 +392,11 @@ def free_ports(count: int) -> list[int]:
 # ---------------------------------------------------------------- the no-work cap
 
 
-async def serve_cap(record_from: str, port: int, model: str) -> None:
-    """A grpc.aio server answering each RPC with bytes recorded once from the real one."""
+async def serve_cap(
+    record_from: str, port: int, model: str, handler: str, repo: Path | None
+) -> None:
+    """A grpc.aio server answering each RPC with bytes recorded once from the real one;
+    ModelInfer does what ``handler`` names (CAP_HANDLERS) before answering."""
     import grpc
 
     from slipstream.protocol.grpc_codec import varint
@@ -385,11 +420,57 @@ async def serve_cap(record_from: str, port: int, model: str) -> None:
 
     handlers = {name: unary(answer) for name, answer in answers.items()}
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(stream)
+    if handler != "recorded":
+        handlers["ModelInfer"] = ladder_handler(handler, infer_answer, repo, model)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
+
+
+def ladder_handler(handler: str, infer_answer: bytes, repo: Path | None, model: str) -> object:
+    """ModelInfer for a rung of the cap ladder above "recorded" (see CAP_HANDLERS)."""
+    import grpc
+    import numpy as np
+
+    from slipstream.protocol import grpc_codec
+    from slipstream.protocol.proto import inference_pb2 as pb
+    from slipstream.types import InferResponse
+
+    recorded = pb.ModelInferResponse.FromString(infer_answer)
+    outputs = {
+        tensor.name: grpc_codec.decode_raw_tensor(tensor.name, tensor.datatype,
+                                                  list(tensor.shape), raw)
+        for tensor, raw in zip(recorded.outputs, recorded.raw_output_contents, strict=True)
+    }  # fmt: skip
+    run = None
+    if handler == "model":
+        import onnxruntime as ort
+
+        assert repo is not None, "the model rung needs --repo"
+        versions = sorted(
+            (repo / model).iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1
+        )
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        session = ort.InferenceSession(str(versions[-1] / "model.onnx"), options)
+        names = [o.name for o in session.get_outputs()]
+
+        def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return dict(zip(names, session.run(None, inputs), strict=True))
+
+    async def call(request: pb.ModelInferRequest, context: object) -> bytes:
+        decoded = grpc_codec.decode_infer_request(request)
+        if handler == "decode":
+            return infer_answer
+        answer = outputs if run is None else run(decoded.inputs)
+        response = InferResponse(model_name=model, model_version="1", outputs=answer)
+        return grpc_codec.serialize_infer_response(response)
+
+    return grpc.unary_unary_rpc_method_handler(
+        call, request_deserializer=pb.ModelInferRequest.FromString
+    )
 
 
 def record_answers(address: str, model: str) -> dict[str, bytes]:
