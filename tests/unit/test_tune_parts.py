@@ -322,3 +322,21 @@ def test_onnx_variants_are_also_tried_on_openvino(tmp_path: Path) -> None:
         "model.bin",
         "model.xml",
     ]
+
+
+def test_the_live_line_names_the_configuration_being_re_measured() -> None:
+    """After the search, the progress line must not keep showing the last trial."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from slipstream.tune.progress import RichTuneProgress
+
+    out = StringIO()
+    with RichTuneProgress(Console(file=out, width=200, force_terminal=False)) as progress:
+        progress.started(space_size=12, max_trials=2)
+        progress.trial_started(2, {"variant": "v1", "max_batch_size": 4})
+        progress.remeasuring(1, {"variant": "v2", "max_batch_size": 16})
+    text = out.getvalue()
+    assert "re-measuring trial 1: variant=v2 max_batch_size=16" in text, text
+    assert "trial 2: variant=v1" not in text.splitlines()[-1], text

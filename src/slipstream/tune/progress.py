@@ -35,8 +35,13 @@ class RichTuneProgress(TuneListener):
         self._progress.update(self._task, total=max_trials, description=f"space {space_size}")
 
     def trial_started(self, trial: int, config: dict[str, Any]) -> None:
-        text = " ".join(f"{k}={v}" for k, v in config.items())
-        self._progress.update(self._task, description=f"trial {trial}: {text}")
+        self._progress.update(self._task, description=f"trial {trial}: {_text(config)}")
+
+    def remeasuring(self, trial: int, config: dict[str, Any]) -> None:
+        # The bar stays full (the trials are done); its line names what runs now.
+        self._console.print(f"re-measuring trial {trial}")
+        description = f"re-measuring trial {trial}: {_text(config)}"
+        self._progress.update(self._task, description=description)
 
     def trial_done(self, record: TrialRecord, best: TrialRecord | None) -> None:
         self._progress.advance(self._task)
@@ -57,3 +62,7 @@ class RichTuneProgress(TuneListener):
 
     def note(self, message: str) -> None:
         self._console.print(message)
+
+
+def _text(config: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in config.items())

@@ -85,6 +85,9 @@ class TuneListener:
     def trial_done(self, record: TrialRecord, best: TrialRecord | None) -> None:
         pass
 
+    def remeasuring(self, trial: int, config: dict[str, Any]) -> None:
+        """A finished trial's configuration is being measured again."""
+
     def note(self, message: str) -> None:
         pass
 
@@ -247,7 +250,7 @@ def _remeasure(
     top = leaderboard(result.trials)[: options.remeasure_top]
     for record in top:
         for _ in range(options.remeasure_runs):
-            listener.note(f"re-measuring trial {record.trial}")
+            listener.remeasuring(record.trial, record.config)
             again = run_trial(plan.context, record.trial, record.config)
             if again.status == "ok" and again.level is not None:
                 record.throughput_runs.append(again.level.throughput_infer_per_s)
