@@ -37,15 +37,23 @@ Contracts and limitations worth knowing:
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any, cast
 
 import numpy as np
 import orjson
 
-from slipstream.datatypes import V2_ITEM_SIZE, addressable, numpy_dtype, v2_datatype
+from slipstream.datatypes import addressable, numpy_dtype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.protocol import v2_shm
+from slipstream.protocol.v2_data import (
+    binary_payload,
+    bytes_from_binary,
+    bytes_from_json,
+    fixed_from_binary,
+    json_strings,
+    numeric_from_json,
+    show,
+)
 from slipstream.types import InferRequest, InferResponse, RequestedOutput, SharedMemoryInput
 
 __all__ = [
@@ -57,24 +65,9 @@ __all__ = [
     "load_json_object",
 ]
 
-# Length prefix of one BYTES element in binary data.
-_LENGTH_PREFIX = struct.Struct("<I")
 _INT64_MAX = 2**63 - 1
 # Request parameters that become InferRequest fields; the rest pass through.
 _RESERVED_PARAMETERS = frozenset({"priority", "timeout", "binary_data_output"})
-# Target dtype kind -> kinds np.asarray may infer from JSON values and still be accepted:
-# ints fit float tensors (JSON writes 1.0 as 1), but floats never truncate into ints and
-# booleans only fill BOOL.
-_ACCEPTED_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
-_EXPECTED_VALUES = {"b": "true/false", "i": "integers", "u": "integers", "f": "numbers"}
-_FOUND_VALUES = {
-    "b": "booleans",
-    "i": "integers",
-    "u": "integers",
-    "f": "non-integer numbers",
-    "U": "strings",
-    "O": "nulls, objects, mixed values or integers beyond 64 bits",
-}
 _DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
 
@@ -109,7 +102,7 @@ def decode_infer_request(
     if request_id is None:
         request_id = ""
     elif not isinstance(request_id, str):
-        raise InvalidRequest(f"id: expected a string, got {_show(request_id)}")
+        raise InvalidRequest(f"id: expected a string, got {show(request_id)}")
     priority, timeout_us, binary_data_output, parameters = _decode_parameters(doc.get("parameters"))
     inputs, shared_inputs = decode_tensors(doc.get("inputs"), binary)
     return InferRequest(
@@ -163,7 +156,7 @@ def encode_infer_response(
             entry["parameters"] = {"binary_data_size": size}
             payloads.append(payload)
         elif datatype == "BYTES":
-            entry["data"] = _json_strings(name, array)
+            entry["data"] = json_strings(name, array)
         else:
             # ravel() is a view for C-contiguous arrays and a contiguous copy otherwise,
             # which is what orjson needs to write the array without a Python list.
@@ -204,7 +197,7 @@ def load_json_object(header: memoryview | bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
-        raise InvalidRequest(f"request body: expected a JSON object, got {_show(doc)}")
+        raise InvalidRequest(f"request body: expected a JSON object, got {show(doc)}")
     return doc
 
 
@@ -213,24 +206,23 @@ def _decode_parameters(raw: Any) -> tuple[int, int, bool, dict[str, Any]]:
     if raw is None:
         return 0, 0, False, {}
     if not isinstance(raw, dict):
-        raise InvalidRequest(f"parameters: expected an object, got {_show(raw)}")
+        raise InvalidRequest(f"parameters: expected an object, got {show(raw)}")
     priority = raw.get("priority", 0)
     if type(priority) is not int or priority < 0:
         raise InvalidRequest(
-            f"parameters.priority: expected a non-negative integer, got {_show(priority)}"
+            f"parameters.priority: expected a non-negative integer, got {show(priority)}"
         )
     # Triton's name and unit: "timeout" in microseconds.
     timeout_us = raw.get("timeout", 0)
     if type(timeout_us) is not int or timeout_us < 0:
         raise InvalidRequest(
             "parameters.timeout: expected a non-negative integer of microseconds, "
-            f"got {_show(timeout_us)}"
+            f"got {show(timeout_us)}"
         )
     binary_data_output = raw.get("binary_data_output", False)
     if type(binary_data_output) is not bool:
         raise InvalidRequest(
-            "parameters.binary_data_output: expected true or false, "
-            f"got {_show(binary_data_output)}"
+            f"parameters.binary_data_output: expected true or false, got {show(binary_data_output)}"
         )
     rest = {key: value for key, value in raw.items() if key not in _RESERVED_PARAMETERS}
     return priority, timeout_us, binary_data_output, rest
@@ -240,15 +232,15 @@ def _decode_requested_outputs(raw: Any) -> list[RequestedOutput] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
-        raise InvalidRequest(f"outputs: expected a list, got {_show(raw)}")
+        raise InvalidRequest(f"outputs: expected a list, got {show(raw)}")
     requested: list[RequestedOutput] = []
     seen: set[str] = set()
     for index, item in enumerate(raw):
         if not isinstance(item, dict):
-            raise InvalidRequest(f"outputs[{index}]: expected an object, got {_show(item)}")
+            raise InvalidRequest(f"outputs[{index}]: expected an object, got {show(item)}")
         name = item.get("name")
         if not isinstance(name, str):
-            raise InvalidRequest(f"outputs[{index}].name: expected a string, got {_show(name)}")
+            raise InvalidRequest(f"outputs[{index}].name: expected a string, got {show(name)}")
         if name in seen:
             raise InvalidRequest(f"outputs: output {name!r} is requested more than once")
         seen.add(name)
@@ -268,7 +260,7 @@ def _decode_requested_outputs(raw: Any) -> list[RequestedOutput] | None:
         if binary_data is not None and type(binary_data) is not bool:
             raise InvalidRequest(
                 f"output {name!r}: parameters.binary_data: expected true or false, "
-                f"got {_show(binary_data)}"
+                f"got {show(binary_data)}"
             )
         requested.append(RequestedOutput(name, binary_data, region))
     return requested or None
@@ -278,7 +270,7 @@ def _tensor_parameters(where: str, raw: Any) -> dict[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise InvalidRequest(f"{where}: parameters: expected an object, got {_show(raw)}")
+        raise InvalidRequest(f"{where}: parameters: expected an object, got {show(raw)}")
     return raw
 
 
@@ -290,7 +282,7 @@ def decode_tensors(
     if raw is None:
         raise InvalidRequest(f"{field}: required field is missing; expected a list of tensors")
     if not isinstance(raw, list):
-        raise InvalidRequest(f"{field}: expected a list, got {_show(raw)}")
+        raise InvalidRequest(f"{field}: expected a list, got {show(raw)}")
     inputs: dict[str, np.ndarray] = {}
     shared: dict[str, SharedMemoryInput] = {}
     offset = 0  # into `binary`: inputs' binary data follow each other in input order
@@ -315,10 +307,10 @@ def _decode_input(
 ) -> tuple[str, np.ndarray | SharedMemoryInput, int]:
     """Decode one input; returns (name, array, offset past its binary data)."""
     if not isinstance(raw, dict):
-        raise InvalidRequest(f"inputs[{index}]: expected an object, got {_show(raw)}")
+        raise InvalidRequest(f"inputs[{index}]: expected an object, got {show(raw)}")
     name = raw.get("name")
     if not isinstance(name, str):
-        raise InvalidRequest(f"inputs[{index}].name: expected a string, got {_show(name)}")
+        raise InvalidRequest(f"inputs[{index}].name: expected a string, got {show(name)}")
     where = f"input {name!r}"
     shape = _decode_shape(where, raw.get("shape"))
     # numpy_dtype rejects anything but a known datatype name, so it is a str past here.
@@ -339,11 +331,11 @@ def _decode_input(
         if data is None:
             raise InvalidRequest(f"{where}: needs either 'data' or parameters.binary_data_size")
         if not isinstance(data, list):
-            raise InvalidRequest(f"{where}: data: expected a list, got {_show(data)}")
+            raise InvalidRequest(f"{where}: data: expected a list, got {show(data)}")
         if datatype == "BYTES":
-            flat = _bytes_from_json(where, data, count, shape)
+            flat = bytes_from_json(where, data, count, shape)
         else:
-            flat = _numeric_from_json(where, data, count, shape, datatype, dtype)
+            flat = numeric_from_json(where, data, count, shape, datatype, dtype)
     else:
         if data is not None:
             raise InvalidRequest(f"{where}: has both 'data' and parameters.binary_data_size")
@@ -352,9 +344,9 @@ def _decode_input(
         chunk = binary[offset : offset + size]
         offset += size
         if datatype == "BYTES":
-            flat = _bytes_from_binary(where, chunk, count)
+            flat = bytes_from_binary(where, chunk, count)
         else:
-            flat = _fixed_from_binary(where, chunk, count, shape, datatype, dtype)
+            flat = fixed_from_binary(where, chunk, count, shape, datatype, dtype)
     try:
         return name, flat.reshape(shape), offset
     except ValueError as exc:  # only zero-size shapes too big for numpy reach here
@@ -365,7 +357,7 @@ def _check_binary_size(where: str, size: Any, binary: memoryview | None, offset:
     if type(size) is not int or size < 0:
         raise InvalidRequest(
             f"{where}: parameters.binary_data_size: expected a non-negative integer, "
-            f"got {_show(size)}"
+            f"got {show(size)}"
         )
     if binary is None:
         raise InvalidRequest(
@@ -384,204 +376,14 @@ def _decode_shape(where: str, raw: Any) -> list[int]:
         type(dim) is int and 0 <= dim <= _INT64_MAX for dim in raw
     ):
         raise InvalidRequest(
-            f"{where}: shape: expected a list of non-negative integers, got {_show(raw)}"
+            f"{where}: shape: expected a list of non-negative integers, got {show(raw)}"
         )
     if not addressable(raw):
         raise InvalidRequest(f"{where}: shape: {raw} is too large for any tensor")
     return raw
 
 
-def _count_error(where: str, shape: list[int], count: int, got: int) -> InvalidRequest:
-    return InvalidRequest(f"{where}: shape {shape} needs {count} elements, got {got}")
-
-
-def _numeric_from_json(
-    where: str, data: list[Any], count: int, shape: list[int], datatype: str, dtype: np.dtype[Any]
-) -> np.ndarray:
-    """A flat array of `dtype` from JSON numbers, checked without a per-element loop."""
-    # Let numpy infer the dtype first: asking for `dtype` directly would parse "1.5"
-    # into 1.5 and truncate 1.5 into 1. The inferred kind tells what the JSON held.
-    try:
-        natural = np.asarray(data)
-    except ValueError:
-        raise InvalidRequest(
-            f"{where}: data: expected a flat or evenly nested list of {datatype} values"
-        ) from None
-    if natural.size != count:
-        raise _count_error(where, shape, count, natural.size)
-    if count == 0:
-        return np.empty(0, dtype)
-    kind = dtype.kind
-    if kind in "iu" and natural.dtype.kind in "fO":
-        # numpy infers float64 (or object) when values span int64 and uint64 ranges, as
-        # UINT64 data may; such data, and data that is simply wrong, takes the slow path.
-        return _exact_integers(where, data, datatype, dtype)
-    if natural.dtype.kind not in _ACCEPTED_KINDS[kind]:
-        found = _FOUND_VALUES.get(natural.dtype.kind, str(natural.dtype))
-        raise InvalidRequest(
-            f"{where}: {datatype} data must be {_EXPECTED_VALUES[kind]}, got {found}"
-        )
-    if natural.dtype == dtype:
-        return natural.ravel()
-    if np.can_cast(natural.dtype, dtype):
-        return natural.astype(dtype).ravel()
-    if kind == "f":
-        try:
-            with np.errstate(over="raise"):
-                return natural.astype(dtype).ravel()
-        except FloatingPointError:
-            raise InvalidRequest(f"{where}: a value is out of range for {datatype}") from None
-    # Integers into a narrower integer type: check the range once instead of per element.
-    info = np.iinfo(dtype)
-    low, high = natural.min(), natural.max()
-    if low < info.min or high > info.max:
-        raise InvalidRequest(
-            f"{where}: values from {low} to {high} do not fit {datatype} ({info.min} to {info.max})"
-        )
-    return natural.astype(dtype).ravel()
-
-
-_NOTHING = object()
-
-
-def _exact_integers(where: str, data: list[Any], datatype: str, dtype: np.dtype[Any]) -> np.ndarray:
-    flat = np.array(data, dtype=object).ravel().tolist()
-    # A sentinel, not None: a JSON null is itself a bad value.
-    bad = next((value for value in flat if type(value) is not int), _NOTHING)
-    if bad is not _NOTHING:
-        raise InvalidRequest(f"{where}: {datatype} data must be integers, got {_show(bad)}")
-    try:
-        return np.array(flat, dtype=dtype)
-    except OverflowError:
-        info = np.iinfo(dtype)
-        raise InvalidRequest(
-            f"{where}: a value does not fit {datatype} ({info.min} to {info.max})"
-        ) from None
-
-
-def _bytes_from_json(where: str, data: list[Any], count: int, shape: list[int]) -> np.ndarray:
-    if data and isinstance(data[0], list):
-        # An object array flattens nested lists of strings in C; ragged nesting leaves
-        # lists as elements, which the str check below rejects.
-        try:
-            data = np.array(data, dtype=object).ravel().tolist()
-        except ValueError:
-            raise InvalidRequest(f"{where}: data: expected an evenly nested list") from None
-    if len(data) != count:
-        raise _count_error(where, shape, count, len(data))
-    try:
-        items = [value.encode() for value in data]
-    except (AttributeError, UnicodeEncodeError):
-        bad = next((value for value in data if not isinstance(value, str)), None)
-        raise InvalidRequest(
-            f"{where}: BYTES data must be strings of valid Unicode, got {_show(bad)}"
-        ) from None
-    array = np.empty(count, dtype=object)
-    array[:] = items
-    return array
-
-
-def _fixed_from_binary(
-    where: str, chunk: memoryview, count: int, shape: list[int], datatype: str, dtype: np.dtype[Any]
-) -> np.ndarray:
-    expected = count * V2_ITEM_SIZE[datatype]
-    if len(chunk) != expected:
-        raise InvalidRequest(
-            f"{where}: binary_data_size is {len(chunk)} but shape {shape} of {datatype} "
-            f"needs {expected} bytes"
-        )
-    if count == 0:
-        return np.empty(0, dtype)
-    array = np.frombuffer(chunk, dtype=dtype)
-    if not array.flags.aligned:
-        # The JSON header has any length, so the data often starts at an odd address;
-        # one copy here spares every backend from handling misaligned buffers.
-        array = array.copy()
-    if datatype == "BOOL" and array.view(np.uint8).max() > 1:
-        raise InvalidRequest(f"{where}: BOOL binary data must hold bytes 0 or 1")
-    return array
-
-
-def _bytes_from_binary(where: str, chunk: memoryview, count: int) -> np.ndarray:
-    end = len(chunk)
-    # Every element takes at least its 4-byte length, which bounds `count` before any
-    # allocation sized by it.
-    if count * _LENGTH_PREFIX.size > end:
-        raise InvalidRequest(
-            f"{where}: binary_data_size {end} is too small for {count} BYTES elements"
-        )
-    raw = chunk.tobytes()  # one copy, so that each element is a cheap bytes slice
-    unpack = _LENGTH_PREFIX.unpack_from
-    items: list[bytes] = []
-    pos = 0
-    while pos < end and len(items) < count:
-        if pos + 4 > end:
-            raise InvalidRequest(f"{where}: BYTES element {len(items)} has a truncated length")
-        (length,) = unpack(raw, pos)
-        pos += 4
-        if pos + length > end:
-            raise InvalidRequest(
-                f"{where}: BYTES element {len(items)} of {length} bytes runs past the "
-                f"binary_data_size of {end}"
-            )
-        items.append(raw[pos : pos + length])
-        pos += length
-    if len(items) != count or pos != end:
-        raise InvalidRequest(
-            f"{where}: binary data holds {len(items)} BYTES elements in {pos} of {end} "
-            f"bytes; the shape needs {count} elements filling all {end} bytes"
-        )
-    array = np.empty(count, dtype=object)
-    array[:] = items
-    return array
-
-
 # ---------------------------------------------------------------------------- encoding
-
-
-def binary_payload(array: np.ndarray, datatype: str) -> tuple[Any, int]:
-    """(bytes-like payload, its size) of one tensor in the binary extension."""
-    if datatype != "BYTES":
-        # bytes.join reads a C-contiguous array's buffer directly, saving a tobytes() copy.
-        contiguous = np.ascontiguousarray(array)
-        return contiguous, contiguous.nbytes
-    pack = _LENGTH_PREFIX.pack
-    parts: list[bytes] = []
-    for item in _bytes_elements(array):
-        parts.append(pack(len(item)))
-        parts.append(item)
-    payload = b"".join(parts)
-    return payload, len(payload)
-
-
-def _bytes_elements(array: np.ndarray) -> list[bytes]:
-    items: list[bytes] = []
-    for item in array.ravel().tolist():
-        if isinstance(item, bytes):
-            items.append(item)
-        elif isinstance(item, str):
-            items.append(item.encode())
-        else:
-            raise ValueError(
-                f"BYTES output elements must be bytes or str, got {type(item).__name__}"
-            )
-    return items
-
-
-def _json_strings(name: str, array: np.ndarray) -> list[str]:
-    items: list[Any] = array.ravel().tolist()
-    try:
-        return [item if isinstance(item, str) else item.decode() for item in items]
-    except UnicodeDecodeError:
-        raise InvalidRequest(
-            f"output {name!r} holds bytes that are not valid UTF-8, which a JSON string "
-            'cannot carry; request it with parameters {"binary_data": true}'
-        ) from None
-    except AttributeError:
-        bad = next(item for item in items if not isinstance(item, (str, bytes)))
-        raise ValueError(
-            f"BYTES output elements must be bytes or str, got {type(bad).__name__}"
-        ) from None
 
 
 def _json_default(value: Any) -> Any:
@@ -590,12 +392,3 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, (np.ndarray, np.generic)):
         return value.tolist()
     raise TypeError(f"cannot write {type(value).__name__} as JSON")
-
-
-def _show(value: Any) -> str:
-    """A short description of a bad value for error messages."""
-    try:
-        text = orjson.dumps(value, default=repr).decode()
-    except orjson.JSONEncodeError:  # nested deeper than orjson writes
-        text = type(value).__name__
-    return text if len(text) <= 80 else text[:77] + "..."
