@@ -23,7 +23,7 @@ TORCH_WHEELS ?= /opt/wheels
 # test), libb64-0d (perf_analyzer, benchmarks/peers/perf_analyzer.py).
 DEBIAN_PACKAGES := redis-server prometheus chromium chromium-driver libb64-0d
 
-.PHONY: install debian-packages lock run models test test-suite test-soak test-fast test-lowest lint unit bench clean vendor
+.PHONY: install debian-packages lock run models test test-suite test-soak test-fast test-gpu test-lowest lint unit bench clean vendor
 
 install: debian-packages $(VENV)/.installed
 
@@ -101,6 +101,13 @@ test-soak: install | lint test-lowest
 
 # The common fast path while working (about 1.5 min here): every test not marked slow.
 # `make test` (and CI) runs the slow ones too.
+# The GPU tests (tests/gpu/; each skips where torch sees no GPU, so `make test` runs them
+# as skips). On a GPU host, with a python3 that has a CUDA build of torch and the
+# project's dependencies (the venv above pins the CPU wheel): `make test-gpu`.
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=src:. HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
+
 test-fast: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow"
 

@@ -16,7 +16,7 @@ from sklearn.linear_model import LinearRegression, LogisticRegression
 from slipstream.errors import InvalidRequest
 from slipstream.runtime import get_backend
 from slipstream.runtime.base import ModelSignature, TensorSpec
-from slipstream.runtime.torch import SIGNATURE_FILE, signature_to_json
+from slipstream.runtime.torch import SIGNATURE_FILE, TorchBackend, signature_to_json
 
 # torch 2.13 deprecates every torch.jit entry point in favour of torch.export; serving
 # existing TorchScript files is exactly what the torch backend is for.
@@ -306,6 +306,11 @@ def test_torch_thread_count_parameter(tmp_path: Path) -> None:
         ({"device": "tpu"}, "device: expected cpu, cuda or cuda:N"),
         ({"device": "mps"}, "device: expected cpu, cuda or cuda:N"),
         ({"threads": "2"}, "unknown torch backend parameter"),
+        ({"precision": "int8"}, "precision: expected fp32, fp16 or bf16, got 'int8'"),
+        ({"precision_mode": "mixed"}, "precision_mode: expected cast or autocast"),
+        ({"cuda_graph_batch_sizes": "1,x"}, "cuda_graph_batch_sizes: expected positive"),
+        ({"cuda_graph_batch_sizes": "0,4"}, "cuda_graph_batch_sizes: expected positive"),
+        ({"cuda_graph_batch_sizes": "1,2"}, "CUDA graphs need device: cuda"),
     ],
 )
 def test_torch_bad_parameters_fail_load(
@@ -315,6 +320,34 @@ def test_torch_bad_parameters_fail_load(
     torch.export.save(torch.export.export(DictOut(), (torch.ones(2, 3),)), str(path))
     with pytest.raises(ValueError, match=message):
         get_backend("torch").load(path, parameters, 1)
+
+
+@pytest.mark.parametrize("mode", ["cast", "autocast"])
+def test_torch_bf16_precision_returns_the_declared_fp32_outputs(tmp_path: Path, mode: str) -> None:
+    torch.manual_seed(0)
+    module = TwoHeads().eval()
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(
+        module,
+        (torch.ones(2, 4), torch.ones(2, 4)),
+        dynamic_shapes={"x": {0: batch}, "y": {0: batch}},
+    )
+    path = tmp_path / "model.pt2"
+    torch.export.save(program, str(path))
+    backend = _load("torch", path, precision="bf16", precision_mode=mode)
+    assert isinstance(backend, TorchBackend)
+    rng = np.random.default_rng(5)
+    x, y = (rng.standard_normal((9, 4)).astype(np.float32) for _ in range(2))
+    result = backend.run({"x": x, "y": y}, ["output_0", "output_1"])
+    with torch.no_grad():
+        diff, dot = module(torch.from_numpy(x), torch.from_numpy(y))
+    # Served in the FP32 model's datatypes, equal to FP32 within bfloat16's rounding
+    # (8 bits of mantissa: a relative error near 2**-8 per operation).
+    assert result["output_0"].dtype == np.float32 and result["output_1"].dtype == np.float32
+    np.testing.assert_allclose(result["output_0"], diff.numpy(), rtol=0.05, atol=0.05)
+    np.testing.assert_allclose(result["output_1"], dot.numpy(), rtol=0.05, atol=0.1)
+    # ...and not the FP32 result itself: the precision was applied.
+    assert not np.array_equal(result["output_0"], diff.numpy())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")

@@ -31,7 +31,22 @@ Parameters (config.yaml ``parameters``):
 * ``intra_op_thread_count``: torch's intra-op threads; default: usable cores divided by
   the instance count. torch keeps one count per process, so the last torch model
   loaded sets it for all of them.
-* ``device``: ``cpu`` (default) or ``cuda`` / ``cuda:N``.
+* ``device``: ``cpu`` (default) or ``cuda`` / ``cuda:N``. A ``.pt2`` exported on another
+  device (the CPU, usually) is moved with its burnt-in device arguments, so it serves.
+  On CUDA each instance has its own stream and pinned staging buffers
+  (:mod:`slipstream.runtime.torch_cuda`); give the model ``instance_count: 2`` or more
+  so one batch's copies overlap the next one's compute.
+* ``precision``: ``fp32`` (default; the model's own dtypes), ``fp16`` or ``bf16``.
+  Floating-point inputs are cast on the device and outputs are returned in the
+  datatypes the model declares, so clients see no difference beyond rounding.
+* ``precision_mode``: ``cast`` (default: the weights are cast once, as ``model.half()``
+  does) or ``autocast`` (weights stay FP32, ``torch.autocast`` picks per op: for models
+  whose graph hard-codes FP32 somewhere a cast breaks).
+* ``cuda_graph_batch_sizes``: CUDA only; comma-separated batch sizes (``1,2,4,8,16``)
+  to capture CUDA graphs for. A batch is padded up to the next listed size and replayed
+  as one graph, captured the first time that size and those per-row shapes are seen;
+  larger batches run eagerly. Worth it where launch overhead dominates: small batches,
+  and an event loop sharing the GIL.
 
 Example config.yaml for a TorchScript model without an embedded signature::
 
@@ -55,17 +70,25 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from slipstream.datatypes import from_config_datatype, v2_datatype
+from slipstream.datatypes import from_config_datatype, numpy_dtype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
 from slipstream.runtime.data_errors import torch_data_error
+from slipstream.runtime.torch_cuda import CudaRunner, Precision
 
 logger = logging.getLogger(__name__)
 
 # Name of the signature file a TorchScript archive may embed (torch.jit.save _extra_files).
 SIGNATURE_FILE = "slipstream_signature.json"
 
-_KNOWN_PARAMETERS = ("intra_op_thread_count", "device")
+_KNOWN_PARAMETERS = (
+    "intra_op_thread_count",
+    "device",
+    "precision",
+    "precision_mode",
+    "cuda_graph_batch_sizes",
+)
+_PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # A loaded ScriptModule or an exported program's module: called with positional tensors.
 _Model = Callable[..., Any]
@@ -79,6 +102,12 @@ class TorchParameters:
     intra_op_thread_count: int
     # Where the model's weights live and its batches run.
     device: torch.device
+    # The compute dtype for fp16/bf16; None runs the model in its own dtypes.
+    dtype: torch.dtype | None = None
+    # Under fp16/bf16: torch.autocast per op instead of casting the weights.
+    autocast: bool = False
+    # CUDA graph batch sizes, ascending; empty = no graphs.
+    graph_batch_sizes: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, parameters: Mapping[str, str], instance_count: int) -> TorchParameters:
@@ -112,7 +141,42 @@ class TorchParameters:
                 f"parameters.device: {raw_device!r} requested but this torch build sees "
                 "no CUDA device; set device: cpu or install a CUDA build of torch"
             )
-        return cls(intra_op_thread_count=threads, device=device)
+        precision = parameters.get("precision", "fp32")
+        if precision not in _PRECISIONS:
+            raise ValueError(
+                f"parameters.precision: expected fp32, fp16 or bf16, got {precision!r}"
+            )
+        mode = parameters.get("precision_mode", "cast")
+        if mode not in ("cast", "autocast"):
+            raise ValueError(f"parameters.precision_mode: expected cast or autocast, got {mode!r}")
+        sizes = _parse_graph_sizes(parameters.get("cuda_graph_batch_sizes", ""))
+        if sizes and device.type != "cuda":
+            raise ValueError(
+                "parameters.cuda_graph_batch_sizes: CUDA graphs need device: cuda; "
+                f"this model runs on {raw_device!r}"
+            )
+        return cls(
+            intra_op_thread_count=threads,
+            device=device,
+            dtype=_PRECISIONS[precision],
+            autocast=mode == "autocast",
+            graph_batch_sizes=sizes,
+        )
+
+
+def _parse_graph_sizes(raw: str) -> tuple[int, ...]:
+    if not raw.strip():
+        return ()
+    try:
+        sizes = {int(part) for part in raw.split(",") if part.strip()}
+    except ValueError:
+        sizes = {0}
+    if not sizes or min(sizes) < 1:
+        raise ValueError(
+            "parameters.cuda_graph_batch_sizes: expected positive batch sizes separated by "
+            f"commas (e.g. '1,2,4,8'), got {raw!r}"
+        )
+    return tuple(sorted(sizes))
 
 
 class TorchBackend(Backend):
@@ -138,6 +202,33 @@ class TorchBackend(Backend):
         self._device = parameters.device
         self._input_names = tuple(spec.name for spec in signature.inputs)
         self._output_names = tuple(spec.name for spec in signature.outputs)
+        self._precision = Precision(
+            dtype=parameters.dtype,
+            autocast=parameters.autocast,
+            output_dtypes={
+                spec.name: _torch_dtype(spec.datatype)
+                for spec in signature.outputs
+                if spec.datatype != "BYTES"
+            },
+        )
+        self._cuda: CudaRunner | None = None
+        if self._device.type == "cuda":
+            if (
+                parameters.graph_batch_sizes
+                and signature.inputs
+                and not all(spec.shape and spec.shape[0] == -1 for spec in signature.inputs)
+            ):
+                raise ValueError(
+                    "parameters.cuda_graph_batch_sizes: the model's inputs have no variable "
+                    "batch dim, so its batches cannot be padded to a graph's size"
+                )
+            self._cuda = CudaRunner(
+                model,
+                self._device,
+                precision=self._precision,
+                graph_batch_sizes=parameters.graph_batch_sizes,
+                name_outputs=self._name_outputs,
+            )
 
     @classmethod
     def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> TorchBackend:
@@ -145,10 +236,18 @@ class TorchBackend(Backend):
         if torch.get_num_threads() != options.intra_op_thread_count:
             torch.set_num_threads(options.intra_op_thread_count)
             logger.debug("torch intra-op threads set to %d", options.intra_op_thread_count)
-        if path.suffix.lower() == ".pt2":
-            model, signature = _load_exported(path, options.device)
-        else:
-            model, signature = _load_torchscript(path, options.device)
+        try:
+            if path.suffix.lower() == ".pt2":
+                model, signature = _load_exported(path, options.device)
+            else:
+                model, signature = _load_torchscript(path, options.device)
+            if options.dtype is not None and not options.autocast:
+                model = model.to(options.dtype)  # type: ignore[attr-defined]
+        except torch.cuda.OutOfMemoryError as exc:
+            raise ValueError(
+                f"{path.name}: out of GPU memory loading onto {options.device} "
+                f"({str(exc).splitlines()[0]})"
+            ) from None
         return cls(model, signature, options)
 
     @classmethod
@@ -166,36 +265,34 @@ class TorchBackend(Backend):
         if self._model is None:
             raise RuntimeError("torch backend: run() called after close()")
         names = self._input_names or tuple(inputs)
-        tensors = [self._to_tensor(name, inputs) for name in names]
+        arrays = [self._array(name, inputs) for name in names]
         with torch.inference_mode():
             try:
-                result = self._model(*tensors)
+                if self._cuda is not None:
+                    return self._cuda.run(names, arrays, output_names)
+                tensors = [torch.from_numpy(_writable(array)) for array in arrays]
+                named = self._precision.forward(
+                    self._model, tensors, output_names, self._name_outputs
+                )
             except (IndexError, RuntimeError) as exc:
                 refused = torch_data_error(exc)
                 if refused is None:
                     raise
                 raise refused from exc
-            named = self._name_outputs(result, output_names)
             return {name: _to_numpy(named, name) for name in output_names}
 
     def close(self) -> None:
         self._model = None
+        self._cuda = None
 
-    def _to_tensor(self, name: str, inputs: dict[str, np.ndarray]) -> torch.Tensor:
+    def _array(self, name: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
         try:
             array = inputs[name]
         except KeyError:
             raise InvalidRequest(f"inputs: missing input {name!r}") from None
         if array.dtype.kind in ("O", "U", "S"):
             raise InvalidRequest(f"inputs.{name}: the torch backend takes no BYTES tensors")
-        # Wire decoders hand out read-only views of the request body, which torch cannot
-        # wrap without a warning (and a model may write to its inputs in place).
-        # Batches of several requests are fresh arrays already, so only single-request
-        # batches pay for this copy.
-        if not (array.flags.writeable and array.flags.c_contiguous):
-            array = np.array(array, order="C")
-        tensor = torch.from_numpy(array)
-        return tensor if self._device.type == "cpu" else tensor.to(self._device)
+        return array
 
     def _name_outputs(self, result: Any, output_names: Sequence[str]) -> dict[str, Any]:
         if isinstance(result, Mapping):
@@ -210,6 +307,22 @@ class TorchBackend(Backend):
                 "config.yaml `output` in the order forward() returns them"
             )
         return dict(zip(names, values, strict=True))
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    """``array``, copied if torch cannot wrap it as it is.
+
+    Wire decoders hand out read-only views of the request body, which torch cannot wrap
+    without a warning (and a model may write to its inputs in place). Batches of several
+    requests are fresh arrays already, so only single-request batches pay for this copy.
+    """
+    if array.flags.writeable and array.flags.c_contiguous:
+        return array
+    return np.array(array, order="C")
+
+
+def _torch_dtype(datatype: str) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=numpy_dtype(datatype))).dtype
 
 
 def _to_numpy(named: dict[str, Any], name: str) -> np.ndarray:
@@ -259,10 +372,14 @@ def _load_exported(path: Path, device: torch.device) -> tuple[_Model, ModelSigna
             f"{path.name}: not a torch.export program ({str(exc).splitlines()[0]}); save it "
             "with torch.export.save(torch.export.export(model, args), 'model.pt2')"
         ) from None
-    module = program.module()
+    signature = _exported_signature(program)
     if device.type != "cpu":
-        module = module.to(device)
-    return module, _exported_signature(program)
+        # module().to(device) would move the weights but not the devices burnt into the
+        # graph (arange(device=cpu), ...): every request would fail on a device mismatch.
+        from torch.export.passes import move_to_device_pass
+
+        program = move_to_device_pass(program, device)
+    return program.module(), signature
 
 
 def _exported_signature(program: Any) -> ModelSignature:
