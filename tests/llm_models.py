@@ -6,6 +6,7 @@ Deterministic for a seed, so greedy outputs are reproducible; nothing is downloa
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -23,8 +24,20 @@ _CORPUS = [
 def build_tiny_llama(directory: Path, seed: int = 0, max_positions: int = 512) -> Path:
     """Write config.json, weights and tokenizer files of a 2-layer Llama to ``directory``."""
     import torch
+    from transformers import LlamaForCausalLM
+
+    config = write_tiny_llama_shape(directory, max_positions)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    return directory
+
+
+def write_tiny_llama_shape(directory: Path, max_positions: int = 512) -> Any:
+    """Write the tokenizer files and config.json of the 2-layer Llama, no weights (what
+    ``load_format: dummy`` serves); the LlamaConfig."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     directory.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE())
@@ -46,7 +59,6 @@ def build_tiny_llama(directory: Path, seed: int = 0, max_positions: int = 512) -
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
-    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -60,9 +72,8 @@ def build_tiny_llama(directory: Path, seed: int = 0, max_positions: int = 512) -
         bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(directory)
-    return directory
+    config.save_pretrained(directory)
+    return config
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

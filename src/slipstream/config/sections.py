@@ -54,7 +54,24 @@ class GenerationSettings(_Strict):
         "the process's cores split evenly among its llama_cpp models; transformers: torch's "
         "default)",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:[0-9]+)?)$",
+        description="transformers: where the weights, the KV cache and the batching run: "
+        "cpu, cuda (the first GPU) or cuda:N; a host without that device fails the load",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="transformers: the weights' and the KV cache's precision (bfloat16 on a "
+        "GPU: half the memory of float32 and its tensor cores)",
+    )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="transformers: auto = the directory's weights (or the GGUF file's); "
+        "dummy = random weights in the shape of the directory's config.json, built on the "
+        "device (benchmark a model shape without its weights; the tokenizer still loads "
+        "from the directory)",
+    )
 
 
 class DriftSettings(_Strict):

@@ -6,11 +6,18 @@ block tables, preemption by recompute when blocks run out) rather than re-implem
 them. What this module adds is what a server needs around it: admission control with a
 bounded waiting queue, per-request sampling settings (greedy, temperature, top-p, top-k,
 seed) on one shared batch, asyncio streaming, cancellation, and cache statistics.
+
+The model, its paged cache and the batching run on ``generation.device`` (``cpu``,
+``cuda``, ``cuda:N``) in ``generation.dtype``; ``generation.load_format: dummy`` builds
+random weights of the directory's ``config.json`` shape on that device. A load that does
+not fit the device's memory fails that model alone with :class:`OutOfDeviceMemory`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import threading
 import uuid
@@ -18,15 +25,23 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slipstream.config import ConfigError
 from slipstream.errors import InternalError, InvalidRequest, Unavailable
 from slipstream.llm import sampling
 from slipstream.llm.constraints import Matchers
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
     from slipstream.config import GenerationSettings
 
 logger = logging.getLogger(__name__)
+
+
+class OutOfDeviceMemory(MemoryError):
+    """The model's weights, its KV cache or its batch buffers do not fit the device."""
 
 
 class TransformersEngine(Engine):
@@ -34,7 +49,6 @@ class TransformersEngine(Engine):
 
     def __init__(self, model: Any, tokenizer: Any, settings: GenerationSettings) -> None:
         from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         self._model = model
         self._tokenizer = tokenizer
@@ -54,24 +68,20 @@ class TransformersEngine(Engine):
             pad_token_id=tokenizer.pad_token_id,
             max_new_tokens=settings.default_max_tokens,
         )
-        batching = ContinuousBatchingConfig(
-            page_size=settings.block_size,
-            num_blocks=settings.num_blocks,
-            max_batch_tokens=settings.max_batch_tokens,
-            max_requests_per_batch=settings.max_num_seqs,
-            # Prefix sharing would make two sequences hold one block: utilisation
-            # accounting and "cancel frees its blocks" both assume one owner per block.
-            allow_block_sharing=False,
-            scheduler_type="fifo",
-        )
         self._manager = model.init_continuous_batching(
-            generation_config=generation, continuous_batching_config=batching
+            generation_config=generation,
+            continuous_batching_config=continuous_batching_config(settings),
         )
         self._extras = sampling.ExtrasRegistry()
         sampling.install(self._manager, self._extras)
         self._matchers = Matchers(self._build_lltokenizer)
         self._waiting: set[str] = set()
         self._running: set[str] = set()
+        # The paged cache and the batch buffers are allocated here, on the loading
+        # thread, rather than by the generation thread's first step: a cache that does
+        # not fit fails the load (MemoryError, torch.OutOfMemoryError) instead of
+        # leaving a READY model whose loop died.
+        self._manager.warmup()
         self._manager.start()
 
     # -- text ----------------------------------------------------------------------------
@@ -105,6 +115,15 @@ class TransformersEngine(Engine):
     # -- generation ----------------------------------------------------------------------
 
     def _check_queue(self) -> None:
+        failure = self._manager.background_thread_status.fatal_error
+        if failure is not None:
+            # The generation loop died (out of GPU memory in a step, a kernel error):
+            # every sequence it held has already failed, and no new one can run.
+            raise Unavailable(
+                f"this model's generation loop stopped after an error ({_first_line(failure)}); "
+                "load the model again (POST /v2/repository/models/<name>/load), with a "
+                "smaller generation.num_blocks or max_batch_tokens if it ran out of memory"
+            )
         limit = self._settings.max_queue_size
         if len(self._waiting) >= limit:
             raise Unavailable(
@@ -216,25 +235,85 @@ class TransformersEngine(Engine):
         await asyncio.to_thread(self._manager.stop, block=True)
 
 
+def continuous_batching_config(settings: GenerationSettings) -> ContinuousBatchingConfig:
+    """The manager's batching and cache settings for ``generation:`` (benchmarks running
+    the manager alone use it too, so both sides run the same configuration)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(
+        page_size=settings.block_size,
+        num_blocks=settings.num_blocks,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_requests_per_batch=settings.max_num_seqs,
+        # Prefix sharing would make two sequences hold one block: utilisation
+        # accounting and "cancel frees its blocks" both assume one owner per block.
+        allow_block_sharing=False,
+        # slipstream.llm.sampling's processors run inside the step and read their
+        # arguments on the host (.tolist(), nonzero): a captured CUDA graph would
+        # replay stale values, and capture refuses the synchronisation. transformers
+        # turns graphs on by itself only with flash attention.
+        use_cuda_graph=False,
+        scheduler_type="fifo",
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device ``generation.device`` names (``cuda`` is ``cuda:0``).
+
+    Raises :class:`~slipstream.config.ConfigError` naming the fix when this host has no
+    such device, before anything is loaded.
+    """
+    import torch
+
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"generation.device: {name!r}, but torch {torch.__version__} sees no CUDA device "
+            "on this host (torch.cuda.is_available() is false); set device: cpu, or serve "
+            "the model on a host with a GPU and a CUDA build of torch"
+        )
+    count = torch.cuda.device_count()
+    index = device.index or 0
+    if index >= count:
+        raise ConfigError(
+            f"generation.device: {name!r}, but this host has {count} CUDA device(s): "
+            f"cuda:0 to cuda:{count - 1}"
+        )
+    return torch.device("cuda", index)
+
+
 # transformers' lazy module imports are not thread-safe (two threads importing at once
 # can see a half-initialised module), so models load one at a time.
 _LOAD_LOCK = threading.Lock()
 
 
 def load_transformers_engine(path: Path, settings: GenerationSettings) -> TransformersEngine:
-    """Load a model directory (``config.json`` + weights) or a ``.gguf`` file. Blocking."""
+    """Load a model directory (``config.json`` + weights) or a ``.gguf`` file. Blocking.
+
+    Example ``config.yaml`` of a model served on the first GPU::
+
+        backend: transformers
+        generation: {device: cuda, dtype: bfloat16, num_blocks: 4096}
+    """
     with _LOAD_LOCK:
         return _load(path, settings)
 
 
 def _load(path: Path, settings: GenerationSettings) -> TransformersEngine:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    device = resolve_device(settings.device)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    dtype = getattr(torch, settings.dtype)
     if path.is_file() and path.suffix == ".gguf":
+        if settings.load_format == "dummy":
+            raise ConfigError(
+                f"generation.load_format: dummy builds a model from a config.json; {path} is "
+                "a GGUF file (serve a Hugging Face directory, or use load_format: auto)"
+            )
         where, extra = str(path.parent), {"gguf_file": path.name}
     elif path.is_dir() and (path / "config.json").is_file():
         where, extra = str(path), {}
@@ -243,9 +322,58 @@ def _load(path: Path, settings: GenerationSettings) -> TransformersEngine:
             f"{path}: expected a .gguf file or a Hugging Face model directory with config.json"
         )
     tokenizer = AutoTokenizer.from_pretrained(where, **extra)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **extra)
-    model.eval()  # type: ignore[no-untyped-call]
-    return TransformersEngine(model, tokenizer, settings)
+    try:
+        return _build_engine(where, extra, tokenizer, settings, device)
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        reason = _first_line(exc)
+    # The failed model's tensors are freed with the exception's frames (the model and
+    # its manager refer to each other, hence the collection); hand their memory back.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    raise OutOfDeviceMemory(
+        f"the model does not fit {device} in {settings.dtype} ({reason}); lower "
+        f"generation.num_blocks ({settings.num_blocks} blocks of {settings.block_size} tokens) "
+        f"or max_batch_tokens ({settings.max_batch_tokens}), pick a smaller dtype, or another "
+        "device"
+    )
+
+
+def _build_engine(
+    where: str,
+    extra: dict[str, str],
+    tokenizer: Any,
+    settings: GenerationSettings,
+    device: torch.device,
+) -> TransformersEngine:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, settings.dtype)
+    # The current CUDA device is the model's while it loads: transformers sizes the
+    # cache against the current device's free memory.
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    model: Any
+    with on_device:
+        if settings.load_format == "dummy":
+            config = AutoConfig.from_pretrained(where)
+            # Built where it runs: an 8B shape is never materialised in host memory.
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                    config, dtype=dtype
+                )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                where, dtype=dtype, device_map=device, **extra
+            )
+        model.eval()
+        model.requires_grad_(False)
+        return TransformersEngine(model, tokenizer, settings)
+
+
+def _first_line(error: BaseException | str) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
