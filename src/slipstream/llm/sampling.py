@@ -146,8 +146,10 @@ class _Pick(ContinuousBatchingLogitsProcessor):
             picks[sampled] = torch.multinomial(probs, 1).flatten()
         for row in torch.nonzero(codes >= 0).flatten().tolist():
             generator = torch.Generator().manual_seed(int(codes[row]))
+            # Drawn on the host, so a seed gives the same noise on every device.
             uniform = torch.rand(scores.size(1), generator=generator).clamp_(min=1e-20)
-            picks[row] = torch.argmax(scores[row] - torch.log(-torch.log(uniform)))
+            gumbel = torch.log(-torch.log(uniform)).to(scores.device)
+            picks[row] = torch.argmax(scores[row] - gumbel)
         scores.fill_(-math.inf)
         scores.scatter_(1, picks.unsqueeze(-1), 0.0)
         return scores
@@ -210,7 +212,8 @@ class RequestExtras:
             )
         if self.generated and (params.frequency_penalty or params.presence_penalty):
             ids, counts = torch.unique(torch.tensor(self.generated), return_counts=True)
-            row[ids] -= counts.to(row.dtype) * params.frequency_penalty + params.presence_penalty
+            penalty = counts.to(row.device, row.dtype) * params.frequency_penalty
+            row[ids] -= penalty + params.presence_penalty
         for token, bias in params.logit_bias:
             row[token] += bias
 
@@ -238,6 +241,8 @@ class ExtrasRegistry:
 
     def rows(self, tensor_arg: torch.Tensor, count: int) -> list[tuple[int, RequestExtras]]:
         """(row, extras) of the rows of this step whose request has any."""
+        if not self._by_id:
+            return []  # no copy of the ids to the host (a device sync on a GPU)
         found = []
         for row, key in enumerate(tensor_arg[:count].tolist()):
             extras = self._by_id.get(key) if key else None
@@ -289,7 +294,8 @@ class _Mask(_ExtrasStep):
         for row, extras in self.registry.rows(tensor_arg, scores.size(0)):
             if extras.matcher is not None:
                 allowed = allowed_tokens(extras.matcher, scores.size(1))
-                scores[row].masked_fill_(~torch.from_numpy(allowed), -math.inf)
+                refused = ~torch.from_numpy(allowed).to(scores.device)
+                scores[row].masked_fill_(refused, -math.inf)
         return scores
 
 
