@@ -24,6 +24,7 @@ from slipstream.config import ServerSettings
 from slipstream.llm.service import LlmModels
 from slipstream.monitor.registry import DriftMonitors
 from slipstream.observability.cost import CostTracker
+from slipstream.observability.gpu import GpuCollector, Gpus
 from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.startup import TRACE
@@ -161,6 +162,12 @@ def build_core(settings: ServerSettings, with_transport: bool = True) -> Core:
     service = ModelServer(settings, metrics, lanes=[generation], tap_factory=monitors.tap_for,
                           lifecycle=lifecycle)  # fmt: skip
     metrics.registry.register(ModelStateCollector(service))
+    # Triton's nv_gpu_* series where a GPU is visible; in the split layout only the engine
+    # builds a core, so they come once, not once per front end.
+    gpus = Gpus.open()
+    if gpus is not None:
+        metrics.registry.register(GpuCollector(gpus))
+        logger.info("GPU metrics from NVML: %s", ", ".join(gpus.uuids))
     return Core(service, metrics, generation, monitors)
 
 
