@@ -7,7 +7,8 @@ index no host has. The dummy model must answer /v1/completions end to end; the m
 that cannot load must each fail alone, with a reason that names the fix, while the
 server stays ready and the others serve.
 
-On a host with CUDA, ``on_cuda`` loads and is checked to serve the same way.
+On a host with CUDA, ``on_cuda`` loads instead; tests/gpu/test_llm_cuda.py checks the
+GPU path itself.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def test_the_dummy_model_follows_a_grammar(server: RemoteServer) -> None:
     assert reply.json()["choices"][0]["text"] in ("Paris", "Rome")
 
 
-@pytest.mark.skipif(CUDA, reason="this host has CUDA: on_cuda loads (see the next test)")
+@pytest.mark.skipif(CUDA, reason="this host has CUDA: on_cuda loads (tests/gpu/test_llm_cuda.py)")
 def test_cuda_on_a_host_without_it_fails_that_model_alone(server: RemoteServer) -> None:
     _version, state, reason = index(server)["on_cuda"]
     assert state == "UNAVAILABLE"
@@ -116,20 +117,6 @@ def test_cuda_on_a_host_without_it_fails_that_model_alone(server: RemoteServer) 
     assert "sees no CUDA device" in refused.json()["error"]["message"]
     assert server.http.get("/v2/health/ready").status_code == 200
     assert complete(server, "dummy", "Hello").status_code == 200
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_a_cuda_model_serves_completions(server: RemoteServer) -> None:
-    assert index(server)["on_cuda"][:2] == ("1", "READY")
-    reply = complete(server, "on_cuda", [5, 17, 42, 99], seed=3, temperature=0.8,
-                     frequency_penalty=0.5, logprobs=2)  # fmt: skip
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["usage"]["completion_tokens"] == 8
-    # The grammar's mask is made on the host and applied to the device's logits.
-    chosen = complete(server, "on_cuda", "Pick", guided_choice=["Paris", "Rome"], max_tokens=16,
-                      ignore_eos=False)  # fmt: skip
-    assert chosen.status_code == 200, chosen.text
-    assert chosen.json()["choices"][0]["text"] in ("Paris", "Rome")
 
 
 def test_a_cache_too_large_for_the_host_fails_that_model_alone(server: RemoteServer) -> None:
