@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import io
 import json
 import re
 from pathlib import Path
@@ -327,6 +328,45 @@ def test_json_csv_html_and_png_reports(mlp_result: ProfileResult, tmp_path: Path
     assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
     with pytest.raises(ValueError, match=r"\.html or \.png"):
         write_report(mlp_result, tmp_path / "p.pdf")
+
+
+def test_gpu_memory_and_utilization_beside_rss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where there is a GPU (a fake NVML here, tests/fake_nvml.py): its memory in the
+    memory figures, its utilization per batch size, in every output."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the fake GPU visible
+    from rich.console import Console
+
+    from slipstream.observability.gpu import Gpus
+    from slipstream.profile.cli import print_result
+    from tests.fake_nvml import FakeGpu, FakeNvml
+
+    gpu = FakeGpu("GPU-aaaa", utilization_pct=40, memory_used=600 * 2**20)
+    nvml = FakeNvml([gpu])
+    path = build_mlp(tmp_path / "model.onnx")
+    result = fast_profile(path, [1, 4], op_profile=False, open_gpus=lambda: Gpus.open(nvml))
+    assert nvml.initialized == 0  # let go after the runs
+    assert result.baseline_gpu_memory_mb == pytest.approx(600.0)
+    assert result.load_gpu_memory_increase_mb == pytest.approx(0.0)
+    assert result.peak_gpu_memory_mb == pytest.approx(600.0)
+    assert [b.gpu_util_pct for b in result.batches] == [pytest.approx(40.0)] * 2
+
+    out = io.StringIO()
+    print_result(result, Console(file=out, width=250, force_terminal=False))
+    assert "GPU%" in out.getvalue()
+    assert "GPU memory in use (every process) 600 MB before loading" in out.getvalue()
+    write_csv(result, tmp_path / "p.csv")
+    with (tmp_path / "p.csv").open(newline="") as rows:
+        assert [float(r["gpu_util_pct"]) for r in csv.DictReader(rows)] == [40.0, 40.0]
+    write_json(result, tmp_path / "p.json")
+    assert json.loads((tmp_path / "p.json").read_text())["peak_gpu_memory_mb"] == 600.0
+
+    cpu_only = fast_profile(path, [1], op_profile=False, open_gpus=lambda: None)
+    assert cpu_only.batches[0].gpu_util_pct is None and cpu_only.peak_gpu_memory_mb is None
+    out = io.StringIO()
+    print_result(cpu_only, Console(file=out, width=250, force_terminal=False))
+    assert "GPU" not in out.getvalue()
 
 
 def test_sklearn_models_run_through_their_backend(tmp_path: Path) -> None:

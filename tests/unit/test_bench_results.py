@@ -3,19 +3,33 @@ the warnings that keep a reader from trusting figures the client limited."""
 
 from __future__ import annotations
 
+import io
+import os
+
 import numpy as np
 import pytest
+from rich.console import Console
 
 from slipstream.bench.core.histogram import LatencyHistogram
 from slipstream.bench.core.levels import LoadLevel
 from slipstream.bench.core.schedule import SendStats
-from slipstream.bench.v2.results import LevelInputs, LevelResult, WindowTotals, level_result
+from slipstream.bench.v2.report import print_tables
+from slipstream.bench.v2.results import (
+    BenchResult,
+    LevelInputs,
+    LevelResult,
+    WindowTotals,
+    level_result,
+)
 from slipstream.bench.v2.server_stats import (
     ProcessSample,
+    ProcessSampler,
     StatsSnapshot,
     process_usage,
     snapshot_from_json,
 )
+from slipstream.observability.gpu import Gpus
+from tests.fake_nvml import FakeGpu, FakeNvml
 
 
 def _window(
@@ -130,6 +144,49 @@ def test_resource_use_and_cost() -> None:
     # 4000 inferences/s = 14.4M per hour for $0.36: $0.025 per million.
     assert result.cost_per_1m_infer == pytest.approx(0.025)
     assert result.server_cpu_pct == pytest.approx(75.0)
+
+
+def test_gpu_use_beside_cpu_and_rss() -> None:
+    mib = 2**20
+    samples = [
+        ProcessSample(0.0, 1.0, 100 * mib, gpu_utilization=0.0, gpu_memory_used_bytes=500 * mib),
+        ProcessSample(1.0, 1.5, 100 * mib, gpu_utilization=0.8, gpu_memory_used_bytes=900 * mib),
+        ProcessSample(2.0, 2.0, 100 * mib, gpu_utilization=0.6, gpu_memory_used_bytes=700 * mib),
+    ]
+    usage = process_usage(samples)
+    # The first reading covers the moments before the stretch: the mean is of the others.
+    assert usage is not None and usage.gpu_util_pct == pytest.approx(70.0)
+    assert usage.gpu_memory_mb == pytest.approx(900.0)
+    gpu = _result([_window(0, 1000)], server_process=usage)
+    assert (gpu.server_gpu_util_pct, gpu.server_gpu_memory_mb) == (usage.gpu_util_pct, 900.0)
+    cpu_only = _result([_window(0, 1000)], server_process=process_usage(
+        [ProcessSample(0.0, 1.0, 100 * mib), ProcessSample(2.0, 2.5, 120 * mib)]))  # fmt: skip
+    assert cpu_only.server_gpu_util_pct is None and cpu_only.server_gpu_memory_mb is None
+
+    def table(level: LevelResult) -> str:
+        out = io.StringIO()
+        result = BenchResult("http://h:1", "m", "", "http", 1, None, [level])
+        print_tables(result, Console(file=out, width=250, force_terminal=False))
+        return out.getvalue()
+
+    assert "GPU%" in table(gpu) and "GPU mem MB" in table(gpu)
+    assert "GPU" not in table(cpu_only)  # no GPU columns where there is no GPU
+
+
+def test_bench_samples_the_gpus_beside_the_server_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # both fakes visible
+    nvml = FakeNvml([FakeGpu("GPU-a", utilization_pct=60), FakeGpu("GPU-b", utilization_pct=30)])
+    sampler = ProcessSampler(os.getpid(), Gpus.open(nvml))
+    sample = sampler.sample(0.0)
+    assert sample is not None and sample.rss_bytes > 0
+    assert sample.gpu_utilization == pytest.approx(0.9)  # summed: 1.0 = one GPU busy
+    assert sample.gpu_memory_used_bytes == 2 << 30
+    sampler.close()
+    assert nvml.initialized == 0
+    without = ProcessSampler(os.getpid()).sample(0.0)
+    assert without is not None and without.gpu_utilization is None
 
 
 def test_a_saturated_worker_is_reported() -> None:

@@ -233,6 +233,7 @@ def print_result(result: ProfileResult, console: Console) -> None:
 
     from slipstream.profile.results import (
         batch_cells,
+        has_gpu,
         memory_line,
         op_profile_line,
         summary_line,
@@ -247,13 +248,13 @@ def print_result(result: ProfileResult, console: Console) -> None:
             highlight=False,
             soft_wrap=True,
         )
-    table = Table(
-        "batch", "runs", "p50 ms", "p90 ms", "p99 ms", "infer/s", "infer/s@p50", "", box=None
-    )
+    gpu = has_gpu(result)
+    table = Table("batch", "runs", "p50 ms", "p90 ms", "p99 ms", "infer/s", "infer/s@p50",
+                  *(["GPU%"] if gpu else []), "", box=None)  # fmt: skip
     for batch in result.batches:
         best = batch.batch_size == result.best_batch_size and batch.status == "ok"
         mark = "<- best" if best else batch.reason
-        table.add_row(*batch_cells(batch), mark, style="bold green" if best else None)
+        table.add_row(*batch_cells(batch, gpu), mark, style="bold green" if best else None)
     console.print(table)
     console.print(memory_line(result), highlight=False, soft_wrap=True)
     if result.op_profile is not None:

@@ -3,7 +3,8 @@
 No server: the model is loaded through the server's own :class:`Backend` classes and
 run in a loop at each batch size. Warm-up runs are discarded, then runs are timed until
 the time budget is spent; the result holds median and tail latency, throughput (rows
-run / time spent running), the best batch size, the memory footprint and, for ONNX
+run / time spent running), the best batch size, the memory footprint (where there is a
+GPU, its memory too and its utilization per batch size, from NVML) and, for ONNX
 Runtime, the top operators from ORT's own profiler. With one intra-op thread (the
 default) every figure is per core: the ceiling a server pinned to that core can approach.
 
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
+from slipstream.observability.gpu import Gpus, totals
 from slipstream.profile.ort_trace import summarize_ort_trace
 from slipstream.profile.results import (
     BatchProfile,
@@ -73,6 +75,9 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_OP_PROFILE_RUNS = 200
 # Timed runs between two RSS samples (a sample costs ~20 us, outside the timed region).
 _RSS_SAMPLE_EVERY = 32
+# Seconds between two GPU readings at those samples: NVML's utilization covers its last
+# sample period (1/6 s to 1 s), and a reading costs a few calls into the driver.
+_GPU_SAMPLE_S = 0.1
 _MB = 1024 * 1024
 # Backend parameters that set the intra-op threads ({} is the count); one inter-op
 # thread, as the server runs each instance.
@@ -110,6 +115,7 @@ def profile_model(
     warmup_runs: int = 2,
     min_runs: int = 3,
     on_batch: Callable[[BatchProfile], None] | None = None,
+    open_gpus: Callable[[], Gpus | None] = Gpus.open,
 ) -> ProfileResult:
     """Profile ``path`` in-process at each of ``batch_sizes``; see the module docstring.
 
@@ -118,6 +124,8 @@ def profile_model(
     model does not declare (default FP32). ``input_data`` (arrays by input name, e.g. a
     loaded ``.npz``) replaces the random inputs; its rows are taken or tiled to each batch
     size. ``on_batch`` is called as each batch size finishes (for progress output).
+    ``open_gpus``: this machine's GPUs, whose memory and utilization are sampled beside
+    the process's RSS (none: the GPU figures are None).
     Raises :class:`ProfileError` when the inputs cannot be made or every batch size fails.
     """
     path = Path(path)
@@ -127,8 +135,13 @@ def profile_model(
     backend_class = get_backend(backend_name)
     data = None if input_data is None else {k: np.asarray(v) for k, v in input_data.items()}
     inputs = _InputOptions(shapes or {}, datatypes or {}, data)
-    memory = _RssTracker()
-    measured = _measure(backend_class, path, threads, batch_sizes, inputs, timing, memory, on_batch)
+    memory = _UsageTracker(open_gpus())
+    try:
+        measured = _measure(
+            backend_class, path, threads, batch_sizes, inputs, timing, memory, on_batch
+        )
+    finally:
+        memory.close()
     notes = list(measured.notes)
     best = _best_batch(measured.batches)
     op_result = None
@@ -156,7 +169,14 @@ def profile_model(
         op_profile=op_result,
         notes=tuple(notes),
         environment=describe_environment(backend_name),
+        baseline_gpu_memory_mb=memory.gpu_baseline_mb,
+        load_gpu_memory_increase_mb=_minus(measured.loaded_gpu_mb, memory.gpu_baseline_mb),
+        peak_gpu_memory_mb=memory.gpu_peak_mb,
     )
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +198,10 @@ class _Measured:
     # Inputs at the largest batch size (or the fixed shape); batches are slices of it.
     pool: dict[str, np.ndarray]
     output_names: list[str]
-    # Process RSS right after loading the model.
+    # Process RSS right after loading the model, and the GPUs' memory in use (None
+    # without a GPU).
     loaded_rss_mb: float
+    loaded_gpu_mb: float | None
     notes: tuple[str, ...]
 
 
@@ -190,12 +212,13 @@ def _measure(
     batch_sizes: Sequence[int],
     options: _InputOptions,
     timing: _Timing,
-    memory: _RssTracker,
+    memory: _UsageTracker,
     on_batch: Callable[[BatchProfile], None] | None,
 ) -> _Measured:
     """Load the model, then time each batch size in turn."""
     model, notes = _load_backend(backend_class, path, threads)
-    loaded_rss_mb = memory.sample()
+    loaded_rss_mb = memory.sample(read_gpu=True)
+    loaded_gpu_mb = memory.gpu_now_mb
     try:
         signature = model.signature()
         plans, batching = plan_inputs(signature, options.shapes, options.datatypes, options.data)
@@ -217,8 +240,9 @@ def _measure(
     finally:
         model.close()
     return _Measured(
-        plans, batching, tuple(batches), pool, output_names, loaded_rss_mb, tuple(notes)
-    )
+        plans, batching, tuple(batches), pool, output_names, loaded_rss_mb, loaded_gpu_mb,
+        tuple(notes),
+    )  # fmt: skip
 
 
 def _check_settings(
@@ -374,29 +398,65 @@ def _input_pool(
 # --- timing and memory --------------------------------------------------------------
 
 
-class _RssTracker:
-    """Process RSS at load time and its peak, sampled between runs.
+class _UsageTracker:
+    """Process RSS at load time and its peak, sampled between runs; with ``gpus``, their
+    memory in use likewise and their utilization while each batch size runs.
 
     ONNX Runtime's arena keeps the memory a run allocated, so a sample taken after a
     run includes that run's peak; backends without an arena may peak higher inside a run.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gpus: Gpus | None) -> None:
         import psutil  # type: ignore[import-untyped,unused-ignore]
 
         self._process: Any = psutil.Process()
+        self._gpus = gpus
         gc.collect()
         self.baseline_mb = self._rss_mb()
         self.peak_mb = self.baseline_mb
+        # The GPUs' memory in use (every process on them), MB; None without a GPU.
+        self.gpu_now_mb: float | None = None
+        self.gpu_peak_mb: float | None = None
+        self._gpu_read_at = 0.0
+        # Utilization readings (summed over the GPUs, 1.0 = one busy) since start_batch.
+        self._utilizations: list[float] = []
+        self._read_gpus()
+        self.gpu_baseline_mb = self.gpu_now_mb
 
     def _rss_mb(self) -> float:
         return float(self._process.memory_info().rss) / _MB
 
-    def sample(self) -> float:
-        """Current RSS in MB; updates the peak."""
+    def sample(self, read_gpu: bool = False) -> float:
+        """Current RSS in MB; updates the peaks. The GPUs are read too when ``read_gpu``
+        or when _GPU_SAMPLE_S has passed since they last were."""
         rss_mb = self._rss_mb()
         self.peak_mb = max(self.peak_mb, rss_mb)
+        if read_gpu or time.monotonic() - self._gpu_read_at >= _GPU_SAMPLE_S:
+            self._read_gpus()
         return rss_mb
+
+    def start_batch(self) -> None:
+        self._utilizations.clear()
+
+    def batch_gpu_util_pct(self) -> float | None:
+        """Mean GPU utilization read since start_batch, percent of one GPU."""
+        if not self._utilizations:
+            return None
+        return 100 * sum(self._utilizations) / len(self._utilizations)
+
+    def close(self) -> None:
+        if self._gpus is not None:
+            self._gpus.close()
+
+    def _read_gpus(self) -> None:
+        gpu = totals(self._gpus.read()) if self._gpus is not None else None
+        self._gpu_read_at = time.monotonic()
+        if gpu is None:
+            return
+        self.gpu_now_mb = gpu.memory_used_bytes / _MB
+        self.gpu_peak_mb = max(self.gpu_peak_mb or 0.0, self.gpu_now_mb)
+        if gpu.utilization is not None:
+            self._utilizations.append(gpu.utilization)
 
 
 def _run_for(
@@ -428,12 +488,13 @@ def _time_batch(
     output_names: list[str],
     batch_size: int,
     timing: _Timing,
-    memory: _RssTracker,
+    memory: _UsageTracker,
 ) -> BatchProfile:
     def sample_rss(runs: int) -> None:
         if runs % _RSS_SAMPLE_EVERY == 0:
             memory.sample()
 
+    memory.start_batch()
     try:
         latencies_s = _run_for(lambda: model.run(inputs, output_names), timing, None, sample_rss)
     except Exception as exc:  # a batch size the model or the memory cannot take
@@ -441,7 +502,7 @@ def _time_batch(
         logger.debug("batch size %d failed", batch_size, exc_info=True)
         reason = f"{type(exc).__name__}: {message}"
         return BatchProfile(batch_size=batch_size, status="failed", reason=reason)
-    memory.sample()
+    memory.sample(read_gpu=True)
     latencies_ms = np.asarray(latencies_s) * 1000.0
     p50, p90, p99 = np.percentile(latencies_ms, [50, 90, 99])
     return BatchProfile(
@@ -456,6 +517,7 @@ def _time_batch(
         mean_ms=float(latencies_ms.mean()),
         min_ms=float(latencies_ms.min()),
         max_ms=float(latencies_ms.max()),
+        gpu_util_pct=memory.batch_gpu_util_pct(),
     )
 
 

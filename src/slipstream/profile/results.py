@@ -47,6 +47,7 @@ CSV_COLUMNS = (
     "mean_ms",
     "min_ms",
     "max_ms",
+    "gpu_util_pct",
     "is_best",
     "reason",
 )
@@ -87,6 +88,9 @@ class BatchProfile:
     mean_ms: float | None = None
     min_ms: float | None = None
     max_ms: float | None = None
+    # The GPUs' utilization while this batch size ran, percent of one GPU (NVML, read
+    # between runs); None without a GPU.
+    gpu_util_pct: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +161,11 @@ class ProfileResult:
     notes: tuple[str, ...] = ()
     # Versions, CPU model and cores the figures were measured on.
     environment: dict[str, str] = field(default_factory=dict)
+    # The GPUs' memory in use (NVML: every process on them, not only this one) before
+    # loading, its increase from loading and its peak during runs; None without a GPU.
+    baseline_gpu_memory_mb: float | None = None
+    load_gpu_memory_increase_mb: float | None = None
+    peak_gpu_memory_mb: float | None = None
 
 
 def result_to_dict(result: ProfileResult) -> dict[str, Any]:
@@ -311,11 +320,13 @@ def _html_page(result: ProfileResult, charts: list[bytes]) -> str:
 
 
 def _html_batches(result: ProfileResult) -> str:
-    header = ["batch", "runs", "p50 ms", "p90 ms", "p99 ms", "infer/s", "infer/s@p50", ""]
+    gpu = has_gpu(result)
+    header = ["batch", "runs", "p50 ms", "p90 ms", "p99 ms", "infer/s", "infer/s@p50",
+              *(["GPU%"] if gpu else []), ""]  # fmt: skip
     rows = []
     for batch in result.batches:
         best = batch.batch_size == result.best_batch_size
-        cells = [*batch_cells(batch), "best" if best else batch.reason]
+        cells = [*batch_cells(batch, gpu), "best" if best else batch.reason]
         rows.append(("<tr class='best'>" if best else "<tr>") + html_cells(cells, "td"))
     return f"<table><tr>{html_cells(header, 'th')}</tr>{''.join(r + '</tr>' for r in rows)}</table>"
 
@@ -358,12 +369,19 @@ def summary_line(result: ProfileResult) -> str:
 
 
 def memory_line(result: ProfileResult) -> str:
-    return (
+    line = (
         f"Memory: model file {result.model_size_mb:.3g} MB; loading added "
         f"{result.load_rss_increase_mb:.1f} MB RSS; peak RSS during runs "
         f"{result.peak_rss_mb:.1f} MB ({result.peak_rss_increase_mb:+.1f} MB over the "
         f"{result.baseline_rss_mb:.1f} MB before loading)"
     )
+    if result.baseline_gpu_memory_mb is not None:
+        line += (
+            f"; GPU memory in use (every process) {result.baseline_gpu_memory_mb:.0f} MB "
+            f"before loading, {result.load_gpu_memory_increase_mb or 0.0:+.0f} MB from "
+            f"loading, peak {result.peak_gpu_memory_mb or 0.0:.0f} MB during runs"
+        )
+    return line
 
 
 def op_profile_line(profile: OpProfile) -> str:
@@ -374,8 +392,17 @@ def op_profile_line(profile: OpProfile) -> str:
     )
 
 
-def batch_cells(batch: BatchProfile) -> list[str]:
-    """batch, runs, p50, p90, p99 and both throughputs as table cells; dashes when not run."""
+def has_gpu(result: ProfileResult) -> bool:
+    """Whether the batches carry a GPU utilization (a column of their own)."""
+    return any(batch.gpu_util_pct is not None for batch in result.batches)
+
+
+def batch_cells(batch: BatchProfile, gpu: bool = False) -> list[str]:
+    """batch, runs, p50, p90, p99 and both throughputs as table cells (and with ``gpu``,
+    the GPU utilization); dashes when not run."""
+    if gpu:
+        util = batch.gpu_util_pct
+        return [*batch_cells(batch), "-" if util is None else f"{util:.0f}"]
     if batch.status != "ok":
         return [str(batch.batch_size), batch.status.replace("_", " "), *["-"] * 5]
     return [

@@ -84,6 +84,11 @@ _BREAKDOWN: list[Column] = [
     ("server CPU%", number("server_cpu_pct", 0)),
     ("server RSS MB", number("server_rss_mb", 0)),
 ]
+# Where the server's machine has a GPU (--server-pid).
+_GPU: list[Column] = [
+    ("GPU%", number("server_gpu_util_pct", 0)),
+    ("GPU mem MB", number("server_gpu_memory_mb", 0)),
+]
 
 
 def print_tables(result: BenchResult, console: Console) -> None:
@@ -94,6 +99,8 @@ def print_tables(result: BenchResult, console: Console) -> None:
     )
     console.print(level_table(title, result, _MAIN))
     breakdown = _BREAKDOWN
+    if any(level.server_gpu_memory_mb is not None for level in result.levels):
+        breakdown = [*breakdown, *_GPU]
     if any(level.cost_per_1m_infer is not None for level in result.levels):
         breakdown = [*breakdown, ("$ / 1M infer", number("cost_per_1m_infer", 4))]
     title = "Server breakdown (ms per request) and resources"

@@ -145,6 +145,10 @@ class LevelResult:
     client_max_worker_cpu_pct: float = 0.0
     server_cpu_pct: float | None = None
     server_rss_mb: float | None = None
+    # The GPUs' utilization (percent of one GPU) and peak memory in use (MiB, every
+    # process on them), with --server-pid on a machine with a GPU.
+    server_gpu_util_pct: float | None = None
+    server_gpu_memory_mb: float | None = None
     cost_per_1m_infer: float | None = None
     # Requests sent again on a fresh connection after the server closed a reused one
     # before answering (keep-alive timeouts): not errors.
@@ -253,6 +257,8 @@ def _add_server_figures(result: LevelResult, inputs: LevelInputs) -> None:
     if inputs.server_process is not None:
         result.server_cpu_pct = inputs.server_process.cpu_pct
         result.server_rss_mb = inputs.server_process.rss_mb
+        result.server_gpu_util_pct = inputs.server_process.gpu_util_pct
+        result.server_gpu_memory_mb = inputs.server_process.gpu_memory_mb
 
 
 def level_warnings(result: LevelResult, inputs: LevelInputs) -> list[str]:

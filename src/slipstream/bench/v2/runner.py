@@ -58,6 +58,7 @@ from slipstream.bench.v2.server_stats import (
 )
 from slipstream.bench.v2.settings import BenchSettings
 from slipstream.bench.v2.workers import WorkerPool, usable_cores
+from slipstream.observability.gpu import Gpus
 
 # What the CLI adds when no request of any level succeeded.
 ALL_FAILED_HINT = "wrong --model-version, inputs the model refuses, or an overloaded server"
@@ -98,10 +99,13 @@ def run_bench(settings: BenchSettings, progress: ProgressListener | None = None)
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     api = connect_api(endpoint, settings.model, settings.model_version, _API_TIMEOUT_S)
+    sampler = None
     try:
         signature = api.signature()
         requests = build_requests(settings, signature)
-        sampler = ProcessSampler(settings.server_pid) if settings.server_pid else None
+        if settings.server_pid:
+            # The server runs on this machine: its GPUs are this machine's.
+            sampler = ProcessSampler(settings.server_pid, Gpus.open())
         pool = WorkerPool(lambda worker_id: worker_plan(settings, endpoint, requests, worker_id))
         try:
             runner = LevelRunner(settings, pool, api, sampler, listener)
@@ -115,6 +119,8 @@ def run_bench(settings: BenchSettings, progress: ProgressListener | None = None)
         warnings = _run_warnings(api, sampler, settings)
     finally:
         api.close()
+        if sampler is not None:
+            sampler.close()
     return BenchResult(
         url=settings.url,
         model=settings.model,

@@ -1,4 +1,6 @@
-"""The server's side of a measurement: statistics-extension deltas and process usage.
+"""The server's side of a measurement: statistics-extension deltas and process usage
+(CPU and RSS of ``--server-pid``'s process tree, and the GPUs' utilization and memory
+where this machine has a GPU).
 
 Triton's statistics extension (``GET /v2/models/{m}/stats``, the ModelStatistics RPC)
 keeps cumulative counts and nanoseconds per model version. Two snapshots, one at each
@@ -20,6 +22,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import psutil
+
+from slipstream.observability.gpu import Gpus, totals
 
 _STAT_NAMES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
 
@@ -123,6 +127,10 @@ class ProcessSample:
     # user + system CPU seconds of the process and its children.
     cpu_s: float
     rss_bytes: int
+    # NVML's utilization of the visible GPUs, summed (2.0 = two GPUs busy), and their
+    # device memory in use (by every process on them); None without a GPU.
+    gpu_utilization: float | None = None
+    gpu_memory_used_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -133,13 +141,20 @@ class ProcessUsage:
     cpu_pct: float
     # Highest resident memory seen, MiB.
     rss_mb: float
+    # GPU use in percent of one GPU (200 = two GPUs busy): the mean of the readings at the
+    # end of each window, each covering NVML's last sample period (up to 1 s).
+    gpu_util_pct: float | None = None
+    # Highest GPU memory in use seen, MiB.
+    gpu_memory_mb: float | None = None
 
 
 class ProcessSampler:
-    """Samples ``--server-pid`` (and every child it has) on the same machine."""
+    """Samples ``--server-pid`` (and every child it has) on the same machine, and
+    ``gpus`` (this machine's, see :meth:`Gpus.open`) with it."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, gpus: Gpus | None = None) -> None:
         self._process = psutil.Process(pid)  # NoSuchProcess for a wrong pid
+        self._gpus = gpus
 
     def sample(self, at_s: float) -> ProcessSample | None:
         """None once the process has exited."""
@@ -156,7 +171,18 @@ class ProcessSampler:
             except psutil.Error:
                 continue  # a child that exited between the listing and the read
             cpu_s += times.user + times.system
-        return ProcessSample(at_s=at_s, cpu_s=cpu_s, rss_bytes=rss)
+        gpu = totals(self._gpus.read()) if self._gpus is not None else None
+        return ProcessSample(
+            at_s=at_s,
+            cpu_s=cpu_s,
+            rss_bytes=rss,
+            gpu_utilization=gpu.utilization if gpu else None,
+            gpu_memory_used_bytes=gpu.memory_used_bytes if gpu else None,
+        )
+
+    def close(self) -> None:
+        if self._gpus is not None:
+            self._gpus.close()
 
 
 def process_usage(samples: list[ProcessSample]) -> ProcessUsage | None:
@@ -166,4 +192,12 @@ def process_usage(samples: list[ProcessSample]) -> ProcessUsage | None:
     elapsed = samples[-1].at_s - samples[0].at_s
     cpu_pct = 100 * (samples[-1].cpu_s - samples[0].cpu_s) / elapsed
     rss_mb = max(s.rss_bytes for s in samples) / 2**20
-    return ProcessUsage(cpu_pct=cpu_pct, rss_mb=rss_mb)
+    # The first sample's utilization covers the moments before the stretch: left out.
+    utilizations = [s.gpu_utilization for s in samples[1:] if s.gpu_utilization is not None]
+    memory = [s.gpu_memory_used_bytes for s in samples if s.gpu_memory_used_bytes is not None]
+    return ProcessUsage(
+        cpu_pct=cpu_pct,
+        rss_mb=rss_mb,
+        gpu_util_pct=100 * sum(utilizations) / len(utilizations) if utilizations else None,
+        gpu_memory_mb=max(memory) / 2**20 if memory else None,
+    )

@@ -56,7 +56,9 @@ class BenchSettings(LoadSettings):
         "worker's CPU is saturated and cores are free.",
     )
     server_pid: int | None = Field(
-        None, description="Sample this process's (and its children's) CPU and RSS."
+        None,
+        description="Sample this process's (and its children's) CPU and RSS, and where "
+        "this machine has a GPU, its utilization and memory (NVML, the gpu extra).",
     )
     price_per_hour: float | None = Field(
         None, gt=0, description="Machine price per hour: reports the cost per 1M inferences."
