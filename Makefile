@@ -106,7 +106,7 @@ test-soak: install | lint test-lowest
 # project's dependencies (the venv above pins the CPU wheel): `make test-gpu`.
 GPU_PYTHON ?= python3
 test-gpu:
-	PYTHONPATH=src:. HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
+	PYTHONPATH=src:.:$$PYTHONPATH HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
 
 test-fast: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow"

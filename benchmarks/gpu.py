@@ -11,8 +11,8 @@ CPU**, as people do, and serves that file with ``parameters: {device: cuda}``. I
 * **torch alone**: the same ``.pt2`` on the GPU, called from one Python thread at batch
   1, 64 and 256: host arrays in, host arrays out (what a server must do too), FP32 and
   FP16 (weights cast, as ``model.half()``).
-* **served**: ``slipstream serve`` pinned to the first half of the cores, driven by
-  ``slipstream bench`` (HTTP binary tensors and gRPC) pinned to the other half, closed
+* **served**: ``slipstream serve`` pinned to three quarters of the cores, driven by
+  ``slipstream bench`` (HTTP binary tensors and gRPC) pinned to the rest, closed
   loop at C = 1, 64, 256. Each ``--served`` case is a layout: precision, CUDA graphs or
   eager, instances, and 0 (one process) or N front-end processes in front of an engine
   process.
@@ -43,39 +43,50 @@ import numpy as np
 SEQ = 128
 VOCAB = 30522
 BATCHES = (1, 64, 256)
-# Batch sizes the graph cases capture: fine steps at the top, so a batch of 129 pads to
-# 160 rather than 256.
-GRAPH_SIZES = "1,2,4,8,16,32,48,64,96,128,160,192,224,256"
+# Batch sizes the graph cases capture: steps of 16 from 32, so a batch of 129 pads to 144
+# rather than 256.
+GRAPH_SIZES = ",".join(map(str, [1, 2, 4, 8, 16, *range(32, 257, 16)]))
 
 
 @dataclass(frozen=True)
 class Served:
-    """One served layout."""
+    """One served layout, named ``<fp32|fp16>-<graphs|eager>-i<instances>-<1proc|split<N>>``
+    (``split4``: four front-end processes in front of an engine process)."""
 
     name: str
-    precision: str  # fp32 | fp16
+    precision: str
     graphs: bool
     instances: int
     frontends: int  # 0 = front end and engine in one process
     max_batch: int = 256
 
+    @classmethod
+    def parse(cls, name: str) -> Served:
+        try:
+            precision, execution, instances, layout = name.split("-")
+            if precision not in ("fp32", "fp16") or execution not in ("graphs", "eager"):
+                raise ValueError(name)
+            frontends = 0 if layout == "1proc" else int(layout.removeprefix("split"))
+            return cls(name, precision, execution == "graphs", int(instances[1:]), frontends)
+        except ValueError:
+            raise SystemExit(
+                f"--served {name!r}: expected <fp32|fp16>-<graphs|eager>-i<N>-<1proc|split<N>>"
+            ) from None
 
-SERVED = {
-    case.name: case
-    for case in (
-        Served("fp32-eager-1proc", "fp32", False, 2, 0),
-        Served("fp32-graphs-1proc", "fp32", True, 2, 0),
-        Served("fp32-eager-split4", "fp32", False, 2, 4),
-        Served("fp32-graphs-split4", "fp32", True, 2, 4),
-        Served("fp16-graphs-split4", "fp16", True, 2, 4),
-        Served("fp16-eager-split4", "fp16", False, 2, 4),
+
+DEFAULT_SERVED = ",".join(
+    (
+        "fp32-eager-i2-1proc",
+        "fp32-graphs-i1-1proc",
+        "fp32-graphs-i1-split4",
+        "fp16-graphs-i1-split4",
     )
-}
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--served", default=",".join(SERVED), help="served cases, in order")
+    parser.add_argument("--served", default=DEFAULT_SERVED, help="served cases, in order")
     parser.add_argument("--concurrency", default="1,64,256")
     parser.add_argument("--protocols", default="http-binary,grpc")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per level")
@@ -105,7 +116,7 @@ def main() -> None:
         }
         print_alone(result["alone"])
         for name in args.served.split(","):
-            case = SERVED[name]
+            case = Served.parse(name)
             levels = serve_and_measure(case, model_file, inputs, work, args)
             result["served"][name] = levels
         print_served(result)
@@ -235,9 +246,11 @@ def _free_port() -> int:
 
 
 def _cores() -> tuple[str, str]:
+    """Server and load generator cores: three quarters for the server (front ends and
+    engine), the rest for ``slipstream bench`` (one worker keeps up with ~12k req/s)."""
     cores = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cores) // 2)
-    server, client = cores[:half], cores[half:] or cores[:half]
+    split = max(1, len(cores) * 3 // 4)
+    server, client = cores[:split], cores[split:] or cores[:split]
     return ",".join(map(str, server)), ",".join(map(str, client))
 
 
@@ -328,7 +341,7 @@ def print_served(result: dict[str, Any]) -> None:
     alone = result["alone"]
     print("\nratios (issue #12's targets):")
     for name, levels in result["served"].items():
-        precision = SERVED[name].precision
+        precision = Served.parse(name).precision
         ceiling = alone[f"{precision}_b256"]["seq_per_s"]
         http = levels.get("http-binary_c256", {}).get("throughput_infer_per_s")
         grpc = levels.get("grpc_c256", {}).get("throughput_infer_per_s")
