@@ -347,28 +347,50 @@ def _build_engine(
     device: torch.device,
 ) -> TransformersEngine:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    dtype = getattr(torch, settings.dtype)
     # The current CUDA device is the model's while it loads: transformers sizes the
     # cache against the current device's free memory.
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    model: Any
     with on_device:
-        if settings.load_format == "dummy":
-            config = AutoConfig.from_pretrained(where)
-            # Built where it runs: an 8B shape is never materialised in host memory.
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-                    config, dtype=dtype
-                )
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                where, dtype=dtype, device_map=device, **extra
-            )
-        model.eval()
-        model.requires_grad_(False)
+        model = build_model(where, settings, device, extra)
         return TransformersEngine(model, tokenizer, settings)
+
+
+def build_model(
+    where: str,
+    settings: GenerationSettings,
+    device: torch.device,
+    extra: dict[str, str] | None = None,
+) -> Any:
+    """The causal LM the engine serves from ``where`` for ``settings`` (weights or, with
+    ``load_format: dummy``, random weights of its config.json), on ``device``, ready for
+    inference. ``extra``: ``from_pretrained`` arguments (``gguf_file``).
+
+    Benchmarks build the model they run transformers' manager on with it, so both sides
+    of a comparison run the same model::
+
+        model = build_model("models/llama/1", GenerationSettings(load_format="dummy"),
+                            resolve_device("cpu"))
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, settings.dtype)
+    model: Any
+    if settings.load_format == "dummy":
+        config = AutoConfig.from_pretrained(where)
+        # Built where it runs: an 8B shape is never materialised in host memory.
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                config, dtype=dtype
+            )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, device_map=device, **(extra or {})
+        )
+    model.eval()
+    model.requires_grad_(False)
+    return model
 
 
 def _first_line(error: BaseException | str) -> str:

@@ -205,7 +205,7 @@ class RequestExtras:
         if params.repetition_penalty != 1.0:
             seen = torch.unique(
                 torch.cat([self.prompt, torch.tensor(self.generated, dtype=torch.int64)])
-            )
+            ).to(row.device)
             values = row[seen]
             row[seen] = torch.where(
                 values > 0, values / params.repetition_penalty, values * params.repetition_penalty
@@ -213,7 +213,7 @@ class RequestExtras:
         if self.generated and (params.frequency_penalty or params.presence_penalty):
             ids, counts = torch.unique(torch.tensor(self.generated), return_counts=True)
             penalty = counts.to(row.device, row.dtype) * params.frequency_penalty
-            row[ids] -= penalty + params.presence_penalty
+            row[ids.to(row.device)] -= penalty + params.presence_penalty
         for token, bias in params.logit_bias:
             row[token] += bias
 
