@@ -3,20 +3,26 @@ weights are, and how a load or a step that runs out of memory fails that model a
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from slipstream.config import ConfigError, GenerationSettings
 from slipstream.errors import InternalError, Unavailable
 from slipstream.llm import hf
+from slipstream.llm.api import Job
 from slipstream.llm.engine import SamplingParams
 from slipstream.llm.hf import OutOfDeviceMemory, TransformersEngine, load_transformers_engine
+from slipstream.llm.service import LlmModels
 from tests.llm_models import write_tiny_llama_shape
+from tests.models import write_config
 
 DUMMY = {"load_format": "dummy", "num_blocks": 16, "block_size": 16}
 
@@ -173,10 +179,7 @@ def test_cuda_out_of_memory_while_building_fails_the_load_with_the_allocator_s_r
 async def test_a_step_that_fails_ends_its_sequences_and_the_model_then_answers_503(
     engine: TransformersEngine,
 ) -> None:
-    def out_of_memory(*_args: object, **_kwargs: object) -> None:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    engine._model.forward = out_of_memory
+    engine._model.forward = _out_of_memory
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     with pytest.raises(InternalError, match="CUDA out of memory"):
         async for _step in engine.generate(engine.encode("Hello"), params):
@@ -185,6 +188,42 @@ async def test_a_step_that_fails_ends_its_sequences_and_the_model_then_answers_5
     deadline = time.monotonic() + 10
     while status.fatal_error is None and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert engine.failure is not None and "CUDA out of memory" in engine.failure
     with pytest.raises(Unavailable, match=r"generation loop stopped after an error \(CUDA out "
                                           r"of memory.*load the model again"):  # fmt: skip
         engine.admit(3, 4)
+
+
+async def test_a_model_whose_loop_died_is_listed_unavailable_until_loaded_again(
+    shape_dir: Path, tmp_path: Path
+) -> None:
+    shutil.copytree(shape_dir, tmp_path / "llm" / "1")
+    write_config(tmp_path, "llm", {"backend": "transformers", "generation": DUMMY})
+    models = LlmModels(tmp_path, CollectorRegistry())
+    await models.load_all()
+    try:
+        engine = models.engine("llm")
+        assert isinstance(engine, TransformersEngine)
+        engine._model.forward = _out_of_memory
+        job = Job(0, [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+        with pytest.raises(InternalError):
+            async for _delta in models.generate("llm", [job], time.perf_counter()):
+                pass
+        while engine.failure is None:
+            await asyncio.sleep(0.01)
+        (entry,) = models.index()
+        assert (entry.version, entry.state) == ("1", "UNAVAILABLE")
+        assert "CUDA out of memory" in entry.reason and "load the model again" in entry.reason
+        assert models.models() == [] and models.index(ready_only=True) == []
+
+        await models.load("llm")
+        (entry,) = models.index()
+        assert entry.state == "READY" and [name for name, _ in models.models()] == ["llm"]
+        steps = [d async for _, d in models.generate("llm", [job], time.perf_counter())]
+        assert steps[-1].completion_tokens == 4
+    finally:
+        await models.close()
+
+
+def _out_of_memory(*_args: object, **_kwargs: object) -> None:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

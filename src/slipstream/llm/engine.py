@@ -142,6 +142,12 @@ class Engine(ABC):
         """Whether the chat template renders tools and tool calls itself."""
         return False
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can no longer generate (its loop died), or None while it can;
+        the repository index then lists the model UNAVAILABLE with it."""
+        return None
+
     @abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``, special tokens dropped."""

@@ -114,16 +114,23 @@ class TransformersEngine(Engine):
 
     # -- generation ----------------------------------------------------------------------
 
+    @property
+    def failure(self) -> str | None:
+        # The generation loop died (out of GPU memory in a step, a kernel error): every
+        # sequence it held has already failed, and no new one can run.
+        error = self._manager.background_thread_status.fatal_error
+        if error is None:
+            return None
+        return (
+            f"the generation loop stopped after an error ({_first_line(error)}); load the "
+            "model again (POST /v2/repository/models/<name>/load), with a smaller "
+            "generation.num_blocks or max_batch_tokens if it ran out of memory"
+        )
+
     def _check_queue(self) -> None:
-        failure = self._manager.background_thread_status.fatal_error
+        failure = self.failure
         if failure is not None:
-            # The generation loop died (out of GPU memory in a step, a kernel error):
-            # every sequence it held has already failed, and no new one can run.
-            raise Unavailable(
-                f"this model's generation loop stopped after an error ({_first_line(failure)}); "
-                "load the model again (POST /v2/repository/models/<name>/load), with a "
-                "smaller generation.num_blocks or max_batch_tokens if it ran out of memory"
-            )
+            raise Unavailable(f"this model cannot generate: {failure}")
         limit = self._settings.max_queue_size
         if len(self._waiting) >= limit:
             raise Unavailable(

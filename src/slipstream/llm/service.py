@@ -198,10 +198,15 @@ class LlmModels(GenerationService):
             names = []
         entries = []
         for name in sorted(set(names) | set(self._engines)):
-            if name in self._engines:
+            engine = self._engines.get(name)
+            failure = None if engine is None else engine.failure
+            if engine is not None and failure is None:
                 entries.append(RepositoryEntry(name, str(self._versions[name]), "READY", ""))
             elif ready_only:
                 continue
+            elif failure is not None:
+                version = str(self._versions[name])
+                entries.append(RepositoryEntry(name, version, "UNAVAILABLE", failure))
             elif name in self._loading:
                 entries.append(RepositoryEntry(name, "", "LOADING", ""))
             elif name in self._asleep:
@@ -303,7 +308,12 @@ class LlmModels(GenerationService):
 
     def models(self) -> list[tuple[str, int]]:
         """(name, created unix time) of every ready model."""
-        return sorted(self._created.items())
+        engines = self._engines
+        return sorted(
+            (name, created)
+            for name, created in self._created.items()
+            if name not in engines or engines[name].failure is None
+        )
 
     def is_ready(self) -> bool:
         # A model loading again for a request after being idle keeps the server ready.
