@@ -51,26 +51,32 @@ GRAPH_SIZES = ",".join(map(str, [1, 2, 4, 8, 16, *range(32, 257, 16)]))
 @dataclass(frozen=True)
 class Served:
     """One served layout, named ``<fp32|fp16>-<graphs|eager>-i<instances>-<1proc|split<N>>``
-    (``split4``: four front-end processes in front of an engine process)."""
+    (``split4``: four front-end processes in front of an engine process), optionally
+    ``-q<us>``: a queue delay."""
 
     name: str
     precision: str
     graphs: bool
     instances: int
     frontends: int  # 0 = front end and engine in one process
+    # dynamic_batching.max_queue_delay_microseconds
+    delay_us: int = 0
     max_batch: int = 256
 
     @classmethod
     def parse(cls, name: str) -> Served:
         try:
-            precision, execution, instances, layout = name.split("-")
+            precision, execution, instances, layout, *rest = name.split("-")
             if precision not in ("fp32", "fp16") or execution not in ("graphs", "eager"):
                 raise ValueError(name)
             frontends = 0 if layout == "1proc" else int(layout.removeprefix("split"))
-            return cls(name, precision, execution == "graphs", int(instances[1:]), frontends)
-        except ValueError:
+            delay = int(rest[0].removeprefix("q")) if rest else 0
+            graphs = execution == "graphs"
+            return cls(name, precision, graphs, int(instances[1:]), frontends, delay)
+        except (ValueError, IndexError):
             raise SystemExit(
-                f"--served {name!r}: expected <fp32|fp16>-<graphs|eager>-i<N>-<1proc|split<N>>"
+                f"--served {name!r}: expected "
+                "<fp32|fp16>-<graphs|eager>-i<N>-<1proc|split<N>>[-q<queue delay us>]"
             ) from None
 
 
@@ -232,7 +238,7 @@ def write_repository(case: Served, model_file: Path, repo: Path) -> None:
         "backend": "torch",
         "trust_pickle": True,
         "max_batch_size": case.max_batch,
-        "dynamic_batching": {"max_queue_delay_microseconds": 0},
+        "dynamic_batching": {"max_queue_delay_microseconds": case.delay_us},
         "instance_group": [{"count": case.instances, "kind": "KIND_GPU"}],
         "parameters": parameters,
     }

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -74,7 +75,12 @@ from slipstream.datatypes import from_config_datatype, numpy_dtype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
 from slipstream.runtime.data_errors import torch_data_error
-from slipstream.runtime.torch_cuda import CudaRunner, Precision
+from slipstream.runtime.torch_cuda import (
+    CudaRunner,
+    Precision,
+    is_out_of_memory,
+    out_of_memory_line,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -243,10 +249,12 @@ class TorchBackend(Backend):
                 model, signature = _load_torchscript(path, options.device)
             if options.dtype is not None and not options.autocast:
                 model = model.to(options.dtype)  # type: ignore[attr-defined]
-        except torch.cuda.OutOfMemoryError as exc:
+        except RuntimeError as exc:
+            if not is_out_of_memory(exc):
+                raise
             raise ValueError(
                 f"{path.name}: out of GPU memory loading onto {options.device} "
-                f"({str(exc).splitlines()[0]})"
+                f"({out_of_memory_line(exc)})"
             ) from None
         return cls(model, signature, options)
 
@@ -350,6 +358,8 @@ def _load_torchscript(path: Path, device: torch.device) -> tuple[_Model, ModelSi
             str(path), map_location=device, _extra_files=extra_files
         )
     except RuntimeError as exc:
+        if is_out_of_memory(exc):
+            raise
         raise ValueError(
             f"{path.name}: not a TorchScript archive ({str(exc).splitlines()[0]}); save the "
             "model with torch.jit.script(model).save(path), or export it with "
@@ -365,7 +375,11 @@ def _load_torchscript(path: Path, device: torch.device) -> tuple[_Model, ModelSi
 
 def _load_exported(path: Path, device: torch.device) -> tuple[_Model, ModelSignature]:
     try:
-        program = torch.export.load(str(path))
+        with warnings.catch_warnings():
+            # torch 2.11's loader wraps each weight's bytes read-only and says so once per
+            # process; the tensors own those bytes, and nothing writes to them.
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            program = torch.export.load(str(path))
     # torch.export.load falls back to the legacy zip format, whose errors are BadZipFile.
     except (RuntimeError, zipfile.BadZipFile) as exc:
         raise ValueError(

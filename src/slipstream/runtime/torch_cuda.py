@@ -138,11 +138,14 @@ class CudaRunner:
                     named = self._forward(tensors, output_names)
                 downloads = {name: self._download(name, named, rows) for name in output_names}
             self._stream.synchronize()
-        except torch.cuda.OutOfMemoryError as exc:
+        except RuntimeError as exc:
+            # TorchScript re-raises the allocator's OutOfMemoryError as a RuntimeError.
+            if not is_out_of_memory(exc):
+                raise
             torch.cuda.empty_cache()
             raise Unavailable(
                 f"the GPU ran out of memory running a batch of {len(arrays[0]) if arrays else 0}"
-                f" rows ({str(exc).splitlines()[0]}); retry with a smaller batch, lower "
+                f" rows ({out_of_memory_line(exc)}); retry with a smaller batch, lower "
                 "max_batch_size or instance count, or free GPU memory",
                 retry_after_s=1,
             ) from None
@@ -223,9 +226,9 @@ class CudaRunner:
                 graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"
             ):
                 outputs = self._forward(static, output_names)
-        except torch.cuda.OutOfMemoryError:
-            raise
         except Exception as exc:  # not capturable (host syncs, CPU ops, dynamic shapes)
+            if isinstance(exc, RuntimeError) and is_out_of_memory(exc):
+                raise
             self._graphs_failed = True
             logger.warning(
                 "torch backend: CUDA graph capture failed (%s); this instance runs eagerly",
@@ -237,6 +240,18 @@ class CudaRunner:
             return None
         logger.info("torch backend: captured a CUDA graph for batch size %d", size)
         return _Graph(graph, static, outputs)
+
+
+def is_out_of_memory(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is CUDA's allocator running out, however it was re-raised."""
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in str(exc)
+
+
+def out_of_memory_line(exc: RuntimeError) -> str:
+    """The allocator's own sentence (TorchScript puts its traceback in front of it)."""
+    lines = str(exc).splitlines() or [type(exc).__name__]
+    found = next((line for line in lines if "out of memory" in line), lines[0])
+    return found.strip().removeprefix("RuntimeError: ").split(" GPU ")[0]
 
 
 def _torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
