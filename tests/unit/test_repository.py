@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -180,6 +181,28 @@ async def test_requests_are_checked_against_the_config(repository: Path) -> None
             assert message in error.value.message
         with pytest.raises(ModelNotFound):
             await server.infer(request("nope", np.ones((1, 3), np.float32)))
+    finally:
+        await server.stop()
+
+
+async def test_every_shape_is_accepted_exactly_when_the_config_allows_it(
+    repository: Path,
+) -> None:
+    # scale: x FP32 [-1, 3], max_batch_size 64. Every shape of rank 0 to 3 over dims
+    # around the limits, against the rule stated independently of the server's checks.
+    server = ModelServer(ServerSettings(model_repository=repository))
+    await server.start()
+    dims = (0, 1, 2, 3, 4, 63, 64, 65)
+    shapes = [()] + [tuple(s) for rank in (1, 2, 3) for s in itertools.product(dims, repeat=rank)]
+    try:
+        for shape in shapes:
+            allowed = len(shape) == 2 and shape[1] == 3 and 1 <= shape[0] <= 64
+            try:
+                await server.infer(request("scale", np.ones(shape, np.float32)))
+            except InvalidRequest:
+                assert not allowed, shape
+            else:
+                assert allowed, shape
     finally:
         await server.stop()
 

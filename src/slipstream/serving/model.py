@@ -59,6 +59,12 @@ class ModelVersion:
         self.stats = ModelStatsRecorder(name, self.version_str)
         self._inputs = {t.name: t for t in config.input}
         self._input_dtypes = {t.name: V2_TO_NUMPY[t.data_type] for t in config.input}
+        # The full shape a request's input must have, batch dim excluded, where no dim is
+        # variable: checked with one tuple comparison (the general check below cost ~7%
+        # of an engine process's event loop at 10k requests/s).
+        self._fixed_dims = {
+            t.name: tuple(t.dims) if -1 not in t.dims else None for t in config.input
+        }
         self._required = [t.name for t in config.input if not t.optional]
         self._output_names = [t.name for t in config.output]
         self._batching = bool(config.max_batch_size)
@@ -145,8 +151,17 @@ class ModelVersion:
         )
 
     def _check_shape(self, tensor: TensorConfig, array: np.ndarray, rows: int, first: bool) -> int:
-        dims = tensor.dims
         shape = array.shape
+        fixed = self._fixed_dims[tensor.name]
+        if fixed is not None:  # the common case, answered without building lists
+            if not self._batching:
+                if shape == fixed:
+                    return 1
+            elif len(shape) == len(fixed) + 1 and shape[1:] == fixed:
+                batch = int(shape[0])
+                if 1 <= batch <= (self.config.max_batch_size or 0) and (first or batch == rows):
+                    return batch
+        dims = tensor.dims
         expected = ([-1] if self._batching else []) + dims
         if len(shape) != len(expected) or any(
             d != -1 and s != d for s, d in zip(shape, expected, strict=False)
