@@ -180,7 +180,8 @@ def test_torch_pickled_module_is_refused_with_a_fix(tmp_path: Path) -> None:
 # --- torch: torch.export programs -----------------------------------------------------
 
 
-def test_exported_program_signature_and_outputs(tmp_path: Path) -> None:
+def export_two_heads(tmp_path: Path) -> tuple[Path, TwoHeads]:
+    """TwoHeads exported with a dynamic batch dim to ``tmp_path/model.pt2``."""
     torch.manual_seed(0)
     module = TwoHeads().eval()
     batch = torch.export.Dim("batch")
@@ -191,6 +192,11 @@ def test_exported_program_signature_and_outputs(tmp_path: Path) -> None:
     )
     path = tmp_path / "model.pt2"
     torch.export.save(program, str(path))
+    return path, module
+
+
+def test_exported_program_signature_and_outputs(tmp_path: Path) -> None:
+    path, module = export_two_heads(tmp_path)
     backend = get_backend("torch").load(path, {}, 1)
     assert backend.signature() == ModelSignature(
         inputs=(TensorSpec("x", "FP32", (-1, 4)), TensorSpec("y", "FP32", (-1, 4))),
@@ -324,16 +330,7 @@ def test_torch_bad_parameters_fail_load(
 
 @pytest.mark.parametrize("mode", ["cast", "autocast"])
 def test_torch_bf16_precision_returns_the_declared_fp32_outputs(tmp_path: Path, mode: str) -> None:
-    torch.manual_seed(0)
-    module = TwoHeads().eval()
-    batch = torch.export.Dim("batch")
-    program = torch.export.export(
-        module,
-        (torch.ones(2, 4), torch.ones(2, 4)),
-        dynamic_shapes={"x": {0: batch}, "y": {0: batch}},
-    )
-    path = tmp_path / "model.pt2"
-    torch.export.save(program, str(path))
+    path, module = export_two_heads(tmp_path)
     backend = _load("torch", path, precision="bf16", precision_mode=mode)
     assert isinstance(backend, TorchBackend)
     rng = np.random.default_rng(5)
