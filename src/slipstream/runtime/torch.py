@@ -71,7 +71,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from slipstream.datatypes import from_config_datatype, numpy_dtype, v2_datatype
+from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, numpy_dtype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
 from slipstream.runtime.data_errors import torch_data_error
@@ -214,7 +214,7 @@ class TorchBackend(Backend):
             output_dtypes={
                 spec.name: _torch_dtype(spec.datatype)
                 for spec in signature.outputs
-                if spec.datatype != "BYTES"
+                if spec.datatype in V2_TO_NUMPY and spec.datatype != "BYTES"
             },
         )
         self._cuda: CudaRunner | None = None
