@@ -21,7 +21,7 @@ import gc
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +75,7 @@ class TransformersEngine(Engine):
         self._extras = sampling.ExtrasRegistry()
         sampling.install(self._manager, self._extras)
         self._matchers = Matchers(self._build_lltokenizer)
+        self._decode_ids = _backend_decode(tokenizer)
         self._waiting: set[str] = set()
         self._running: set[str] = set()
         # The paged cache and the batch buffers are allocated here, on the loading
@@ -110,7 +111,10 @@ class TransformersEngine(Engine):
         return [int(i) for i in ids]
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        if self._decode_ids is not None:
+            return self._decode_ids(ids, skip_special_tokens=True)
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
 
     # -- generation ----------------------------------------------------------------------
 
@@ -146,49 +150,56 @@ class TransformersEngine(Engine):
         matcher = None if params.constraint is None else await self._matchers.new(params.constraint)
         extras = sampling.RequestExtras(params, prompt_ids, matcher)
         extras_id = self._extras.add(extras) if extras.needed else 0
+        request_id = uuid.uuid4().hex
+        mailbox = _Mailbox()
+        manager = self._manager
+        self._add_handler(request_id, mailbox.put)
         try:
-            async for step in self._generate(prompt_ids, params, extras, extras_id):
+            submitted = manager.add_request(
+                prompt_ids,
+                request_id=request_id,
+                max_new_tokens=params.max_tokens,
+                streaming=True,
+                eos_token_id=-1 if params.ignore_eos else sorted(self.eos_token_ids) or -1,
+                **sampling.sampling_kwargs(
+                    params.greedy, params.temperature, params.top_k, params.top_p, params.seed
+                ),
+                **({"extras": extras_id} if extras_id else {}),
+            )
+            if submitted is None:
+                raise Unavailable(
+                    "the generation engine is stopping or has failed", retry_after_s=5
+                )
+            async for step in self._steps(request_id, mailbox, params, extras):
                 yield step
         finally:
+            self._drop_handler(request_id)
             self._extras.drop(extras_id)
 
-    async def _generate(
+    async def _steps(
         self,
-        prompt_ids: list[int],
+        request_id: str,
+        mailbox: _Mailbox,
         params: SamplingParams,
         extras: sampling.RequestExtras,
-        extras_id: int,
     ) -> AsyncIterator[EngineStep]:
-        request_id = uuid.uuid4().hex
-        outputs: asyncio.Queue[Any] = asyncio.Queue()
-        manager = self._manager
-        manager.register_result_handler(request_id, outputs.put_nowait)
-        submitted = manager.add_request(
-            prompt_ids,
-            request_id=request_id,
-            max_new_tokens=params.max_tokens,
-            streaming=True,
-            eos_token_id=-1 if params.ignore_eos else sorted(self.eos_token_ids) or -1,
-            **sampling.sampling_kwargs(
-                params.greedy, params.temperature, params.top_k, params.top_p, params.seed
-            ),
-            **({"extras": extras_id} if extras_id else {}),
-        )
-        if submitted is None:
-            self._drop_handler(request_id)
-            raise Unavailable("the generation engine is stopping or has failed", retry_after_s=5)
         self._waiting.add(request_id)
         sent = 0
         finished = False
         try:
             while True:
-                output = await outputs.get()
+                output = mailbox.take()
+                if output is None:
+                    await mailbox.wait()
+                    continue
                 if output.error is not None:
                     finished = True
                     raise InternalError(f"generation failed: {output.error}")
                 if sent == 0:
                     self._waiting.discard(request_id)
                     self._running.add(request_id)
+                # The latest output holds every token so far: outputs delivered while this
+                # coroutine waited for the event loop become one step.
                 tokens = output.generated_tokens
                 new = tokens[sent:]
                 sent = len(tokens)
@@ -205,13 +216,21 @@ class TransformersEngine(Engine):
             self._running.discard(request_id)
             if not finished:
                 # The client went away or a stop string matched: free the blocks now.
-                manager.cancel_request(request_id)
-                self._drop_handler(request_id)
+                self._manager.cancel_request(request_id)
 
     def _build_lltokenizer(self) -> Any:
         from llguidance.hf import from_tokenizer
 
         return from_tokenizer(self._tokenizer, self.vocab_size, sorted(self.eos_token_ids) or None)
+
+    def _add_handler(self, request_id: str, callback: Callable[[Any], None]) -> None:
+        # What register_result_handler does, without the wrapper it puts around the
+        # callback to drop it after the last output (a call and an is_finished() per
+        # output): every path out of generate() drops it.
+        router = self._manager.output_router
+        loop = asyncio.get_running_loop()
+        with router._lock:
+            router.result_handlers[request_id] = (callback, loop)
 
     def _drop_handler(self, request_id: str) -> None:
         router = self._manager.output_router
@@ -240,6 +259,41 @@ class TransformersEngine(Engine):
 
     async def close(self) -> None:
         await asyncio.to_thread(self._manager.stop, block=True)
+
+
+class _Mailbox:
+    """The newest output of one request, from the manager's result callback (run on the
+    event loop) to the request's coroutine.
+
+    Every output carries all the tokens so far, so only the newest matters: a slot and a
+    future instead of an asyncio.Queue (no queue item, getter deque or loop lookup per
+    token), and outputs that arrive while the coroutine waits for its turn on the loop
+    are sent as one step: one text delta and one SSE event instead of several.
+    """
+
+    __slots__ = ("_latest", "_waiter")
+
+    def __init__(self) -> None:
+        self._latest: Any = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, output: Any) -> None:
+        self._latest = output
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def take(self) -> Any:
+        """The newest output not yet taken, or None."""
+        output, self._latest = self._latest, None
+        return output
+
+    async def wait(self) -> None:
+        """Until :meth:`put` is called."""
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        await waiter
 
 
 def continuous_batching_config(settings: GenerationSettings) -> ContinuousBatchingConfig:
@@ -398,6 +452,38 @@ def build_model(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _backend_decode(tokenizer: Any) -> Callable[..., str] | None:
+    """The Rust tokenizer's own ``decode`` when ``tokenizer.decode`` would return just its
+    text, else None.
+
+    Streaming decodes twice per token per sequence, and transformers' wrapper around the
+    Rust call (argument conversion, kwargs, the clean-up check) measured as much again as
+    the call itself on the event loop.
+    """
+    from tokenizers import Tokenizer
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    backend = getattr(tokenizer, "_tokenizer", None)
+    kind = type(tokenizer)
+    if (
+        not isinstance(backend, Tokenizer)
+        or kind.decode is not PreTrainedTokenizerBase.decode
+        or getattr(kind, "_decode", None) is not TokenizersBackend._decode
+    ):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        # transformers skips the clean-up for BPE models unless told to corrupt them.
+        forced = getattr(
+            tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+            False,
+        )  # fmt: skip
+        if type(backend.model).__name__ != "BPE" or forced:
+            return None
+    decode: Callable[..., str] = backend.decode
+    return decode
 
 
 def _first_line(error: BaseException | str) -> str:

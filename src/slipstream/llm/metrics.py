@@ -8,6 +8,8 @@ at scrape time, running and waiting sequences and the KV cache's block usage.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -55,6 +57,34 @@ class LlmMetrics:
             ["model", "finish_reason"], registry=registry,
         )  # fmt: skip
         registry.register(_CacheCollector(engines))
+        self._of: dict[str, ModelMetrics] = {}
+
+    def of(self, model: str) -> ModelMetrics:
+        """``model``'s children of the per-token metrics, looked up once: ``labels()``
+        takes a lock and builds a key on every call, three calls per streamed token."""
+        found = self._of.get(model)
+        if found is None:
+            found = self._of[model] = ModelMetrics(
+                self.ttft.labels(model),
+                self.itl.labels(model),
+                self.e2e.labels(model),
+                self.generation_tokens.labels(model),
+            )
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMetrics:
+    """One model's labelled children of :class:`LlmMetrics`' histograms and counters."""
+
+    # slipstream_llm_time_to_first_token_seconds{model}
+    ttft: Any
+    # slipstream_llm_inter_token_latency_seconds{model}
+    itl: Any
+    # slipstream_llm_e2e_request_latency_seconds{model}
+    e2e: Any
+    # slipstream_llm_generation_tokens{model}
+    generation_tokens: Any
 
 
 class _CacheCollector(Collector):

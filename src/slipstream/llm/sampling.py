@@ -32,6 +32,8 @@ from slipstream.llm.engine import SamplingParams, TokenLogprob
 # The int32 "pick" argument of a row: these codes, or a non-negative seed key.
 _GREEDY = -2
 _SAMPLE = -1
+# What a processor that no row of the step needs hands the manager as its argument.
+_NO_ARGS = torch.empty(0, dtype=torch.int32)
 
 
 def sampling_kwargs(
@@ -50,7 +52,23 @@ def sampling_kwargs(
     return kwargs
 
 
-class _Temperature(ContinuousBatchingLogitsProcessor):
+class _Step(ContinuousBatchingLogitsProcessor):
+    """A processor that skips the steps no row needs it in.
+
+    The manager calls ``prepare_tensor_args`` with the batch's requests and then, on the
+    same thread before preparing another batch, ``__call__`` on that batch's scores. The
+    first decides on the host, from the requests' kwargs, whether any row needs this
+    processor (``active``); when none does it hands back no argument and the second
+    returns the scores untouched. An all-greedy batch then costs no kernels, no
+    host-device copies of arguments and no device synchronisation (``nonzero``,
+    ``.any()``) per processor and step: what transformers' own greedy step does.
+    """
+
+    # True until a batch is prepared: a call without one processes every row.
+    active = True
+
+
+class _Temperature(_Step):
     supported_kwargs = {"temperature": float}  # noqa: RUF012 - transformers' class layout
     ignored_kwargs: tuple[str, ...] = ()
 
@@ -61,16 +79,19 @@ class _Temperature(ContinuousBatchingLogitsProcessor):
         values = [
             r.state.logit_processor_kwargs.get("temperature", 1.0) for r in requests_with_new_token
         ]
+        self.active = any(value != 1.0 for value in values)
+        if not self.active:
+            return _NO_ARGS
         return torch.tensor(values, dtype=torch.float32).view(torch.int32)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        temperatures = tensor_arg[: scores.size(0)].view(torch.float32)
-        if bool((temperatures != 1.0).any()):
+        if self.active:
+            temperatures = tensor_arg[: scores.size(0)].view(torch.float32)
             scores.div_(temperatures.clamp(min=1e-6).unsqueeze(-1))
         return scores
 
 
-class _TopK(ContinuousBatchingLogitsProcessor):
+class _TopK(_Step):
     supported_kwargs = {"top_k": int}  # noqa: RUF012
     ignored_kwargs: tuple[str, ...] = ()
 
@@ -79,9 +100,14 @@ class _TopK(ContinuousBatchingLogitsProcessor):
 
     def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
         values = [r.state.logit_processor_kwargs.get("top_k", 0) for r in requests_with_new_token]
+        self.active = any(value > 0 for value in values)
+        if not self.active:
+            return _NO_ARGS
         return torch.tensor(values, dtype=torch.int32)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return scores
         ks = tensor_arg[: scores.size(0)]
         rows = torch.nonzero((ks > 0) & (ks < scores.size(1))).flatten()
         if rows.numel():
@@ -93,7 +119,7 @@ class _TopK(ContinuousBatchingLogitsProcessor):
         return scores
 
 
-class _TopP(ContinuousBatchingLogitsProcessor):
+class _TopP(_Step):
     supported_kwargs = {"top_p": float}  # noqa: RUF012
     ignored_kwargs: tuple[str, ...] = ()
 
@@ -102,9 +128,14 @@ class _TopP(ContinuousBatchingLogitsProcessor):
 
     def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
         values = [r.state.logit_processor_kwargs.get("top_p", 1.0) for r in requests_with_new_token]
+        self.active = any(value < 1.0 for value in values)
+        if not self.active:
+            return _NO_ARGS
         return torch.tensor(values, dtype=torch.float32).view(torch.int32)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return scores
         ps = tensor_arg[: scores.size(0)].view(torch.float32)
         rows = torch.nonzero(ps < 1.0).flatten()
         if rows.numel():
@@ -117,7 +148,7 @@ class _TopP(ContinuousBatchingLogitsProcessor):
         return scores
 
 
-class _Pick(ContinuousBatchingLogitsProcessor):
+class _Pick(_Step):
     """Chooses each row's token and leaves it the only possible one."""
 
     supported_kwargs = {"pick": int, "seed": int}  # noqa: RUF012
@@ -135,9 +166,16 @@ class _Pick(ContinuousBatchingLogitsProcessor):
             if code == _SAMPLE and seed is not None:
                 code = _step_key(seed, request.state.generated_len())
             codes.append(code)
+        # All greedy: the engine's own argmax picks each row's token from the scores as
+        # they are.
+        self.active = any(code != _GREEDY for code in codes)
+        if not self.active:
+            return _NO_ARGS
         return torch.tensor(codes, dtype=torch.int32)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return scores
         codes = tensor_arg[: scores.size(0)]
         picks = torch.argmax(scores, dim=-1)
         sampled = torch.nonzero(codes == _SAMPLE).flatten()
@@ -251,7 +289,7 @@ class ExtrasRegistry:
         return found
 
 
-class _ExtrasStep(ContinuousBatchingLogitsProcessor):
+class _ExtrasStep(_Step):
     """Base of the processors that read request extras; the tensor arg is the id."""
 
     supported_kwargs = {"extras": int}  # noqa: RUF012
@@ -265,14 +303,21 @@ class _ExtrasStep(ContinuousBatchingLogitsProcessor):
 
     def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
         values = [r.state.logit_processor_kwargs.get("extras", 0) for r in requests_with_new_token]
+        self.active = any(values)
+        if not self.active:
+            return _NO_ARGS
         return torch.tensor(values, dtype=torch.int32)
+
+    def rows(self, tensor_arg: torch.Tensor, count: int) -> list[tuple[int, RequestExtras]]:
+        """(row, extras) of this step's rows whose request has any."""
+        return self.registry.rows(tensor_arg, count) if self.active else []
 
 
 class _Penalties(_ExtrasStep):
     """Penalties and logit bias, first, on the model's own logits."""
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        for row, extras in self.registry.rows(tensor_arg, scores.size(0)):
+        for row, extras in self.rows(tensor_arg, scores.size(0)):
             extras.penalize(scores[row])
         return scores
 
@@ -281,7 +326,7 @@ class _Logprobs(_ExtrasStep):
     """After temperature: the log-softmax of the rows that asked for logprobs."""
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        for row, extras in self.registry.rows(tensor_arg, scores.size(0)):
+        for row, extras in self.rows(tensor_arg, scores.size(0)):
             if extras.params.logprobs is not None:
                 extras.pending = torch.log_softmax(scores[row].double(), dim=-1)
         return scores
@@ -291,7 +336,7 @@ class _Mask(_ExtrasStep):
     """Constrained rows: every token the grammar refuses is cut (llguidance's bitmask)."""
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        for row, extras in self.registry.rows(tensor_arg, scores.size(0)):
+        for row, extras in self.rows(tensor_arg, scores.size(0)):
             if extras.matcher is not None:
                 allowed = allowed_tokens(extras.matcher, scores.size(1))
                 refused = ~torch.from_numpy(allowed).to(scores.device)
@@ -303,7 +348,7 @@ class _Record(_ExtrasStep):
     """Last: the chosen token (the one left possible) into history, logprobs, grammar."""
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        for row, extras in self.registry.rows(tensor_arg, scores.size(0)):
+        for row, extras in self.rows(tensor_arg, scores.size(0)):
             token = int(torch.argmax(scores[row]))
             extras.generated.append(token)
             if extras.matcher is not None:

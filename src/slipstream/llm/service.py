@@ -397,6 +397,7 @@ class LlmModels(GenerationService):
     ) -> AsyncIterator[TextDelta]:
         metrics = self.metrics
         metrics.prompt_tokens.labels(model).inc(len(job.prompt_ids))
+        per_model = metrics.of(model)
         steps = engine.generate(job.prompt_ids, job.params)
         previous_tokens = 0
         previous_at = arrived
@@ -407,16 +408,16 @@ class LlmModels(GenerationService):
                 new = delta.completion_tokens - previous_tokens
                 if new > 0:
                     if previous_tokens == 0:
-                        metrics.ttft.labels(model).observe(now - arrived)
+                        per_model.ttft.observe(now - arrived)
                     else:
                         gap = (now - previous_at) / new
                         for _ in range(new):
-                            metrics.itl.labels(model).observe(gap)
-                    metrics.generation_tokens.labels(model).inc(new)
+                            per_model.itl.observe(gap)
+                    per_model.generation_tokens.inc(new)
                     previous_tokens, previous_at = delta.completion_tokens, now
                 if delta.finish_reason is not None:
                     outcome = delta.finish_reason
-                    metrics.e2e.labels(model).observe(now - arrived)
+                    per_model.e2e.observe(now - arrived)
                 yield delta
         except Exception:
             outcome = "error"

@@ -33,6 +33,10 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._longest = max((len(s) for s in self._stops), default=0)
 
+    def __bool__(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
+
     def find(self, text: str, start: int) -> int:
         """Index of the earliest stop string that ends at or after ``start``, or -1."""
         best = -1
@@ -109,7 +113,7 @@ async def stream_text(
             if step.logprobs:
                 logprobs.extend(step.logprobs)
             text = incremental.extend(step.token_ids)
-            cut = matcher.find(text, sent)
+            cut = matcher.find(text, sent) if matcher else -1
             if cut != -1:
                 yield TextDelta(text[sent:cut], count, "stop", tuple(logprobs))
                 return
@@ -119,7 +123,8 @@ async def stream_text(
             end = len(text)
             while end > sent and text[end - 1] == _PARTIAL:
                 end -= 1
-            end = sent + matcher.safe_end(text[sent:end])
+            if matcher:
+                end = sent + matcher.safe_end(text[sent:end])
             if end > sent:
                 yield TextDelta(text[sent:end], count, None, tuple(logprobs))
                 logprobs.clear()
