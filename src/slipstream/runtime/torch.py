@@ -80,6 +80,7 @@ from slipstream.runtime.torch_cuda import (
     Precision,
     is_out_of_memory,
     out_of_memory_line,
+    torch_dtype,
 )
 
 logger = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ class TorchBackend(Backend):
             dtype=parameters.dtype,
             autocast=parameters.autocast,
             output_dtypes={
-                spec.name: _torch_dtype(spec.datatype)
+                spec.name: torch_dtype(numpy_dtype(spec.datatype))
                 for spec in signature.outputs
                 if spec.datatype in V2_TO_NUMPY and spec.datatype != "BYTES"
             },
@@ -327,10 +328,6 @@ def _writable(array: np.ndarray) -> np.ndarray:
     if array.flags.writeable and array.flags.c_contiguous:
         return array
     return np.array(array, order="C")
-
-
-def _torch_dtype(datatype: str) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=numpy_dtype(datatype))).dtype
 
 
 def _to_numpy(named: dict[str, Any], name: str) -> np.ndarray:

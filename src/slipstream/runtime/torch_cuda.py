@@ -22,6 +22,7 @@ reason (docs/gpu.md has the figures):
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -123,10 +124,10 @@ class CudaRunner:
         self, names: Sequence[str], arrays: Sequence[np.ndarray], output_names: Sequence[str]
     ) -> dict[str, np.ndarray]:
         """One batch: upload, forward (eager or a graph replay), download, synchronise."""
+        rows = arrays[0].shape[0] if arrays and arrays[0].ndim else 0
         try:
             with torch.cuda.stream(self._stream):
                 host = [self._stage(name, array) for name, array in zip(names, arrays, strict=True)]
-                rows = arrays[0].shape[0] if arrays and arrays[0].ndim else 0
                 graph = self._graph_for(host, rows, output_names)
                 if graph is not None:
                     for static, staged in zip(graph.inputs, host, strict=True):
@@ -144,8 +145,8 @@ class CudaRunner:
                 raise
             torch.cuda.empty_cache()
             raise Unavailable(
-                f"the GPU ran out of memory running a batch of {len(arrays[0]) if arrays else 0}"
-                f" rows ({out_of_memory_line(exc)}); retry with a smaller batch, lower "
+                f"the GPU ran out of memory running a batch of {rows} rows "
+                f"({out_of_memory_line(exc)}); retry with a smaller batch, lower "
                 "max_batch_size or instance count, or free GPU memory",
                 retry_after_s=1,
             ) from None
@@ -161,7 +162,7 @@ class CudaRunner:
 
     def _stage(self, name: str, array: np.ndarray) -> torch.Tensor:
         """``array`` copied into this input's pinned buffer, as a tensor of its shape."""
-        view = self._pinned(f"in:{name}", array.nbytes, _torch_dtype(array.dtype), array.shape)
+        view = self._pinned(f"in:{name}", array.nbytes, torch_dtype(array.dtype), array.shape)
         np.copyto(view.numpy(), array, casting="no")
         return view
 
@@ -254,5 +255,8 @@ def out_of_memory_line(exc: RuntimeError) -> str:
     return found.strip().removeprefix("RuntimeError: ").split(" GPU ")[0]
 
 
-def _torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
+@functools.cache
+def torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
+    """The torch dtype of a numpy one (looked up once: staging asks for each input of
+    every batch)."""
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
