@@ -23,7 +23,7 @@ TORCH_WHEELS ?= /opt/wheels
 # test), libb64-0d (perf_analyzer, benchmarks/peers/perf_analyzer.py).
 DEBIAN_PACKAGES := redis-server prometheus chromium chromium-driver libb64-0d
 
-.PHONY: install debian-packages lock run models test test-suite test-soak test-fast test-gpu test-lowest lint unit bench clean vendor
+.PHONY: install debian-packages lock run models test test-suite durations test-soak test-fast test-gpu test-lowest lint unit bench clean vendor
 
 install: debian-packages $(VENV)/.installed
 
@@ -82,14 +82,27 @@ lint: install
 	$(VENV)/bin/mypy
 
 # Lint (mypy alone is ~50 s of one core on a clean clone), the lowest-bound run, the soak
-# and the rest of the suite run at once: the suite keeps about one core of two busy, and
-# the others take turns on the second (the soak after lint and the lowest-bound run, so
-# the three never share it). Each one's output is printed when it ends.
+# and the suite run at once. The suite runs as two halves, each its own pytest process
+# (pytest-split: the halves are balanced by the test times recorded in $(DURATIONS)), so
+# that both cores stay busy: one pytest process keeps about one core of two busy, and
+# lint, the lowest-bound run and the soak need less than the other. The soak waits for
+# lint and the lowest-bound run. Each job's output is printed when it ends.
+DURATIONS := tests/durations.json
+SUITE := HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not soak"
 test: install
-	$(MAKE) --no-print-directory -j4 --output-sync=target lint test-lowest test-soak test-suite
+	$(MAKE) --no-print-directory -j5 --output-sync=target lint test-lowest test-soak \
+	  test-suite-1 test-suite-2
 
+# The whole suite in one process (what the two halves of `make test` run between them).
 test-suite: install
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not soak"
+	$(SUITE)
+
+test-suite-%: install
+	$(SUITE) --splits 2 --group $* --durations-path $(DURATIONS)
+
+# Record the suite's test times again (after adding slow tests), for the halves' balance.
+durations: install
+	$(SUITE) --store-durations --durations-path $(DURATIONS)
 
 # The minute of mixed traffic (tests/integration/test_soak.py), confined to the last core
 # this process may use and at a lower priority: its server and load generator share that

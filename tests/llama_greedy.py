@@ -13,8 +13,10 @@ from typing import Any
 import numpy as np
 
 # Logits by which a token may trail llama.cpp's best and still count as a greedy choice.
-# Seen: a first token that trailed by 0.011 on another CPU; garbage trails by whole units.
-NEAR_TIE = 0.25
+# Seen: a first token that trailed by 0.011 on another CPU, and ' ' taken where 'T' led by
+# 0.26 alone (the plain sequence of the constrained-neighbour test, beside three others,
+# in a busy `make test`); garbage trails by whole units.
+NEAR_TIE = 0.5
 
 
 def token_text(model: Any, ids: list[int]) -> str:

@@ -152,6 +152,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     try:
         for device in devices:
             device._spawn()  # all five start at once
+        # The devices retry a publisher that is still starting; the fixture's own
+        # questions do not, so it waits for one answer (beside a busy suite the devices
+        # were ready in 1.3 s, before the publisher listened).
+        _wait_answering(f"{url}/v2/fleet/devices", publisher, root / "publisher.log")
         for device in devices:
             device.wait_until("ready", 60.0)
         result = Fleet(paths, url, publisher, devices, bundles)
@@ -163,6 +167,22 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             device.stop()
         publisher.kill()
         publisher.wait(10)
+
+
+def _wait_answering(
+    url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            assert process.poll() is None, f"the publisher exited: {log.read_text()[-2000:]}"
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"no answer from {url}: {log.read_text()[-2000:]}"
+            time.sleep(0.05)
 
 
 def test_a_new_version_reaches_every_device_under_load_without_a_failed_request(
