@@ -30,8 +30,10 @@ cap_grpc_coded,cap_grpc_model --concurrency 16 --rounds 3
 
 ``--layouts`` measures the same Slipstream cases against each process layout in turn (one
 server at a time): ``one`` (everything in one process, the default layout), and
-``split<N>`` (``--frontends N``: N front-end processes and one engine process). A layout
-may name its own cores as ``split2@0,1``; otherwise it runs on ``--server-cores``. The
+``split<N>`` (``--frontends N``: N front-end processes and one engine process, under
+SCHED_BATCH, the default ``--cpu-scheduling``; ``split<N>-default`` under the normal
+policy). A layout may name its own cores as ``split2@0,1``; otherwise it runs on
+``--server-cores``. The
 ratios ``<case>[split<N>] / <case>[one]`` are issue #25's layout targets (>= 0.9 for one
 front end on the same core; >= 1.4 for two front ends on two cores, the load generator on
 cores of its own where the host has them: the host's core count is printed).
@@ -161,7 +163,15 @@ def run(args: argparse.Namespace) -> None:
             by_handler = dict(zip(handlers, cap_ports, strict=True))
             ports.update({f"cap:{h}": port for h, port in by_handler.items()})
             with (
-                slipstream_server(repo, cores, http_port, grpc_port, Path(tmp), frontends),
+                slipstream_server(
+                    repo,
+                    cores,
+                    http_port,
+                    grpc_port,
+                    Path(tmp),
+                    frontends,
+                    "default" if "-default" in layout else "batch",
+                ),
                 cap_servers(args, repo, grpc_port, by_handler),
             ):
                 print(f"layout {layout}: {frontends or 'one process'} front ends, cores {cores}")
@@ -238,13 +248,15 @@ def measure(
 
 
 def parse_layouts(text: str, default_cores: str) -> list[tuple[str, int, str]]:
-    """(name, front ends, cores) of each layout in ``one,split1,split2@0,1``."""
+    """(name, front ends, cores) of each layout in ``one,split1,split2@0,1``; a split
+    named ``split<N>-default`` runs under ``--cpu-scheduling default``."""
     layouts = []
     for item in text.replace(",split", ";split").replace(",one", ";one").split(";"):
         name, _, cores = item.partition("@")
-        if name != "one" and not (name.startswith("split") and name[5:].isdigit()):
-            raise SystemExit(f"--layouts: {item!r} is neither one nor split<N>[@cores]")
-        frontends = 0 if name == "one" else int(name[5:])
+        count = name[5:].removesuffix("-default")
+        if name != "one" and not (name.startswith("split") and count.isdigit()):
+            raise SystemExit(f"--layouts: {item!r} is neither one nor split<N>[-default][@cores]")
+        frontends = 0 if name == "one" else int(count)
         layouts.append((name if name == "one" else f"{name}@{cores or default_cores}",
                         frontends, cores or default_cores))  # fmt: skip
     return layouts
@@ -309,13 +321,20 @@ def build_mlp(repo: Path) -> Path:
 
 @contextmanager
 def slipstream_server(
-    repo: Path, cores: str, http_port: int, grpc_port: int, log_dir: Path, frontends: int = 0
+    repo: Path,
+    cores: str,
+    http_port: int,
+    grpc_port: int,
+    log_dir: Path,
+    frontends: int = 0,
+    scheduling: str = "batch",
 ) -> Iterator[None]:
     command = [
         "taskset", "-c", cores, str(VENV_BIN / "slipstream"), "serve",
         "--model-repository", str(repo), "--host", "127.0.0.1",
         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--allow-client-shm",
         "--log-level", "warning", "--frontends", str(frontends),
+        "--cpu-scheduling", scheduling,
     ]  # fmt: skip
     with _process(command, log_dir / "slipstream.log"):
         _wait_http(f"http://127.0.0.1:{http_port}/v2/health/ready")

@@ -210,6 +210,12 @@ def main() -> None:
     help=_help("log_level"),
 )
 @click.option("--frontends", type=int, default=0, help=_help("frontends"))
+@click.option(
+    "--cpu-scheduling",
+    type=click.Choice(["batch", "default"]),
+    default="batch",
+    help=_help("cpu_scheduling"),
+)
 def serve(**options: Any) -> None:
     """Serve every model of a repository over V2 HTTP and gRPC.
 

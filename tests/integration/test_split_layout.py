@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -67,6 +68,26 @@ def add_sub_inputs(
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(b)
     return inputs, a, b
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_every_thread_of_the_engine_and_the_front_ends_runs_under_sched_batch(
+    server: RemoteServer,
+) -> None:
+    """--cpu-scheduling batch, the default: ONNX Runtime's, ZeroMQ's and grpcio's threads
+    included (tests/unit/test_cpu_scheduling.py has the other policies)."""
+    assert server.proc is not None
+    children = [  # the engine and the front ends, not multiprocessing's resource tracker
+        child
+        for child in psutil.Process(server.proc.pid).children()
+        if "resource_tracker" not in " ".join(child.cmdline())
+    ]
+    assert len(children) == FRONTENDS + 1, children
+    for child in children:
+        tids = [thread.id for thread in child.threads()]
+        assert len(tids) > 2, tids
+        assert {os.sched_getscheduler(tid) for tid in tids} == {os.SCHED_BATCH}, child
+    assert os.sched_getscheduler(server.proc.pid) == os.SCHED_OTHER  # the supervisor
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

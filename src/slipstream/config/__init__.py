@@ -452,6 +452,15 @@ class ServerSettings(_Strict):
         "of one engine process that runs the models, so decoding and gRPC scale past one "
         "core and the models never wait for the front ends' GIL.",
     )
+    cpu_scheduling: Literal["batch", "default"] = Field(
+        "batch",
+        description="Linux scheduling policy of the --frontends N processes. batch "
+        "(SCHED_BATCH): a process woken by another's message waits for the running one's "
+        "time slice instead of preempting it, so each hands the other whole batches "
+        "(1.46x the requests/s of default with the processes sharing one core; no "
+        "difference where each has a core of its own). default: the scheduler's usual "
+        "policy. One process (--frontends 0) is left as it is started.",
+    )
 
     auth_file: Path | None = Field(
         None,

@@ -41,6 +41,7 @@ from slipstream.engine.supervisor import (
     Supervisor,
     engine_address,
     remove_socket_dir,
+    set_cpu_scheduling,
     socket_dir,
     watch_parent,
 )
@@ -372,8 +373,9 @@ async def _relay(items: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 def _child_setup(settings: ServerSettings, role: str) -> None:
     """Logging as ``slipstream serve`` sets it, each line saying which process; Ctrl-C
     left to the supervisor (it reaches the whole process group), which stops the children
-    in order."""
+    in order; the CPU scheduling policy of ``--cpu-scheduling``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_cpu_scheduling(settings.cpu_scheduling)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s",
