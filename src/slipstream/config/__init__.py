@@ -457,7 +457,7 @@ class ServerSettings(_Strict):
         description="Linux scheduling policy of the --frontends N processes. batch "
         "(SCHED_BATCH): a process woken by another's message waits for the running one's "
         "time slice instead of preempting it, so each hands the other whole batches "
-        "(1.46x the requests/s of default with the processes sharing one core; no "
+        "(about 1.5x the requests/s of default with the processes sharing one core; no "
         "difference where each has a core of its own). default: the scheduler's usual "
         "policy. One process (--frontends 0) is left as it is started.",
     )

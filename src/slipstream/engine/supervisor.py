@@ -64,7 +64,7 @@ def set_cpu_scheduling(policy: str) -> None:
     process a message wakes preempts the one that sent it, mid-batch, wherever they
     share a core: each then hands over a request or two at a time. Under SCHED_BATCH the
     woken process waits for the sender's time slice or its next wait, and gets the whole
-    batch (benchmarks/frontends.py: 1.46x the requests/s on one shared core). A process
+    batch (benchmarks/frontends.py: about 1.5x the requests/s on one shared core). A process
     started under another policy (a real-time one its operator chose) is left alone, as
     is any system without SCHED_BATCH."""
     if policy != "batch":
