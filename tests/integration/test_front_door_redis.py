@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -261,3 +261,74 @@ async def test_fast_keys_spend_leases_and_two_processes_still_share_one_budget(
         for limiter in limiters:
             await limiter.store.close()
         stats.close()
+
+
+async def test_requests_in_flight_count_across_processes_and_a_stopped_one_frees_its_share(
+    redis: RedisServer,
+) -> None:
+    """A key's concurrency limit is one budget for every process sharing the Redis (the
+    front ends of --frontends N, replicas): 3 in flight over two processes fill a limit
+    of 3; a release in one lets the other in; a process that stops without releasing
+    (killed) stops counting once it has been silent for ``gone_after_s``."""
+    ring = KeyRing(Path("unused.json"), [])
+    _, key = ring.create("three", "infer", limits=KeyLimits(max_concurrent=3))
+    one, two = (Limiter(RedisStore(redis.url, gone_after_s=0.5), FrontDoorMetrics())
+                for _ in range(2))  # fmt: skip
+    try:
+        assert await one.admit(key, generative=False)
+        assert await one.admit(key, generative=False)
+        assert await two.admit(key, generative=False)
+        for limiter in (one, two):
+            with pytest.raises(TooManyRequests) as refused:
+                await limiter.admit(key, generative=False)
+            assert ("ratelimit-policy", '"concurrency";q=3') in refused.value.headers
+        one.release(key)
+        assert await wait_for(lambda: two.admit(key, generative=False), 2.0)
+        with pytest.raises(TooManyRequests):
+            await one.admit(key, generative=False)
+        # `one` stops holding its request without releasing it (a killed process).
+        assert isinstance(one.store, RedisStore)
+        await one.store.close()
+        started = time.monotonic()
+        assert await wait_for(lambda: two.admit(key, generative=False), 5.0)
+        assert 0.3 <= time.monotonic() - started <= 3.0
+        # Now `two` holds all three; its releases free them for anyone.
+        for _ in range(3):
+            two.release(key)
+        for _ in range(3):
+            assert await wait_for(lambda: two.admit(key, generative=False), 2.0)
+    finally:
+        await one.store.close()
+        await two.store.close()
+
+
+async def wait_for(admit: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
+    """``admit()`` retried while it is refused with 429, up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await admit()
+        except TooManyRequests:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.02)
+
+
+async def test_a_request_that_goes_away_while_redis_counts_it_leaves_no_slot_taken(
+    redis: RedisServer,
+) -> None:
+    ring = KeyRing(Path("unused.json"), [])
+    _, key = ring.create("one-at-a-time", "infer", limits=KeyLimits(max_concurrent=1))
+    first, other = (Limiter(RedisStore(redis.url), FrontDoorMetrics()) for _ in range(2))
+    try:
+        for _ in range(5):
+            admitting = asyncio.ensure_future(first.admit(key, generative=False))
+            await asyncio.sleep(0)  # the script is on its way to Redis
+            admitting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await admitting
+        # Whether or not Redis counted them, none of the five holds the key's one slot.
+        assert await wait_for(lambda: other.admit(key, generative=False), 2.0)
+    finally:
+        await first.store.close()
+        await other.store.close()

@@ -10,6 +10,10 @@ share one budget.
 
 Tokens are charged after a response (its usage), so a request is admitted while the
 key's token budget is not in debt, and its tokens may take the budget below zero.
+
+Requests in flight are counted by each process; a store that is not local (Redis) also
+counts every process's together, so a key's concurrency limit holds across the front
+ends of ``--frontends N`` and across replicas.
 """
 
 from __future__ import annotations
@@ -66,6 +70,22 @@ class LimitStore(ABC):
         """Admit the check without awaiting, where the store can (a lease it holds);
         False: :meth:`acquire` must decide."""
         return False
+
+    # Concurrency shared between processes (a store that is not local): the limiter
+    # counts each process's requests in flight itself, and asks such a store too.
+    async def enter(self, bucket: str, limit: int) -> bool:
+        """Count one more request in flight on ``bucket`` unless every process's together
+        reach ``limit``; False when they do. Raises StoreUnavailable (nothing counted)."""
+        raise NotImplementedError
+
+    def hold(self, bucket: str) -> None:
+        """Count one request in flight without asking (admitted while the store was
+        unreachable); the store learns of it when it answers again."""
+        raise NotImplementedError
+
+    def leave(self, bucket: str) -> None:
+        """One request in flight on ``bucket`` (entered or held) finished."""
+        raise NotImplementedError
 
     async def close(self) -> None:  # noqa: B027 - most stores hold nothing to release
         """Release connections."""
@@ -125,6 +145,7 @@ class _Plan:
     limits: KeyLimits
     bucket: str
     tokens: str
+    in_flight: str
     rate_per_s: float
     burst: int
     max_concurrent: int
@@ -175,7 +196,8 @@ class Limiter:
         if plan is None or plan.limits is not key.limits:
             limits = key.limits
             plan = self._plans[key.name] = _Plan(
-                limits, f"req:{key.name}", f"tok:{key.name}", limits.requests_per_s,
+                limits, f"req:{key.name}", f"tok:{key.name}", f"conc:{key.name}",
+                limits.requests_per_s,
                 _burst(limits.requests_per_s, limits.burst) if limits.requests_per_s else 0,
                 limits.max_concurrent, limits.tokens_per_minute,
             )  # fmt: skip
@@ -204,7 +226,22 @@ class Limiter:
         if generative and plan.tokens_per_minute:
             tpm = plan.tokens_per_minute
             self._check_tokens(key, await self._ask(plan.tokens, tpm / 60.0, tpm, 0))
+        if plan.max_concurrent:
+            await self._enter(key, plan)
         return self._count_in(key, plan)
+
+    async def _enter(self, key: ApiKey, plan: _Plan) -> None:
+        """The store's count of ``key``'s requests in flight in every process, one more;
+        refused (429) at its limit. A store that cannot answer: as :meth:`_ask`."""
+        try:
+            entered = await self.store.enter(plan.in_flight, plan.max_concurrent)
+        except StoreUnavailable as exc:
+            self._store_failed(exc)  # raises when failing closed
+            self.store.hold(plan.in_flight)
+            return
+        self._store_answered()
+        if not entered:
+            self._refuse_concurrency(key)
 
     def _check_requests(self, key: ApiKey, burst: int, verdict: Verdict) -> None:
         if not verdict.allowed:
@@ -227,6 +264,8 @@ class Limiter:
         self._in_flight[key.name] -= 1
         if not self._in_flight[key.name]:
             del self._in_flight[key.name]
+        if not self._local:
+            self.store.leave(self._plans[key.name].in_flight)
 
     async def charge_tokens(self, key: ApiKey, tokens: int) -> None:
         tpm = key.limits.tokens_per_minute
@@ -239,22 +278,30 @@ class Limiter:
         try:
             verdict = await self.store.acquire(bucket, rate_per_s, burst, cost, force)
         except StoreUnavailable as exc:
-            if not self._store_down:
-                self._store_down = True
-                logger.error("rate-limit store unreachable (%s): requests are %s until it "
-                             "answers again", exc,
-                             "refused" if self._fail_closed else "admitted")  # fmt: skip
-            if self._fail_closed:
-                self._metrics.store_errors["refused"] += 1
-                raise Unavailable(
-                    "the rate-limit store is unreachable; retry shortly", retry_after_s=1
-                ) from None
-            self._metrics.store_errors["admitted"] += 1
+            self._store_failed(exc)
             return Verdict(True, 0.0, 0.0)
+        self._store_answered()
+        return verdict
+
+    def _store_failed(self, exc: StoreUnavailable) -> None:
+        """The store could not answer: log it once, count it; raise 503 when failing
+        closed (else the check admits)."""
+        if not self._store_down:
+            self._store_down = True
+            logger.error("rate-limit store unreachable (%s): requests are %s until it "
+                         "answers again", exc,
+                         "refused" if self._fail_closed else "admitted")  # fmt: skip
+        if self._fail_closed:
+            self._metrics.store_errors["refused"] += 1
+            raise Unavailable(
+                "the rate-limit store is unreachable; retry shortly", retry_after_s=1
+            ) from None
+        self._metrics.store_errors["admitted"] += 1
+
+    def _store_answered(self) -> None:
         if self._store_down:
             self._store_down = False
             logger.warning("rate-limit store answers again")
-        return verdict
 
     def _refuse(self, key: ApiKey, limit: str, quota: int, window_s: float, verdict: Verdict,
                 what: str) -> None:  # fmt: skip

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,48 @@ for i = 1, #KEYS do
 end
 return out
 """
+# Requests in flight, shared: KEYS[1] is a key's holders (process -> its requests in
+# flight), KEYS[2] every process's last sign of life (ms, Redis's clock). ARGV: this
+# process, the limit, after how many ms without a sign a process counts as gone (its
+# requests are dropped from every count). Returns 1 (counted) or 0 (at the limit).
+_ENTER = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+redis.call('HSET', KEYS[2], ARGV[1], now)
+local holders = redis.call('HGETALL', KEYS[1])
+local total = 0
+for i = 1, #holders, 2 do
+  local seen = tonumber(redis.call('HGET', KEYS[2], holders[i]) or 0)
+  if now - seen > tonumber(ARGV[3]) then
+    redis.call('HDEL', KEYS[1], holders[i])
+  else
+    total = total + tonumber(holders[i + 1])
+  end
+end
+if total >= tonumber(ARGV[2]) then return 0 end
+redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+return 1
+"""
+# This process's sign of life, and changes to its counts that Redis has not seen (a
+# release; a request admitted while Redis was down): KEYS[1] the signs of life, KEYS[2..]
+# holders hashes; ARGV[1] this process, ARGV[2..] the change to its count in each.
+# Changes add up in any order, so two calls in flight never undo each other.
+_HOLD = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+redis.call('HSET', KEYS[1], ARGV[1], now)
+for i = 2, #KEYS do
+  if redis.call('HINCRBY', KEYS[i], ARGV[1], ARGV[i]) <= 0 then
+    redis.call('HDEL', KEYS[i], ARGV[1])
+  end
+end
+return 1
+"""
 _PREFIX = "{slipstream-ratelimit}:"
+_ALIVE = _PREFIX + "alive"
+# A process holding requests in flight says so five times in this; one silent for it (it
+# stopped, or lost Redis) no longer counts.
+_GONE_S = 5.0
 _RETRY_AFTER_FAILURE_S = 0.5
 # A Redis that does not answer within this is treated as down for the requests at hand.
 _SOCKET_TIMEOUT_S = 0.5
@@ -109,8 +151,12 @@ class _Lease:
 class RedisStore(LimitStore):
     """GCRA buckets in Redis at ``url`` (``redis://host:port[/db]``)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, gone_after_s: float = _GONE_S) -> None:
+        """``gone_after_s``: how long a process holding requests in flight may stay
+        silent (stopped, or cut off from Redis) before they no longer count."""
         self._client = redis_client(url)
+        self._gone_ms = round(gone_after_s * 1000)
+        self._hold_every_s = gone_after_s / 5
         self._script = self._client.register_script(_GCRA)
         self._down_until = 0.0
         self._pending: _Entries = {}
@@ -121,6 +167,14 @@ class RedisStore(LimitStore):
         self._shapes: dict[tuple[float, int, int, bool], _Shape] = {}
         # Prefixed bucket -> tokens Redis granted this process ahead of its requests.
         self._leases: dict[str, _Lease] = {}
+        # Requests in flight: this process's name in Redis, its own counts (prefixed
+        # bucket -> requests), and the changes to them Redis has not been told.
+        self._enter = self._client.register_script(_ENTER)
+        self._hold = self._client.register_script(_HOLD)
+        self._process = uuid.uuid4().hex
+        self._held: dict[str, int] = {}
+        self._untold: dict[str, int] = {}
+        self._holding: asyncio.Task[None] | None = None
 
     def take_now(self, bucket: str, rate_per_s: float, burst: int, cost: int) -> bool:
         """Admit one check from this process's lease on ``bucket``, without a call; False
@@ -243,9 +297,84 @@ class RedisStore(LimitStore):
                 if not future.done():
                     future.set_result(_ADMITTED if position < admitted else refused)
 
+    async def enter(self, bucket: str, limit: int) -> bool:
+        if self._down_until and time.monotonic() < self._down_until:
+            raise StoreUnavailable("Redis failed a moment ago")
+        key = _PREFIX + bucket
+        call = asyncio.ensure_future(
+            self._enter(keys=[key, _ALIVE], args=[self._process, limit, self._gone_ms])
+        )
+        try:
+            entered = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The request went away: a count the script may still add is taken back.
+            call.add_done_callback(lambda done: self._entered_for_nobody(key, done))
+            raise
+        except Exception as exc:
+            self._down_until = time.monotonic() + _RETRY_AFTER_FAILURE_S
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from None
+        self._down_until = 0.0
+        if not entered:
+            return False
+        self._count(key, 1)
+        return True
+
+    def _entered_for_nobody(self, key: str, call: asyncio.Future[Any]) -> None:
+        if call.cancelled() or call.exception() is not None or not call.result():
+            return
+        self._untold[key] = self._untold.get(key, 0) - 1
+        task = asyncio.get_running_loop().create_task(self._tell())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def hold(self, bucket: str) -> None:
+        key = _PREFIX + bucket
+        self._count(key, 1)
+        self._untold[key] = self._untold.get(key, 0) + 1
+
+    def leave(self, bucket: str) -> None:
+        """Redis is told at once (a request waiting in another process may enter); a
+        change it could not be told is told with the next sign of life."""
+        key = _PREFIX + bucket
+        self._count(key, -1)
+        self._untold[key] = self._untold.get(key, 0) - 1
+        task = asyncio.get_running_loop().create_task(self._tell())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _count(self, key: str, change: int) -> None:
+        held = self._held.get(key, 0) + change
+        if held:
+            self._held[key] = held
+        else:
+            del self._held[key]
+        if self._holding is None or self._holding.done():
+            self._holding = asyncio.get_running_loop().create_task(self._keep_holding())
+
+    async def _tell(self) -> None:
+        """This process's sign of life and every change Redis has not been told."""
+        changes, self._untold = self._untold, {}
+        keys = list(changes)
+        try:
+            await self._hold(
+                keys=[_ALIVE, *keys], args=[self._process, *(changes[k] for k in keys)]
+            )
+        except Exception:  # told with the next sign of life
+            for key, change in changes.items():
+                self._untold[key] = self._untold.get(key, 0) + change
+
+    async def _keep_holding(self) -> None:
+        """While this process holds requests in flight (or has changes to tell), a sign
+        of life five times per ``gone_after_s``, so they keep counting."""
+        while self._held or self._untold:
+            await asyncio.sleep(self._hold_every_s)
+            await self._tell()
+
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        if self._holding is not None:
+            self._holding.cancel()
         await self._client.aclose()
 
 
