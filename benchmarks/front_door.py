@@ -211,8 +211,9 @@ def redis_server(work: Path, core: int | None) -> Iterator[str]:
         process.wait(10)
 
 
-def make_key(work: Path, name: str, *limits: str) -> tuple[Path, str]:
-    auth_file = work / f"{name}.json"
+def make_key(work: Path, name: str, *limits: str, file: str = "") -> tuple[Path, str]:
+    """A new key named ``name`` in ``work/<file or name>.json``: the file and the key."""
+    auth_file = work / f"{file or name}.json"
     made = subprocess.run(
         [str(SLIPSTREAM), "keys", "create", "--auth-file", str(auth_file), "--name", name, *limits],
         check=True,
@@ -336,7 +337,14 @@ def auth_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
         work, "bench", "--role", "admin", "--rate", "1000000", "--burst", "1000000"
     )
     bearer = {"Authorization": f"Bearer {key}"}
-    labels = ("none", "twin", "header", "memory", "redis")
+    # The same limits and a concurrency limit (counted in Redis across processes), in the
+    # same keys file: the statistics are read with the first key on every server.
+    _, counted = make_key(
+        work, "bench-concurrency", "--role", "admin", "--rate", "1000000",
+        "--burst", "1000000", "--concurrency", "1000000", file="bench",
+    )  # fmt: skip
+    counted_bearer = {"Authorization": f"Bearer {counted}"}
+    labels = ("none", "twin", "header", "memory", "redis", "redis_concurrency")
     loads: dict[str, list[Load]] = {label: [] for label in labels}
     one_round = argparse.Namespace(**{**vars(args), "rounds": 1})
     with redis_server(work, args.redis_core) as url:
@@ -352,15 +360,23 @@ def auth_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
             shared = serve_spec(
                 "redis", repo, "--auth-file", str(auth_file), "--rate-limit-store", url
             )
+            concurrent = serve_spec(
+                "redis-concurrency", repo, "--auth-file", str(auth_file),
+                "--rate-limit-store", url,
+            )  # fmt: skip
             levels = {
                 "none": (none.port, infer_request(none.port, "mlp")),
                 "twin": (twin.port, infer_request(twin.port, "mlp")),
                 "header": (none.port, infer_request(none.port, "mlp", bearer)),
                 "memory": (memory.port, infer_request(memory.port, "mlp", bearer)),
                 "redis": (shared.port, infer_request(shared.port, "mlp", bearer)),
+                "redis_concurrency": (
+                    concurrent.port,
+                    infer_request(concurrent.port, "mlp", counted_bearer),
+                ),
             }
             order = labels[turn % len(labels) :] + labels[: turn % len(labels)]
-            with servers([none, twin, memory, shared], args.server_core, work):
+            with servers([none, twin, memory, shared, concurrent], args.server_core, work):
                 measured = rounds(
                     {label: levels[label] for label in order},
                     args.connections,
@@ -375,6 +391,7 @@ def auth_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
     report("no auth, header sent anyway", loads["header"], loads["none"])
     report("auth + in-process limiter", loads["memory"], loads["none"], ">= 0.97")
     report("auth + Redis limiter", loads["redis"], loads["none"], ">= 0.85")
+    report("the same, concurrency too", loads["redis_concurrency"], loads["none"])
 
 
 def cache_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:

@@ -64,27 +64,35 @@ for i = 1, #KEYS do
 end
 return out
 """
-# Requests in flight, shared: KEYS[1] is a key's holders (process -> its requests in
-# flight), KEYS[2] every process's last sign of life (ms, Redis's clock). ARGV: this
-# process, the limit, after how many ms without a sign a process counts as gone (its
-# requests are dropped from every count). Returns 1 (counted) or 0 (at the limit).
+# Requests in flight, shared. KEYS: each key's holders hash (process -> its requests in
+# flight), then every process's last sign of life (ms, Redis's clock). ARGV: this
+# process, after how many ms without a sign a process counts as gone (its requests are
+# dropped from every count), then per key its limit and how many requests ask to enter.
+# Returns per key how many entered (the first ones).
 _ENTER = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-redis.call('HSET', KEYS[2], ARGV[1], now)
-local holders = redis.call('HGETALL', KEYS[1])
-local total = 0
-for i = 1, #holders, 2 do
-  local seen = tonumber(redis.call('HGET', KEYS[2], holders[i]) or 0)
-  if now - seen > tonumber(ARGV[3]) then
-    redis.call('HDEL', KEYS[1], holders[i])
-  else
-    total = total + tonumber(holders[i + 1])
+local alive = KEYS[#KEYS]
+redis.call('HSET', alive, ARGV[1], now)
+local out = {}
+for k = 1, #KEYS - 1 do
+  local holders = redis.call('HGETALL', KEYS[k])
+  local total = 0
+  for i = 1, #holders, 2 do
+    local seen = tonumber(redis.call('HGET', alive, holders[i]) or 0)
+    if now - seen > tonumber(ARGV[2]) then
+      redis.call('HDEL', KEYS[k], holders[i])
+    else
+      total = total + tonumber(holders[i + 1])
+    end
   end
+  local entered = tonumber(ARGV[2 * k + 1]) - total
+  if entered > tonumber(ARGV[2 * k + 2]) then entered = tonumber(ARGV[2 * k + 2]) end
+  if entered < 0 then entered = 0 end
+  if entered > 0 then redis.call('HINCRBY', KEYS[k], ARGV[1], entered) end
+  out[k] = entered
 end
-if total >= tonumber(ARGV[2]) then return 0 end
-redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-return 1
+return out
 """
 # This process's sign of life, and changes to its counts that Redis has not seen (a
 # release; a request admitted while Redis was down): KEYS[1] the signs of life, KEYS[2..]
@@ -175,6 +183,11 @@ class RedisStore(LimitStore):
         self._held: dict[str, int] = {}
         self._untold: dict[str, int] = {}
         self._holding: asyncio.Task[None] | None = None
+        # Requests waiting to enter, by prefixed bucket: the limit and their futures. They
+        # go to Redis as one call a turn of the loop (the next once one is under way).
+        self._entering: dict[str, tuple[int, list[asyncio.Future[bool]]]] = {}
+        self._entering_busy = False
+        self._telling = False
 
     def take_now(self, bucket: str, rate_per_s: float, burst: int, cost: int) -> bool:
         """Admit one check from this process's lease on ``bucket``, without a call; False
@@ -301,43 +314,84 @@ class RedisStore(LimitStore):
         if self._down_until and time.monotonic() < self._down_until:
             raise StoreUnavailable("Redis failed a moment ago")
         key = _PREFIX + bucket
-        call = asyncio.ensure_future(
-            self._enter(keys=[key, _ALIVE], args=[self._process, limit, self._gone_ms])
-        )
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
+        waiting = self._entering.get(key)
+        if waiting is None:
+            self._entering[key] = (limit, [future])
+        else:
+            waiting[1].append(future)
+        if not self._entering_busy:
+            self._entering_busy = True
+            loop.call_soon(self._send_entering)
+        return await future
+
+    def _send_entering(self) -> None:
+        if not self._entering:
+            self._entering_busy = False
+            return
+        batch, self._entering = self._entering, {}
+        task = asyncio.get_running_loop().create_task(self._call_entering(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._entering_done)
+
+    def _entering_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            self._send_entering()
+
+    async def _call_entering(
+        self, batch: dict[str, tuple[int, list[asyncio.Future[bool]]]]
+    ) -> None:
+        keys = list(batch)
+        args: list[Any] = [self._process, self._gone_ms]
+        for key in keys:
+            limit, futures = batch[key]
+            args += [limit, len(futures)]
         try:
-            entered = await asyncio.shield(call)
-        except asyncio.CancelledError:
-            # The request went away: a count the script may still add is taken back.
-            call.add_done_callback(lambda done: self._entered_for_nobody(key, done))
-            raise
+            entered = await self._enter(keys=[*keys, _ALIVE], args=args)
+            if len(entered) != len(keys):
+                raise ValueError(f"{len(entered)} counts for {len(keys)} keys")
         except Exception as exc:
             self._down_until = time.monotonic() + _RETRY_AFTER_FAILURE_S
-            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from None
-        self._down_until = 0.0
-        if not entered:
-            return False
-        self._count(key, 1)
-        return True
-
-    def _entered_for_nobody(self, key: str, call: asyncio.Future[Any]) -> None:
-        if call.cancelled() or call.exception() is not None or not call.result():
+            _fail_entering(batch, StoreUnavailable(f"{type(exc).__name__}: {exc}"))
             return
-        self._untold[key] = self._untold.get(key, 0) - 1
-        task = asyncio.get_running_loop().create_task(self._tell())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        except BaseException as exc:  # cancelled (closing): the requests must not hang
+            _fail_entering(batch, StoreUnavailable(f"the call was stopped: {exc!r}"))
+            raise
+        self._down_until = 0.0
+        for key, count in zip(keys, entered, strict=True):
+            for position, future in enumerate(batch[key][1]):
+                if position >= count:
+                    if not future.done():
+                        future.set_result(False)
+                elif future.done():  # its request went away meanwhile: the count back
+                    self._change(key, -1)
+                else:
+                    self._count(key, 1)
+                    future.set_result(True)
 
     def hold(self, bucket: str) -> None:
         key = _PREFIX + bucket
         self._count(key, 1)
-        self._untold[key] = self._untold.get(key, 0) + 1
+        self._change(key, 1)
 
     def leave(self, bucket: str) -> None:
-        """Redis is told at once (a request waiting in another process may enter); a
-        change it could not be told is told with the next sign of life."""
         key = _PREFIX + bucket
         self._count(key, -1)
-        self._untold[key] = self._untold.get(key, 0) - 1
+        self._change(key, -1)
+
+    def _change(self, key: str, change: int) -> None:
+        """A change of this process's count Redis has not counted; told at the end of
+        this turn of the loop (a request waiting in another process may enter), or with
+        the next sign of life if Redis cannot be told now."""
+        self._untold[key] = self._untold.get(key, 0) + change
+        if not self._telling:
+            self._telling = True
+            asyncio.get_running_loop().call_soon(self._tell_soon)
+
+    def _tell_soon(self) -> None:
+        self._telling = False
         task = asyncio.get_running_loop().create_task(self._tell())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -383,6 +437,15 @@ _ADMITTED = Verdict(True, 0.0, 0.0)
 
 def _fail(batch: _Entries, failure: StoreUnavailable) -> None:
     for futures in batch.values():
+        for future in futures:
+            if not future.done():
+                future.set_exception(failure)
+
+
+def _fail_entering(
+    batch: dict[str, tuple[int, list[asyncio.Future[bool]]]], failure: StoreUnavailable
+) -> None:
+    for _, futures in batch.values():
         for future in futures:
             if not future.done():
                 future.set_exception(failure)
