@@ -332,3 +332,30 @@ async def test_a_request_that_goes_away_while_redis_counts_it_leaves_no_slot_tak
     finally:
         await first.store.close()
         await other.store.close()
+
+
+async def test_requests_admitted_while_redis_is_down_count_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    """Fail open: requests in flight are admitted (and held) while Redis is down; once it
+    is back (empty: its data went with it) the process tells it what it holds, so the
+    limit counts them; their releases free the slots."""
+    ring = KeyRing(Path("unused.json"), [])
+    _, key = ring.create("two", "infer", limits=KeyLimits(max_concurrent=2))
+    with RedisServer(tmp_path) as redis:
+        down = Limiter(RedisStore(redis.url, gone_after_s=1.0), FrontDoorMetrics())
+        other = Limiter(RedisStore(redis.url, gone_after_s=1.0), FrontDoorMetrics())
+        try:
+            redis.kill()
+            assert await down.admit(key, generative=False)
+            assert await down.admit(key, generative=False)
+            redis.start()
+            # Within a sign of life (0.2 s) Redis counts both: the other process is refused.
+            await asyncio.sleep(0.6)
+            with pytest.raises(TooManyRequests):
+                await wait_for(lambda: other.admit(key, generative=False), 0.0)
+            down.release(key)
+            assert await wait_for(lambda: other.admit(key, generative=False), 2.0)
+        finally:
+            await down.store.close()
+            await other.store.close()

@@ -27,6 +27,7 @@ import asyncio
 import math
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,7 @@ for k = 1, #KEYS - 1 do
     local seen = tonumber(redis.call('HGET', alive, holders[i]) or 0)
     if now - seen > tonumber(ARGV[2]) then
       redis.call('HDEL', KEYS[k], holders[i])
+      redis.call('HDEL', alive, holders[i])
     else
       total = total + tonumber(holders[i + 1])
     end
@@ -293,10 +295,10 @@ class RedisStore(LimitStore):
                 raise ValueError(f"{len(replies)} numbers for {len(batch)} entries")
         except Exception as exc:  # any failure of the store leaves the limiter to decide
             self._down_until = time.monotonic() + _RETRY_AFTER_FAILURE_S
-            _fail(batch, StoreUnavailable(f"{type(exc).__name__}: {exc}"))
+            _fail(batch.values(), StoreUnavailable(f"{type(exc).__name__}: {exc}"))
             return
         except BaseException as exc:  # cancelled: the waiting requests must not hang
-            _fail(batch, StoreUnavailable(f"the call was stopped: {exc!r}"))
+            _fail(batch.values(), StoreUnavailable(f"the call was stopped: {exc!r}"))
             raise
         self._down_until = 0.0
         for index, ((bucket, shape), futures) in enumerate(batch.items()):
@@ -354,10 +356,12 @@ class RedisStore(LimitStore):
                 raise ValueError(f"{len(entered)} counts for {len(keys)} keys")
         except Exception as exc:
             self._down_until = time.monotonic() + _RETRY_AFTER_FAILURE_S
-            _fail_entering(batch, StoreUnavailable(f"{type(exc).__name__}: {exc}"))
+            failure = StoreUnavailable(f"{type(exc).__name__}: {exc}")
+            _fail((futures for _, futures in batch.values()), failure)
             return
         except BaseException as exc:  # cancelled (closing): the requests must not hang
-            _fail_entering(batch, StoreUnavailable(f"the call was stopped: {exc!r}"))
+            stopped = StoreUnavailable(f"the call was stopped: {exc!r}")
+            _fail((futures for _, futures in batch.values()), stopped)
             raise
         self._down_until = 0.0
         for key, count in zip(keys, entered, strict=True):
@@ -435,17 +439,8 @@ class RedisStore(LimitStore):
 _ADMITTED = Verdict(True, 0.0, 0.0)
 
 
-def _fail(batch: _Entries, failure: StoreUnavailable) -> None:
-    for futures in batch.values():
-        for future in futures:
-            if not future.done():
-                future.set_exception(failure)
-
-
-def _fail_entering(
-    batch: dict[str, tuple[int, list[asyncio.Future[bool]]]], failure: StoreUnavailable
-) -> None:
-    for _, futures in batch.values():
+def _fail(waiting: Iterable[list[asyncio.Future[Any]]], failure: StoreUnavailable) -> None:
+    for futures in waiting:
         for future in futures:
             if not future.done():
                 future.set_exception(failure)
