@@ -375,12 +375,12 @@ def _child_setup(settings: ServerSettings, role: str) -> None:
     left to the supervisor (it reaches the whole process group), which stops the children
     in order; the CPU scheduling policy of ``--cpu-scheduling``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    set_cpu_scheduling(settings.cpu_scheduling)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    set_cpu_scheduling(settings.cpu_scheduling)  # after logging: a refusal is logged as such
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
