@@ -74,6 +74,9 @@ class InferRequest:
     # Sticky routing (rollouts): requests with one key go to one version. From the
     # X-Slipstream-Route-Key header, the gRPC metadata of that name, or OpenAI's `user`.
     route_key: str = ""
+    # The name of the caller's API key ("" on a server without keys): whose
+    # shared-memory regions the request may read and write.
+    owner: str = ""
 
 
 @dataclass(slots=True)
@@ -144,6 +147,9 @@ class SharedMemoryRegionStatus:
     # Where the region starts in that object, and its size, in bytes.
     offset: int
     byte_size: int
+    # The name of the API key that registered it ("" on a server without keys): only
+    # requests with that key see, use or unregister it.
+    owner: str = ""
 
 
 # -- generation ---------------------------------------------------------------------

@@ -178,13 +178,17 @@ class FakeService(InferenceService):
     async def unload_model(self, name: str) -> None:
         self._model(name, loaded=False).loaded = False
 
-    async def region_status(self, name: str = "") -> list[SharedMemoryRegionStatus]:
+    async def region_status(
+        self, name: str = "", owner: str = ""
+    ) -> list[SharedMemoryRegionStatus]:
         return []
 
-    async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    async def register_region(
+        self, name: str, key: str, offset: int, byte_size: int, owner: str = ""
+    ) -> None:
         raise InvalidRequest("no shared memory here")
 
-    async def unregister_region(self, name: str = "") -> None:
+    async def unregister_region(self, name: str = "", owner: str = "") -> None:
         return None
 
 

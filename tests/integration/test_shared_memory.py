@@ -23,6 +23,7 @@ from tritonclient.utils import (
     serialized_byte_size,
 )
 
+from slipstream.security.keys import KeyRing
 from tests.models import ADD_SUB_WIDTH, build_add_sub, build_identity
 from tests.utils import RemoteServer
 
@@ -272,6 +273,83 @@ def _bad_register_bodies(http: httpx.Client) -> None:
         assert fragment in response.json()["error"]
     assert http.get(path).status_code == 405
     assert http.post("/v2/systemsharedmemory/register").status_code == 404
+
+
+@pytest.fixture(scope="module", params=[[], ["--frontends", "2"]], ids=["one-process", "split"])
+def keyed_server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[RemoteServer, dict[str, str]]]:
+    """A server with API keys: "a" and "b" of the infer role."""
+    tmp = tmp_path_factory.mktemp("shared_memory_keys")
+    build_add_sub(tmp / "models")
+    ring = KeyRing.load(tmp / "keys.json", missing_ok=True)
+    headers = {name: {"authorization": f"Bearer {ring.create(name, 'infer')[0]}"}
+               for name in ("a", "b")}  # fmt: skip
+    ring.save()
+    args = ["--allow-client-shm", "--auth-file", str(tmp / "keys.json"), *request.param]
+    with RemoteServer(tmp / "models", args, log_dir=tmp) as remote:
+        yield remote, headers
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_each_key_has_regions_of_its_own(
+    keyed_server: tuple[RemoteServer, dict[str, str]],
+    protocol: str,
+    make_region: Callable[[int], tuple[str, Any]],
+) -> None:
+    """Two keys register a region of the same name, each over its own tensors; neither
+    sees, uses, writes into or unregisters the other's regions."""
+    server, headers = keyed_server
+    a, b = headers["a"], headers["b"]
+    client: Client = (
+        httpclient.InferenceServerClient(server.http_address)
+        if protocol == "http"
+        else grpcclient.InferenceServerClient(server.grpc_address)
+    )
+    mod = _module(client)
+    rng = np.random.default_rng(11)
+    x, y = (rng.standard_normal((2, 1, ADD_SUB_WIDTH)).astype(np.float32) for _ in range(2))
+    key_a, handle_a = make_region(2 * TENSOR_BYTES)
+    key_b, handle_b = make_region(2 * TENSOR_BYTES)
+    out_key, out_handle = make_region(TENSOR_BYTES)
+    shm.set_shared_memory_region(handle_a, [x[0], x[1]])
+    shm.set_shared_memory_region(handle_b, [y[0], y[1]])
+    try:
+        client.register_system_shared_memory("in", key_a, 2 * TENSOR_BYTES, headers=a)
+        client.register_system_shared_memory("out", out_key, TENSOR_BYTES, headers=a)
+        client.register_system_shared_memory("in", key_b, 2 * TENSOR_BYTES, headers=b)
+        names = {key: {name for name, *_ in _regions(
+            client.get_system_shared_memory_status(headers=header))}
+            for key, header in headers.items()}  # fmt: skip
+        assert names == {"a": {"in", "out"}, "b": {"in"}}
+        with pytest.raises(InferenceServerException, match="'out' is not registered"):
+            client.get_system_shared_memory_status("out", headers=b)
+
+        def infer(header: dict[str, str], output_region: str = "") -> Any:
+            inputs = [mod.InferInput(f"INPUT{i}", [1, ADD_SUB_WIDTH], "FP32") for i in (0, 1)]
+            inputs[0].set_shared_memory("in", TENSOR_BYTES)
+            inputs[1].set_shared_memory("in", TENSOR_BYTES, offset=TENSOR_BYTES)
+            output = mod.InferRequestedOutput("OUTPUT0")
+            if output_region:
+                output.set_shared_memory(output_region, TENSOR_BYTES)
+            return client.infer("add_sub", inputs, outputs=[output], headers=header)
+
+        # The same region name reads each key's own tensors.
+        infer(a, "out")
+        written = shm.get_contents_as_numpy(out_handle, np.float32, [1, ADD_SUB_WIDTH])
+        np.testing.assert_allclose(written, x[0] + x[1], rtol=1e-6)
+        np.testing.assert_allclose(infer(b).as_numpy("OUTPUT0"), y[0] + y[1], rtol=1e-6)
+        _refused(lambda: infer(b, "out"), "region 'out' is not registered")
+
+        client.unregister_system_shared_memory("out", headers=b)
+        client.unregister_system_shared_memory(headers=b)
+        assert {name for name, *_ in _regions(
+            client.get_system_shared_memory_status(headers=a))} == {"in", "out"}  # fmt: skip
+        assert _regions(client.get_system_shared_memory_status(headers=b)) == set()
+    finally:
+        client.unregister_system_shared_memory(headers=a)
+        client.unregister_system_shared_memory(headers=b)
+        client.close()
 
 
 def test_refused_without_allow_client_shm(tmp_path: Path) -> None:

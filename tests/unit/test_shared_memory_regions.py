@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from slipstream.errors import InvalidRequest
-from slipstream.serving.shared_memory import SHM_DIR, SystemSharedMemory
+from slipstream.server.split import _EngineJournal
+from slipstream.serving.shared_memory import SHM_DIR, RegionNotFound, SystemSharedMemory
 from slipstream.types import (
     InferRequest,
     InferResponse,
@@ -101,3 +103,65 @@ def test_symlinks_and_empty_regions_are_refused(key: str, tmp_path: os.PathLike[
         regions.register("r", key, offset=0, byte_size=0)
     with pytest.raises(InvalidRequest, match="region name"):
         regions.register("", key, offset=0, byte_size=8)
+
+
+def test_each_owner_sees_uses_and_unregisters_only_its_own_regions(key: str) -> None:
+    """Regions of API keys: two owners may use one name; neither can see, read, write or
+    unregister the other's region, which is "not registered" to it."""
+    regions = SystemSharedMemory(allowed=True)
+    regions.register("r", key, offset=0, byte_size=64, owner="a")
+    regions.register("r", key, offset=64, byte_size=64, owner="b")
+    regions.register("only_a", key, offset=128, byte_size=64, owner="a")
+    with pytest.raises(InvalidRequest, match="already registered"):
+        regions.register("r", key, offset=0, byte_size=64, owner="a")
+    assert [(s.name, s.offset) for s in regions.status(owner="a")] == [("only_a", 128), ("r", 0)]
+    assert [(s.name, s.offset) for s in regions.status(owner="b")] == [("r", 64)]
+    assert regions.status(owner="") == []
+    with pytest.raises(RegionNotFound, match="'only_a' is not registered"):
+        regions.status("only_a", owner="b")
+
+    # One name, each owner's own bytes: a's region starts at element 0, b's at 16.
+    for owner, first in (("a", 0.0), ("b", 16.0)):
+        request = _request(SharedMemoryRef("r", 0, 8), [2])
+        request.owner = owner
+        regions.read_inputs(request)
+        assert request.inputs["x"].tolist() == [first, first + 1]
+    stranger = _request(SharedMemoryRef("only_a", 0, 8), [2])
+    stranger.owner = "b"
+    with pytest.raises(InvalidRequest, match="region 'only_a' is not registered"):
+        regions.read_inputs(stranger)
+    output = RequestedOutput("y", shared_memory=SharedMemoryRef("only_a", 0, 8))
+    with pytest.raises(InvalidRequest, match="region 'only_a' is not registered"):
+        regions.output_targets(InferRequest("m", "", {}, outputs=[output], owner="b"))
+    targets = regions.output_targets(InferRequest("m", "", {}, outputs=[output], owner="a"))
+    with pytest.raises(InvalidRequest, match="region 'only_a' is not registered"):
+        regions.write_outputs(targets, InferResponse("m", "1", {"y": np.ones(2, np.float32)}), "b")
+
+    # b's unregister, by name or of all, never touches a's regions.
+    regions.unregister("only_a", owner="b")
+    regions.unregister(owner="b")
+    assert regions.status(owner="b") == []
+    assert [s.name for s in regions.status(owner="a")] == ["only_a", "r"]
+    assert [(s.owner, s.name) for s in regions.registered()] == [("a", "only_a"), ("a", "r")]
+    regions.close()
+    assert regions.registered() == []
+
+
+def test_an_engine_started_again_registers_each_owners_regions_again(
+    key: str, tmp_path: Path
+) -> None:
+    """The split layout's journal keeps each region's owner: after the engine's restart
+    a key's requests find their regions, and no other key does."""
+    before = SystemSharedMemory(allowed=True)
+    before.register("r", key, offset=0, byte_size=64, owner="a")
+    before.register("r", key, offset=64, byte_size=64, owner="b")
+    _EngineJournal(tmp_path / "engine-state.json").save(before)
+    before.close()
+
+    after = SystemSharedMemory(allowed=True)
+    _EngineJournal(tmp_path / "engine-state.json").restore_regions(after)
+    assert [(s.owner, s.name, s.offset) for s in after.registered()] == [
+        ("a", "r", 0), ("b", "r", 64)
+    ]  # fmt: skip
+    assert after.status(owner="") == []
+    after.close()

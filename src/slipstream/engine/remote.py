@@ -89,15 +89,21 @@ class RemoteInferenceService(InferenceService):
         status: dict[str, Any] = await self._client.call("rollout", name, body)
         return status
 
-    async def region_status(self, name: str = "") -> list[SharedMemoryRegionStatus]:
-        regions: list[SharedMemoryRegionStatus] = await self._client.call("region_status", name)
+    async def region_status(
+        self, name: str = "", owner: str = ""
+    ) -> list[SharedMemoryRegionStatus]:
+        regions: list[SharedMemoryRegionStatus] = await self._client.call(
+            "region_status", name, owner
+        )
         return regions
 
-    async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        await self._client.call("register_region", name, key, offset, byte_size)
+    async def register_region(
+        self, name: str, key: str, offset: int, byte_size: int, owner: str = ""
+    ) -> None:
+        await self._client.call("register_region", name, key, offset, byte_size, owner)
 
-    async def unregister_region(self, name: str = "") -> None:
-        await self._client.call("unregister_region", name)
+    async def unregister_region(self, name: str = "", owner: str = "") -> None:
+        await self._client.call("unregister_region", name, owner)
 
 
 def engine_calls(service: InferenceService) -> dict[str, Call]:

@@ -62,8 +62,9 @@ HTTP_ROUTES: dict[str, Need] = {
     "/v2/models/{model}/versions/{version}/drift": "admin",
     # Rollouts change which version serves: as the repository's load and unload.
     "/v2/models/{model}/rollout": "admin",
-    # Shared-memory regions are how co-located clients send inference tensors. Regions
-    # are not kept apart per key: any key of the infer role may unregister any region.
+    # Shared-memory regions are how co-located clients send inference tensors. Each key
+    # has regions of its own (serving/shared_memory.py): a key sees, uses and
+    # unregisters only the regions it registered.
     "/v2/systemsharedmemory/status": "infer",
     "/v2/systemsharedmemory/unregister": "infer",
     "/v2/systemsharedmemory/region/{region}/status": "infer",

@@ -73,6 +73,15 @@ class Gate:
             )
         return key
 
+    def key_name(self, authorization: bytes | None) -> str:
+        """The name of the key ``authorization`` carries, "" for none or an unknown one.
+        Neither checks nor counts a refusal: for what is keyed by the caller (a gRPC
+        stream's shared-memory regions) where each message is checked later."""
+        if not authorization:
+            return ""
+        key = self._known.get(authorization) or self._keys.find(_secret(authorization))
+        return key.name if key is not None else ""
+
     def _verify(self, authorization: bytes | None) -> ApiKey:
         if not authorization:
             self._metrics.refused["missing_key"] += 1
@@ -80,10 +89,7 @@ class Gate:
                 "no API key: send it as 'Authorization: Bearer <key>' (gRPC: metadata "
                 "authorization); make one with `slipstream keys create`"
             )
-        secret = authorization
-        if secret[:7].lower() == _BEARER:
-            secret = secret[7:].strip()
-        key = self._keys.find(secret)
+        key = self._keys.find(_secret(authorization))
         if key is None:
             self._metrics.refused["unknown_key"] += 1
             raise Unauthenticated("the API key is not known to this server; check it")
@@ -123,6 +129,13 @@ async def watch_keys(gate: Gate, interval_s: float = 0.25) -> None:
             continue
         gate.replace_keys(keys)
         logger.info("keys file %s read again: %d keys", path, len(keys.keys))
+
+
+def _secret(authorization: bytes) -> bytes:
+    """The key in an Authorization value: after "Bearer " when it has one."""
+    if authorization[:7].lower() == _BEARER:
+        return authorization[7:].strip()
+    return authorization
 
 
 def body_model(body: bytes) -> str:

@@ -68,10 +68,12 @@ class HttpFrontDoor:
         if gate is None:
             return None
         key = gate.authenticate(request.header(b"authorization"), access.need)
-        if key is not None and key.models is not None:
-            model = body_model(request.body) if access.model_in_body else access.model
-            gate.authorize_model(key, model)
-            request.models = key.models
+        if key is not None:
+            request.owner = key.name
+            if key.models is not None:
+                model = body_model(request.body) if access.model_in_body else access.model
+                gate.authorize_model(key, model)
+                request.models = key.models
         return key
 
     async def _door(self, request: HttpRequest, call_next: Handler) -> Reply:

@@ -6,12 +6,16 @@ A refusal aborts the RPC with UNAUTHENTICATED, PERMISSION_DENIED or RESOURCE_EXH
 a rate limit's Retry-After, RateLimit-Policy and RateLimit travel as trailing metadata.
 On ModelStreamInfer every message is checked (its model, the key's rate); a refused
 message ends the stream with that status.
+
+The caller's key name reaches the service methods as :data:`KEY_NAME` (a context
+variable of the RPC's task, "" without keys): whose shared-memory regions it may use.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -21,6 +25,10 @@ from slipstream.security.access import GRPC_METHODS
 from slipstream.security.gate import AccessRecord, Gate, request_id
 from slipstream.security.keys import ApiKey
 from slipstream.security.limits import Limiter
+
+# The name of the API key of the RPC being served ("" without one). grpc.aio runs each
+# RPC in a task of its own, and the tasks a handler starts inherit its context.
+KEY_NAME: ContextVar[str] = ContextVar("slipstream_key_name", default="")
 
 
 class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -49,10 +57,7 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             """Admit one request message: its key, and whether it holds a concurrency slot."""
             key = None
             if self._gate is not None:
-                key = self._gate.authenticate(
-                    authorization.encode() if isinstance(authorization, str) else authorization,
-                    need,
-                )
+                key = self._gate.authenticate(_as_bytes(authorization), need)
                 if model_field:
                     self._gate.authorize_model(key, getattr(request, model_field))
             counted = False
@@ -89,6 +94,8 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     except SlipstreamError as exc:
                         status = exc.grpc_code
                         await _abort(context, exc, rid)
+                    if key is not None:
+                        KEY_NAME.set(key.name)
                     try:
                         return await inner(request, context)
                     finally:
@@ -125,6 +132,9 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
                 if rid:
                     context.set_trailing_metadata((("x-request-id", rid),))
+                if self._gate is not None:
+                    # One key for the whole stream; each message is still checked above.
+                    KEY_NAME.set(self._gate.key_name(_as_bytes(authorization)))
                 async for answer in inner_stream(checked(), context):
                     yield answer
 
@@ -134,6 +144,10 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+def _as_bytes(value: str | bytes | None) -> bytes | None:
+    return value.encode() if isinstance(value, str) else value
 
 
 async def _abort(context: Any, exc: SlipstreamError, rid: str) -> None:

@@ -25,6 +25,9 @@ class HttpRequest:
     # The models the caller's API key may use (None: every model); set by the front door,
     # so lists of models (/v1/models, the repository index) show only these.
     models: frozenset[str] | None = None
+    # The name of the caller's API key ("" without one); set by the front door: whose
+    # shared-memory regions the request sees and uses.
+    owner: str = ""
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of a (lower-case) header, or None."""

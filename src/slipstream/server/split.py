@@ -196,8 +196,9 @@ class _EngineJournal:
         for region in self.regions:
             try:
                 regions.register(
-                    region["name"], region["key"], region["offset"], region["byte_size"]
-                )
+                    region["name"], region["key"], region["offset"], region["byte_size"],
+                    region.get("owner", ""),
+                )  # fmt: skip
             except SlipstreamError as exc:
                 logger.warning("region %r is not registered again: %s", region["name"], exc)
         if self.regions:
@@ -205,7 +206,7 @@ class _EngineJournal:
 
     def save(self, regions: SystemSharedMemory | None = None) -> None:
         if regions is not None:
-            self.regions = [dataclasses.asdict(status) for status in regions.status()]
+            self.regions = [dataclasses.asdict(status) for status in regions.registered()]
         temporary = self._path.with_suffix(".tmp")
         temporary.write_bytes(orjson.dumps({"regions": self.regions, "models": self.models}))
         temporary.replace(self._path)
@@ -218,12 +219,14 @@ def _journaled_calls(
     ``explicit``: the models loaded now in explicit mode (empty in other modes)."""
     loaded = set(explicit)
 
-    async def register_region(name: str, key: str, offset: int, byte_size: int) -> None:
-        await service.register_region(name, key, offset, byte_size)
+    async def register_region(
+        name: str, key: str, offset: int, byte_size: int, owner: str = ""
+    ) -> None:
+        await service.register_region(name, key, offset, byte_size, owner)
         journal.save(service.shared_memory)
 
-    async def unregister_region(name: str = "") -> None:
-        await service.unregister_region(name)
+    async def unregister_region(name: str = "", owner: str = "") -> None:
+        await service.unregister_region(name, owner)
         journal.save(service.shared_memory)
 
     async def load_model(name: str) -> None:

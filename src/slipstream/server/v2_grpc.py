@@ -30,6 +30,7 @@ from slipstream.errors import InvalidRequest, SlipstreamError, Unavailable
 from slipstream.names import validate_model_name
 from slipstream.protocol import grpc_codec, v2_shm
 from slipstream.protocol.proto import inference_pb2 as pb
+from slipstream.server.grpc_front_door import KEY_NAME
 from slipstream.serving.service import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -198,6 +199,7 @@ class _GrpcFrontend:
         validate_model_name(request.model_name)
         decoded = grpc_codec.decode_infer_request(request)
         decoded.route_key = _route_key(context)
+        decoded.owner = KEY_NAME.get()
         response = await self._service.infer(decoded)
         return grpc_codec.serialize_infer_response(response)
 
@@ -247,6 +249,7 @@ class _GrpcFrontend:
             validate_model_name(request.model_name)
             decoded = grpc_codec.decode_infer_request(request)
             decoded.route_key = route_key
+            decoded.owner = KEY_NAME.get()
             response = await self._service.infer(decoded)
             return grpc_codec.serialize_stream_infer_response(response)
         except SlipstreamError as exc:
@@ -288,21 +291,22 @@ class _GrpcFrontend:
     async def system_shared_memory_status(
         self, request: pb.SystemSharedMemoryStatusRequest
     ) -> pb.SystemSharedMemoryStatusResponse:
-        return v2_shm.encode_status_grpc(await self._service.region_status(request.name))
+        regions = await self._service.region_status(request.name, KEY_NAME.get())
+        return v2_shm.encode_status_grpc(regions)
 
     async def system_shared_memory_register(
         self, request: pb.SystemSharedMemoryRegisterRequest
     ) -> pb.SystemSharedMemoryRegisterResponse:
         register = v2_shm.decode_register_grpc(request)
         await self._service.register_region(
-            request.name, register.key, register.offset, register.byte_size
+            request.name, register.key, register.offset, register.byte_size, KEY_NAME.get()
         )
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def system_shared_memory_unregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest
     ) -> pb.SystemSharedMemoryUnregisterResponse:
-        await self._service.unregister_region(request.name)
+        await self._service.unregister_region(request.name, KEY_NAME.get())
         return pb.SystemSharedMemoryUnregisterResponse()
 
     # No CUDA regions exist here (see v2_rest): none listed, none to unregister.

@@ -209,14 +209,17 @@ class V2RestApp:
             check_region_name(region)
         if parts[0] == "cudasharedmemory":
             return _cuda_shared_memory(action, region)
-        service = self._service
+        service, owner = self._service, request.owner
         if action == "status":
-            return HttpResponse(200, v2_shm.status_json(await service.region_status(region)))
+            regions = await service.region_status(region, owner)
+            return HttpResponse(200, v2_shm.status_json(regions))
         if action == "register":
             register = v2_shm.decode_register_json(request.body)
-            await service.register_region(region, register.key, register.offset, register.byte_size)
+            await service.register_region(
+                region, register.key, register.offset, register.byte_size, owner
+            )
         else:
-            await service.unregister_region(region)
+            await service.unregister_region(region, owner)
         return _empty(200)
 
     async def _model_route(
@@ -263,6 +266,7 @@ class V2RestApp:
         route_key = http.header(_ROUTE_KEY)
         if route_key:
             request.route_key = route_key.decode("latin-1")
+        request.owner = http.owner
         # A client that disconnects cancels this task, which drops its queued work.
         response = await self._service.infer(request)
         payload, json_length = v2.encode_infer_response(response, request)

@@ -274,7 +274,7 @@ class ModelServer(InferenceService):
         targets = self.shared_memory.output_targets(request) if request.outputs else None
         response = await cascade.infer(request, self._infer_model)
         if targets:
-            self.shared_memory.write_outputs(targets, response)
+            self.shared_memory.write_outputs(targets, response, request.owner)
         return response
 
     async def _serve(self, model: ModelVersion, request: InferRequest) -> InferResponse:
@@ -408,14 +408,18 @@ class ModelServer(InferenceService):
 
     # -- shared-memory regions ------------------------------------------------------------
 
-    async def region_status(self, name: str = "") -> list[SharedMemoryRegionStatus]:
-        return self.shared_memory.status(name)
+    async def region_status(
+        self, name: str = "", owner: str = ""
+    ) -> list[SharedMemoryRegionStatus]:
+        return self.shared_memory.status(name, owner)
 
-    async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        self.shared_memory.register(name, key, offset, byte_size)
+    async def register_region(
+        self, name: str, key: str, offset: int, byte_size: int, owner: str = ""
+    ) -> None:
+        self.shared_memory.register(name, key, offset, byte_size, owner)
 
-    async def unregister_region(self, name: str = "") -> None:
-        self.shared_memory.unregister(name)
+    async def unregister_region(self, name: str = "", owner: str = "") -> None:
+        self.shared_memory.unregister(name, owner)
 
     async def _infer_cached(
         self, model: ModelVersion, request: InferRequest, cache: ResponseCache
@@ -470,7 +474,7 @@ class ModelServer(InferenceService):
                 id=request.id,
             )
             if targets:
-                self.shared_memory.write_outputs(targets, response)
+                self.shared_memory.write_outputs(targets, response, request.owner)
         except asyncio.CancelledError:
             model.stats.record_request(ok=False, total_ns=time.perf_counter_ns() - started_ns)
             raise

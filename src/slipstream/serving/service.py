@@ -114,18 +114,25 @@ class InferenceService(ABC):
         raise ModelNotFound("rollouts are not served by this server")
 
     # -- the client shared-memory regions (Triton's systemsharedmemory extension) -------
-    # ``infer`` reads inputs from them and writes outputs into them.
+    # ``infer`` reads inputs from them and writes outputs into them. Each region belongs
+    # to its ``owner``, the name of the API key that registered it ("" without keys):
+    # these calls, and ``infer`` (``InferRequest.owner``), see that owner's regions only.
 
     @abstractmethod
-    async def region_status(self, name: str = "") -> list[SharedMemoryRegionStatus]:
-        """One registered region (RegionNotFound when absent), or every one (``name``
-        empty)."""
+    async def region_status(
+        self, name: str = "", owner: str = ""
+    ) -> list[SharedMemoryRegionStatus]:
+        """One of ``owner``'s regions (RegionNotFound when absent), or every one
+        (``name`` empty)."""
 
     @abstractmethod
-    async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    async def register_region(
+        self, name: str, key: str, offset: int, byte_size: int, owner: str = ""
+    ) -> None:
         """Register ``byte_size`` bytes at ``offset`` of the POSIX shared-memory object
-        ``key`` as region ``name``; InvalidRequest naming the cause when it cannot be."""
+        ``key`` as ``owner``'s region ``name``; InvalidRequest naming the cause when it
+        cannot be."""
 
     @abstractmethod
-    async def unregister_region(self, name: str = "") -> None:
-        """Forget region ``name`` (every region when empty)."""
+    async def unregister_region(self, name: str = "", owner: str = "") -> None:
+        """Forget ``owner``'s region ``name`` (every region of ``owner`` when empty)."""

@@ -18,14 +18,20 @@ shrink between requests but not one racing a request; that is why client shared 
 is off unless the server runs with ``--allow-client-shm``: enable it only for clients
 on this host that you trust.
 
+On a server with API keys, each key has regions of its own: a region belongs to the key
+that registered it (its ``owner``, the key's name), and only requests with that key see
+it in status, read or write it, or unregister it; another key's region is "not
+registered" to them, and two keys may each register a region of the same name. On a
+server without keys every region has the owner "".
+
 Example (what ``tritonclient.utils.shared_memory`` does on the client side)::
 
     regions = SystemSharedMemory(allowed=True)
-    regions.register("input", "/input_simple", offset=0, byte_size=64)
+    regions.register("input", "/input_simple", offset=0, byte_size=64, owner="ci")
     regions.read_inputs(request)            # InferRequest.shared_memory_inputs -> inputs
-    targets = regions.output_targets(request)
+    targets = regions.output_targets(request)   # of request.owner's regions
     ...
-    regions.write_outputs(targets, response)
+    regions.write_outputs(targets, response, request.owner)
 """
 
 from __future__ import annotations
@@ -94,16 +100,18 @@ class SystemSharedMemory:
     def __init__(self, allowed: bool) -> None:
         # False: every register is refused; status lists nothing, unregister is a no-op.
         self.allowed = allowed
-        self._regions: dict[str, _Region] = {}
+        # (owner, region name) -> the region.
+        self._regions: dict[tuple[str, str], _Region] = {}
 
     # -- the extension's API ------------------------------------------------------------
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        """Map ``byte_size`` bytes at ``offset`` of the object ``key`` as region ``name``."""
+    def register(self, name: str, key: str, offset: int, byte_size: int, owner: str = "") -> None:
+        """Map ``byte_size`` bytes at ``offset`` of the object ``key`` as ``owner``'s
+        region ``name``."""
         if not self.allowed:
             raise InvalidRequest(_DISABLED)
         check_region_name(name)
-        if name in self._regions:
+        if (owner, name) in self._regions:
             raise InvalidRequest(
                 f"shared memory region {name!r} is already registered; unregister it "
                 "first or register under another name"
@@ -125,51 +133,64 @@ class SystemSharedMemory:
                 "create it first (shm_open) and register it from this host"
             ) from None
         try:
-            region = _map(name, key, fd, offset, byte_size)
+            region = _map(name, key, fd, offset, byte_size, owner)
         except BaseException:
             os.close(fd)
             raise
-        self._regions[name] = region
-        logger.info("registered shared memory region %r (%s, %d bytes)", name, key, byte_size)
+        self._regions[owner, name] = region
+        logger.info("registered shared memory region %r (%s, %d bytes) of key %r",
+                    name, key, byte_size, owner or "-")  # fmt: skip
 
-    def status(self, name: str = "") -> list[SharedMemoryRegionStatus]:
-        """Every region (``name`` empty), or the one named; 404 for an unknown name."""
+    def status(self, name: str = "", owner: str = "") -> list[SharedMemoryRegionStatus]:
+        """Every region of ``owner`` (``name`` empty), or the one named; 404 for a name
+        ``owner`` has not registered."""
         if not name:
-            return [region.status for _, region in sorted(self._regions.items())]
+            return [
+                region.status
+                for (each, _), region in sorted(self._regions.items())
+                if each == owner
+            ]
         check_region_name(name)
-        region = self._regions.get(name)
+        region = self._regions.get((owner, name))
         if region is None:
             raise RegionNotFound(f"shared memory region {name!r} is not registered")
         return [region.status]
 
-    def unregister(self, name: str = "") -> None:
-        """Unmap the region ``name``, or every region. Unknown names are a no-op, as in
-        Triton, so that a client may always clean up."""
+    def registered(self) -> list[SharedMemoryRegionStatus]:
+        """Every region of every owner (what an engine started again registers again)."""
+        return [region.status for _, region in sorted(self._regions.items())]
+
+    def unregister(self, name: str = "", owner: str = "") -> None:
+        """Unmap ``owner``'s region ``name``, or every region of ``owner``. Unknown names
+        are a no-op, as in Triton, so that a client may always clean up."""
         if name:
             check_region_name(name)
-        names = [name] if name else list(self._regions)
+        names = [(owner, name)] if name else [each for each in self._regions if each[0] == owner]
         for each in names:
             region = self._regions.pop(each, None)
             if region is not None:
                 _unmap(region)
 
     def close(self) -> None:
-        self.unregister()
+        for region in self._regions.values():
+            _unmap(region)
+        self._regions.clear()
 
     # -- inference ----------------------------------------------------------------------
 
     def read_inputs(self, request: InferRequest) -> None:
         """Move ``request.shared_memory_inputs`` into ``request.inputs``, read from their
         regions (views, no copy, for fixed-size datatypes)."""
+        owner = request.owner
         for name, tensor in request.shared_memory_inputs.items():
             ref = tensor.ref
-            region = self._regions.get(ref.region)
+            region = self._regions.get((owner, ref.region))
             key = (ref.offset, ref.byte_size, tensor.datatype, tuple(tensor.shape))
             array = None if region is None else region.arrays.get(key)
             if region is not None and array is not None:
                 _check_object(region, f"input '{name}'")
             else:
-                array = _tensor(name, tensor, self._bytes(ref, f"input '{name}'"))
+                array = _tensor(name, tensor, self._bytes(ref, owner, f"input '{name}'"))
                 if array.dtype != object and region is not None:
                     if len(region.arrays) >= _MAX_CACHED_ARRAYS:
                         region.arrays.clear()
@@ -178,12 +199,13 @@ class SystemSharedMemory:
         request.shared_memory_inputs = {}
 
     def output_targets(self, request: InferRequest) -> dict[str, SharedMemoryRef]:
-        """The regions the request's outputs go to, checked before the model runs."""
+        """The regions (of ``request.owner``) the request's outputs go to, checked before
+        the model runs."""
         targets = {o.name: o.shared_memory for o in request.outputs or () if o.shared_memory}
         placed: list[tuple[str, SharedMemoryRef]] = []
         for name, ref in targets.items():
             # Bounds only: the object's size is checked right before the write.
-            self._bytes(ref, f"output '{name}'", check_object=False)
+            self._bytes(ref, request.owner, f"output '{name}'", check_object=False)
             for other, taken in placed:
                 if _overlap(ref, taken):
                     raise InvalidRequest(
@@ -193,8 +215,11 @@ class SystemSharedMemory:
             placed.append((name, ref))
         return targets
 
-    def write_outputs(self, targets: dict[str, SharedMemoryRef], response: InferResponse) -> None:
-        """Copy each targeted output into its region; the response keeps shapes only."""
+    def write_outputs(
+        self, targets: dict[str, SharedMemoryRef], response: InferResponse, owner: str = ""
+    ) -> None:
+        """Copy each targeted output into its region (of ``owner``, the request's); the
+        response keeps shapes only."""
         for name, ref in targets.items():
             data = grpc_codec.raw_buffer(response.outputs[name])[1]
             if len(data) > ref.byte_size:
@@ -203,13 +228,13 @@ class SystemSharedMemory:
                     f"shared_memory_byte_size of {ref.byte_size}"
                 )
             # Looked up again: the region may have been unregistered while the model ran.
-            self._bytes(ref, f"output '{name}'")[: len(data)] = data
+            self._bytes(ref, owner, f"output '{name}'")[: len(data)] = data
         response.in_shared_memory = frozenset(targets)
 
     # -- bounds -------------------------------------------------------------------------
 
-    def _region(self, name: str, where: str) -> _Region:
-        region = self._regions.get(name)
+    def _region(self, name: str, owner: str, where: str) -> _Region:
+        region = self._regions.get((owner, name))
         if region is None:
             raise InvalidRequest(
                 f"{where}: shared memory region {name!r} is not registered; register it "
@@ -218,10 +243,12 @@ class SystemSharedMemory:
             )
         return region
 
-    def _bytes(self, ref: SharedMemoryRef, where: str, check_object: bool = True) -> memoryview:
-        """The bytes ``ref`` names, after checking them against the region's bounds (and,
-        with ``check_object``, against the object's current size)."""
-        region = self._region(ref.region, where)
+    def _bytes(
+        self, ref: SharedMemoryRef, owner: str, where: str, check_object: bool = True
+    ) -> memoryview:
+        """The bytes ``ref`` names in ``owner``'s region, after checking them against the
+        region's bounds (and, with ``check_object``, against the object's current size)."""
+        region = self._region(ref.region, owner, where)
         size = region.status.byte_size
         if ref.offset > size or ref.byte_size > size - ref.offset:
             raise InvalidRequest(
@@ -283,7 +310,7 @@ def _check_key(key: str) -> str:
     return name
 
 
-def _map(name: str, key: str, fd: int, offset: int, byte_size: int) -> _Region:
+def _map(name: str, key: str, fd: int, offset: int, byte_size: int, owner: str) -> _Region:
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         raise InvalidRequest(f"key {key!r}: not a shared memory object")
@@ -296,7 +323,7 @@ def _map(name: str, key: str, fd: int, offset: int, byte_size: int) -> _Region:
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     mapping = mmap.mmap(fd, offset + byte_size - start, offset=start)
     view = memoryview(mapping)[offset - start : offset - start + byte_size]
-    status = SharedMemoryRegionStatus(name=name, key=key, offset=offset, byte_size=byte_size)
+    status = SharedMemoryRegionStatus(name, key, offset, byte_size, owner)
     return _Region(status, fd, mapping, view)
 
 
