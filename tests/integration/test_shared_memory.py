@@ -6,6 +6,7 @@ outputs written into them, and every bad region access answered 400 naming the c
 from __future__ import annotations
 
 import os
+import queue
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -340,6 +341,8 @@ def test_each_key_has_regions_of_its_own(
         np.testing.assert_allclose(written, x[0] + x[1], rtol=1e-6)
         np.testing.assert_allclose(infer(b).as_numpy("OUTPUT0"), y[0] + y[1], rtol=1e-6)
         _refused(lambda: infer(b, "out"), "region 'out' is not registered")
+        if isinstance(client, grpcclient.InferenceServerClient):
+            _stream_reads_the_keys_own_region(client, b, y[0] + y[1])
 
         client.unregister_system_shared_memory("out", headers=b)
         client.unregister_system_shared_memory(headers=b)
@@ -350,6 +353,24 @@ def test_each_key_has_regions_of_its_own(
         client.unregister_system_shared_memory(headers=a)
         client.unregister_system_shared_memory(headers=b)
         client.close()
+
+
+def _stream_reads_the_keys_own_region(
+    client: grpcclient.InferenceServerClient, header: dict[str, str], expected: np.ndarray
+) -> None:
+    """ModelStreamInfer: the stream's key (its metadata) picks the region too."""
+    answers: queue.Queue[Any] = queue.Queue()
+    client.start_stream(lambda result, error: answers.put(error or result), headers=header)
+    try:
+        inputs = [grpcclient.InferInput(f"INPUT{i}", [1, ADD_SUB_WIDTH], "FP32") for i in (0, 1)]
+        inputs[0].set_shared_memory("in", TENSOR_BYTES)
+        inputs[1].set_shared_memory("in", TENSOR_BYTES, offset=TENSOR_BYTES)
+        client.async_stream_infer("add_sub", inputs)
+        answer = answers.get(timeout=30)
+        assert not isinstance(answer, Exception), answer
+        np.testing.assert_allclose(answer.as_numpy("OUTPUT0"), expected, rtol=1e-6)
+    finally:
+        client.stop_stream()
 
 
 def test_refused_without_allow_client_shm(tmp_path: Path) -> None:
