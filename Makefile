@@ -20,8 +20,9 @@ TORCH_WHEELS ?= /opt/wheels
 # installed only when neither its command nor its package is there (CI runs as root on a
 # clean clone): redis-server (the Redis rate-limit store and response cache), prometheus
 # and its promtool (the monitoring tests), chromium and chromium-driver (the /dashboard
-# test), libb64-0d (perf_analyzer, benchmarks/peers/perf_analyzer.py).
-DEBIAN_PACKAGES := redis-server prometheus chromium chromium-driver libb64-0d
+# test), libb64-0d (perf_analyzer, benchmarks/peers/perf_analyzer.py), valgrind (its
+# callgrind counts instructions: benchmarks/front_door.py --only instructions).
+DEBIAN_PACKAGES := redis-server prometheus chromium chromium-driver libb64-0d valgrind
 
 .PHONY: install debian-packages lock run models test test-suite durations test-soak test-fast test-gpu test-lowest lint unit bench clean vendor
 

@@ -22,8 +22,19 @@ per request (its process's CPU time over the level, by psutil) and a figure's ra
 those ("by CPU/req"): a capacity ratio that other work on the server's core blurs less.
 Figures taken beside other work are noisy: the load average is printed with them.
 
+Where even that is too noisy (two identical servers differing by 10-30% a round),
+``--only instructions`` measures figure 1's levels in instructions instead: each server
+runs under valgrind's callgrind, its counters zeroed after a warm-up and dumped after
+``--duration`` seconds of load, and the figure is the server's instructions per request
+(every thread of the process) and their ratio, the same on a busy machine as on an idle
+one. It counts work, not time: cache misses and the other core's interference are not
+in it, and the level's mean batch (printed beside it) must match for the counts to
+compare. Under callgrind a server runs ~50x slower, so a few thousand requests take a
+minute a level.
+
     .venv/bin/python benchmarks/front_door.py                  # everything, 5 s a level
     .venv/bin/python benchmarks/front_door.py --duration 3 --only auth
+    .venv/bin/python benchmarks/front_door.py --duration 60 --only instructions
 """
 
 from __future__ import annotations
@@ -53,6 +64,8 @@ from servers import ServerSpec, free_port, running
 BENCH_DIR = Path(__file__).resolve().parent
 SLIPSTREAM = Path(sys.executable).parent / "slipstream"
 FIGURES = ("auth", "cache", "shared")
+# Not run by default: figure 1 counted by callgrind (see the module docstring).
+INSTRUCTIONS = "instructions"
 
 
 @dataclass
@@ -394,6 +407,70 @@ def auth_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
     report("the same, concurrency too", loads["redis_concurrency"], loads["none"])
 
 
+def auth_instructions(repo: Path, work: Path, args: argparse.Namespace) -> None:
+    """Figure 1's first levels in instructions per request, counted by callgrind."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("valgrind is missing: `make install` installs it")
+    print(f"1. auth + limiter, mlp, C={args.connections}, in instructions (callgrind)")
+    auth_file, key = make_key(
+        work, "bench", "--role", "admin", "--rate", "1000000", "--burst", "1000000"
+    )
+    bearer = {"Authorization": f"Bearer {key}"}
+    levels = [
+        ("no auth, no limits", (), {}),
+        ("no auth, header sent anyway", (), bearer),
+        ("auth + in-process limiter", ("--auth-file", str(auth_file)), bearer),
+    ]
+    base = 0.0
+    for label, extra, headers in levels:
+        count, batch = _instructions_per_request(repo, work, label, extra, headers, bearer, args)
+        line = f"  {label:32s} {count:10,.0f} instructions/request  batch {batch:5.1f}"
+        if base:
+            line += f"  ratio {base / count:.4f}"
+            line += " (target >= 0.97)" if label.startswith("auth") else ""
+        base = base or count
+        print(line, flush=True)
+
+
+def _instructions_per_request(
+    repo: Path,
+    work: Path,
+    label: str,
+    extra: tuple[str, ...],
+    headers: dict[str, str],
+    bearer: dict[str, str],
+    args: argparse.Namespace,
+) -> tuple[float, float]:
+    """(instructions per request, mean batch) of one level: a server under callgrind,
+    zeroed after a warm-up, dumped after ``args.duration`` s of load. No request is in
+    flight at either moment: each drive ends once every connection has its answer."""
+    spec = serve_spec(label, repo, *extra)
+    out = work / f"callgrind-{spec.port}.out"
+    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+            *spec.argv]  # fmt: skip
+    spec = ServerSpec(label, argv, spec.port, spec.ready_path, startup_timeout_s=900)
+    target = [(spec.port, infer_request(spec.port, "mlp", headers))]
+    with running(spec, args.server_core, work / f"callgrind-{spec.port}.log"):
+        process = _listening(spec.port)
+        assert process is not None, "the server under callgrind is not listening"
+        drive(target, args.connections, 0.0, max(5.0, args.warmup * 10))
+        before = _model_counts(spec.port, ("mlp", bearer))
+        subprocess.run(["callgrind_control", "--zero", str(process.pid)], check=True,
+                       capture_output=True)  # fmt: skip
+        load = drive(target, args.connections, 0.0, args.duration)
+        subprocess.run(["callgrind_control", "--dump", str(process.pid)], check=True,
+                       capture_output=True)  # fmt: skip
+        after = _model_counts(spec.port, ("mlp", bearer))
+    # The dump asked for is the first part file (the second is written at exit).
+    summary = next(
+        line for line in Path(f"{out}.1").read_text(errors="replace").splitlines()
+        if line.startswith("summary:")
+    )  # fmt: skip
+    executions = after[1] - before[1]
+    mean_batch = (after[0] - before[0]) / executions if executions else 0.0
+    return int(summary.split()[1]) / load.all_requests, mean_batch
+
+
 def cache_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
     print(f"2. response cache, 100% hits, C={args.connections}; Redis vs local hit p50 at C=1")
     with redis_server(work, args.redis_core) as url:
@@ -458,7 +535,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=1.0, help="discarded s per level")
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="levels repeated, in turn")
-    parser.add_argument("--only", default=",".join(FIGURES), help="auth,cache,shared")
+    parser.add_argument(
+        "--only", default=",".join(FIGURES), help=f"auth,cache,shared (or {INSTRUCTIONS})"
+    )
     parser.add_argument("--server-core", type=int, default=0)
     parser.add_argument("--client-core", type=int, default=1)
     parser.add_argument("--redis-core", type=int, default=1, help="where redis-server runs")
@@ -478,6 +557,7 @@ def main() -> None:
             ("auth", auth_figures),
             ("cache", cache_figures),
             ("shared", shared_figure),
+            (INSTRUCTIONS, auth_instructions),
         ):
             if name in wanted:
                 figure(repo, work, args)

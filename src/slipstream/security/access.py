@@ -76,6 +76,8 @@ HTTP_ROUTES: dict[str, Need] = {
     "/v2/cudasharedmemory/region/{region}/unregister": "infer",
     "/v2/cudasharedmemory/region/{region}/register": "infer",
 }
+# The generative routes: their tokens count against a key's tokens per minute.
+GENERATIVE = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
 # OpenAI routes whose model is the body's "model" field.
 MODEL_IN_BODY = frozenset(
     ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v2/jobs")
@@ -115,6 +117,8 @@ class RouteAccess:
     # The model the path names ("" when none, or when it is in the body).
     model: str = ""
     version: str = ""
+    # Whether the route is generative (in GENERATIVE).
+    generative: bool = False
 
     @property
     def model_in_body(self) -> bool:
@@ -142,19 +146,21 @@ class HttpAccess:
     """Classifies request paths, caching the answers of paths seen before."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, RouteAccess] = {}
+        # Paths seen -> their access: ``seen.get(path) or classify(path)`` is the lookup
+        # of a hot path without a call.
+        self.seen: dict[str, RouteAccess] = {}
         missing = [t for _, t in _patterns() if t not in HTTP_ROUTES]
         if missing:
             raise RuntimeError(f"routes without an access rule in security/access.py: {missing}")
 
     def classify(self, path: str) -> RouteAccess:
         """The access ``path`` needs; InvalidRequest when its model name breaks the rule."""
-        access = self._seen.get(path)
+        access = self.seen.get(path)
         if access is None:
             access = _classify(path)
-            if len(self._seen) >= _MAX_CACHED:
-                self._seen.clear()
-            self._seen[path] = access
+            if len(self.seen) >= _MAX_CACHED:
+                self.seen.clear()
+            self.seen[path] = access
         return access
 
 
@@ -164,5 +170,6 @@ def _classify(path: str) -> RouteAccess:
         if match is not None:
             groups = match.groupdict()
             model = path_model_name(groups["model"]) if "model" in groups else ""
-            return RouteAccess(HTTP_ROUTES[template], template, model, groups.get("version", ""))
+            return RouteAccess(HTTP_ROUTES[template], template, model, groups.get("version", ""),
+                               template in GENERATIVE)  # fmt: skip
     return _UNKNOWN

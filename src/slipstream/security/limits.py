@@ -179,7 +179,9 @@ class Limiter:
 
     def admit_now(self, key: ApiKey, generative: bool) -> bool:
         """:meth:`admit` of a local store, without a coroutine (the hot path)."""
-        plan = self._plan(key)
+        plan = self._plans.get(key.name)
+        if plan is None or plan.limits is not key.limits or plan.max_concurrent:
+            plan = self._plan(key)  # (re)built, and the concurrency limit checked
         if plan.rate_per_s:
             verdict = self.store.acquire_now(plan.bucket, plan.rate_per_s, plan.burst, 1)
             if not verdict.allowed:
@@ -187,7 +189,10 @@ class Limiter:
         if generative and plan.tokens_per_minute:
             tpm = plan.tokens_per_minute
             self._check_tokens(key, self.store.acquire_now(plan.tokens, tpm / 60.0, tpm, 0))
-        return self._count_in(key, plan)
+        if plan.max_concurrent:  # _count_in, inline on the hot path
+            self._in_flight[key.name] += 1
+            return True
+        return False
 
     def _plan(self, key: ApiKey) -> _Plan:
         """What ``key``'s checks need; refuses it first when its requests in flight are

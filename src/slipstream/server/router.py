@@ -13,6 +13,8 @@ gRPC front end has the matching hook: ``build_grpc_server(..., interceptors=...)
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Protocol
 
 from slipstream.errors import ClientError, MethodNotAllowed, ModelNotFound
 from slipstream.protocol.openapi import allowed_methods, openapi_document
@@ -20,8 +22,13 @@ from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
 
 Reply = HttpResponse | StreamingResponse
 Handler = Callable[[HttpRequest], Awaitable[Reply]]
-# Runs before the routes: answer itself, or pass the request on with call_next(request).
-Middleware = Callable[[HttpRequest, Handler], Awaitable[Reply]]
+
+
+class Middleware(Protocol):
+    """Runs before the routes: answers itself, or passes the request on with
+    ``call_next(request)``. The chain passes ``call_next`` by that name."""
+
+    def __call__(self, request: HttpRequest, /, call_next: Handler) -> Awaitable[Reply]: ...
 
 
 class Router:
@@ -37,7 +44,9 @@ class Router:
         self._fallback = fallback
         handler: Handler = self._route
         for layer in reversed(middleware):
-            handler = _wrap(layer, handler)
+            # A partial runs the layer with no frame of its own: a Python function
+            # handing the layer's awaitable back cost ~1,000 instructions a request.
+            handler = partial(layer, call_next=handler)
         self.handle: Handler = handler
 
     async def _route(self, request: HttpRequest) -> Reply:
@@ -66,12 +75,3 @@ def no_route(method: str, path: str) -> ClientError:
     if allow:
         return MethodNotAllowed(f"{method} is not allowed on {path}; use {', '.join(allow)}", allow)
     return ModelNotFound(f"no route for {method} {path}")
-
-
-def _wrap(layer: Middleware, call_next: Handler) -> Handler:
-    # A plain function handing back the layer's awaitable: no coroutine frame of its own
-    # per request and layer.
-    def handle(request: HttpRequest) -> Awaitable[Reply]:
-        return layer(request, call_next)
-
-    return handle
