@@ -24,10 +24,11 @@ Figures taken beside other work are noisy: the load average is printed with them
 
 Where even that is too noisy (two identical servers differing by 10-30% a round),
 ``--only instructions`` measures figure 1's levels in instructions instead: each server
-runs under valgrind's callgrind, its counters zeroed after a warm-up and dumped after
-``--duration`` seconds of load, and the figure is the server's instructions per request
-(every thread of the process) and their ratio, the same on a busy machine as on an idle
-one. It counts work, not time: cache misses and the other core's interference are not
+runs under valgrind's callgrind, counted idle for a third of ``--duration`` seconds (its
+timers: the auth level's keys-file watcher, ~50x more of a request under callgrind's
+slowdown than in real time), then over ``--duration`` seconds of load, and the figure is
+the server's instructions per request (every thread of the process, less the idle rate
+over the same time) and their ratio, the same on a busy machine as on an idle one. It counts work, not time: cache misses and the other core's interference are not
 in it, and the level's mean batch (printed beside it) must match for the counts to
 compare. Under callgrind a server runs ~50x slower, so a few thousand requests take a
 minute a level.
@@ -50,7 +51,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -423,8 +424,11 @@ def auth_instructions(repo: Path, work: Path, args: argparse.Namespace) -> None:
     ]
     base = 0.0
     for label, extra, headers in levels:
-        count, batch = _instructions_per_request(repo, work, label, extra, headers, bearer, args)
-        line = f"  {label:32s} {count:10,.0f} instructions/request  batch {batch:5.1f}"
+        count, batch, requests = _instructions_per_request(
+            repo, work, label, extra, headers, bearer, args
+        )
+        line = (f"  {label:32s} {count:10,.0f} instructions/request  batch {batch:5.1f}"
+                f"  ({requests} requests)")  # fmt: skip
         if base:
             line += f"  ratio {base / count:.4f}"
             line += " (target >= 0.97)" if label.startswith("auth") else ""
@@ -440,10 +444,12 @@ def _instructions_per_request(
     headers: dict[str, str],
     bearer: dict[str, str],
     args: argparse.Namespace,
-) -> tuple[float, float]:
-    """(instructions per request, mean batch) of one level: a server under callgrind,
-    zeroed after a warm-up, dumped after ``args.duration`` s of load. No request is in
-    flight at either moment: each drive ends once every connection has its answer."""
+) -> tuple[float, float, int]:
+    """(instructions per request, mean batch, requests) of one level: a server under
+    callgrind, counted idle for a third of ``args.duration`` s, then over ``args.duration``
+    s of load; a request's count is the load's less the idle rate over the same time.
+    No request is in flight at either end: each drive ends once every connection has its
+    answer."""
     spec = serve_spec(label, repo, *extra)
     out = work / f"callgrind-{spec.port}.out"
     argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
@@ -454,21 +460,41 @@ def _instructions_per_request(
         process = _listening(spec.port)
         assert process is not None, "the server under callgrind is not listening"
         drive(target, args.connections, 0.0, max(5.0, args.warmup * 10))
+        idle_s = _counted(process.pid, lambda: time.sleep(args.duration / 3))
         before = _model_counts(spec.port, ("mlp", bearer))
-        subprocess.run(["callgrind_control", "--zero", str(process.pid)], check=True,
-                       capture_output=True)  # fmt: skip
-        load = drive(target, args.connections, 0.0, args.duration)
-        subprocess.run(["callgrind_control", "--dump", str(process.pid)], check=True,
-                       capture_output=True)  # fmt: skip
+        load = Load()
+
+        def run_load() -> None:
+            nonlocal load
+            load = drive(target, args.connections, 0.0, args.duration)
+
+        load_s = _counted(process.pid, run_load)
         after = _model_counts(spec.port, ("mlp", bearer))
-    # The dump asked for is the first part file (the second is written at exit).
-    summary = next(
-        line for line in Path(f"{out}.1").read_text(errors="replace").splitlines()
-        if line.startswith("summary:")
-    )  # fmt: skip
+    # The dumps asked for are the first two part files (the last is written at exit).
+    idle, loaded = (_summary(Path(f"{out}.{part}")) for part in (1, 2))
     executions = after[1] - before[1]
     mean_batch = (after[0] - before[0]) / executions if executions else 0.0
-    return int(summary.split()[1]) / load.all_requests, mean_batch
+    requests = load.all_requests
+    return (loaded - idle / idle_s * load_s) / requests, mean_batch, requests
+
+
+def _counted(pid: int, work: Callable[[], None]) -> float:
+    """Zero callgrind's counters, run ``work``, dump them: the seconds it took."""
+    control = ["callgrind_control", "--zero", str(pid)]
+    subprocess.run(control, check=True, capture_output=True)
+    started = time.perf_counter()
+    work()
+    elapsed = time.perf_counter() - started
+    subprocess.run([*control[:1], "--dump", str(pid)], check=True, capture_output=True)
+    return elapsed
+
+
+def _summary(dump: Path) -> int:
+    """The instructions a callgrind dump counted."""
+    for line in dump.read_text(errors="replace").splitlines():
+        if line.startswith("summary:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{dump}: no summary line")
 
 
 def cache_figures(repo: Path, work: Path, args: argparse.Namespace) -> None:
