@@ -28,10 +28,10 @@ runs under valgrind's callgrind, counted idle for a third of ``--duration`` seco
 timers: the auth level's keys-file watcher, ~50x more of a request under callgrind's
 slowdown than in real time), then over ``--duration`` seconds of load, and the figure is
 the server's instructions per request (every thread of the process, less the idle rate
-over the same time) and their ratio, the same on a busy machine as on an idle one. It counts work, not time: cache misses and the other core's interference are not
-in it, and the level's mean batch (printed beside it) must match for the counts to
-compare. Under callgrind a server runs ~50x slower, so a few thousand requests take a
-minute a level.
+over the same time) and their ratio, the same on a busy machine as on an idle one. It
+counts work, not time: cache misses and the other core's interference are not in it, and
+the level's mean batch (printed beside it) must match for the counts to compare. Under
+callgrind a server runs ~50x slower: ~2,400 requests in a minute a level.
 
     .venv/bin/python benchmarks/front_door.py                  # everything, 5 s a level
     .venv/bin/python benchmarks/front_door.py --duration 3 --only auth
