@@ -25,13 +25,14 @@ Figures taken beside other work are noisy: the load average is printed with them
 Where even that is too noisy (two identical servers differing by 10-30% a round),
 ``--only instructions`` measures figure 1's levels in instructions instead: each server
 runs under valgrind's callgrind, counted idle for a third of ``--duration`` seconds (its
-timers: the auth level's keys-file watcher, ~50x more of a request under callgrind's
-slowdown than in real time), then over ``--duration`` seconds of load, and the figure is
+timers: the auth level's keys-file watcher, ~200-280x more of a request under
+callgrind's slowdown than in real time), then over ``--duration`` seconds of load, and the figure is
 the server's instructions per request (every thread of the process, less the idle rate
 over the same time) and their ratio, the same on a busy machine as on an idle one. It
 counts work, not time: cache misses and the other core's interference are not in it, and
 the level's mean batch (printed beside it) must match for the counts to compare. Under
-callgrind a server runs ~50x slower: ~2,400 requests in a minute a level.
+callgrind the server answers ~40 requests a second (~2,400 a level), ~200-280x fewer
+than by the clock (8,300-11,100 req/s in `--only auth` runs on the same machine).
 
     .venv/bin/python benchmarks/front_door.py                  # everything, 5 s a level
     .venv/bin/python benchmarks/front_door.py --duration 3 --only auth
