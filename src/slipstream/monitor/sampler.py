@@ -184,6 +184,9 @@ class DriftMonitor:
     def _test_windows(self) -> None:
         """Test the first ``window`` rows of every tensor that has them."""
         window = self._settings.window
+        # Readers see the window's reports all at once: the dict is replaced, not filled.
+        reports = dict(self.state.reports)
+        tested = 0
         for name, parts in list(self._pending.items()):
             rows = np.concatenate(parts) if parts else np.empty((0,))
             reference = self._references.get(name)
@@ -194,14 +197,17 @@ class DriftMonitor:
             except ValueError as exc:
                 self.state.skipped[name] = str(exc)
                 continue
-            self.state.reports[name] = report
-            self.state.windows += 1
+            reports[name] = report
+            tested += 1
             if report.detected:
                 logger.warning(
                     "drift in %s:%s %s: %d of %d features (min p %.2g)",
                     self.model, self.version, name, len(report.drifted),
                     len(report.features), report.min_p_value,
                 )  # fmt: skip
+        if tested:
+            self.state.reports = reports
+            self.state.windows += tested
 
     def _load_reference(self, path: Path) -> None:
         with np.load(path, allow_pickle=False) as data:
@@ -218,6 +224,7 @@ class DriftMonitor:
 
     def to_json(self) -> dict[str, object]:
         state = self.state
+        reports = state.reports  # one window's reports, whatever the worker does meanwhile
         return {
             "model": self.model,
             "version": self.version,
@@ -227,7 +234,7 @@ class DriftMonitor:
             "sampled": state.sampled,
             "dropped": state.dropped,
             "windows": state.windows,
-            "detected": any(r.detected for r in state.reports.values()),
-            "tensors": {name: r.to_json() for name, r in sorted(state.reports.items())},
+            "detected": any(r.detected for r in reports.values()),
+            "tensors": {name: r.to_json() for name, r in sorted(reports.items())},
             "skipped": dict(sorted(state.skipped.items())),
         }
