@@ -366,6 +366,32 @@ def test_constrained_sequences_do_not_change_their_neighbours(
         assert json.loads(other.json()["choices"][0]["text"]) in ({"ok": True}, {"ok": False})
 
 
+def test_a_constraint_the_vocabulary_cannot_follow_is_400_and_ends_alone(
+    server: RemoteServer,
+) -> None:
+    """llguidance's mask allows "3" after U+0089 where the choice needs the control byte
+    0x16 first (found by schemathesis): the request is a 400 naming its field, and the
+    greedy request decoding in the same steps finishes as usual."""
+    plain = {"model": "smol", "prompt": "The weather today is", "max_tokens": 12,
+             "temperature": 0, "ignore_eos": True}  # fmt: skip
+    unfollowable = {"model": "smol", "prompt": "hi", "max_tokens": 8,
+                    "guided_choice": ["\u0089\u00163"]}  # fmt: skip
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(
+                http.post(server.url("/v1/completions"), json=plain),
+                http.post(server.url("/v1/completions"), json=unfollowable),
+            )
+
+    first, refused = asyncio.run(together())
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "guided_choice" and "cannot follow" in error["message"], error
+    assert "<state>" not in error["message"]  # llguidance's parser dump stays out
+    assert first.status_code == 200 and first.json()["choices"][0]["finish_reason"] == "length"
+
+
 # -- bad input -----------------------------------------------------------------------------
 
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.llm.constraints import allowed_tokens
+from slipstream.errors import InvalidRequest
+from slipstream.llm.constraints import allowed_tokens, constraint_field
 from slipstream.llm.engine import SamplingParams, TokenLogprob
 
 # llama_token_data as numpy sees it: id, logit, p.
@@ -143,7 +144,7 @@ class SequenceSampler:
             token = self._choose(np.where(allowed_tokens(matcher, self.n_vocab), logits, -np.inf))
         lib.llama_sampler_accept(self.chain, token)
         if matcher is not None and not matcher.consume_token(token):
-            raise RuntimeError(f"the constraint refused its own token: {matcher.get_error()}")
+            raise _unfollowable(params, matcher)
         logprob = self._logprob(logits, token) if params.logprobs is not None else None
         self._output_counts[token] += 1
         return token, logprob
@@ -266,3 +267,13 @@ def nucleus(weights: np.ndarray, among: np.ndarray | None, top_p: float) -> np.n
     cumulative = np.cumsum(values[order], dtype=np.float64)
     keep = min(int(np.searchsorted(cumulative, target, side="left")) + 1, order.size)
     return ids[order[:keep]]
+
+
+def _unfollowable(params: SamplingParams, matcher: Any) -> InvalidRequest:
+    """The error of a constraint whose next byte no token of the vocabulary gives, though
+    llguidance's mask allowed one (seen with ASCII control characters in a choice): the
+    request's constraint cannot be followed by this model, a 400 naming its field. Only
+    the first line of llguidance's error: the rest is its parser's state dump."""
+    field = "constraint" if params.constraint is None else constraint_field(params.constraint)
+    reason = str(matcher.get_error()).split("\n", 1)[0]
+    return InvalidRequest(f"{field}: this model's vocabulary cannot follow it: {reason}")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from slipstream.errors import InternalError, Unavailable
+from slipstream.errors import InternalError, SlipstreamError, Unavailable
 from slipstream.llm.engine import CacheStats, EngineStep, FinishReason, SamplingParams
 from slipstream.llm.llamacpp_sampling import SequenceSampler
 
@@ -423,7 +423,12 @@ class Scheduler:
             raise RuntimeError(f"llama_decode returned {status}")
         for sequence, index in outputs:
             assert sequence.sampler is not None  # freed only once the sequence is done
-            token, logprob = sequence.sampler.sample(engine.context, index)
+            try:
+                token, logprob = sequence.sampler.sample(engine.context, index)
+            except SlipstreamError as exc:  # this request's constraint: it alone ends
+                deliveries.append((sequence, exc))
+                self._finish(sequence)
+                continue
             sequence.generated += 1
             reason: FinishReason | None = None
             if not sequence.params.ignore_eos and (
