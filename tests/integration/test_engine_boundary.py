@@ -1,4 +1,4 @@
-"""The process boundary of the split layout (``engine/``), on real ZeroMQ sockets.
+"""The process boundary of the split layout (``engine/``), on real Unix sockets.
 
 The wire format round-trips what crosses it (requests with tensors of every kind, configs,
 errors as their own class); a stateful hypothesis machine drives an engine host and a front
@@ -138,7 +138,7 @@ class BoundaryMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.directory = Path(tempfile.mkdtemp(prefix="slipstream-test-"))
-        self.address = f"ipc://{self.directory / 'engine'}"
+        self.address = str(self.directory / "engine")
         self.engine = _Engine()
         self.host = self._host()
         self.client = EngineClient(self.address)
@@ -156,12 +156,8 @@ class BoundaryMachine(RuleBasedStateMachine):
             {"echo": engine.echo, "fail": engine.fail},
             streams={"count": engine.count},
         )
-        self.loop.run_until_complete(self._start(host))
+        self.loop.run_until_complete(host.start())
         return host
-
-    @staticmethod
-    async def _start(host: EngineHost) -> None:
-        host.start()
 
     async def _connect(self) -> None:
         self.client.start()

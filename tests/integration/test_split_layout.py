@@ -74,7 +74,7 @@ def add_sub_inputs(
 def test_every_thread_of_the_engine_and_the_front_ends_runs_under_sched_batch(
     server: RemoteServer,
 ) -> None:
-    """--cpu-scheduling batch, the default: ONNX Runtime's, ZeroMQ's and grpcio's threads
+    """--cpu-scheduling batch, the default: ONNX Runtime's and grpcio's threads
     included (tests/unit/test_cpu_scheduling.py has the other policies)."""
     assert server.proc is not None
     children = [  # the engine and the front ends, not multiprocessing's resource tracker

@@ -1,129 +1,146 @@
-"""A ZeroMQ socket driven by an asyncio loop, sending in batches.
+"""One connection between a front end and the engine: a Unix socket read and written by
+the asyncio loop, sending in batches.
 
-Profiles of the split layout under load had the front end and the engine each spend a
-quarter of their time in pyzmq's sends (each send wakes ZeroMQ's I/O thread) and most of
-the rest pickling one message at a time. So a channel never sends at once: ``post``
-queues a message, and once per turn of the loop every message queued for a peer goes as
-one ZeroMQ message (one pickle of the list, one send). Under load a turn gathers many
-answers or requests; a lone request costs what one message did.
+Why not ZeroMQ (which this package used first): every ZeroMQ message crosses its I/O
+thread on each side, so a call's round trip woke four more threads than the two loops.
+On one shared core (`benchmarks/transport.py`: the engine's client and host against the
+same frames over a Unix socket, both processes on one core) a call cost 207 us of CPU
+through ZeroMQ and 112 us here. The loop now writes the socket and the peer's loop reads it.
 
-Reading is as direct: the loop watches ZeroMQ's file descriptor and every message waiting
-is read in one pass, without zmq.asyncio's futures. The descriptor is edge-triggered and
-also consumed by sends, so after a send the socket is asked again whether messages wait.
+Sending: ``post`` queues a message, and once per turn of the loop every message queued
+goes as one write (one pickle of the list, one ``writelines``): under load a turn gathers
+many answers or requests; a lone request costs what one message did.
+
+On the socket a message is a prefix (its length after the prefix, its frame count), each
+frame's length, then the frames (:mod:`slipstream.engine.wire`: a pickled header, then
+each large buffer out of band). Reading: small messages are parsed from one receive
+buffer (a receive takes as many as have come); a message over ``LARGE_BYTES`` is received
+into a buffer of its own, and its arrays are rebuilt over that buffer's memory without a
+copy (read-only).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Callable
 from typing import Any
-
-import zmq
 
 from slipstream.engine.wire import decode, encode
 
 logger = logging.getLogger(__name__)
 
-# Messages queued towards a peer before sends wait (ZeroMQ's default is 1,000; a front
-# end with a few thousand requests in flight would stall).
-HIGH_WATER_MARK = 100_000
-# Frames at least this large are sent without a copy (the copy of a small frame costs less
-# than the release callback a zero-copy frame needs).
-ZERO_COPY_BYTES = 65_536
-# How long a batch waits before it is tried again when the peer's queue is full.
-_FULL_RETRY_S = 0.001
+# A message's prefix: the bytes after the prefix, the number of frames.
+_PREFIX = struct.Struct("<QI")
+_LENGTH = struct.Struct("<Q")
+# Messages at least this large get a receive buffer of their own (their tensors then
+# cross without a copy); smaller ones are copied out of the shared receive buffer.
+LARGE_BYTES = 65_536
+# The shared receive buffer: twice the largest message it holds, so that after moving a
+# partial message to its front there is always room for the rest.
+_BUFFER_BYTES = 2 * LARGE_BYTES
 
-# (peer or None, message) for each message received.
-OnMessage = Callable[[bytes | None, Any], None]
-
-
-def open_socket(context: zmq.Context[Any], kind: int) -> zmq.Socket[Any]:
-    """A socket of ``kind`` with this package's queue bounds, closed without lingering."""
-    socket: zmq.Socket[Any] = context.socket(kind)
-    socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
-    socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
-    socket.setsockopt(zmq.LINGER, 0)
-    return socket
+# (the link it came on, message) for each message received.
+OnMessage = Callable[["Link", Any], None]
 
 
-class Channel:
-    """``socket`` read and written on the running loop; see the module docstring.
+class Link(asyncio.BufferedProtocol):
+    """One connection's protocol; see the module docstring.
 
-    ``routed``: a ROUTER socket (messages carry the peer's identity first). ``on_lost``:
-    called with a peer a ROUTER can no longer reach (its messages are dropped).
+    ``on_lost``: called once the connection is gone (its queued messages are dropped).
     ``on_unencodable``: called with a message that cannot be pickled (it is dropped).
     """
 
     def __init__(
         self,
-        socket: zmq.Socket[Any],
         on_message: OnMessage,
-        routed: bool = False,
-        on_lost: Callable[[bytes], None] | None = None,
-        on_unencodable: Callable[[bytes | None, Any], None] | None = None,
+        on_made: Callable[[Link], None] | None = None,
+        on_lost: Callable[[Link], None] | None = None,
+        on_unencodable: Callable[[Link, Any], None] | None = None,
     ) -> None:
-        self.socket = socket
         self._on_message = on_message
-        self._routed = routed
+        self._on_made = on_made
         self._on_lost = on_lost
         self._on_unencodable = on_unencodable
+        # uvloop's transports are not asyncio.Transport subclasses.
+        self._transport: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_scheduled = False
+        self._outbox: list[Any] = []
         self._flush_scheduled = False
-        # Messages waiting for the next flush, by peer (None: the DEALER's one peer).
-        self._outbox: dict[bytes | None, list[Any]] = {}
+        self._buffer = bytearray(_BUFFER_BYTES)
+        self._filled = 0
+        # A large message being received into its own buffer, and how much of it has come.
+        self._large: bytearray | None = None
+        self._large_filled = 0
 
-    def start(self) -> None:
+    @property
+    def open(self) -> bool:
+        return self._transport is not None
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    # -- asyncio's protocol ----------------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self._transport = transport
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self.socket.FD, self._drain)
-        self._schedule_drain()  # messages may have come before the reader was added
+        if self._on_made is not None:
+            self._on_made(self)
 
-    def stop(self) -> None:
-        if self._loop is not None and not self.socket.closed:
-            self._loop.remove_reader(self.socket.FD)
-        self._loop = None
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
         self._outbox.clear()
+        if self._on_lost is not None:
+            self._on_lost(self)
 
-    def post(self, message: Any, peer: bytes | None = None) -> None:
-        """Queue ``message`` for ``peer``; it is sent at the end of this turn of the loop."""
-        waiting = self._outbox.get(peer)
-        if waiting is None:
-            self._outbox[peer] = [message]
-        else:
-            waiting.append(message)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._large is not None:
+            return memoryview(self._large)[self._large_filled :]
+        return memoryview(self._buffer)[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._large is not None:
+            self._large_filled += nbytes
+            if self._large_filled == len(self._large):
+                whole = memoryview(self._large).toreadonly()
+                self._large = None
+                self._deliver(whole, copy=False)
+            return
+        self._filled += nbytes
+        self._parse()
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: the peer has gone
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def post(self, message: Any) -> None:
+        """Queue ``message``; it is sent at the end of this turn of the loop (dropped if
+        the connection is gone by then)."""
+        self._outbox.append(message)
         if not self._flush_scheduled and self._loop is not None:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        outbox, self._outbox = self._outbox, {}
-        retry: dict[bytes | None, list[Any]] = {}
-        for peer, messages in outbox.items():
-            frames = self._encode(peer, messages)
-            if frames is None:
-                continue
-            if peer is not None:
-                frames.insert(0, peer)
-            copy = not any(_nbytes(frame) >= ZERO_COPY_BYTES for frame in frames)
-            try:
-                _send_frames(self.socket, frames, copy)
-            except zmq.Again:
-                retry[peer] = messages  # the peer's queue is full: try again shortly
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH or peer is None:
-                    raise
-                if self._on_lost is not None:
-                    self._on_lost(peer)
-        if retry and self._loop is not None:
-            for peer, messages in retry.items():
-                self._outbox.setdefault(peer, [])[:0] = messages
-            self._flush_scheduled = True
-            self._loop.call_later(_FULL_RETRY_S, self._flush)
-        self._schedule_drain()
+        messages, self._outbox = self._outbox, []
+        if self._transport is None or not messages:
+            return
+        frames = self._encode(messages)
+        if frames is None:
+            return
+        raws = [frames[0], *(buffer.raw() for buffer in frames[1:])]
+        sizes = [memoryview(raw).nbytes for raw in raws]
+        head = _PREFIX.pack(8 * len(raws) + sum(sizes), len(raws)) + b"".join(
+            _LENGTH.pack(size) for size in sizes
+        )
+        self._transport.writelines([head, *raws])
 
-    def _encode(self, peer: bytes | None, messages: list[Any]) -> list[Any] | None:
+    def _encode(self, messages: list[Any]) -> list[Any] | None:
         """The frames of ``messages``; one that cannot be pickled is left out (and handed
         to ``on_unencodable``) rather than losing the whole batch."""
         try:
@@ -134,57 +151,61 @@ class Channel:
                 try:
                     encode(message)
                 except Exception:
-                    logger.exception("a message to %s cannot be encoded; dropped", peer)
+                    logger.exception("a message cannot be encoded; dropped")
                     if self._on_unencodable is not None:
-                        self._on_unencodable(peer, message)
+                        self._on_unencodable(self, message)
                 else:
                     kept.append(message)
             return encode(kept) if kept else None
 
-    def _schedule_drain(self) -> None:
-        if not self._drain_scheduled and self._loop is not None:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain)
+    # -- receiving ---------------------------------------------------------------------------
 
-    def _drain(self) -> None:
-        self._drain_scheduled = False
-        socket = self.socket
-        if socket.closed or self._loop is None:
+    def _parse(self) -> None:
+        """Deliver every whole message in the receive buffer; start a large one's own
+        buffer; move what is left of a partial message to the front."""
+        buffer, end = self._buffer, self._filled
+        view = memoryview(buffer)
+        start = 0
+        while end - start >= _PREFIX.size:
+            size, _ = _PREFIX.unpack_from(buffer, start)
+            whole = _PREFIX.size + size
+            if whole >= LARGE_BYTES:
+                have = min(end - start, whole)
+                large = bytearray(whole)
+                large[:have] = view[start : start + have]
+                start += have
+                if have == whole:
+                    self._deliver(memoryview(large).toreadonly(), copy=False)
+                    continue
+                self._large, self._large_filled = large, have
+                break
+            if end - start < whole:
+                break
+            self._deliver(view[start : start + whole], copy=True)
+            start += whole
+        if start:
+            buffer[: end - start] = buffer[start:end]
+            self._filled = end - start
+
+    def _deliver(self, message: memoryview, copy: bool) -> None:
+        """Decode one message (its prefix included) and hand over what it carries.
+        ``copy``: the message lies in the shared receive buffer, so its out-of-band
+        frames are copied out before that buffer is used again."""
+        _, count = _PREFIX.unpack_from(message, 0)
+        position = _PREFIX.size + 8 * count
+        frames: list[Any] = []
+        for index in range(count):
+            (size,) = _LENGTH.unpack_from(message, _PREFIX.size + 8 * index)
+            frame = message[position : position + size]
+            frames.append(bytes(frame) if copy and index else frame)
+            position += size
+        try:
+            messages = decode(frames)
+        except Exception:
+            logger.exception("an undecodable message; dropped")
             return
-        while int(socket.getsockopt(zmq.EVENTS)) & _POLLIN:
+        for value in messages:
             try:
-                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            peer = frames[0].bytes if self._routed else None
-            try:
-                messages = decode(frames[1:] if self._routed else frames)
+                self._on_message(self, value)
             except Exception:
-                logger.exception("an undecodable message from %s; dropped", peer)
-                continue
-            for message in messages:
-                try:
-                    self._on_message(peer, message)
-                except Exception:
-                    logger.exception("a message from %s could not be handled; dropped", peer)
-
-
-# pyzmq's flags are enum.Flag members, and every `|` or `&` on one runs Python code in
-# the enum module (send_multipart ORs SNDMORE once per frame): ~2% of an engine's loop.
-_SEND_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_SEND_LAST = int(zmq.NOBLOCK)
-_POLLIN = int(zmq.POLLIN)
-
-
-def _send_frames(socket: zmq.Socket[Any], frames: list[Any], copy: bool) -> None:
-    """``send_multipart(frames, NOBLOCK)`` with the flags as plain ints. ZeroMQ queues a
-    multipart message whole or not at all: only the first frame can raise Again."""
-    last = len(frames) - 1
-    for index, frame in enumerate(frames):
-        socket.send(frame, _SEND_MORE if index < last else _SEND_LAST, copy=copy)
-
-
-def _nbytes(frame: Any) -> int:
-    if isinstance(frame, bytes):
-        return len(frame)
-    return memoryview(frame).nbytes
+                logger.exception("a message could not be handled; dropped")

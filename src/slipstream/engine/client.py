@@ -1,11 +1,11 @@
 """The front-end side of the process boundary: calls into the engine process.
 
-One :class:`EngineClient` per front-end process holds a ZeroMQ DEALER socket connected
-to the engine's ROUTER (:mod:`slipstream.engine.host`). Calls are matched to answers by
-id, so any number run at once on one socket. The client watches the connection itself
-(ZeroMQ's socket monitor): when the engine process goes away, every call in flight fails
-at once with 503 and Retry-After instead of hanging, new calls are refused the same way,
-and calls flow again as soon as the restarted engine is connected.
+One :class:`EngineClient` per front-end process holds a connection to the engine's Unix
+socket (:mod:`slipstream.engine.host`). Calls are matched to answers by id, so any
+number run at once on one connection. When the engine process goes away the connection
+closes: every call in flight fails at once with 503 and Retry-After instead of hanging,
+new calls are refused the same way, and the client connects again (every 50 ms) until
+the restarted engine answers; calls flow again from then on.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import zmq
-from zmq.utils.monitor import parse_monitor_message
-
-from slipstream.engine.channel import Channel, open_socket
+from slipstream.engine.channel import Link
 from slipstream.engine.wire import error_state, rebuild_error
 from slipstream.errors import Unavailable
 
@@ -28,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 # What a client should wait before trying again while the engine (re)starts.
 RETRY_AFTER_S = 1
+# How often a client without its engine tries to connect.
+_RECONNECT_S = 0.05
 _END = object()
 
 
@@ -36,37 +35,27 @@ class EngineGone(Unavailable):
 
 
 class EngineClient:
-    """Calls to the engine at ``address``; see the module docstring."""
+    """Calls to the engine listening at ``path``; see the module docstring."""
 
-    def __init__(self, address: str) -> None:
-        self._address = address
-        self._context = zmq.Context()
-        self._socket = open_socket(self._context, zmq.DEALER)
-        # Queue nothing for a peer that is not connected: a call made while the engine
-        # is away is refused by this client, never parked in ZeroMQ's pipe.
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)
-        self._socket.setsockopt(zmq.RECONNECT_IVL, 50)
-        self._monitor: zmq.Socket[Any] = self._socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-        )
-        self._channel = Channel(self._socket, self._on_answer, on_unencodable=self._unsent)
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._link: Link | None = None
         self._ids = itertools.count()
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._streams: dict[int, asyncio.Queue[Any]] = {}
         self._connected = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lost = asyncio.Event()
+        self._connecting: asyncio.Task[None] | None = None
+        self._closing = False
 
     @property
     def connected(self) -> bool:
-        return self._connected.is_set()
+        return self._link is not None
 
     def start(self) -> None:
-        """Connect and start reading answers (call on the loop that will use it)."""
-        self._loop = asyncio.get_running_loop()
-        self._socket.connect(self._address)
-        self._channel.start()
-        self._loop.add_reader(self._monitor.FD, self._on_events)
-        self._loop.call_soon(self._on_events)
+        """Connect, and keep connecting whenever the engine goes away (call on the loop
+        that will use it)."""
+        self._connecting = asyncio.get_running_loop().create_task(self._keep_connected())
 
     async def wait_connected(self, timeout_s: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -74,15 +63,46 @@ class EngineClient:
         return self.connected
 
     async def close(self) -> None:
-        self._channel.stop()
-        if self._loop is not None:
-            self._loop.remove_reader(self._monitor.FD)
-            self._loop = None
+        self._closing = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._connecting
+            self._connecting = None
+        if self._link is not None:
+            self._link.close()
         self._fail_all("the front end is shutting down")
-        self._socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self._socket.close(linger=0)
-        self._context.term()
+
+    async def _keep_connected(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await loop.create_unix_connection(self._new_link, self._path)
+            except OSError:
+                await asyncio.sleep(_RECONNECT_S)
+                continue
+            await self._lost.wait()
+            self._lost.clear()
+
+    def _new_link(self) -> Link:
+        return Link(
+            self._on_answer, on_made=self._made, on_lost=self._gone,
+            on_unencodable=self._unsent,
+        )  # fmt: skip
+
+    def _made(self, link: Link) -> None:
+        logger.info("connected to the engine process")
+        self._link = link
+        self._connected.set()
+
+    def _gone(self, link: Link) -> None:
+        self._link = None
+        self._connected.clear()
+        if not self._closing:
+            count = len(self._calls) + len(self._streams)
+            logger.warning("the engine process went away: %d calls in flight fail", count)
+        self._fail_all("the engine process stopped while serving the request; retry")
+        self._lost.set()
 
     # -- calls ------------------------------------------------------------------------
 
@@ -92,7 +112,7 @@ class EngineClient:
         call_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._channel.post(("call", call_id, method, args))
+        self._post(("call", call_id, method, args))
         try:
             return await future
         except asyncio.CancelledError:
@@ -112,7 +132,7 @@ class EngineClient:
         call_id = next(self._ids)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[call_id] = queue
-        self._channel.post(("stream", call_id, method, args))
+        self._post(("stream", call_id, method, args))
         finished = False
         try:
             while True:
@@ -134,11 +154,11 @@ class EngineClient:
         self._post(("tell", method, args))
 
     def _post(self, message: Any) -> None:
-        if self.connected:
-            self._channel.post(message)
+        if self._link is not None:
+            self._link.post(message)
 
     def _check_connected(self) -> None:
-        if not self.connected:
+        if self._link is None:
             raise EngineGone(
                 "the engine process is not running (starting or restarting); retry shortly",
                 retry_after_s=RETRY_AFTER_S,
@@ -146,7 +166,7 @@ class EngineClient:
 
     # -- answers and the connection ---------------------------------------------------------
 
-    def _on_answer(self, peer: bytes | None, message: Any) -> None:
+    def _on_answer(self, link: Link, message: Any) -> None:
         kind, call_id = message[0], message[1]
         if kind == "ok" or kind == "err":
             future = self._calls.get(call_id)
@@ -166,23 +186,10 @@ class EngineClient:
         elif kind == "err":
             queue.put_nowait(rebuild_error(message[2]))
 
-    def _unsent(self, peer: bytes | None, message: Any) -> None:
+    def _unsent(self, link: Link, message: Any) -> None:
         """A call whose arguments cannot be pickled fails here (a fault of this server)."""
         if message[0] in ("call", "stream"):
-            self._on_answer(None, ("err", message[1], error_state(RuntimeError())))
-
-    def _on_events(self) -> None:
-        monitor = self._monitor
-        while not monitor.closed and int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
-            if event["event"] == zmq.EVENT_CONNECTED:
-                logger.info("connected to the engine process")
-                self._connected.set()
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._connected.clear()
-                count = len(self._calls) + len(self._streams)
-                logger.warning("the engine process went away: %d calls in flight fail", count)
-                self._fail_all("the engine process stopped while serving the request; retry")
+            self._on_answer(link, ("err", message[1], error_state(RuntimeError())))
 
     def _fail_all(self, reason: str) -> None:
         for future in self._calls.values():

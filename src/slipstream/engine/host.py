@@ -1,15 +1,19 @@
 """The engine side of the process boundary: answers the front ends' calls.
 
-The engine process binds one ZeroMQ ROUTER socket; every front end connects a DEALER
-(:mod:`slipstream.engine.client`). Each call runs as its own task, so a slow model never
-holds up another's requests, and requests from every front end meet in the same
-batchers. The messages, all encoded by :mod:`slipstream.engine.wire`:
+The engine process listens on one Unix socket; every front end connects to it
+(:mod:`slipstream.engine.client`), one :class:`~slipstream.engine.channel.Link` per front
+end. Each call runs as its own task, so a slow model never holds up another's requests,
+and requests from every front end meet in the same batchers. The messages, all encoded
+by :mod:`slipstream.engine.wire`:
 
     front end -> engine                      engine -> front end
     ("call", id, method, args)               ("ok", id, result) | ("err", id, error)
     ("stream", id, method, args)             ("item", id, value)... ("end", id) | ("err", ...)
     ("cancel", id)                           (the call's task is cancelled: no answer)
     ("tell", method, args)                   (none: one-way, e.g. a metrics snapshot)
+
+A front end whose connection closes (it stopped, or was killed) has its calls and
+streams cancelled at once (an LLM sequence stops generating).
 
 Which methods exist is the caller's choice (``calls`` and ``streams``): this module
 knows nothing of models or protocols.
@@ -23,9 +27,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
-import zmq
-
-from slipstream.engine.channel import Channel, open_socket
+from slipstream.engine.channel import Link
 from slipstream.engine.wire import error_state
 from slipstream.errors import SlipstreamError
 
@@ -36,48 +38,51 @@ Stream = Callable[..., AsyncIterator[Any]]
 
 
 class EngineHost:
-    """Serves ``calls`` and ``streams`` on a ROUTER socket at ``address`` until closed."""
+    """Serves ``calls`` and ``streams`` on the Unix socket at ``path`` until closed."""
 
     def __init__(
         self,
-        address: str,
+        path: str,
         calls: Mapping[str, Call],
         streams: Mapping[str, Stream] | None = None,
         tells: Mapping[str, Callable[..., None]] | None = None,
     ) -> None:
-        self._address = address
+        self._path = path
         self._calls = dict(calls)
         self._streams = dict(streams or {})
         self._tells = dict(tells or {})
-        self._context = zmq.Context()
-        self._socket = open_socket(self._context, zmq.ROUTER)
-        # A reply to a front end that has gone raises instead of vanishing, so its calls
-        # and streams are cancelled (an LLM sequence stops generating).
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._server: asyncio.AbstractServer | None = None
+        self._links: set[Link] = set()
         # (front end, call id) -> the task answering it, for cancels.
-        self._tasks: dict[tuple[bytes, int], asyncio.Task[None]] = {}
-        self._channel = Channel(
-            self._socket, self._on_message, routed=True, on_lost=self._cancel_peer,
+        self._tasks: dict[tuple[Link, int], asyncio.Task[None]] = {}
+
+    async def start(self) -> None:
+        """Listen and start answering (on the loop that will serve). A socket file left
+        by an engine that died is replaced."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(self._link, self._path)
+
+    def _link(self) -> Link:
+        return Link(
+            self._on_message, on_made=self._links.add, on_lost=self._lost,
             on_unencodable=self._answer_unencodable,
         )  # fmt: skip
 
-    def start(self) -> None:
-        """Bind and start answering (call on the loop that will serve)."""
-        self._socket.bind(self._address)
-        self._channel.start()
-
     async def close(self) -> None:
-        """Stop reading, cancel unfinished calls, close the socket."""
-        self._channel.stop()
+        """Stop listening, cancel unfinished calls, close every connection."""
+        if self._server is not None:
+            self._server.close()
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._socket.close(linger=0)
-        self._context.term()
+        for link in list(self._links):
+            link.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
 
-    def _on_message(self, peer: bytes | None, message: Any) -> None:
-        assert peer is not None
+    def _on_message(self, peer: Link, message: Any) -> None:
         kind = message[0]
         if kind == "call" or kind == "stream":
             _, call_id, method, args = message
@@ -93,16 +98,17 @@ class EngineHost:
         elif kind == "tell":
             self._tell(message[1], message[2])
 
-    def _cancel_peer(self, peer: bytes) -> None:
+    def _lost(self, peer: Link) -> None:
         """A front end that went away: nothing it asked for is worth finishing."""
+        self._links.discard(peer)
         for (owner, _), task in list(self._tasks.items()):
             if owner == peer:
                 task.cancel()
 
-    def _answer_unencodable(self, peer: bytes | None, message: Any) -> None:
-        if peer is not None and message[0] in ("ok", "item"):
+    def _answer_unencodable(self, peer: Link, message: Any) -> None:
+        if message[0] in ("ok", "item"):
             state = error_state(RuntimeError("the answer cannot be sent"))
-            self._channel.post(("err", message[1], state), peer)
+            peer.post(("err", message[1], state))
 
     def _tell(self, method: str, args: tuple[Any, ...]) -> None:
         handler = self._tells.get(method)
@@ -114,7 +120,7 @@ class EngineHost:
         except Exception:
             logger.exception("engine: %s failed", method)
 
-    async def _answer(self, peer: bytes, call_id: int, method: str, args: Any) -> None:
+    async def _answer(self, peer: Link, call_id: int, method: str, args: Any) -> None:
         try:
             call = self._calls[method]
             result = await call(*args)
@@ -122,28 +128,28 @@ class EngineHost:
             return  # the front end gave up on it (the client went away): no answer
         except BaseException as exc:
             self._log_fault(method, exc)
-            self._channel.post(("err", call_id, error_state(exc)), peer)
+            peer.post(("err", call_id, error_state(exc)))
             return
-        self._channel.post(("ok", call_id, result), peer)
+        peer.post(("ok", call_id, result))
 
-    async def _stream(self, peer: bytes, call_id: int, method: str, args: Any) -> None:
+    async def _stream(self, peer: Link, call_id: int, method: str, args: Any) -> None:
         items: AsyncIterator[Any] | None = None
         try:
             items = self._streams[method](*args)
             async for item in items:
-                self._channel.post(("item", call_id, item), peer)
+                peer.post(("item", call_id, item))
         except asyncio.CancelledError:
             return
         except BaseException as exc:
             self._log_fault(method, exc)
-            self._channel.post(("err", call_id, error_state(exc)), peer)
+            peer.post(("err", call_id, error_state(exc)))
             return
         finally:
             aclose = getattr(items, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
-        self._channel.post(("end", call_id), peer)
+        peer.post(("end", call_id))
 
     @staticmethod
     def _log_fault(method: str, exc: BaseException) -> None:

@@ -1,8 +1,8 @@
 """The split layout's parent process: starts the engine and the front ends, keeps them up.
 
     supervisor (this process: no sockets of its own)
-      |- engine process      ROUTER at ipc://<socket dir>/engine   (models, batchers, LLM loop)
-      |- front end 0         HTTP + gRPC ports (SO_REUSEPORT)      -> DEALER to the engine
+      |- engine process      Unix socket <socket dir>/engine      (models, batchers, LLM loop)
+      |- front end 0         HTTP + gRPC ports (SO_REUSEPORT)      -> connected to it
       |- front end 1 ...
 
 A child that dies is started again, after a back-off that doubles from 1 s to 30 s
@@ -53,7 +53,7 @@ def socket_dir() -> Path:
 
 
 def engine_address(directory: Path) -> str:
-    return f"ipc://{directory / 'engine'}"
+    return str(directory / "engine")
 
 
 def set_cpu_scheduling(policy: str) -> None:

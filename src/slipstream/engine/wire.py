@@ -1,14 +1,14 @@
-"""Messages between front-end processes and the engine process, as ZeroMQ frames.
+"""Messages between front-end processes and the engine process, as frames on a socket.
 
 A message is one Python value (a request, a response, metadata, an error) pickled with
 protocol 5 and its large buffers taken *out of band*: every numpy array's data travels
 as a frame of its own, and the receiver rebuilds the array over the received frame's
-memory. No tensor is copied into a Python object on either side (the kernel's copy
-through the socket is the only one), and the pickler sees only the small header.
+memory, so the pickler sees only the small header. In a message over 64 KB no tensor is
+copied on either side but by the kernel through the socket; a smaller message's tensors
+are copied once more out of the link's receive buffer (:mod:`slipstream.engine.channel`).
 
-    frames = encode(("call", 7, "infer", (request,)))   # [header, array data, ...]
-    socket.send_multipart(frames, copy=False)
-    value = decode(await socket.recv_multipart(copy=False))
+    frames = encode(("call", 7, "infer", (request,)))   # [header, PickleBuffer, ...]
+    value = decode([header, *(buffer.raw() for buffer in frames[1:])])
 
 Pickle runs code from what it loads, so only processes of one server talk this way:
 the sockets live in a directory only the server's user can open

@@ -156,7 +156,7 @@ async def _serve_engine(settings: ServerSettings, directory: Path, ready: Proces
     host = EngineHost(
         engine_address(directory), calls, streams={"http": forward}, tells={"board": board.put}
     )
-    host.start()
+    await host.start()
     background = background_tasks(settings, core, None)
     start_task = asyncio.create_task(service.start())
     stop_task = asyncio.create_task(stop.wait())

@@ -57,7 +57,7 @@ class InferenceService(ABC):
 
     Every method but ``is_live`` is a coroutine: the core may run in this process
     (:class:`slipstream.serving.core.ModelServer`) or in an engine process behind
-    ZeroMQ (:class:`slipstream.engine.remote.RemoteInferenceService`), and the front
+    a Unix socket (:class:`slipstream.engine.remote.RemoteInferenceService`), and the front
     ends cannot tell which.
     """
 
