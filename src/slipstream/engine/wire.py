@@ -21,14 +21,24 @@ the in-process server would.
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
+import io
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
+
+import numpy as np
 
 from slipstream import errors
 from slipstream.errors import InternalError, SlipstreamError
-from slipstream.types import InferRequest, InferResponse
+from slipstream.types import (
+    InferRequest,
+    InferResponse,
+    RequestedOutput,
+    SharedMemoryInput,
+    SharedMemoryRef,
+)
 
 # Out-of-band buffers smaller than this are pickled inline: a frame of its own costs
 # more than copying a few hundred bytes into the header.
@@ -45,16 +55,57 @@ def encode(value: Any) -> list[Any]:
         buffers.append(buffer)
         return False
 
-    header = pickle.dumps(value, protocol=5, buffer_callback=out_of_band)
-    return [header, *buffers]
+    header = io.BytesIO()
+    pickler = pickle.Pickler(header, protocol=5, buffer_callback=out_of_band)
+    pickler.dispatch_table = _REDUCERS
+    pickler.dump(value)
+    return [header.getbuffer(), *buffers]
 
 
 def decode(frames: Sequence[Any]) -> Any:
     """The value :func:`encode` made; arrays lie over the frames' memory (read-only)."""
-    first = frames[0]
-    header = first.buffer if hasattr(first, "buffer") else first
-    buffers = [frame.buffer if hasattr(frame, "buffer") else frame for frame in frames[1:]]
-    return pickle.loads(header, buffers=buffers)
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
+# What crosses with every request, reduced more cheaply than by default: a plain numpy
+# array as its buffer, dtype string and shape (numpy's own reduction pickles a dtype
+# object with its state, ~1 us more each way), and the request's small dataclasses as
+# their class and fields (a slotted dataclass's default reduction runs its Python-level
+# __getstate__). The request's and response's own fields cross as tuples (below).
+# Together: an mlp request and its answer encode and decode in ~17 us instead of ~23.
+
+
+def _array(buffer: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    return np.frombuffer(buffer, dtype).reshape(shape)
+
+
+def _reduce_array(array: np.ndarray) -> Any:
+    dtype = array.dtype
+    if dtype.kind in "OV" or dtype.metadata is not None:
+        return array.__reduce_ex__(5)  # objects and records: numpy's own way
+    if not array.flags.c_contiguous:
+        # Strided: numpy's own reduction copies too (and loses a non-native byte order
+        # doing it). Fortran-ordered arrays are copied here, not by numpy: rare here.
+        array = array.copy(order="C")
+    # Datetimes export no buffer: their bytes do.
+    data = array.reshape(-1).view(np.uint8) if dtype.kind in "mM" else array
+    return _array, (pickle.PickleBuffer(cast(Any, data)), dtype.str, array.shape)
+
+
+def _reduce_fields(obj: Any) -> tuple[type, tuple[Any, ...]]:
+    cls = type(obj)
+    return cls, tuple([getattr(obj, name) for name in _FIELDS[cls]])
+
+
+_FIELDS = {
+    cls: tuple(field.name for field in dataclasses.fields(cls))
+    for cls in (RequestedOutput, SharedMemoryRef, SharedMemoryInput)
+}
+_REDUCERS: dict[type, Any] = {
+    **copyreg.dispatch_table,
+    np.ndarray: _reduce_array,
+    **dict.fromkeys(_FIELDS, _reduce_fields),
+}
 
 
 def error_state(error: BaseException) -> tuple[str, str, dict[str, Any]]:
