@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -353,6 +354,49 @@ def test_each_key_has_regions_of_its_own(
         client.unregister_system_shared_memory(headers=a)
         client.unregister_system_shared_memory(headers=b)
         client.close()
+
+
+def test_a_revoked_key_s_regions_go_with_it(
+    keyed_server: tuple[RemoteServer, dict[str, str]],
+    make_region: Callable[[int], tuple[str, Any]],
+) -> None:
+    """`slipstream keys revoke` on a running server unregisters the key's regions: a new
+    key given the same name finds none of them, and other keys keep theirs."""
+    server, headers = keyed_server
+    keys_file = server.repository.parent / "keys.json"
+    http = httpx.Client(base_url=server.http_url, timeout=10)
+    region, _ = make_region(TENSOR_BYTES)
+    body = {"key": region, "offset": 0, "byte_size": TENSOR_BYTES}
+    register = "/v2/systemsharedmemory/region/{}/register"
+    status = "/v2/systemsharedmemory/status"
+
+    def new_key() -> dict[str, str]:
+        ring = KeyRing.load(keys_file)
+        if any(key.name == "c" for key in ring.keys):
+            ring.revoke("c")
+        header = {"authorization": f"Bearer {ring.create('c', 'infer')[0]}"}
+        ring.save()
+        deadline = time.monotonic() + 10
+        while http.get(status, headers=header).status_code != 200:  # until it is read
+            assert time.monotonic() < deadline, "the new key was not taken up"
+            time.sleep(0.05)
+        return header
+
+    try:
+        assert http.post(register.format("kept"), json=body, headers=headers["a"]).is_success
+        first = new_key()
+        assert http.post(register.format("c-in"), json=body, headers=first).is_success
+        assert [r["name"] for r in http.get(status, headers=first).json()] == ["c-in"]
+        second = new_key()  # "c" revoked and made again, in one write of the file
+        assert http.get(status, headers=first).status_code == 401
+        deadline = time.monotonic() + 10
+        while http.get(status, headers=second).json():  # released right after the reload
+            assert time.monotonic() < deadline, "the revoked key's region is still there"
+            time.sleep(0.05)
+        assert [r["name"] for r in http.get(status, headers=headers["a"]).json()] == ["kept"]
+    finally:
+        http.post("/v2/systemsharedmemory/unregister", headers=headers["a"])
+        http.close()
 
 
 def _stream_reads_the_keys_own_region(

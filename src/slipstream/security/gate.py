@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -108,11 +109,17 @@ class Gate:
             )
 
 
-async def watch_keys(gate: Gate, interval_s: float = 0.25) -> None:
+async def watch_keys(
+    gate: Gate,
+    on_revoked: Callable[[list[str]], Awaitable[None]] | None = None,
+    interval_s: float = 0.25,
+) -> None:
     """Serve the keys file's changes (`slipstream keys create|revoke` on a running
     server) within ``interval_s`` (a stat of the file each time: a revoked key is refused
     within a quarter second); a file that does not parse is logged and the keys in use
-    stay. Runs until cancelled."""
+    stay. ``on_revoked`` is called with the names of keys that are gone, or whose name
+    now belongs to another secret (what a key owned, its shared-memory regions, goes
+    with it). Runs until cancelled."""
     path = gate.keys.path
     seen = gate.keys.file_state
     while True:
@@ -127,8 +134,15 @@ async def watch_keys(gate: Gate, interval_s: float = 0.25) -> None:
             logger.error("keys file changed but cannot be used (%s); the %d keys read "
                          "before stay in use", exc, len(gate.keys.keys))  # fmt: skip
             continue
+        before = {(key.name, key.sha256) for key in gate.keys.keys}
+        gone = sorted({name for name, _ in before - {(k.name, k.sha256) for k in keys.keys}})
         gate.replace_keys(keys)
         logger.info("keys file %s read again: %d keys", path, len(keys.keys))
+        if gone and on_revoked is not None:
+            try:
+                await on_revoked(gone)
+            except Exception:
+                logger.exception("what the revoked keys %s owned could not be released", gone)
 
 
 def _secret(authorization: bytes) -> bytes:

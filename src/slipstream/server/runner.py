@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import ssl
@@ -111,7 +112,7 @@ async def serve(
         logger.error("%s", exc)
         return 1
 
-    background = background_tasks(settings, core, door)
+    background = background_tasks(settings, core, door, service)
     # Models load while the servers already answer health/live (ready comes after).
     start_task = asyncio.create_task(service.start())
     stop_task = asyncio.create_task(stop.wait())
@@ -257,17 +258,25 @@ def background_tasks(
     settings: ServerSettings,
     core: Core | None,
     door: tuple[Gate | None, Limiter | None, bool] | None,
+    service: InferenceService | None = None,
 ) -> list[asyncio.Task[None]]:
     """The cost gauges' sampler (where the models run) and the keys file's watcher (where
-    requests arrive)."""
+    requests arrive), which unregisters a revoked key's shared-memory regions through
+    ``service``."""
     background: list[asyncio.Task[None]] = []
     if core is not None and settings.price_per_hour is not None:
         tracker = CostTracker(core.metrics, settings.price_per_hour, settings.cost_window_s)
         core.metrics.registry.register(tracker)
         background.append(asyncio.create_task(_sample_costs(tracker)))
     if door and door[0] is not None:
-        background.append(asyncio.create_task(watch_keys(door[0])))
+        revoked = None if service is None else functools.partial(_release_regions, service)
+        background.append(asyncio.create_task(watch_keys(door[0], revoked)))
     return background
+
+
+async def _release_regions(service: InferenceService, owners: list[str]) -> None:
+    for owner in owners:
+        await service.unregister_region("", owner)
 
 
 async def close_parts(

@@ -317,7 +317,7 @@ async def _serve_frontend(
         return 1
     ready.set()
     heap.settle()
-    background = [*background_tasks(settings, None, door),
+    background = [*background_tasks(settings, None, door, service),
                   asyncio.create_task(_push_metrics(client, name, metrics))]  # fmt: skip
     await stop.wait()
     service.stop()
