@@ -27,6 +27,8 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from slipstream.engine.wire import decode, encode
 
 logger = logging.getLogger(__name__)
@@ -71,7 +73,7 @@ class Link(asyncio.BufferedProtocol):
         self._buffer = bytearray(_BUFFER_BYTES)
         self._filled = 0
         # A large message being received into its own buffer, and how much of it has come.
-        self._large: bytearray | None = None
+        self._large: memoryview | None = None
         self._large_filled = 0
 
     @property
@@ -98,14 +100,14 @@ class Link(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._large is not None:
-            return memoryview(self._large)[self._large_filled :]
+            return self._large[self._large_filled :]
         return memoryview(self._buffer)[self._filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._large is not None:
             self._large_filled += nbytes
             if self._large_filled == len(self._large):
-                whole = memoryview(self._large).toreadonly()
+                whole = self._large.toreadonly()
                 self._large = None
                 self._deliver(whole, copy=False)
             return
@@ -171,11 +173,13 @@ class Link(asyncio.BufferedProtocol):
             whole = _PREFIX.size + size
             if whole >= LARGE_BYTES:
                 have = min(end - start, whole)
-                large = bytearray(whole)
+                # Not zeroed (np.empty, not bytearray): it is filled whole. A 1 MB
+                # echo costs ~6% less CPU a round trip for it.
+                large = np.empty(whole, np.uint8).data
                 large[:have] = view[start : start + have]
                 start += have
                 if have == whole:
-                    self._deliver(memoryview(large).toreadonly(), copy=False)
+                    self._deliver(large.toreadonly(), copy=False)
                     continue
                 self._large, self._large_filled = large, have
                 break
