@@ -12,7 +12,12 @@ import pytest
 
 from slipstream.errors import InvalidRequest
 from slipstream.server.split import _EngineJournal
-from slipstream.serving.shared_memory import SHM_DIR, RegionNotFound, SystemSharedMemory
+from slipstream.serving.shared_memory import (
+    MAX_REGIONS_PER_KEY,
+    SHM_DIR,
+    RegionNotFound,
+    SystemSharedMemory,
+)
 from slipstream.types import (
     InferRequest,
     InferResponse,
@@ -145,6 +150,23 @@ def test_each_owner_sees_uses_and_unregisters_only_its_own_regions(key: str) -> 
     assert [(s.owner, s.name) for s in regions.registered()] == [("a", "only_a"), ("a", "r")]
     regions.close()
     assert regions.registered() == []
+
+
+def test_one_key_cannot_take_every_region(key: str) -> None:
+    """A key holds at most MAX_REGIONS_PER_KEY regions; other keys still register, and
+    without keys (owner "") only the server's own bound applies."""
+    regions = SystemSharedMemory(allowed=True)
+    for index in range(MAX_REGIONS_PER_KEY):
+        regions.register(f"r{index}", key, offset=0, byte_size=64, owner="greedy")
+    with pytest.raises(InvalidRequest, match=f"holds {MAX_REGIONS_PER_KEY} shared memory"):
+        regions.register("one_more", key, offset=0, byte_size=64, owner="greedy")
+    regions.register("mine", key, offset=0, byte_size=64, owner="other")
+    regions.unregister("r0", owner="greedy")
+    regions.register("one_more", key, offset=0, byte_size=64, owner="greedy")
+    for index in range(MAX_REGIONS_PER_KEY + 1):
+        regions.register(f"r{index}", key, offset=0, byte_size=64, owner="")
+    assert len(regions.status(owner="")) == MAX_REGIONS_PER_KEY + 1
+    regions.close()
 
 
 def test_an_engine_started_again_registers_each_owners_regions_again(

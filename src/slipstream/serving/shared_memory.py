@@ -66,6 +66,9 @@ MAX_NAME_CHARS = 256
 # Each region holds a mapping and a descriptor: bounded so that no client can exhaust
 # the process's descriptors or address space by registering without end.
 MAX_REGIONS = 1024
+# With API keys, what one key may hold of them: no key can take the whole table and leave
+# the other keys without regions.
+MAX_REGIONS_PER_KEY = 256
 # Input arrays kept per region (see _Region.arrays).
 _MAX_CACHED_ARRAYS = 64
 
@@ -120,6 +123,11 @@ class SystemSharedMemory:
             raise InvalidRequest(
                 f"{MAX_REGIONS} shared memory regions are registered already; unregister "
                 "regions no longer in use"
+            )
+        if owner and sum(held == owner for held, _ in self._regions) >= MAX_REGIONS_PER_KEY:
+            raise InvalidRequest(
+                f"this API key holds {MAX_REGIONS_PER_KEY} shared memory regions already, "
+                "the most one key may; unregister regions no longer in use"
             )
         if byte_size <= 0:
             raise InvalidRequest(f"byte_size: {byte_size}; a region holds at least one byte")
