@@ -76,10 +76,6 @@ class Link(asyncio.BufferedProtocol):
         self._large: memoryview | None = None
         self._large_filled = 0
 
-    @property
-    def open(self) -> bool:
-        return self._transport is not None
-
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
