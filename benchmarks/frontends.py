@@ -39,6 +39,12 @@ front end on the same core; >= 1.4 for two front ends on two cores, the load gen
 cores of its own where the host has them: the host's core count is printed).
 
     .venv/bin/python benchmarks/frontends.py --layouts one,split1,split2@0,1 --cases http,grpc
+
+Beside infer/s, each Slipstream case prints the server's CPU per inference: the CPU time
+of the server and every process under it (supervisor, engine, front ends) over the
+measurement, divided by the inferences its statistics counted. On a host where other
+work moves throughput by 20% between runs, the ratio of those (``by CPU``) is a capacity
+ratio that other work blurs less.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -152,6 +160,7 @@ def run(args: argparse.Namespace) -> None:
     tool = None if args.no_perf_analyzer else ensure_perf_analyzer()
     layouts = parse_layouts(args.layouts, args.server_cores)
     results: dict[str, dict[int, list[float | None]]] = {}
+    cpu: dict[str, dict[int, list[float | None]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = args.repo or build_mlp(Path(tmp) / "models")
         for layout_index, (layout, frontends, cores) in enumerate(layouts):
@@ -171,15 +180,17 @@ def run(args: argparse.Namespace) -> None:
                     Path(tmp),
                     frontends,
                     "default" if "-default" in layout else "batch",
-                ),
+                ) as server,
                 cap_servers(args, repo, grpc_port, by_handler),
             ):
                 print(f"layout {layout}: {frontends or 'one process'} front ends, cores {cores}")
-                measured = measure_all(tool, wanted_here, levels, ports, args)
+                measured, spent = measure_all(tool, wanted_here, levels, ports, args, server)
             for name, by_level in measured.items():
                 key = name if layout == "one" or name.startswith("cap") else f"{name}[{layout}]"
                 results[key] = by_level
-    report(results, levels, args, tool is not None, layouts)
+                if name in spent:
+                    cpu[key] = spent[name]
+    report(results, cpu, levels, args, tool is not None, layouts)
 
 
 def measure_all(
@@ -188,19 +199,47 @@ def measure_all(
     levels: list[int],
     ports: dict[str, int],
     args: argparse.Namespace,
-) -> dict[str, dict[int, list[float | None]]]:
-    """Each case at each level once per round, rounds alternating the cases."""
+    server: psutil.Process,
+) -> tuple[dict[str, dict[int, list[float | None]]], dict[str, dict[int, list[float | None]]]]:
+    """Each case at each level once per round, rounds alternating the cases: infer/s, and
+    for Slipstream's cases the server's CPU us per inference."""
     results: dict[str, dict[int, list[float | None]]] = {
         c.name: {n: [] for n in levels} for c in cases
+    }
+    cpu: dict[str, dict[int, list[float | None]]] = {
+        c.name: {n: [] for n in levels} for c in cases if not c.cap
     }
     for _ in range(args.rounds):
         for case in cases:
             port = ports[f"cap:{case.cap}" if case.cap else case.protocol]
             for level in levels:
+                before = None if case.cap else _server_work(server, ports["http"], args.model)
                 rate = measure(tool, case, port, level, args)
                 results[case.name][level].append(rate)
-                print(f"  {case.name:16s} C={level:<3d} {_fmt(rate)} infer/s", flush=True)
-    return results
+                line = f"  {case.name:16s} C={level:<3d} {_fmt(rate)} infer/s"
+                if before is not None:
+                    after = _server_work(server, ports["http"], args.model)
+                    done = after[1] - before[1]
+                    spent = (after[0] - before[0]) / done * 1e6 if done else None
+                    cpu[case.name][level].append(spent)
+                    line += f", server {_fmt(spent)} us CPU/infer"
+                print(line, flush=True)
+    return results, cpu
+
+
+def _server_work(server: psutil.Process, http_port: int, model: str) -> tuple[float, int]:
+    """(CPU seconds of the server and every process under it, inferences it counted)."""
+    seconds = 0.0
+    for process in [server, *server.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        seconds += times.user + times.system
+    url = f"http://127.0.0.1:{http_port}/v2/models/{model}/stats"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        stats = json.load(reply)["model_stats"]
+    return seconds, sum(int(s["inference_stats"]["success"]["count"]) for s in stats)
 
 
 def measure(
@@ -264,6 +303,7 @@ def parse_layouts(text: str, default_cores: str) -> list[tuple[str, int, str]]:
 
 def report(
     results: dict[str, dict[int, list[float | None]]],
+    cpu: dict[str, dict[int, list[float | None]]],
     levels: list[int],
     args: argparse.Namespace,
     perf_analyzer: bool,
@@ -293,6 +333,22 @@ def report(
             print(f"{key:28s}" + "".join(
                 f"{'n/a' if r is None else f'{r:.2f}':>10s}" for r in ratios[key].values()
             ))  # fmt: skip
+    cpu_medians = {
+        name: {n: _median(values) for n, values in by_level.items()}
+        for name, by_level in cpu.items()
+    }
+    print("\nserver CPU us per inference (all its processes), median of the rounds")
+    for name, by_level in cpu_medians.items():
+        print(f"{name:18s}" + "".join(f"{_fmt(by_level[n]):>12s}" for n in levels))
+    # By CPU: the layout's inferences per CPU-second over one process's (a capacity ratio).
+    cpu_ratios: dict[str, dict[int, float | None]] = {}
+    for a, b in pairs:
+        if a in cpu_medians and b in cpu_medians:
+            key = f"{a} / {b} by CPU"
+            cpu_ratios[key] = {n: _ratio(cpu_medians[b][n], cpu_medians[a][n]) for n in levels}
+            print(f"{key:28s}" + "".join(
+                f"{'n/a' if r is None else f'{r:.2f}':>10s}" for r in cpu_ratios[key].values()
+            ))  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
@@ -304,6 +360,12 @@ def report(
             "infer_per_s": {k: {str(n): v for n, v in m.items()} for k, m in medians.items()},
             "rounds": {k: {str(n): v for n, v in m.items()} for k, m in results.items()},
             "ratios": {k: {str(n): v for n, v in m.items()} for k, m in ratios.items()},
+            "server_cpu_us_per_infer": {
+                k: {str(n): v for n, v in m.items()} for k, m in cpu_medians.items()
+            },
+            "ratios_by_cpu": {
+                k: {str(n): v for n, v in m.items()} for k, m in cpu_ratios.items()
+            },
         }, indent=2))  # fmt: skip
         print(f"\nwrote {args.json}")
 
@@ -328,7 +390,7 @@ def slipstream_server(
     log_dir: Path,
     frontends: int = 0,
     scheduling: str = "batch",
-) -> Iterator[None]:
+) -> Iterator[psutil.Process]:
     command = [
         "taskset", "-c", cores, str(VENV_BIN / "slipstream"), "serve",
         "--model-repository", str(repo), "--host", "127.0.0.1",
@@ -336,9 +398,9 @@ def slipstream_server(
         "--log-level", "warning", "--frontends", str(frontends),
         "--cpu-scheduling", scheduling,
     ]  # fmt: skip
-    with _process(command, log_dir / "slipstream.log"):
+    with _process(command, log_dir / "slipstream.log") as proc:
         _wait_http(f"http://127.0.0.1:{http_port}/v2/health/ready")
-        yield
+        yield psutil.Process(proc.pid)
 
 
 @contextmanager
@@ -360,12 +422,12 @@ def cap_servers(
 
 
 @contextmanager
-def _process(command: list[str], log: Path) -> Iterator[None]:
+def _process(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
         try:
-            yield
+            yield proc
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
