@@ -319,20 +319,13 @@ def report(
     print(f"{'case':18s}" + "".join(f"{'C=' + str(n):>12s}" for n in levels))
     for name, by_level in medians.items():
         print(f"{name:18s}" + "".join(f"{_fmt(by_level[n]):>12s}" for n in levels))
-    ratios: dict[str, dict[int, float | None]] = {}
     print()
     pairs = list(RATIOS)
     for layout, _, _ in layouts:
         if layout != "one":
             pairs += [(f"{case}[{layout}]", case) for case in ("http", "grpc", "grpc_stream")]
             pairs += [(f"grpc[{layout}]", "cap_grpc")]
-    for a, b in pairs:
-        if a in medians and b in medians:
-            key = f"{a} / {b}"
-            ratios[key] = {n: _ratio(medians[a][n], medians[b][n]) for n in levels}
-            print(f"{key:28s}" + "".join(
-                f"{'n/a' if r is None else f'{r:.2f}':>10s}" for r in ratios[key].values()
-            ))  # fmt: skip
+    ratios = _print_ratios(pairs, medians, levels, "")
     cpu_medians = {
         name: {n: _median(values) for n, values in by_level.items()}
         for name, by_level in cpu.items()
@@ -340,15 +333,10 @@ def report(
     print("\nserver CPU us per inference (all its processes), median of the rounds")
     for name, by_level in cpu_medians.items():
         print(f"{name:18s}" + "".join(f"{_fmt(by_level[n]):>12s}" for n in levels))
-    # By CPU: the layout's inferences per CPU-second over one process's (a capacity ratio).
-    cpu_ratios: dict[str, dict[int, float | None]] = {}
-    for a, b in pairs:
-        if a in cpu_medians and b in cpu_medians:
-            key = f"{a} / {b} by CPU"
-            cpu_ratios[key] = {n: _ratio(cpu_medians[b][n], cpu_medians[a][n]) for n in levels}
-            print(f"{key:28s}" + "".join(
-                f"{'n/a' if r is None else f'{r:.2f}':>10s}" for r in cpu_ratios[key].values()
-            ))  # fmt: skip
+    # By CPU: the layout's inferences per CPU-second over one process's (a capacity ratio):
+    # b's CPU per inference over a's.
+    flipped = [(b, a) for a, b in pairs]
+    by_cpu = _print_ratios(flipped, cpu_medians, levels, " by CPU", swap_names=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
@@ -364,10 +352,30 @@ def report(
                 k: {str(n): v for n, v in m.items()} for k, m in cpu_medians.items()
             },
             "ratios_by_cpu": {
-                k: {str(n): v for n, v in m.items()} for k, m in cpu_ratios.items()
+                k: {str(n): v for n, v in m.items()} for k, m in by_cpu.items()
             },
         }, indent=2))  # fmt: skip
         print(f"\nwrote {args.json}")
+
+
+def _print_ratios(
+    pairs: list[tuple[str, str]],
+    table: dict[str, dict[int, float | None]],
+    levels: list[int],
+    suffix: str,
+    swap_names: bool = False,
+) -> dict[str, dict[int, float | None]]:
+    """``table[a] / table[b]`` per level for each pair both sides of which were measured,
+    printed and returned by name ("a / b" + suffix; ``swap_names``: named "b / a")."""
+    ratios: dict[str, dict[int, float | None]] = {}
+    for a, b in pairs:
+        if a in table and b in table:
+            key = (f"{b} / {a}" if swap_names else f"{a} / {b}") + suffix
+            ratios[key] = {n: _ratio(table[a][n], table[b][n]) for n in levels}
+            print(f"{key:28s}" + "".join(
+                f"{'n/a' if r is None else f'{r:.2f}':>10s}" for r in ratios[key].values()
+            ))  # fmt: skip
+    return ratios
 
 
 # ---------------------------------------------------------------- servers
