@@ -16,13 +16,17 @@ A front end whose connection closes (it stopped, or was killed) has its calls an
 streams cancelled at once (an LLM sequence stops generating).
 
 Which methods exist is the caller's choice (``calls`` and ``streams``): this module
-knows nothing of models or protocols.
+knows nothing of models or protocols. A method may also be ``immediate``: a plain
+function that starts the work and returns a future (or None to be run from ``calls``),
+answered when the future is done, without a task of its own. Inference is: the engine's
+event loop is what a GPU waits on between batches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
@@ -35,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 Call = Callable[..., Awaitable[Any]]
 Stream = Callable[..., AsyncIterator[Any]]
+# Starts a call's work now: its future, or None for the method in ``calls`` to answer.
+Immediate = Callable[..., "asyncio.Future[Any] | None"]
 
 
 class EngineHost:
@@ -46,15 +52,17 @@ class EngineHost:
         calls: Mapping[str, Call],
         streams: Mapping[str, Stream] | None = None,
         tells: Mapping[str, Callable[..., None]] | None = None,
+        immediate: Mapping[str, Immediate] | None = None,
     ) -> None:
         self._path = path
         self._calls = dict(calls)
         self._streams = dict(streams or {})
         self._tells = dict(tells or {})
+        self._immediate = dict(immediate or {})
         self._server: asyncio.AbstractServer | None = None
         self._links: set[Link] = set()
-        # (front end, call id) -> the task answering it, for cancels.
-        self._tasks: dict[tuple[Link, int], asyncio.Task[None]] = {}
+        # (front end, call id) -> the task or immediate future answering it, for cancels.
+        self._tasks: dict[tuple[Link, int], asyncio.Future[Any]] = {}
 
     async def start(self) -> None:
         """Listen and start answering (on the loop that will serve). A socket file left
@@ -86,6 +94,9 @@ class EngineHost:
         kind = message[0]
         if kind == "call" or kind == "stream":
             _, call_id, method, args = message
+            start = self._immediate.get(method) if kind == "call" else None
+            if start is not None and self._start(peer, call_id, method, args, start):
+                return
             run = self._answer if kind == "call" else self._stream
             key = (peer, call_id)
             task = asyncio.create_task(run(peer, call_id, method, args))
@@ -97,6 +108,32 @@ class EngineHost:
                 running.cancel()
         elif kind == "tell":
             self._tell(message[1], message[2])
+
+    def _start(self, peer: Link, call_id: int, method: str, args: Any, start: Immediate) -> bool:
+        """Run an immediate call; False when it leaves the call to ``calls``."""
+        try:
+            future = start(*args)
+        except Exception as exc:
+            self._log_fault(method, exc)
+            peer.post(("err", call_id, error_state(exc)))
+            return True
+        if future is None:
+            return False
+        key = (peer, call_id)
+        self._tasks[key] = future
+        future.add_done_callback(functools.partial(self._answered, peer, call_id, method))
+        return True
+
+    def _answered(self, peer: Link, call_id: int, method: str, future: asyncio.Future[Any]) -> None:
+        self._tasks.pop((peer, call_id), None)
+        if future.cancelled():
+            return  # the front end gave up on it: no answer
+        error = future.exception()
+        if error is not None:
+            self._log_fault(method, error)
+            peer.post(("err", call_id, error_state(error)))
+        else:
+            peer.post(("ok", call_id, future.result()))
 
     def _lost(self, peer: Link) -> None:
         """A front end that went away: nothing it asked for is worth finishing."""

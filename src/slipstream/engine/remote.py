@@ -16,7 +16,6 @@ from typing import Any
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
 from slipstream.engine.host import Call
-from slipstream.engine.wire import request_fields, request_from, response_fields, response_from
 from slipstream.observability.stats import ModelStats
 from slipstream.serving.service import InferenceService
 from slipstream.types import (
@@ -66,10 +65,11 @@ class RemoteInferenceService(InferenceService):
         return config
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        return response_from(await self._client.call("infer", request_fields(request)))
+        response: InferResponse = await self._client.call("infer", request)
+        return response
 
     async def check(self, request: InferRequest) -> None:
-        await self._client.call("check", request_fields(request))
+        await self._client.call("check", request)
 
     async def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
         stats: list[ModelStats] = await self._client.call("model_statistics", name, version)
@@ -114,14 +114,6 @@ def engine_calls(service: InferenceService) -> dict[str, Call]:
         for name in ("is_ready", "server_metadata", "model_ready", "model_metadata",
                      "model_config", "model_statistics", "repository_index", "load_model",
                      "unload_model", "rollout", "region_status", "register_region",
-                     "unregister_region")
+                     "unregister_region", "infer", "check")
     }  # fmt: skip
-
-    async def infer(fields: tuple[Any, ...]) -> tuple[Any, ...]:
-        return response_fields(await service.infer(request_from(fields)))
-
-    async def check(fields: tuple[Any, ...]) -> None:
-        await service.check(request_from(fields))
-
-    calls.update(infer=infer, check=check)
     return calls

@@ -154,8 +154,9 @@ async def _serve_engine(settings: ServerSettings, directory: Path, ready: Proces
     calls.update(drift=drift, metrics=metrics)
     _journaled_calls(calls, service, journal, settings.load_models if explicit else [])
     host = EngineHost(
-        engine_address(directory), calls, streams={"http": forward}, tells={"board": board.put}
-    )
+        engine_address(directory), calls, streams={"http": forward}, tells={"board": board.put},
+        immediate={"infer": service.infer_soon},
+    )  # fmt: skip
     await host.start()
     background = background_tasks(settings, core, None)
     start_task = asyncio.create_task(service.start())
