@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from slipstream import errors
 from slipstream.config import parse_model_config
 from slipstream.engine.client import EngineClient, EngineGone
-from slipstream.engine.host import EngineHost
+from slipstream.engine.host import EngineHost, Immediate
 from slipstream.engine.wire import decode, encode, error_state, rebuild_error
 from slipstream.serving.shared_memory import RegionNotFound
 from slipstream.types import (
@@ -187,7 +187,10 @@ class BoundaryMachine(RuleBasedStateMachine):
             self.address,
             {"echo": engine.echo, "fail": engine.fail, "echo_now": engine.echo_later},
             streams={"count": engine.count},
-            immediate={"echo_now": engine.echo_now, "fail_now": engine.fail_now},
+            immediate={
+                "echo_now": Immediate(engine.echo_now, answer=lambda value: value),
+                "fail_now": Immediate(engine.fail_now),
+            },
         )
         self.loop.run_until_complete(host.start())
         return host

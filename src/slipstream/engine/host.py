@@ -16,9 +16,9 @@ A front end whose connection closes (it stopped, or was killed) has its calls an
 streams cancelled at once (an LLM sequence stops generating).
 
 Which methods exist is the caller's choice (``calls`` and ``streams``): this module
-knows nothing of models or protocols. A method may also be ``immediate``: a plain
-function that starts the work and returns a future (or None to be run from ``calls``),
-answered when the future is done, without a task of its own. Inference is: the engine's
+knows nothing of models or protocols. A method may also be ``immediate``
+(:class:`Immediate`): a plain function starts the work and returns a future, answered
+when it is done, without a task of its own. Inference is: the engine's
 event loop is what a GPU waits on between batches.
 """
 
@@ -29,6 +29,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from slipstream.engine.channel import Link
@@ -39,8 +40,20 @@ logger = logging.getLogger(__name__)
 
 Call = Callable[..., Awaitable[Any]]
 Stream = Callable[..., AsyncIterator[Any]]
-# Starts a call's work now: its future, or None for the method in ``calls`` to answer.
-Immediate = Callable[..., "asyncio.Future[Any] | None"]
+
+
+def _as_it_is(result: Any) -> Any:
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class Immediate:
+    """A call answered without a task of its own: ``start`` begins the work at once and
+    returns its future, or None to leave the call to the method of that name in
+    ``calls``; ``answer`` turns the future's result into what crosses back."""
+
+    start: Callable[..., asyncio.Future[Any] | None]
+    answer: Callable[[Any], Any] = _as_it_is
 
 
 class EngineHost:
@@ -94,8 +107,8 @@ class EngineHost:
         kind = message[0]
         if kind == "call" or kind == "stream":
             _, call_id, method, args = message
-            start = self._immediate.get(method) if kind == "call" else None
-            if start is not None and self._start(peer, call_id, method, args, start):
+            immediate = self._immediate.get(method) if kind == "call" else None
+            if immediate is not None and self._start(peer, call_id, method, args, immediate):
                 return
             run = self._answer if kind == "call" else self._stream
             key = (peer, call_id)
@@ -109,10 +122,12 @@ class EngineHost:
         elif kind == "tell":
             self._tell(message[1], message[2])
 
-    def _start(self, peer: Link, call_id: int, method: str, args: Any, start: Immediate) -> bool:
+    def _start(
+        self, peer: Link, call_id: int, method: str, args: Any, immediate: Immediate
+    ) -> bool:
         """Run an immediate call; False when it leaves the call to ``calls``."""
         try:
-            future = start(*args)
+            future = immediate.start(*args)
         except Exception as exc:
             self._log_fault(method, exc)
             peer.post(("err", call_id, error_state(exc)))
@@ -121,10 +136,18 @@ class EngineHost:
             return False
         key = (peer, call_id)
         self._tasks[key] = future
-        future.add_done_callback(functools.partial(self._answered, peer, call_id, method))
+        answered = functools.partial(self._answered, peer, call_id, method, immediate.answer)
+        future.add_done_callback(answered)
         return True
 
-    def _answered(self, peer: Link, call_id: int, method: str, future: asyncio.Future[Any]) -> None:
+    def _answered(
+        self,
+        peer: Link,
+        call_id: int,
+        method: str,
+        answer: Callable[[Any], Any],
+        future: asyncio.Future[Any],
+    ) -> None:
         self._tasks.pop((peer, call_id), None)
         if future.cancelled():
             return  # the front end gave up on it: no answer
@@ -133,7 +156,7 @@ class EngineHost:
             self._log_fault(method, error)
             peer.post(("err", call_id, error_state(error)))
         else:
-            peer.post(("ok", call_id, future.result()))
+            peer.post(("ok", call_id, answer(future.result())))
 
     def _lost(self, peer: Link) -> None:
         """A front end that went away: nothing it asked for is worth finishing."""

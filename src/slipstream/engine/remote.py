@@ -11,11 +11,13 @@ and the engine reads the client's region itself, since it holds the registration
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import TYPE_CHECKING, Any
 
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
-from slipstream.engine.host import Call
+from slipstream.engine.host import Call, Immediate
+from slipstream.engine.wire import request_fields, request_from, response_fields, response_from
 from slipstream.observability.stats import ModelStats
 from slipstream.serving.service import InferenceService
 from slipstream.types import (
@@ -26,6 +28,9 @@ from slipstream.types import (
     ServerMetadata,
     SharedMemoryRegionStatus,
 )
+
+if TYPE_CHECKING:
+    from slipstream.serving.core import ModelServer
 
 
 class RemoteInferenceService(InferenceService):
@@ -65,11 +70,10 @@ class RemoteInferenceService(InferenceService):
         return config
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        response: InferResponse = await self._client.call("infer", request)
-        return response
+        return response_from(await self._client.call("infer", request_fields(request)))
 
     async def check(self, request: InferRequest) -> None:
-        await self._client.call("check", request)
+        await self._client.call("check", request_fields(request))
 
     async def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
         stats: list[ModelStats] = await self._client.call("model_statistics", name, version)
@@ -114,6 +118,25 @@ def engine_calls(service: InferenceService) -> dict[str, Call]:
         for name in ("is_ready", "server_metadata", "model_ready", "model_metadata",
                      "model_config", "model_statistics", "repository_index", "load_model",
                      "unload_model", "rollout", "region_status", "register_region",
-                     "unregister_region", "infer", "check")
+                     "unregister_region")
     }  # fmt: skip
+
+    async def infer(fields: tuple[Any, ...]) -> tuple[Any, ...]:
+        return response_fields(await service.infer(request_from(fields)))
+
+    async def check(fields: tuple[Any, ...]) -> None:
+        await service.check(request_from(fields))
+
+    calls.update(infer=infer, check=check)
     return calls
+
+
+def engine_immediate(service: ModelServer) -> dict[str, Immediate]:
+    """The engine's inference without a task per request (:class:`EngineHost`'s
+    immediate calls): ``infer`` of :func:`engine_calls` where the ModelServer can start it
+    at once (``infer_soon``), answered with the response's fields when it is done."""
+
+    def infer(fields: tuple[Any, ...]) -> asyncio.Future[Any] | None:
+        return service.infer_soon(request_from(fields))
+
+    return {"infer": Immediate(infer, response_fields)}
