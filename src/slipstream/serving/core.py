@@ -480,8 +480,8 @@ class ModelServer(InferenceService):
         route, an idle-unloaded model, the cache, or an error to report as it does).
 
         The engine process answers each front end's requests this way: a task and five
-        coroutine frames per request were a fifth of its event loop's time when a GPU
-        model was waiting on it."""
+        coroutine frames per request cost about a tenth of its event loop's CPU, and a
+        GPU model waits on that loop between batches."""
         name = request.model_name
         if self._stopping or self.cascades.get(name) is not None:
             return None
