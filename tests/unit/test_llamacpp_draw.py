@@ -115,3 +115,18 @@ def test_a_vocabulary_with_one_likely_token_always_draws_it() -> None:
     rng = np.random.default_rng(0)
     assert {draw(logits, params(temperature=1.0), rng) for _ in range(200)} == {617}
     assert {draw(logits, params(top_p=0.5), rng) for _ in range(50)} == {617}
+
+
+@pytest.mark.parametrize("temperature", [5.849951876234426e-193, 1e-40, 9e-6])
+def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
+    """schemathesis sent temperature 5.8e-193: 1 / T overflowed float32, the largest
+    weight became 0 * inf = NaN, and the draw failed with a 500."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(49_152).astype(np.float32)
+    assert params(temperature=temperature).greedy
+    for top_p in (1.0, 0.9):
+        chosen = {
+            draw(logits, params(temperature=temperature, top_p=top_p), rng) for _ in range(20)
+        }
+        assert chosen == {int(np.argmax(logits))}
+    assert not params(temperature=2e-5).greedy

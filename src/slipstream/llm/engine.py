@@ -20,10 +20,16 @@ from slipstream.types import Constraint
 
 FinishReason = Literal["stop", "length"]
 
+# Temperatures below this sample greedily, the limit softmax(logits / T) tends to as T
+# goes to 0 (vLLM's bound too). Dividing by them instead overflows: 1 / 5.8e-193 is
+# infinite in float32, and 0 * inf made the largest logit's weight NaN (a 500).
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` means greedy."""
+    """How to pick each next token. A temperature of 0 (or below ``GREEDY_BELOW``)
+    means greedy."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -51,7 +57,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def penalized(self) -> bool:
