@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from slipstream import errors
 from slipstream.config import parse_model_config
 from slipstream.engine.client import EngineClient, EngineGone
-from slipstream.engine.host import EngineHost, Immediate
+from slipstream.engine.host import EngineHost
 from slipstream.engine.wire import decode, encode, error_state, rebuild_error
 from slipstream.serving.shared_memory import RegionNotFound
 from slipstream.types import (
@@ -109,43 +109,11 @@ def test_an_internal_fault_crosses_without_its_details() -> None:
 
 
 class _Engine:
-    """What the test engine serves: echo (optionally held until released), fail, count;
-    and the same echo and fail as immediate calls (a future, or None to fall back)."""
+    """What the test engine serves: echo (optionally held until released), fail, count."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.running = 0
-        # Immediate echoes held until released: their futures and values.
-        self.held: list[tuple[asyncio.Future[int], int]] = []
-
-    def release_all(self) -> None:
-        self.release.set()
-        for future, value in self.held:
-            if not future.done():
-                future.set_result(value)
-        self.held.clear()
-
-    def echo_now(self, value: int, hold: bool, fall_back: bool) -> asyncio.Future[int] | None:
-        if fall_back:
-            return None  # answered by echo_later instead
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.running += 1
-        future.add_done_callback(self._ended)
-        if hold:
-            self.held.append((future, value))
-        else:
-            future.set_result(value)
-        return future
-
-    def _ended(self, _: asyncio.Future[int]) -> None:
-        self.running -= 1
-
-    async def echo_later(self, value: int, hold: bool, fall_back: bool) -> int:
-        assert fall_back
-        return await self.echo(value, hold)
-
-    def fail_now(self, name: str) -> asyncio.Future[None]:
-        raise getattr(errors, name)(f"failed as {name}")
 
     async def echo(self, value: int, hold: bool) -> int:
         self.running += 1
@@ -185,12 +153,8 @@ class BoundaryMachine(RuleBasedStateMachine):
         engine = self.engine
         host = EngineHost(
             self.address,
-            {"echo": engine.echo, "fail": engine.fail, "echo_now": engine.echo_later},
+            {"echo": engine.echo, "fail": engine.fail},
             streams={"count": engine.count},
-            immediate={
-                "echo_now": Immediate(engine.echo_now, answer=lambda value: value),
-                "fail_now": Immediate(engine.fail_now),
-            },
         )
         self.loop.run_until_complete(host.start())
         return host
@@ -203,19 +167,10 @@ class BoundaryMachine(RuleBasedStateMachine):
         for _ in range(20):
             await asyncio.sleep(0.001)
 
-    @rule(
-        value=st.integers(0, 10**6),
-        hold=st.booleans(),
-        how=st.sampled_from(["task", "immediate", "immediate falling back"]),
-    )
-    def call(self, value: int, hold: bool, how: str) -> None:
-        if how == "task":
-            method, args = "echo", (value, hold)
-        else:
-            method, args = "echo_now", (value, hold, how == "immediate falling back")
-
+    @rule(value=st.integers(0, 10**6), hold=st.booleans())
+    def call(self, value: int, hold: bool) -> None:
         async def start() -> asyncio.Task[int]:
-            task = asyncio.create_task(self.client.call(method, *args))
+            task = asyncio.create_task(self.client.call("echo", value, hold))
             await self._settle()
             return task
 
@@ -230,7 +185,7 @@ class BoundaryMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.calls))
     @rule()
     def release_held_calls(self) -> None:
-        self.engine.release_all()
+        self.engine.release.set()
         results = self.run(self._gather())
         assert results == list(self.calls.values())
         self.calls.clear()
@@ -245,13 +200,10 @@ class BoundaryMachine(RuleBasedStateMachine):
         assert task.cancelled()
         del self.calls[task]
 
-    @rule(
-        name=st.sampled_from(["InvalidRequest", "ModelNotFound", "Unavailable"]),
-        method=st.sampled_from(["fail", "fail_now"]),
-    )
-    def failing_call(self, name: str, method: str) -> None:
+    @rule(name=st.sampled_from(["InvalidRequest", "ModelNotFound", "Unavailable"]))
+    def failing_call(self, name: str) -> None:
         with pytest.raises(getattr(errors, name)) as info:
-            self.run(self.client.call(method, name))
+            self.run(self.client.call("fail", name))
         assert info.value.message == f"failed as {name}"
 
     @rule(n=st.integers(0, 5), stop_after=st.integers(0, 6))
@@ -303,7 +255,7 @@ class BoundaryMachine(RuleBasedStateMachine):
         assert len(self.host._tasks) == len(self.calls)
 
     def teardown(self) -> None:
-        self.engine.release_all()
+        self.engine.release.set()
         self.run(self._finish_calls())
         self.run(self.client.close())
         self.run(self.host.close())

@@ -2,36 +2,29 @@
 
 The engine process listens on one Unix socket; every front end connects to it
 (:mod:`slipstream.engine.client`), one :class:`~slipstream.engine.channel.Link` per front
-end. Each call runs as its own task (or as an immediate call's future, below), so a slow
-model never holds up another's requests, and requests from every front end meet in the
-same batchers. The messages, all encoded
+end. Each call runs as its own task, so a slow model never holds up another's requests,
+and requests from every front end meet in the same batchers. The messages, all encoded
 by :mod:`slipstream.engine.wire`:
 
     front end -> engine                      engine -> front end
     ("call", id, method, args)               ("ok", id, result) | ("err", id, error)
     ("stream", id, method, args)             ("item", id, value)... ("end", id) | ("err", ...)
-    ("cancel", id)                           (the call's task or future is cancelled)
+    ("cancel", id)                           (the call's task is cancelled: no answer)
     ("tell", method, args)                   (none: one-way, e.g. a metrics snapshot)
 
 A front end whose connection closes (it stopped, or was killed) has its calls and
 streams cancelled at once (an LLM sequence stops generating).
 
 Which methods exist is the caller's choice (``calls`` and ``streams``): this module
-knows nothing of models or protocols. A method may also be ``immediate``
-(:class:`Immediate`): a plain function starts the work and returns a future, answered
-when it is done, without a task of its own. Inference is: a task and its coroutine
-frames cost about a tenth of the engine loop's CPU per request (28 -> 25 us), and that
-loop is what a GPU waits on between batches (docs/gpu.md).
+knows nothing of models or protocols.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from slipstream.engine.channel import Link
@@ -44,20 +37,6 @@ Call = Callable[..., Awaitable[Any]]
 Stream = Callable[..., AsyncIterator[Any]]
 
 
-def _as_it_is(result: Any) -> Any:
-    return result
-
-
-@dataclass(frozen=True, slots=True)
-class Immediate:
-    """A call answered without a task of its own: ``start`` begins the work at once and
-    returns its future, or None to leave the call to the method of that name in
-    ``calls``; ``answer`` turns the future's result into what crosses back."""
-
-    start: Callable[..., asyncio.Future[Any] | None]
-    answer: Callable[[Any], Any] = _as_it_is
-
-
 class EngineHost:
     """Serves ``calls`` and ``streams`` on the Unix socket at ``path`` until closed."""
 
@@ -67,17 +46,15 @@ class EngineHost:
         calls: Mapping[str, Call],
         streams: Mapping[str, Stream] | None = None,
         tells: Mapping[str, Callable[..., None]] | None = None,
-        immediate: Mapping[str, Immediate] | None = None,
     ) -> None:
         self._path = path
         self._calls = dict(calls)
         self._streams = dict(streams or {})
         self._tells = dict(tells or {})
-        self._immediate = dict(immediate or {})
         self._server: asyncio.AbstractServer | None = None
         self._links: set[Link] = set()
-        # (front end, call id) -> the task or immediate future answering it, for cancels.
-        self._tasks: dict[tuple[Link, int], asyncio.Future[Any]] = {}
+        # (front end, call id) -> the task answering it, for cancels.
+        self._tasks: dict[tuple[Link, int], asyncio.Task[None]] = {}
 
     async def start(self) -> None:
         """Listen and start answering (on the loop that will serve). A socket file left
@@ -109,9 +86,6 @@ class EngineHost:
         kind = message[0]
         if kind == "call" or kind == "stream":
             _, call_id, method, args = message
-            immediate = self._immediate.get(method) if kind == "call" else None
-            if immediate is not None and self._start(peer, call_id, method, args, immediate):
-                return
             run = self._answer if kind == "call" else self._stream
             key = (peer, call_id)
             task = asyncio.create_task(run(peer, call_id, method, args))
@@ -123,42 +97,6 @@ class EngineHost:
                 running.cancel()
         elif kind == "tell":
             self._tell(message[1], message[2])
-
-    def _start(
-        self, peer: Link, call_id: int, method: str, args: Any, immediate: Immediate
-    ) -> bool:
-        """Run an immediate call; False when it leaves the call to ``calls``."""
-        try:
-            future = immediate.start(*args)
-        except Exception as exc:
-            self._log_fault(method, exc)
-            peer.post(("err", call_id, error_state(exc)))
-            return True
-        if future is None:
-            return False
-        key = (peer, call_id)
-        self._tasks[key] = future
-        answered = functools.partial(self._answered, peer, call_id, method, immediate.answer)
-        future.add_done_callback(answered)
-        return True
-
-    def _answered(
-        self,
-        peer: Link,
-        call_id: int,
-        method: str,
-        answer: Callable[[Any], Any],
-        future: asyncio.Future[Any],
-    ) -> None:
-        self._tasks.pop((peer, call_id), None)
-        if future.cancelled():
-            return  # the front end gave up on it: no answer
-        error = future.exception()
-        if error is not None:
-            self._log_fault(method, error)
-            peer.post(("err", call_id, error_state(error)))
-        else:
-            peer.post(("ok", call_id, answer(future.result())))
 
     def _lost(self, peer: Link) -> None:
         """A front end that went away: nothing it asked for is worth finishing."""

@@ -11,12 +11,11 @@ and the engine reads the client's region itself, since it holds the registration
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
-from slipstream.engine.host import Call, Immediate
+from slipstream.engine.host import Call
 from slipstream.engine.wire import request_fields, request_from, response_fields, response_from
 from slipstream.observability.stats import ModelStats
 from slipstream.serving.service import InferenceService
@@ -28,9 +27,6 @@ from slipstream.types import (
     ServerMetadata,
     SharedMemoryRegionStatus,
 )
-
-if TYPE_CHECKING:
-    from slipstream.serving.core import ModelServer
 
 
 class RemoteInferenceService(InferenceService):
@@ -129,14 +125,3 @@ def engine_calls(service: InferenceService) -> dict[str, Call]:
 
     calls.update(infer=infer, check=check)
     return calls
-
-
-def engine_immediate(service: ModelServer) -> dict[str, Immediate]:
-    """The engine's inference without a task per request (:class:`EngineHost`'s
-    immediate calls): ``infer`` of :func:`engine_calls` where the ModelServer can start it
-    at once (``infer_soon``), answered with the response's fields when it is done."""
-
-    def infer(fields: tuple[Any, ...]) -> asyncio.Future[Any] | None:
-        return service.infer_soon(request_from(fields))
-
-    return {"infer": Immediate(infer, response_fields)}

@@ -72,7 +72,7 @@ def _instance_thread() -> Executor:
 
 
 @dataclass(slots=True, eq=False)
-class Pending:
+class _Pending:
     """One queued request."""
 
     inputs: Arrays
@@ -134,7 +134,7 @@ class Batcher:
         self._default_timeout_us = batching.default_timeout_microseconds
         self._levels = max(1, batching.priority_levels)
         self._default_level = max(1, batching.default_priority_level) - 1
-        self._queues: list[deque[Pending]] = [deque() for _ in range(self._levels)]
+        self._queues: list[deque[_Pending]] = [deque() for _ in range(self._levels)]
         self._num_pending = 0
         self._pending_rows = 0
         self._instances = [_Instance(backend, executor_factory()) for backend in instances]
@@ -170,23 +170,6 @@ class Batcher:
         timeout_us: int = 0,
     ) -> Arrays:
         """Queue one validated request and wait for its outputs (full batch-dim arrays)."""
-        pending = self.enqueue(inputs, rows, shape_key, priority, timeout_us)
-        try:
-            return await pending.future
-        except asyncio.CancelledError:
-            self.withdraw(pending)
-            raise
-
-    def enqueue(
-        self,
-        inputs: Arrays,
-        rows: int,
-        shape_key: tuple[tuple[int, ...], ...],
-        priority: int = 0,
-        timeout_us: int = 0,
-    ) -> Pending:
-        """:meth:`submit` without waiting: the queued request, whose ``future`` gets its
-        outputs. A caller that gives up on it calls :meth:`withdraw`."""
         if self._closed:
             raise Unavailable("model is unloading; retry on another version", retry_after_s=1)
         if self._num_pending >= self._max_queue_size:
@@ -198,7 +181,7 @@ class Batcher:
         if priority > self._levels:
             raise _bad_priority(priority, self._levels)
         loop = asyncio.get_running_loop()
-        pending = Pending(
+        pending = _Pending(
             inputs=inputs,
             rows=rows,
             shape_key=shape_key,
@@ -219,14 +202,13 @@ class Batcher:
             # and they should join this batch rather than wait for the next one.
             self._dispatch_soon = True
             loop.call_soon(self._deferred_schedule)
-        return pending
-
-    def withdraw(self, pending: Pending) -> None:
-        """The client went away: a request still queued is dropped, never run; one
-        already running finishes, and its outputs are dropped."""
-        if self._remove(pending):
-            self._metrics.count_failure("cancelled")
-        pending.future.cancel()
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            # The client went away: a request still queued is dropped, never run.
+            if self._remove(pending):
+                self._metrics.count_failure("cancelled")
+            raise
 
     async def close(self, timeout_s: float) -> None:
         """Stop taking requests, let queued and running ones finish (bounded), free all."""
@@ -272,7 +254,7 @@ class Batcher:
                 functools.partial(self._report, asyncio.get_running_loop(), instance, batch)
             )
 
-    def _runs_inline(self, batch: list[Pending]) -> bool:
+    def _runs_inline(self, batch: list[_Pending]) -> bool:
         return (
             len(batch) == 1
             and self._busy == 1
@@ -280,7 +262,7 @@ class Batcher:
             and 0 <= self._recent_run_ns <= self._inline_max_ns
         )
 
-    def _next_batch(self) -> list[Pending]:
+    def _next_batch(self) -> list[_Pending]:
         """Take the next batch off the queue, or [] with the delay timer armed to wait.
 
         A preferred batch size that the queue fills is dispatched at once, even with no
@@ -309,14 +291,14 @@ class Batcher:
                 return []
         return self._take(batch)
 
-    def _plan(self, capacity: int, enough: int) -> list[Pending]:
+    def _plan(self, capacity: int, enough: int) -> list[_Pending]:
         """The head request (highest priority, oldest) and those after it that can join.
 
         Joining means sharing the head's shapes and fitting in ``capacity`` rows; the head
         always fits (submit refused anything above max_batch_size). The plan stops growing
         at ``enough`` rows. Nothing leaves the queue here.
         """
-        batch: list[Pending] = []
+        batch: list[_Pending] = []
         rows = 0
         key: tuple[tuple[int, ...], ...] | None = None
         for queue in self._queues:
@@ -335,7 +317,7 @@ class Batcher:
                 break
         return batch
 
-    def _take(self, batch: list[Pending]) -> list[Pending]:
+    def _take(self, batch: list[_Pending]) -> list[_Pending]:
         """Move ``batch`` (from :meth:`_plan`) off the queues."""
         now_ns = self._clock_ns()
         rows = 0
@@ -361,7 +343,7 @@ class Batcher:
         self,
         loop: asyncio.AbstractEventLoop,
         instance: _Instance,
-        batch: list[Pending],
+        batch: list[_Pending],
         done: concurrent.futures.Future[_BatchResult],
     ) -> None:
         """On the instance's thread, as its batch ends: finish it on the loop. Straight
@@ -374,7 +356,7 @@ class Batcher:
     def _on_thread_done(
         self,
         instance: _Instance,
-        batch: list[Pending],
+        batch: list[_Pending],
         done: concurrent.futures.Future[_BatchResult],
     ) -> None:
         try:
@@ -384,7 +366,7 @@ class Batcher:
         self._finish(instance, batch, result)
         self._schedule()
 
-    def _finish(self, instance: _Instance, batch: list[Pending], result: _BatchResult) -> None:
+    def _finish(self, instance: _Instance, batch: list[_Pending], result: _BatchResult) -> None:
         self._free.append(instance)
         self._busy -= 1
         self._record(batch, result)
@@ -398,7 +380,7 @@ class Batcher:
         if not self._busy and not self._num_pending:
             self._idle.set()
 
-    def _record(self, batch: list[Pending], result: _BatchResult) -> None:
+    def _record(self, batch: list[_Pending], result: _BatchResult) -> None:
         if not result.rows:
             return
         compute_ns = result.input_ns + result.infer_ns + result.output_ns
@@ -425,7 +407,7 @@ class Batcher:
 
     # -- queue housekeeping -------------------------------------------------------------
 
-    def _expire(self, pending: Pending) -> None:
+    def _expire(self, pending: _Pending) -> None:
         pending.timeout_handle = None
         if self._remove(pending):
             self._metrics.count_failure("timeout")
@@ -434,7 +416,7 @@ class Batcher:
                 RequestTimeout(f"request timed out after waiting {waited_us} us in the queue")
             )
 
-    def _remove(self, pending: Pending) -> bool:
+    def _remove(self, pending: _Pending) -> bool:
         """Drop a request that is still queued; False when it already left the queue."""
         if pending.dispatch_ns:
             return False
@@ -455,7 +437,7 @@ class Batcher:
         return (self._clock_ns() - min(heads)) / 1e9 if heads else 0.0
 
     @staticmethod
-    def _cancel_timeout(pending: Pending) -> None:
+    def _cancel_timeout(pending: _Pending) -> None:
         if pending.timeout_handle is not None:
             pending.timeout_handle.cancel()
             pending.timeout_handle = None
@@ -472,7 +454,7 @@ class Batcher:
         self._delay_timer = loop.call_later(wait_ns / 1e9, fire)
 
 
-def _execute(backend: Backend, batch: list[Pending], output_names: list[str]) -> _BatchResult:
+def _execute(backend: Backend, batch: list[_Pending], output_names: list[str]) -> _BatchResult:
     """Worker thread: gather the batch, run it, split the outputs back per request."""
     t0 = time.perf_counter_ns()
     if len(batch) == 1:
@@ -504,7 +486,7 @@ def _execute(backend: Backend, batch: list[Pending], output_names: list[str]) ->
 
 
 def _isolate_failure(
-    backend: Backend, batch: list[Pending], output_names: list[str]
+    backend: Backend, batch: list[_Pending], output_names: list[str]
 ) -> _BatchResult:
     outcomes: list[Arrays | BaseException] = []
     t0 = time.perf_counter_ns()

@@ -26,7 +26,6 @@ from slipstream.observability.rollout_metrics import RolloutMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
 from slipstream.runtime.pickles import trust_pickles_server_wide
-from slipstream.scheduling.batcher import Pending
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
 from slipstream.serving.cascade import Cascade
 from slipstream.serving.cascade_registry import Cascades
@@ -44,7 +43,6 @@ from slipstream.types import (
     ModelMetadata,
     RepositoryEntry,
     ServerMetadata,
-    SharedMemoryRef,
     SharedMemoryRegionStatus,
 )
 
@@ -455,122 +453,34 @@ class ModelServer(InferenceService):
 
     async def _run(self, model: ModelVersion, request: InferRequest) -> InferResponse:
         started_ns = time.perf_counter_ns()
+        targets = None
         try:
-            prepared, targets, pending = self._enqueue(model, request)
-            try:
-                outputs = await pending.future
-            except asyncio.CancelledError:
-                model.batcher.withdraw(pending)
-                raise
-            response = self._respond(model, request, prepared, targets, outputs)
+            if request.shared_memory_inputs:
+                self.shared_memory.read_inputs(request)
+            if request.outputs:
+                targets = self.shared_memory.output_targets(request)
+            prepared = model.prepare(request)
+            outputs = await model.batcher.submit(
+                prepared.inputs,
+                prepared.rows,
+                prepared.shape_key,
+                request.priority,
+                request.timeout_us,
+            )
+            response = InferResponse(
+                model_name=model.name,
+                model_version=model.version_str,
+                outputs={name: outputs[name] for name in prepared.output_names},
+                id=request.id,
+            )
+            if targets:
+                self.shared_memory.write_outputs(targets, response, request.owner)
         except asyncio.CancelledError:
             model.stats.record_request(ok=False, total_ns=time.perf_counter_ns() - started_ns)
             raise
         except SlipstreamError as exc:
             _record_failure(model, exc, time.perf_counter_ns() - started_ns)
             raise
-        self._succeeded(model, request, prepared, response, started_ns)
-        return response
-
-    def infer_soon(self, request: InferRequest) -> asyncio.Future[InferResponse] | None:
-        """:meth:`infer` without a coroutine, for the plain case: a loaded model's default
-        route, no response cache. The request is checked and queued now (a bad one
-        raises here) and the future gets its response; cancelling the future withdraws
-        the request. None where the request needs :meth:`infer` (a cascade, a rollout's
-        route, an idle-unloaded model, the cache, or an error to report as it does).
-
-        The engine process answers each front end's requests this way: a task and five
-        coroutine frames per request cost about a tenth of its event loop's CPU, and a
-        GPU model waits on that loop between batches."""
-        name = request.model_name
-        if self._stopping or self.cascades.get(name) is not None:
-            return None
-        if not request.model_version and self.rollouts.route(name) is not None:
-            return None
-        try:
-            model = self.models.resolve(name, request.model_version)
-        except SlipstreamError:
-            return None
-        if self._cache is not None and model.config.response_cache.enable:
-            return None
-        started_ns = time.perf_counter_ns()
-        try:
-            prepared, targets, pending = self._enqueue(model, request)
-        except SlipstreamError as exc:
-            _record_failure(model, exc, time.perf_counter_ns() - started_ns)
-            raise
-        answer: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
-
-        def settle(done: asyncio.Future[dict[str, np.ndarray]]) -> None:
-            if answer.done():
-                return  # abandoned: counted below
-            try:
-                response = self._respond(model, request, prepared, targets, done.result())
-            except SlipstreamError as exc:
-                _record_failure(model, exc, time.perf_counter_ns() - started_ns)
-                answer.set_exception(exc)
-                return
-            self._succeeded(model, request, prepared, response, started_ns)
-            answer.set_result(response)
-
-        def abandon(_: asyncio.Future[InferResponse]) -> None:
-            if answer.cancelled():
-                model.batcher.withdraw(pending)
-                elapsed_ns = time.perf_counter_ns() - started_ns
-                model.stats.record_request(ok=False, total_ns=elapsed_ns)
-
-        pending.future.add_done_callback(settle)
-        answer.add_done_callback(abandon)
-        return answer
-
-    def _enqueue(
-        self, model: ModelVersion, request: InferRequest
-    ) -> tuple[PreparedRequest, dict[str, SharedMemoryRef] | None, Pending]:
-        """Read shared-memory inputs, find the output regions, check the request against
-        the model and queue it on the model's batcher."""
-        targets = None
-        if request.shared_memory_inputs:
-            self.shared_memory.read_inputs(request)
-        if request.outputs:
-            targets = self.shared_memory.output_targets(request)
-        prepared = model.prepare(request)
-        pending = model.batcher.enqueue(
-            prepared.inputs,
-            prepared.rows,
-            prepared.shape_key,
-            request.priority,
-            request.timeout_us,
-        )
-        return prepared, targets, pending
-
-    def _respond(
-        self,
-        model: ModelVersion,
-        request: InferRequest,
-        prepared: PreparedRequest,
-        targets: dict[str, SharedMemoryRef] | None,
-        outputs: dict[str, np.ndarray],
-    ) -> InferResponse:
-        """The response to a request whose batch ran; outputs bound for shared-memory
-        regions are written there."""
-        response = InferResponse(
-            model_name=model.name,
-            model_version=model.version_str,
-            outputs={name: outputs[name] for name in prepared.output_names},
-            id=request.id,
-        )
-        if targets:
-            self.shared_memory.write_outputs(targets, response, request.owner)
-        return response
-
-    def _succeeded(
-        self,
-        model: ModelVersion,
-        request: InferRequest,
-        prepared: PreparedRequest,
-        response: InferResponse,
-        started_ns: int,
-    ) -> None:
         elapsed_ns = time.perf_counter_ns() - started_ns
         _record_success(model, elapsed_ns)
         if logger.isEnabledFor(logging.DEBUG):
@@ -585,6 +495,7 @@ class ModelServer(InferenceService):
                 # when the client may have rewritten or unregistered the region.
                 inputs = {name: array.copy() for name, array in inputs.items()}
             model.tap.offer(inputs, response.outputs)
+        return response
 
     # -- repository ----------------------------------------------------------------------
 
