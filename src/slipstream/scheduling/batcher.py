@@ -33,8 +33,6 @@ and delays without waiting.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import functools
 import logging
 import time
@@ -249,10 +247,11 @@ class Batcher:
                 # hand-offs (~30-70 us), more than the loop is blocked for.
                 self._finish(instance, batch, _execute(instance.backend, batch, self._outputs))
                 continue
-            done = instance.executor.submit(_execute, instance.backend, batch, self._outputs)
-            done.add_done_callback(
-                functools.partial(self._report, asyncio.get_running_loop(), instance, batch)
+            loop = asyncio.get_running_loop()
+            done = loop.run_in_executor(
+                instance.executor, _execute, instance.backend, batch, self._outputs
             )
+            done.add_done_callback(functools.partial(self._on_thread_done, instance, batch))
 
     def _runs_inline(self, batch: list[_Pending]) -> bool:
         return (
@@ -339,25 +338,8 @@ class Batcher:
         self._pending_rows -= rows
         return batch
 
-    def _report(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        instance: _Instance,
-        batch: list[_Pending],
-        done: concurrent.futures.Future[_BatchResult],
-    ) -> None:
-        """On the instance's thread, as its batch ends: finish it on the loop. Straight
-        from here, not through an asyncio future (run_in_executor): that takes one more
-        turn of the loop, and a loop reading a burst of requests from several front ends
-        takes a millisecond or more a turn, while the GPU waits for the next batch."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            loop.call_soon_threadsafe(self._on_thread_done, instance, batch, done)
-
     def _on_thread_done(
-        self,
-        instance: _Instance,
-        batch: list[_Pending],
-        done: concurrent.futures.Future[_BatchResult],
+        self, instance: _Instance, batch: list[_Pending], done: asyncio.Future[_BatchResult]
     ) -> None:
         try:
             result = done.result()
