@@ -40,9 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
+from frontends import ROOT, VENV_BIN, build_mlp, free_ports, wait_http
 
 
 def main() -> None:
@@ -65,12 +63,7 @@ def main() -> None:
     trees = [str(Path(tree).resolve()) for tree in args.src.split(",")]
     results: dict[str, list[dict[str, float]]] = {tree: [] for tree in trees}
     with tempfile.TemporaryDirectory(prefix="slipstream-engine-calls-") as tmp:
-        repo = Path(tmp) / "repo"
-        build = [sys.executable, str(ROOT / "examples" / "build_models.py"), str(repo)]
-        subprocess.run(
-            [*build, "--only", "mlp"],
-            check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )  # fmt: skip
+        repo = build_mlp(Path(tmp) / "repo")
         for index in range(args.rounds):
             order = trees if index % 2 == 0 else trees[::-1]
             for tree in order:
@@ -143,17 +136,17 @@ def _thread_cpu(process: psutil.Process, thread_id: int) -> float:
 def engine_server(
     tree: str, repo: Path, tmp: Path, core: int
 ) -> Iterator[tuple[psutil.Process, str, int]]:
-    port = _free_port()
+    port, grpc_port = free_ports(2)
     command = [
         "taskset", "-c", str(core), str(VENV_BIN / "slipstream"), "serve",
         "--model-repository", str(repo), "--host", "127.0.0.1", "--http-port", str(port),
-        "--grpc-port", str(_free_port()), "--frontends", "1", "--log-level", "warning",
+        "--grpc-port", str(grpc_port), "--frontends", "1", "--log-level", "warning",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": tree, "HF_HUB_OFFLINE": "1"}
     with (tmp / "server.log").open("wb") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        _wait_ready(f"http://127.0.0.1:{port}/v2/models/mlp/ready", server)
+        wait_http(f"http://127.0.0.1:{port}/v2/models/mlp/ready")
         engine, socket_path = _find_engine(psutil.Process(server.pid))
         yield engine, socket_path, port
     finally:
@@ -169,29 +162,6 @@ def _find_engine(supervisor: psutil.Process) -> tuple[psutil.Process, str]:
             if isinstance(path, str) and path.endswith("/engine"):
                 return child, path
     raise RuntimeError("no process of the server listens on an engine socket")
-
-
-def _wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError("the server exited while starting")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready in {timeout_s} s")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def _drive(socket_path: str, in_flight: int, seconds: float) -> None:

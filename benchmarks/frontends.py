@@ -407,7 +407,7 @@ def slipstream_server(
         "--cpu-scheduling", scheduling,
     ]  # fmt: skip
     with _process(command, log_dir / "slipstream.log") as proc:
-        _wait_http(f"http://127.0.0.1:{http_port}/v2/health/ready")
+        wait_http(f"http://127.0.0.1:{http_port}/v2/health/ready")
         yield psutil.Process(proc.pid)
 
 
@@ -445,7 +445,7 @@ def _process(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]
                 proc.wait()
 
 
-def _wait_http(url: str, timeout_s: float = 120) -> None:
+def wait_http(url: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
