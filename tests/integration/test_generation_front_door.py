@@ -63,6 +63,9 @@ def test_deterministic_generations_of_an_enabled_model_come_from_the_cache(
     first = chat(client, "tiny_cached", temperature=0)
     assert chat(client, "tiny_cached", temperature=0) == first  # the same answer, id and all
     assert chat(client, "tiny_cached", temperature=0, max_tokens=7) != first  # another request
+    # A vanishing temperature is greedy too (SamplingParams.greedy), so it is cached.
+    tiny = chat(client, "tiny_cached", temperature=1e-7)
+    assert chat(client, "tiny_cached", temperature=1e-7) == tiny
     seeded = chat(client, "tiny_cached", temperature=0.9, seed=7)
     assert chat(client, "tiny_cached", temperature=0.9, seed=7) == seeded
     # Sampled without a seed, streamed, or a model that does not enable it: never cached.

@@ -16,6 +16,7 @@ import orjson
 
 from slipstream.config import ConfigError
 from slipstream.llm.api import GenerationService
+from slipstream.llm.engine import GREEDY_BELOW
 from slipstream.repository.layout import ModelDirectory, read_config
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
 from slipstream.serving.cache import ResponseCache
@@ -56,7 +57,9 @@ class GenerationCache:
         if not isinstance(data, dict) or data.get("stream"):
             return None
         seed, temperature = data.get("seed"), data.get("temperature")
-        deterministic = type(seed) is int or temperature == 0
+        # Greedy (as SamplingParams.greedy) or seeded: the same request, the same answer.
+        greedy = isinstance(temperature, int | float) and 0 <= temperature < GREEDY_BELOW
+        deterministic = type(seed) is int or greedy
         model = data.get("model")
         if not deterministic or not isinstance(model, str):
             return None
