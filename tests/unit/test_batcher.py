@@ -390,3 +390,30 @@ async def test_mixed_sizes_and_shapes_behind_a_busy_instance_all_run() -> None:
     for x, result in zip(inputs, results[1:], strict=True):
         np.testing.assert_array_equal(result["y"], x * 2)
     assert max(len(b) for b in backend.batches) <= 16
+
+
+async def test_an_instance_idle_while_requests_wait_is_timed() -> None:
+    """slipstream_instance_idle_seconds: from one batch's end on the instance's thread to
+    the next one's start, counted only when requests were queued at the end."""
+    backend = FakeBackend(delay_s=0.02)
+    batcher, _, metrics = make_batcher([backend], max_batch_size=2)
+    (model,) = metrics.models()
+    # A lone request, nothing queued behind it: no idle time to count.
+    await batcher.submit({"x": rows(1)}, 1, KEY)
+    assert sum(model.instance_idle.counts) == 0
+    # Six one-row requests in batches of two: three batches back to back, two hand-offs.
+    backend.gate.clear()
+    first = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await held(backend)
+    rest = [asyncio.ensure_future(batcher.submit({"x": rows(i)}, 1, KEY)) for i in range(1, 6)]
+    await until(lambda: batcher.num_pending == 5, "five queued requests")
+    backend.gate.set()
+    await asyncio.gather(first, *rest)
+    assert [len(b) for b in backend.batches] == [1, 1, 2, 2, 1]
+    assert sum(model.instance_idle.counts) == 3
+    # Each hand-off is the loop's turn, far less than a 20 ms run.
+    assert 0 < model.instance_idle.total < 3 * 0.02
+    # Then idle with an empty queue: still three.
+    await asyncio.sleep(0.05)
+    await batcher.submit({"x": rows(7)}, 1, KEY)
+    assert sum(model.instance_idle.counts) == 3

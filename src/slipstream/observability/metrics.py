@@ -86,6 +86,7 @@ class ModelMetrics:
         self.queue_duration = Histogram(_LATENCY_BUCKETS_S)
         self.compute_duration = Histogram(_LATENCY_BUCKETS_S)
         self.batch_size = Histogram(_BATCH_BUCKETS)
+        self.instance_idle = Histogram(_LATENCY_BUCKETS_S)
         self.model_load_duration_s = 0.0
         self.warmup_duration_s = 0.0  # the part of the load spent warming up
         # Response cache (Triton's nv_cache_* counters): lookups, and their total time.
@@ -275,6 +276,10 @@ _HISTOGRAMS = (
     ("compute_duration", "slipstream_compute_duration_seconds",
      "Time one batch took to execute (input gather, run, output split)."),
     ("batch_size", "slipstream_batch_size", "Rows per executed batch."),
+    ("instance_idle", "slipstream_instance_idle_seconds",
+     "Time an instance sat between two batches while requests were queued: from the end "
+     "of one on its thread to the start of the next (the event loop's hand-off, plus any "
+     "queue delay waited on purpose). On a GPU, device time the server lost."),
 )  # fmt: skip
 
 

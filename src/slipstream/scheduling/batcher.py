@@ -97,6 +97,9 @@ class _BatchResult:
     infer_ns: int = 0
     output_ns: int = 0
     rows: int = 0
+    # When the batch started and ended on the instance's thread (perf_counter_ns).
+    started_ns: int = 0
+    ended_ns: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +108,10 @@ class _Instance:
     # One thread per instance: runs never overlap on an instance, and the GIL-releasing
     # runtimes compute while the event loop goes on accepting requests.
     executor: Executor = field(default_factory=_instance_thread)
+    # When its last batch ended on its thread, if requests were waiting when the loop
+    # took that batch back; else 0. The next batch's start minus this is time the
+    # instance (on a GPU, the device) sat idle with work queued.
+    ready_ns: int = 0
 
 
 class Batcher:
@@ -245,6 +252,7 @@ class Batcher:
             if self._runs_inline(batch):
                 # A lone request on a fast model: running it here saves the two thread
                 # hand-offs (~30-70 us), more than the loop is blocked for.
+                instance.ready_ns = 0
                 self._finish(instance, batch, _execute(instance.backend, batch, self._outputs))
                 continue
             loop = asyncio.get_running_loop()
@@ -345,7 +353,10 @@ class Batcher:
             result = done.result()
         except BaseException as exc:  # the worker itself failed (e.g. shut down)
             result = _BatchResult(outcomes=[exc] * len(batch))
+        if instance.ready_ns and result.started_ns:
+            self._metrics.instance_idle.observe((result.started_ns - instance.ready_ns) / 1e9)
         self._finish(instance, batch, result)
+        instance.ready_ns = result.ended_ns if self._num_pending else 0
         self._schedule()
 
     def _finish(self, instance: _Instance, batch: list[_Pending], result: _BatchResult) -> None:
@@ -437,7 +448,15 @@ class Batcher:
 
 
 def _execute(backend: Backend, batch: list[_Pending], output_names: list[str]) -> _BatchResult:
-    """Worker thread: gather the batch, run it, split the outputs back per request."""
+    """Worker thread: gather the batch, run it, split the outputs back per request; the
+    result says when it started and ended."""
+    started_ns = time.perf_counter_ns()
+    result = _run(backend, batch, output_names)
+    result.started_ns, result.ended_ns = started_ns, time.perf_counter_ns()
+    return result
+
+
+def _run(backend: Backend, batch: list[_Pending], output_names: list[str]) -> _BatchResult:
     t0 = time.perf_counter_ns()
     if len(batch) == 1:
         inputs = batch[0].inputs
