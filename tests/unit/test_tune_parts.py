@@ -340,3 +340,13 @@ def test_the_live_line_names_the_configuration_being_re_measured() -> None:
     text = out.getvalue()
     assert "re-measuring trial 1: variant=v2 max_batch_size=16" in text, text
     assert "trial 2: variant=v1" not in text.splitlines()[-1], text
+
+
+def test_a_level_infinitely_far_from_the_slo_is_written_as_null(tmp_path: Path) -> None:
+    """A level with failed requests has slo_ratio inf: tune.json (allow_nan=False)
+    failed to write, now and then, in test_tune_cli."""
+    record = _record(1, 0.0, 80.0, 0.1, status="slo_unmet")
+    record.levels[0].slo_ratio = float("inf")
+    json_path, _ = write_outputs(_result([record], None, 1), tmp_path)
+    (trial,) = json.loads(json_path.read_text())["trials"]
+    assert trial["levels"][0]["slo_ratio"] is None

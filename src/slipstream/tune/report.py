@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +24,17 @@ LEADERBOARD_HEADER = [
 
 
 def tune_document(result: TuneResult) -> dict[str, Any]:
-    """tune.json: the result, each trial with its median throughput, spread and cost."""
+    """tune.json: the result, each trial with its median throughput, spread and cost. A
+    level infinitely far from the SLO (failed requests, no figures) has ``slo_ratio``
+    null: JSON has no infinity."""
     document = dataclasses.asdict(result)
     for entry, record in zip(document["trials"], result.trials, strict=True):
         entry["throughput_infer_per_s"] = record.throughput
         entry["spread_pct"] = record.spread_pct
         entry["cost_per_1m_infer"] = record.cost_per_1m_infer
+        for level in entry["levels"]:
+            if not math.isfinite(level["slo_ratio"]):
+                level["slo_ratio"] = None
     return document
 
 
