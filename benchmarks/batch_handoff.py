@@ -34,6 +34,7 @@ from pathlib import Path
 
 from frontends import ROOT, free_ports, wait_http
 from peers.perf_analyzer import ensure_perf_analyzer
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(ROOT))
 
@@ -146,10 +147,10 @@ def _scrape(port: int) -> dict[str, float]:
         "slipstream_inference_count_total": "inferences",
     }
     found = dict.fromkeys(wanted.values(), 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted and 'model="flaky"' in line:
-            found[wanted[name]] = float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted and sample.labels.get("model") == "flaky":
+                found[wanted[sample.name]] = sample.value
     return found
 
 
