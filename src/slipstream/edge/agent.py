@@ -32,7 +32,7 @@ from pathlib import Path
 import urllib3
 
 from slipstream.edge.fleet_client import FleetClient, FleetDirs, FleetSyncError
-from slipstream.edge.fleet_repo import IndexEntry
+from slipstream.edge.fleet_repo import IndexEntry, write_atomic
 from slipstream.edge.manifest import BundleError, read_manifest
 from slipstream.edge.samples import check_samples, compare_samples, read_samples
 from slipstream.errors import SlipstreamError
@@ -263,7 +263,8 @@ class FleetAgent:
     async def report(self) -> None:
         """POST the state to the publisher; a failure is logged (the next round retries)."""
         body = self.state.to_json()
-        (self.dirs.root / "state.json").write_bytes(body)
+        # Whole or not at all: a reader (an operator's tool, a test) never sees it empty.
+        write_atomic(self.dirs.root / "state.json", body)
         base = (self.settings.report_url or self.settings.fleet_url).rstrip("/")
         url = f"{base}/v2/fleet/devices/{self.settings.device_id}"
         try:
