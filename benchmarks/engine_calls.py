@@ -12,11 +12,15 @@ Prints, per round, calls/s and the engine's CPU per call: its event-loop thread,
 of its threads (ONNX Runtime's run included). With ``--src A,B`` the rounds alternate two
 source trees (each a ``src`` directory put first on PYTHONPATH for the server), and the
 ratio of their medians is printed: the way to compare a change with the tree before it on
-this noisy host.
+this noisy host. ``--send`` says how the client sends: ``call``, one engine call per
+request; ``group``, as a front end does (``RemoteInferenceService``: the requests of one
+turn of its loop in one call, answered by the engine's ``infer_group``); ``call,group``
+alternates the two on one tree and prints their ratio.
 
     .venv/bin/python benchmarks/engine_calls.py --rounds 3
     git archive HEAD~1 src | tar -x -C /tmp/before
     .venv/bin/python benchmarks/engine_calls.py --src /tmp/before/src,src --rounds 3
+    .venv/bin/python benchmarks/engine_calls.py --send call,group --rounds 3
 
 The load generator is Python too: on two cores it, not the engine, usually sets the
 calls/s. Read the CPU per call, which does not depend on who is the bottleneck.
@@ -51,52 +55,64 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0, help="measured per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--src", default="src", help="comma list of source trees to alternate")
+    parser.add_argument(
+        "--send",
+        default="call",
+        help="call | group | call,group (alternated): how requests are sent",
+    )
     parser.add_argument("--json", type=Path, help="also write the rounds here")
-    parser.add_argument("--client", nargs=3, metavar=("SOCKET", "IN_FLIGHT", "SECONDS"),
+    parser.add_argument("--client", nargs=4, metavar=("SOCKET", "IN_FLIGHT", "SECONDS", "SEND"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     if args.client:
         import uvloop
 
-        uvloop.run(_drive(args.client[0], int(args.client[1]), float(args.client[2])))
+        socket_path, in_flight, seconds, send = args.client
+        uvloop.run(_drive(socket_path, int(in_flight), float(seconds), send))
         return
-    trees = [str(Path(tree).resolve()) for tree in args.src.split(",")]
-    results: dict[str, list[dict[str, float]]] = {tree: [] for tree in trees}
+    sends = args.send.split(",")
+    if not set(sends) <= {"call", "group"}:
+        parser.error(f"--send {args.send}: expected call, group or call,group")
+    cases = [(str(Path(tree).resolve()), send) for tree in args.src.split(",") for send in sends]
+    results: dict[str, list[dict[str, float]]] = {f"{t} {s}": [] for t, s in cases}
     with tempfile.TemporaryDirectory(prefix="slipstream-engine-calls-") as tmp:
         repo = build_mlp(Path(tmp) / "repo")
         for index in range(args.rounds):
-            order = trees if index % 2 == 0 else trees[::-1]
-            for tree in order:
-                figures = measure(tree, repo, Path(tmp), args)
-                results[tree].append(figures)
+            order = cases if index % 2 == 0 else cases[::-1]
+            for tree, send in order:
+                label = f"{tree} {send}"
+                figures = measure(tree, send, repo, Path(tmp), args)
+                results[label].append(figures)
                 print(
-                    f"round {index + 1} {tree}: {figures['calls_per_s']:8,.0f} calls/s, "
+                    f"round {index + 1} {label}: {figures['calls_per_s']:8,.0f} calls/s, "
                     f"engine loop {figures['loop_us']:5.1f} us CPU/call, "
                     f"all engine threads {figures['engine_us']:5.1f} us",
                     flush=True,
                 )
     print("\nmedians over the rounds (range)")
     medians = {}
-    for tree, rounds in results.items():
+    for label, rounds in results.items():
         loop = [r["loop_us"] for r in rounds]
         engine = [r["engine_us"] for r in rounds]
-        medians[tree] = statistics.median(loop)
-        print(f"  {tree}: engine loop {statistics.median(loop):.1f} us/call "
+        medians[label] = statistics.median(loop)
+        print(f"  {label}: engine loop {statistics.median(loop):.1f} us/call "
               f"({min(loop):.1f}-{max(loop):.1f}), all threads {statistics.median(engine):.1f}"
               f" ({min(engine):.1f}-{max(engine):.1f})")  # fmt: skip
-    if len(trees) == 2:
-        before, after = trees
+    if len(results) == 2:
+        before, after = results
         print(f"  engine loop CPU per call, {after} / {before}: "
               f"{medians[after] / medians[before]:.2f}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 
 
-def measure(tree: str, repo: Path, tmp: Path, args: argparse.Namespace) -> dict[str, float]:
+def measure(
+    tree: str, send: str, repo: Path, tmp: Path, args: argparse.Namespace
+) -> dict[str, float]:
     with engine_server(tree, repo, tmp, args.server_core) as (engine, socket_path, port):
         client = subprocess.Popen(
             ["taskset", "-c", str(args.client_core), sys.executable, __file__, "--client",
-             socket_path, str(args.in_flight), str(args.seconds + 3)],
+             socket_path, str(args.in_flight), str(args.seconds + 3), send],
         )  # fmt: skip
         time.sleep(1.5)  # connected and warm
         answered = _answered(port)
@@ -164,11 +180,12 @@ def _find_engine(supervisor: psutil.Process) -> tuple[psutil.Process, str]:
     raise RuntimeError("no process of the server listens on an engine socket")
 
 
-async def _drive(socket_path: str, in_flight: int, seconds: float) -> None:
+async def _drive(socket_path: str, in_flight: int, seconds: float, send: str) -> None:
     """The load: ``in_flight`` callers, each sending the next request when its answer
     is back. It runs this checkout's client, whatever tree the server runs."""
     sys.path.insert(0, str(ROOT / "src"))
     from slipstream.engine.client import EngineClient
+    from slipstream.engine.remote import RemoteInferenceService
     from slipstream.engine.wire import request_fields
     from slipstream.types import InferRequest
 
@@ -181,12 +198,17 @@ async def _drive(socket_path: str, in_flight: int, seconds: float) -> None:
         tensor.name: np.zeros([1 if d < 0 else d for d in tensor.shape], np.float32)
         for tensor in metadata.inputs
     }
-    fields = request_fields(InferRequest("mlp", "", inputs))
+    request = InferRequest("mlp", "", inputs)
+    fields = request_fields(request)
+    service = RemoteInferenceService(client)
     stop = time.monotonic() + seconds
 
     async def caller() -> None:
         while time.monotonic() < stop:
-            await client.call("infer", fields)
+            if send == "group":
+                await service.infer(request)
+            else:
+                await client.call("infer", fields)
 
     await asyncio.gather(*(caller() for _ in range(in_flight)))
     await client.close()

@@ -313,18 +313,25 @@ def serve_and_measure(
                     command += ["--concurrency", concurrency, "--input-data", str(inputs)]
                     command += ["--duration", str(args.duration), "--warmup-s", "2"]
                     command += ["--json", str(out)]
+                    before = _scrape(http)
                     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+                    after = _scrape(http)
                     if done.returncode != 0:
                         levels[f"{protocol}_c{concurrency}"] = {"error": done.stderr[-800:]}
                         print(f"   {protocol} C={concurrency}: failed {done.stderr[-300:]}")
                         continue
                     level = json.loads(out.read_text())["levels"][0]
+                    level["instance"] = _instance_figures(before, after)
                     levels[f"{protocol}_c{concurrency}"] = level
+                    instance = level["instance"]
                     print(
                         f"   {protocol:11} C={concurrency:>3}: "
                         f"{level['throughput_infer_per_s']:9.0f} seq/s  "
                         f"p50 {level['p50_ms']:7.2f} ms  batch {level['server_avg_batch_size']}"
-                        f"  errors {level['errors']}",
+                        f"  errors {level['errors']}  instance: compute "
+                        f"{instance['compute_ms_per_batch']:.2f} ms/batch, idle with work "
+                        f"queued {instance['idle_ms_per_handoff']:.2f} ms/hand-off over "
+                        f"{instance['handoffs_per_batch']:.0%} of batches",
                         flush=True,
                     )
     except RuntimeError as exc:
@@ -332,6 +339,43 @@ def serve_and_measure(
         print(f"   failed: {exc}")
     levels["log_tail"] = log.read_text()[-3000:] if log.exists() else ""
     return levels
+
+
+def _scrape(http: int) -> dict[str, float]:
+    """The encoder's batch and hand-off counters from the server's /metrics (the whole
+    run so far; the engine's, in the split layout)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    wanted = {
+        "slipstream_instance_idle_seconds_sum": "idle_s",
+        "slipstream_instance_idle_seconds_count": "handoffs",
+        "slipstream_compute_duration_seconds_sum": "compute_s",
+        "slipstream_compute_duration_seconds_count": "batches",
+    }
+    found = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted and sample.labels.get("model") == "encoder":
+                found[wanted[sample.name]] += sample.value
+    return found
+
+
+def _instance_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the instance did during one level: compute per batch (the device, copies
+    included), and the time it sat between batches while requests were queued."""
+    delta = {key: after[key] - before[key] for key in after}
+    batches = max(delta["batches"], 1.0)
+    handoffs = max(delta["handoffs"], 1.0)
+    return {
+        "batches": delta["batches"],
+        "compute_ms_per_batch": delta["compute_s"] / batches * 1e3,
+        "handoffs_per_batch": delta["handoffs"] / batches,
+        "idle_ms_per_handoff": delta["idle_s"] / handoffs * 1e3,
+        "idle_s": delta["idle_s"],
+        "compute_s": delta["compute_s"],
+    }
 
 
 # -- tables ----------------------------------------------------------------------------

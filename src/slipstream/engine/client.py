@@ -125,6 +125,27 @@ class EngineClient:
         finally:
             self._calls.pop(call_id, None)
 
+    def start_call(self, method: str, *args: Any) -> tuple[int, asyncio.Future[Any]]:
+        """``method(*args)`` in the engine, without a coroutine: the call's id and the
+        future its answer settles (at once with EngineGone while the engine is away).
+        Give up on it with :meth:`give_up`."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if self._link is None:
+            future.set_exception(self._gone_error())
+            return -1, future
+        call_id = next(self._ids)
+        self._calls[call_id] = future
+        future.add_done_callback(lambda _: self._calls.pop(call_id, None))
+        self._post(("call", call_id, method, args))
+        return call_id, future
+
+    def give_up(self, call_id: int) -> None:
+        """Nobody waits for call ``call_id`` any more: the engine drops its work."""
+        future = self._calls.pop(call_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+            self._post(("cancel", call_id))
+
     async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
         """The items ``method(*args)`` yields in the engine, as they come. Closing this
         iterator early cancels the engine's side."""
@@ -159,10 +180,14 @@ class EngineClient:
 
     def _check_connected(self) -> None:
         if self._link is None:
-            raise EngineGone(
-                "the engine process is not running (starting or restarting); retry shortly",
-                retry_after_s=RETRY_AFTER_S,
-            )
+            raise self._gone_error()
+
+    @staticmethod
+    def _gone_error() -> EngineGone:
+        return EngineGone(
+            "the engine process is not running (starting or restarting); retry shortly",
+            retry_after_s=RETRY_AFTER_S,
+        )
 
     # -- answers and the connection ---------------------------------------------------------
 

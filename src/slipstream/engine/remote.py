@@ -4,19 +4,22 @@
 :class:`~slipstream.serving.core.ModelServer` (``serving/service.py``), so the V2 REST
 and gRPC front ends run unchanged on top of it; each method is one call to the engine
 process, which runs it on its ``ModelServer`` and answers with the result or the error
-(a 404 stays a 404). Requests carry their tensors as out-of-band frames
+(a 404 stays a 404), but ``infer``: the requests of one turn of the event loop go
+together (:mod:`slipstream.engine.groups`). Requests carry their tensors as out-of-band frames
 (:mod:`slipstream.engine.wire`); shared-memory inputs travel as their region and offset,
 and the engine reads the client's region itself, since it holds the registrations.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
+from slipstream.engine.groups import Group, answer_group
 from slipstream.engine.host import Call
-from slipstream.engine.wire import request_fields, request_from, response_fields, response_from
+from slipstream.engine.wire import request_fields, request_from, response_fields
 from slipstream.observability.stats import ModelStats
 from slipstream.serving.service import InferenceService
 from slipstream.types import (
@@ -35,6 +38,8 @@ class RemoteInferenceService(InferenceService):
     def __init__(self, client: EngineClient) -> None:
         self._client = client
         self._stopping = False
+        # The requests of this turn of the event loop, sent at its end.
+        self._group: Group | None = None
 
     def is_live(self) -> bool:
         """This front end is up (the engine may be restarting: then not ready)."""
@@ -66,7 +71,24 @@ class RemoteInferenceService(InferenceService):
         return config
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        return response_from(await self._client.call("infer", request_fields(request)))
+        """Sent with the other requests of this turn of the loop as one group
+        (:class:`~slipstream.engine.groups.Group`); answered as the engine's ``infer``
+        answers it alone."""
+        group = self._group
+        if group is None:
+            group = self._group = Group(self._client)
+            asyncio.get_running_loop().call_soon(self._send_group)
+        answer = group.add(request)
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            group.left()
+            raise
+
+    def _send_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.send()
 
     async def check(self, request: InferRequest) -> None:
         await self._client.call("check", request_fields(request))
@@ -123,5 +145,5 @@ def engine_calls(service: InferenceService) -> dict[str, Call]:
     async def check(fields: tuple[Any, ...]) -> None:
         await service.check(request_from(fields))
 
-    calls.update(infer=infer, check=check)
+    calls.update(infer=infer, infer_group=answer_group(service), check=check)
     return calls

@@ -95,9 +95,9 @@ class ModelStatsRecorder:
         batch.compute_infer.add(infer_ns)
         batch.compute_output.add(output_ns)
 
-    def record_queue(self, queue_ns: int) -> None:
-        """One request left the queue for an instance after ``queue_ns``."""
-        self._stats.inference_stats.queue.add(queue_ns)
+    def record_queue(self, queue_ns: int, count: int = 1) -> None:
+        """``count`` requests left the queue for an instance after ``queue_ns`` in all."""
+        self._stats.inference_stats.queue.add(queue_ns, count)
 
     def record_cache(self, *, hit: bool, ns: int) -> None:
         """One response-cache lookup: a hit's lookup, or a miss's lookup plus insertion."""

@@ -85,6 +85,9 @@ class _Pending:
     timeout_handle: asyncio.TimerHandle | None = None
     # Set when the request leaves the queue for an instance.
     dispatch_ns: int = 0
+    # Client requests this submission stands for (several stacked by the serving core):
+    # each is counted in the queue and compute statistics.
+    requests: int = 1
 
 
 @dataclass(slots=True)
@@ -173,8 +176,51 @@ class Batcher:
         shape_key: tuple[tuple[int, ...], ...],
         priority: int = 0,
         timeout_us: int = 0,
+        requests: int = 1,
     ) -> Arrays:
-        """Queue one validated request and wait for its outputs (full batch-dim arrays)."""
+        """Queue one validated request and wait for its outputs (full batch-dim arrays).
+        ``requests`` > 1: the inputs are that many client requests stacked, counted each
+        in the statistics (queue time, compute shares) but queued and run as one."""
+        pending = self._enqueue(inputs, rows, shape_key, priority, timeout_us, requests)
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            # The client went away: a request still queued is dropped, never run.
+            self._withdraw(pending)
+            raise
+
+    def enqueue(
+        self,
+        inputs: Arrays,
+        rows: int,
+        shape_key: tuple[tuple[int, ...], ...],
+        priority: int = 0,
+        timeout_us: int = 0,
+    ) -> asyncio.Future[Arrays]:
+        """:meth:`submit` without a coroutine: queue the request and return the future
+        its outputs settle (refusals raise here, as from ``submit``). Cancelling the
+        future drops a request still queued."""
+        pending = self._enqueue(inputs, rows, shape_key, priority, timeout_us, 1)
+        pending.future.add_done_callback(functools.partial(self._dropped, pending))
+        return pending.future
+
+    def _dropped(self, pending: _Pending, future: asyncio.Future[Arrays]) -> None:
+        if future.cancelled():
+            self._withdraw(pending)
+
+    def _withdraw(self, pending: _Pending) -> None:
+        if self._remove(pending):
+            self._metrics.count_failure("cancelled")
+
+    def _enqueue(
+        self,
+        inputs: Arrays,
+        rows: int,
+        shape_key: tuple[tuple[int, ...], ...],
+        priority: int,
+        timeout_us: int,
+        requests: int,
+    ) -> _Pending:
         if self._closed:
             raise Unavailable("model is unloading; retry on another version", retry_after_s=1)
         if self._num_pending >= self._max_queue_size:
@@ -193,12 +239,13 @@ class Batcher:
             level=priority - 1 if priority else self._default_level,
             future=loop.create_future(),
             enqueue_ns=self._clock_ns(),
+            requests=requests,
         )
         timeout_us = timeout_us or self._default_timeout_us
         if timeout_us:
             pending.timeout_handle = loop.call_later(timeout_us / 1e6, self._expire, pending)
         self._queues[pending.level].append(pending)
-        self._num_pending += 1
+        self._num_pending += requests
         self._pending_rows += rows
         self._idle.clear()
         if not self._dispatch_soon:
@@ -207,13 +254,7 @@ class Batcher:
             # and they should join this batch rather than wait for the next one.
             self._dispatch_soon = True
             loop.call_soon(self._deferred_schedule)
-        try:
-            return await pending.future
-        except asyncio.CancelledError:
-            # The client went away: a request still queued is dropped, never run.
-            if self._remove(pending):
-                self._metrics.count_failure("cancelled")
-            raise
+        return pending
 
     async def close(self, timeout_s: float) -> None:
         """Stop taking requests, let queued and running ones finish (bounded), free all."""
@@ -342,7 +383,7 @@ class Batcher:
         if popped < len(batch):
             for level, queue in enumerate(self._queues):
                 self._queues[level] = deque(p for p in queue if not p.dispatch_ns)
-        self._num_pending -= len(batch)
+        self._num_pending -= sum(pending.requests for pending in batch)
         self._pending_rows -= rows
         return batch
 
@@ -382,7 +423,7 @@ class Batcher:
         self._recent_run_ns = compute_ns if recent < 0 else (3 * recent + compute_ns) // 4
         self._stats.record_batch(
             batch_size=result.rows,
-            num_requests=len(batch),
+            num_requests=sum(pending.requests for pending in batch),
             input_ns=result.input_ns,
             infer_ns=result.infer_ns,
             output_ns=result.output_ns,
@@ -395,8 +436,9 @@ class Batcher:
         metrics.compute_duration.observe(compute_ns / 1e9)
         for pending in batch:
             queue_ns = pending.dispatch_ns - pending.enqueue_ns
-            metrics.queue_duration.observe(queue_ns / 1e9)
-            self._stats.record_queue(queue_ns)
+            for _ in range(pending.requests):
+                metrics.queue_duration.observe(queue_ns / 1e9)
+            self._stats.record_queue(queue_ns * pending.requests, pending.requests)
 
     # -- queue housekeeping -------------------------------------------------------------
 
@@ -418,7 +460,7 @@ class Batcher:
         except ValueError:
             return False
         self._cancel_timeout(pending)
-        self._num_pending -= 1
+        self._num_pending -= pending.requests
         self._pending_rows -= pending.rows
         if not self._busy and not self._num_pending:
             self._idle.set()

@@ -8,7 +8,10 @@ raises Unavailable from ``infer``.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from slipstream.config import ModelConfig
@@ -87,6 +90,30 @@ class InferenceService(ABC):
     async def infer(self, request: InferRequest) -> InferResponse:
         """Validate, queue, batch and run one request; raise SlipstreamError on failure."""
 
+    async def infer_group(
+        self, requests: Sequence[InferRequest]
+    ) -> list[InferResponse | Exception]:
+        """Requests that arrived together, each answered (or its error given) as
+        :meth:`infer` would, in order. The default runs them one by one, concurrently;
+        the serving core stacks those on one model into one batcher submission."""
+
+        async def one(request: InferRequest) -> InferResponse | Exception:
+            try:
+                return await self.infer(request)
+            except Exception as exc:
+                return exc
+
+        return list(await asyncio.gather(*map(one, requests)))
+
+    async def infer_stack(
+        self, stacked: InferRequest, parts: Sequence[InferRequest], rows: Sequence[int]
+    ) -> InferResponse | list[InferResponse | Exception]:
+        """Requests a front end stacked (:mod:`slipstream.engine.groups`): ``parts``, their
+        inputs consecutive ``rows`` of ``stacked``'s. Answers ``stacked``'s response,
+        outputs stacked alike, or one answer per part. The default runs the parts one by
+        one (:meth:`infer_group`); the serving core queues a stack as one request."""
+        return await self.infer_group(unstack(stacked, parts, rows))
+
     async def check(self, request: InferRequest) -> None:
         """Raise the ClientError (or Unavailable) ``infer`` would raise before running
         ``request``, without running it: an asynchronous job is checked when submitted.
@@ -136,3 +163,17 @@ class InferenceService(ABC):
     @abstractmethod
     async def unregister_region(self, name: str = "", owner: str = "") -> None:
         """Forget ``owner``'s region ``name`` (every region of ``owner`` when empty)."""
+
+
+def unstack(
+    stacked: InferRequest, parts: Sequence[InferRequest], rows: Sequence[int]
+) -> list[InferRequest]:
+    """Each part of a stack as the request it was, its inputs views of its rows."""
+    alone = []
+    start = 0
+    for part, count in zip(parts, rows, strict=True):
+        stop = start + count
+        inputs = {name: array[start:stop] for name, array in stacked.inputs.items()}
+        alone.append(dataclasses.replace(part, inputs=inputs))
+        start = stop
+    return alone

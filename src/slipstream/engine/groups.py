@@ -1,0 +1,241 @@
+"""Inference requests sent to the engine in groups, alike ones stacked into one tensor.
+
+Under load a front end reads many requests in one poll of its event loop. One engine
+call each would cost the engine's event loop (the one a GPU waits on between batches) a
+message, a task and the serving core's whole per-request path apiece. Instead the
+requests a front end makes in one turn of its loop (:class:`Group`) leave at the turn's
+end in one ``infer_group`` call, and among them those that could share a batch anyway
+(same model, version, priority, timeout and requested outputs; each input of the same
+datatype and shape but for the batch dim) travel *stacked*: one tensor per input, the
+rows of each request one after another. The engine checks and queues a stack as one
+request (:meth:`~slipstream.serving.core.ModelServer.infer_stack`) and answers it with
+stacked outputs, which the front end cuts back into one response per request.
+
+The message and its answer, beside the other engine calls (:mod:`slipstream.engine.host`):
+
+    ("call", id, "infer_group", (entries,))
+        entries: (ONE, request fields) | (STACK, stacked request fields,
+                                          [each part's fields, inputs empty], [rows])
+    ("ok", id, answers)    one per entry, in order:
+        ONE:   (True, response fields) | (False, error state)
+        STACK: (True, stacked response fields) | (None, [an answer as for ONE, per part])
+
+Every request still gets the answer or error it would get alone: the engine unstacks a
+stack wherever one check or run could not stand for each part's (a request the model
+refuses, a routed or cached model). A lone request goes as a plain ``infer`` call. When
+every requester of a group has given up (its client went away), the engine is told to
+drop the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+import numpy as np
+
+from slipstream.engine.client import EngineClient
+from slipstream.engine.wire import (
+    error_state,
+    rebuild_error,
+    request_fields,
+    request_from,
+    response_fields,
+    response_from,
+)
+from slipstream.errors import SlipstreamError
+from slipstream.serving.service import InferenceService
+from slipstream.types import InferRequest, InferResponse
+
+logger = logging.getLogger(__name__)
+
+ONE = 0
+STACK = 1
+
+_INPUTS = request_fields(InferRequest("", "", {})).index({})
+_NO_INPUTS: dict[str, np.ndarray] = {}
+
+
+def stack_key(request: InferRequest) -> tuple[Any, ...] | None:
+    """What requests must share to travel stacked; None for one that travels alone
+    (shared memory, a scalar or empty input, inputs of unequal batch dims, objects)."""
+    if request.shared_memory_inputs or not request.inputs:
+        return None
+    outputs = None
+    if request.outputs is not None:
+        if any(output.shared_memory for output in request.outputs):
+            return None
+        outputs = tuple([output.name for output in request.outputs])
+    rows = -1
+    signature = []
+    for name, array in request.inputs.items():
+        shape = array.shape
+        if not shape or not shape[0] or array.dtype.hasobject or rows not in (-1, shape[0]):
+            return None
+        rows = shape[0]
+        signature.append((name, array.dtype.str, shape[1:]))
+    key = (request.model_name, request.model_version, request.priority, request.timeout_us)
+    return (*key, outputs, tuple(signature))
+
+
+class Group:
+    """One front end's infer requests of one turn of its event loop; see the module
+    docstring. ``add`` each, ``send`` once at the turn's end."""
+
+    __slots__ = ("_call_id", "_client", "_gone", "_requests", "_waiters")
+
+    def __init__(self, client: EngineClient) -> None:
+        self._client = client
+        self._requests: list[InferRequest] = []
+        self._waiters: list[asyncio.Future[InferResponse]] = []
+        self._gone = 0
+        self._call_id: int | None = None
+
+    def add(self, request: InferRequest) -> asyncio.Future[InferResponse]:
+        waiter: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
+        self._requests.append(request)
+        self._waiters.append(waiter)
+        return waiter
+
+    def left(self) -> None:
+        """A requester gave up; the last one to leave a sent group cancels its call."""
+        self._gone += 1
+        if self._gone == len(self._waiters) and self._call_id is not None:
+            self._client.give_up(self._call_id)
+
+    def send(self) -> None:
+        if any(waiter.done() for waiter in self._waiters):  # given up before it left
+            kept = [(r, w) for r, w in zip(self._requests, self._waiters, strict=True)
+                    if not w.done()]  # fmt: skip
+            self._requests = [r for r, _ in kept]
+            self._waiters = [w for _, w in kept]
+            self._gone = 0
+            if not kept:
+                return
+        if len(self._requests) == 1:
+            self._call_id, answer = self._client.start_call(
+                "infer", request_fields(self._requests[0])
+            )
+            answer.add_done_callback(self._answered_one)
+            return
+        # Which requests go in which entry: a list of indices each.
+        by_key: dict[tuple[Any, ...], list[int]] = {}
+        entries_of: list[list[int]] = []
+        for index, request in enumerate(self._requests):
+            key = stack_key(request)
+            members = by_key.get(key) if key is not None else None
+            if members is None:
+                members = [index]
+                entries_of.append(members)
+                if key is not None:
+                    by_key[key] = members
+            else:
+                members.append(index)
+        entries = [self._entry(members) for members in entries_of]
+        self._call_id, answer = self._client.start_call("infer_group", entries)
+        answer.add_done_callback(lambda done: self._answered(done, entries_of))
+
+    def _entry(self, members: list[int]) -> tuple[Any, ...]:
+        if len(members) == 1:
+            return ONE, request_fields(self._requests[members[0]])
+        parts = [self._requests[index] for index in members]
+        first = parts[0]
+        stacked = {name: np.concatenate([part.inputs[name] for part in parts])
+                   for name in first.inputs}  # fmt: skip
+        part_fields = []
+        for part in parts:
+            fields = request_fields(part)
+            part_fields.append((*fields[:_INPUTS], _NO_INPUTS, *fields[_INPUTS + 1 :]))
+        head = request_fields(first)
+        head = (*head[:_INPUTS], stacked, *head[_INPUTS + 1 :])
+        rows = [next(iter(part.inputs.values())).shape[0] for part in parts]
+        return STACK, head, part_fields, rows
+
+    def _answered_one(self, answer: asyncio.Future[Any]) -> None:
+        waiter = self._waiters[0]
+        if answer.cancelled() or waiter.done():
+            return
+        error = answer.exception()
+        if error is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(response_from(answer.result()))
+
+    def _answered(self, answer: asyncio.Future[Any], entries_of: list[list[int]]) -> None:
+        if answer.cancelled():
+            return
+        error = answer.exception()
+        if error is not None:
+            for waiter in self._waiters:
+                if not waiter.done():
+                    waiter.set_exception(error)
+            return
+        for members, (ok, value) in zip(entries_of, answer.result(), strict=True):
+            if len(members) == 1:
+                self._settle(members[0], ok, value)
+            elif ok is None:  # unstacked by the engine: an answer per part
+                for index, (part_ok, part_value) in zip(members, value, strict=True):
+                    self._settle(index, part_ok, part_value)
+            else:
+                self._cut(members, response_from(value))
+
+    def _settle(self, index: int, ok: bool, value: Any) -> None:
+        waiter = self._waiters[index]
+        if waiter.done():
+            return
+        if ok:
+            waiter.set_result(response_from(value))
+        else:
+            waiter.set_exception(rebuild_error(value))
+
+    def _cut(self, members: list[int], stacked: InferResponse) -> None:
+        start = 0
+        for index in members:
+            request = self._requests[index]
+            stop = start + next(iter(request.inputs.values())).shape[0]
+            waiter = self._waiters[index]
+            if not waiter.done():
+                outputs = {name: array[start:stop] for name, array in stacked.outputs.items()}
+                waiter.set_result(
+                    InferResponse(stacked.model_name, stacked.model_version, outputs, request.id)
+                )
+            start = stop
+
+
+def answer_group(service: InferenceService) -> Callable[[list[Any]], Awaitable[list[Any]]]:
+    """The engine's ``infer_group`` call, answered by ``service`` (its ModelServer)."""
+
+    async def infer_group(entries: list[tuple[Any, ...]]) -> list[tuple[Any, Any]]:
+        ones = [index for index, entry in enumerate(entries) if entry[0] == ONE]
+        stacks = [index for index, entry in enumerate(entries) if entry[0] == STACK]
+        singles = service.infer_group([request_from(entries[index][1]) for index in ones])
+        stacked = [
+            service.infer_stack(
+                request_from(entries[index][1]),
+                [request_from(fields) for fields in entries[index][2]],
+                entries[index][3],
+            )
+            for index in stacks
+        ]
+        alone, *together = await asyncio.gather(singles, *stacked)
+        answers: list[tuple[Any, Any]] = [(False, None)] * len(entries)
+        for index, outcome in zip(ones, cast(list[Any], alone), strict=True):
+            answers[index] = _sent(outcome)
+        for index, stack in zip(stacks, together, strict=True):
+            if isinstance(stack, InferResponse):
+                answers[index] = (True, response_fields(stack))
+            else:
+                answers[index] = (None, [_sent(part) for part in stack])
+        return answers
+
+    return infer_group
+
+
+def _sent(outcome: InferResponse | Exception) -> tuple[bool, Any]:
+    if isinstance(outcome, InferResponse):
+        return True, response_fields(outcome)
+    if not isinstance(outcome, SlipstreamError):
+        logger.error("engine: infer failed", exc_info=outcome)
+    return False, error_state(outcome)

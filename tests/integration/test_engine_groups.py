@@ -1,0 +1,211 @@
+"""Inference requests sent to the engine in groups and stacks (``engine/groups.py``).
+
+A real serving core (ONNX models) behind a real engine host, and a front end's
+:class:`RemoteInferenceService` on a Unix socket, in one process. Whatever mix of
+requests a front end makes in one turn of its loop (alike ones, which travel stacked;
+other shapes, datatypes, models; requests the checks refuse; a token the model itself
+refuses, in the middle of a stack; stacks past ``max_batch_size``), each gets exactly the
+answer or the error the serving core gives it alone, and is counted once in the
+statistics. Hypothesis draws the mixes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slipstream.config import ServerSettings
+from slipstream.engine.client import EngineClient
+from slipstream.engine.host import EngineHost
+from slipstream.engine.remote import RemoteInferenceService, engine_calls
+from slipstream.errors import SlipstreamError
+from slipstream.serving.core import ModelServer
+from slipstream.types import InferRequest, InferResponse, RequestedOutput
+from tests.models import ADD_SUB_WIDTH, build_add_sub, build_mean_embedding, write_config
+
+TABLE = np.arange(40, dtype=np.float32).reshape(10, 4)
+EMBED_MAX_BATCH = 8
+
+
+class Engine:
+    """A serving core behind an engine host, and a front end's service on its socket."""
+
+    def __init__(self, root: Path) -> None:
+        repo = root / "repo"
+        build_mean_embedding(repo, "embed", TABLE)
+        write_config(repo, "embed", {"max_batch_size": EMBED_MAX_BATCH})
+        build_add_sub(repo)
+        write_config(repo, "add_sub", {"max_batch_size": 64})
+        build_add_sub(repo, "held")
+        # Held in the queue for up to 30 s until 64 rows wait: a group can be given up on.
+        write_config(repo, "held", {
+            "max_batch_size": 64,
+            "dynamic_batching": {"preferred_batch_size": [64],
+                                 "max_queue_delay_microseconds": 30_000_000},
+        })  # fmt: skip
+        self.loop = asyncio.new_event_loop()
+        self.server = ModelServer(ServerSettings(model_repository=repo))
+        self.host = EngineHost(str(root / "engine"), engine_calls(self.server))
+        self.client = EngineClient(str(root / "engine"))
+        self.remote = RemoteInferenceService(self.client)
+        self.run(self._start())
+
+    async def _start(self) -> None:
+        await self.server.start()
+        await self.host.start()
+        self.client.start()
+        assert await self.client.wait_connected(10)
+
+    def run(self, coroutine: Any) -> Any:
+        return self.loop.run_until_complete(coroutine)
+
+    def close(self) -> None:
+        self.run(self.client.close())
+        self.run(self.host.close())
+        self.run(self.server.stop())
+        self.loop.close()
+
+    def successes(self, model: str) -> int:
+        stats = self.run(self.server.model_statistics(model))
+        return int(stats[0].inference_stats.success.count)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    root = Path(tempfile.mkdtemp(prefix="engine-groups-"))
+    served = Engine(root)
+    try:
+        yield served
+    finally:
+        served.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _embed(ids: list[list[int]], dtype: Any = np.int64, **kwargs: Any) -> InferRequest:
+    array = np.array(ids, dtype=dtype)
+    return InferRequest("embed", "", {"input_ids": array, "attention_mask": np.ones_like(array)},
+                        **kwargs)  # fmt: skip
+
+
+def _add_sub(rows: int, seed: int, **kwargs: Any) -> InferRequest:
+    values = np.random.default_rng(seed).random((2, rows, ADD_SUB_WIDTH), dtype=np.float32)
+    return InferRequest("add_sub", "", {"INPUT0": values[0], "INPUT1": values[1]}, **kwargs)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> InferRequest:
+    kind = draw(st.sampled_from(
+        ["embed", "embed", "embed", "refused_token", "wrong_dtype", "wrong_width",
+         "too_many_rows", "unknown_model", "unknown_output", "add_sub", "add_sub_one_output"]
+    ))  # fmt: skip
+    rows = draw(st.integers(1, 4))
+    request_id = f"r{draw(st.integers(0, 10**6))}"
+    ids = [[draw(st.integers(0, 9)) for _ in range(3)] for _ in range(rows)]
+    if kind == "embed":
+        return _embed(ids, id=request_id)
+    if kind == "refused_token":  # passes every check; ONNX Runtime refuses it
+        ids[draw(st.integers(0, rows - 1))][1] = 10
+        return _embed(ids, id=request_id)
+    if kind == "wrong_dtype":
+        return _embed(ids, np.int32, id=request_id)
+    if kind == "wrong_width":
+        return _embed([row[:2] for row in ids], id=request_id)
+    if kind == "too_many_rows":
+        return _embed(ids * EMBED_MAX_BATCH, id=request_id)
+    if kind == "unknown_model":
+        return InferRequest("nothing", "", _embed(ids).inputs, id=request_id)
+    if kind == "unknown_output":
+        return _embed(ids, id=request_id, outputs=[RequestedOutput("nope")])
+    seed = draw(st.integers(0, 1000))
+    if kind == "add_sub_one_output":
+        return _add_sub(rows, seed, id=request_id, outputs=[RequestedOutput("OUTPUT1")])
+    return _add_sub(rows, seed, id=request_id)
+
+
+def _same(got: InferResponse | Exception, alone: InferResponse | Exception) -> None:
+    if isinstance(alone, Exception):
+        assert type(got) is type(alone), (got, alone)
+        assert str(got) == str(alone)
+        return
+    assert isinstance(got, InferResponse), got
+    assert (got.model_name, got.model_version, got.id) == (
+        alone.model_name, alone.model_version, alone.id,
+    )  # fmt: skip
+    assert list(got.outputs) == list(alone.outputs)
+    for name, array in alone.outputs.items():
+        assert got.outputs[name].dtype == array.dtype
+        np.testing.assert_array_equal(got.outputs[name], array)
+
+
+async def _each(calls: list[Any]) -> list[InferResponse | Exception]:
+    """Every call's answer or error, the calls started in one turn of the loop."""
+    return list(await asyncio.gather(*calls, return_exceptions=True))
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(requests(), min_size=1, max_size=24))
+def test_each_request_of_a_group_is_answered_as_it_would_be_alone(
+    engine: Engine, drawn: list[InferRequest]
+) -> None:
+    alone = engine.run(_each([engine.server.infer(request) for request in drawn]))
+    before = {model: engine.successes(model) for model in ("embed", "add_sub")}
+    grouped = engine.run(_each([engine.remote.infer(request) for request in drawn]))
+    for got, expected in zip(grouped, alone, strict=True):
+        if isinstance(got, SlipstreamError | InferResponse):
+            _same(got, expected)
+        else:
+            raise got
+    for model in ("embed", "add_sub"):
+        served = sum(
+            1 for request, answer in zip(drawn, grouped, strict=True)
+            if request.model_name == model and isinstance(answer, InferResponse)
+        )  # fmt: skip
+        assert engine.successes(model) - before[model] == served
+
+
+def test_alike_requests_are_checked_and_queued_as_one(engine: Engine) -> None:
+    """Twelve alike requests of one row: two stacks (max_batch_size 8), each counted as
+    its requests in the queue and success statistics, run in two batches of 8 and 4."""
+    stats = engine.run(engine.server.model_statistics("embed"))[0]
+    queued, runs = stats.inference_stats.queue.count, stats.execution_count
+    drawn = [_embed([[i % 10, (i + 1) % 10, 2]], id=str(i)) for i in range(12)]
+    answers = engine.run(_each([engine.remote.infer(request) for request in drawn]))
+    for i, answer in enumerate(answers):
+        assert isinstance(answer, InferResponse) and answer.id == str(i)
+        expected = TABLE[[i % 10, (i + 1) % 10, 2]].mean(axis=0)
+        np.testing.assert_allclose(answer.outputs["embedding"][0], expected, rtol=1e-6)
+    stats = engine.run(engine.server.model_statistics("embed"))[0]
+    assert stats.inference_stats.queue.count - queued == 12
+    assert stats.execution_count - runs == 2
+
+
+def test_a_group_every_requester_gave_up_on_leaves_the_queue(engine: Engine) -> None:
+    async def give_up() -> int:
+        held = [InferRequest("held", "", _add_sub(1, seed).inputs) for seed in range(3)]
+        calls = [asyncio.ensure_future(engine.remote.infer(request)) for request in held]
+        batcher = engine.server.models.resolve("held").batcher
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if batcher.num_pending == 3:
+                break
+        assert batcher.num_pending == 3  # queued in the engine, waiting for 64 rows
+        for call in calls:
+            call.cancel()
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if not batcher.num_pending:
+                break
+        return batcher.num_pending
+
+    assert engine.run(give_up()) == 0
