@@ -190,16 +190,17 @@ def test_alike_requests_are_checked_and_queued_as_one(engine: Engine) -> None:
     assert stats.execution_count - runs == 2
 
 
-def test_a_group_every_requester_gave_up_on_leaves_the_queue(engine: Engine) -> None:
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_group_every_requester_gave_up_on_leaves_the_queue(engine: Engine, count: int) -> None:
     async def give_up() -> int:
-        held = [InferRequest("held", "", _add_sub(1, seed).inputs) for seed in range(3)]
+        held = [InferRequest("held", "", _add_sub(1, seed).inputs) for seed in range(count)]
         calls = [asyncio.ensure_future(engine.remote.infer(request)) for request in held]
         batcher = engine.server.models.resolve("held").batcher
         for _ in range(200):
             await asyncio.sleep(0.01)
-            if batcher.num_pending == 3:
+            if batcher.num_pending == count:
                 break
-        assert batcher.num_pending == 3  # queued in the engine, waiting for 64 rows
+        assert batcher.num_pending == count  # queued in the engine, waiting for 64 rows
         for call in calls:
             call.cancel()
         for _ in range(200):

@@ -125,26 +125,29 @@ class EngineClient:
         finally:
             self._calls.pop(call_id, None)
 
-    def start_call(self, method: str, *args: Any) -> tuple[int, asyncio.Future[Any]]:
+    def start_call(
+        self, method: str, *args: Any, into: asyncio.Future[Any] | None = None
+    ) -> tuple[int, asyncio.Future[Any]]:
         """``method(*args)`` in the engine, without a coroutine: the call's id and the
-        future its answer settles (at once with EngineGone while the engine is away).
-        Give up on it with :meth:`give_up`."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future its answer settles (``into``, or a new one; at once with EngineGone while
+        the engine is away). Give up on it with :meth:`give_up`."""
+        future = into if into is not None else asyncio.get_running_loop().create_future()
         if self._link is None:
             future.set_exception(self._gone_error())
             return -1, future
         call_id = next(self._ids)
         self._calls[call_id] = future
-        future.add_done_callback(lambda _: self._calls.pop(call_id, None))
         self._post(("call", call_id, method, args))
         return call_id, future
 
     def give_up(self, call_id: int) -> None:
         """Nobody waits for call ``call_id`` any more: the engine drops its work."""
         future = self._calls.pop(call_id, None)
-        if future is not None and not future.done():
+        if future is None:
+            return  # answered already
+        if not future.done():
             future.cancel()
-            self._post(("cancel", call_id))
+        self._post(("cancel", call_id))
 
     async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
         """The items ``method(*args)`` yields in the engine, as they come. Closing this
@@ -194,7 +197,7 @@ class EngineClient:
     def _on_answer(self, link: Link, message: Any) -> None:
         kind, call_id = message[0], message[1]
         if kind == "ok" or kind == "err":
-            future = self._calls.get(call_id)
+            future = self._calls.pop(call_id, None)
             if future is not None and not future.done():
                 if kind == "ok":
                     future.set_result(message[2])
@@ -217,7 +220,8 @@ class EngineClient:
             self._on_answer(link, ("err", message[1], error_state(RuntimeError())))
 
     def _fail_all(self, reason: str) -> None:
-        for future in self._calls.values():
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
             if not future.done():
                 future.set_exception(EngineGone(reason, retry_after_s=RETRY_AFTER_S))
         for queue in self._streams.values():

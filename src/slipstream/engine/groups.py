@@ -89,15 +89,21 @@ class Group:
     def __init__(self, client: EngineClient) -> None:
         self._client = client
         self._requests: list[InferRequest] = []
-        self._waiters: list[asyncio.Future[InferResponse]] = []
+        self._waiters: list[asyncio.Future[Any]] = []
         self._gone = 0
         self._call_id: int | None = None
 
-    def add(self, request: InferRequest) -> asyncio.Future[InferResponse]:
-        waiter: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
+    def add(self, request: InferRequest) -> asyncio.Future[Any]:
+        """The future ``request``'s answer settles: pass its result to :meth:`response`."""
+        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._requests.append(request)
         self._waiters.append(waiter)
         return waiter
+
+    @staticmethod
+    def response(answer: Any) -> InferResponse:
+        """A settled answer as the response (a lone request's comes as its fields)."""
+        return answer if isinstance(answer, InferResponse) else response_from(answer)
 
     def left(self) -> None:
         """A requester gave up; the last one to leave a sent group cancels its call."""
@@ -115,10 +121,11 @@ class Group:
             if not kept:
                 return
         if len(self._requests) == 1:
-            self._call_id, answer = self._client.start_call(
-                "infer", request_fields(self._requests[0])
+            # The requester's own future takes the engine's answer: its response's
+            # fields, made a response by the requester (Group.response).
+            self._call_id, _ = self._client.start_call(
+                "infer", request_fields(self._requests[0]), into=self._waiters[0]
             )
-            answer.add_done_callback(self._answered_one)
             return
         # Which requests go in which entry: a list of indices each.
         by_key: dict[tuple[Any, ...], list[int]] = {}
@@ -152,16 +159,6 @@ class Group:
         head = (*head[:_INPUTS], stacked, *head[_INPUTS + 1 :])
         rows = [next(iter(part.inputs.values())).shape[0] for part in parts]
         return STACK, head, part_fields, rows
-
-    def _answered_one(self, answer: asyncio.Future[Any]) -> None:
-        waiter = self._waiters[0]
-        if answer.cancelled() or waiter.done():
-            return
-        error = answer.exception()
-        if error is not None:
-            waiter.set_exception(error)
-        else:
-            waiter.set_result(response_from(answer.result()))
 
     def _answered(self, answer: asyncio.Future[Any], entries_of: list[list[int]]) -> None:
         if answer.cancelled():

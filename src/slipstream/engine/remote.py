@@ -80,7 +80,7 @@ class RemoteInferenceService(InferenceService):
             asyncio.get_running_loop().call_soon(self._send_group)
         answer = group.add(request)
         try:
-            return await answer
+            return Group.response(await answer)
         except asyncio.CancelledError:
             group.left()
             raise
