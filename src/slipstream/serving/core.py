@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import Awaitable, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,20 +21,22 @@ from slipstream.errors import (
 )
 from slipstream.names import validate_model_name
 from slipstream.observability.lifecycle import LifecycleMetrics
-from slipstream.observability.metrics import ModelMetrics, ServerMetrics
+from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.rollout_metrics import RolloutMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
 from slipstream.runtime.pickles import trust_pickles_server_wide
+from slipstream.serving import together
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
 from slipstream.serving.cascade import Cascade
 from slipstream.serving.cascade_registry import Cascades
 from slipstream.serving.idle import IdleWatcher
 from slipstream.serving.manager import ModelAsleep, ModelManager
 from slipstream.serving.model import ModelVersion, PreparedRequest
+from slipstream.serving.outcomes import record_failure, record_success
 from slipstream.serving.rollout import Rollouts, Route
 from slipstream.serving.rollout_store import rollout_store
-from slipstream.serving.service import InferenceService, ModelLane, unstack
+from slipstream.serving.service import InferenceService, ModelLane
 from slipstream.serving.shared_memory import SystemSharedMemory
 from slipstream.serving.taps import TapFactory
 from slipstream.types import (
@@ -334,143 +335,17 @@ class ModelServer(InferenceService):
     async def infer_group(
         self, requests: Sequence[InferRequest]
     ) -> list[InferResponse | Exception]:
-        """Requests that arrived together (one front end's turn of its event loop), each
-        answered as :meth:`infer` would answer it alone, in order.
-
-        Those on a plain batching model version (no cascade, rollout route, response
-        cache or shared memory) are checked and queued here in one pass, without a
-        coroutine each: their batcher futures settle their answers. The rest run through
-        :meth:`infer`. In the batcher each is a request of its own, as it would have been
-        (batches, timeouts, a failure in the model rerun one by one).
-        """
-        results: list[Any] = [None] * len(requests)
-        waits: list[Awaitable[Any]] = []
-        for index, request in enumerate(requests):
-            model = self._stackable(request)
-            if model is None:
-                waits.append(self._infer_into(index, request, results))
-                continue
-            started_ns = time.perf_counter_ns()
-            try:
-                prepared = model.prepare(request)
-                queued = model.batcher.enqueue(
-                    prepared.inputs,
-                    prepared.rows,
-                    prepared.shape_key,
-                    request.priority,
-                    request.timeout_us,
-                )
-            except SlipstreamError as exc:
-                _record_failure(model, exc, time.perf_counter_ns() - started_ns)
-                results[index] = exc
-                continue
-            answer = functools.partial(
-                _answer_queued, index, results, model, request.id, prepared, started_ns
-            )
-            queued.add_done_callback(answer)
-            waits.append(queued)
-        if waits:
-            await asyncio.gather(*waits, return_exceptions=True)
-        return results
+        return await together.infer_group(self, requests)
 
     async def infer_stack(
         self, stacked: InferRequest, parts: Sequence[InferRequest], rows: Sequence[int]
     ) -> InferResponse | list[InferResponse | Exception]:
-        """Requests a front end stacked: ``parts`` alike in model, version, priority,
-        timeout, requested outputs and the datatype and shape (batch dim aside) of each
-        input, whose inputs are consecutive ``rows`` of ``stacked``'s (``stacked`` is
-        the first part with those inputs; the parts' own are empty).
+        return await together.infer_stack(self, stacked, parts, rows)
 
-        On a plain batching model the stack is checked once and queued as one request
-        per ``max_batch_size`` rows, counted as its parts in the statistics; the answer
-        is ``stacked``'s response, outputs stacked the same way (the front end cuts
-        them). Wherever that cannot answer each part as :meth:`infer` would (a check that
-        fails, a routed or cached model, a run that fails in the model), the parts run
-        one by one instead (:meth:`infer_group`) and the answer is one per part.
-        """
-        model = self._stackable(stacked)
-        prepared = None
-        if model is not None and model.config.max_batch_size:
-            limit = model.config.max_batch_size
-            try:
-                prepared = model.prepare(stacked)
-            except SlipstreamError:
-                prepared = None
-            if prepared is not None and (
-                prepared.rows != sum(rows) or not 0 < min(rows) <= max(rows) <= limit
-            ):
-                prepared = None
-        if model is None or prepared is None:
-            return await self.infer_group(unstack(stacked, parts, rows))
-        started_ns = time.perf_counter_ns()
-        # Consecutive parts, up to max_batch_size rows each: (first part, end part, rows).
-        chunks: list[tuple[int, int, int, int]] = []
-        first = start_row = row = 0
-        for index, count in enumerate(rows):
-            if row + count - start_row > limit:
-                chunks.append((first, index, start_row, row))
-                first, start_row = index, row
-            row += count
-        chunks.append((first, len(rows), start_row, row))
-        outcomes = await asyncio.gather(
-            *(self._run_chunk(model, prepared, stacked, a, b, lo, hi) for a, b, lo, hi in chunks),
-            return_exceptions=True,
-        )
-        elapsed_ns = time.perf_counter_ns() - started_ns
-        if all(isinstance(outcome, dict) for outcome in outcomes):
-            for _ in parts:
-                _record_success(model, elapsed_ns)
-            merged = cast(list[dict[str, np.ndarray]], outcomes)
-            outputs = (
-                merged[0]
-                if len(merged) == 1
-                else {name: np.concatenate([chunk[name] for chunk in merged]) for name in merged[0]}
-            )
-            return InferResponse(model.name, model.version_str, outputs, id=stacked.id)
-        answers: list[InferResponse | Exception] = []
-        alone = unstack(stacked, parts, rows)
-        for (a, b, _, _), outcome in zip(chunks, outcomes, strict=True):
-            if isinstance(outcome, dict):
-                for _ in range(a, b):
-                    _record_success(model, elapsed_ns)
-                answers += _cut(model, outcome, alone[a:b], rows[a:b])
-            elif isinstance(outcome, Unavailable) or not isinstance(outcome, SlipstreamError):
-                for _ in range(a, b):
-                    if isinstance(outcome, SlipstreamError):
-                        _record_failure(model, outcome, elapsed_ns)
-                answers += [cast(Exception, outcome)] * (b - a)
-            else:  # failed in the model: each part alone, so only a bad one fails
-                answers += await self.infer_group(alone[a:b])
-        return answers
-
-    async def _run_chunk(
-        self,
-        model: ModelVersion,
-        prepared: PreparedRequest,
-        stacked: InferRequest,
-        first: int,
-        end: int,
-        start_row: int,
-        end_row: int,
-    ) -> dict[str, np.ndarray]:
-        whole = start_row == 0 and end_row == prepared.rows
-        inputs = (
-            prepared.inputs
-            if whole
-            else {name: array[start_row:end_row] for name, array in prepared.inputs.items()}
-        )
-        outputs = await model.batcher.submit(
-            inputs, end_row - start_row, prepared.shape_key, stacked.priority,
-            stacked.timeout_us, requests=end - first,
-        )  # fmt: skip
-        picked = {name: outputs[name] for name in prepared.output_names}
-        if model.tap is not None:
-            model.tap.offer(inputs, picked)
-        return picked
-
-    def _stackable(self, request: InferRequest) -> ModelVersion | None:
+    def plain_model(self, request: InferRequest) -> ModelVersion | None:
         """The loaded version ``request`` runs on, when nothing but its batcher stands
-        between them; None when :meth:`infer` must take it (and answer any error)."""
+        between them (no cascade, rollout route, response cache or shared memory); None
+        when :meth:`infer` must take it (and answer any error)."""
         if (
             self._stopping
             or request.shared_memory_inputs
@@ -488,12 +363,6 @@ class ModelServer(InferenceService):
         if self._cache is not None and model.config.response_cache.enable:
             return None
         return model
-
-    async def _infer_into(self, index: int, request: InferRequest, results: list[Any]) -> None:
-        try:
-            results[index] = await self.infer(request)
-        except Exception as exc:  # the caller answers each request's own error
-            results[index] = exc
 
     async def _run_copies(
         self, requests: Sequence[InferRequest]
@@ -549,7 +418,7 @@ class ModelServer(InferenceService):
             )
         except SlipstreamError as exc:
             for index, _ in chunk:
-                _record_failure(model, exc, time.perf_counter_ns() - started_ns)
+                record_failure(model, exc, time.perf_counter_ns() - started_ns)
                 results[index] = exc
             return
         elapsed_ns = time.perf_counter_ns() - started_ns
@@ -562,7 +431,7 @@ class ModelServer(InferenceService):
                 outputs={name: outputs[name][start:stop] for name in one.output_names},
             )
             start = stop
-            _record_success(model, elapsed_ns)
+            record_success(model, elapsed_ns)
         if model.tap is not None:
             model.tap.offer(inputs, outputs)
 
@@ -646,10 +515,10 @@ class ModelServer(InferenceService):
             model.stats.record_request(ok=False, total_ns=time.perf_counter_ns() - started_ns)
             raise
         except SlipstreamError as exc:
-            _record_failure(model, exc, time.perf_counter_ns() - started_ns)
+            record_failure(model, exc, time.perf_counter_ns() - started_ns)
             raise
         elapsed_ns = time.perf_counter_ns() - started_ns
-        _record_success(model, elapsed_ns)
+        record_success(model, elapsed_ns)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "request id=%r model=%s version=%s rows=%d took %.3f ms",
@@ -721,77 +590,3 @@ class ModelServer(InferenceService):
                 f"{self.settings.model_control_mode!r}; start the server with "
                 "--model-control-mode explicit"
             )
-
-
-def _cut(
-    model: ModelVersion,
-    outputs: dict[str, np.ndarray],
-    parts: Sequence[InferRequest],
-    rows: Sequence[int],
-) -> list[InferResponse | Exception]:
-    """Stacked outputs, as each part's response."""
-    answers: list[InferResponse | Exception] = []
-    start = 0
-    for part, count in zip(parts, rows, strict=True):
-        stop = start + count
-        cut = {name: array[start:stop] for name, array in outputs.items()}
-        answers.append(InferResponse(model.name, model.version_str, cut, id=part.id))
-        start = stop
-    return answers
-
-
-def _answer_queued(
-    index: int,
-    results: list[Any],
-    model: ModelVersion,
-    request_id: str,
-    prepared: PreparedRequest,
-    started_ns: int,
-    queued: asyncio.Future[dict[str, np.ndarray]],
-) -> None:
-    """A request of :meth:`ModelServer.infer_group` left its batcher: its answer, as
-    :meth:`ModelServer._run` makes it, and its statistics."""
-    elapsed_ns = time.perf_counter_ns() - started_ns
-    if queued.cancelled():
-        model.stats.record_request(ok=False, total_ns=elapsed_ns)
-        return
-    error = queued.exception()
-    if error is not None:
-        if isinstance(error, SlipstreamError):
-            _record_failure(model, error, elapsed_ns)
-        results[index] = error
-        return
-    outputs = queued.result()
-    response = InferResponse(
-        model_name=model.name,
-        model_version=model.version_str,
-        outputs={name: outputs[name] for name in prepared.output_names},
-        id=request_id,
-    )
-    results[index] = response
-    _record_success(model, elapsed_ns)
-    if model.tap is not None:
-        model.tap.offer(prepared.inputs, response.outputs)
-
-
-def _record_success(model: ModelVersion, elapsed_ns: int) -> None:
-    model.stats.record_request(ok=True, total_ns=elapsed_ns)
-    model.metrics.request_success += 1
-    model.metrics.request_duration.observe(elapsed_ns / 1e9)
-
-
-def _record_failure(model: ModelVersion, exc: SlipstreamError, elapsed_ns: int) -> None:
-    model.stats.record_request(ok=False, total_ns=elapsed_ns)
-    _count_failure(model.metrics, exc)
-
-
-def _count_failure(metrics: ModelMetrics, exc: SlipstreamError) -> None:
-    if isinstance(exc, Unavailable):
-        return  # queue-full and timeout are counted by the batcher, where they happen
-    if isinstance(exc, ModelNotFound):
-        reason = "not_found"
-    elif isinstance(exc, ClientError):
-        reason = "bad_request"
-    else:
-        reason = "internal"
-    metrics.count_failure(reason)

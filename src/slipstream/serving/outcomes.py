@@ -1,0 +1,30 @@
+"""A finished request in its version's statistics and metrics, however it was served."""
+
+from __future__ import annotations
+
+from slipstream.errors import ClientError, ModelNotFound, SlipstreamError, Unavailable
+from slipstream.observability.metrics import ModelMetrics
+from slipstream.serving.model import ModelVersion
+
+
+def record_success(model: ModelVersion, elapsed_ns: int) -> None:
+    model.stats.record_request(ok=True, total_ns=elapsed_ns)
+    model.metrics.request_success += 1
+    model.metrics.request_duration.observe(elapsed_ns / 1e9)
+
+
+def record_failure(model: ModelVersion, exc: SlipstreamError, elapsed_ns: int) -> None:
+    model.stats.record_request(ok=False, total_ns=elapsed_ns)
+    count_failure(model.metrics, exc)
+
+
+def count_failure(metrics: ModelMetrics, exc: SlipstreamError) -> None:
+    if isinstance(exc, Unavailable):
+        return  # queue-full and timeout are counted by the batcher, where they happen
+    if isinstance(exc, ModelNotFound):
+        reason = "not_found"
+    elif isinstance(exc, ClientError):
+        reason = "bad_request"
+    else:
+        reason = "internal"
+    metrics.count_failure(reason)
