@@ -12,7 +12,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -22,8 +22,13 @@ from slipstream.serving.outcomes import record_failure, record_success
 from slipstream.serving.service import unstack
 from slipstream.types import InferRequest, InferResponse
 
-if TYPE_CHECKING:
-    from slipstream.serving.core import ModelServer
+
+class ModelServer(Protocol):
+    """What these ask of the serving core (:class:`slipstream.serving.core.ModelServer`)."""
+
+    async def infer(self, request: InferRequest) -> InferResponse: ...
+
+    def plain_model(self, request: InferRequest) -> ModelVersion | None: ...
 
 
 async def infer_group(
