@@ -138,6 +138,13 @@ def main() -> None:
         "--layouts", default="one",
         help="process layouts to measure, e.g. one,split1,split2@0,1 (see the docstring)",
     )  # fmt: skip
+    parser.add_argument(
+        "--src",
+        default="",
+        help="comma list of source trees (src directories) to alternate, "
+        "each put first on the server's PYTHONPATH; results are "
+        "labelled with the tree and their ratio printed",
+    )
     parser.add_argument("--no-perf-analyzer", action="store_true")
     parser.add_argument("--json", type=Path, help="write the results here")
     # Internal: run a cap server (started by this script).
@@ -161,36 +168,75 @@ def run(args: argparse.Namespace) -> None:
     layouts = parse_layouts(args.layouts, args.server_cores)
     results: dict[str, dict[int, list[float | None]]] = {}
     cpu: dict[str, dict[int, list[float | None]]] = {}
+    trees = [str(Path(tree).resolve()) for tree in args.src.split(",") if tree]
     with tempfile.TemporaryDirectory() as tmp:
         repo = args.repo or build_mlp(Path(tmp) / "models")
-        for layout_index, (layout, frontends, cores) in enumerate(layouts):
-            # The caps do not depend on the layout: measured beside the first one only.
-            wanted_here = [c for c in cases if not (c.cap and layout_index)]
-            handlers = sorted({c.cap for c in wanted_here if c.cap})
-            http_port, grpc_port, *cap_ports = free_ports(2 + len(handlers))
-            ports = {"http": http_port, "grpc": grpc_port}
-            by_handler = dict(zip(handlers, cap_ports, strict=True))
-            ports.update({f"cap:{h}": port for h, port in by_handler.items()})
-            with (
-                slipstream_server(
-                    repo,
-                    cores,
-                    http_port,
-                    grpc_port,
-                    Path(tmp),
-                    frontends,
-                    "default" if "-default" in layout else "batch",
-                ) as server,
-                cap_servers(args, repo, grpc_port, by_handler),
-            ):
-                print(f"layout {layout}: {frontends or 'one process'} front ends, cores {cores}")
-                measured, spent = measure_all(tool, wanted_here, levels, ports, args, server)
-            for name, by_level in measured.items():
-                key = name if layout == "one" or name.startswith("cap") else f"{name}[{layout}]"
-                results[key] = by_level
-                if name in spent:
-                    cpu[key] = spent[name]
-    report(results, cpu, levels, args, tool is not None, layouts)
+        if len(trees) < 2:
+            env = {"PYTHONPATH": trees[0]} if trees else {}
+            measure_layouts(tool, cases, levels, layouts, args, repo, Path(tmp), env, "",
+                            results, cpu)  # fmt: skip
+        else:
+            # Whole rounds alternate the trees (a server each), so drift touches both alike.
+            rounds, args.rounds = args.rounds, 1
+            for index in range(rounds):
+                for tree in trees if index % 2 == 0 else trees[::-1]:
+                    print(f"== round {index + 1}, {tree}")
+                    measure_layouts(tool, cases, levels, layouts, args, repo, Path(tmp),
+                                    {"PYTHONPATH": tree}, _tree_label(tree, trees),
+                                    results, cpu)  # fmt: skip
+            args.rounds = rounds
+    report(results, cpu, levels, args, tool is not None, layouts, trees)
+
+
+def _tree_label(tree: str, trees: list[str]) -> str:
+    return "{" + f"src{trees.index(tree) + 1}" + "}"
+
+
+def measure_layouts(
+    tool: tuple[Path, dict[str, str]] | None,
+    cases: list[Case],
+    levels: list[int],
+    layouts: list[tuple[str, int, str]],
+    args: argparse.Namespace,
+    repo: Path,
+    tmp: Path,
+    env: dict[str, str],
+    label: str,
+    results: dict[str, dict[int, list[float | None]]],
+    cpu: dict[str, dict[int, list[float | None]]],
+) -> None:
+    """Every layout in turn, a server each, its figures added to ``results`` and ``cpu``
+    under the case's name, ``[layout]`` and ``label``."""
+    for layout_index, (layout, frontends, cores) in enumerate(layouts):
+        # The caps do not depend on the layout: measured beside the first one only.
+        wanted_here = [c for c in cases if not (c.cap and layout_index)]
+        handlers = sorted({c.cap for c in wanted_here if c.cap})
+        http_port, grpc_port, *cap_ports = free_ports(2 + len(handlers))
+        ports = {"http": http_port, "grpc": grpc_port}
+        by_handler = dict(zip(handlers, cap_ports, strict=True))
+        ports.update({f"cap:{h}": port for h, port in by_handler.items()})
+        with (
+            slipstream_server(
+                repo,
+                cores,
+                http_port,
+                grpc_port,
+                tmp,
+                frontends,
+                "default" if "-default" in layout else "batch",
+                env,
+            ) as server,
+            cap_servers(args, repo, grpc_port, by_handler),
+        ):
+            print(f"layout {layout}: {frontends or 'one process'} front ends, cores {cores}")
+            measured, spent = measure_all(tool, wanted_here, levels, ports, args, server)
+        for name, by_level in measured.items():
+            key = name if layout == "one" or name.startswith("cap") else f"{name}[{layout}]"
+            key += label
+            for level, values in by_level.items():
+                results.setdefault(key, {}).setdefault(level, []).extend(values)
+            for level, values in spent.get(name, {}).items():
+                cpu.setdefault(key, {}).setdefault(level, []).extend(values)
 
 
 def measure_all(
@@ -214,6 +260,7 @@ def measure_all(
             port = ports[f"cap:{case.cap}" if case.cap else case.protocol]
             for level in levels:
                 before = None if case.cap else _server_work(server, ports["http"], args.model)
+                roles_before = _role_cpu(server)
                 rate = measure(tool, case, port, level, args)
                 results[case.name][level].append(rate)
                 line = f"  {case.name:16s} C={level:<3d} {_fmt(rate)} infer/s"
@@ -223,8 +270,32 @@ def measure_all(
                     spent = (after[0] - before[0]) / done * 1e6 if done else None
                     cpu[case.name][level].append(spent)
                     line += f", server {_fmt(spent)} us CPU/infer"
+                    roles = _role_cpu(server)
+                    if done and len(roles) > 1:  # split: the engine's share and the rest
+                        line += " (" + ", ".join(
+                            f"{role} {(roles[role] - roles_before.get(role, 0.0)) / done * 1e6:.0f}"
+                            for role in sorted(roles)
+                        ) + ")"  # fmt: skip
                 print(line, flush=True)
     return results, cpu
+
+
+def _role_cpu(server: psutil.Process) -> dict[str, float]:
+    """CPU seconds by role: the engine process (the one listening on the engine's Unix
+    socket) and the rest of the server; only ``server`` where there is no engine."""
+    seconds: dict[str, float] = {}
+    for process in [server, *server.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+            engine = any(
+                isinstance(c.laddr, str) and c.laddr.endswith("/engine")
+                for c in process.net_connections(kind="unix")
+            )
+        except psutil.NoSuchProcess:
+            continue
+        role = "engine" if engine else "front ends"
+        seconds[role] = seconds.get(role, 0.0) + times.user + times.system
+    return seconds if "engine" in seconds else {"server": sum(seconds.values())}
 
 
 def _server_work(server: psutil.Process, http_port: int, model: str) -> tuple[float, int]:
@@ -308,7 +379,10 @@ def report(
     args: argparse.Namespace,
     perf_analyzer: bool,
     layouts: list[tuple[str, int, str]],
+    trees: list[str],
 ) -> None:
+    if len(trees) > 1:
+        print("trees: " + ", ".join(f"{_tree_label(t, trees)} {t}" for t in trees))
     medians = {
         name: {n: _median(values) for n, values in by_level.items()}
         for name, by_level in results.items()
@@ -325,6 +399,14 @@ def report(
         if layout != "one":
             pairs += [(f"{case}[{layout}]", case) for case in ("http", "grpc", "grpc_stream")]
             pairs += [(f"grpc[{layout}]", "cap_grpc")]
+    if len(trees) > 1:
+        # Each tree against the first, case by case; the layout pairs within each tree.
+        first = _tree_label(trees[0], trees)
+        labelled = [(a + label, b + label) for a, b in pairs
+                    for label in (_tree_label(t, trees) for t in trees)]  # fmt: skip
+        bases = sorted({key.removesuffix(first) for key in medians if key.endswith(first)})
+        pairs = labelled + [(base + _tree_label(t, trees), base + first)
+                            for base in bases for t in trees[1:]]  # fmt: skip
     ratios = _print_ratios(pairs, medians, levels, "")
     cpu_medians = {
         name: {n: _median(values) for n, values in by_level.items()}
@@ -398,6 +480,7 @@ def slipstream_server(
     log_dir: Path,
     frontends: int = 0,
     scheduling: str = "batch",
+    env: dict[str, str] | None = None,
 ) -> Iterator[psutil.Process]:
     command = [
         "taskset", "-c", cores, str(VENV_BIN / "slipstream"), "serve",
@@ -406,7 +489,7 @@ def slipstream_server(
         "--log-level", "warning", "--frontends", str(frontends),
         "--cpu-scheduling", scheduling,
     ]  # fmt: skip
-    with _process(command, log_dir / "slipstream.log") as proc:
+    with _process(command, log_dir / "slipstream.log", env) as proc:
         wait_http(f"http://127.0.0.1:{http_port}/v2/health/ready")
         yield psutil.Process(proc.pid)
 
@@ -430,10 +513,14 @@ def cap_servers(
 
 
 @contextmanager
-def _process(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def _process(
+    command: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
         try:
             yield proc
         finally:
