@@ -123,6 +123,10 @@ class Link(asyncio.BufferedProtocol):
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
+    def flush(self) -> None:
+        """Send what is queued now rather than at the end of this turn of the loop."""
+        self._flush()
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         messages, self._outbox = self._outbox, []

@@ -140,6 +140,12 @@ class EngineClient:
         self._post(("call", call_id, method, args))
         return call_id, future
 
+    def flush(self) -> None:
+        """Send the calls made so far now, not at the end of this turn of the loop (a
+        caller that itself runs at a turn's end saves a turn)."""
+        if self._link is not None:
+            self._link.flush()
+
     def give_up(self, call_id: int) -> None:
         """Nobody waits for call ``call_id`` any more: the engine drops its work."""
         future = self._calls.pop(call_id, None)

@@ -15,7 +15,8 @@ The message and its answer, beside the other engine calls (:mod:`slipstream.engi
 
     ("call", id, "infer_group", (entries,))
         entries: (ONE, request fields) | (STACK, stacked request fields,
-                                          [each part's fields, inputs empty], [rows])
+                                          [each part's (id, route_key, owner, parameters)],
+                                          [rows])
     ("ok", id, answers)    one per entry, in order:
         ONE:   (True, response fields) | (False, error state)
         STACK: (True, stacked response fields) | (None, [an answer as for ONE, per part])
@@ -30,9 +31,10 @@ drop the work.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast, overload
 
 import numpy as np
 
@@ -55,7 +57,6 @@ ONE = 0
 STACK = 1
 
 _INPUTS = request_fields(InferRequest("", "", {})).index({})
-_NO_INPUTS: dict[str, np.ndarray] = {}
 
 
 def stack_key(request: InferRequest) -> tuple[Any, ...] | None:
@@ -75,7 +76,7 @@ def stack_key(request: InferRequest) -> tuple[Any, ...] | None:
         if not shape or not shape[0] or array.dtype.hasobject or rows not in (-1, shape[0]):
             return None
         rows = shape[0]
-        signature.append((name, array.dtype.str, shape[1:]))
+        signature.append((name, array.dtype, shape[1:]))
     key = (request.model_name, request.model_version, request.priority, request.timeout_us)
     return (*key, outputs, tuple(signature))
 
@@ -84,10 +85,11 @@ class Group:
     """One front end's infer requests of one turn of its event loop; see the module
     docstring. ``add`` each, ``send`` once at the turn's end."""
 
-    __slots__ = ("_call_id", "_client", "_gone", "_requests", "_waiters")
+    __slots__ = ("_call_id", "_client", "_gone", "_loop", "_requests", "_waiters")
 
     def __init__(self, client: EngineClient) -> None:
         self._client = client
+        self._loop = asyncio.get_running_loop()
         self._requests: list[InferRequest] = []
         self._waiters: list[asyncio.Future[Any]] = []
         self._gone = 0
@@ -95,7 +97,7 @@ class Group:
 
     def add(self, request: InferRequest) -> asyncio.Future[Any]:
         """The future ``request``'s answer settles: pass its result to :meth:`response`."""
-        waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[Any] = self._loop.create_future()
         self._requests.append(request)
         self._waiters.append(waiter)
         return waiter
@@ -126,6 +128,7 @@ class Group:
             self._call_id, _ = self._client.start_call(
                 "infer", request_fields(self._requests[0]), into=self._waiters[0]
             )
+            self._client.flush()  # this already runs at a turn's end: no turn more
             return
         # Which requests go in which entry: a list of indices each.
         by_key: dict[tuple[Any, ...], list[int]] = {}
@@ -143,6 +146,7 @@ class Group:
         entries = [self._entry(members) for members in entries_of]
         self._call_id, answer = self._client.start_call("infer_group", entries)
         answer.add_done_callback(lambda done: self._answered(done, entries_of))
+        self._client.flush()
 
     def _entry(self, members: list[int]) -> tuple[Any, ...]:
         if len(members) == 1:
@@ -151,14 +155,12 @@ class Group:
         first = parts[0]
         stacked = {name: np.concatenate([part.inputs[name] for part in parts])
                    for name in first.inputs}  # fmt: skip
-        part_fields = []
-        for part in parts:
-            fields = request_fields(part)
-            part_fields.append((*fields[:_INPUTS], _NO_INPUTS, *fields[_INPUTS + 1 :]))
+        # What parts may differ in beside their rows (stack_key holds the rest equal).
+        own = [(p.id, p.route_key, p.owner, p.parameters) for p in parts]
         head = request_fields(first)
         head = (*head[:_INPUTS], stacked, *head[_INPUTS + 1 :])
         rows = [next(iter(part.inputs.values())).shape[0] for part in parts]
-        return STACK, head, part_fields, rows
+        return STACK, head, own, rows
 
     def _answered(self, answer: asyncio.Future[Any], entries_of: list[list[int]]) -> None:
         if answer.cancelled():
@@ -207,16 +209,18 @@ def answer_group(service: InferenceService) -> Callable[[list[Any]], Awaitable[l
     async def infer_group(entries: list[tuple[Any, ...]]) -> list[tuple[Any, Any]]:
         ones = [index for index, entry in enumerate(entries) if entry[0] == ONE]
         stacks = [index for index, entry in enumerate(entries) if entry[0] == STACK]
-        singles = service.infer_group([request_from(entries[index][1]) for index in ones])
-        stacked = [
-            service.infer_stack(
-                request_from(entries[index][1]),
-                [request_from(fields) for fields in entries[index][2]],
-                entries[index][3],
-            )
-            for index in stacks
-        ]
-        alone, *together = await asyncio.gather(singles, *stacked)
+        work: list[Awaitable[Any]] = []
+        if ones:
+            work.append(service.infer_group([request_from(entries[i][1]) for i in ones]))
+        for index in stacks:
+            head = request_from(entries[index][1])
+            parts = _Parts(head, entries[index][2])
+            work.append(service.infer_stack(head, parts, entries[index][3]))
+        # One piece of work (the usual case under load: one stack) is awaited here, not
+        # wrapped in a task of its own.
+        done = [await work[0]] if len(work) == 1 else await asyncio.gather(*work)
+        alone = done.pop(0) if ones else []
+        together = done
         answers: list[tuple[Any, Any]] = [(False, None)] * len(entries)
         for index, outcome in zip(ones, cast(list[Any], alone), strict=True):
             answers[index] = _sent(outcome)
@@ -228,6 +232,33 @@ def answer_group(service: InferenceService) -> Callable[[list[Any]], Awaitable[l
         return answers
 
     return infer_group
+
+
+class _Parts(Sequence[InferRequest]):
+    """A stack's parts as requests, each made only when asked for (the serving core
+    needs them only to unstack)."""
+
+    def __init__(self, head: InferRequest, own: list[tuple[str, str, str, dict[str, Any]]]):
+        self._head = head
+        self._own = own
+
+    def __len__(self) -> int:
+        return len(self._own)
+
+    @overload
+    def __getitem__(self, index: int) -> InferRequest: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[InferRequest]: ...
+
+    def __getitem__(self, index: int | slice) -> InferRequest | list[InferRequest]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        request_id, route_key, owner, parameters = self._own[index]
+        return dataclasses.replace(
+            self._head, inputs={}, id=request_id, route_key=route_key, owner=owner,
+            parameters=parameters,
+        )  # fmt: skip
 
 
 def _sent(outcome: InferResponse | Exception) -> tuple[bool, Any]:

@@ -113,13 +113,18 @@ async def infer_stack(
             first, start_row = index, row
         row += count
     chunks.append((first, len(rows), start_row, row))
-    outcomes = await asyncio.gather(
-        *(_run_chunk(model, prepared, stacked, a, b, lo, hi) for a, b, lo, hi in chunks),
-        return_exceptions=True,
-    )
+    runs = [_run_chunk(model, prepared, stacked, a, b, lo, hi) for a, b, lo, hi in chunks]
+    outcomes: list[Any]
+    if len(runs) == 1:  # the usual case: no task of its own
+        try:
+            outcomes = [await runs[0]]
+        except Exception as exc:
+            outcomes = [exc]
+    else:
+        outcomes = await asyncio.gather(*runs, return_exceptions=True)
     elapsed_ns = time.perf_counter_ns() - started_ns
     if all(isinstance(outcome, dict) for outcome in outcomes):
-        for _ in parts:
+        for _ in range(len(parts)):
             record_success(model, elapsed_ns)
         merged = cast(list[dict[str, np.ndarray]], outcomes)
         outputs = (
