@@ -105,7 +105,8 @@ def _add_sub(rows: int, seed: int, **kwargs: Any) -> InferRequest:
 def requests(draw: st.DrawFn) -> InferRequest:
     kind = draw(st.sampled_from(
         ["embed", "embed", "embed", "refused_token", "wrong_dtype", "wrong_width",
-         "too_many_rows", "unknown_model", "unknown_output", "add_sub", "add_sub_one_output"]
+         "too_many_rows", "unknown_model", "unknown_output", "add_sub", "add_sub_one_output",
+         "unequal_rows", "no_rows"]
     ))  # fmt: skip
     rows = draw(st.integers(1, 4))
     request_id = f"r{draw(st.integers(0, 10**6))}"
@@ -121,6 +122,14 @@ def requests(draw: st.DrawFn) -> InferRequest:
         return _embed([row[:2] for row in ids], id=request_id)
     if kind == "too_many_rows":
         return _embed(ids * EMBED_MAX_BATCH, id=request_id)
+    if kind == "unequal_rows":  # its inputs disagree on the batch dim: never stacked
+        request = _embed(ids, id=request_id)
+        request.inputs["attention_mask"] = np.ones((rows + 1, 3), np.int64)
+        return request
+    if kind == "no_rows":  # a batch of none: never stacked
+        empty = np.zeros((0, 3), np.int64)
+        return InferRequest("embed", "", {"input_ids": empty, "attention_mask": empty},
+                            id=request_id)  # fmt: skip
     if kind == "unknown_model":
         return InferRequest("nothing", "", _embed(ids).inputs, id=request_id)
     if kind == "unknown_output":
