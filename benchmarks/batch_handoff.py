@@ -27,14 +27,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from frontends import ROOT, free_ports, wait_http
+from frontends import ROOT, free_ports, model_metrics, wait_http
 from peers.perf_analyzer import ensure_perf_analyzer
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(ROOT))
 
@@ -138,20 +136,12 @@ def flaky_server(tree: str, repo: Path, tmp: Path, cores: str) -> Iterator[int]:
 
 
 def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    wanted = {
+    return model_metrics(port, "flaky", {
         "slipstream_instance_idle_seconds_sum": "idle_sum",
         "slipstream_instance_idle_seconds_count": "idle_count",
         "slipstream_execution_count_total": "executions",
         "slipstream_inference_count_total": "inferences",
-    }
-    found = dict.fromkeys(wanted.values(), 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted and sample.labels.get("model") == "flaky":
-                found[wanted[sample.name]] = sample.value
-    return found
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -532,6 +532,21 @@ def _process(
                 proc.wait()
 
 
+def model_metrics(port: int, model: str, wanted: dict[str, str]) -> dict[str, float]:
+    """``model``'s samples named in ``wanted`` (sample name -> key), summed over their
+    other labels, from the server's /metrics on ``port``; 0 for a sample not there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    found = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted and sample.labels.get("model") == model:
+                found[wanted[sample.name]] += sample.value
+    return found
+
+
 def wait_http(url: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -344,22 +344,14 @@ def serve_and_measure(
 def _scrape(http: int) -> dict[str, float]:
     """The encoder's batch and hand-off counters from the server's /metrics (the whole
     run so far; the engine's, in the split layout)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from frontends import model_metrics
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    wanted = {
+    return model_metrics(http, "encoder", {
         "slipstream_instance_idle_seconds_sum": "idle_s",
         "slipstream_instance_idle_seconds_count": "handoffs",
         "slipstream_compute_duration_seconds_sum": "compute_s",
         "slipstream_compute_duration_seconds_count": "batches",
-    }
-    found = dict.fromkeys(wanted.values(), 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted and sample.labels.get("model") == "encoder":
-                found[wanted[sample.name]] += sample.value
-    return found
+    })  # fmt: skip
 
 
 def _instance_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
