@@ -121,13 +121,10 @@ class Link(asyncio.BufferedProtocol):
         self._outbox.append(message)
         if not self._flush_scheduled and self._loop is not None:
             self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+            self._loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Send what is queued now rather than at the end of this turn of the loop."""
-        self._flush()
-
-    def _flush(self) -> None:
+        """Send what is queued now (:meth:`post` calls it at the end of the turn)."""
         self._flush_scheduled = False
         messages, self._outbox = self._outbox, []
         if self._transport is None or not messages:

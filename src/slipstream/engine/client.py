@@ -108,22 +108,14 @@ class EngineClient:
 
     async def call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` in the engine; its result, or its error raised here."""
-        self._check_connected()
-        call_id = next(self._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        self._post(("call", call_id, method, args))
+        call_id, future = self.start_call(method, *args)
         try:
             return await future
         except asyncio.CancelledError:
             # The client went away: the engine drops the work (a queued request leaves
-            # its batcher's queue). Awaiting the answer cancelled ``future`` too, so an
-            # answer that came is a result, anything else is work still running there.
-            if future.cancelled() or not future.done():
-                self._post(("cancel", call_id))
+            # its batcher's queue), unless its answer came already.
+            self.give_up(call_id)
             raise
-        finally:
-            self._calls.pop(call_id, None)
 
     def start_call(
         self, method: str, *args: Any, into: asyncio.Future[Any] | None = None

@@ -40,6 +40,7 @@ import numpy as np
 
 from slipstream.engine.client import EngineClient
 from slipstream.engine.wire import (
+    INPUTS_FIELD,
     error_state,
     rebuild_error,
     request_fields,
@@ -55,8 +56,6 @@ logger = logging.getLogger(__name__)
 
 ONE = 0
 STACK = 1
-
-_INPUTS = request_fields(InferRequest("", "", {})).index({})
 
 
 def stack_key(request: InferRequest) -> tuple[Any, ...] | None:
@@ -158,7 +157,7 @@ class Group:
         # What parts may differ in beside their rows (stack_key holds the rest equal).
         own = [(p.id, p.route_key, p.owner, p.parameters) for p in parts]
         head = request_fields(first)
-        head = (*head[:_INPUTS], stacked, *head[_INPUTS + 1 :])
+        head = (*head[:INPUTS_FIELD], stacked, *head[INPUTS_FIELD + 1 :])
         rows = [next(iter(part.inputs.values())).shape[0] for part in parts]
         return STACK, head, own, rows
 

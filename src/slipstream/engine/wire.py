@@ -136,6 +136,8 @@ def rebuild_error(state: tuple[str, str, dict[str, Any]]) -> SlipstreamError:
 # Requests and responses cross as tuples of their fields: pickling a slotted dataclass
 # runs its Python-level __getstate__, which cost about 3 us of the 9 a request took.
 _REQUEST_FIELDS = tuple(field.name for field in dataclasses.fields(InferRequest))
+# Where a request's inputs sit among its fields (engine/groups.py swaps in stacked ones).
+INPUTS_FIELD = _REQUEST_FIELDS.index("inputs")
 _RESPONSE_FIELDS = tuple(field.name for field in dataclasses.fields(InferResponse))
 
 
