@@ -143,8 +143,10 @@ class Group:
             else:
                 members.append(index)
         entries = [self._entry(members) for members in entries_of]
+        # Each entry's rows per part (a stack's, as sent; None for a lone request).
+        rows_of = [entry[3] if entry[0] == STACK else None for entry in entries]
         self._call_id, answer = self._client.start_call("infer_group", entries)
-        answer.add_done_callback(lambda done: self._answered(done, entries_of))
+        answer.add_done_callback(lambda done: self._answered(done, entries_of, rows_of))
         self._client.flush()
 
     def _entry(self, members: list[int]) -> tuple[Any, ...]:
@@ -161,7 +163,12 @@ class Group:
         rows = [next(iter(part.inputs.values())).shape[0] for part in parts]
         return STACK, head, own, rows
 
-    def _answered(self, answer: asyncio.Future[Any], entries_of: list[list[int]]) -> None:
+    def _answered(
+        self,
+        answer: asyncio.Future[Any],
+        entries_of: list[list[int]],
+        rows_of: list[list[int] | None],
+    ) -> None:
         if answer.cancelled():
             return
         error = answer.exception()
@@ -170,14 +177,14 @@ class Group:
                 if not waiter.done():
                     waiter.set_exception(error)
             return
-        for members, (ok, value) in zip(entries_of, answer.result(), strict=True):
+        for members, rows, (ok, value) in zip(entries_of, rows_of, answer.result(), strict=True):
             if len(members) == 1:
                 self._settle(members[0], ok, value)
             elif ok is None:  # unstacked by the engine: an answer per part
                 for index, (part_ok, part_value) in zip(members, value, strict=True):
                     self._settle(index, part_ok, part_value)
             else:
-                self._cut(members, response_from(value))
+                self._cut(members, cast(list[int], rows), response_from(value))
 
     def _settle(self, index: int, ok: bool, value: Any) -> None:
         waiter = self._waiters[index]
@@ -188,11 +195,11 @@ class Group:
         else:
             waiter.set_exception(rebuild_error(value))
 
-    def _cut(self, members: list[int], stacked: InferResponse) -> None:
+    def _cut(self, members: list[int], rows: list[int], stacked: InferResponse) -> None:
         start = 0
-        for index in members:
+        for index, count in zip(members, rows, strict=True):
             request = self._requests[index]
-            stop = start + next(iter(request.inputs.values())).shape[0]
+            stop = start + count
             waiter = self._waiters[index]
             if not waiter.done():
                 outputs = {name: array[start:stop] for name, array in stacked.outputs.items()}
