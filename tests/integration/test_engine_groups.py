@@ -1,4 +1,5 @@
-"""Inference requests sent to the engine in groups and stacks (``engine/groups.py``).
+"""Inference requests sent to the engine in groups and stacks (``engine/groups.py``),
+and lone requests the engine gathers when several reach it in one turn of its loop.
 
 A real serving core (ONNX models) behind a real engine host, and a front end's
 :class:`RemoteInferenceService` on a Unix socket, in one process. Whatever mix of
@@ -6,7 +7,8 @@ requests a front end makes in one turn of its loop (alike ones, which travel sta
 other shapes, datatypes, models; requests the checks refuse; a token the model itself
 refuses, in the middle of a stack; stacks past ``max_batch_size``), each gets exactly the
 answer or the error the serving core gives it alone, and is counted once in the
-statistics. Hypothesis draws the mixes.
+statistics. The same holds for lone ``infer`` calls, from one front end or two, that the
+engine gathers and stacks itself. Hypothesis draws the mixes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,8 @@ from hypothesis import strategies as st
 from slipstream.config import ServerSettings
 from slipstream.engine.client import EngineClient
 from slipstream.engine.host import EngineHost
-from slipstream.engine.remote import RemoteInferenceService, engine_calls
+from slipstream.engine.remote import RemoteInferenceService, engine_calls, engine_gathered
+from slipstream.engine.wire import request_fields, response_from
 from slipstream.errors import SlipstreamError
 from slipstream.serving.core import ModelServer
 from slipstream.types import InferRequest, InferResponse, RequestedOutput
@@ -34,6 +37,20 @@ from tests.models import ADD_SUB_WIDTH, build_add_sub, build_mean_embedding, wri
 
 TABLE = np.arange(40, dtype=np.float32).reshape(10, 4)
 EMBED_MAX_BATCH = 8
+
+
+class CountingServer(ModelServer):
+    """The serving core, noting each stack it is given (its parts' rows)."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        super().__init__(settings)
+        self.stacks: list[list[int]] = []
+
+    async def infer_stack(
+        self, stacked: InferRequest, parts: Sequence[InferRequest], rows: Sequence[int]
+    ) -> InferResponse | list[InferResponse | Exception]:
+        self.stacks.append(list(rows))
+        return await super().infer_stack(stacked, parts, rows)
 
 
 class Engine:
@@ -53,23 +70,36 @@ class Engine:
                                  "max_queue_delay_microseconds": 30_000_000},
         })  # fmt: skip
         self.loop = asyncio.new_event_loop()
-        self.server = ModelServer(ServerSettings(model_repository=repo))
-        self.host = EngineHost(str(root / "engine"), engine_calls(self.server))
+        self.server = CountingServer(ServerSettings(model_repository=repo))
+        # How many lone calls the engine gathered each time it gathered some.
+        self.gathered: list[int] = []
+        gatherer = engine_gathered(self.server)["infer"]
+
+        async def infer_gathered(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
+            self.gathered.append(len(calls))
+            return await gatherer(calls)
+
+        self.host = EngineHost(
+            str(root / "engine"), engine_calls(self.server), gathered={"infer": infer_gathered}
+        )
         self.client = EngineClient(str(root / "engine"))
+        self.other = EngineClient(str(root / "engine"))  # a second front end
         self.remote = RemoteInferenceService(self.client)
         self.run(self._start())
 
     async def _start(self) -> None:
         await self.server.start()
         await self.host.start()
-        self.client.start()
-        assert await self.client.wait_connected(10)
+        for client in (self.client, self.other):
+            client.start()
+            assert await client.wait_connected(10)
 
     def run(self, coroutine: Any) -> Any:
         return self.loop.run_until_complete(coroutine)
 
     def close(self) -> None:
         self.run(self.client.close())
+        self.run(self.other.close())
         self.run(self.host.close())
         self.run(self.server.stop())
         self.loop.close()
@@ -155,9 +185,10 @@ def _same(got: InferResponse | Exception, alone: InferResponse | Exception) -> N
         np.testing.assert_array_equal(got.outputs[name], array)
 
 
-async def _each(calls: list[Any]) -> list[InferResponse | Exception]:
+async def _each(calls: list[Any]) -> list[Any]:
     """Every call's answer or error, the calls started in one turn of the loop."""
-    return list(await asyncio.gather(*calls, return_exceptions=True))
+    answers: list[Any] = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 20)
+    return answers
 
 
 @settings(
@@ -189,7 +220,9 @@ def test_alike_requests_are_checked_and_queued_as_one(engine: Engine) -> None:
     stats = engine.run(engine.server.model_statistics("embed"))[0]
     queued, runs = stats.inference_stats.queue.count, stats.execution_count
     drawn = [_embed([[i % 10, (i + 1) % 10, 2]], id=str(i)) for i in range(12)]
+    engine.server.stacks.clear()
     answers = engine.run(_each([engine.remote.infer(request) for request in drawn]))
+    assert engine.server.stacks == [[1] * 12]
     for i, answer in enumerate(answers):
         assert isinstance(answer, InferResponse) and answer.id == str(i)
         expected = TABLE[[i % 10, (i + 1) % 10, 2]].mean(axis=0)
@@ -219,3 +252,113 @@ def test_a_group_every_requester_gave_up_on_leaves_the_queue(engine: Engine, cou
         return batcher.num_pending
 
     assert engine.run(give_up()) == 0
+
+
+async def _lone_calls(
+    clients: list[EngineClient], drawn: list[InferRequest]
+) -> list[InferResponse | Exception]:
+    """Each request as a lone ``infer`` call, the calls started in one turn of the loop,
+    spread over ``clients`` in turn; every answer or error."""
+    calls = [
+        clients[index % len(clients)].start_call("infer", request_fields(request))[1]
+        for index, request in enumerate(drawn)
+    ]
+    answers = await _each(calls)
+    return [a if isinstance(a, Exception) else response_from(a) for a in answers]
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(requests(), min_size=1, max_size=24), st.sampled_from([1, 2]))
+def test_lone_calls_the_engine_gathers_are_answered_as_they_would_be_alone(
+    engine: Engine, drawn: list[InferRequest], front_ends: int
+) -> None:
+    """Lone calls that reach the engine in one turn, from one front end or two, are
+    served together (alike ones stacked by the engine) and answered each as alone."""
+    alone = engine.run(_each([engine.server.infer(request) for request in drawn]))
+    before = {model: engine.successes(model) for model in ("embed", "add_sub")}
+    engine.gathered.clear()
+    clients = [engine.client, engine.other][:front_ends]
+    got = engine.run(_lone_calls(clients, drawn))
+    for answer, expected in zip(got, alone, strict=True):
+        if isinstance(answer, SlipstreamError | InferResponse):
+            _same(answer, expected)
+        else:
+            raise answer
+    for model in ("embed", "add_sub"):
+        served = sum(
+            1 for request, answer in zip(drawn, got, strict=True)
+            if request.model_name == model and isinstance(answer, InferResponse)
+        )  # fmt: skip
+        assert engine.successes(model) - before[model] == served
+    if len(drawn) > 1:  # all of them reached the engine in one turn of its loop
+        assert engine.gathered == [len(drawn)]
+
+
+def test_alike_lone_calls_are_stacked_by_the_engine(engine: Engine) -> None:
+    """Eight alike lone calls from two front ends: gathered in one turn, checked and
+    queued as one stack (one queue entry of eight requests, one run of eight rows)."""
+    stats = engine.run(engine.server.model_statistics("embed"))[0]
+    queued, runs = stats.inference_stats.queue.count, stats.execution_count
+    batches = {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
+    drawn = [_embed([[i, 9 - i, 2]], id=f"g{i}") for i in range(8)]
+    engine.gathered.clear()
+    engine.server.stacks.clear()
+    answers = engine.run(_lone_calls([engine.client, engine.other], drawn))
+    assert engine.gathered == [8]
+    assert engine.server.stacks == [[1] * 8]
+    for i, answer in enumerate(answers):
+        assert isinstance(answer, InferResponse) and answer.id == f"g{i}"
+        np.testing.assert_allclose(
+            answer.outputs["embedding"][0], TABLE[[i, 9 - i, 2]].mean(axis=0), rtol=1e-6
+        )
+    stats = engine.run(engine.server.model_statistics("embed"))[0]
+    assert stats.inference_stats.queue.count - queued == 8
+    assert stats.execution_count - runs == 1
+    after = {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
+    assert after.get(8, 0) - batches.get(8, 0) == 1
+
+
+def test_a_gathered_call_given_up_on_leaves_the_others_answered(engine: Engine) -> None:
+    """Three lone calls gathered into one stack on ``held`` (which waits for 64 rows): one
+    given up on gets no answer and the stack stays queued for the other two, which are
+    answered when 61 more rows fill the batch; once every call of a stack is given up on,
+    it leaves the queue."""
+
+    async def scenario() -> tuple[list[Any], int, int]:
+        batcher = engine.server.models.resolve("held").batcher
+        held = [InferRequest("held", "", _add_sub(1, seed).inputs, id=f"h{seed}")
+                for seed in range(3)]  # fmt: skip
+        calls = [engine.client.start_call("infer", request_fields(r)) for r in held]
+        await _until(lambda: batcher.num_pending == 3)
+        engine.client.give_up(calls[0][0])
+        await asyncio.sleep(0.05)
+        still = batcher.num_pending  # the stack is one queue entry: it stays
+        filler = InferRequest("held", "", _add_sub(61, 7).inputs)
+        await asyncio.wait_for(engine.client.start_call("infer", request_fields(filler))[1], 20)
+        answers = await _each([future for _, future in calls[1:]])
+        # Three more, all given up on: they leave the queue.
+        more = [engine.client.start_call("infer", request_fields(r)) for r in held]
+        await _until(lambda: batcher.num_pending == 3)
+        for call_id, _ in more:
+            engine.client.give_up(call_id)
+        await _until(lambda: batcher.num_pending == 0)
+        return answers, still, batcher.num_pending
+
+    answers, still, left = engine.run(scenario())
+    assert still == 3 and left == 0
+    for seed, answer in zip((1, 2), answers, strict=True):
+        assert isinstance(answer, tuple), answer
+        response = response_from(answer)
+        inputs = _add_sub(1, seed).inputs
+        assert response.id == f"h{seed}"
+        np.testing.assert_allclose(response.outputs["OUTPUT0"], inputs["INPUT0"] + inputs["INPUT1"])
+
+
+async def _until(condition: Any) -> None:
+    for _ in range(300):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out waiting")

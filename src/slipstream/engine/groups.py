@@ -26,6 +26,10 @@ stack wherever one check or run could not stand for each part's (a request the m
 refuses, a routed or cached model). A lone request goes as a plain ``infer`` call. When
 every requester of a group has given up (its client went away), the engine is told to
 drop the work.
+
+Lone ``infer`` calls that reach the engine in one turn of its loop (from several front
+ends, or from gRPC front ends, which see one call a turn) are gathered there and served
+the same way, stacked by the engine (:func:`answer_gathered`).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from slipstream.engine.wire import (
     response_from,
 )
 from slipstream.errors import SlipstreamError
-from slipstream.serving.service import InferenceService
+from slipstream.serving.service import InferenceService, cut
 from slipstream.types import InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
@@ -78,6 +82,32 @@ def stack_key(request: InferRequest) -> tuple[Any, ...] | None:
         signature.append((name, array.dtype, shape[1:]))
     key = (request.model_name, request.model_version, request.priority, request.timeout_us)
     return (*key, outputs, tuple(signature))
+
+
+def plan(requests: Sequence[InferRequest]) -> list[list[int]]:
+    """Which requests travel together: the indices of each entry, alike requests
+    (:func:`stack_key`) in one, entries in the order of their first request."""
+    by_key: dict[tuple[Any, ...], list[int]] = {}
+    entries: list[list[int]] = []
+    for index, request in enumerate(requests):
+        key = stack_key(request)
+        members = by_key.get(key) if key is not None else None
+        if members is None:
+            members = [index]
+            entries.append(members)
+            if key is not None:
+                by_key[key] = members
+        else:
+            members.append(index)
+    return entries
+
+
+def stack_inputs(parts: Sequence[InferRequest]) -> tuple[dict[str, np.ndarray], list[int]]:
+    """Alike requests' inputs, one tensor per input (their rows one after another), and
+    each request's rows."""
+    stacked = {name: np.concatenate([part.inputs[name] for part in parts])
+               for name in parts[0].inputs}  # fmt: skip
+    return stacked, [next(iter(part.inputs.values())).shape[0] for part in parts]
 
 
 class Group:
@@ -129,19 +159,7 @@ class Group:
             )
             self._client.flush()  # this already runs at a turn's end: no turn more
             return
-        # Which requests go in which entry: a list of indices each.
-        by_key: dict[tuple[Any, ...], list[int]] = {}
-        entries_of: list[list[int]] = []
-        for index, request in enumerate(self._requests):
-            key = stack_key(request)
-            members = by_key.get(key) if key is not None else None
-            if members is None:
-                members = [index]
-                entries_of.append(members)
-                if key is not None:
-                    by_key[key] = members
-            else:
-                members.append(index)
+        entries_of = plan(self._requests)
         entries = [self._entry(members) for members in entries_of]
         # Each entry's rows per part (a stack's, as sent; None for a lone request).
         rows_of = [entry[3] if entry[0] == STACK else None for entry in entries]
@@ -153,14 +171,11 @@ class Group:
         if len(members) == 1:
             return ONE, request_fields(self._requests[members[0]])
         parts = [self._requests[index] for index in members]
-        first = parts[0]
-        stacked = {name: np.concatenate([part.inputs[name] for part in parts])
-                   for name in first.inputs}  # fmt: skip
+        stacked, rows = stack_inputs(parts)
         # What parts may differ in beside their rows (stack_key holds the rest equal).
         own = [(p.id, p.route_key, p.owner, p.parameters) for p in parts]
-        head = request_fields(first)
+        head = request_fields(parts[0])
         head = (*head[:INPUTS_FIELD], stacked, *head[INPUTS_FIELD + 1 :])
-        rows = [next(iter(part.inputs.values())).shape[0] for part in parts]
         return STACK, head, own, rows
 
     def _answered(
@@ -196,17 +211,11 @@ class Group:
             waiter.set_exception(rebuild_error(value))
 
     def _cut(self, members: list[int], rows: list[int], stacked: InferResponse) -> None:
-        start = 0
-        for index, count in zip(members, rows, strict=True):
-            request = self._requests[index]
-            stop = start + count
+        ids = [self._requests[index].id for index in members]
+        for index, response in zip(members, cut(stacked, ids, rows), strict=True):
             waiter = self._waiters[index]
             if not waiter.done():
-                outputs = {name: array[start:stop] for name, array in stacked.outputs.items()}
-                waiter.set_result(
-                    InferResponse(stacked.model_name, stacked.model_version, outputs, request.id)
-                )
-            start = stop
+                waiter.set_result(response)
 
 
 def answer_group(service: InferenceService) -> Callable[[list[Any]], Awaitable[list[Any]]]:
@@ -238,6 +247,46 @@ def answer_group(service: InferenceService) -> Callable[[list[Any]], Awaitable[l
         return answers
 
     return infer_group
+
+
+def answer_gathered(
+    service: InferenceService,
+) -> Callable[[list[tuple[Any, ...]]], Awaitable[list[tuple[bool, Any]]]]:
+    """Lone ``infer`` calls that reached the engine in one turn of its loop, from one
+    front end or several (:class:`~slipstream.engine.host.EngineHost` gathers them), served
+    as a group by ``service``: alike ones stacked here, as a front end stacks its own.
+    Takes each call's arguments (the request's fields), answers each as ``infer`` would
+    alone: (True, response fields) or (False, error state)."""
+
+    async def infer_gathered(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
+        requests = [request_from(args[0]) for args in calls]
+        ones: list[int] = []
+        stacks: list[tuple[list[int], list[int]]] = []
+        work: list[Awaitable[Any]] = []
+        for members in plan(requests):
+            if len(members) == 1:
+                ones.append(members[0])
+                continue
+            parts = [requests[index] for index in members]
+            inputs, rows = stack_inputs(parts)
+            stacks.append((members, rows))
+            head = dataclasses.replace(parts[0], inputs=inputs)
+            work.append(service.infer_stack(head, parts, rows))
+        if ones:
+            work.insert(0, service.infer_group([requests[index] for index in ones]))
+        done = [await work[0]] if len(work) == 1 else await asyncio.gather(*work)
+        answers: list[tuple[bool, Any]] = [(False, None)] * len(requests)
+        if ones:
+            for index, outcome in zip(ones, done.pop(0), strict=True):
+                answers[index] = _sent(outcome)
+        for (members, rows), stack in zip(stacks, done, strict=True):
+            if isinstance(stack, InferResponse):
+                stack = cut(stack, [requests[index].id for index in members], rows)
+            for index, outcome in zip(members, stack, strict=True):
+                answers[index] = _sent(outcome)
+        return answers
+
+    return infer_gathered
 
 
 class _Parts(Sequence[InferRequest]):

@@ -2,8 +2,9 @@
 
 The engine process listens on one Unix socket; every front end connects to it
 (:mod:`slipstream.engine.client`), one :class:`~slipstream.engine.channel.Link` per front
-end. Each call runs as its own task, so a slow model never holds up another's requests,
-and requests from every front end meet in the same batchers. The messages, all encoded
+end. Each call runs as its own task (gathered calls, below, as one task per gathering),
+so a slow model never holds up another's requests, and requests from every front end
+meet in the same batchers. The messages, all encoded
 by :mod:`slipstream.engine.wire`:
 
     front end -> engine                      engine -> front end
@@ -15,6 +16,13 @@ by :mod:`slipstream.engine.wire`:
 A front end whose connection closes (it stopped, or was killed) has its calls and
 streams cancelled at once (an LLM sequence stops generating).
 
+Calls of a ``gathered`` method (``infer``: a front end's lone requests) that reach the
+engine in one turn of its loop, from one front end or several, are answered together by
+that method's gatherer, in one task: under load, with many front ends or gRPC (whose
+front ends send one request a message), this is what lets the engine stack them. A lone
+one runs as any call. A gathered call given up on gets no answer; the work is dropped
+when every call gathered with it is given up on.
+
 Which methods exist is the caller's choice (``calls`` and ``streams``): this module
 knows nothing of models or protocols.
 """
@@ -24,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from slipstream.engine.channel import Link
@@ -35,6 +43,18 @@ logger = logging.getLogger(__name__)
 
 Call = Callable[..., Awaitable[Any]]
 Stream = Callable[..., AsyncIterator[Any]]
+# Several calls of one method at once: their arguments in, (ok, result | error state) out.
+Gatherer = Callable[[list[tuple[Any, ...]]], Awaitable[list[tuple[bool, Any]]]]
+
+
+class _Gathering:
+    """Calls a gatherer answers together: those whose clients still wait, and its task."""
+
+    __slots__ = ("live", "task")
+
+    def __init__(self, live: set[tuple[Link, int]]) -> None:
+        self.live = live
+        self.task: asyncio.Task[None] | None = None
 
 
 class EngineHost:
@@ -46,6 +66,7 @@ class EngineHost:
         calls: Mapping[str, Call],
         streams: Mapping[str, Stream] | None = None,
         tells: Mapping[str, Callable[..., None]] | None = None,
+        gathered: Mapping[str, Gatherer] | None = None,
     ) -> None:
         self._path = path
         self._calls = dict(calls)
@@ -55,6 +76,10 @@ class EngineHost:
         self._links: set[Link] = set()
         # (front end, call id) -> the task answering it, for cancels.
         self._tasks: dict[tuple[Link, int], asyncio.Task[None]] = {}
+        # Gathered calls: this turn's, by method, and those in a gatherer's hands.
+        self._gathered = dict(gathered or {})
+        self._turn: dict[str, list[tuple[Link, int, Any]]] = {}
+        self._gathering: dict[tuple[Link, int], _Gathering] = {}
 
     async def start(self) -> None:
         """Listen and start answering (on the loop that will serve). A socket file left
@@ -72,7 +97,8 @@ class EngineHost:
         """Stop listening, cancel unfinished calls, close every connection."""
         if self._server is not None:
             self._server.close()
-        tasks = list(self._tasks.values())
+        gathering = {g.task for g in self._gathering.values() if g.task is not None}
+        tasks = [*self._tasks.values(), *gathering]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -84,26 +110,65 @@ class EngineHost:
 
     def _on_message(self, peer: Link, message: Any) -> None:
         kind = message[0]
-        if kind == "call" or kind == "stream":
+        if kind == "call" and message[2] in self._gathered:
+            _, call_id, method, args = message
+            if not self._turn:
+                asyncio.get_running_loop().call_soon(self._start_turn)
+            self._turn.setdefault(method, []).append((peer, call_id, args))
+        elif kind == "call" or kind == "stream":
             _, call_id, method, args = message
             run = self._answer if kind == "call" else self._stream
-            key = (peer, call_id)
-            task = asyncio.create_task(run(peer, call_id, method, args))
-            self._tasks[key] = task
-            task.add_done_callback(lambda _: self._tasks.pop(key, None))
+            self._start(peer, call_id, run(peer, call_id, method, args))
         elif kind == "cancel":
-            running = self._tasks.get((peer, message[1]))
-            if running is not None:
-                running.cancel()
+            self._cancel((peer, message[1]))
         elif kind == "tell":
             self._tell(message[1], message[2])
+
+    def _start(self, peer: Link, call_id: int, answer: Coroutine[Any, Any, None]) -> None:
+        key = (peer, call_id)
+        task = asyncio.create_task(answer)
+        self._tasks[key] = task
+        task.add_done_callback(lambda _: self._tasks.pop(key, None))
+
+    def _start_turn(self) -> None:
+        """This turn's calls of each gathered method: a lone one as any call, several
+        in one call of the method's gatherer."""
+        turn, self._turn = self._turn, {}
+        for method, calls in turn.items():
+            if len(calls) == 1:
+                peer, call_id, args = calls[0]
+                self._start(peer, call_id, self._answer(peer, call_id, method, args))
+            elif calls:
+                gathering = _Gathering({(peer, call_id) for peer, call_id, _ in calls})
+                gathering.task = asyncio.create_task(
+                    self._answer_gathered(method, calls, gathering)
+                )
+                self._gathering.update(dict.fromkeys(gathering.live, gathering))
+
+    def _cancel(self, key: tuple[Link, int]) -> None:
+        """Call ``key``'s client went away: its work is dropped, a gathered call's when
+        every call gathered with it is gone too."""
+        running = self._tasks.get(key)
+        if running is not None:
+            running.cancel()
+            return
+        gathering = self._gathering.pop(key, None)
+        if gathering is not None:
+            gathering.live.discard(key)
+            if not gathering.live and gathering.task is not None:
+                gathering.task.cancel()
+            return
+        for calls in self._turn.values():  # not started yet: it never will be
+            calls[:] = [call for call in calls if (call[0], call[1]) != key]
 
     def _lost(self, peer: Link) -> None:
         """A front end that went away: nothing it asked for is worth finishing."""
         self._links.discard(peer)
-        for (owner, _), task in list(self._tasks.items()):
-            if owner == peer:
-                task.cancel()
+        keys = [key for key in [*self._tasks, *self._gathering] if key[0] == peer]
+        keys += [(peer, call[1]) for calls in self._turn.values() for call in calls
+                 if call[0] == peer]  # fmt: skip
+        for key in keys:
+            self._cancel(key)
 
     def _answer_unencodable(self, peer: Link, message: Any) -> None:
         if message[0] in ("ok", "item"):
@@ -131,6 +196,23 @@ class EngineHost:
             peer.post(("err", call_id, error_state(exc)))
             return
         peer.post(("ok", call_id, result))
+
+    async def _answer_gathered(
+        self, method: str, calls: list[tuple[Link, int, Any]], gathering: _Gathering
+    ) -> None:
+        try:
+            answers = await self._gathered[method]([args for _, _, args in calls])
+        except asyncio.CancelledError:
+            return  # every call's client went away: no answers
+        except BaseException as exc:
+            self._log_fault(method, exc)
+            answers = [(False, error_state(exc))] * len(calls)
+        finally:
+            for peer, call_id, _ in calls:
+                self._gathering.pop((peer, call_id), None)
+        for (peer, call_id, _), (ok, value) in zip(calls, answers, strict=True):
+            if (peer, call_id) in gathering.live:
+                peer.post(("ok" if ok else "err", call_id, value))
 
     async def _stream(self, peer: Link, call_id: int, method: str, args: Any) -> None:
         items: AsyncIterator[Any] | None = None

@@ -17,8 +17,8 @@ from typing import Any
 
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
-from slipstream.engine.groups import Group, answer_group
-from slipstream.engine.host import Call
+from slipstream.engine.groups import Group, answer_gathered, answer_group
+from slipstream.engine.host import Call, Gatherer
 from slipstream.engine.wire import request_fields, request_from, response_fields
 from slipstream.observability.stats import ModelStats
 from slipstream.serving.service import InferenceService
@@ -147,3 +147,10 @@ def engine_calls(service: InferenceService) -> dict[str, Call]:
 
     calls.update(infer=infer, infer_group=answer_group(service), check=check)
     return calls
+
+
+def engine_gathered(service: InferenceService) -> dict[str, Gatherer]:
+    """The calls the engine answers together when several reach it in one turn of its
+    loop (:class:`~slipstream.engine.host.EngineHost`'s ``gathered``): lone ``infer``
+    calls, from one front end or several, served as a group."""
+    return {"infer": answer_gathered(service)}

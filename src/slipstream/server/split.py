@@ -36,7 +36,7 @@ from slipstream import runtime
 from slipstream.config import ServerSettings
 from slipstream.engine.client import EngineClient
 from slipstream.engine.host import Call, EngineHost
-from slipstream.engine.remote import RemoteInferenceService, engine_calls
+from slipstream.engine.remote import RemoteInferenceService, engine_calls, engine_gathered
 from slipstream.engine.supervisor import (
     Supervisor,
     engine_address,
@@ -154,8 +154,9 @@ async def _serve_engine(settings: ServerSettings, directory: Path, ready: Proces
     calls.update(drift=drift, metrics=metrics)
     _journaled_calls(calls, service, journal, settings.load_models if explicit else [])
     host = EngineHost(
-        engine_address(directory), calls, streams={"http": forward}, tells={"board": board.put}
-    )
+        engine_address(directory), calls, streams={"http": forward}, tells={"board": board.put},
+        gathered=engine_gathered(service),
+    )  # fmt: skip
     await host.start()
     background = background_tasks(settings, core, None)
     start_task = asyncio.create_task(service.start())

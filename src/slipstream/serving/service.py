@@ -177,3 +177,18 @@ def unstack(
         alone.append(dataclasses.replace(part, inputs=inputs))
         start = stop
     return alone
+
+
+def cut(stacked: InferResponse, ids: Sequence[str], rows: Sequence[int]) -> list[InferResponse]:
+    """A stack's response as each part's (``ids``, ``rows`` each), its outputs views of
+    the part's rows."""
+    answers = []
+    start = 0
+    for request_id, count in zip(ids, rows, strict=True):
+        stop = start + count
+        outputs = {name: array[start:stop] for name, array in stacked.outputs.items()}
+        answers.append(
+            InferResponse(stacked.model_name, stacked.model_version, outputs, id=request_id)
+        )
+        start = stop
+    return answers

@@ -19,7 +19,7 @@ import numpy as np
 from slipstream.errors import SlipstreamError, Unavailable
 from slipstream.serving.model import ModelVersion, PreparedRequest
 from slipstream.serving.outcomes import record_failure, record_success
-from slipstream.serving.service import unstack
+from slipstream.serving.service import cut, unstack
 from slipstream.types import InferRequest, InferResponse
 
 
@@ -139,7 +139,8 @@ async def infer_stack(
         if isinstance(outcome, dict):
             for _ in range(a, b):
                 record_success(model, elapsed_ns)
-            answers += _cut(model, outcome, alone[a:b], rows[a:b])
+            whole = InferResponse(model.name, model.version_str, outcome)
+            answers += cut(whole, [part.id for part in alone[a:b]], rows[a:b])
         elif isinstance(outcome, Unavailable) or not isinstance(outcome, SlipstreamError):
             for _ in range(a, b):
                 if isinstance(outcome, SlipstreamError):
@@ -182,23 +183,6 @@ async def _infer_into(
         results[index] = await server.infer(request)
     except Exception as exc:  # the caller answers each request's own error
         results[index] = exc
-
-
-def _cut(
-    model: ModelVersion,
-    outputs: dict[str, np.ndarray],
-    parts: Sequence[InferRequest],
-    rows: Sequence[int],
-) -> list[InferResponse | Exception]:
-    """Stacked outputs, as each part's response."""
-    answers: list[InferResponse | Exception] = []
-    start = 0
-    for part, count in zip(parts, rows, strict=True):
-        stop = start + count
-        cut = {name: array[start:stop] for name, array in outputs.items()}
-        answers.append(InferResponse(model.name, model.version_str, cut, id=part.id))
-        start = stop
-    return answers
 
 
 def _answer_queued(
