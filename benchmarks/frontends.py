@@ -44,7 +44,15 @@ Beside infer/s, each Slipstream case prints the server's CPU per inference: the 
 of the server and every process under it (supervisor, engine, front ends) over the
 measurement, divided by the inferences its statistics counted. On a host where other
 work moves throughput by 20% between runs, the ratio of those (``by CPU``) is a capacity
-ratio that other work blurs less.
+ratio that other work blurs less. A split layout's line also splits it between the engine
+and the front ends, and a cap server's line gives its CPU per call (its CPU over the run's
+wall time, per call at the measured rate: perf_analyzer's idle start counts as the cap's,
+so this errs in the cap's favour). ``grpc[split<N>] front ends / cap_grpc by CPU`` is then
+issue #25's "gRPC unary per front-end process against the no-work cap" where the host has
+too few cores to give each front end one of its own:
+
+    .venv/bin/python benchmarks/frontends.py --layouts one,split1,split2@0,1 \
+        --cases grpc,cap_grpc --concurrency 16,64
 """
 
 from __future__ import annotations
@@ -110,6 +118,9 @@ CASES = [
 # a fresh answer with our codec; run the model with ONNX Runtime, inline on the loop.
 CAP_HANDLERS = ("recorded", "decode", "coded", "model")
 # Printed as "a / b": the ratios the issue's targets are stated in.
+# A split layout's front ends' share of the server's CPU, under "<case>[<layout>]" + this.
+FRONT_ENDS = " front ends"
+
 RATIOS = [
     ("grpc", "cap_grpc"),
     ("grpc_stream", "cap_grpc_stream"),
@@ -226,17 +237,23 @@ def measure_layouts(
                 "default" if "-default" in layout else "batch",
                 env,
             ) as server,
-            cap_servers(args, repo, grpc_port, by_handler),
+            cap_servers(args, repo, grpc_port, by_handler) as caps,
         ):
             print(f"layout {layout}: {frontends or 'one process'} front ends, cores {cores}")
-            measured, spent = measure_all(tool, wanted_here, levels, ports, args, server)
-        for name, by_level in measured.items():
-            key = name if layout == "one" or name.startswith("cap") else f"{name}[{layout}]"
-            key += label
-            for level, values in by_level.items():
-                results.setdefault(key, {}).setdefault(level, []).extend(values)
-            for level, values in spent.get(name, {}).items():
-                cpu.setdefault(key, {}).setdefault(level, []).extend(values)
+            measured, spent = measure_all(tool, wanted_here, levels, ports, args, server, caps)
+        for figures, into in ((measured, results), (spent, cpu)):
+            for name, by_level in figures.items():
+                key = _key(name, layout) + label
+                for level, values in by_level.items():
+                    into.setdefault(key, {}).setdefault(level, []).extend(values)
+
+
+def _key(name: str, layout: str) -> str:
+    """A case's figures' name in a layout: ``grpc[split1@0]``, ``grpc[split1@0] front ends``
+    (its front ends' CPU); a cap's, and one process's, as the case is named."""
+    if layout == "one" or name.startswith("cap"):
+        return name
+    return f"{name.removesuffix(FRONT_ENDS)}[{layout}]" + FRONT_ENDS * name.endswith(FRONT_ENDS)
 
 
 def measure_all(
@@ -246,24 +263,32 @@ def measure_all(
     ports: dict[str, int],
     args: argparse.Namespace,
     server: psutil.Process,
+    caps: dict[str, psutil.Process],
 ) -> tuple[dict[str, dict[int, list[float | None]]], dict[str, dict[int, list[float | None]]]]:
     """Each case at each level once per round, rounds alternating the cases: infer/s, and
-    for Slipstream's cases the server's CPU us per inference."""
+    CPU us per inference: the server's (all its processes; in a split layout also its
+    front ends' alone, as ``<case> front ends``) and a cap server's (its CPU over the
+    run's wall time, per call at the measured rate: perf_analyzer's idle start counts as
+    the cap's time, so this errs in the cap's favour)."""
     results: dict[str, dict[int, list[float | None]]] = {
         c.name: {n: [] for n in levels} for c in cases
     }
-    cpu: dict[str, dict[int, list[float | None]]] = {
-        c.name: {n: [] for n in levels} for c in cases if not c.cap
-    }
+    cpu: dict[str, dict[int, list[float | None]]] = {c.name: {n: [] for n in levels} for c in cases}
     for _ in range(args.rounds):
         for case in cases:
             port = ports[f"cap:{case.cap}" if case.cap else case.protocol]
             for level in levels:
                 before = None if case.cap else _server_work(server, ports["http"], args.model)
                 roles_before = _role_cpu(server)
+                cap_before = (_cpu_seconds(caps[case.cap]), time.monotonic()) if case.cap else None
                 rate = measure(tool, case, port, level, args)
                 results[case.name][level].append(rate)
                 line = f"  {case.name:16s} C={level:<3d} {_fmt(rate)} infer/s"
+                if cap_before is not None and rate:
+                    seconds = time.monotonic() - cap_before[1]
+                    used = _cpu_seconds(caps[case.cap]) - cap_before[0]
+                    cpu[case.name][level].append(used / (seconds * rate) * 1e6)
+                    line += f", {_fmt(cpu[case.name][level][-1])} us CPU/call"
                 if before is not None:
                     after = _server_work(server, ports["http"], args.model)
                     done = after[1] - before[1]
@@ -272,12 +297,20 @@ def measure_all(
                     line += f", server {_fmt(spent)} us CPU/infer"
                     roles = _role_cpu(server)
                     if done and len(roles) > 1:  # split: the engine's share and the rest
-                        line += " (" + ", ".join(
-                            f"{role} {(roles[role] - roles_before.get(role, 0.0)) / done * 1e6:.0f}"
+                        shares = {
+                            role: (roles[role] - roles_before.get(role, 0.0)) / done * 1e6
                             for role in sorted(roles)
-                        ) + ")"  # fmt: skip
+                        }
+                        line += " (" + ", ".join(f"{r} {v:.0f}" for r, v in shares.items()) + ")"
+                        fronts = cpu.setdefault(case.name + FRONT_ENDS, {})
+                        fronts.setdefault(level, []).append(shares["front ends"])
                 print(line, flush=True)
     return results, cpu
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
 
 
 def _role_cpu(server: psutil.Process) -> dict[str, float]:
@@ -398,7 +431,7 @@ def report(
     for layout, _, _ in layouts:
         if layout != "one":
             pairs += [(f"{case}[{layout}]", case) for case in ("http", "grpc", "grpc_stream")]
-            pairs += [(f"grpc[{layout}]", "cap_grpc")]
+            pairs += [(f"grpc[{layout}]", "cap_grpc"), (f"grpc[{layout}]{FRONT_ENDS}", "cap_grpc")]
     if len(trees) > 1:
         # Each tree against the first, case by case; the layout pairs within each tree.
         first = _tree_label(trees[0], trees)
@@ -497,8 +530,10 @@ def slipstream_server(
 @contextmanager
 def cap_servers(
     args: argparse.Namespace, repo: Path, grpc_port: int, ports: dict[str, int]
-) -> Iterator[None]:
-    """A cap server for each handler in ``ports`` (handler -> its port)."""
+) -> Iterator[dict[str, psutil.Process]]:
+    """A cap server for each handler in ``ports`` (handler -> its port); yields each
+    handler's process."""
+    processes: dict[str, psutil.Process] = {}
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         for handler, port in ports.items():
             command = [
@@ -506,10 +541,11 @@ def cap_servers(
                 "--model", args.model, "--repo", str(repo), "--cap-handler", handler,
                 "--cap-server", f"127.0.0.1:{grpc_port}", str(port),
             ]  # fmt: skip
-            stack.enter_context(_process(command, Path(tmp) / f"cap-{handler}.log"))
+            proc = stack.enter_context(_process(command, Path(tmp) / f"cap-{handler}.log"))
+            processes[handler] = psutil.Process(proc.pid)
         for port in ports.values():
             _wait_port(port)
-        yield
+        yield processes
 
 
 @contextmanager
