@@ -15,7 +15,10 @@ ratio of their medians is printed: the way to compare a change with the tree bef
 this noisy host. ``--send`` says how the client sends: ``call``, one engine call per
 request; ``group``, as a front end does (``RemoteInferenceService``: the requests of one
 turn of its loop in one call, answered by the engine's ``infer_group``); ``call,group``
-alternates the two on one tree and prints their ratio.
+alternates the two on one tree and prints their ratio. ``--front-ends N`` spreads the
+calls over N connections (each with its own ``RemoteInferenceService``), as N front ends
+would: their groups reach the engine apart, or together in one turn of its loop, where
+the engine merges them.
 
     .venv/bin/python benchmarks/engine_calls.py --rounds 3
     git archive HEAD~1 src | tar -x -C /tmp/before
@@ -61,14 +64,18 @@ def main() -> None:
         help="call | group | call,group (alternated): how requests are sent",
     )
     parser.add_argument("--json", type=Path, help="also write the rounds here")
-    parser.add_argument("--client", nargs=4, metavar=("SOCKET", "IN_FLIGHT", "SECONDS", "SEND"),
-                        help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument(
+        "--front-ends", type=int, default=1,
+        help="connections to the engine the calls are spread over, as from that many "
+        "front ends (their groups reach the engine together)",
+    )  # fmt: skip
+    parser.add_argument("--client", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
         import uvloop
 
-        socket_path, in_flight, seconds, send = args.client
-        uvloop.run(_drive(socket_path, int(in_flight), float(seconds), send))
+        socket_path, in_flight, seconds, send, front_ends = args.client
+        uvloop.run(_drive(socket_path, int(in_flight), float(seconds), send, int(front_ends)))
         return
     sends = args.send.split(",")
     if not set(sends) <= {"call", "group"}:
@@ -112,7 +119,8 @@ def measure(
     with engine_server(tree, repo, tmp, args.server_core) as (engine, socket_path, port):
         client = subprocess.Popen(
             ["taskset", "-c", str(args.client_core), sys.executable, __file__, "--client",
-             socket_path, str(args.in_flight), str(args.seconds + 3), send],
+             socket_path, str(args.in_flight), str(args.seconds + 3), send,
+             str(args.front_ends)],
         )  # fmt: skip
         time.sleep(1.5)  # connected and warm
         answered = _answered(port)
@@ -180,38 +188,45 @@ def _find_engine(supervisor: psutil.Process) -> tuple[psutil.Process, str]:
     raise RuntimeError("no process of the server listens on an engine socket")
 
 
-async def _drive(socket_path: str, in_flight: int, seconds: float, send: str) -> None:
-    """The load: ``in_flight`` callers, each sending the next request when its answer
-    is back. It runs this checkout's client, whatever tree the server runs."""
+async def _drive(
+    socket_path: str, in_flight: int, seconds: float, send: str, front_ends: int
+) -> None:
+    """The load: ``in_flight`` callers spread over ``front_ends`` connections, each caller
+    sending the next request when its answer is back. It runs this checkout's client,
+    whatever tree the server runs."""
     sys.path.insert(0, str(ROOT / "src"))
     from slipstream.engine.client import EngineClient
     from slipstream.engine.remote import RemoteInferenceService
     from slipstream.engine.wire import request_fields
     from slipstream.types import InferRequest
 
-    client = EngineClient(socket_path)
-    client.start()
-    if not await client.wait_connected(10):
-        raise SystemExit(f"could not connect to {socket_path}")
-    metadata = await client.call("model_metadata", "mlp", "")
+    clients = [EngineClient(socket_path) for _ in range(front_ends)]
+    for client in clients:
+        client.start()
+        if not await client.wait_connected(10):
+            raise SystemExit(f"could not connect to {socket_path}")
+    metadata = await clients[0].call("model_metadata", "mlp", "")
     inputs = {
         tensor.name: np.zeros([1 if d < 0 else d for d in tensor.shape], np.float32)
         for tensor in metadata.inputs
     }
     request = InferRequest("mlp", "", inputs)
     fields = request_fields(request)
-    service = RemoteInferenceService(client)
     stop = time.monotonic() + seconds
 
-    async def caller() -> None:
+    services = [RemoteInferenceService(client) for client in clients]
+
+    async def caller(index: int) -> None:
+        client, service = clients[index % front_ends], services[index % front_ends]
         while time.monotonic() < stop:
             if send == "group":
                 await service.infer(request)
             else:
                 await client.call("infer", fields)
 
-    await asyncio.gather(*(caller() for _ in range(in_flight)))
-    await client.close()
+    await asyncio.gather(*(caller(index) for index in range(in_flight)))
+    for client in clients:
+        await client.close()
 
 
 if __name__ == "__main__":

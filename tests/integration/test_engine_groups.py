@@ -27,11 +27,13 @@ from hypothesis import strategies as st
 
 from slipstream.config import ServerSettings
 from slipstream.engine.client import EngineClient
-from slipstream.engine.host import EngineHost
+from slipstream.engine.groups import answer_gathered
+from slipstream.engine.host import EngineHost, Gatherer
 from slipstream.engine.remote import RemoteInferenceService, engine_calls, engine_gathered
-from slipstream.engine.wire import request_fields, response_from
+from slipstream.engine.wire import rebuild_error, request_fields, response_from
 from slipstream.errors import SlipstreamError
 from slipstream.serving.core import ModelServer
+from slipstream.serving.service import InferenceService
 from slipstream.types import InferRequest, InferResponse, RequestedOutput
 from tests.models import ADD_SUB_WIDTH, build_add_sub, build_mean_embedding, write_config
 
@@ -69,23 +71,29 @@ class Engine:
             "dynamic_batching": {"preferred_batch_size": [64],
                                  "max_queue_delay_microseconds": 30_000_000},
         })  # fmt: skip
+        self.repo = repo
         self.loop = asyncio.new_event_loop()
         self.server = CountingServer(ServerSettings(model_repository=repo))
-        # How many lone calls the engine gathered each time it gathered some.
-        self.gathered: list[int] = []
-        gatherer = engine_gathered(self.server)["infer"]
+        # Per gathered method, how many calls the engine gathered each time.
+        self.gathered: dict[str, list[int]] = {}
+        gatherers = {
+            method: self._noted(method, gatherer)
+            for method, gatherer in engine_gathered(self.server).items()
+        }
+        self.host = EngineHost(str(root / "engine"), engine_calls(self.server), gathered=gatherers)
+        self.client_path = str(root / "engine")
+        self.client = EngineClient(self.client_path)
+        self.other = EngineClient(self.client_path)  # a second front end
+        self.remote = RemoteInferenceService(self.client)
+        self.other_remote = RemoteInferenceService(self.other)
+        self.run(self._start())
 
-        async def infer_gathered(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
-            self.gathered.append(len(calls))
+    def _noted(self, method: str, gatherer: Gatherer) -> Gatherer:
+        async def noted(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
+            self.gathered.setdefault(method, []).append(len(calls))
             return await gatherer(calls)
 
-        self.host = EngineHost(
-            str(root / "engine"), engine_calls(self.server), gathered={"infer": infer_gathered}
-        )
-        self.client = EngineClient(str(root / "engine"))
-        self.other = EngineClient(str(root / "engine"))  # a second front end
-        self.remote = RemoteInferenceService(self.client)
-        self.run(self._start())
+        return noted
 
     async def _start(self) -> None:
         await self.server.start()
@@ -270,6 +278,59 @@ async def _lone_calls(
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+@given(st.lists(requests(), min_size=1, max_size=12), st.lists(requests(), min_size=1, max_size=12))
+def test_groups_of_two_front_ends_the_engine_gathers_are_answered_as_alone(
+    engine: Engine, first: list[InferRequest], second: list[InferRequest]
+) -> None:
+    """Two front ends' groups (or lone requests) that reach the engine in one turn are
+    served together, alike entries of the two merged into one stack, and each request
+    answered as alone."""
+    drawn = first + second
+    alone = engine.run(_each([engine.server.infer(request) for request in drawn]))
+    before = {model: engine.successes(model) for model in ("embed", "add_sub")}
+    engine.gathered.clear()
+    calls = [engine.remote.infer(r) for r in first] + [engine.other_remote.infer(r) for r in second]
+    got = engine.run(_each(calls))
+    for answer, expected in zip(got, alone, strict=True):
+        if isinstance(answer, SlipstreamError | InferResponse):
+            _same(answer, expected)
+        else:
+            raise answer
+    for model in ("embed", "add_sub"):
+        served = sum(
+            1 for request, answer in zip(drawn, got, strict=True)
+            if request.model_name == model and isinstance(answer, InferResponse)
+        )  # fmt: skip
+        assert engine.successes(model) - before[model] == served
+    if len(first) > 1 and len(second) > 1:  # two groups in one turn of the engine's loop
+        assert engine.gathered == {"infer_group": [2]}
+
+
+def test_alike_entries_of_two_front_ends_groups_are_merged(engine: Engine) -> None:
+    """Four alike requests from each of two front ends, a lone one among them, all in
+    one turn: the engine stacks the two groups' stacks into one of eight rows."""
+    drawn = [_embed([[i, 9 - i, 2]], id=f"m{i}") for i in range(8)]
+    extra = _add_sub(2, 3, id="other")  # another model in the first group: a ONE entry
+    engine.gathered.clear()
+    engine.server.stacks.clear()
+    calls = [engine.remote.infer(r) for r in [*drawn[:4], extra]]
+    calls += [engine.other_remote.infer(r) for r in drawn[4:]]
+    answers = engine.run(_each(calls))
+    assert engine.gathered == {"infer_group": [2]}
+    assert engine.server.stacks == [[1] * 8]
+    for i, answer in enumerate(answers[:4] + answers[5:]):
+        assert isinstance(answer, InferResponse) and answer.id == f"m{i}"
+        np.testing.assert_allclose(
+            answer.outputs["embedding"][0], TABLE[[i, 9 - i, 2]].mean(axis=0), rtol=1e-6
+        )
+    inputs = extra.inputs
+    assert isinstance(answers[4], InferResponse) and answers[4].id == "other"
+    np.testing.assert_allclose(answers[4].outputs["OUTPUT0"], inputs["INPUT0"] + inputs["INPUT1"])
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.lists(requests(), min_size=1, max_size=24), st.sampled_from([1, 2]))
 def test_lone_calls_the_engine_gathers_are_answered_as_they_would_be_alone(
     engine: Engine, drawn: list[InferRequest], front_ends: int
@@ -293,7 +354,7 @@ def test_lone_calls_the_engine_gathers_are_answered_as_they_would_be_alone(
         )  # fmt: skip
         assert engine.successes(model) - before[model] == served
     if len(drawn) > 1:  # all of them reached the engine in one turn of its loop
-        assert engine.gathered == [len(drawn)]
+        assert engine.gathered == {"infer": [len(drawn)]}
 
 
 def test_alike_lone_calls_are_stacked_by_the_engine(engine: Engine) -> None:
@@ -306,7 +367,7 @@ def test_alike_lone_calls_are_stacked_by_the_engine(engine: Engine) -> None:
     engine.gathered.clear()
     engine.server.stacks.clear()
     answers = engine.run(_lone_calls([engine.client, engine.other], drawn))
-    assert engine.gathered == [8]
+    assert engine.gathered == {"infer": [8]}
     assert engine.server.stacks == [[1] * 8]
     for i, answer in enumerate(answers):
         assert isinstance(answer, InferResponse) and answer.id == f"g{i}"
@@ -362,3 +423,57 @@ async def _until(condition: Any) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("timed out waiting")
+
+
+class OneByOne(ModelServer):
+    """The serving core with the contract's own ``infer_group`` and ``infer_stack``
+    (one request at a time), as any other InferenceService has them."""
+
+    infer_group = InferenceService.infer_group
+    infer_stack = InferenceService.infer_stack
+
+
+def test_the_contracts_defaults_answer_gathered_calls_as_alone(engine: Engine) -> None:
+    """A service without the serving core's group and stack paths still answers calls
+    the engine gathered and stacked (its defaults run the parts one by one)."""
+    drawn = [_embed([[i, 1, 2]], id=f"d{i}") for i in range(5)]
+    drawn[2] = _embed([[3, 10, 2]], id="refused")  # in the middle of the stack
+    drawn += [_add_sub(2, 1, id="a"), InferRequest("nothing", "", drawn[0].inputs, id="x")]
+    plain = OneByOne(ServerSettings(model_repository=engine.repo))
+    engine.run(plain.start())
+    try:
+        alone = engine.run(_each([engine.server.infer(request) for request in drawn]))
+        answers = engine.run(
+            answer_gathered(plain)([(request_fields(request),) for request in drawn])
+        )
+    finally:
+        engine.run(plain.stop())
+    for (ok, value), expected in zip(answers, alone, strict=True):
+        _same(response_from(value) if ok else rebuild_error(value), expected)
+    assert isinstance(alone[2], SlipstreamError) and isinstance(alone[0], InferResponse)
+
+
+def test_a_front_end_that_goes_away_leaves_the_rest_of_a_gathering(engine: Engine) -> None:
+    """Lone calls of two front ends gathered into one stack on ``held``: the front end
+    that goes away loses its calls; the stack stays queued for the other's until that
+    one gives up too, and then leaves the queue."""
+
+    async def scenario() -> tuple[int, int]:
+        batcher = engine.server.models.resolve("held").batcher
+        leaving = EngineClient(engine.client_path)
+        leaving.start()
+        assert await leaving.wait_connected(10)
+        one = InferRequest("held", "", _add_sub(1, 1).inputs)
+        staying, _ = engine.other.start_call("infer", request_fields(one))
+        leaving.start_call("infer", request_fields(one))
+        await _until(lambda: batcher.num_pending == 2)
+        await leaving.close()
+        await asyncio.sleep(0.1)
+        still = batcher.num_pending
+        engine.other.give_up(staying)
+        await _until(lambda: batcher.num_pending == 0)
+        return still, batcher.num_pending
+
+    gathered = len(engine.gathered.get("infer", []))
+    assert engine.run(scenario()) == (2, 0)
+    assert engine.gathered["infer"][gathered:] == [2]

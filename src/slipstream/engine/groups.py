@@ -27,9 +27,11 @@ refuses, a routed or cached model). A lone request goes as a plain ``infer`` cal
 every requester of a group has given up (its client went away), the engine is told to
 drop the work.
 
-Lone ``infer`` calls that reach the engine in one turn of its loop (from several front
-ends, or from gRPC front ends, which see one call a turn) are gathered there and served
-the same way, stacked by the engine (:func:`answer_gathered`).
+Calls that reach the engine in one turn of its loop are gathered there
+(:class:`~slipstream.engine.host.EngineHost`'s ``gathered``): lone ``infer`` calls (from
+several front ends, or from gRPC front ends, which see one call a turn) and several front
+ends' ``infer_group`` calls are served the same way, alike requests and stacks of any of
+them stacked together by the engine (:func:`answer_gathered`, :func:`answer_groups`).
 """
 
 from __future__ import annotations
@@ -222,31 +224,24 @@ def answer_group(service: InferenceService) -> Callable[[list[Any]], Awaitable[l
     """The engine's ``infer_group`` call, answered by ``service`` (its ModelServer)."""
 
     async def infer_group(entries: list[tuple[Any, ...]]) -> list[tuple[Any, Any]]:
-        ones = [index for index, entry in enumerate(entries) if entry[0] == ONE]
-        stacks = [index for index, entry in enumerate(entries) if entry[0] == STACK]
-        work: list[Awaitable[Any]] = []
-        if ones:
-            work.append(service.infer_group([request_from(entries[i][1]) for i in ones]))
-        for index in stacks:
-            head = request_from(entries[index][1])
-            parts = _Parts(head, entries[index][2])
-            work.append(service.infer_stack(head, parts, entries[index][3]))
-        # One piece of work (the usual case under load: one stack) is awaited here, not
-        # wrapped in a task of its own.
-        done = [await work[0]] if len(work) == 1 else await asyncio.gather(*work)
-        alone = done.pop(0) if ones else []
-        together = done
-        answers: list[tuple[Any, Any]] = [(False, None)] * len(entries)
-        for index, outcome in zip(ones, cast(list[Any], alone), strict=True):
-            answers[index] = _sent(outcome)
-        for index, stack in zip(stacks, together, strict=True):
-            if isinstance(stack, InferResponse):
-                answers[index] = (True, response_fields(stack))
-            else:
-                answers[index] = (None, [_sent(part) for part in stack])
-        return answers
+        return (await _answer_entries(service, [entries]))[0]
 
     return infer_group
+
+
+def answer_groups(
+    service: InferenceService,
+) -> Callable[[list[tuple[Any, ...]]], Awaitable[list[tuple[bool, Any]]]]:
+    """Several ``infer_group`` calls that reached the engine in one turn of its loop (from
+    several front ends; :class:`~slipstream.engine.host.EngineHost` gathers them), served
+    together: alike entries of different calls are merged into one stack. Takes each
+    call's arguments, answers each as ``infer_group`` would alone."""
+
+    async def infer_groups(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
+        answers = await _answer_entries(service, [args[0] for args in calls])
+        return [(True, answer) for answer in answers]
+
+    return infer_groups
 
 
 def answer_gathered(
@@ -259,34 +254,114 @@ def answer_gathered(
     alone: (True, response fields) or (False, error state)."""
 
     async def infer_gathered(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
-        requests = [request_from(args[0]) for args in calls]
-        ones: list[int] = []
-        stacks: list[tuple[list[int], list[int]]] = []
-        work: list[Awaitable[Any]] = []
-        for members in plan(requests):
-            if len(members) == 1:
-                ones.append(members[0])
-                continue
-            parts = [requests[index] for index in members]
-            inputs, rows = stack_inputs(parts)
-            stacks.append((members, rows))
-            head = dataclasses.replace(parts[0], inputs=inputs)
-            work.append(service.infer_stack(head, parts, rows))
-        if ones:
-            work.insert(0, service.infer_group([requests[index] for index in ones]))
-        done = [await work[0]] if len(work) == 1 else await asyncio.gather(*work)
-        answers: list[tuple[bool, Any]] = [(False, None)] * len(requests)
-        if ones:
-            for index, outcome in zip(ones, done.pop(0), strict=True):
-                answers[index] = _sent(outcome)
-        for (members, rows), stack in zip(stacks, done, strict=True):
-            if isinstance(stack, InferResponse):
-                stack = cut(stack, [requests[index].id for index in members], rows)
-            for index, outcome in zip(members, stack, strict=True):
-                answers[index] = _sent(outcome)
-        return answers
+        pieces = [_Piece(request_from(args[0])) for args in calls]
+        return [_sent(outcome) for outcome in await _serve(service, pieces)]
 
     return infer_gathered
+
+
+async def _answer_entries(
+    service: InferenceService, groups: list[list[tuple[Any, ...]]]
+) -> list[list[tuple[Any, Any]]]:
+    """Each group's answers (see the module docstring), its entries served with every
+    other group's."""
+    pieces = [
+        _Piece(request_from(entry[1]))
+        if entry[0] == ONE
+        else _Piece(request_from(entry[1]), entry[2], entry[3])
+        for entries in groups
+        for entry in entries
+    ]
+    outcomes = iter(await _serve(service, pieces))
+    answers: list[list[tuple[Any, Any]]] = []
+    for entries in groups:
+        answers.append([])
+        for entry in entries:
+            outcome = next(outcomes)
+            if entry[0] == ONE:
+                answers[-1].append(_sent(outcome))
+            elif isinstance(outcome, InferResponse):
+                answers[-1].append((True, response_fields(outcome)))
+            else:
+                answers[-1].append((None, [_sent(part) for part in outcome]))
+    return answers
+
+
+@dataclasses.dataclass(slots=True)
+class _Piece:
+    """A request or a front end's stack as it reached the engine: a stack's ``head``
+    holds its stacked inputs, ``own`` its parts' (id, route_key, owner, parameters) and
+    ``rows`` theirs; a lone request has neither."""
+
+    head: InferRequest
+    own: list[tuple[str, str, str, dict[str, Any]]] | None = None
+    rows: list[int] | None = None
+
+    def parts(self) -> tuple[list[tuple[str, str, str, dict[str, Any]]], list[int]]:
+        if self.own is not None and self.rows is not None:
+            return self.own, self.rows
+        head = self.head
+        return [(head.id, head.route_key, head.owner, head.parameters)], [_rows(head)]
+
+
+async def _serve(service: InferenceService, pieces: list[_Piece]) -> list[Any]:
+    """Each piece's outcome: a lone request's response or error; a stack's stacked
+    response, or an outcome per part. Alike pieces (:func:`stack_key` of their heads) run
+    as one stack, each still answered as it would be alone."""
+    outcomes: list[Any] = [None] * len(pieces)
+    ones: list[int] = []
+    stacks: list[list[int]] = []
+    work: list[Awaitable[Any]] = []
+    for members in plan([piece.head for piece in pieces]):
+        if len(members) == 1 and pieces[members[0]].own is None:
+            ones.append(members[0])
+            continue
+        merged = [pieces[index] for index in members]
+        head = merged[0].head
+        if len(merged) > 1:
+            head = dataclasses.replace(head, inputs=stack_inputs([p.head for p in merged])[0])
+        own: list[tuple[str, str, str, dict[str, Any]]] = []
+        rows: list[int] = []
+        for piece in merged:
+            piece_own, piece_rows = piece.parts()
+            own += piece_own
+            rows += piece_rows
+        stacks.append(members)
+        work.append(service.infer_stack(head, _Parts(head, own), rows))
+    if ones:
+        work.insert(0, service.infer_group([pieces[index].head for index in ones]))
+    # One piece of work (the usual case under load: one stack) is awaited here, not
+    # wrapped in a task of its own.
+    done = [await work[0]] if len(work) == 1 else await asyncio.gather(*work)
+    if ones:
+        for index, outcome in zip(ones, done.pop(0), strict=True):
+            outcomes[index] = outcome
+    for members, outcome in zip(stacks, done, strict=True):
+        if len(members) == 1:
+            outcomes[members[0]] = outcome
+            continue
+        row = part = 0
+        for index in members:
+            piece = pieces[index]
+            count = len(piece.own) if piece.own is not None else 1
+            rows_here = sum(piece.rows) if piece.rows is not None else _rows(piece.head)
+            if isinstance(outcome, InferResponse):
+                cut_outputs = {n: a[row : row + rows_here] for n, a in outcome.outputs.items()}
+                mine: Any = InferResponse(
+                    outcome.model_name, outcome.model_version, cut_outputs, id=piece.head.id
+                )
+            else:
+                mine = outcome[part : part + count]
+                if piece.own is None:
+                    mine = mine[0]
+            outcomes[index] = mine
+            row += rows_here
+            part += count
+    return outcomes
+
+
+def _rows(request: InferRequest) -> int:
+    return int(next(iter(request.inputs.values())).shape[0])
 
 
 class _Parts(Sequence[InferRequest]):

@@ -17,7 +17,7 @@ from typing import Any
 
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
-from slipstream.engine.groups import Group, answer_gathered, answer_group
+from slipstream.engine.groups import Group, answer_gathered, answer_group, answer_groups
 from slipstream.engine.host import Call, Gatherer
 from slipstream.engine.wire import request_fields, request_from, response_fields
 from slipstream.observability.stats import ModelStats
@@ -152,5 +152,6 @@ def engine_calls(service: InferenceService) -> dict[str, Call]:
 def engine_gathered(service: InferenceService) -> dict[str, Gatherer]:
     """The calls the engine answers together when several reach it in one turn of its
     loop (:class:`~slipstream.engine.host.EngineHost`'s ``gathered``): lone ``infer``
-    calls, from one front end or several, served as a group."""
-    return {"infer": answer_gathered(service)}
+    calls, from one front end or several, served as a group; ``infer_group`` calls from
+    several front ends, alike entries merged into one stack."""
+    return {"infer": answer_gathered(service), "infer_group": answer_groups(service)}
