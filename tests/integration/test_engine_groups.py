@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slipstream.config import ServerSettings
+from slipstream.engine import groups
 from slipstream.engine.client import EngineClient
 from slipstream.engine.groups import answer_gathered
 from slipstream.engine.host import EngineHost, Gatherer
@@ -477,3 +478,21 @@ def test_a_front_end_that_goes_away_leaves_the_rest_of_a_gathering(engine: Engin
     gathered = len(engine.gathered.get("infer", []))
     assert engine.run(scenario()) == (2, 0)
     assert engine.gathered["infer"][gathered:] == [2]
+
+
+def test_large_alike_calls_are_not_copied_into_one_stack(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alike lone calls whose inputs are larger than MERGE_MAX_BYTES each are served as
+    they came (the batcher joins them off the engine's loop); smaller ones are stacked."""
+    drawn = [_add_sub(2, seed, id=f"s{seed}") for seed in range(4)]  # 256 bytes each
+    for limit, stacks in ((256, [[2, 2, 2, 2]]), (255, [])):
+        monkeypatch.setattr(groups, "MERGE_MAX_BYTES", limit)
+        engine.server.stacks.clear()
+        answers = engine.run(_lone_calls([engine.client], drawn))
+        assert engine.server.stacks == stacks
+        for request, answer in zip(drawn, answers, strict=True):
+            assert isinstance(answer, InferResponse) and answer.id == request.id
+            np.testing.assert_allclose(
+                answer.outputs["OUTPUT1"], request.inputs["INPUT0"] - request.inputs["INPUT1"]
+            )
