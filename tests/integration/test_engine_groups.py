@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +194,29 @@ def _same(got: InferResponse | Exception, alone: InferResponse | Exception) -> N
         np.testing.assert_array_equal(got.outputs[name], array)
 
 
+def _answered_as_alone(
+    engine: Engine, drawn: list[InferRequest], send: Callable[[], Awaitable[list[Any]]]
+) -> None:
+    """``send()`` (run after the engine's gathering record is cleared) answers each of
+    ``drawn`` as the serving core answers it alone, and each model's success count moves
+    by the number of its requests served."""
+    alone = engine.run(_each([engine.server.infer(request) for request in drawn]))
+    before = {model: engine.successes(model) for model in ("embed", "add_sub")}
+    engine.gathered.clear()
+    got = engine.run(send())
+    for answer, expected in zip(got, alone, strict=True):
+        if isinstance(answer, SlipstreamError | InferResponse):
+            _same(answer, expected)
+        else:
+            raise answer
+    for model in ("embed", "add_sub"):
+        served = sum(
+            1 for request, answer in zip(drawn, got, strict=True)
+            if request.model_name == model and isinstance(answer, InferResponse)
+        )  # fmt: skip
+        assert engine.successes(model) - before[model] == served
+
+
 async def _each(calls: list[Any]) -> list[Any]:
     """Every call's answer or error, the calls started in one turn of the loop."""
     answers: list[Any] = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 20)
@@ -207,20 +230,7 @@ async def _each(calls: list[Any]) -> list[Any]:
 def test_each_request_of_a_group_is_answered_as_it_would_be_alone(
     engine: Engine, drawn: list[InferRequest]
 ) -> None:
-    alone = engine.run(_each([engine.server.infer(request) for request in drawn]))
-    before = {model: engine.successes(model) for model in ("embed", "add_sub")}
-    grouped = engine.run(_each([engine.remote.infer(request) for request in drawn]))
-    for got, expected in zip(grouped, alone, strict=True):
-        if isinstance(got, SlipstreamError | InferResponse):
-            _same(got, expected)
-        else:
-            raise got
-    for model in ("embed", "add_sub"):
-        served = sum(
-            1 for request, answer in zip(drawn, grouped, strict=True)
-            if request.model_name == model and isinstance(answer, InferResponse)
-        )  # fmt: skip
-        assert engine.successes(model) - before[model] == served
+    _answered_as_alone(engine, drawn, lambda: _each([engine.remote.infer(r) for r in drawn]))
 
 
 def test_alike_requests_are_checked_and_queued_as_one(engine: Engine) -> None:
@@ -286,23 +296,13 @@ def test_groups_of_two_front_ends_the_engine_gathers_are_answered_as_alone(
     """Two front ends' groups (or lone requests) that reach the engine in one turn are
     served together, alike entries of the two merged into one stack, and each request
     answered as alone."""
-    drawn = first + second
-    alone = engine.run(_each([engine.server.infer(request) for request in drawn]))
-    before = {model: engine.successes(model) for model in ("embed", "add_sub")}
-    engine.gathered.clear()
-    calls = [engine.remote.infer(r) for r in first] + [engine.other_remote.infer(r) for r in second]
-    got = engine.run(_each(calls))
-    for answer, expected in zip(got, alone, strict=True):
-        if isinstance(answer, SlipstreamError | InferResponse):
-            _same(answer, expected)
-        else:
-            raise answer
-    for model in ("embed", "add_sub"):
-        served = sum(
-            1 for request, answer in zip(drawn, got, strict=True)
-            if request.model_name == model and isinstance(answer, InferResponse)
-        )  # fmt: skip
-        assert engine.successes(model) - before[model] == served
+    _answered_as_alone(
+        engine,
+        first + second,
+        lambda: _each(
+            [engine.remote.infer(r) for r in first] + [engine.other_remote.infer(r) for r in second]
+        ),
+    )
     if len(first) > 1 and len(second) > 1:  # two groups in one turn of the engine's loop
         assert engine.gathered == {"infer_group": [2]}
 
@@ -338,22 +338,8 @@ def test_lone_calls_the_engine_gathers_are_answered_as_they_would_be_alone(
 ) -> None:
     """Lone calls that reach the engine in one turn, from one front end or two, are
     served together (alike ones stacked by the engine) and answered each as alone."""
-    alone = engine.run(_each([engine.server.infer(request) for request in drawn]))
-    before = {model: engine.successes(model) for model in ("embed", "add_sub")}
-    engine.gathered.clear()
     clients = [engine.client, engine.other][:front_ends]
-    got = engine.run(_lone_calls(clients, drawn))
-    for answer, expected in zip(got, alone, strict=True):
-        if isinstance(answer, SlipstreamError | InferResponse):
-            _same(answer, expected)
-        else:
-            raise answer
-    for model in ("embed", "add_sub"):
-        served = sum(
-            1 for request, answer in zip(drawn, got, strict=True)
-            if request.model_name == model and isinstance(answer, InferResponse)
-        )  # fmt: skip
-        assert engine.successes(model) - before[model] == served
+    _answered_as_alone(engine, drawn, lambda: _lone_calls(clients, drawn))
     if len(drawn) > 1:  # all of them reached the engine in one turn of its loop
         assert engine.gathered == {"infer": [len(drawn)]}
 
