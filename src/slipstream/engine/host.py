@@ -16,10 +16,11 @@ by :mod:`slipstream.engine.wire`:
 A front end whose connection closes (it stopped, or was killed) has its calls and
 streams cancelled at once (an LLM sequence stops generating).
 
-Calls of a ``gathered`` method (``infer``: a front end's lone requests) that reach the
-engine in one turn of its loop, from one front end or several, are answered together by
-that method's gatherer, in one task: under load, with many front ends or gRPC (whose
-front ends send one request a message), this is what lets the engine stack them. A lone
+Calls of a ``gathered`` method (the engine's ``infer`` and ``infer_group``,
+``engine/remote.py``) that reach the engine in one turn of its loop, from one front end
+or several, are answered together by that method's gatherer, in one task: under load,
+with many front ends or gRPC (whose front ends send one request a message), this is
+what lets the engine stack them. A lone
 one runs as any call. A gathered call given up on gets no answer; the work is dropped
 when every call gathered with it is given up on.
 
@@ -164,10 +165,9 @@ class EngineHost:
     def _lost(self, peer: Link) -> None:
         """A front end that went away: nothing it asked for is worth finishing."""
         self._links.discard(peer)
-        keys = [key for key in [*self._tasks, *self._gathering] if key[0] == peer]
-        keys += [(peer, call[1]) for calls in self._turn.values() for call in calls
-                 if call[0] == peer]  # fmt: skip
-        for key in keys:
+        for calls in self._turn.values():  # not started yet: they never will be
+            calls[:] = [call for call in calls if call[0] != peer]
+        for key in [key for key in [*self._tasks, *self._gathering] if key[0] == peer]:
             self._cancel(key)
 
     def _answer_unencodable(self, peer: Link, message: Any) -> None:
