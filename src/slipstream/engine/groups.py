@@ -347,8 +347,8 @@ async def _serve(service: InferenceService, pieces: list[_Piece]) -> list[Any]:
         row = part = 0
         for index in members:
             piece = pieces[index]
-            count = len(piece.own) if piece.own is not None else 1
-            rows_here = sum(piece.rows) if piece.rows is not None else _rows(piece.head)
+            piece_own, piece_rows = piece.parts()
+            count, rows_here = len(piece_own), sum(piece_rows)
             if isinstance(outcome, InferResponse):
                 cut_outputs = {n: a[row : row + rows_here] for n, a in outcome.outputs.items()}
                 mine: Any = InferResponse(
