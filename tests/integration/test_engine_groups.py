@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,9 +91,9 @@ class Engine:
         self.run(self._start())
 
     def _noted(self, method: str, gatherer: Gatherer) -> Gatherer:
-        async def noted(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
+        async def noted(calls: list[tuple[Any, ...]], reply: Any) -> None:
             self.gathered.setdefault(method, []).append(len(calls))
-            return await gatherer(calls)
+            await gatherer(calls, reply)
 
         return noted
 
@@ -303,8 +304,14 @@ def test_groups_of_two_front_ends_the_engine_gathers_are_answered_as_alone(
             [engine.remote.infer(r) for r in first] + [engine.other_remote.infer(r) for r in second]
         ),
     )
-    if len(first) > 1 and len(second) > 1:  # two groups in one turn of the engine's loop
-        assert engine.gathered == {"infer_group": [2]}
+    # Each front end sends one call per model: alone as infer, several as infer_group;
+    # the engine gathers each method's calls of its turn when there are several.
+    calls: dict[str, int] = {}
+    for sent in (first, second):
+        for count in Counter((r.model_name, r.model_version) for r in sent).values():
+            method = "infer" if count == 1 else "infer_group"
+            calls[method] = calls.get(method, 0) + 1
+    assert engine.gathered == {method: [n] for method, n in calls.items() if n > 1}
 
 
 def test_alike_entries_of_two_front_ends_groups_are_merged(engine: Engine) -> None:
@@ -430,11 +437,12 @@ def test_the_contracts_defaults_answer_gathered_calls_as_alone(engine: Engine) -
     engine.run(plain.start())
     try:
         alone = engine.run(_each([engine.server.infer(request) for request in drawn]))
-        answers = engine.run(
-            answer_gathered(plain)([(request_fields(request),) for request in drawn])
-        )
+        replies: dict[int, tuple[bool, Any]] = {}
+        calls = [(request_fields(request),) for request in drawn]
+        engine.run(answer_gathered(plain)(calls, lambda i, ok, v: replies.update({i: (ok, v)})))
     finally:
         engine.run(plain.stop())
+    answers = [replies[index] for index in range(len(drawn))]
     for (ok, value), expected in zip(answers, alone, strict=True):
         _same(response_from(value) if ok else rebuild_error(value), expected)
     assert isinstance(alone[2], SlipstreamError) and isinstance(alone[0], InferResponse)
@@ -482,3 +490,31 @@ def test_large_alike_calls_are_not_copied_into_one_stack(
             np.testing.assert_allclose(
                 answer.outputs["OUTPUT1"], request.inputs["INPUT0"] - request.inputs["INPUT1"]
             )
+
+
+def test_a_slow_models_requests_do_not_hold_back_anothers(engine: Engine) -> None:
+    """A front end's turn carries a request for ``held`` (queued until 64 rows wait) and
+    two for ``embed``: the embed answers come while the held one still waits. The same
+    for two front ends' lone calls that the engine gathers in one turn."""
+
+    async def scenario() -> None:
+        batcher = engine.server.models.resolve("held").batcher
+        held = InferRequest("held", "", _add_sub(1, 0).inputs)
+        slow = asyncio.ensure_future(engine.remote.infer(held))
+        fast = [engine.remote.infer(_embed([[1, 2, i]], id=f"f{i}")) for i in range(2)]
+        for i, answer in enumerate(await asyncio.wait_for(asyncio.gather(*fast), 10)):
+            assert answer.id == f"f{i}"
+        assert not slow.done() and batcher.num_pending == 1
+        engine.gathered.clear()
+        slow_lone = engine.other.start_call("infer", request_fields(held))[1]
+        fast_lone = engine.client.start_call("infer", request_fields(_embed([[4, 5, 6]])))[1]
+        np.testing.assert_allclose(
+            response_from(await asyncio.wait_for(fast_lone, 10)).outputs["embedding"][0],
+            TABLE[[4, 5, 6]].mean(axis=0),
+        )
+        assert engine.gathered == {"infer": [2]}
+        assert not slow_lone.done() and batcher.num_pending == 2
+        filler = InferRequest("held", "", _add_sub(62, 5).inputs)  # 64 rows: they run
+        await asyncio.wait_for(asyncio.gather(engine.remote.infer(filler), slow, slow_lone), 10)
+
+    engine.run(scenario())

@@ -4,7 +4,8 @@ Under load a front end reads many requests in one poll of its event loop. One en
 call each would cost the engine's event loop (the one a GPU waits on between batches) a
 message, a task and the serving core's whole per-request path apiece. Instead the
 requests a front end makes in one turn of its loop (:class:`Group`) leave at the turn's
-end in one ``infer_group`` call, and among them those that could share a batch anyway
+end in one ``infer_group`` call per model (so that a slow model's answers never hold
+back a fast one's), and among them those that could share a batch anyway
 (same model, version, priority, timeout and requested outputs; each input of the same
 datatype and shape but for the batch dim) travel *stacked*: one tensor per input, the
 rows of each request one after another. The engine checks and queues a stack as one
@@ -23,15 +24,16 @@ The message and its answer, beside the other engine calls (:mod:`slipstream.engi
 
 Every request still gets the answer or error it would get alone: the engine unstacks a
 stack wherever one check or run could not stand for each part's (a request the model
-refuses, a routed or cached model). A lone request goes as a plain ``infer`` call. When
-every requester of a group has given up (its client went away), the engine is told to
-drop the work.
+refuses, a routed or cached model). A model's lone request goes as a plain ``infer``
+call. When every requester of a call has given up (its client went away), the engine is
+told to drop the work.
 
 Calls that reach the engine in one turn of its loop are gathered there
 (:class:`~slipstream.engine.host.EngineHost`'s ``gathered``): lone ``infer`` calls (from
 several front ends, or from gRPC front ends, which see one call a turn) and several front
 ends' ``infer_group`` calls are served the same way, alike requests and stacks of any of
-them stacked together by the engine (:func:`answer_gathered`, :func:`answer_groups`).
+them stacked together by the engine (:func:`answer_gathered`, :func:`answer_groups`),
+and each call answered as soon as its own requests are done.
 """
 
 from __future__ import annotations
@@ -118,17 +120,19 @@ def stack_inputs(parts: Sequence[InferRequest]) -> tuple[dict[str, np.ndarray], 
 
 class Group:
     """One front end's infer requests of one turn of its event loop; see the module
-    docstring. ``add`` each, ``send`` once at the turn's end."""
+    docstring. ``add`` each, ``send`` once at the turn's end. Each model's requests go
+    in a call of their own, so a slow model's answer never holds back another's."""
 
-    __slots__ = ("_call_id", "_client", "_gone", "_loop", "_requests", "_waiters")
+    __slots__ = ("_call_of", "_calls", "_client", "_loop", "_requests", "_waiters")
 
     def __init__(self, client: EngineClient) -> None:
         self._client = client
         self._loop = asyncio.get_running_loop()
         self._requests: list[InferRequest] = []
         self._waiters: list[asyncio.Future[Any]] = []
-        self._gone = 0
-        self._call_id: int | None = None
+        # Once sent: each call's [id, requests, requesters gone], and each request's call.
+        self._calls: list[list[int]] = []
+        self._call_of: list[int] = []
 
     def add(self, request: InferRequest) -> asyncio.Future[Any]:
         """The future ``request``'s answer settles: pass its result to :meth:`response`."""
@@ -142,11 +146,15 @@ class Group:
         """A settled answer as the response (a lone request's comes as its fields)."""
         return answer if isinstance(answer, InferResponse) else response_from(answer)
 
-    def left(self) -> None:
-        """A requester gave up; the last one to leave a sent group cancels its call."""
-        self._gone += 1
-        if self._gone == len(self._waiters) and self._call_id is not None:
-            self._client.give_up(self._call_id)
+    def left(self, waiter: asyncio.Future[Any]) -> None:
+        """The requester of ``waiter`` gave up; the last one to leave a sent call cancels
+        it (before the group is sent, :meth:`send` leaves it out)."""
+        if not self._calls:
+            return
+        call = self._calls[self._call_of[self._waiters.index(waiter)]]
+        call[2] += 1
+        if call[2] == call[1]:
+            self._client.give_up(call[0])
 
     def send(self) -> None:
         if any(waiter.done() for waiter in self._waiters):  # given up before it left
@@ -154,24 +162,35 @@ class Group:
                     if not w.done()]  # fmt: skip
             self._requests = [r for r, _ in kept]
             self._waiters = [w for _, w in kept]
-            self._gone = 0
             if not kept:
                 return
-        if len(self._requests) == 1:
+        by_model: dict[tuple[str, str], list[int]] = {}
+        for index, request in enumerate(self._requests):
+            by_model.setdefault((request.model_name, request.model_version), []).append(index)
+        self._call_of = [0] * len(self._requests)
+        for indices in by_model.values():
+            for index in indices:
+                self._call_of[index] = len(self._calls)
+            self._calls.append([self._start(indices), len(indices), 0])
+        self._client.flush()  # this already runs at a turn's end: no turn more
+
+    def _start(self, indices: list[int]) -> int:
+        """Starts the call for one model's requests (``indices``); its id."""
+        if len(indices) == 1:
             # The requester's own future takes the engine's answer: its response's
             # fields, made a response by the requester (Group.response).
-            self._call_id, _ = self._client.start_call(
-                "infer", request_fields(self._requests[0]), into=self._waiters[0]
+            call_id, _ = self._client.start_call(
+                "infer", request_fields(self._requests[indices[0]]), into=self._waiters[indices[0]]
             )
-            self._client.flush()  # this already runs at a turn's end: no turn more
-            return
-        entries_of = plan(self._requests)
+            return call_id
+        requests = [self._requests[index] for index in indices]
+        entries_of = [[indices[member] for member in members] for members in plan(requests)]
         entries = [self._entry(members) for members in entries_of]
         # Each entry's rows per part (a stack's, as sent; None for a lone request).
         rows_of = [entry[3] if entry[0] == STACK else None for entry in entries]
-        self._call_id, answer = self._client.start_call("infer_group", entries)
-        answer.add_done_callback(lambda done: self._answered(done, entries_of, rows_of))
-        self._client.flush()
+        call_id, answer = self._client.start_call("infer_group", entries)
+        answer.add_done_callback(lambda done: self._answered(done, indices, entries_of, rows_of))
+        return call_id
 
     def _entry(self, members: list[int]) -> tuple[Any, ...]:
         if len(members) == 1:
@@ -187,6 +206,7 @@ class Group:
     def _answered(
         self,
         answer: asyncio.Future[Any],
+        indices: list[int],
         entries_of: list[list[int]],
         rows_of: list[list[int] | None],
     ) -> None:
@@ -194,9 +214,9 @@ class Group:
             return
         error = answer.exception()
         if error is not None:
-            for waiter in self._waiters:
-                if not waiter.done():
-                    waiter.set_exception(error)
+            for index in indices:
+                if not self._waiters[index].done():
+                    self._waiters[index].set_exception(error)
             return
         for members, rows, (ok, value) in zip(entries_of, rows_of, answer.result(), strict=True):
             if len(members) == 1:
@@ -224,71 +244,83 @@ class Group:
                 waiter.set_result(response)
 
 
+# How the engine host hands a gatherer its calls: each call's arguments, and the reply
+# to make for each (by its place) as soon as its answer is known.
+Reply = Callable[[int, bool, Any], None]
+
+
 def answer_group(service: InferenceService) -> Callable[[list[Any]], Awaitable[list[Any]]]:
     """The engine's ``infer_group`` call, answered by ``service`` (its ModelServer)."""
 
     async def infer_group(entries: list[tuple[Any, ...]]) -> list[tuple[Any, Any]]:
-        return (await _answer_entries(service, [entries]))[0]
+        answers: list[list[tuple[Any, Any]]] = []
+        await _answer_entries(service, [entries], lambda _, answer: answers.append(answer))
+        return answers[0]
 
     return infer_group
 
 
 def answer_groups(
     service: InferenceService,
-) -> Callable[[list[tuple[Any, ...]]], Awaitable[list[tuple[bool, Any]]]]:
+) -> Callable[[list[tuple[Any, ...]], Reply], Awaitable[None]]:
     """Several ``infer_group`` calls that reached the engine in one turn of its loop (from
     several front ends; :class:`~slipstream.engine.host.EngineHost` gathers them), served
-    together: alike entries of different calls are merged into one stack. Takes each
-    call's arguments, answers each as ``infer_group`` would alone."""
+    together: alike entries of different calls are merged into one stack. Each call is
+    answered, as ``infer_group`` would answer it alone, when its last entry is done."""
 
-    async def infer_groups(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
-        answers = await _answer_entries(service, [args[0] for args in calls])
-        return [(True, answer) for answer in answers]
+    async def infer_groups(calls: list[tuple[Any, ...]], reply: Reply) -> None:
+        groups = [args[0] for args in calls]
+        await _answer_entries(service, groups, lambda index, answer: reply(index, True, answer))
 
     return infer_groups
 
 
 def answer_gathered(
     service: InferenceService,
-) -> Callable[[list[tuple[Any, ...]]], Awaitable[list[tuple[bool, Any]]]]:
+) -> Callable[[list[tuple[Any, ...]], Reply], Awaitable[None]]:
     """Lone ``infer`` calls that reached the engine in one turn of its loop, from one
     front end or several (:class:`~slipstream.engine.host.EngineHost` gathers them), served
     as a group by ``service``: alike ones stacked here, as a front end stacks its own.
-    Takes each call's arguments (the request's fields), answers each as ``infer`` would
-    alone: (True, response fields) or (False, error state)."""
+    Each is answered as ``infer`` would answer it alone ((True, response fields) or
+    (False, error state)), as soon as it is done."""
 
-    async def infer_gathered(calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
+    async def infer_gathered(calls: list[tuple[Any, ...]], reply: Reply) -> None:
         pieces = [_Piece(request_from(args[0])) for args in calls]
-        return [_sent(outcome) for outcome in await _serve(service, pieces)]
+        await _serve(service, pieces, lambda index, outcome: reply(index, *_sent(outcome)))
 
     return infer_gathered
 
 
 async def _answer_entries(
-    service: InferenceService, groups: list[list[tuple[Any, ...]]]
-) -> list[list[tuple[Any, Any]]]:
-    """Each group's answers (see the module docstring), its entries served with every
-    other group's."""
-    pieces = [
-        _Piece(request_from(entry[1]))
-        if entry[0] == ONE
-        else _Piece(request_from(entry[1]), entry[2], entry[3])
-        for entries in groups
-        for entry in entries
-    ]
-    outcomes = iter(await _serve(service, pieces))
-    answers: list[list[tuple[Any, Any]]] = []
-    for entries in groups:
-        answers.append([])
-        for entry in entries:
-            outcome = next(outcomes)
-            if entry[0] == ONE:
-                answers[-1].append(_sent(outcome))
-            elif isinstance(outcome, InferResponse):
-                answers[-1].append((True, response_fields(outcome)))
-            else:
-                answers[-1].append((None, [_sent(part) for part in outcome]))
-    return answers
+    service: InferenceService,
+    groups: list[list[tuple[Any, ...]]],
+    done: Callable[[int, list[tuple[Any, Any]]], None],
+) -> None:
+    """Serves the groups' entries together; ``done(group's place, its answers)`` (see the
+    module docstring) as soon as a group's last entry is done."""
+    pieces: list[_Piece] = []
+    owners: list[tuple[int, int]] = []  # each piece's (group, entry)
+    for group, entries in enumerate(groups):
+        for place, entry in enumerate(entries):
+            head = request_from(entry[1])
+            pieces.append(_Piece(head) if entry[0] == ONE else _Piece(head, entry[2], entry[3]))
+            owners.append((group, place))
+    answers: list[list[Any]] = [[None] * len(entries) for entries in groups]
+    waiting = [len(entries) for entries in groups]
+
+    def settle(index: int, outcome: Any) -> None:
+        group, place = owners[index]
+        if groups[group][place][0] == ONE:
+            answers[group][place] = _sent(outcome)
+        elif isinstance(outcome, InferResponse):
+            answers[group][place] = (True, response_fields(outcome))
+        else:
+            answers[group][place] = (None, [_sent(part) for part in outcome])
+        waiting[group] -= 1
+        if not waiting[group]:
+            done(group, answers[group])
+
+    await _serve(service, pieces, settle)
 
 
 @dataclasses.dataclass(slots=True)
@@ -308,60 +340,85 @@ class _Piece:
         return [(head.id, head.route_key, head.owner, head.parameters)], [_rows(head)]
 
 
-async def _serve(service: InferenceService, pieces: list[_Piece]) -> list[Any]:
-    """Each piece's outcome: a lone request's response or error; a stack's stacked
-    response, or an outcome per part. Alike pieces (:func:`stack_key` of their heads) run
-    as one stack, each still answered as it would be alone."""
-    outcomes: list[Any] = [None] * len(pieces)
-    ones: list[int] = []
-    stacks: list[list[int]] = []
-    work: list[Awaitable[Any]] = []
+async def _serve(
+    service: InferenceService, pieces: list[_Piece], settle: Callable[[int, Any], None]
+) -> None:
+    """Serves ``pieces``, calling ``settle(index, outcome)`` for each as soon as it is
+    done: a lone request's response or error; a stack's stacked response, or an outcome
+    per part. Alike pieces (:func:`stack_key` of their heads) run as one stack, each
+    still answered as it would be alone; lone requests run one group per model, so a
+    slow model's never hold back another's."""
+    units: list[Awaitable[None]] = []
+    ones: dict[tuple[str, str], list[int]] = {}
     for members in _merges(pieces):
-        if len(members) == 1 and pieces[members[0]].own is None:
-            ones.append(members[0])
+        first = pieces[members[0]]
+        if len(members) == 1 and first.own is None:
+            model = (first.head.model_name, first.head.model_version)
+            ones.setdefault(model, []).append(members[0])
             continue
-        merged = [pieces[index] for index in members]
-        head = merged[0].head
-        if len(merged) > 1:
-            head = dataclasses.replace(head, inputs=stack_inputs([p.head for p in merged])[0])
+        head = first.head
+        if len(members) > 1:
+            inputs = stack_inputs([pieces[index].head for index in members])[0]
+            head = dataclasses.replace(head, inputs=inputs)
         own: list[tuple[str, str, str, dict[str, Any]]] = []
         rows: list[int] = []
-        for piece in merged:
-            piece_own, piece_rows = piece.parts()
+        for index in members:
+            piece_own, piece_rows = pieces[index].parts()
             own += piece_own
             rows += piece_rows
-        stacks.append(members)
-        work.append(service.infer_stack(head, _Parts(head, own), rows))
-    if ones:
-        work.insert(0, service.infer_group([pieces[index].head for index in ones]))
-    # One piece of work (the usual case under load: one stack) is awaited here, not
-    # wrapped in a task of its own.
-    done = [await work[0]] if len(work) == 1 else await asyncio.gather(*work)
-    if ones:
-        for index, outcome in zip(ones, done.pop(0), strict=True):
-            outcomes[index] = outcome
-    for members, outcome in zip(stacks, done, strict=True):
-        if len(members) == 1:
-            outcomes[members[0]] = outcome
-            continue
-        row = part = 0
-        for index in members:
-            piece = pieces[index]
-            piece_own, piece_rows = piece.parts()
-            count, rows_here = len(piece_own), sum(piece_rows)
-            if isinstance(outcome, InferResponse):
-                cut_outputs = {n: a[row : row + rows_here] for n, a in outcome.outputs.items()}
-                mine: Any = InferResponse(
-                    outcome.model_name, outcome.model_version, cut_outputs, id=piece.head.id
-                )
-            else:
-                mine = outcome[part : part + count]
-                if piece.own is None:
-                    mine = mine[0]
-            outcomes[index] = mine
-            row += rows_here
-            part += count
-    return outcomes
+        units.append(_run_stack(service, pieces, members, head, own, rows, settle))
+    units += [_run_ones(service, pieces, indices, settle) for indices in ones.values()]
+    # One unit (the usual case under load: one stack) is awaited here, not wrapped in a
+    # task of its own.
+    if len(units) == 1:
+        await units[0]
+    else:
+        await asyncio.gather(*units)
+
+
+async def _run_ones(
+    service: InferenceService,
+    pieces: list[_Piece],
+    indices: list[int],
+    settle: Callable[[int, Any], None],
+) -> None:
+    outcomes = await service.infer_group([pieces[index].head for index in indices])
+    for index, outcome in zip(indices, outcomes, strict=True):
+        settle(index, outcome)
+
+
+async def _run_stack(
+    service: InferenceService,
+    pieces: list[_Piece],
+    members: list[int],
+    head: InferRequest,
+    own: list[tuple[str, str, str, dict[str, Any]]],
+    rows: list[int],
+    settle: Callable[[int, Any], None],
+) -> None:
+    """One stack of the ``members`` pieces; each piece's share of its outcome."""
+    outcome = await service.infer_stack(head, _Parts(head, own), rows)
+    if len(members) == 1:
+        settle(members[0], outcome)
+        return
+    row = part = 0
+    for index in members:
+        piece = pieces[index]
+        piece_own, piece_rows = piece.parts()
+        count, rows_here = len(piece_own), sum(piece_rows)
+        mine: Any
+        if isinstance(outcome, InferResponse):
+            cut_outputs = {n: a[row : row + rows_here] for n, a in outcome.outputs.items()}
+            mine = InferResponse(
+                outcome.model_name, outcome.model_version, cut_outputs, id=piece.head.id
+            )
+        else:
+            mine = outcome[part : part + count]
+            if piece.own is None:
+                mine = mine[0]
+        settle(index, mine)
+        row += rows_here
+        part += count
 
 
 def _merges(pieces: list[_Piece]) -> list[list[int]]:

@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 
 Call = Callable[..., Awaitable[Any]]
 Stream = Callable[..., AsyncIterator[Any]]
-# Several calls of one method at once: their arguments in, (ok, result | error state) out.
-Gatherer = Callable[[list[tuple[Any, ...]]], Awaitable[list[tuple[bool, Any]]]]
+# Several calls of one method at once: their arguments, and a reply(index, ok, result |
+# error state) to make for each call as soon as its answer is known.
+Gatherer = Callable[[list[tuple[Any, ...]], Callable[[int, bool, Any], None]], Awaitable[None]]
 
 
 class _Gathering:
@@ -98,6 +99,7 @@ class EngineHost:
         """Stop listening, cancel unfinished calls, close every connection."""
         if self._server is not None:
             self._server.close()
+        self._turn.clear()  # gathered this turn, not started: never will be
         gathering = {g.task for g in self._gathering.values() if g.task is not None}
         tasks = [*self._tasks.values(), *gathering]
         for task in tasks:
@@ -200,19 +202,35 @@ class EngineHost:
     async def _answer_gathered(
         self, method: str, calls: list[tuple[Link, int, Any]], gathering: _Gathering
     ) -> None:
+        replied = [False] * len(calls)
+
+        def reply(index: int, ok: bool, value: Any) -> None:
+            peer, call_id, _ = calls[index]
+            replied[index] = True
+            key = (peer, call_id)
+            self._gathering.pop(key, None)
+            if key in gathering.live:
+                gathering.live.discard(key)
+                peer.post(("ok" if ok else "err", call_id, value))
+
         try:
-            answers = await self._gathered[method]([args for _, _, args in calls])
+            await self._gathered[method]([args for _, _, args in calls], reply)
         except asyncio.CancelledError:
             return  # every call's client went away: no answers
         except BaseException as exc:
             self._log_fault(method, exc)
-            answers = [(False, error_state(exc))] * len(calls)
+            state = error_state(exc)
+        else:
+            if all(replied):
+                return
+            logger.error("engine: %s left calls unanswered", method)
+            state = error_state(RuntimeError("the engine did not answer this call"))
         finally:
             for peer, call_id, _ in calls:
                 self._gathering.pop((peer, call_id), None)
-        for (peer, call_id, _), (ok, value) in zip(calls, answers, strict=True):
-            if (peer, call_id) in gathering.live:
-                peer.post(("ok" if ok else "err", call_id, value))
+        for index, done in enumerate(replied):
+            if not done:
+                reply(index, False, state)
 
     async def _stream(self, peer: Link, call_id: int, method: str, args: Any) -> None:
         items: AsyncIterator[Any] | None = None

@@ -82,7 +82,7 @@ class RemoteInferenceService(InferenceService):
         try:
             return Group.response(await answer)
         except asyncio.CancelledError:
-            group.left()
+            group.left(answer)
             raise
 
     def _send_group(self) -> None:
