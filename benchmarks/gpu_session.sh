@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU measurements a session with a device machine owes issue #12, in one device call.
+#
+#   benchmarks/gpu_session.sh prepare [BEFORE]   here: wheels the device's Python 3.12
+#                                                lacks into .whl/, the source tree at git
+#                                                revision BEFORE (default 3c116c6, the tree
+#                                                before engine groups) into .gpu/before/src
+#   benchmarks/gpu_session.sh run                on the device machine (the device tool's
+#                                                run, carry [".whl", ".gpu"]): installs the
+#                                                wheels into /tmp/site, measures
+#                                                benchmarks/gpu.py on the tree before and on
+#                                                this one (figures into $OUT), runs
+#                                                make test-gpu
+#
+# .whl/ and .gpu/ are ignored through .git/info/exclude (prepare adds them), so they travel
+# only where the call carries them. docs/gpu.md reads the figures.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+
+# What the device's python lacks (its torch, numpy, grpcio, uvloop, prometheus-client,
+# pyyaml, click, rich and psutil are there), and what transformers 5.23 needs beyond them.
+WHEELS=(
+  httptools==0.9.0 orjson==3.13.0 pydantic==2.14.3 pydantic-core==2.50.4
+  annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+  llguidance==1.9.1 pytest-asyncio==1.5.0 transformers==5.23.0 tokenizers==0.23.3
+  huggingface-hub==2.4.0 safetensors==0.8.0 httpx2==2.16.2 httpcore2==2.16.2
+  hf-xet==1.8.0 click==8.5.1 truststore==0.10.5 idna==3.20 anyio==4.16.0 h11==0.16.0
+  py-spy==0.4.3
+)
+
+prepare() {
+  local before=${1:-3c116c6}
+  for path in /.whl/ /.gpu/; do
+    grep -qxF "$path" .git/info/exclude || echo "$path" >>.git/info/exclude
+  done
+  mkdir -p .whl .gpu/before
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}" ||
+    return 1
+  rm -rf .gpu/before/src
+  git archive "$before" src | tar -x -C .gpu/before
+  du -sh .whl .gpu
+}
+
+run() {
+  : "${OUT:?run it through the device tool, which sets OUT}"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$OUT/pip.txt" 2>&1 || { tail -5 "$OUT/pip.txt"; return 1; }
+  nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv >"$OUT/smi.txt" 2>&1
+  export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+  # Before: the FP16 HTTP and gRPC case only; after: FP16 with 4 and 8 front ends and
+  # FP32, at C=1 and 256, both protocols.
+  PYTHONPATH=.gpu/before/src:/tmp/site timeout 170 python3 benchmarks/gpu.py \
+    --served fp16-graphs-i1-split4 --concurrency 256 --protocols http-binary,grpc \
+    --duration 3 --json "$OUT/before.json" >"$OUT/before.txt" 2>&1
+  echo "before rc=$?" >>"$OUT/before.txt"
+  PYTHONPATH=src:/tmp/site timeout 260 python3 benchmarks/gpu.py \
+    --served fp16-graphs-i1-split4,fp16-graphs-i1-split8,fp32-graphs-i1-split4 \
+    --concurrency 1,256 --duration 3 --json "$OUT/after.json" >"$OUT/after.txt" 2>&1
+  echo "after rc=$?" >>"$OUT/after.txt"
+  PYTHONPATH=/tmp/site timeout 150 make test-gpu >"$OUT/test-gpu.txt" 2>&1
+  echo "test-gpu rc=$?" >>"$OUT/test-gpu.txt"
+  tail -6 "$OUT/before.txt"
+  tail -12 "$OUT/after.txt"
+  tail -3 "$OUT/test-gpu.txt"
+}
+
+case "${1:-}" in
+  prepare) shift; prepare "$@" ;;
+  run) run ;;
+  *) echo "usage: $0 prepare [BEFORE] | run" >&2; exit 2 ;;
+esac
