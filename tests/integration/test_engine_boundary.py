@@ -1,11 +1,12 @@
 """The process boundary of the split layout (``engine/``), on real Unix sockets.
 
 The wire format round-trips what crosses it (requests with tensors of every kind, configs,
-errors as their own class); a stateful hypothesis machine drives an engine host and a front
-end's client through calls, held calls, cancels, streams and engine restarts in any order,
-checking that every call ends exactly once (its answer, its error, or 503 when the engine
-went away), that no call hangs, and that a cancelled call leaves nothing running in the
-engine.
+errors as their own class); a stateful hypothesis machine drives an engine host and two front
+ends' clients through calls, held calls, calls the engine gathers (several in one turn of
+its loop, answered each as soon as it is done), cancels, streams and engine restarts in
+any order, checking that every call ends exactly once (its answer, its error, or 503 when
+the engine went away), that no call hangs, and that a cancelled call leaves nothing
+running in the engine (a gathered one: once every call gathered with it is cancelled).
 """
 
 from __future__ import annotations
@@ -127,6 +128,14 @@ class _Engine:
     async def fail(self, name: str) -> None:
         raise getattr(errors, name)(f"failed as {name}")
 
+    async def gecho(self, calls: list[tuple[Any, ...]], reply: Any) -> None:
+        """Gathered echo calls: each answered as soon as its own echo is done."""
+
+        async def one(index: int, value: int, hold: bool) -> None:
+            reply(index, True, await self.echo(value, hold))
+
+        await asyncio.gather(*(one(index, *args) for index, args in enumerate(calls)))
+
     async def count(self, n: int) -> AsyncIterator[int]:
         for i in range(n):
             await asyncio.sleep(0)
@@ -142,9 +151,13 @@ class BoundaryMachine(RuleBasedStateMachine):
         self.engine = _Engine()
         self.host = self._host()
         self.client = EngineClient(self.address)
+        self.other = EngineClient(self.address)  # a second front end
         self.run(self._connect())
         # Calls in flight: task -> the value it echoes.
         self.calls: dict[asyncio.Task[int], int] = {}
+        # Held calls the engine gathered, per gathering: those still waited for, and how
+        # many held echoes it runs (they run while any call of it is waited for).
+        self.gatherings: list[tuple[dict[asyncio.Task[int], int], int]] = []
 
     def run(self, coroutine: Any, timeout_s: float = 10.0) -> Any:
         return self.loop.run_until_complete(asyncio.wait_for(coroutine, timeout_s))
@@ -153,15 +166,24 @@ class BoundaryMachine(RuleBasedStateMachine):
         engine = self.engine
         host = EngineHost(
             self.address,
-            {"echo": engine.echo, "fail": engine.fail},
+            {"echo": engine.echo, "fail": engine.fail, "gecho": engine.echo},
             streams={"count": engine.count},
+            gathered={"gecho": engine.gecho},
         )
         self.loop.run_until_complete(host.start())
         return host
 
     async def _connect(self) -> None:
-        self.client.start()
-        assert await self.client.wait_connected(10)
+        for client in (self.client, self.other):
+            client.start()
+            assert await client.wait_connected(10)
+
+    def _held(self) -> dict[asyncio.Task[int], int]:
+        """Every call waited for that the engine holds: plain and gathered."""
+        held = dict(self.calls)
+        for live, _ in self.gatherings:
+            held.update(live)
+        return held
 
     async def _settle(self) -> None:
         for _ in range(20):
@@ -182,23 +204,57 @@ class BoundaryMachine(RuleBasedStateMachine):
             if task.done():
                 assert task.result() == value
 
-    @precondition(lambda self: bool(self.calls))
+    @rule(
+        sent=st.lists(st.tuples(st.integers(0, 10**6), st.booleans()), min_size=1, max_size=4),
+        two_front_ends=st.booleans(),
+    )
+    def gathered_calls(self, sent: list[tuple[int, bool]], two_front_ends: bool) -> None:
+        """Calls sent in one turn, gathered by the engine when several: those not held
+        are answered at once, whatever their gathered neighbours wait for."""
+        clients = [self.client, self.other] if two_front_ends else [self.client]
+
+        async def start() -> list[asyncio.Task[int]]:
+            tasks = [
+                asyncio.create_task(clients[i % len(clients)].call("gecho", value, hold))
+                for i, (value, hold) in enumerate(sent)
+            ]
+            await self._settle()
+            return tasks
+
+        tasks = self.run(start())
+        live = {}
+        for task, (value, hold) in zip(tasks, sent, strict=True):
+            if hold:
+                live[task] = value
+            else:
+                assert task.done() and task.result() == value
+        if len(sent) == 1:
+            self.calls.update(live)  # a lone call runs as any call
+        elif live:
+            self.gatherings.append((live, len(live)))
+
+    @precondition(lambda self: bool(self._held()))
     @rule()
     def release_held_calls(self) -> None:
         self.engine.release.set()
-        results = self.run(self._gather())
-        assert results == list(self.calls.values())
+        held = self._held()
+        results = self.run(self._gather(list(held)))
+        assert results == list(held.values())
         self.calls.clear()
+        self.gatherings.clear()
         self.engine.release = asyncio.Event()
 
-    @precondition(lambda self: bool(self.calls))
+    @precondition(lambda self: bool(self._held()))
     @rule(data=st.data())
     def cancel_one(self, data: st.DataObject) -> None:
-        task = data.draw(st.sampled_from(sorted(self.calls, key=id)))
+        task = data.draw(st.sampled_from(sorted(self._held(), key=id)))
         task.cancel()
         self.run(self._settle())
         assert task.cancelled()
-        del self.calls[task]
+        self.calls.pop(task, None)
+        for live, _ in self.gatherings:
+            live.pop(task, None)
+        self.gatherings = [(live, held) for live, held in self.gatherings if live]
 
     @rule(name=st.sampled_from(["InvalidRequest", "ModelNotFound", "Unavailable"]))
     def failing_call(self, name: str) -> None:
@@ -225,24 +281,26 @@ class BoundaryMachine(RuleBasedStateMachine):
         """The engine goes away: every call in flight fails with 503 at once; new calls
         are refused until the new engine is connected, then served."""
         self.run(self.host.close())
-        for task, _ in list(self.calls.items()):
+        for task in self._held():
             with pytest.raises(EngineGone) as info:
                 self.run(task)
             assert info.value.http_status == 503 and info.value.retry_after_s == 1
         self.calls.clear()
+        self.gatherings.clear()
         self.engine.release = asyncio.Event()
         self.run(self._wait_disconnected())
         with pytest.raises(EngineGone):
             self.run(self.client.call("echo", 1, False))
         self.host = self._host()
-        assert self.run(self.client.wait_connected(10))
+        for client in (self.client, self.other):
+            assert self.run(client.wait_connected(10))
         assert self.run(self.client.call("echo", 5, False)) == 5
 
-    async def _gather(self) -> list[int]:
-        return list(await asyncio.gather(*self.calls))
+    async def _gather(self, tasks: list[asyncio.Task[int]]) -> list[int]:
+        return list(await asyncio.gather(*tasks))
 
     async def _finish_calls(self) -> None:
-        await asyncio.gather(*self.calls, return_exceptions=True)
+        await asyncio.gather(*self._held(), return_exceptions=True)
 
     async def _wait_disconnected(self) -> None:
         while self.client.connected:
@@ -251,13 +309,16 @@ class BoundaryMachine(RuleBasedStateMachine):
     @invariant()
     def nothing_runs_in_the_engine_but_held_calls(self) -> None:
         self.run(self._settle())
-        assert self.engine.running == len(self.calls)
+        gathered = sum(held for _, held in self.gatherings)
+        assert self.engine.running == len(self.calls) + gathered
         assert len(self.host._tasks) == len(self.calls)
+        assert len(self.host._gathering) == sum(len(live) for live, _ in self.gatherings)
 
     def teardown(self) -> None:
         self.engine.release.set()
         self.run(self._finish_calls())
         self.run(self.client.close())
+        self.run(self.other.close())
         self.run(self.host.close())
         self.loop.close()
         shutil.rmtree(self.directory, ignore_errors=True)
