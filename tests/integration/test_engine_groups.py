@@ -474,16 +474,21 @@ def test_a_front_end_that_goes_away_leaves_the_rest_of_a_gathering(engine: Engin
     assert engine.gathered["infer"][gathered:] == [2]
 
 
-def test_large_alike_calls_are_not_copied_into_one_stack(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("sent_as", ["lone calls", "a front end's group"])
+def test_large_alike_requests_are_not_copied_into_one_stack(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, sent_as: str
 ) -> None:
-    """Alike lone calls whose inputs are larger than MERGE_MAX_BYTES each are served as
-    they came (the batcher joins them off the engine's loop); smaller ones are stacked."""
+    """Alike requests whose inputs are larger than MERGE_MAX_BYTES each are not stacked,
+    neither by the engine (lone calls) nor by a front end (its group): they travel and run
+    as they came, and the batcher joins them off the event loops. Smaller ones are."""
     drawn = [_add_sub(2, seed, id=f"s{seed}") for seed in range(4)]  # 256 bytes each
     for limit, stacks in ((256, [[2, 2, 2, 2]]), (255, [])):
         monkeypatch.setattr(groups, "MERGE_MAX_BYTES", limit)
         engine.server.stacks.clear()
-        answers = engine.run(_lone_calls([engine.client], drawn))
+        if sent_as == "lone calls":
+            answers = engine.run(_lone_calls([engine.client], drawn))
+        else:
+            answers = engine.run(_each([engine.remote.infer(request) for request in drawn]))
         assert engine.server.stacks == stacks
         for request, answer in zip(drawn, answers, strict=True):
             assert isinstance(answer, InferResponse) and answer.id == request.id

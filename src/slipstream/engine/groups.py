@@ -64,9 +64,9 @@ logger = logging.getLogger(__name__)
 
 ONE = 0
 STACK = 1
-# Above this many bytes of inputs a piece (on average) the engine does not copy alike
-# pieces into one stack: at ~5 GB/s, 32 KB is a few microseconds, less than the engine
-# saves a request by stacking; a large image is not.
+# Above this many bytes of inputs a request (on average; for the engine, a piece: a
+# request or a front end's stack) alike ones are not copied into one stack: at ~5 GB/s,
+# 32 KB is a few microseconds, less than stacking saves a request; a large image is not.
 MERGE_MAX_BYTES = 32 * 1024
 
 
@@ -94,7 +94,10 @@ def stack_key(request: InferRequest) -> tuple[Any, ...] | None:
 
 def plan(requests: Sequence[InferRequest]) -> list[list[int]]:
     """Which requests travel together: the indices of each entry, alike requests
-    (:func:`stack_key`) in one, entries in the order of their first request."""
+    (:func:`stack_key`) in one, entries in the order of their first request. Alike
+    requests whose inputs average more than :data:`MERGE_MAX_BYTES` travel alone: copying
+    them into one stack on an event loop would cost more than it saves (the batcher joins
+    their rows on the instance's thread, off the loop)."""
     by_key: dict[tuple[Any, ...], list[int]] = {}
     entries: list[list[int]] = []
     for index, request in enumerate(requests):
@@ -107,7 +110,14 @@ def plan(requests: Sequence[InferRequest]) -> list[list[int]]:
                 by_key[key] = members
         else:
             members.append(index)
-    return entries
+    planned: list[list[int]] = []
+    for members in entries:
+        size = sum(a.nbytes for i in members for a in requests[i].inputs.values())
+        if len(members) > 1 and size > MERGE_MAX_BYTES * len(members):
+            planned += [[index] for index in members]
+        else:
+            planned.append(members)
+    return planned
 
 
 def stack_inputs(parts: Sequence[InferRequest]) -> tuple[dict[str, np.ndarray], list[int]]:
@@ -350,7 +360,7 @@ async def _serve(
     slow model's never hold back another's."""
     units: list[Awaitable[None]] = []
     ones: dict[tuple[str, str], list[int]] = {}
-    for members in _merges(pieces):
+    for members in plan([piece.head for piece in pieces]):
         first = pieces[members[0]]
         if len(members) == 1 and first.own is None:
             model = (first.head.model_name, first.head.model_version)
@@ -419,20 +429,6 @@ async def _run_stack(
         settle(index, mine)
         row += rows_here
         part += count
-
-
-def _merges(pieces: list[_Piece]) -> list[list[int]]:
-    """Which pieces run as one stack: alike ones (:func:`plan`) whose inputs are small
-    enough to copy into one on the engine's loop; larger ones run as they came (the
-    batcher joins their rows on the instance's thread, off the loop)."""
-    merges: list[list[int]] = []
-    for members in plan([piece.head for piece in pieces]):
-        size = sum(a.nbytes for i in members for a in pieces[i].head.inputs.values())
-        if len(members) > 1 and size > MERGE_MAX_BYTES * len(members):
-            merges += [[index] for index in members]
-        else:
-            merges.append(members)
-    return merges
 
 
 def _rows(request: InferRequest) -> int:
