@@ -47,6 +47,7 @@ from typing import Any, cast, overload
 import numpy as np
 
 from slipstream.engine.client import EngineClient
+from slipstream.engine.host import Gatherer, Reply
 from slipstream.engine.wire import (
     INPUTS_FIELD,
     error_state,
@@ -125,7 +126,7 @@ def stack_inputs(parts: Sequence[InferRequest]) -> tuple[dict[str, np.ndarray], 
     each request's rows."""
     stacked = {name: np.concatenate([part.inputs[name] for part in parts])
                for name in parts[0].inputs}  # fmt: skip
-    return stacked, [next(iter(part.inputs.values())).shape[0] for part in parts]
+    return stacked, [_rows(part) for part in parts]
 
 
 class Group:
@@ -254,11 +255,6 @@ class Group:
                 waiter.set_result(response)
 
 
-# How the engine host hands a gatherer its calls: each call's arguments, and the reply
-# to make for each (by its place) as soon as its answer is known.
-Reply = Callable[[int, bool, Any], None]
-
-
 def answer_group(service: InferenceService) -> Callable[[list[Any]], Awaitable[list[Any]]]:
     """The engine's ``infer_group`` call, answered by ``service`` (its ModelServer)."""
 
@@ -270,9 +266,7 @@ def answer_group(service: InferenceService) -> Callable[[list[Any]], Awaitable[l
     return infer_group
 
 
-def answer_groups(
-    service: InferenceService,
-) -> Callable[[list[tuple[Any, ...]], Reply], Awaitable[None]]:
+def answer_groups(service: InferenceService) -> Gatherer:
     """Several ``infer_group`` calls that reached the engine in one turn of its loop (from
     several front ends; :class:`~slipstream.engine.host.EngineHost` gathers them), served
     together: alike entries of different calls are merged into one stack. Each call is
@@ -285,9 +279,7 @@ def answer_groups(
     return infer_groups
 
 
-def answer_gathered(
-    service: InferenceService,
-) -> Callable[[list[tuple[Any, ...]], Reply], Awaitable[None]]:
+def answer_gathered(service: InferenceService) -> Gatherer:
     """Lone ``infer`` calls that reached the engine in one turn of its loop, from one
     front end or several (:class:`~slipstream.engine.host.EngineHost` gathers them), served
     as a group by ``service``: alike ones stacked here, as a front end stacks its own.
@@ -411,23 +403,17 @@ async def _run_stack(
     if len(members) == 1:
         settle(members[0], outcome)
         return
-    row = part = 0
-    for index in members:
-        piece = pieces[index]
-        piece_own, piece_rows = piece.parts()
-        count, rows_here = len(piece_own), sum(piece_rows)
-        mine: Any
-        if isinstance(outcome, InferResponse):
-            cut_outputs = {n: a[row : row + rows_here] for n, a in outcome.outputs.items()}
-            mine = InferResponse(
-                outcome.model_name, outcome.model_version, cut_outputs, id=piece.head.id
-            )
-        else:
-            mine = outcome[part : part + count]
-            if piece.own is None:
-                mine = mine[0]
-        settle(index, mine)
-        row += rows_here
+    merged = [pieces[index] for index in members]
+    if isinstance(outcome, InferResponse):  # each piece's rows, as its own stack's
+        shares = cut(outcome, [p.head.id for p in merged], [sum(p.parts()[1]) for p in merged])
+        for index, share in zip(members, shares, strict=True):
+            settle(index, share)
+        return
+    part = 0  # an outcome per part: each piece's parts', a lone request's own
+    for index, piece in zip(members, merged, strict=True):
+        count = len(piece.parts()[0])
+        mine = outcome[part : part + count]
+        settle(index, mine if piece.own is not None else mine[0])
         part += count
 
 

@@ -44,9 +44,11 @@ logger = logging.getLogger(__name__)
 
 Call = Callable[..., Awaitable[Any]]
 Stream = Callable[..., AsyncIterator[Any]]
-# Several calls of one method at once: their arguments, and a reply(index, ok, result |
-# error state) to make for each call as soon as its answer is known.
-Gatherer = Callable[[list[tuple[Any, ...]], Callable[[int, bool, Any], None]], Awaitable[None]]
+# The answer to one of a gatherer's calls, by its place: (index, ok, result | error state).
+Reply = Callable[[int, bool, Any], None]
+# Several calls of one method at once: their arguments, and the reply to make for each
+# call as soon as its answer is known.
+Gatherer = Callable[[list[tuple[Any, ...]], Reply], Awaitable[None]]
 
 
 class _Gathering:
