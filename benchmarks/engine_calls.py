@@ -214,7 +214,7 @@ async def _drive(
     fields = request_fields(request)
     stop = time.monotonic() + seconds
 
-    services = [RemoteInferenceService(client) for client in clients]
+    services = [RemoteInferenceService([client]) for client in clients]
 
     async def caller(index: int) -> None:
         client, service = clients[index % front_ends], services[index % front_ends]

@@ -211,6 +211,12 @@ def main() -> None:
 )
 @click.option("--frontends", type=int, default=0, help=_help("frontends"))
 @click.option(
+    "--engines",
+    type=click.Choice(["single", "per-device"]),
+    default="single",
+    help=_help("engines"),
+)
+@click.option(
     "--cpu-scheduling",
     type=click.Choice(["batch", "default"]),
     default="batch",
@@ -240,15 +246,17 @@ def serve(**options: Any) -> None:
         stream=sys.stderr,
     )
     if on_ray:
-        if settings.frontends:
+        if settings.frontends or settings.engines != "single":
             raise click.BadParameter(
-                "--frontends splits one server into processes; under --ray, Ray Serve runs "
-                "the replicas: leave --frontends out (or 0)",
-                param_hint="--frontends",
+                "--frontends and --engines split one server into processes; under --ray, "
+                "Ray Serve runs the replicas: leave them out",
+                param_hint="--frontends/--engines",
             )
         from slipstream.rayserve.app import run as run_on_ray
 
         sys.exit(run_on_ray(settings))
+    if settings.engines == "per-device" and not settings.frontends:
+        settings = settings.model_copy(update={"frontends": 1})
     if settings.frontends:
         from slipstream.server.split import serve_split as run_server
     else:

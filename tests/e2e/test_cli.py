@@ -96,6 +96,8 @@ def test_repository_option_is_required() -> None:
         (["--log-level", "loud"], "--log-level"),
         (["--frontends", "-1"], "frontends"),
         (["--frontends", "2", "--ray"], "--frontends"),
+        (["--engines", "per-device", "--ray"], "--engines"),
+        (["--engines", "per-gpu"], "--engines"),
     ],
 )
 def test_invalid_option_values_exit_non_zero_naming_the_option(

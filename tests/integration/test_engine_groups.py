@@ -86,8 +86,8 @@ class Engine:
         self.client_path = str(root / "engine")
         self.client = EngineClient(self.client_path)
         self.other = EngineClient(self.client_path)  # a second front end
-        self.remote = RemoteInferenceService(self.client)
-        self.other_remote = RemoteInferenceService(self.other)
+        self.remote = RemoteInferenceService([self.client])
+        self.other_remote = RemoteInferenceService([self.other])
         self.run(self._start())
 
     def _noted(self, method: str, gatherer: Gatherer) -> Gatherer:

@@ -176,8 +176,8 @@ def test_the_split_layout_merge_keeps_one_series_per_gpu() -> None:
     gpus = Gpus.open(FakeNvml([FakeGpu(A), FakeGpu(B)]))
     assert gpus is not None
     engine.registry.register(GpuCollector(gpus))
-    reports = {"": snapshot(engine.registry)}
-    reports |= {str(i): snapshot(ServerMetrics().registry) for i in range(2)}
-    text = merged_text(reports, "frontend").decode()
+    reports = [({}, snapshot(engine.registry))]
+    reports += [({"frontend": str(i)}, snapshot(ServerMetrics().registry)) for i in range(2)]
+    text = merged_text(reports).decode()
     lines = [line for line in text.splitlines() if line.startswith("nv_gpu_power_usage{")]
     assert sorted(lines) == [f'nv_gpu_power_usage{{gpu_uuid="{uuid}"}} 70.0' for uuid in (A, B)]

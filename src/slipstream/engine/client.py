@@ -91,7 +91,7 @@ class EngineClient:
         )  # fmt: skip
 
     def _made(self, link: Link) -> None:
-        logger.info("connected to the engine process")
+        logger.info("connected to the engine process at %s", self._path)
         self._link = link
         self._connected.set()
 

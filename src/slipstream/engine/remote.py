@@ -5,21 +5,27 @@
 and gRPC front ends run unchanged on top of it; each method is one call to the engine
 process, which runs it on its ``ModelServer`` and answers with the result or the error
 (a 404 stays a 404), but ``infer``: the requests of one turn of the event loop go
-together (:mod:`slipstream.engine.groups`). Requests carry their tensors as out-of-band frames
-(:mod:`slipstream.engine.wire`); shared-memory inputs travel as their region and offset,
-and the engine reads the client's region itself, since it holds the registrations.
+together (:mod:`slipstream.engine.groups`). With several engines (one per device), a
+model's calls go to the engine that serves it (a :class:`ModelRouting` says which);
+what concerns the whole server (readiness, the repository index, every model's
+statistics, shared-memory registrations) is asked of, or made in, every engine.
+Requests carry their tensors as out-of-band frames (:mod:`slipstream.engine.wire`);
+shared-memory inputs travel as their region and offset, and the engine reads the
+client's region itself, since it holds the registrations.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+from typing import Any, Protocol
 
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
 from slipstream.engine.groups import Group, answer_gathered, answer_group, answer_groups
 from slipstream.engine.host import Call, Gatherer
 from slipstream.engine.wire import request_fields, request_from, response_fields
+from slipstream.errors import SlipstreamError
 from slipstream.observability.stats import ModelStats
 from slipstream.serving.service import InferenceService
 from slipstream.types import (
@@ -32,52 +38,87 @@ from slipstream.types import (
 )
 
 
-class RemoteInferenceService(InferenceService):
-    """:class:`InferenceService` over an :class:`EngineClient`; see the module docstring."""
+class ModelRouting(Protocol):
+    """Which of several engines serves a model (server/split.py's, from the repository's
+    placement: repository/placement.py)."""
 
-    def __init__(self, client: EngineClient) -> None:
-        self._client = client
+    def engine_of(self, name: str) -> int:
+        """The index of the engine serving ``name`` as last read (no I/O: on the hot path);
+        the first engine for a name it does not know."""
+        ...
+
+    def refresh(self) -> None:
+        """Read the repository again (blocking: run it in a thread)."""
+        ...
+
+
+class RemoteInferenceService(InferenceService):
+    """:class:`InferenceService` over the front end's :class:`EngineClient` of each engine
+    (one but for ``--engines per-device``); see the module docstring."""
+
+    def __init__(self, clients: list[EngineClient], routing: ModelRouting | None = None) -> None:
+        if len(clients) > 1 and routing is None:
+            raise ValueError("several engines need a routing")
+        self._clients = clients
+        self._routing = routing
         self._stopping = False
-        # The requests of this turn of the event loop, sent at its end.
-        self._group: Group | None = None
+        # The requests of this turn of the event loop for each engine, sent at its end.
+        self._groups: dict[int, Group] = {}
 
     def is_live(self) -> bool:
-        """This front end is up (the engine may be restarting: then not ready)."""
+        """This front end is up (an engine may be restarting: then not ready)."""
         return not self._stopping
 
     def stop(self) -> None:
         self._stopping = True
 
+    def engine_for(self, name: str) -> EngineClient:
+        """The client of the engine serving model ``name``."""
+        routing = self._routing
+        return self._clients[0 if routing is None else routing.engine_of(name)]
+
+    async def _engine_for_change(self, name: str) -> EngineClient:
+        """:meth:`engine_for` as the repository is now: a model to load may be new."""
+        if self._routing is not None:
+            await asyncio.to_thread(self._routing.refresh)
+        return self.engine_for(name)
+
+    async def _each(self, method: str, *args: Any) -> list[Any]:
+        """``method`` answered by every engine, in order."""
+        return await asyncio.gather(*(client.call(method, *args) for client in self._clients))
+
     async def is_ready(self) -> bool:
-        if self._stopping or not self._client.connected:
+        if self._stopping or not all(client.connected for client in self._clients):
             return False
-        ready: bool = await self._client.call("is_ready")
-        return ready
+        return all(await self._each("is_ready"))
 
     async def server_metadata(self) -> ServerMetadata:
-        metadata: ServerMetadata = await self._client.call("server_metadata")
+        metadata: ServerMetadata = await self._clients[0].call("server_metadata")
         return metadata
 
     async def model_ready(self, name: str, version: str = "") -> bool:
-        ready: bool = await self._client.call("model_ready", name, version)
+        ready: bool = await self.engine_for(name).call("model_ready", name, version)
         return ready
 
     async def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
-        metadata: ModelMetadata = await self._client.call("model_metadata", name, version)
+        client = self.engine_for(name)
+        metadata: ModelMetadata = await client.call("model_metadata", name, version)
         return metadata
 
     async def model_config(self, name: str, version: str = "") -> ModelConfig:
-        config: ModelConfig = await self._client.call("model_config", name, version)
+        config: ModelConfig = await self.engine_for(name).call("model_config", name, version)
         return config
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        """Sent with the other requests of this turn of the loop as one group
-        (:class:`~slipstream.engine.groups.Group`); answered as the engine's ``infer``
-        answers it alone."""
-        group = self._group
+        """Sent with the other requests of this turn of the loop for the same engine as
+        one group (:class:`~slipstream.engine.groups.Group`); answered as the engine's
+        ``infer`` answers it alone."""
+        index = 0 if self._routing is None else self._routing.engine_of(request.model_name)
+        group = self._groups.get(index)
         if group is None:
-            group = self._group = Group(self._client)
-            asyncio.get_running_loop().call_soon(self._send_group)
+            group = self._groups[index] = Group(self._clients[index])
+            if len(self._groups) == 1:  # the turn's first
+                asyncio.get_running_loop().call_soon(self._send_groups)
         answer = group.add(request)
         try:
             return Group.response(await answer)
@@ -85,36 +126,43 @@ class RemoteInferenceService(InferenceService):
             group.left(answer)
             raise
 
-    def _send_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
+    def _send_groups(self) -> None:
+        groups, self._groups = self._groups, {}
+        for group in groups.values():
             group.send()
 
     async def check(self, request: InferRequest) -> None:
-        await self._client.call("check", request_fields(request))
+        await self.engine_for(request.model_name).call("check", request_fields(request))
 
     async def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
-        stats: list[ModelStats] = await self._client.call("model_statistics", name, version)
-        return stats
+        if name:
+            stats: list[ModelStats] = await self.engine_for(name).call(
+                "model_statistics", name, version
+            )
+            return stats
+        return [entry for each in await self._each("model_statistics", "", version)
+                for entry in each]  # fmt: skip
 
     async def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
-        entries: list[RepositoryEntry] = await self._client.call("repository_index", ready_only)
-        return entries
+        entries = [entry for each in await self._each("repository_index", ready_only)
+                   for entry in each]  # fmt: skip
+        return sorted(entries, key=lambda entry: entry.name)  # stable: versions stay in order
 
     async def load_model(self, name: str) -> None:
-        await self._client.call("load_model", name)
+        await (await self._engine_for_change(name)).call("load_model", name)
 
     async def unload_model(self, name: str) -> None:
-        await self._client.call("unload_model", name)
+        await (await self._engine_for_change(name)).call("unload_model", name)
 
     async def rollout(self, name: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        status: dict[str, Any] = await self._client.call("rollout", name, body)
+        status: dict[str, Any] = await self.engine_for(name).call("rollout", name, body)
         return status
 
     async def region_status(
         self, name: str = "", owner: str = ""
     ) -> list[SharedMemoryRegionStatus]:
-        regions: list[SharedMemoryRegionStatus] = await self._client.call(
+        # Every engine holds the same registrations: each reads requests' inputs itself.
+        regions: list[SharedMemoryRegionStatus] = await self._clients[0].call(
             "region_status", name, owner
         )
         return regions
@@ -122,10 +170,25 @@ class RemoteInferenceService(InferenceService):
     async def register_region(
         self, name: str, key: str, offset: int, byte_size: int, owner: str = ""
     ) -> None:
-        await self._client.call("register_region", name, key, offset, byte_size, owner)
+        """Registered in every engine, one after the other; one that refuses (the first
+        checks the client's input) undoes the registrations made before it."""
+        for index, client in enumerate(self._clients):
+            try:
+                await client.call("register_region", name, key, offset, byte_size, owner)
+            except Exception:
+                for before in self._clients[:index]:
+                    with contextlib.suppress(SlipstreamError):
+                        await before.call("unregister_region", name, owner)
+                raise
 
     async def unregister_region(self, name: str = "", owner: str = "") -> None:
-        await self._client.call("unregister_region", name, owner)
+        outcomes = await asyncio.gather(
+            *(client.call("unregister_region", name, owner) for client in self._clients),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
 
 def engine_calls(service: InferenceService) -> dict[str, Call]:

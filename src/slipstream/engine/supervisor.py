@@ -2,7 +2,8 @@
 
     supervisor (this process: no sockets of its own)
       |- engine process      Unix socket <socket dir>/engine      (models, batchers, LLM loop)
-      |- front end 0         HTTP + gRPC ports (SO_REUSEPORT)      -> connected to it
+      |- (engine 1 ...       <socket dir>/engine-1                 one per device: --engines)
+      |- front end 0         HTTP + gRPC ports (SO_REUSEPORT)      -> connected to each engine
       |- front end 1 ...
 
 A child that dies is started again, after a back-off that doubles from 1 s to 30 s
@@ -10,8 +11,8 @@ A child that dies is started again, after a back-off that doubles from 1 s to 30
 Retry-After (:mod:`slipstream.engine.client`). A child that exits before it was ever
 ready (an engine whose models failed to start, a front end that could not bind its port)
 stops the whole server with its exit code, as the one-process server does. On SIGTERM or
-SIGINT the front ends drain first (the engine still answers their in-flight requests),
-then the engine stops.
+SIGINT the front ends drain first (the engines still answer their in-flight requests),
+then the engines stop.
 
 The children are given the targets to run (``server/split.py`` composes them), so this
 module knows processes, not models. They run under ``multiprocessing``'s spawn method:
@@ -52,8 +53,9 @@ def socket_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="slipstream-"))
 
 
-def engine_address(directory: Path) -> str:
-    return str(directory / "engine")
+def engine_address(directory: Path, index: int = 0) -> str:
+    """The socket of the ``index``-th engine in ``directory``."""
+    return str(directory / ("engine" if index == 0 else f"engine-{index}"))
 
 
 def set_cpu_scheduling(policy: str) -> None:
@@ -101,7 +103,8 @@ class _Child:
 
 
 class Supervisor:
-    """Runs one engine and ``len(frontends)`` front ends; see the module docstring.
+    """Runs the engines (name -> what to run) and ``len(frontends)`` front ends; see the
+    module docstring.
 
     Each child is called as ``target(*args, ready)`` in its process, where ``ready`` is a
     multiprocessing Event it sets once it serves.
@@ -109,12 +112,14 @@ class Supervisor:
 
     def __init__(
         self,
-        engine: tuple[Callable[..., None], tuple[Any, ...]],
+        engines: dict[str, tuple[Callable[..., None], tuple[Any, ...]]],
         frontends: list[tuple[Callable[..., None], tuple[Any, ...]]],
         shutdown_timeout_s: float,
     ) -> None:
         self._context = multiprocessing.get_context("spawn")
-        self._engine = self._child("engine", *engine)
+        self._engines = [
+            self._child(name, target, args) for name, (target, args) in engines.items()
+        ]
         self._frontends = [
             self._child(f"front end {index}", target, args)
             for index, (target, args) in enumerate(frontends)
@@ -124,17 +129,12 @@ class Supervisor:
 
     async def run(self, stop: asyncio.Event) -> int:
         """Start everything, keep it running until ``stop`` is set; the exit code."""
-        self._start(self._engine)
-        for child in self._frontends:
+        children = [*self._engines, *self._frontends]
+        for child in children:
             self._start(child)
-        watchers = [
-            asyncio.create_task(self._keep_up(child)) for child in (self._engine, *self._frontends)
-        ]
+        watchers = [asyncio.create_task(self._keep_up(child)) for child in children]
         stop_task = asyncio.create_task(stop.wait())
-        failures = [
-            asyncio.create_task(self._failed_at_start(child))
-            for child in (self._engine, *self._frontends)
-        ]
+        failures = [asyncio.create_task(self._failed_at_start(child)) for child in children]
         done, _ = await asyncio.wait({stop_task, *failures}, return_when=asyncio.FIRST_COMPLETED)
         exit_code = next((task.result() for task in failures if task in done), 0)
         self._stopping = True
@@ -189,9 +189,9 @@ class Supervisor:
         return code or 1
 
     async def _stop_all(self) -> None:
-        """Drain the front ends, then stop the engine; kill what does not exit in time."""
+        """Drain the front ends, then stop the engines; kill what does not exit in time."""
         await asyncio.gather(*(self._stop(child) for child in self._frontends))
-        await self._stop(self._engine)
+        await asyncio.gather(*(self._stop(child) for child in self._engines))
 
     async def _stop(self, child: _Child) -> None:
         process = child.process

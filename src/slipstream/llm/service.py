@@ -30,6 +30,7 @@ from slipstream.llm.text import TextDelta, stream_text
 from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.startup import TRACE
 from slipstream.repository.layout import (
+    Share,
     list_models,
     model_path,
     named_model_file,
@@ -54,10 +55,14 @@ class LlmModels(GenerationService):
         idle_unload_s: float = 0.0,
         load_wait_s: float = 60.0,
         lifecycle: LifecycleMetrics | None = None,
+        share: Share | None = None,
     ) -> None:
         """``idle_unload_s``: the default idle delay (a model's config may set its own, or
-        pin it); ``load_wait_s``: how long a request waits for an idle model to load."""
+        pin it); ``load_wait_s``: how long a request waits for an idle model to load;
+        ``share``: the repository's models this process serves (repository/placement.py),
+        all if None."""
         self.repository = repository
+        self._share = share
         self._engines: dict[str, Engine] = {}
         self._created: dict[str, int] = {}
         self._default_max_tokens: dict[str, int] = {}
@@ -87,7 +92,7 @@ class LlmModels(GenerationService):
     async def load_all(self, only: set[str] | None = None) -> None:
         """Load every generative model (or those named in ``only``)."""
         try:
-            directories = list_models(self.repository)
+            directories = list_models(self.repository, self._share)
         except FileNotFoundError:
             return
         wanted = []
@@ -191,7 +196,7 @@ class LlmModels(GenerationService):
         try:
             names = [
                 name
-                for name, directory in list_models(self.repository).items()
+                for name, directory in list_models(self.repository, self._share).items()
                 if _is_generative(directory)
             ]
         except FileNotFoundError:

@@ -3,14 +3,15 @@
 A process that does not answer the scrape itself (a Ray replica, a front-end or engine
 process of the split layout) sends :func:`snapshot` of its registry as plain, picklable
 data; the process that answers merges them with :func:`merged_text`, each series
-labelled with where it came from (``replica="..."``, ``frontend="0"``).
+labelled with where it came from (``replica="..."``, ``frontend="0"``, ``engine="cuda:0"``).
 
-    text = merged_text({"": engine_families, "0": mine, "1": other_frontend}, "frontend")
+    text = merged_text([({}, engine_families), ({"frontend": "0"}, mine),
+                        ({"frontend": "1"}, other_frontend)])
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Metric, generate_latest
 
@@ -28,23 +29,25 @@ def snapshot(registry: CollectorRegistry) -> list[Family]:
     ]  # fmt: skip
 
 
-def merged_text(reports: dict[str, list[Family]], label: str) -> bytes:
-    """The Prometheus text of every snapshot in ``reports``, each series given ``label``
-    set to its report's key (none for the key "")."""
+# A snapshot and the labels that say where it came from.
+Report = tuple[dict[str, str], list[Family]]
+
+
+def merged_text(reports: Iterable[Report]) -> bytes:
+    """The Prometheus text of every snapshot in ``reports``, each of its series given
+    the snapshot's labels."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged(reports, label))
+    registry.register(_Merged(list(reports)))
     return generate_latest(registry)
 
 
 class _Merged:
-    def __init__(self, reports: dict[str, list[Family]], label: str) -> None:
+    def __init__(self, reports: list[Report]) -> None:
         self._reports = reports
-        self._label = label
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
-        for source, report in sorted(self._reports.items()):
-            extra = {self._label: source} if source else {}
+        for extra, report in self._reports:
             for name, kind, documentation, samples in report:
                 family = families.get(name)
                 if family is None:

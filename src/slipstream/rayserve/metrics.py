@@ -30,7 +30,10 @@ STALE_AFTER_S = 3 * PUSH_INTERVAL_S
 
 def merged_text(reports: dict[str, list[Family]]) -> bytes:
     """The Prometheus text of every replica's snapshot, a ``replica`` label on each series."""
-    return merge.merged_text(reports, "replica")
+    return merge.merged_text(
+        ({"replica": replica} if replica else {}, report)
+        for replica, report in sorted(reports.items())
+    )
 
 
 class MetricsBoard:

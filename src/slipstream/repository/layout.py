@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import yaml
 
@@ -86,8 +87,16 @@ def _resolve(path: Path, what: str) -> Path:
         ) from None
 
 
-def list_models(repository: Path) -> dict[str, ModelDirectory]:
-    """Every model directory in the repository, by name.
+class Share(Protocol):
+    """The part of the repository one process serves (repository/placement.py's
+    :class:`~slipstream.repository.placement.Share`, one per engine process)."""
+
+    def select(self, models: dict[str, ModelDirectory]) -> dict[str, ModelDirectory]: ...
+
+
+def list_models(repository: Path, share: Share | None = None) -> dict[str, ModelDirectory]:
+    """Every model directory in the repository, by name (those of ``share`` only, where
+    one is given).
 
     Hidden directories are skipped silently; directories whose name is no valid model
     name, or that are symlinks out of the repository, are skipped with a warning.
@@ -104,7 +113,7 @@ def list_models(repository: Path) -> dict[str, ModelDirectory]:
             logger.warning("skipping %s: %s", entry, exc.message)
             continue
         models[entry.name] = read_model_directory(entry)
-    return models
+    return models if share is None else share.select(models)
 
 
 def read_model_directory(path: Path) -> ModelDirectory:

@@ -30,6 +30,7 @@ from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.startup import TRACE
 from slipstream.protocol.v2 import encode_error
+from slipstream.repository.layout import Share
 from slipstream.runtime import heap
 from slipstream.security.gate import Gate, watch_keys
 from slipstream.security.keys import KeyRing, KeysFileError
@@ -144,9 +145,17 @@ class Core:
     monitors: DriftMonitors
 
 
-def build_core(settings: ServerSettings, with_transport: bool = True) -> Core:
+def build_core(
+    settings: ServerSettings,
+    with_transport: bool = True,
+    share: Share | None = None,
+    gpu_metrics: bool = True,
+) -> Core:
     """The serving core, the LLM lane and their metrics in one registry.
-    ``with_transport``: also the HTTP transport's series (not in an engine process)."""
+    ``with_transport``: also the HTTP transport's series (not in an engine process);
+    ``share``: the repository's models to serve (one engine of several), all if None;
+    ``gpu_metrics``: Triton's nv_gpu_* series where a GPU is visible (one engine of
+    several reports them, not each)."""
     # No *_created series beside prometheus_client's counters and histograms (the LLM
     # lane's): in the text format each is a family of its own that nothing plots.
     disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -156,16 +165,16 @@ def build_core(settings: ServerSettings, with_transport: bool = True) -> Core:
     metrics.registry.register(lifecycle)
     generation = LlmModels(
         settings.model_repository, metrics.registry, settings.idle_unload_seconds,
-        settings.load_wait_s, lifecycle,
+        settings.load_wait_s, lifecycle, share,
     )  # fmt: skip
     monitors = DriftMonitors()
     metrics.registry.register(monitors)
     service = ModelServer(settings, metrics, lanes=[generation], tap_factory=monitors.tap_for,
-                          lifecycle=lifecycle)  # fmt: skip
+                          lifecycle=lifecycle, share=share)  # fmt: skip
     metrics.registry.register(ModelStateCollector(service))
     # Triton's nv_gpu_* series where a GPU is visible; in the split layout only the engine
     # builds a core, so they come once, not once per front end.
-    gpus = Gpus.open()
+    gpus = Gpus.open() if gpu_metrics else None
     if gpus is not None:
         metrics.registry.register(GpuCollector(gpus))
         logger.info("GPU metrics from NVML: %s", ", ".join(gpus.uuids))

@@ -1,8 +1,11 @@
-"""``slipstream serve --frontends N``: N front-end processes in front of one engine process.
+"""``slipstream serve --frontends N``: N front-end processes in front of one engine process
+(or, with ``--engines per-device``, one engine per device the models run on).
 
     supervisor                 engine/supervisor.py: starts, restarts and stops the rest
     engine process             the serving core (batchers, runtimes), the LLM lane and the
-                               OpenAI app; answers the front ends (engine/host.py)
+                               OpenAI app; answers the front ends (engine/host.py); with
+                               several, each serves its device's share of the repository
+                               (repository/placement.py)
     front end x N              HTTP and gRPC on shared ports: V2 decoding and encoding,
                                the front door (keys, limits, TLS), jobs; V2 calls go to the
                                engine through engine/remote.py, /v1/ requests are
@@ -12,19 +15,18 @@
 What runs where is composed here; how the processes talk is ``engine/``'s business.
 ``/metrics`` on any front end answers every process's series: the engine's as they are,
 each front end's with a ``frontend`` label (front ends send theirs to the engine every
-second).
+second); with several engines, each engine's with an ``engine`` label naming its device.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from multiprocessing.synchronize import Event as ProcessEvent
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,8 @@ from slipstream.observability.merge import Family, merged_text, snapshot
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.startup import TRACE
 from slipstream.protocol import openai
+from slipstream.repository.layout import list_models
+from slipstream.repository.placement import CPU, Routing, Share, engine_devices
 from slipstream.runtime import heap
 from slipstream.security.keys import KeysFileError
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
@@ -75,6 +79,8 @@ logger = logging.getLogger(__name__)
 # keeps a front end's last ones (a front end that stopped drops out).
 METRICS_PUSH_S = 1.0
 _METRICS_STALE_S = 5.0
+# How often a front end reads which engine serves which model (--engines per-device).
+_ROUTING_REFRESH_S = 2.0
 # How long a starting front end waits to reach the engine before it listens anyway
 # (answering 503 until the engine is there).
 _CONNECT_WAIT_S = 10.0
@@ -84,14 +90,25 @@ async def serve_split(settings: ServerSettings, stop: asyncio.Event | None = Non
     """Run the supervisor until ``stop`` or a termination signal; the exit code."""
     stop = stop_on_signals(stop)
     directory = socket_dir()
-    address = engine_address(directory)
+    backends = runtime.registered_backends()
+    if settings.engines == "per-device":
+        try:
+            devices = engine_devices(list_models(settings.model_repository))
+        except FileNotFoundError:
+            devices = [CPU]
+        shares: list[Share | None] = [Share(device, tuple(devices)) for device in devices]
+    else:
+        shares = [None]
+    names = ["engine" if share is None else f"engine {share.device}" for share in shares]
     supervisor = Supervisor(
-        engine=(run_engine, (settings, directory, runtime.registered_backends())),
-        frontends=[(run_frontend, (settings, address, i)) for i in range(settings.frontends)],
+        engines={name: (run_engine, (settings, directory, backends, share, index))
+                 for index, (name, share) in enumerate(zip(names, shares, strict=True))},
+        frontends=[(run_frontend, (settings, directory, shares, i))
+                   for i in range(settings.frontends)],
         shutdown_timeout_s=settings.shutdown_timeout_s,
-    )
-    logger.info("split layout: %d front-end processes and one engine process",
-                settings.frontends)  # fmt: skip
+    )  # fmt: skip
+    logger.info("split layout: %d front-end processes, %s", settings.frontends,
+                ", ".join(names))  # fmt: skip
     try:
         exit_code = await supervisor.run(stop)
     finally:
@@ -107,25 +124,35 @@ def run_engine(
     settings: ServerSettings,
     directory: Path,
     backends: dict[str, tuple[str, str]],
+    share: Share | None,
+    index: int,
     ready: ProcessEvent,
 ) -> None:
-    """The engine process's entry point (spawned by the supervisor). ``backends``: those
-    the launcher registered (runtime.register_backend), registered here again."""
-    _child_setup(settings, "engine")
+    """An engine process's entry point (spawned by the supervisor). ``backends``: those
+    the launcher registered (runtime.register_backend), registered here again; ``share``:
+    the models this engine serves (None: all); ``index``: its place among the engines."""
+    _child_setup(settings, "engine" if share is None else f"engine {share.device}")
     for name, (module, class_name) in backends.items():
         runtime.register_backend(name, module, class_name)
-    sys.exit(_run(_serve_engine(settings, directory, ready)))
+    sys.exit(_run(_serve_engine(settings, directory, share, index, ready)))
 
 
-async def _serve_engine(settings: ServerSettings, directory: Path, ready: ProcessEvent) -> int:
+async def _serve_engine(
+    settings: ServerSettings,
+    directory: Path,
+    share: Share | None,
+    index: int,
+    ready: ProcessEvent,
+) -> int:
     TRACE.mark("imported")
     stop = stop_on_signals(None, (signal.SIGTERM,))
     parent = watch_parent(stop)
-    journal = _EngineJournal(directory / "engine-state.json")
+    journal = _EngineJournal(Path(f"{engine_address(directory, index)}-state.json"))
     explicit = settings.model_control_mode == "explicit"
-    if explicit and journal.models is not None:
-        settings = settings.model_copy(update={"load_models": journal.models})
-    core = build_core(settings, with_transport=False)
+    if explicit:
+        loaded = journal.models if journal.models is not None else settings.load_models
+        settings = settings.model_copy(update={"load_models": _mine(loaded, settings, share)})
+    core = build_core(settings, with_transport=False, share=share, gpu_metrics=index == 0)
     service = core.service
     openai_app = OpenAIApp(
         core.generation, service, settings.model_repository, cache=service.response_cache
@@ -154,7 +181,8 @@ async def _serve_engine(settings: ServerSettings, directory: Path, ready: Proces
     calls.update(drift=drift, metrics=metrics)
     _journaled_calls(calls, service, journal, settings.load_models if explicit else [])
     host = EngineHost(
-        engine_address(directory), calls, streams={"http": forward}, tells={"board": board.put},
+        engine_address(directory, index), calls, streams={"http": forward},
+        tells={"board": board.put},
         gathered=engine_gathered(service),
     )  # fmt: skip
     await host.start()
@@ -169,6 +197,21 @@ async def _serve_engine(settings: ServerSettings, directory: Path, ready: Proces
     await service.stop()
     logger.info("engine stopped")
     return exit_code
+
+
+def _mine(names: list[str], settings: ServerSettings, share: Share | None) -> list[str]:
+    """Those of the models ``names`` (explicit mode's --load-model) that this engine
+    loads: all without a share; else those placed on it, and the first engine also those
+    the repository lacks (it reports them missing, as one engine would)."""
+    if share is None or not names:
+        return names
+    try:
+        models = list_models(settings.model_repository)
+    except FileNotFoundError:
+        models = {}
+    mine = share.select(models)
+    first = share.device == share.devices[0]
+    return [name for name in names if name in mine or (first and name not in models)]
 
 
 class _EngineJournal:
@@ -267,15 +310,25 @@ class _FrontEndBoard:
 # -- a front-end process -----------------------------------------------------------------
 
 
-def run_frontend(settings: ServerSettings, address: str, index: int, ready: ProcessEvent) -> None:
-    """A front-end process's entry point (spawned by the supervisor); ``ready`` is set
-    once it listens."""
+def run_frontend(
+    settings: ServerSettings,
+    directory: Path,
+    shares: list[Share | None],
+    index: int,
+    ready: ProcessEvent,
+) -> None:
+    """A front-end process's entry point (spawned by the supervisor): ``shares`` are the
+    engines' (their sockets in ``directory``); ``ready`` is set once it listens."""
     _child_setup(settings, f"frontend {index}")
-    sys.exit(_run(_serve_frontend(settings, address, index, ready)))
+    sys.exit(_run(_serve_frontend(settings, directory, shares, index, ready)))
 
 
 async def _serve_frontend(
-    settings: ServerSettings, address: str, index: int, ready: ProcessEvent
+    settings: ServerSettings,
+    directory: Path,
+    shares: list[Share | None],
+    index: int,
+    ready: ProcessEvent,
 ) -> int:
     stop = stop_on_signals(None, (signal.SIGTERM,))
     parent = watch_parent(stop)
@@ -288,38 +341,43 @@ async def _serve_frontend(
     except (KeysFileError, OSError) as exc:
         logger.error("%s", exc)
         return 1
-    client = EngineClient(address)
-    client.start()
-    await client.wait_connected(_CONNECT_WAIT_S)
-    service = RemoteInferenceService(client)
+    clients = [EngineClient(engine_address(directory, i)) for i in range(len(shares))]
+    for client in clients:
+        client.start()
+    await asyncio.gather(*(client.wait_connected(_CONNECT_WAIT_S) for client in clients))
+    routing = None
+    if len(shares) > 1:
+        devices = [share.device for share in shares if share is not None]
+        routing = await asyncio.to_thread(Routing, settings.model_repository, devices)
+    service = RemoteInferenceService(clients, routing)
     jobs = job_queue(settings)
     name = str(index)
+    # The board of front ends' series lives in the first engine.
+    client = clients[0]
 
     async def drift(model: str, version: str) -> dict[str, Any]:
-        report: dict[str, Any] = await client.call("drift", model, version)
+        report: dict[str, Any] = await service.engine_for(model).call("drift", model, version)
         return report
 
     async def metrics_text() -> bytes:
-        reports = {name: snapshot(metrics.registry)}
-        with contextlib.suppress(SlipstreamError):  # the engine away: this process's own
-            engine, others = await client.call("metrics", name)
-            reports.update(others)
-            reports[""] = engine
-        return merged_text(reports, "frontend")
+        return await _metrics_text(clients, shares, name, metrics)
 
     try:
+        forwarder = OpenAIForwarder(clients, service.engine_for)
         fronts = await start_front_ends(
-            settings, service, metrics, OpenAIForwarder(client).handle, door, tls, jobs,
+            settings, service, metrics, forwarder.handle, door, tls, jobs,
             drift=drift, metrics_text=metrics_text, reuse_port=True,
         )  # fmt: skip
     except OSError as exc:
         logger.error("%s", exc)
-        await client.close()
+        await asyncio.gather(*(client.close() for client in clients))
         return 1
     ready.set()
     heap.settle()
     background = [*background_tasks(settings, None, door, service),
                   asyncio.create_task(_push_metrics(client, name, metrics))]  # fmt: skip
+    if routing is not None:
+        background.append(asyncio.create_task(_refresh(routing)))
     await stop.wait()
     service.stop()
     logger.info("shutting down: front end %d finishing in-flight requests (up to %.0f s)",
@@ -327,9 +385,40 @@ async def _serve_frontend(
     await fronts.shutdown(settings.shutdown_timeout_s)
     for task in (parent, *background):
         task.cancel()
-    await client.close()
+    await asyncio.gather(*(client.close() for client in clients))
     await close_parts(jobs, door)
     return 0
+
+
+async def _metrics_text(
+    clients: list[EngineClient], shares: list[Share | None], name: str, metrics: ServerMetrics
+) -> bytes:
+    """/metrics: this front end's series, the other front ends' (from the first engine's
+    board) labelled ``frontend``, each engine's (labelled ``engine`` where there are
+    several); an engine away leaves its series out."""
+    reports: list[tuple[dict[str, str], list[Family]]] = [
+        ({"frontend": name}, snapshot(metrics.registry))
+    ]
+    answers = await asyncio.gather(
+        *(client.call("metrics", name) for client in clients), return_exceptions=True
+    )
+    for share, answer in zip(shares, answers, strict=True):
+        if isinstance(answer, SlipstreamError):
+            continue
+        if isinstance(answer, BaseException):
+            raise answer
+        engine, others = answer
+        reports.append(({} if share is None else {"engine": share.device}, engine))
+        reports.extend(({"frontend": other}, report) for other, report in others.items())
+    return merged_text(reports)
+
+
+async def _refresh(routing: Routing) -> None:
+    """Keep the front end's view of which engine serves which model as the repository
+    changes (the engines' own polls move a model whose device changed)."""
+    while True:
+        await asyncio.sleep(_ROUTING_REFRESH_S)
+        await asyncio.to_thread(routing.refresh)
 
 
 async def _push_metrics(client: EngineClient, name: str, metrics: ServerMetrics) -> None:
@@ -341,13 +430,44 @@ async def _push_metrics(client: EngineClient, name: str, metrics: ServerMetrics)
 class OpenAIForwarder:
     """The /v1/ routes of a front end: each request runs whole in the engine process
     (beside the tokenizers and the generation loop); streamed answers are relayed chunk
-    by chunk, and a client that goes away cancels the engine's side."""
+    by chunk, and a client that goes away cancels the engine's side. With several
+    engines, a request goes to the engine of the model it names (its body's ``model``,
+    or the path's in /v1/models/<name>); /v1/models lists every engine's."""
 
-    def __init__(self, client: EngineClient) -> None:
-        self._client = client
+    def __init__(
+        self, clients: list[EngineClient], engine_for: Callable[[str], EngineClient]
+    ) -> None:
+        self._clients = clients
+        self._engine_for = engine_for
 
     async def handle(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
-        items = self._client.stream("http", request)
+        if len(self._clients) == 1:
+            return await self._forward(self._clients[0], request)
+        route = request.path.rstrip("/")
+        if request.method in ("GET", "HEAD") and route == "/v1/models":
+            return await self._models(request)
+        if route.startswith("/v1/models/"):
+            return await self._forward(self._engine_for(route.removeprefix("/v1/models/")),
+                                       request)  # fmt: skip
+        return await self._forward(self._engine_for(_named_model(request.body)), request)
+
+    async def _models(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
+        """Every engine's /v1/models, as one list (the first failure as it is)."""
+        replies = await asyncio.gather(
+            *(self._forward(client, request) for client in self._clients)
+        )
+        data: list[Any] = []
+        for reply in replies:
+            if not isinstance(reply, HttpResponse) or reply.status != 200:
+                return reply
+            data.extend(orjson.loads(reply.body)["data"])
+        data.sort(key=lambda card: str(card.get("id", "")))
+        return HttpResponse(200, orjson.dumps({"object": "list", "data": data}))
+
+    async def _forward(
+        self, client: EngineClient, request: HttpRequest
+    ) -> HttpResponse | StreamingResponse:
+        items = client.stream("http", request)
         try:
             first = await anext(items)
         except SlipstreamError as exc:
@@ -358,6 +478,17 @@ class OpenAIForwarder:
             return first
         status, content_type, headers = first
         return StreamingResponse(status, _relay(items), content_type, headers)
+
+
+def _named_model(body: bytes) -> str:
+    """The ``model`` an OpenAI request's JSON body names ("" where it names none: the
+    first engine answers it, with the error one engine would give)."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return ""
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    return model if isinstance(model, str) else ""
 
 
 async def _relay(items: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

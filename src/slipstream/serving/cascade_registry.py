@@ -19,6 +19,7 @@ from slipstream.errors import InvalidRequest, ModelNotFound, SlipstreamError
 from slipstream.observability.cascade_metrics import CascadeMetrics
 from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 from slipstream.repository.layout import (
+    Share,
     is_cascade,
     list_models,
     model_path,
@@ -51,6 +52,8 @@ class Cascades:
     repository: Path
     models: ModelManager
     metrics: ServerMetrics
+    # The repository's models this process serves (repository/placement.py); None: all.
+    share: Share | None = None
     counts: CascadeMetrics = field(default_factory=CascadeMetrics)
     _states: dict[str, _CascadeState] = field(default_factory=dict)
     # name -> the cascade serving it: the one lookup every request pays.
@@ -101,7 +104,7 @@ class Cascades:
     async def load_all(self) -> None:
         """Build every cascade of the repository (after the models: they are stages)."""
         try:
-            found = list_models(self.repository)
+            found = list_models(self.repository, self.share)
         except FileNotFoundError:
             return
         for name, directory in found.items():
@@ -110,7 +113,8 @@ class Cascades:
 
     async def poll(self) -> None:
         """Rebuild cascades whose config changed or failed; drop removed ones."""
-        names = [name for name, d in list_models(self.repository).items() if is_cascade(d)]
+        found = list_models(self.repository, self.share)
+        names = [name for name, directory in found.items() if is_cascade(directory)]
         for name in list(self._states):
             if name not in names:
                 await self.unload(name)

@@ -25,6 +25,7 @@ from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.rollout_metrics import RolloutMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
+from slipstream.repository.layout import Share
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving import together
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
@@ -70,11 +71,13 @@ class ModelServer(InferenceService):
         lanes: Sequence[ModelLane] = (),
         tap_factory: TapFactory | None = None,
         lifecycle: LifecycleMetrics | None = None,
+        share: Share | None = None,
     ) -> None:
         """``lanes``: other sets of models served beside the V2 ones (the LLM lane), which
         this core starts, stops and waits for before it is ready, and nothing else.
         ``tap_factory``: makes each loaded version's response tap (drift monitoring).
-        ``lifecycle``: load and unload counts shared with the lanes."""
+        ``lifecycle``: load and unload counts shared with the lanes. ``share``: the
+        repository's models this core serves (one engine of several), all if None."""
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
         trust_pickles_server_wide(settings.trust_pickle)
@@ -84,6 +87,7 @@ class ModelServer(InferenceService):
             settings.shutdown_timeout_s,
             tap_factory,
             lifecycle,
+            share,
         )
         self.rollout_metrics = RolloutMetrics()
         self.metrics.registry.register(self.rollout_metrics.collector())
@@ -93,7 +97,7 @@ class ModelServer(InferenceService):
             rollout_store(settings.rollout_store, settings.model_repository),
         )  # fmt: skip
         # Models that are chains of other models (serving/cascade.py).
-        self.cascades = Cascades(settings.model_repository, self.models, self.metrics)
+        self.cascades = Cascades(settings.model_repository, self.models, self.metrics, share)
         self._lanes = list(lanes)
         self.shared_memory = SystemSharedMemory(settings.allow_client_shm)
         # --cache: answers for the models whose config enables response_cache.

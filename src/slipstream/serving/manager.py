@@ -23,6 +23,7 @@ from slipstream.repository.changes import (
 )
 from slipstream.repository.layout import (
     ModelDirectory,
+    Share,
     is_cascade,
     is_generative,
     list_models,
@@ -95,10 +96,13 @@ class ModelManager:
         unload_timeout_s: float,
         tap_factory: TapFactory | None = None,
         lifecycle: LifecycleMetrics | None = None,
+        share: Share | None = None,
     ) -> None:
         """``lifecycle``: the load and unload counts, shared with the LLM lane (one is
-        made and registered when none is given)."""
+        made and registered when none is given); ``share``: the repository's models this
+        process serves (one engine of several: repository/placement.py), all if None."""
         self.repository = repository
+        self._share = share
         self._metrics = metrics
         self._unload_timeout_s = unload_timeout_s
         self._tap_factory = tap_factory
@@ -246,7 +250,7 @@ class ModelManager:
     def _tensor_models(self) -> dict[str, ModelDirectory]:
         """The repository's models minus the generative ones (slipstream.llm serves those)
         and the cascades (serving/cascade.py builds those from their stages)."""
-        found = list_models(self.repository)
+        found = list_models(self.repository, self._share)
         return {name: d for name, d in found.items() if not (is_generative(d) or is_cascade(d))}
 
     async def load_all(self) -> None:
