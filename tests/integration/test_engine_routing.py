@@ -43,11 +43,15 @@ class ByName:
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
+        # Models moved to another engine since (their config changed): name -> engine.
+        self.moved: dict[str, int] = {}
 
     def select(self, models: dict[str, ModelDirectory]) -> dict[str, ModelDirectory]:
         return {name: d for name, d in models.items() if name in self.names}
 
     def engine_of(self, name: str) -> int:
+        if name in self.moved:
+            return self.moved[name]
         return next((i for i, names in enumerate(SHARES) if name in names), 0)
 
     def refresh(self) -> None:
@@ -74,7 +78,8 @@ class TwoEngines:
             for index, server in enumerate(self.servers)
         ]  # fmt: skip
         self.clients = [EngineClient(str(root / f"engine-{i}")) for i in range(len(SHARES))]
-        self.remote = RemoteInferenceService(self.clients, ByName(()))
+        self.routing = ByName(())
+        self.remote = RemoteInferenceService(self.clients, self.routing)
         self.run(self._start())
 
     async def _start(self) -> None:
@@ -212,6 +217,27 @@ def test_loads_and_unloads_go_to_the_models_engine(engines: TwoEngines) -> None:
     assert engines.run(engines.remote.model_ready("twin"))
     engines.run(engines.remote.load_model("plus"))
     assert engines.run(engines.servers[0].model_ready("plus"))
+
+
+def test_a_model_loaded_in_its_new_engine_leaves_the_old_one(engines: TwoEngines) -> None:
+    """Explicit mode, a model whose config now places it on the other engine: loaded
+    there, unloaded where it was, its requests served by the new one."""
+    assert engines.run(engines.servers[0].model_ready("plus"))
+    engines.routing.moved["plus"] = 1
+    try:
+        engines.run(engines.remote.load_model("plus"))
+        assert engines.run(engines.servers[1].model_ready("plus"))
+        assert not engines.run(engines.servers[0].model_ready("plus"))
+        before = engines.successes(1, "plus")
+        engines.run(engines.remote.infer(_add_sub("plus", 2, 3)))
+        assert engines.successes(1, "plus") == before + 1
+        engines.run(engines.remote.unload_model("plus"))
+        assert not engines.run(engines.remote.model_ready("plus"))
+    finally:
+        engines.routing.moved.clear()
+        engines.run(engines.remote.load_model("plus"))
+    assert engines.run(engines.servers[0].model_ready("plus"))
+    assert not engines.run(engines.servers[1].model_ready("plus"))
 
 
 def test_an_engine_gone_fails_only_its_models_requests(engines: TwoEngines) -> None:

@@ -149,10 +149,22 @@ class RemoteInferenceService(InferenceService):
         return sorted(entries, key=lambda entry: entry.name)  # stable: versions stay in order
 
     async def load_model(self, name: str) -> None:
-        await (await self._engine_for_change(name)).call("load_model", name)
+        engine = await self._engine_for_change(name)
+        await engine.call("load_model", name)
+        await self._unload_elsewhere(name, engine)
 
     async def unload_model(self, name: str) -> None:
-        await (await self._engine_for_change(name)).call("unload_model", name)
+        engine = await self._engine_for_change(name)
+        await engine.call("unload_model", name)
+        await self._unload_elsewhere(name, engine)
+
+    async def _unload_elsewhere(self, name: str, engine: EngineClient) -> None:
+        """Unload ``name`` from the engines but ``engine``: a model whose config moved it
+        to another device stays loaded where it was (no poll unloads it in explicit
+        mode), and requests no longer reach it there."""
+        for client in self._clients:
+            if client is not engine and await client.call("model_ready", name, ""):
+                await client.call("unload_model", name)
 
     async def rollout(self, name: str, body: dict[str, Any] | None) -> dict[str, Any]:
         status: dict[str, Any] = await self.engine_for(name).call("rollout", name, body)
