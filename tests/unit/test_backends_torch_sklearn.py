@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,6 +194,26 @@ def export_two_heads(tmp_path: Path) -> tuple[Path, TwoHeads]:
     path = tmp_path / "model.pt2"
     torch.export.save(program, str(path))
     return path, module
+
+
+def test_exported_programs_load_side_by_side(tmp_path: Path) -> None:
+    """The model manager loads a repository's models at once, each in a thread:
+    torch.export.load keeps its deserializer in a global, and two loads at one time
+    failed one model ("_CURRENT_DESERIALIZER is already set")."""
+    paths = []
+    for index in range(4):
+        directory = tmp_path / str(index)
+        directory.mkdir()
+        paths.append(export_two_heads(directory)[0])
+    for _ in range(3):
+        with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:
+            backends = list(pool.map(lambda path: get_backend("torch").load(path, {}, 1), paths))
+        x = np.ones((2, 4), np.float32)
+        for backend in backends:
+            assert set(backend.run({"x": x, "y": x}, ["output_0", "output_1"])) == {
+                "output_0",
+                "output_1",
+            }
 
 
 def test_exported_program_signature_and_outputs(tmp_path: Path) -> None:

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import warnings
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
@@ -372,7 +373,7 @@ def _load_torchscript(path: Path, device: torch.device) -> tuple[_Model, ModelSi
 
 def _load_exported(path: Path, device: torch.device) -> tuple[_Model, ModelSignature]:
     try:
-        with warnings.catch_warnings():
+        with _EXPORT_LOAD_LOCK, warnings.catch_warnings():
             # torch 2.11's loader wraps each weight's bytes read-only and says so once per
             # process; the tensors own those bytes, and nothing writes to them.
             warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
@@ -391,6 +392,13 @@ def _load_exported(path: Path, device: torch.device) -> tuple[_Model, ModelSigna
 
         program = move_to_device_pass(program, device)
     return program.module(), signature
+
+
+# torch.export.load keeps the program being read in a module global (two loads at once
+# fail one: "_CURRENT_DESERIALIZER is already set"), and warnings.catch_warnings swaps
+# the process's warning filters: the model manager loads a repository's models side by
+# side in threads, so one .pt2 is read at a time.
+_EXPORT_LOAD_LOCK = threading.Lock()
 
 
 def _exported_signature(program: Any) -> ModelSignature:
