@@ -5,6 +5,7 @@ Skipped where torch sees no GPU (tests/gpu/conftest.py); ``make test-gpu`` runs 
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -192,3 +193,39 @@ def test_served_on_the_gpu_over_http(tmp_path: Path) -> None:
             assert output["datatype"] == "FP32" and output["shape"] == [rows, 4]
             got = np.array(output["data"], dtype=np.float32).reshape(rows, 4)
             np.testing.assert_allclose(got, reference(module, data), rtol=2e-2, atol=2e-2)
+
+
+def test_per_device_engines_serve_the_gpu_and_the_cpu_model(tmp_path: Path) -> None:
+    """``--engines per-device``: the model on cuda:0 and the same model on the CPU, each
+    in its own engine process, both answering through one front end."""
+    path, module = export_positional(tmp_path)
+    for name, device in (("on_gpu", "cuda:0"), ("on_cpu", "cpu")):
+        version = tmp_path / "repo" / name / "1"
+        version.mkdir(parents=True)
+        (version / "model.pt2").write_bytes(path.read_bytes())
+        (tmp_path / "repo" / name / "config.yaml").write_text(
+            f"trust_pickle: true\nmax_batch_size: 64\nparameters: {{device: '{device}'}}\n"
+        )
+    args = ["--engines", "per-device", "--frontends", "1"]
+    with RemoteServer(tmp_path / "repo", args, log_dir=tmp_path) as server:
+        for name in ("on_gpu", "on_cpu"):
+            for rows in (1, 7):
+                data = inputs(rows, seed=rows)
+                body = {
+                    "inputs": [
+                        {"name": "ids", "datatype": "INT64", "shape": [rows, 8],
+                         "data": data["ids"].ravel().tolist()},
+                        {"name": "scale", "datatype": "FP32", "shape": [rows, 1],
+                         "data": data["scale"].ravel().tolist()},
+                    ]
+                }  # fmt: skip
+                reply = httpx.post(server.url(f"/v2/models/{name}/infer"), json=body, timeout=60)
+                assert reply.status_code == 200, reply.text
+                got = np.array(reply.json()["outputs"][0]["data"], np.float32).reshape(rows, 4)
+                np.testing.assert_allclose(got, reference(module, data), rtol=1e-4, atol=1e-4)
+        log = Path(server.log_path).read_text()
+        assert "engine cpu started" in log and "engine cuda:0 started" in log
+        assert re.search(r"\[engine cuda:0\] \S+: model on_gpu version 1 is READY", log)
+        assert re.search(r"\[engine cpu\] \S+: model on_cpu version 1 is READY", log)
+        metrics = httpx.get(server.url("/metrics"), timeout=10).text
+        assert set(re.findall(r'engine="([^"]+)"', metrics)) == {"cpu", "cuda:0"}
