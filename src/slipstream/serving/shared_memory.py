@@ -272,7 +272,9 @@ def _check_object(region: _Region, where: str) -> None:
     """400 when the client shrank the object below the region: touching the lost pages
     would fault (SIGBUS) instead."""
     end = region.status.offset + region.status.byte_size
-    object_size = os.fstat(region.fd).st_size
+    # The object's size as lseek's end: 0.3 us against fstat's 1.05 (fstat builds a
+    # stat_result). Nothing reads through the descriptor, so its position is free to move.
+    object_size = os.lseek(region.fd, 0, os.SEEK_END)
     if object_size < end:
         raise InvalidRequest(
             f"{where}: shared memory object {region.status.key!r} of region "
