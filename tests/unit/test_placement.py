@@ -133,6 +133,11 @@ def test_the_routing_table_follows_the_repository(tmp_path: Path) -> None:
     assert (routing.engine_of("a"), routing.engine_of("c")) == (0, 0)
     routing.refresh()
     assert (routing.engine_of("a"), routing.engine_of("c")) == (1, 0)
+    # Configs are parsed again only when their file changed; a rewrite of the same size
+    # at once is still seen.
+    for index in (1, 2):
+        write_config(repo, "a", f"backend: torch\nparameters: {{device: cuda:{index}}}\n")
+        assert placements(list_models(repo))["a"] == f"cuda:{index}"
     # The repository gone: every name goes to the first engine.
     for path in sorted(repo.rglob("*"), reverse=True):
         path.unlink() if path.is_file() else path.rmdir()
