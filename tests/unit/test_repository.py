@@ -259,3 +259,26 @@ async def test_poll_picks_up_new_and_removed_models(repository: Path) -> None:
         assert not await server.model_ready("fresh")
     finally:
         await server.stop()
+
+
+def test_a_models_kind_follows_its_config_file(tmp_path: Path) -> None:
+    """What listing the repository asks of each config (generative? a cascade?) is parsed
+    again once the file changes, however fast it is rewritten."""
+    from slipstream.repository.layout import is_cascade, is_generative, read_model_directory
+
+    directory = tmp_path / "m"
+    directory.mkdir()
+    config = directory / "config.yaml"
+    model = read_model_directory(directory)
+    assert not is_generative(model) and not is_cascade(model)  # no config at all
+    config.write_text("backend: llama_cpp\nmax_batch_size: -1\n")
+    assert not is_generative(model)  # a config error: the V2 manager reports it
+    config.write_text("backend: llama_cpp\n")
+    assert is_generative(model)
+    for backend, generative in (("transformers", True), ("onnxruntime", False)):
+        config.write_text(f"backend: {backend}\n")  # rewritten at once
+        assert is_generative(model) is generative
+    config.write_text("cascade: {stages: [{model: a}]}\n")
+    assert is_cascade(model) and not is_generative(model)
+    config.unlink()
+    assert not is_cascade(model)

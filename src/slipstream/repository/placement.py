@@ -27,8 +27,8 @@ from pathlib import Path
 
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.repository.layout import (
-    CONFIG_FILENAMES,
     ModelDirectory,
+    config_stamp,
     list_models,
     read_config,
 )
@@ -87,9 +87,9 @@ def placements(models: dict[str, ModelDirectory]) -> dict[str, str]:
 
 
 # Per model directory: its config file's stamp, and the device and local cascade stages
-# read from it. A front end reads the placement every 2 s and each engine at every
+# parsed from it. A front end reads the placement every 2 s and each engine at every
 # listing: a front end's refresh of 500 models took 328 ms parsing every config, 41 ms
-# (the listing, mostly) with the stamps.
+# (the listing, mostly) with the stamps. A config that fails is parsed again each time.
 _READ: dict[Path, tuple[tuple[int, ...] | None, str, tuple[str, ...]]] = {}
 # More directories than that seen: most are long gone; start again.
 _MAX_KEPT = 40_000
@@ -98,34 +98,21 @@ _MAX_KEPT = 40_000
 def _read(directory: ModelDirectory) -> tuple[str, tuple[str, ...]]:
     """A model's device and the local models its cascade names (none if it is no
     cascade), from its config, parsed again only once the file changed."""
-    stamp = _config_stamp(directory.path)
+    stamp = config_stamp(directory.path)
     known = _READ.get(directory.path)
     if known is not None and known[0] == stamp:
         return known[1], known[2]
-    stages: tuple[str, ...] = ()
     try:
         config = read_config(directory)
     except ConfigError:
-        device = CPU
-    else:
-        device = device_of(config)
-        cascade = config.cascade.stages if config.cascade is not None else []
-        stages = tuple(stage.model for stage in cascade if not stage.url)
+        return CPU, ()
+    device = device_of(config)
+    cascade = config.cascade.stages if config.cascade is not None else []
+    stages = tuple(stage.model for stage in cascade if not stage.url)
     if len(_READ) >= _MAX_KEPT:
         _READ.clear()
     _READ[directory.path] = (stamp, device, stages)
     return device, stages
-
-
-def _config_stamp(path: Path) -> tuple[int, ...] | None:
-    """What changes when the config file read_config reads changes (None: none there)."""
-    for index, filename in enumerate(CONFIG_FILENAMES):
-        try:
-            info = (path / filename).stat()
-        except OSError:
-            continue
-        return (index, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-    return None
 
 
 def engine_devices(models: dict[str, ModelDirectory]) -> list[str]:
