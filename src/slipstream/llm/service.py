@@ -31,6 +31,7 @@ from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.startup import TRACE
 from slipstream.repository.layout import (
     Share,
+    is_generative,
     list_models,
     model_path,
     named_model_file,
@@ -197,7 +198,7 @@ class LlmModels(GenerationService):
             names = [
                 name
                 for name, directory in list_models(self.repository, self._share).items()
-                if _is_generative(directory)
+                if is_generative(directory)
             ]
         except FileNotFoundError:
             names = []
@@ -479,13 +480,6 @@ def _model_source(version_dir: Path, config: ModelConfig) -> Path:
         f"{version_dir}: expected one .gguf file or a Hugging Face model directory "
         f"(config.json + weights); found {found}"
     )
-
-
-def _is_generative(directory: Any) -> bool:
-    try:
-        return read_config(directory).generative
-    except ConfigError:
-        return False
 
 
 def _config_backend(repository: Path, name: str) -> str:

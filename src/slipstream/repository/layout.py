@@ -47,9 +47,14 @@ def model_path(repository: Path, name: str) -> Path:
     resolved, must still lie inside the resolved repository, so a symlink out of the
     repository is refused too (InvalidRequest). The directory need not exist.
     """
+    return _inside(repository, repository.resolve(), name)
+
+
+def _inside(repository: Path, inside: Path, name: str) -> Path:
+    """:func:`model_path` with the repository's resolved path given (a listing resolves
+    it once, not once per model)."""
     validate_model_name(name)
     path = repository / name
-    inside = repository.resolve()
     resolved = _resolve(path, f"model {name!r}")
     if resolved.parent != inside:
         raise InvalidRequest(
@@ -108,11 +113,12 @@ def list_models(repository: Path, share: Share | None = None) -> dict[str, Model
     if not repository.is_dir():
         raise FileNotFoundError(f"model repository {repository} is not a directory")
     models = {}
+    inside = repository.resolve()
     for entry in sorted(repository.iterdir()):
         if not entry.is_dir() or entry.name.startswith("."):
             continue
         try:
-            model_path(repository, entry.name)
+            _inside(repository, inside, entry.name)
         except SlipstreamError as exc:
             logger.warning("skipping %s: %s", entry, exc.message)
             continue
