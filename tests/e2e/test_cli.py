@@ -109,12 +109,19 @@ def test_invalid_option_values_exit_non_zero_naming_the_option(
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("layout", [[], ["--frontends", "1"]], ids=["one-process", "split"])
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["--frontends", "1"], ["--engines", "per-device"]],
+    ids=["one-process", "split", "per-device"],
+)
 def test_serve_an_empty_repository_and_stop_on_sigint(tmp_path: Path, layout: list[str]) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
     with RemoteServer(repo, layout, log_dir=tmp_path) as server:
         assert httpx.get(server.url("/v2/health/ready"), timeout=10).status_code == 200
+        if "--engines" in layout:  # one front end and, with no model, the CPU's engine
+            log = server.log_text()
+            assert "split layout: 1 front-end processes, engine cpu" in log, log
         index = httpx.post(server.url("/v2/repository/index"), timeout=10).json()
         assert index == []
         assert server.proc is not None
