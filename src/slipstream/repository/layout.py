@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import yaml
 
@@ -24,6 +25,7 @@ from slipstream.runtime import MODEL_EXTENSIONS
 logger = logging.getLogger(__name__)
 
 CONFIG_FILENAMES = ("config.yaml", "config.yml")
+T = TypeVar("T")
 # libyaml's safe loader where PyYAML was built with it (its wheels are): a model's
 # config parses in 70 us instead of 500, and listing a repository reads every config
 # (a 500-model repository's index took 0.68 s of the event loop with the Python loader).
@@ -164,7 +166,7 @@ def read_config(model: ModelDirectory) -> ModelConfig:
 
 def is_generative(model: ModelDirectory) -> bool:
     """Whether the OpenAI lane (slipstream.llm) serves this model rather than the V2 lane."""
-    kind = _kind(model)
+    kind = _KINDS.get(model)
     return kind is not None and kind[0]
 
 
@@ -173,7 +175,7 @@ def is_cascade(model: ModelDirectory) -> bool:
     which the serving core builds from its stages rather than loading a file. A config
     that does not parse says a cascade when it mentions one, so its error is reported
     where cascades are loaded."""
-    kind = _kind(model)
+    kind = _KINDS.get(model)
     if kind is not None:
         return kind[1]
     return any("cascade:" in _config_text(model.path / filename) for filename in CONFIG_FILENAMES)
@@ -191,29 +193,40 @@ def config_stamp(path: Path) -> tuple[int, ...] | None:
     return None
 
 
-# Per model directory: its config file's stamp and (generative, cascade) as parsed from
-# it. Every listing of the repository asks both of every model: for 500 models that took
-# 132 ms parsing each config twice with libyaml, 7 ms with the stamps. A config that
-# fails is not kept: parsed again each time, as before.
-_KINDS: dict[Path, tuple[tuple[int, ...] | None, bool, bool]] = {}
-# More directories than that seen: most are long gone; start again.
-_MAX_KINDS = 40_000
+class ConfigMemo(Generic[T]):
+    """What ``take`` draws from each model's config, kept per config file stamp: the file
+    is parsed again only once it changed. A config that fails to parse is not kept.
+
+        kinds = ConfigMemo(lambda config: config.generative)
+        kinds.get(directory)        # True / False; None: the config does not parse
+    """
+
+    # More directories than that seen: most are long gone; start again.
+    MAX_KEPT = 40_000
+
+    def __init__(self, take: Callable[[ModelConfig], T]) -> None:
+        self._take = take
+        self._kept: dict[Path, tuple[tuple[int, ...] | None, T]] = {}
+
+    def get(self, model: ModelDirectory) -> T | None:
+        stamp = config_stamp(model.path)
+        known = self._kept.get(model.path)
+        if known is not None and known[0] == stamp:
+            return known[1]
+        try:
+            value = self._take(read_config(model))
+        except ConfigError:
+            return None
+        if len(self._kept) >= self.MAX_KEPT:
+            self._kept.clear()
+        self._kept[model.path] = (stamp, value)
+        return value
 
 
-def _kind(model: ModelDirectory) -> tuple[bool, bool] | None:
-    """(generative, cascade) of a model whose config parses; None for one that does not."""
-    stamp = config_stamp(model.path)
-    known = _KINDS.get(model.path)
-    if known is not None and known[0] == stamp:
-        return known[1], known[2]
-    try:
-        config = read_config(model)
-    except ConfigError:
-        return None
-    if len(_KINDS) >= _MAX_KINDS:
-        _KINDS.clear()
-    _KINDS[model.path] = (stamp, config.generative, config.cascade is not None)
-    return config.generative, config.cascade is not None
+# (generative, cascade) of each model. Every listing of the repository asks both of
+# every model: for 500 models that took 132 ms parsing each config twice with libyaml,
+# 7 ms with the stamps.
+_KINDS = ConfigMemo(lambda config: (config.generative, config.cascade is not None))
 
 
 def _config_text(path: Path) -> str:

@@ -25,13 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from slipstream.config import ConfigError, ModelConfig
-from slipstream.repository.layout import (
-    ModelDirectory,
-    config_stamp,
-    list_models,
-    read_config,
-)
+from slipstream.config import ModelConfig
+from slipstream.repository.layout import ConfigMemo, ModelDirectory, list_models
 
 CPU = "cpu"
 _CUDA = re.compile(r"cuda(?::([0-9]+))?")
@@ -86,33 +81,22 @@ def placements(models: dict[str, ModelDirectory]) -> dict[str, str]:
     return {name: groups[root(name)] for name in models}
 
 
-# Per model directory: its config file's stamp, and the device and local cascade stages
-# parsed from it. A front end reads the placement every 2 s and each engine at every
-# listing: a front end's refresh of 500 models took 328 ms parsing every config, 41 ms
-# (the listing, mostly) with the stamps. A config that fails is parsed again each time.
-_READ: dict[Path, tuple[tuple[int, ...] | None, str, tuple[str, ...]]] = {}
-# More directories than that seen: most are long gone; start again.
-_MAX_KEPT = 40_000
+def _placement(config: ModelConfig) -> tuple[str, tuple[str, ...]]:
+    """A model's device and the local models its cascade names (none if no cascade)."""
+    cascade = config.cascade.stages if config.cascade is not None else []
+    return device_of(config), tuple(stage.model for stage in cascade if not stage.url)
+
+
+# A front end reads the placement every 2 s and each engine at every listing: a front
+# end's refresh of 500 models took 328 ms parsing every config, 41 ms (the listing,
+# mostly) with the stamps.
+_PLACEMENTS = ConfigMemo(_placement)
 
 
 def _read(directory: ModelDirectory) -> tuple[str, tuple[str, ...]]:
-    """A model's device and the local models its cascade names (none if it is no
-    cascade), from its config, parsed again only once the file changed."""
-    stamp = config_stamp(directory.path)
-    known = _READ.get(directory.path)
-    if known is not None and known[0] == stamp:
-        return known[1], known[2]
-    try:
-        config = read_config(directory)
-    except ConfigError:
-        return CPU, ()
-    device = device_of(config)
-    cascade = config.cascade.stages if config.cascade is not None else []
-    stages = tuple(stage.model for stage in cascade if not stage.url)
-    if len(_READ) >= _MAX_KEPT:
-        _READ.clear()
-    _READ[directory.path] = (stamp, device, stages)
-    return device, stages
+    """:func:`_placement` of a model; the CPU, linking nothing, for a config that does
+    not parse (its engine reports why)."""
+    return _PLACEMENTS.get(directory) or (CPU, ())
 
 
 def engine_devices(models: dict[str, ModelDirectory]) -> list[str]:
