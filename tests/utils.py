@@ -16,8 +16,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -269,3 +271,41 @@ class RemoteServer:
     def log_tail(self) -> str:
         text = self.log_text()
         return f"--- server log {self.log_path} (tail) ---\n{text[-_LOG_TAIL_CHARS:]}"
+
+
+def posts_during(
+    url: str, body: dict[str, Any], action: Callable[[], None], threads: int = 4
+) -> tuple[Counter[object], set[str | None]]:
+    """POST ``body`` to ``url`` over and over from ``threads`` threads while ``action``
+    runs (load for 0.5 s before it and 0.5 s after): how many times each outcome came (a
+    status code, or an httpx error's class name), and the Retry-After of the 503s.
+    Fails when a request is still unanswered 30 s after the load stopped."""
+    outcomes: Counter[object] = Counter()
+    retry_after: set[str | None] = set()
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=10) as http:
+            while not stop.is_set():
+                try:
+                    answer = http.post(url, json=body)
+                except httpx.HTTPError as exc:
+                    outcomes[type(exc).__name__] += 1
+                    continue
+                outcomes[answer.status_code] += 1
+                if answer.status_code == 503:
+                    retry_after.add(answer.headers.get("retry-after"))
+
+    workers = [threading.Thread(target=load) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    try:
+        time.sleep(0.5)
+        action()
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=30)
+    assert not any(worker.is_alive() for worker in workers), "a request hung"
+    return outcomes, retry_after

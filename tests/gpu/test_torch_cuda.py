@@ -66,6 +66,17 @@ def inputs(rows: int, seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
+def json_body(data: dict[str, np.ndarray]) -> dict[str, object]:
+    """The V2 JSON request of :func:`inputs`' arrays."""
+    return {
+        "inputs": [
+            {"name": name, "datatype": "INT64" if name == "ids" else "FP32",
+             "shape": list(array.shape), "data": array.ravel().tolist()}
+            for name, array in data.items()
+        ]
+    }  # fmt: skip
+
+
 def reference(module: torch.nn.Module, data: dict[str, np.ndarray]) -> np.ndarray:
     with torch.no_grad():
         out = module(torch.from_numpy(data["ids"]), torch.from_numpy(data["scale"]))
@@ -179,14 +190,7 @@ def test_served_on_the_gpu_over_http(tmp_path: Path) -> None:
     with RemoteServer(tmp_path / "repo", log_dir=tmp_path) as server:
         for rows in (1, 5, 16, 40):
             data = inputs(rows, seed=rows)
-            body = {
-                "inputs": [
-                    {"name": "ids", "datatype": "INT64", "shape": [rows, 8],
-                     "data": data["ids"].ravel().tolist()},
-                    {"name": "scale", "datatype": "FP32", "shape": [rows, 1],
-                     "data": data["scale"].ravel().tolist()},
-                ]
-            }  # fmt: skip
+            body = json_body(data)
             reply = httpx.post(server.url("/v2/models/positional/infer"), json=body, timeout=60)
             assert reply.status_code == 200, reply.text
             output = reply.json()["outputs"][0]
@@ -211,14 +215,7 @@ def test_per_device_engines_serve_the_gpu_and_the_cpu_model(tmp_path: Path) -> N
         for name in ("on_gpu", "on_cpu"):
             for rows in (1, 7):
                 data = inputs(rows, seed=rows)
-                body = {
-                    "inputs": [
-                        {"name": "ids", "datatype": "INT64", "shape": [rows, 8],
-                         "data": data["ids"].ravel().tolist()},
-                        {"name": "scale", "datatype": "FP32", "shape": [rows, 1],
-                         "data": data["scale"].ravel().tolist()},
-                    ]
-                }  # fmt: skip
+                body = json_body(data)
                 reply = httpx.post(server.url(f"/v2/models/{name}/infer"), json=body, timeout=60)
                 assert reply.status_code == 200, reply.text
                 got = np.array(reply.json()["outputs"][0]["data"], np.float32).reshape(rows, 4)

@@ -15,9 +15,7 @@ import os
 import re
 import shutil
 import signal
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.llm_models import smollm2_gguf, write_tiny_llama_shape
 from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, posts_during
 
 GPU_CONFIG = {"backend": "torch", "trust_pickle": True, "max_batch_size": 8,
               "parameters": {"device": "cuda:0"}}  # fmt: skip
@@ -203,35 +201,15 @@ def test_the_gpu_engine_killed_leaves_the_cpu_models_serving(server: RemoteServe
     body = {"inputs": [
         {"name": n, "shape": [1, ADD_SUB_WIDTH], "datatype": "FP32",
          "data": [1.0] * ADD_SUB_WIDTH} for n in ("INPUT0", "INPUT1")]}  # fmt: skip
-    outcomes: Counter[object] = Counter()
-    stop = threading.Event()
 
-    def load() -> None:
-        with httpx.Client(timeout=10) as http:
-            while not stop.is_set():
-                try:
-                    answer = http.post(server.url("/v2/models/add_sub/infer"), json=body)
-                except httpx.HTTPError as exc:
-                    outcomes[type(exc).__name__] += 1
-                    continue
-                outcomes[answer.status_code] += 1
-
-    threads = [threading.Thread(target=load) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    try:
-        time.sleep(0.5)
+    def kill_and_wait() -> None:
         os.kill(_engine_pids(server, "cuda:0")[-1], signal.SIGKILL)
         deadline = time.monotonic() + 60
         while not (len(_engine_pids(server, "cuda:0")) > 1 and _ready(server)):
             assert time.monotonic() < deadline, "the cuda:0 engine was not started again"
             time.sleep(0.1)
-        time.sleep(0.5)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=30)
-    assert not any(thread.is_alive() for thread in threads), "a request hung"
+
+    outcomes, _ = posts_during(server.url("/v2/models/add_sub/infer"), body, kill_and_wait)
     assert set(outcomes) == {200} and outcomes[200] > 20, outcomes
     assert len(_engine_pids(server, "cpu")) == 1
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.llm_models import smollm2_gguf
 from tests.models import ADD_SUB_WIDTH, build_add_constant, build_add_sub
-from tests.utils import RemoteServer
+from tests.utils import RemoteServer, posts_during
 
 FRONTENDS = 2
 
@@ -256,39 +254,16 @@ def _kill_the_engine_under_load(server: RemoteServer) -> None:
     body = {"inputs": [
         {"name": n, "shape": [1, ADD_SUB_WIDTH], "datatype": "FP32",
          "data": [1.0] * ADD_SUB_WIDTH} for n in ("INPUT0", "INPUT1")]}  # fmt: skip
-    outcomes: Counter[object] = Counter()
-    retry_after: set[str | None] = set()
-    stop = threading.Event()
 
-    def load() -> None:
-        with httpx.Client(timeout=10) as http:
-            while not stop.is_set():
-                try:
-                    answer = http.post(server.url("/v2/models/add_sub/infer"), json=body)
-                except httpx.HTTPError as exc:
-                    outcomes[type(exc).__name__] += 1
-                    continue
-                outcomes[answer.status_code] += 1
-                if answer.status_code == 503:
-                    retry_after.add(answer.headers.get("retry-after"))
-
-    threads = [threading.Thread(target=load) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    try:
-        time.sleep(0.5)
-        old = engine_pids(server)[-1]
-        os.kill(old, signal.SIGKILL)
+    def kill_and_wait() -> None:
+        os.kill(engine_pids(server)[-1], signal.SIGKILL)
         deadline = time.monotonic() + 60
         while not (len(engine_pids(server)) > 1 and _ready(server)):
             assert time.monotonic() < deadline, "the engine was not restarted"
             time.sleep(0.1)
-        time.sleep(0.5)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=30)
-    assert not any(thread.is_alive() for thread in threads), "a request hung"
+
+    url = server.url("/v2/models/add_sub/infer")
+    outcomes, retry_after = posts_during(url, body, kill_and_wait)
     assert set(outcomes) <= {200, 503}, outcomes
     assert outcomes[503] > 0 and retry_after == {"1"}, (outcomes, retry_after)
     # The restarted engine loaded what explicit mode had loaded at start.

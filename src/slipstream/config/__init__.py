@@ -455,12 +455,11 @@ class ServerSettings(_Strict):
     engines: Literal["single", "per-device"] = Field(
         "single",
         description="Engine processes of the split layout. single: one runs every model. "
-        "per-device: one per device the repository's models run on (the CPU, cuda:0, "
-        "cuda:1, ...: a torch model's parameters.device, a generative model's "
-        "generation.device), each front end routing a model's requests to its engine, so "
-        "each GPU is fed by a process of its own and CPU models never wait behind a GPU "
-        "model's GIL. A cascade runs in one engine with its stages. Implies --frontends 1 "
-        "when --frontends is 0.",
+        "per-device: one per device the models run on (the CPU, cuda:0, ...: a torch "
+        "model's parameters.device, a generative model's generation.device), front ends "
+        "routing each model's requests to its engine: each GPU is fed by a process of its "
+        "own, CPU models never wait behind a GPU model's GIL, a cascade runs with its "
+        "stages. Implies --frontends 1 when --frontends is 0.",
     )
     cpu_scheduling: Literal["batch", "default"] = Field(
         "batch",

@@ -128,6 +128,14 @@ def list_models(repository: Path, share: Share | None = None) -> dict[str, Model
     return models if share is None else share.select(models)
 
 
+def tensor_models(repository: Path, share: Share | None = None) -> dict[str, ModelDirectory]:
+    """The models the V2 model manager loads from files: all of :func:`list_models` but
+    the generative ones (slipstream.llm serves those) and the cascades
+    (serving/cascade.py builds those from their stages)."""
+    found = list_models(repository, share)
+    return {name: d for name, d in found.items() if not (is_generative(d) or is_cascade(d))}
+
+
 def read_model_directory(path: Path) -> ModelDirectory:
     # Change polling stamps the files itself (repository/changes.py): reading versions
     # only, a file vanishing mid-copy cannot fail the scan of the whole repository.

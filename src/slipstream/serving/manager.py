@@ -24,13 +24,12 @@ from slipstream.repository.changes import (
 from slipstream.repository.layout import (
     ModelDirectory,
     Share,
-    is_cascade,
     is_generative,
-    list_models,
     model_file,
     model_path,
     read_config,
     read_model_directory,
+    tensor_models,
 )
 from slipstream.runtime import heap
 from slipstream.runtime.base import BackendUnavailable
@@ -98,9 +97,8 @@ class ModelManager:
         lifecycle: LifecycleMetrics | None = None,
         share: Share | None = None,
     ) -> None:
-        """``lifecycle``: the load and unload counts, shared with the LLM lane (one is
-        made and registered when none is given); ``share``: the repository's models this
-        process serves (one engine of several: repository/placement.py), all if None."""
+        """``lifecycle``: load and unload counts shared with the LLM lane (made here if None);
+        ``share``: the models this process serves (repository/placement.py), all if None."""
         self.repository = repository
         self._share = share
         self._metrics = metrics
@@ -248,10 +246,7 @@ class ModelManager:
     # -- loading and unloading ---------------------------------------------------------
 
     def _tensor_models(self) -> dict[str, ModelDirectory]:
-        """The repository's models minus the generative ones (slipstream.llm serves those)
-        and the cascades (serving/cascade.py builds those from their stages)."""
-        found = list_models(self.repository, self._share)
-        return {name: d for name, d in found.items() if not (is_generative(d) or is_cascade(d))}
+        return tensor_models(self.repository, self._share)
 
     async def load_all(self) -> None:
         names = list(self._tensor_models())
