@@ -55,6 +55,7 @@ from slipstream.protocol import openai
 from slipstream.repository.layout import list_models
 from slipstream.repository.placement import CPU, Routing, Share, engine_devices
 from slipstream.runtime import heap
+from slipstream.security.gate import body_model
 from slipstream.security.keys import KeysFileError
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.server.openai_rest import OpenAIApp
@@ -449,7 +450,7 @@ class OpenAIForwarder:
         if route.startswith("/v1/models/"):
             return await self._forward(self._engine_for(route.removeprefix("/v1/models/")),
                                        request)  # fmt: skip
-        return await self._forward(self._engine_for(_named_model(request.body)), request)
+        return await self._forward(self._engine_for(body_model(request.body)), request)
 
     async def _models(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
         """Every engine's /v1/models, as one list (the first failure as it is)."""
@@ -478,17 +479,6 @@ class OpenAIForwarder:
             return first
         status, content_type, headers = first
         return StreamingResponse(status, _relay(items), content_type, headers)
-
-
-def _named_model(body: bytes) -> str:
-    """The ``model`` an OpenAI request's JSON body names ("" where it names none: the
-    first engine answers it, with the error one engine would give)."""
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return ""
-    model = parsed.get("model") if isinstance(parsed, dict) else None
-    return model if isinstance(model, str) else ""
 
 
 async def _relay(items: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
