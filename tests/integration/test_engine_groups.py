@@ -357,6 +357,7 @@ def test_alike_lone_calls_are_stacked_by_the_engine(engine: Engine) -> None:
     stats = engine.run(engine.server.model_statistics("embed"))[0]
     queued, runs = stats.inference_stats.queue.count, stats.execution_count
     batches = {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
+    waits = _queue_histogram_count(engine, "embed")
     drawn = [_embed([[i, 9 - i, 2]], id=f"g{i}") for i in range(8)]
     engine.gathered.clear()
     engine.server.stacks.clear()
@@ -373,6 +374,17 @@ def test_alike_lone_calls_are_stacked_by_the_engine(engine: Engine) -> None:
     assert stats.execution_count - runs == 1
     after = {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
     assert after.get(8, 0) - batches.get(8, 0) == 1
+    # /metrics' queue-time histogram counts each request of the stack too.
+    assert _queue_histogram_count(engine, "embed") - waits == 8
+
+
+def _queue_histogram_count(engine: Engine, model: str) -> float:
+    for family in engine.server.metrics.registry.collect():
+        for sample in family.samples:
+            if (sample.name == "slipstream_queue_duration_seconds_count"
+                    and sample.labels.get("model") == model):  # fmt: skip
+                return float(sample.value)
+    raise AssertionError(f"no queue-time histogram for {model}")
 
 
 def test_a_gathered_call_given_up_on_leaves_the_others_answered(engine: Engine) -> None:

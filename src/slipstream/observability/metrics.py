@@ -62,9 +62,10 @@ class Histogram:
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """``count`` observations of ``value`` (a stack of requests that waited alike)."""
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.total += value * count
 
     def cumulative(self) -> list[tuple[str, float]]:
         labels = [repr(float(b)) for b in self.bounds] + ["+Inf"]

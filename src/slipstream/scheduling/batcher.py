@@ -436,8 +436,7 @@ class Batcher:
         metrics.compute_duration.observe(compute_ns / 1e9)
         for pending in batch:
             queue_ns = pending.dispatch_ns - pending.enqueue_ns
-            for _ in range(pending.requests):
-                metrics.queue_duration.observe(queue_ns / 1e9)
+            metrics.queue_duration.observe(queue_ns / 1e9, pending.requests)
             self._stats.record_queue(queue_ns * pending.requests, pending.requests)
 
     # -- queue housekeeping -------------------------------------------------------------
