@@ -357,7 +357,8 @@ def test_alike_lone_calls_are_stacked_by_the_engine(engine: Engine) -> None:
     stats = engine.run(engine.server.model_statistics("embed"))[0]
     queued, runs = stats.inference_stats.queue.count, stats.execution_count
     batches = {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
-    waits = _queue_histogram_count(engine, "embed")
+    waits = _histogram_count(engine, "embed", "queue")
+    served = _histogram_count(engine, "embed", "request")
     drawn = [_embed([[i, 9 - i, 2]], id=f"g{i}") for i in range(8)]
     engine.gathered.clear()
     engine.server.stacks.clear()
@@ -374,17 +375,18 @@ def test_alike_lone_calls_are_stacked_by_the_engine(engine: Engine) -> None:
     assert stats.execution_count - runs == 1
     after = {b.batch_size: b.compute_infer.count for b in stats.batch_stats}
     assert after.get(8, 0) - batches.get(8, 0) == 1
-    # /metrics' queue-time histogram counts each request of the stack too.
-    assert _queue_histogram_count(engine, "embed") - waits == 8
+    # /metrics' queue-time and request-time histograms count each request of the stack.
+    assert _histogram_count(engine, "embed", "queue") - waits == 8
+    assert _histogram_count(engine, "embed", "request") - served == 8
 
 
-def _queue_histogram_count(engine: Engine, model: str) -> float:
+def _histogram_count(engine: Engine, model: str, what: str) -> float:
     for family in engine.server.metrics.registry.collect():
         for sample in family.samples:
-            if (sample.name == "slipstream_queue_duration_seconds_count"
+            if (sample.name == f"slipstream_{what}_duration_seconds_count"
                     and sample.labels.get("model") == model):  # fmt: skip
                 return float(sample.value)
-    raise AssertionError(f"no queue-time histogram for {model}")
+    raise AssertionError(f"no {what}-time histogram for {model}")
 
 
 def test_a_gathered_call_given_up_on_leaves_the_others_answered(engine: Engine) -> None:

@@ -104,10 +104,10 @@ class ModelStatsRecorder:
         inference = self._stats.inference_stats
         (inference.cache_hit if hit else inference.cache_miss).add(ns)
 
-    def record_request(self, *, ok: bool, total_ns: int) -> None:
-        """One finished request and its end-to-end time in the server."""
+    def record_request(self, *, ok: bool, total_ns: int, count: int = 1) -> None:
+        """``count`` finished requests, each ``total_ns`` end to end in the server."""
         inference = self._stats.inference_stats
-        (inference.success if ok else inference.fail).add(total_ns)
+        (inference.success if ok else inference.fail).add(total_ns * count, count)
 
     def snapshot(self) -> ModelStats:
         """A copy that later batches do not change."""

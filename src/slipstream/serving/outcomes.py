@@ -7,10 +7,11 @@ from slipstream.observability.metrics import ModelMetrics
 from slipstream.serving.model import ModelVersion
 
 
-def record_success(model: ModelVersion, elapsed_ns: int) -> None:
-    model.stats.record_request(ok=True, total_ns=elapsed_ns)
-    model.metrics.request_success += 1
-    model.metrics.request_duration.observe(elapsed_ns / 1e9)
+def record_success(model: ModelVersion, elapsed_ns: int, count: int = 1) -> None:
+    """``count`` requests served, each in ``elapsed_ns`` (a stack's parts: one call)."""
+    model.stats.record_request(ok=True, total_ns=elapsed_ns, count=count)
+    model.metrics.request_success += count
+    model.metrics.request_duration.observe(elapsed_ns / 1e9, count)
 
 
 def record_failure(model: ModelVersion, exc: SlipstreamError, elapsed_ns: int) -> None:

@@ -124,8 +124,7 @@ async def infer_stack(
         outcomes = await asyncio.gather(*runs, return_exceptions=True)
     elapsed_ns = time.perf_counter_ns() - started_ns
     if all(isinstance(outcome, dict) for outcome in outcomes):
-        for _ in range(len(parts)):
-            record_success(model, elapsed_ns)
+        record_success(model, elapsed_ns, len(parts))
         merged = cast(list[dict[str, np.ndarray]], outcomes)
         outputs = (
             merged[0]
@@ -137,8 +136,7 @@ async def infer_stack(
     alone = unstack(stacked, parts, rows)
     for (a, b, _, _), outcome in zip(chunks, outcomes, strict=True):
         if isinstance(outcome, dict):
-            for _ in range(a, b):
-                record_success(model, elapsed_ns)
+            record_success(model, elapsed_ns, b - a)
             whole = InferResponse(model.name, model.version_str, outcome)
             answers += cut(whole, [part.id for part in alone[a:b]], rows[a:b])
         elif isinstance(outcome, Unavailable) or not isinstance(outcome, SlipstreamError):
