@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -144,3 +145,20 @@ def test_a_port_in_use_stops_the_server_naming_it(tmp_path: Path, layout: list[s
         )  # fmt: skip
     assert result.returncode == 1, result.stderr[-2000:]
     assert f"could not bind 127.0.0.1:{port}" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("layout", [["--frontends", "1"], ["--engines", "per-device"]])
+def test_an_engine_that_cannot_start_stops_the_server_saying_why(
+    tmp_path: Path, layout: list[str]
+) -> None:
+    """A model named to load that is not in the repository: the engine cannot start, and
+    the server exits 1 saying why and with which exit code the engine stopped."""
+    (tmp_path / "repo").mkdir()
+    result = run_cli(
+        "serve", "--model-repository", str(tmp_path / "repo"), "--host", "127.0.0.1",
+        "--http-port", "0", "--grpc-port", "0", "--model-control-mode", "explicit",
+        "--load-model", "nope", *layout,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "model 'nope' is not in the repository" in result.stderr, result.stderr[-2000:]
+    assert re.search(r"engine( cpu)? exited \(code 1\) before it was ready", result.stderr)

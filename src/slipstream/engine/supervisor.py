@@ -168,6 +168,7 @@ class Supervisor:
                 return  # it never started: the server stops (_failed_at_start)
             process = child.process
             assert process is not None
+            await _reaped(process)
             ran_s = time.monotonic() - child.started_at
             if ran_s >= _HEALTHY_AFTER_S:
                 child.backoff_s = 0.0
@@ -184,7 +185,9 @@ class Supervisor:
         process = child.process
         if child.ready.is_set() or process is None:
             await asyncio.Event().wait()  # it had started: _keep_up restarts it
-        code = process.exitcode if process is not None else 1
+        assert process is not None  # the wait above never ends
+        await _reaped(process)
+        code = process.exitcode
         logger.error("%s exited (code %s) before it was ready; stopping", child.name, code)
         return code or 1
 
@@ -209,6 +212,13 @@ class Supervisor:
             await asyncio.to_thread(process.join, 5)
         if process.exitcode not in (0, None):
             logger.warning("%s exited with code %s", child.name, process.exitcode)
+
+
+async def _reaped(process: BaseProcess) -> None:
+    """Wait until ``process``'s exit code is known: its sentinel can be readable a moment
+    before the process can be reaped (the log said "exited (code None)")."""
+    if process.exitcode is None:
+        await asyncio.to_thread(process.join, 5)
 
 
 def remove_socket_dir(directory: Path) -> None:

@@ -345,7 +345,17 @@ async def _serve_frontend(
     clients = [EngineClient(engine_address(directory, i)) for i in range(len(shares))]
     for client in clients:
         client.start()
-    await asyncio.gather(*(client.wait_connected(_CONNECT_WAIT_S) for client in clients))
+    connecting: asyncio.Future[Any] = asyncio.gather(
+        *(client.wait_connected(_CONNECT_WAIT_S) for client in clients)
+    )
+    stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():  # stopped before it served (an engine that could not start)
+        connecting.cancel()
+        await asyncio.gather(*(client.close() for client in clients))
+        await close_parts(None, door)
+        return 0
+    stopping.cancel()
     routing = None
     if len(shares) > 1:
         devices = [share.device for share in shares if share is not None]
