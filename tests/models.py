@@ -14,6 +14,9 @@ A model whose runs wait for the test (queue behaviour) is the gated backend in
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +268,29 @@ def build_classifier(repo: Path, name: str, label_offset: int = 0) -> Path:
         initializer=[offset],
     )
     return _save(_model(graph), repo, name, 1)
+
+
+@contextmanager
+def add_sub_region(name: str, rows: int = 2) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """A client's system shared-memory region ``name`` holding add_sub's two inputs (3s,
+    then 4s; [rows, ADD_SUB_WIDTH] each), destroyed on exit: (its key, INPUT0, INPUT1)."""
+    import tritonclient.utils.shared_memory as shm
+
+    a, b = (np.full((rows, ADD_SUB_WIDTH), v, np.float32) for v in (3.0, 4.0))
+    key = f"/slipstream_{name}_{os.getpid()}"
+    region = shm.create_shared_memory_region(name, key, a.nbytes + b.nbytes)
+    try:
+        shm.set_shared_memory_region(region, [a, b])
+        yield key, a, b
+    finally:
+        shm.destroy_shared_memory_region(region)
+
+
+def add_sub_region_inputs(name: str, a: np.ndarray, b: np.ndarray) -> list[Any]:
+    """gRPC inputs of add_sub that read region ``name`` (:func:`add_sub_region`)."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = [grpcclient.InferInput(n, list(a.shape), "FP32") for n in ("INPUT0", "INPUT1")]
+    inputs[0].set_shared_memory(name, a.nbytes)
+    inputs[1].set_shared_memory(name, b.nbytes, offset=a.nbytes)
+    return inputs

@@ -25,11 +25,16 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from tests.llm_models import smollm2_gguf, write_tiny_llama_shape
-from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
+from tests.models import (
+    ADD_SUB_WIDTH,
+    add_sub_region,
+    add_sub_region_inputs,
+    build_add_sub,
+    write_config,
+)
 from tests.utils import RemoteServer, posts_during
 
 GPU_CONFIG = {"backend": "torch", "trust_pickle": True, "max_batch_size": 8,
@@ -140,27 +145,16 @@ def test_metrics_show_each_engines_series_under_its_device(server: RemoteServer)
 
 
 def test_a_region_registered_once_serves_the_engines_models(server: RemoteServer) -> None:
-    rows = 2
-    a, b = (np.full((rows, ADD_SUB_WIDTH), v, np.float32) for v in (3.0, 4.0))
-    key = f"/slipstream_per_device_{os.getpid()}"
-    region = shm.create_shared_memory_region("per_device_in", key, a.nbytes + b.nbytes)
-    try:
-        shm.set_shared_memory_region(region, [a, b])
+    with add_sub_region("per_device_in") as (key, a, b):
         http = httpclient.InferenceServerClient(server.http_address)
         http.register_system_shared_memory("per_device_in", key, a.nbytes + b.nbytes)
         grpc = grpcclient.InferenceServerClient(server.grpc_address)
         status = grpc.get_system_shared_memory_status().regions
         assert [r.name for r in status.values()] == ["per_device_in"]
-        inputs = [
-            grpcclient.InferInput(n, [rows, ADD_SUB_WIDTH], "FP32") for n in ("INPUT0", "INPUT1")
-        ]
-        inputs[0].set_shared_memory("per_device_in", a.nbytes)
-        inputs[1].set_shared_memory("per_device_in", b.nbytes, offset=a.nbytes)
+        inputs = add_sub_region_inputs("per_device_in", a, b)
         np.testing.assert_array_equal(grpc.infer("add_sub", inputs).as_numpy("OUTPUT0"), a + b)
         http.unregister_system_shared_memory()
         assert http.get_system_shared_memory_status() == []
-    finally:
-        shm.destroy_shared_memory_region(region)
 
 
 def test_a_model_added_at_run_time_loads_in_its_devices_engine(server: RemoteServer) -> None:

@@ -23,11 +23,16 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from tests.llm_models import smollm2_gguf
-from tests.models import ADD_SUB_WIDTH, build_add_constant, build_add_sub
+from tests.models import (
+    ADD_SUB_WIDTH,
+    add_sub_region,
+    add_sub_region_inputs,
+    build_add_constant,
+    build_add_sub,
+)
 from tests.utils import RemoteServer, posts_during
 
 FRONTENDS = 2
@@ -224,12 +229,7 @@ def test_a_killed_engine_fails_in_flight_requests_with_503_then_serves_again(
     """kill -9 of the engine under load: every request is answered (200, or 503 with
     Retry-After while it is away), none hangs, and the restarted engine serves, with the
     shared-memory regions registered and the models loaded before it died."""
-    rows = 2
-    a, b = (np.full((rows, ADD_SUB_WIDTH), v, np.float32) for v in (3.0, 4.0))
-    key = f"/slipstream_split_{os.getpid()}"
-    region = shm.create_shared_memory_region("split_in", key, a.nbytes + b.nbytes)
-    try:
-        shm.set_shared_memory_region(region, [a, b])
+    with add_sub_region("split_in") as (key, a, b):
         http = httpclient.InferenceServerClient(server.http_address)
         http.register_system_shared_memory("split_in", key, a.nbytes + b.nbytes)
         http.load_model("plus")  # explicit mode: loaded at run time, not at start
@@ -239,15 +239,9 @@ def test_a_killed_engine_fails_in_flight_requests_with_503_then_serves_again(
         assert [r.name for r in grpc.get_system_shared_memory_status().regions.values()] == [
             "split_in"
         ]
-        inputs = [
-            grpcclient.InferInput(n, [rows, ADD_SUB_WIDTH], "FP32") for n in ("INPUT0", "INPUT1")
-        ]
-        inputs[0].set_shared_memory("split_in", a.nbytes)
-        inputs[1].set_shared_memory("split_in", b.nbytes, offset=a.nbytes)
+        inputs = add_sub_region_inputs("split_in", a, b)
         np.testing.assert_array_equal(grpc.infer("add_sub", inputs).as_numpy("OUTPUT0"), a + b)
         http.unregister_system_shared_memory()
-    finally:
-        shm.destroy_shared_memory_region(region)
 
 
 def _kill_the_engine_under_load(server: RemoteServer) -> None:
