@@ -26,6 +26,11 @@ WHEELS=(
   huggingface-hub==2.4.0 safetensors==0.8.0 httpx2==2.16.2 httpcore2==2.16.2
   hf-xet==1.8.0 click==8.5.1 truststore==0.10.5 idna==3.20 anyio==4.16.0 h11==0.16.0
   py-spy==0.4.3
+  # tests/gpu/test_cuda_shared_memory.py: tritonclient's gRPC client and cuda_shared_memory
+  # (NVIDIA's cuda-bindings), httpx for the HTTP calls.
+  tritonclient==2.73.0 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 protobuf==6.33.6
+  python-rapidjson==1.25 ml-dtypes==0.5.4 packaging==26.3 urllib3==2.8.0 httpx==0.28.1
+  httpcore==1.0.9 certifi==2026.10.18 sniffio==1.3.1
 )
 
 prepare() {
@@ -56,11 +61,11 @@ run() {
     --served fp16-graphs-i1-split4 --concurrency 256 --protocols http-binary,grpc \
     --duration 3 --json "$OUT/before.json" >"$OUT/before.txt" 2>&1
   echo "before rc=$?" >>"$OUT/before.txt"
-  PYTHONPATH=src:/tmp/site timeout 260 python3 benchmarks/gpu.py \
+  PYTHONPATH=src:/tmp/site timeout 220 python3 benchmarks/gpu.py \
     --served fp16-graphs-i1-split4,fp16-graphs-i1-split8,fp32-graphs-i1-split4 \
     --concurrency 1,256 --duration 3 --json "$OUT/after.json" >"$OUT/after.txt" 2>&1
   echo "after rc=$?" >>"$OUT/after.txt"
-  PYTHONPATH=/tmp/site timeout 150 make test-gpu >"$OUT/test-gpu.txt" 2>&1
+  PYTHONPATH=/tmp/site timeout 200 make test-gpu >"$OUT/test-gpu.txt" 2>&1
   echo "test-gpu rc=$?" >>"$OUT/test-gpu.txt"
   tail -6 "$OUT/before.txt"
   tail -12 "$OUT/after.txt"

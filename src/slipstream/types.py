@@ -152,6 +152,22 @@ class SharedMemoryRegionStatus:
     owner: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class CudaRegionStatus:
+    """A registered CUDA shared-memory region (Triton's cudasharedmemory): device memory
+    a client allocated and exported as a CUDA IPC handle."""
+
+    name: str
+    # The GPU the memory is on, and its size in bytes.
+    device_id: int
+    byte_size: int
+    # The API key's name that registered it, as for system regions.
+    owner: str = ""
+    # The handle's 64 bytes (cudaIpcGetMemHandle), kept so that an engine started again
+    # can open the memory again; never listed to clients.
+    raw_handle: bytes = b""
+
+
 # -- generation ---------------------------------------------------------------------
 
 # What a constraint holds: a JSON schema (as JSON text), nothing (any JSON object), the

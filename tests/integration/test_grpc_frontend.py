@@ -25,6 +25,7 @@ from slipstream.protocol.proto import inference_pb2 as pb
 from slipstream.server.v2_grpc import SERVICE_NAME, build_grpc_server
 from slipstream.serving.service import InferenceService
 from slipstream.types import (
+    CudaRegionStatus,
     InferRequest,
     InferResponse,
     ModelMetadata,
@@ -189,6 +190,17 @@ class FakeService(InferenceService):
         raise InvalidRequest("no shared memory here")
 
     async def unregister_region(self, name: str = "", owner: str = "") -> None:
+        return None
+
+    async def cuda_region_status(self, name: str = "", owner: str = "") -> list[CudaRegionStatus]:
+        return []
+
+    async def register_cuda_region(
+        self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str = ""
+    ) -> None:
+        raise InvalidRequest("no shared memory here")
+
+    async def unregister_cuda_region(self, name: str = "", owner: str = "") -> None:
         return None
 
 

@@ -116,7 +116,7 @@ CONTENT_DEPENDENT = (
 
 # 400s that depend on how the server runs: shared-memory regions are refused without
 # --allow-client-shm, and CUDA regions on a server without CUDA.
-SETTING_DEPENDENT = ("client shared memory is disabled", "CUDA shared memory is not supported")
+SETTING_DEPENDENT = ("client shared memory is disabled", "this server has no usable CUDA device")
 
 
 def filter_failure(context: Any, failure: Any, case: Any, response: Any) -> bool:

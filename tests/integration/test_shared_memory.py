@@ -5,6 +5,7 @@ outputs written into them, and every bad region access answered 400 naming the c
 
 from __future__ import annotations
 
+import base64
 import os
 import queue
 import time
@@ -97,6 +98,8 @@ def test_metadata_lists_the_extension(client: Client) -> None:
     metadata = client.get_server_metadata()
     extensions = metadata["extensions"] if isinstance(metadata, dict) else metadata.extensions
     assert "system_shared_memory" in extensions
+    # Listed only where a client's device memory can be opened: not on a host without a GPU.
+    assert "cuda_shared_memory" not in extensions
 
 
 def test_inputs_and_outputs_through_regions(
@@ -238,21 +241,46 @@ def test_bad_region_accesses_are_refused_and_touch_nothing(
 
 
 def test_cuda_shared_memory_is_refused_with_its_reason(server: RemoteServer) -> None:
+    """This host has no GPU: a well-formed CUDA registration is refused with the CUDA
+    runtime's reason (tests/gpu/test_cuda_shared_memory.py serves them on a GPU)."""
+    handle = base64.b64encode(bytes(64)).decode()
     with httpx.Client(base_url=server.http_url, timeout=30) as http:
-        _cuda_over_http(http)
+        _cuda_over_http(http, handle)
     grpc = grpcclient.InferenceServerClient(server.grpc_address)
-    _refused(lambda: grpc.register_cuda_shared_memory("gpu0", b"", 0, 8), "not supported")
+    _refused(
+        lambda: grpc.register_cuda_shared_memory("gpu0", handle.encode(), 0, 8),
+        "device_id 0: this server has no usable CUDA device (cudaError",
+    )
+    _refused(lambda: grpc.register_cuda_shared_memory("gpu0", b"", 0, 8), "raw_handle: 0 bytes")
+    _refused(lambda: grpc.register_cuda_shared_memory("gpu0", handle.encode(), -1, 8), "device_id")
+    assert grpc.get_cuda_shared_memory_status(as_json=True) == {}
+    grpc.unregister_cuda_shared_memory()
     grpc.close()
 
 
-def _cuda_over_http(http: httpx.Client) -> None:
+def _cuda_over_http(http: httpx.Client, handle: str) -> None:
     assert http.get("/v2/cudasharedmemory/status").json() == []
-    refused = http.post(
-        "/v2/cudasharedmemory/region/gpu0/register",
-        json={"raw_handle": {"b64": ""}, "device_id": 0, "byte_size": 8},
-    )
+    path = "/v2/cudasharedmemory/region/gpu0/register"
+    refused = http.post(path, json={"raw_handle": {"b64": handle}, "device_id": 0, "byte_size": 8})
     assert refused.status_code == 400
+    assert "this server has no usable CUDA device (cudaError" in refused.json()["error"]
     assert "use system shared memory" in refused.json()["error"]
+    for body, fragment in (
+        (b"[]", "expected a JSON object with raw_handle"),
+        (b'{"device_id": 0, "byte_size": 8}', "raw_handle: expected"),
+        (b'{"raw_handle": "abc", "device_id": 0, "byte_size": 8}', "raw_handle: expected"),
+        (b'{"raw_handle": {"b64": "@@"}, "device_id": 0, "byte_size": 8}', "not valid base64"),
+        # Not ASCII: base64 has no such character.
+        ('{"raw_handle": {"b64": "\u00e9"}, "device_id": 0, "byte_size": 8}'.encode(), "base64"),
+        (b'{"raw_handle": {"b64": ""}, "byte_size": 8}', "device_id: required"),
+        (b'{"raw_handle": {"b64": ""}, "device_id": -1, "byte_size": 8}', "device_id: expected"),
+        (b'{"raw_handle": {"b64": ""}, "device_id": 0}', "byte_size: required"),
+        (b'{"raw_handle": {"b64": ""}, "device_id": 0, "byte_size": 8}', "raw_handle: 0 bytes"),
+    ):
+        response = http.post(path, content=body)
+        assert response.status_code == 400, body
+        assert fragment in response.json()["error"], (body, response.text)
+    assert http.get("/v2/cudasharedmemory/region/gpu0/status").status_code == 404
     assert http.post("/v2/cudasharedmemory/unregister").status_code == 200
 
 

@@ -29,6 +29,7 @@ from slipstream.errors import SlipstreamError
 from slipstream.observability.stats import ModelStats
 from slipstream.serving.service import InferenceService
 from slipstream.types import (
+    CudaRegionStatus,
     InferRequest,
     InferResponse,
     ModelMetadata,
@@ -182,20 +183,47 @@ class RemoteInferenceService(InferenceService):
     async def register_region(
         self, name: str, key: str, offset: int, byte_size: int, owner: str = ""
     ) -> None:
+        await self._register_everywhere(
+            "register_region", "unregister_region", name, (key, offset, byte_size), owner
+        )
+
+    async def unregister_region(self, name: str = "", owner: str = "") -> None:
+        await self._everywhere("unregister_region", name, owner)
+
+    async def cuda_region_status(self, name: str = "", owner: str = "") -> list[CudaRegionStatus]:
+        regions: list[CudaRegionStatus] = await self._clients[0].call(
+            "cuda_region_status", name, owner
+        )
+        return regions
+
+    async def register_cuda_region(
+        self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str = ""
+    ) -> None:
+        await self._register_everywhere(
+            "register_cuda_region", "unregister_cuda_region", name,
+            (raw_handle, device_id, byte_size), owner,
+        )  # fmt: skip
+
+    async def unregister_cuda_region(self, name: str = "", owner: str = "") -> None:
+        await self._everywhere("unregister_cuda_region", name, owner)
+
+    async def _register_everywhere(
+        self, register: str, unregister: str, name: str, args: tuple[Any, ...], owner: str
+    ) -> None:
         """Registered in every engine, one after the other; one that refuses (the first
         checks the client's input) undoes the registrations made before it."""
         for index, client in enumerate(self._clients):
             try:
-                await client.call("register_region", name, key, offset, byte_size, owner)
+                await client.call(register, name, *args, owner)
             except Exception:
                 for before in self._clients[:index]:
                     with contextlib.suppress(SlipstreamError):
-                        await before.call("unregister_region", name, owner)
+                        await before.call(unregister, name, owner)
                 raise
 
-    async def unregister_region(self, name: str = "", owner: str = "") -> None:
+    async def _everywhere(self, method: str, *args: Any) -> None:
         outcomes = await asyncio.gather(
-            *(client.call("unregister_region", name, owner) for client in self._clients),
+            *(client.call(method, *args) for client in self._clients),
             return_exceptions=True,
         )
         for outcome in outcomes:
@@ -211,7 +239,8 @@ def engine_calls(service: InferenceService) -> dict[str, Call]:
         for name in ("is_ready", "server_metadata", "model_ready", "model_metadata",
                      "model_config", "model_statistics", "repository_index", "load_model",
                      "unload_model", "rollout", "region_status", "register_region",
-                     "unregister_region")
+                     "unregister_region", "cuda_region_status", "register_cuda_region",
+                     "unregister_cuda_region")
     }  # fmt: skip
 
     async def infer(fields: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -356,7 +356,7 @@ def _v2_paths() -> dict[str, Any]:
 
 
 def _shared_memory_paths() -> dict[str, Any]:
-    """Triton's system shared-memory extension; CUDA regions are refused (no GPU)."""
+    """Triton's system and CUDA shared-memory extensions."""
     region = {
         "name": "region",
         "in": "path",
@@ -365,30 +365,33 @@ def _shared_memory_paths() -> dict[str, Any]:
         "schema": {"type": "string", "minLength": 1, "maxLength": 256},
     }
     size = {"type": "integer", "minimum": 0}
-    status = json_content(
-        {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {"name": {"type": "string"}, "key": {"type": "string"},
-                               "offset": size, "byte_size": size},
-            },
-        }
-    )  # fmt: skip
-    register = {
-        "required": True,
-        "content": json_content(
-            {
-                "type": "object",
-                "properties": {"key": {"type": "string"}, "offset": size, "byte_size": size},
-                "required": ["key", "byte_size"],
-            }
+    kinds = {
+        "system": (
+            "System",
+            {"name": {"type": "string"}, "key": {"type": "string"}, "offset": size,
+             "byte_size": size},
+            {"properties": {"key": {"type": "string"}, "offset": size, "byte_size": size},
+             "required": ["key", "byte_size"]},
+            "",
         ),
-    }
+        "cuda": (
+            "CUDA",
+            {"name": {"type": "string"}, "device_id": size, "byte_size": size},
+            {"properties": {
+                "raw_handle": {"type": "object", "required": ["b64"], "properties": {
+                    "b64": {"type": "string", "contentEncoding": "base64",
+                            "pattern": "^[A-Za-z0-9+/]{86}==$",
+                            "description": "cudaIpcGetMemHandle's 64 bytes"}}},
+                "device_id": size, "byte_size": size},
+             "required": ["raw_handle", "device_id", "byte_size"]},
+            " (on a server with a CUDA device and the gpu extra; else a 400 saying why)",
+        ),
+    }  # fmt: skip
     paths: dict[str, Any] = {}
-    for kind, title in (("system", "System"), ("cuda", "CUDA")):
+    for kind, (title, listed, body, note) in kinds.items():
+        status = json_content({"type": "array", "items": {"type": "object", "properties": listed}})
+        register = {"required": True, "content": json_content({"type": "object", **body})}
         base = f"/v2/{kind}sharedmemory"
-        note = "" if kind == "system" else " (refused: this server has no CUDA support)"
         for prefix, params, scope in (
             (base, [], "every region"),
             (base + "/region/{region}", [region], "one region"),

@@ -16,6 +16,7 @@ checks every access against their bounds, and reads and writes the tensors.
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,15 +27,32 @@ import orjson
 from slipstream.datatypes import numpy_dtype
 from slipstream.errors import InvalidRequest
 from slipstream.protocol.proto import inference_pb2 as pb
-from slipstream.types import SharedMemoryInput, SharedMemoryRef, SharedMemoryRegionStatus
+from slipstream.types import (
+    CudaRegionStatus,
+    SharedMemoryInput,
+    SharedMemoryRef,
+    SharedMemoryRegionStatus,
+)
 
 REGION = "shared_memory_region"
 OFFSET = "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
 PARAMETERS = (REGION, OFFSET, BYTE_SIZE)
 
-# The extension's name in the server metadata, as Triton lists it.
+# The extensions' names in the server metadata, as Triton lists them.
 EXTENSION = "system_shared_memory"
+CUDA_EXTENSION = "cuda_shared_memory"
+
+
+@dataclass(frozen=True, slots=True)
+class CudaRegisterRequest:
+    """A request to open ``byte_size`` bytes of device memory a client exported."""
+
+    # cudaIpcGetMemHandle's handle: 64 raw bytes (base64 in HTTP's JSON).
+    raw_handle: bytes
+    # The GPU the memory is on.
+    device_id: int
+    byte_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +124,7 @@ def shared_input(
 
 def decode_register_json(body: bytes) -> RegisterRequest:
     """The body of ``POST /v2/systemsharedmemory/region/<name>/register``."""
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidRequest("request body: expected a JSON object with key and byte_size")
+    doc = _json_object(body, "key and byte_size")
     key = doc.get("key")
     if not isinstance(key, str):
         raise InvalidRequest(
@@ -122,6 +135,34 @@ def decode_register_json(body: bytes) -> RegisterRequest:
     offset = _non_negative("register request", "offset", doc.get("offset", 0))
     byte_size = _non_negative("register request", "byte_size", doc["byte_size"])
     return RegisterRequest(key, offset, byte_size)
+
+
+def decode_cuda_register_json(body: bytes) -> CudaRegisterRequest:
+    """The body of ``POST /v2/cudasharedmemory/region/<name>/register``:
+    ``{"raw_handle": {"b64": "..."}, "device_id": 0, "byte_size": 64}``."""
+    doc = _json_object(body, "raw_handle, device_id and byte_size")
+    handle = doc.get("raw_handle")
+    encoded = handle.get("b64") if isinstance(handle, dict) else None
+    if not isinstance(encoded, str):
+        raise InvalidRequest(
+            f'raw_handle: expected {{"b64": <the CUDA IPC handle in base64>}}, got {handle!r}'
+        )
+    try:
+        raw_handle = base64.b64decode(encoded, validate=True)
+    except ValueError as exc:  # binascii.Error, or characters outside ASCII
+        raise InvalidRequest(f"raw_handle.b64: not valid base64 ({exc})") from None
+    for field in ("device_id", "byte_size"):
+        if field not in doc:
+            raise InvalidRequest(f"{field}: required")
+    device_id = _non_negative("register request", "device_id", doc["device_id"])
+    byte_size = _non_negative("register request", "byte_size", doc["byte_size"])
+    return CudaRegisterRequest(raw_handle, device_id, byte_size)
+
+
+def cuda_status_json(regions: list[CudaRegionStatus]) -> bytes:
+    return orjson.dumps(
+        [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
+    )
 
 
 def status_json(regions: list[SharedMemoryRegionStatus]) -> bytes:
@@ -140,6 +181,20 @@ def decode_register_grpc(message: pb.SystemSharedMemoryRegisterRequest) -> Regis
     return RegisterRequest(message.key, message.offset, message.byte_size)
 
 
+def decode_cuda_register_grpc(message: pb.CudaSharedMemoryRegisterRequest) -> CudaRegisterRequest:
+    # device_id is an int64 on this message.
+    device_id = _non_negative("register request", "device_id", message.device_id)
+    return CudaRegisterRequest(message.raw_handle, device_id, message.byte_size)
+
+
+def encode_cuda_status_grpc(regions: list[CudaRegionStatus]) -> pb.CudaSharedMemoryStatusResponse:
+    response = pb.CudaSharedMemoryStatusResponse()
+    for r in regions:
+        status = response.regions[r.name]
+        status.name, status.device_id, status.byte_size = r.name, r.device_id, r.byte_size
+    return response
+
+
 def encode_status_grpc(
     regions: list[SharedMemoryRegionStatus],
 ) -> pb.SystemSharedMemoryStatusResponse:
@@ -149,6 +204,16 @@ def encode_status_grpc(
         status.name, status.key = r.name, r.key
         status.offset, status.byte_size = r.offset, r.byte_size
     return response
+
+
+def _json_object(body: bytes, fields: str) -> dict[str, Any]:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequest(f"request body: expected a JSON object with {fields}")
+    return doc
 
 
 def _non_negative(where: str, field: str, value: Any) -> int:

@@ -286,6 +286,7 @@ def background_tasks(
 async def _release_regions(service: InferenceService, owners: list[str]) -> None:
     for owner in owners:
         await service.unregister_region("", owner)
+        await service.unregister_cuda_region("", owner)
 
 
 async def close_parts(

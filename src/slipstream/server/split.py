@@ -21,6 +21,7 @@ second); with several engines, each engine's with an ``engine`` label naming its
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import logging
 import signal
@@ -226,6 +227,8 @@ class _EngineJournal:
     def __init__(self, path: Path) -> None:
         self._path = path
         self.regions: list[dict[str, Any]] = []
+        # CUDA regions: as CudaRegionStatus's fields, the handle in base64.
+        self.cuda_regions: list[dict[str, Any]] = []
         # None: no change yet (the models of --load-model).
         self.models: list[str] | None = None
         try:
@@ -236,6 +239,7 @@ class _EngineJournal:
             logger.error("cannot read the engine's state from %s: %s", path, exc)
             return
         self.regions, self.models = saved["regions"], saved["models"]
+        self.cuda_regions = saved.get("cuda_regions", [])
 
     def restore_regions(self, regions: SystemSharedMemory) -> None:
         for region in self.regions:
@@ -246,15 +250,33 @@ class _EngineJournal:
                 )  # fmt: skip
             except SlipstreamError as exc:
                 logger.warning("region %r is not registered again: %s", region["name"], exc)
-        if self.regions:
-            logger.info("registered %d shared-memory regions again", len(self.regions))
+        for region in self.cuda_regions:
+            try:
+                regions.register_cuda(
+                    region["name"], base64.b64decode(region["raw_handle"]),
+                    region["device_id"], region["byte_size"], region["owner"],
+                )  # fmt: skip
+            except SlipstreamError as exc:
+                logger.warning("CUDA region %r is not registered again: %s", region["name"], exc)
+        if self.regions or self.cuda_regions:
+            logger.info("registered %d shared-memory regions again",
+                        len(self.regions) + len(self.cuda_regions))  # fmt: skip
 
     def save(self, regions: SystemSharedMemory | None = None) -> None:
         if regions is not None:
             self.regions = [dataclasses.asdict(status) for status in regions.registered()]
+            self.cuda_regions = [
+                {**dataclasses.asdict(status), "raw_handle": _base64(status.raw_handle)}
+                for status in regions.registered_cuda()
+            ]
         temporary = self._path.with_suffix(".tmp")
-        temporary.write_bytes(orjson.dumps({"regions": self.regions, "models": self.models}))
+        state = {"regions": self.regions, "cuda_regions": self.cuda_regions, "models": self.models}
+        temporary.write_bytes(orjson.dumps(state))
         temporary.replace(self._path)
+
+
+def _base64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
 
 
 def _journaled_calls(
@@ -274,6 +296,16 @@ def _journaled_calls(
         await service.unregister_region(name, owner)
         journal.save(service.shared_memory)
 
+    async def register_cuda_region(
+        name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str = ""
+    ) -> None:
+        await service.register_cuda_region(name, raw_handle, device_id, byte_size, owner)
+        journal.save(service.shared_memory)
+
+    async def unregister_cuda_region(name: str = "", owner: str = "") -> None:
+        await service.unregister_cuda_region(name, owner)
+        journal.save(service.shared_memory)
+
     async def load_model(name: str) -> None:
         await service.load_model(name)
         loaded.add(name)
@@ -287,6 +319,8 @@ def _journaled_calls(
         journal.save()
 
     calls.update(register_region=register_region, unregister_region=unregister_region,
+                 register_cuda_region=register_cuda_region,
+                 unregister_cuda_region=unregister_cuda_region,
                  load_model=load_model, unload_model=unload_model)  # fmt: skip
 
 

@@ -309,23 +309,26 @@ class _GrpcFrontend:
         await self._service.unregister_region(request.name, KEY_NAME.get())
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    # No CUDA regions exist here (see v2_rest): none listed, none to unregister.
     async def cuda_shared_memory_status(
         self, request: pb.CudaSharedMemoryStatusRequest
     ) -> pb.CudaSharedMemoryStatusResponse:
-        return pb.CudaSharedMemoryStatusResponse()
+        regions = await self._service.cuda_region_status(request.name, KEY_NAME.get())
+        return v2_shm.encode_cuda_status_grpc(regions)
 
     async def cuda_shared_memory_register(
         self, request: pb.CudaSharedMemoryRegisterRequest
     ) -> pb.CudaSharedMemoryRegisterResponse:
-        raise InvalidRequest(
-            "CUDA shared memory is not supported: this server runs models on the CPU; "
-            "use system shared memory (SystemSharedMemoryRegister) instead"
-        )
+        register = v2_shm.decode_cuda_register_grpc(request)
+        await self._service.register_cuda_region(
+            request.name, register.raw_handle, register.device_id, register.byte_size,
+            KEY_NAME.get(),
+        )  # fmt: skip
+        return pb.CudaSharedMemoryRegisterResponse()
 
     async def cuda_shared_memory_unregister(
         self, request: pb.CudaSharedMemoryUnregisterRequest
     ) -> pb.CudaSharedMemoryUnregisterResponse:
+        await self._service.unregister_cuda_region(request.name, KEY_NAME.get())
         return pb.CudaSharedMemoryUnregisterResponse()
 
 

@@ -29,7 +29,7 @@ from slipstream.server.jobs_rest import JobRoutes, prefers_async
 from slipstream.server.router import no_route
 from slipstream.serving.cascade import FAILED_STAGE_PARAMETER, STAGE_PARAMETER
 from slipstream.serving.service import InferenceService
-from slipstream.serving.shared_memory import RegionNotFound, check_region_name
+from slipstream.serving.shared_memory import check_region_name
 
 logger = logging.getLogger(__name__)
 
@@ -207,9 +207,9 @@ class V2RestApp:
             raise no_route(method, request.path)
         if region:
             check_region_name(region)
-        if parts[0] == "cudasharedmemory":
-            return _cuda_shared_memory(action, region)
         service, owner = self._service, request.owner
+        if parts[0] == "cudasharedmemory":
+            return await _cuda_shared_memory(service, action, region, request)
         if action == "status":
             regions = await service.region_status(region, owner)
             return HttpResponse(200, v2_shm.status_json(regions))
@@ -289,19 +289,22 @@ def _cascade_headers(parameters: dict[str, Any]) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-def _cuda_shared_memory(action: str, region: str) -> HttpResponse:
-    """No CUDA regions can exist here: status lists none, unregister has nothing to do,
-    and register is refused naming the alternative (clients then see why, not a 404)."""
+async def _cuda_shared_memory(
+    service: InferenceService, action: str, region: str, request: HttpRequest
+) -> HttpResponse:
+    """The cudasharedmemory routes (``region`` "" where the path names none)."""
+    owner = request.owner
     if action == "status":
-        if region:
-            raise RegionNotFound(f"CUDA shared memory region {region!r} is not registered")
-        return HttpResponse(200, b"[]")
-    if action == "unregister":
-        return _empty(200)
-    raise InvalidRequest(
-        "CUDA shared memory is not supported: this server runs models on the CPU; "
-        "use system shared memory (/v2/systemsharedmemory) instead"
-    )
+        regions = await service.cuda_region_status(region, owner)
+        return HttpResponse(200, v2_shm.cuda_status_json(regions))
+    if action == "register":
+        register = v2_shm.decode_cuda_register_json(request.body)
+        await service.register_cuda_region(
+            region, register.raw_handle, register.device_id, register.byte_size, owner
+        )
+    else:
+        await service.unregister_cuda_region(region, owner)
+    return _empty(200)
 
 
 def _error_reply(exc: SlipstreamError) -> HttpResponse:

@@ -41,6 +41,7 @@ from slipstream.serving.service import InferenceService, ModelLane
 from slipstream.serving.shared_memory import SystemSharedMemory
 from slipstream.serving.taps import TapFactory
 from slipstream.types import (
+    CudaRegionStatus,
     InferRequest,
     InferResponse,
     ModelMetadata,
@@ -175,7 +176,12 @@ class ModelServer(InferenceService):
         return not (self.settings.strict_readiness and failures)
 
     async def server_metadata(self) -> ServerMetadata:
-        return ServerMetadata("slipstream", __version__, list(EXTENSIONS))
+        extensions = list(EXTENSIONS)
+        # Listed where a client's CUDA memory can be opened: the bindings, a driver and a
+        # device are here (asked once, off the loop: the import takes ~70 ms).
+        if await asyncio.to_thread(self.shared_memory.cuda.device_count):
+            extensions.append(v2_shm.CUDA_EXTENSION)
+        return ServerMetadata("slipstream", __version__, extensions)
 
     async def model_ready(self, name: str, version: str = "") -> bool:
         """Loaded, or asleep (idle-unloaded) and able to load for its next request."""
@@ -460,6 +466,17 @@ class ModelServer(InferenceService):
 
     async def unregister_region(self, name: str = "", owner: str = "") -> None:
         self.shared_memory.unregister(name, owner)
+
+    async def cuda_region_status(self, name: str = "", owner: str = "") -> list[CudaRegionStatus]:
+        return self.shared_memory.cuda_status(name, owner)
+
+    async def register_cuda_region(
+        self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str = ""
+    ) -> None:
+        self.shared_memory.register_cuda(name, raw_handle, device_id, byte_size, owner)
+
+    async def unregister_cuda_region(self, name: str = "", owner: str = "") -> None:
+        self.shared_memory.unregister_cuda(name, owner)
 
     async def _infer_cached(
         self, model: ModelVersion, request: InferRequest, cache: ResponseCache

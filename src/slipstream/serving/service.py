@@ -18,6 +18,7 @@ from slipstream.config import ModelConfig
 from slipstream.errors import ModelNotFound
 from slipstream.observability.stats import ModelStats
 from slipstream.types import (
+    CudaRegionStatus,
     InferRequest,
     InferResponse,
     ModelMetadata,
@@ -140,7 +141,8 @@ class InferenceService(ABC):
         (``{"action": "start", "candidate": "2", ...}``, pause, resume, promote, abort)."""
         raise ModelNotFound("rollouts are not served by this server")
 
-    # -- the client shared-memory regions (Triton's systemsharedmemory extension) -------
+    # -- the client shared-memory regions (Triton's systemsharedmemory and
+    # cudasharedmemory extensions; one table of names for both kinds) ---------------
     # ``infer`` reads inputs from them and writes outputs into them. Each region belongs
     # to its ``owner``, the name of the API key that registered it ("" without keys):
     # these calls, and ``infer`` (``InferRequest.owner``), see that owner's regions only.
@@ -163,6 +165,22 @@ class InferenceService(ABC):
     @abstractmethod
     async def unregister_region(self, name: str = "", owner: str = "") -> None:
         """Forget ``owner``'s region ``name`` (every region of ``owner`` when empty)."""
+
+    @abstractmethod
+    async def cuda_region_status(self, name: str = "", owner: str = "") -> list[CudaRegionStatus]:
+        """:meth:`region_status` of CUDA regions."""
+
+    @abstractmethod
+    async def register_cuda_region(
+        self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str = ""
+    ) -> None:
+        """Register the device memory the CUDA IPC handle ``raw_handle`` exports (on GPU
+        ``device_id``, ``byte_size`` bytes) as ``owner``'s region ``name``;
+        InvalidRequest naming the cause when it cannot be."""
+
+    @abstractmethod
+    async def unregister_cuda_region(self, name: str = "", owner: str = "") -> None:
+        """:meth:`unregister_region` of CUDA regions."""
 
 
 def unstack(

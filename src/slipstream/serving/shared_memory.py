@@ -1,4 +1,5 @@
-"""System shared-memory regions registered by clients (Triton's systemsharedmemory).
+"""Shared-memory regions registered by clients: Triton's systemsharedmemory and
+cudasharedmemory extensions.
 
 A region is a window (``offset``, ``byte_size``) of a POSIX shared-memory object the
 client created (``/dev/shm/<key>``), mapped here once at registration with mmap. Any
@@ -24,6 +25,12 @@ it in status, read or write it, or unregister it; another key's region is "not
 registered" to them, and two keys may each register a region of the same name. On a
 server without keys every region has the owner "".
 
+A CUDA region is device memory a client exported as a CUDA IPC handle
+(``tritonclient.utils.cuda_shared_memory``), opened here once at registration
+(:mod:`slipstream.serving.cuda_ipc`). Inputs are copied from it to the host and outputs
+back into it, each with one synchronous copy; the same bounds are checked first. Both
+kinds share one table of names, as in Triton: a name is a system region or a CUDA one.
+
 Example (what ``tritonclient.utils.shared_memory`` does on the client side)::
 
     regions = SystemSharedMemory(allowed=True)
@@ -41,13 +48,16 @@ import mmap
 import os
 import stat
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from slipstream.datatypes import V2_TO_NUMPY
 from slipstream.errors import InvalidRequest, ModelNotFound
 from slipstream.protocol import grpc_codec
+from slipstream.serving.cuda_ipc import CudaIpc
 from slipstream.types import (
+    CudaRegionStatus,
     InferRequest,
     InferResponse,
     SharedMemoryInput,
@@ -97,20 +107,101 @@ class _Region:
     arrays: dict[tuple[int, int, str, tuple[int, ...]], np.ndarray] = field(default_factory=dict)
 
 
+@dataclass(slots=True, eq=False)
+class _CudaRegion:
+    status: CudaRegionStatus
+    # The region's device address in this process (cudaIpcOpenMemHandle's).
+    pointer: int
+
+
+_R = TypeVar("_R", _Region, _CudaRegion)
+
+
+def _size(region: _Region | _CudaRegion) -> int:
+    return region.status.byte_size
+
+
 class SystemSharedMemory:
     """The registered regions of one server; see the module docstring."""
 
-    def __init__(self, allowed: bool) -> None:
+    def __init__(self, allowed: bool, cuda: CudaIpc | None = None) -> None:
         # False: every register is refused; status lists nothing, unregister is a no-op.
         self.allowed = allowed
-        # (owner, region name) -> the region.
-        self._regions: dict[tuple[str, str], _Region] = {}
+        # (owner, region name) -> the region, of either kind.
+        self._regions: dict[tuple[str, str], _Region | _CudaRegion] = {}
+        self.cuda = cuda if cuda is not None else CudaIpc()
 
     # -- the extension's API ------------------------------------------------------------
 
     def register(self, name: str, key: str, offset: int, byte_size: int, owner: str = "") -> None:
         """Map ``byte_size`` bytes at ``offset`` of the object ``key`` as ``owner``'s
         region ``name``."""
+        self._check_new(name, byte_size, owner)
+        path = os.path.join(SHM_DIR, _check_key(key))
+        try:
+            # O_NOFOLLOW: a symlink planted in /dev/shm must not map another file.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InvalidRequest(
+                f"key {key!r}: cannot open shared memory object {path}: {exc.strerror}; "
+                "create it first (shm_open) and register it from this host"
+            ) from None
+        try:
+            region = _map(name, key, fd, offset, byte_size, owner)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._regions[owner, name] = region
+        logger.info("registered shared memory region %r (%s, %d bytes) of key %r",
+                    name, key, byte_size, owner or "-")  # fmt: skip
+
+    def register_cuda(
+        self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str = ""
+    ) -> None:
+        """Open the device memory ``raw_handle`` exports (a CUDA IPC handle, on GPU
+        ``device_id``) as ``owner``'s region ``name`` of ``byte_size`` bytes."""
+        self._check_new(name, byte_size, owner)
+        pointer = self.cuda.open(raw_handle, device_id)
+        status = CudaRegionStatus(name, device_id, byte_size, owner, raw_handle)
+        self._regions[owner, name] = _CudaRegion(status, pointer)
+        logger.info("registered CUDA shared memory region %r (device %d, %d bytes) of key %r",
+                    name, device_id, byte_size, owner or "-")  # fmt: skip
+
+    def status(self, name: str = "", owner: str = "") -> list[SharedMemoryRegionStatus]:
+        """Every system region of ``owner`` (``name`` empty), or the one named; 404 for
+        a name ``owner`` has not registered as a system region."""
+        return [region.status for region in self._listed(_Region, name, owner)]
+
+    def cuda_status(self, name: str = "", owner: str = "") -> list[CudaRegionStatus]:
+        """:meth:`status` of CUDA regions."""
+        return [region.status for region in self._listed(_CudaRegion, name, owner)]
+
+    def registered(self) -> list[SharedMemoryRegionStatus]:
+        """Every system region of every owner (what an engine started again registers
+        again)."""
+        return [r.status for _, r in sorted(self._regions.items()) if isinstance(r, _Region)]
+
+    def registered_cuda(self) -> list[CudaRegionStatus]:
+        """:meth:`registered` of CUDA regions."""
+        return [r.status for _, r in sorted(self._regions.items()) if isinstance(r, _CudaRegion)]
+
+    def unregister(self, name: str = "", owner: str = "") -> None:
+        """Unmap ``owner``'s system region ``name``, or every system region of ``owner``.
+        Unknown names are a no-op, as in Triton, so that a client may always clean up."""
+        self._unregister(_Region, name, owner)
+
+    def unregister_cuda(self, name: str = "", owner: str = "") -> None:
+        """:meth:`unregister` of CUDA regions."""
+        self._unregister(_CudaRegion, name, owner)
+
+    def close(self) -> None:
+        for region in self._regions.values():
+            self._release(region)
+        self._regions.clear()
+
+    def _check_new(self, name: str, byte_size: int, owner: str) -> None:
+        """Refuse a registration before anything is opened: disabled, a bad or taken
+        name, a full table, an empty region."""
         if not self.allowed:
             raise InvalidRequest(_DISABLED)
         check_region_name(name)
@@ -131,58 +222,36 @@ class SystemSharedMemory:
             )
         if byte_size <= 0:
             raise InvalidRequest(f"byte_size: {byte_size}; a region holds at least one byte")
-        path = os.path.join(SHM_DIR, _check_key(key))
-        try:
-            # O_NOFOLLOW: a symlink planted in /dev/shm must not map another file.
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise InvalidRequest(
-                f"key {key!r}: cannot open shared memory object {path}: {exc.strerror}; "
-                "create it first (shm_open) and register it from this host"
-            ) from None
-        try:
-            region = _map(name, key, fd, offset, byte_size, owner)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._regions[owner, name] = region
-        logger.info("registered shared memory region %r (%s, %d bytes) of key %r",
-                    name, key, byte_size, owner or "-")  # fmt: skip
 
-    def status(self, name: str = "", owner: str = "") -> list[SharedMemoryRegionStatus]:
-        """Every region of ``owner`` (``name`` empty), or the one named; 404 for a name
-        ``owner`` has not registered."""
+    def _listed(self, kind: type[_R], name: str, owner: str) -> list[_R]:
         if not name:
             return [
-                region.status
+                region
                 for (each, _), region in sorted(self._regions.items())
-                if each == owner
+                if each == owner and isinstance(region, kind)
             ]
         check_region_name(name)
         region = self._regions.get((owner, name))
-        if region is None:
-            raise RegionNotFound(f"shared memory region {name!r} is not registered")
-        return [region.status]
+        if not isinstance(region, kind):
+            what = "CUDA shared memory" if kind is _CudaRegion else "shared memory"
+            raise RegionNotFound(f"{what} region {name!r} is not registered")
+        return [region]
 
-    def registered(self) -> list[SharedMemoryRegionStatus]:
-        """Every region of every owner (what an engine started again registers again)."""
-        return [region.status for _, region in sorted(self._regions.items())]
-
-    def unregister(self, name: str = "", owner: str = "") -> None:
-        """Unmap ``owner``'s region ``name``, or every region of ``owner``. Unknown names
-        are a no-op, as in Triton, so that a client may always clean up."""
+    def _unregister(self, kind: type, name: str, owner: str) -> None:
         if name:
             check_region_name(name)
-        names = [(owner, name)] if name else [each for each in self._regions if each[0] == owner]
+            names = [(owner, name)]
+        else:
+            names = [each for each in self._regions if each[0] == owner]
         for each in names:
-            region = self._regions.pop(each, None)
-            if region is not None:
-                _unmap(region)
+            if isinstance(self._regions.get(each), kind):
+                self._release(self._regions.pop(each))
 
-    def close(self) -> None:
-        for region in self._regions.values():
+    def _release(self, region: _Region | _CudaRegion) -> None:
+        if isinstance(region, _CudaRegion):
+            self.cuda.close(region.status.raw_handle, region.status.device_id)
+        else:
             _unmap(region)
-        self._regions.clear()
 
     # -- inference ----------------------------------------------------------------------
 
@@ -193,6 +262,9 @@ class SystemSharedMemory:
         for name, tensor in request.shared_memory_inputs.items():
             ref = tensor.ref
             region = self._regions.get((owner, ref.region))
+            if isinstance(region, _CudaRegion):
+                request.inputs[name] = self._read_cuda(name, tensor, owner)
+                continue
             key = (ref.offset, ref.byte_size, tensor.datatype, tuple(tensor.shape))
             array = None if region is None else region.arrays.get(key)
             if region is not None and array is not None:
@@ -213,7 +285,7 @@ class SystemSharedMemory:
         placed: list[tuple[str, SharedMemoryRef]] = []
         for name, ref in targets.items():
             # Bounds only: the object's size is checked right before the write.
-            self._bytes(ref, request.owner, f"output '{name}'", check_object=False)
+            self._checked(ref, request.owner, f"output '{name}'")
             for other, taken in placed:
                 if _overlap(ref, taken):
                     raise InvalidRequest(
@@ -236,36 +308,52 @@ class SystemSharedMemory:
                     f"shared_memory_byte_size of {ref.byte_size}"
                 )
             # Looked up again: the region may have been unregistered while the model ran.
-            self._bytes(ref, owner, f"output '{name}'")[: len(data)] = data
+            region = self._checked(ref, owner, f"output '{name}'")
+            if isinstance(region, _CudaRegion):
+                self.cuda.to_device(
+                    region.status.device_id, region.pointer + ref.offset, memoryview(data)
+                )
+            else:
+                _check_object(region, f"output '{name}'")
+                region.view[ref.offset : ref.offset + len(data)] = data
         response.in_shared_memory = frozenset(targets)
 
     # -- bounds -------------------------------------------------------------------------
 
-    def _region(self, name: str, owner: str, where: str) -> _Region:
-        region = self._regions.get((owner, name))
+    def _checked(self, ref: SharedMemoryRef, owner: str, where: str) -> _Region | _CudaRegion:
+        """``owner``'s region ``ref`` names, after checking ``ref`` against its bounds."""
+        region = self._regions.get((owner, ref.region))
         if region is None:
             raise InvalidRequest(
-                f"{where}: shared memory region {name!r} is not registered; register it "
-                "first (POST /v2/systemsharedmemory/region/<name>/register or "
-                "SystemSharedMemoryRegister)"
+                f"{where}: shared memory region {ref.region!r} is not registered; register "
+                "it first (POST /v2/systemsharedmemory/region/<name>/register or "
+                "SystemSharedMemoryRegister; cudasharedmemory for device memory)"
             )
-        return region
-
-    def _bytes(
-        self, ref: SharedMemoryRef, owner: str, where: str, check_object: bool = True
-    ) -> memoryview:
-        """The bytes ``ref`` names in ``owner``'s region, after checking them against the
-        region's bounds (and, with ``check_object``, against the object's current size)."""
-        region = self._region(ref.region, owner, where)
-        size = region.status.byte_size
+        size = _size(region)
         if ref.offset > size or ref.byte_size > size - ref.offset:
             raise InvalidRequest(
                 f"{where}: shared_memory_offset {ref.offset} + shared_memory_byte_size "
                 f"{ref.byte_size} is past the end of region {ref.region!r} ({size} bytes)"
             )
-        if check_object:
-            _check_object(region, where)
+        return region
+
+    def _bytes(self, ref: SharedMemoryRef, owner: str, where: str) -> memoryview:
+        """The bytes ``ref`` names in ``owner``'s system region, after checking them
+        against the region's bounds and the object's current size."""
+        region = self._checked(ref, owner, where)
+        assert isinstance(region, _Region)  # read_inputs sends CUDA regions elsewhere
+        _check_object(region, where)
         return region.view[ref.offset : ref.offset + ref.byte_size]
+
+    def _read_cuda(self, name: str, tensor: SharedMemoryInput, owner: str) -> np.ndarray:
+        """An input copied from a CUDA region to the host."""
+        where = f"input '{name}'"
+        region = self._checked(tensor.ref, owner, where)
+        assert isinstance(region, _CudaRegion)
+        data = self.cuda.to_host(
+            region.status.device_id, region.pointer + tensor.ref.offset, tensor.ref.byte_size
+        )
+        return _tensor(name, tensor, data.data)
 
 
 def _check_object(region: _Region, where: str) -> None:
