@@ -133,7 +133,9 @@ async def test_open_loop_latency_shows_a_stall_for_every_request_due_during_it()
     slow_share = 35 / sample.ok_requests
     assert latency.percentile_s(100 * (1 - slow_share)) > 0.1
     assert latency.max_s > STALL_S * 0.9
-    assert latency.percentile_s(50) < 0.05  # outside the stall, ~1-2 ms
+    # Due before the stall (the first 30 of ~150): ~1-2 ms. (Not the median: those due
+    # after it wait while one connection drains the backlog, longer on a loaded host.)
+    assert latency.percentile_s(15) < 0.05
     # The worker says it fell behind, and why: the one connection was busy.
     assert sample.sends.late_sends >= due_in_stall * 0.7
     assert sample.sends.inflight_cap_waits >= 1
