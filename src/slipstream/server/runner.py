@@ -87,6 +87,7 @@ async def serve(
     ``companions`` start once the models have started."""
     TRACE.mark("imported")
     stop = stop_on_signals(stop)
+    heap.configure()
 
     raise_open_files_limit(settings.max_connections)
     core = build_core(settings)

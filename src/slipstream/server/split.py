@@ -550,6 +550,7 @@ def _child_setup(settings: ServerSettings, role: str) -> None:
         stream=sys.stderr,
     )
     set_cpu_scheduling(settings.cpu_scheduling)  # after logging: a refusal is logged as such
+    heap.configure()
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
