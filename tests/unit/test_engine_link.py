@@ -38,7 +38,7 @@ def _sent(batches: list[list[Any]]) -> bytes:
 
     async def send() -> bytes:
         wire = _Wire()
-        link = Link(lambda _, message: None)
+        link = Link(lambda _, message: None, arena=False)
         link.connection_made(wire)
         for batch in batches:
             for message in batch:
@@ -52,7 +52,7 @@ def _sent(batches: list[list[Any]]) -> bytes:
 def _received(data: bytes, cuts: list[int]) -> list[Any]:
     """What a link delivers when ``data`` arrives in pieces ending at ``cuts``."""
     got: list[Any] = []
-    link = Link(lambda _, message: got.append(message))
+    link = Link(lambda _, message: got.append(message), arena=False)
     position = 0
     for end in [*sorted(set(cuts)), len(data)]:
         while position < end:  # a receive fills at most the buffer the link offers
