@@ -38,16 +38,14 @@ from slipstream.serving.outcomes import record_failure, record_success
 from slipstream.serving.rollout import Rollouts, Route
 from slipstream.serving.rollout_store import rollout_store
 from slipstream.serving.service import InferenceService, ModelLane
-from slipstream.serving.shared_memory import SystemSharedMemory
+from slipstream.serving.shared_memory import RegionCalls, SystemSharedMemory
 from slipstream.serving.taps import TapFactory
 from slipstream.types import (
-    CudaRegionStatus,
     InferRequest,
     InferResponse,
     ModelMetadata,
     RepositoryEntry,
     ServerMetadata,
-    SharedMemoryRegionStatus,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,7 +60,7 @@ EXTENSIONS = [
 ]
 
 
-class ModelServer(InferenceService):
+class ModelServer(RegionCalls, InferenceService):
     """Routes requests to loaded model versions; owns the model manager."""
 
     def __init__(
@@ -451,32 +449,6 @@ class ModelServer(InferenceService):
         if body is None:
             return self.rollouts.status(name)
         return await self.rollouts.act(name, body)
-
-    # -- shared-memory regions ------------------------------------------------------------
-
-    async def region_status(
-        self, name: str = "", owner: str = ""
-    ) -> list[SharedMemoryRegionStatus]:
-        return self.shared_memory.status(name, owner)
-
-    async def register_region(
-        self, name: str, key: str, offset: int, byte_size: int, owner: str = ""
-    ) -> None:
-        self.shared_memory.register(name, key, offset, byte_size, owner)
-
-    async def unregister_region(self, name: str = "", owner: str = "") -> None:
-        self.shared_memory.unregister(name, owner)
-
-    async def cuda_region_status(self, name: str = "", owner: str = "") -> list[CudaRegionStatus]:
-        return self.shared_memory.cuda_status(name, owner)
-
-    async def register_cuda_region(
-        self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str = ""
-    ) -> None:
-        self.shared_memory.register_cuda(name, raw_handle, device_id, byte_size, owner)
-
-    async def unregister_cuda_region(self, name: str = "", owner: str = "") -> None:
-        self.shared_memory.unregister_cuda(name, owner)
 
     async def _infer_cached(
         self, model: ModelVersion, request: InferRequest, cache: ResponseCache

@@ -356,6 +356,37 @@ class SystemSharedMemory:
         return _tensor(name, tensor, data.data)
 
 
+class RegionCalls:
+    """The region calls of the serving contract (``InferenceService``), answered from a
+    server's ``shared_memory`` table."""
+
+    shared_memory: SystemSharedMemory
+
+    async def region_status(
+        self, name: str = "", owner: str = ""
+    ) -> list[SharedMemoryRegionStatus]:
+        return self.shared_memory.status(name, owner)
+
+    async def register_region(
+        self, name: str, key: str, offset: int, byte_size: int, owner: str = ""
+    ) -> None:
+        self.shared_memory.register(name, key, offset, byte_size, owner)
+
+    async def unregister_region(self, name: str = "", owner: str = "") -> None:
+        self.shared_memory.unregister(name, owner)
+
+    async def cuda_region_status(self, name: str = "", owner: str = "") -> list[CudaRegionStatus]:
+        return self.shared_memory.cuda_status(name, owner)
+
+    async def register_cuda_region(
+        self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str = ""
+    ) -> None:
+        self.shared_memory.register_cuda(name, raw_handle, device_id, byte_size, owner)
+
+    async def unregister_cuda_region(self, name: str = "", owner: str = "") -> None:
+        self.shared_memory.unregister_cuda(name, owner)
+
+
 def _check_object(region: _Region, where: str) -> None:
     """400 when the client shrank the object below the region: touching the lost pages
     would fault (SIGBUS) instead."""
