@@ -124,6 +124,14 @@ async def _pair(
     return left, right, [t1, t2]
 
 
+async def _until(ready: Callable[[], bool]) -> None:
+    """Up to 100 ms of the loop's turns, until ``ready()``."""
+    for _ in range(100):
+        if ready():
+            return
+        await asyncio.sleep(0.001)
+
+
 def test_large_tensors_cross_in_shared_memory_and_their_places_come_back() -> None:
     """An echo: each large tensor goes into the sender's arena, the receiver's answer
     into its own; a place is in use while the receiver holds the array, and given back
@@ -162,10 +170,7 @@ def test_large_tensors_cross_in_shared_memory_and_their_places_come_back() -> No
         dropper.start()
         dropper.join()
         got.clear()
-        for _ in range(100):
-            await asyncio.sleep(0.001)
-            if left._outgoing.free_bytes == right._outgoing.free_bytes == full:
-                break
+        await _until(lambda: left._outgoing.free_bytes == right._outgoing.free_bytes == full)
         assert left._outgoing.free_bytes == full and right._outgoing.free_bytes == full
         for transport in transports:
             transport.close()
@@ -225,10 +230,7 @@ def test_a_place_outside_the_arena_drops_that_message_only(
         await asyncio.sleep(0.05)
         outgoing.place = real_place  # type: ignore[method-assign]
         left.post(("call", np.ones(100_000, np.float32)))
-        for _ in range(100):
-            await asyncio.sleep(0.001)
-            if got:
-                break
+        await _until(lambda: bool(got))
         for transport in transports:
             transport.close()
         return got
@@ -250,10 +252,7 @@ def test_without_shared_memory_the_link_uses_its_socket(monkeypatch: pytest.Monk
         left, right, transports = await _pair(lambda *_: None, lambda _, m: got.append(m))
         assert not left._outgoing_ready and right._incoming is None
         left.post(("call", np.full(100_000, 7, np.float32)))
-        for _ in range(100):
-            await asyncio.sleep(0.001)
-            if got:
-                break
+        await _until(lambda: bool(got))
         for transport in transports:
             transport.close()
         return got
