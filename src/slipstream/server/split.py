@@ -286,25 +286,14 @@ def _journaled_calls(
     ``explicit``: the models loaded now in explicit mode (empty in other modes)."""
     loaded = set(explicit)
 
-    async def register_region(
-        name: str, key: str, offset: int, byte_size: int, owner: str = ""
-    ) -> None:
-        await service.register_region(name, key, offset, byte_size, owner)
-        journal.save(service.shared_memory)
+    def saving_regions(method: str) -> Call:
+        call = getattr(service, method)
 
-    async def unregister_region(name: str = "", owner: str = "") -> None:
-        await service.unregister_region(name, owner)
-        journal.save(service.shared_memory)
+        async def journaled(*args: Any) -> None:
+            await call(*args)
+            journal.save(service.shared_memory)
 
-    async def register_cuda_region(
-        name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str = ""
-    ) -> None:
-        await service.register_cuda_region(name, raw_handle, device_id, byte_size, owner)
-        journal.save(service.shared_memory)
-
-    async def unregister_cuda_region(name: str = "", owner: str = "") -> None:
-        await service.unregister_cuda_region(name, owner)
-        journal.save(service.shared_memory)
+        return journaled
 
     async def load_model(name: str) -> None:
         await service.load_model(name)
@@ -318,10 +307,10 @@ def _journaled_calls(
         journal.models = sorted(loaded)
         journal.save()
 
-    calls.update(register_region=register_region, unregister_region=unregister_region,
-                 register_cuda_region=register_cuda_region,
-                 unregister_cuda_region=unregister_cuda_region,
-                 load_model=load_model, unload_model=unload_model)  # fmt: skip
+    for method in ("register_region", "unregister_region", "register_cuda_region",
+                   "unregister_cuda_region"):  # fmt: skip
+        calls[method] = saving_regions(method)
+    calls.update(load_model=load_model, unload_model=unload_model)
 
 
 class _FrontEndBoard:
