@@ -404,6 +404,8 @@ def test_llama_cpp_models_share_the_cores(server: RemoteServer) -> None:
     log = server.log_text()
     threads = [int(n) for n in re.findall(r"llama\.cpp engine: model\.gguf, (\d+) threads", log)]
     assert threads == [max(1, cores // 7)] * 5
+    # What each uses now: at most its share (fewer while the cores are crowded).
+    assert 1 <= metric(server, "slipstream_llm_cpu_threads", model="smol") <= max(1, cores // 7)
 
 
 # -- the repository API ------------------------------------------------------------------

@@ -104,6 +104,8 @@ class CacheStats:
     # Prompt tokens asked for and found in the cache (engines with prefix caching).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # CPU threads of the forward passes now (0: the engine does not say).
+    cpu_threads: int = 0
 
     @property
     def blocks_free(self) -> int:

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from slipstream.errors import InvalidRequest, Unavailable
 from slipstream.llm.chat_template import ChatTemplate
 from slipstream.llm.constraints import Matchers
+from slipstream.llm.cpu_share import ThreadGovernor, pressure_source
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, SamplingParams
 from slipstream.llm.llamacpp_sampling import SequenceSampler, build_tokenizer
 from slipstream.llm.llamacpp_scheduler import LlamaRuntime, LlamaSequence, Scheduler
@@ -75,7 +76,9 @@ _MAX_SEQ_IDS = 256
 class LlamaCppEngine(Engine):
     """A GGUF model on llama.cpp; see the module docstring."""
 
-    def __init__(self, path: Path, settings: GenerationSettings, threads: int) -> None:
+    def __init__(
+        self, path: Path, settings: GenerationSettings, threads: int, adaptive: bool = False
+    ) -> None:
         import llama_cpp as lib
 
         self._lib = lib
@@ -129,6 +132,14 @@ class LlamaCppEngine(Engine):
         self._template = ChatTemplate.from_model(lib, model, self._vocab)
         self._add_bos = bool(lib.llama_vocab_get_add_bos(self._vocab))
         self._matchers = Matchers(lambda: build_tokenizer(lib, self._vocab))
+        governor = None
+        if adaptive and threads > 1:
+            stalled_us = pressure_source()
+            if stalled_us is None:
+                logger.info("no CPU pressure information (PSI) here: %d threads throughout",
+                            threads)  # fmt: skip
+            else:
+                governor = ThreadGovernor(threads, stalled_us)
         runtime = LlamaRuntime(
             lib,
             context,
@@ -139,6 +150,8 @@ class LlamaCppEngine(Engine):
             self.slots,
             self.is_end,
             per_sequence,
+            threads,
+            governor,
         )
         self._scheduler = Scheduler(runtime)
         self._thread = threading.Thread(
@@ -146,9 +159,10 @@ class LlamaCppEngine(Engine):
         )
         self._thread.start()
         logger.info(
-            "llama.cpp engine: %s, %d threads, KV cache %d tokens (%s), %d sequences at "
+            "llama.cpp engine: %s, %d threads%s, KV cache %d tokens (%s), %d sequences at "
             "once, %d-token steps",
-            path.name, threads, self.cache_tokens,
+            path.name, threads, " (fewer while the CPU is crowded)" if governor else "",
+            self.cache_tokens,
             f"a stream of {self.sequence_tokens} per sequence" if per_sequence else "shared",
             self.slots, settings.max_batch_tokens,
         )  # fmt: skip
@@ -330,8 +344,12 @@ def _init_backend(lib: Any) -> None:
         _backend_ready = True
 
 
-def load_llama_cpp_engine(path: Path, settings: GenerationSettings, threads: int) -> Engine:
-    """Load a ``.gguf`` file with llama.cpp. Blocking; clear errors for what is not one."""
+def load_llama_cpp_engine(
+    path: Path, settings: GenerationSettings, threads: int, adaptive: bool = False
+) -> Engine:
+    """Load a ``.gguf`` file with llama.cpp. Blocking; clear errors for what is not one.
+    ``adaptive``: ``threads`` is the most its forward passes use, fewer while the host's
+    cores are crowded (:mod:`slipstream.llm.cpu_share`)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     with path.open("rb") as handle:
@@ -345,4 +363,4 @@ def load_llama_cpp_engine(path: Path, settings: GenerationSettings, threads: int
             "backend: llama_cpp needs llama-cpp-python: pip install 'slipstream[llama]' "
             "(make install builds it)"
         ) from exc
-    return LlamaCppEngine(path, settings, threads)
+    return LlamaCppEngine(path, settings, threads, adaptive)

@@ -22,6 +22,7 @@ from slipstream.llm.llamacpp_sampling import SequenceSampler
 
 if TYPE_CHECKING:
     from slipstream.config import GenerationSettings
+    from slipstream.llm.cpu_share import ThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ class LlamaRuntime:
     is_end: Callable[[int], bool]
     # One KV stream per slot (each of cache_tokens / slots) instead of one shared cache.
     per_sequence: bool = False
+    # Threads of the forward passes, the most where a governor changes them.
+    threads: int = 1
+    # Sets the forward passes' thread count as the host's load changes (None: fixed).
+    governor: ThreadGovernor | None = None
 
 
 @dataclass(eq=False)
@@ -146,7 +151,12 @@ class Scheduler:
             waiting=self.waiting_count(),
             prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits,
+            cpu_threads=self._threads(),
         )
+
+    def _threads(self) -> int:
+        governor = self._engine.governor
+        return governor.threads if governor is not None else self._engine.threads
 
     def slot_tokens(self, slot: int) -> list[int]:
         return self._slots[slot].tokens
@@ -163,6 +173,8 @@ class Scheduler:
                 while not (self.stopping or self._submitted or self._cancelled) and not (
                     self._running or self._waiting
                 ):
+                    if self._engine.governor is not None:
+                        self._engine.governor.resting()
                     self._lock.wait()
                 if self.stopping:
                     break
@@ -175,6 +187,7 @@ class Scheduler:
             self._schedule()
             if self._running:
                 try:
+                    self._set_threads()
                     self._step(deliveries)
                 except Exception as exc:
                     logger.exception("llama.cpp step failed")
@@ -183,6 +196,11 @@ class Scheduler:
                         self._finish(sequence)
             self._deliver(deliveries)
         self._fail_all(Unavailable("the generation engine stopped", retry_after_s=5))
+
+    def _set_threads(self) -> None:
+        governor = self._engine.governor
+        if governor is not None and (threads := governor.observe()) is not None:
+            self._lib.llama_set_n_threads(self._engine.context, threads, threads)
 
     def _fail_all(self, error: Unavailable) -> None:
         with self._lock:

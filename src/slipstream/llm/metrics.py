@@ -112,10 +112,18 @@ class _CacheCollector(Collector):
             "Prompt tokens found in the KV cache and not computed again",
             labels=["model"],
         )
+        threads = GaugeMetricFamily(
+            "slipstream_llm_cpu_threads",
+            "CPU threads of the forward passes now (llama_cpp; fewer while the host's cores "
+            "are crowded, unless the config sets generation.threads)",
+            labels=["model"],
+        )
         for model, stats in self._engines().items():
             queries.add_metric([model], stats.prefix_cache_queries)
             hits.add_metric([model], stats.prefix_cache_hits)
-        return [*families.values(), queries, hits]
+            if stats.cpu_threads:
+                threads.add_metric([model], stats.cpu_threads)
+        return [*families.values(), queries, hits, threads]
 
 
 _CACHE_GAUGES = (

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -24,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
 from slipstream.llm.api import GenerationService, Job
+from slipstream.llm.cpu_share import usable_cores
 from slipstream.llm.engine import CacheStats, Engine
 from slipstream.llm.metrics import LlmMetrics
 from slipstream.llm.text import TextDelta, stream_text
@@ -508,17 +508,16 @@ def _llama_threads(models: int) -> int:
     Each llama.cpp context runs its own thread pool; two models both using every core
     would oversubscribe them, and a decode step waits for its slowest thread.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, models))
+    return max(1, usable_cores() // max(1, models))
 
 
 def _load_engine(source: Path, config: ModelConfig, threads: int) -> Engine:
     if config.backend == "llama_cpp":
         from slipstream.llm.llamacpp import load_llama_cpp_engine
 
-        return load_llama_cpp_engine(
-            source, config.generation, config.generation.threads or threads
-        )
+        # Set by the config: that many throughout; automatic: fewer while the CPU is crowded.
+        fixed = config.generation.threads
+        return load_llama_cpp_engine(source, config.generation, fixed or threads, not fixed)
     if config.backend == "transformers":
         from slipstream.llm.hf import load_transformers_engine
 

