@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.config import GenerationSettings
-from slipstream.llm.cpu_share import usable_cores
 from slipstream.llm.engine import SamplingParams
 from slipstream.llm.llamacpp import LlamaCppEngine, load_llama_cpp_engine
+from slipstream.runtime.base import usable_cpu_count
 
 PROMPT = [504, 3468, 282, 260, 3725, 314, 1345, 30, 657, 253, 2397, 1117, 28, 5629, 288, 441]
 
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    cores = usable_cores()
+    cores = usable_cpu_count()
     settings = GenerationSettings(num_blocks=128, block_size=16, max_num_seqs=8,
                                   max_batch_tokens=128)  # fmt: skip
     kinds = {f"fixed {cores}": (cores, False), "fixed 1": (1, False), "auto": (cores, True)}

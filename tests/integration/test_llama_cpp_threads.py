@@ -18,13 +18,14 @@ from collections.abc import Iterator
 import pytest
 
 from slipstream.config import GenerationSettings
-from slipstream.llm.cpu_share import pressure_source, usable_cores
+from slipstream.llm.cpu_share import pressure_source
 from slipstream.llm.engine import SamplingParams
 from slipstream.llm.llamacpp import LlamaCppEngine, load_llama_cpp_engine
+from slipstream.runtime.base import usable_cpu_count
 from tests.llm_models import smollm2_gguf
 
 pytestmark = pytest.mark.skipif(
-    usable_cores() < 2 or pressure_source() is None,
+    usable_cpu_count() < 2 or pressure_source() is None,
     reason="needs 2 cores and the kernel's CPU pressure (PSI) to have threads to give up",
 )
 
@@ -35,7 +36,7 @@ PROMPT = [504, 3468, 282, 260, 3725, 314, 1345, 30, 657, 253, 2397, 1117, 28, 56
 def neighbours() -> Iterator[None]:
     """A process spinning on each core, for the test's length."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(usable_cores())]  # fmt: skip
+            for _ in range(usable_cpu_count())]  # fmt: skip
     try:
         yield
     finally:
@@ -71,7 +72,7 @@ async def _generate_until(engine: LlamaCppEngine, done: int, seconds: float) -> 
 
 
 def test_automatic_threads_give_way_to_busy_neighbours(neighbours: None) -> None:
-    cores = usable_cores()
+    cores = usable_cpu_count()
     engine = _engine(cores, adaptive=True)
     try:
         assert engine.cache_stats().cpu_threads == cores
@@ -81,7 +82,7 @@ def test_automatic_threads_give_way_to_busy_neighbours(neighbours: None) -> None
 
 
 def test_threads_set_by_the_config_stay(neighbours: None) -> None:
-    cores = usable_cores()
+    cores = usable_cpu_count()
     engine = _engine(cores, adaptive=False)
     try:
         assert asyncio.run(_generate_until(engine, 1, 2)) == cores

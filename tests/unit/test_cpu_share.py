@@ -1,8 +1,9 @@
 """The thread governor of CPU engines (``llm/cpu_share.py``) over a fake clock and a fake
-PSI counter, and the cores a process may use."""
+PSI counter, and the cores a process may use (``runtime/base.py``)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from slipstream.llm import cpu_share
 from slipstream.llm.cpu_share import (
     CALM,
     CROWDED,
@@ -19,8 +19,9 @@ from slipstream.llm.cpu_share import (
     WINDOW_S,
     ThreadGovernor,
     pressure_source,
-    usable_cores,
 )
+from slipstream.runtime import base
+from slipstream.runtime.base import usable_cpu_count
 
 
 class Host:
@@ -185,13 +186,13 @@ def test_this_hosts_pressure_counter_reads_and_grows() -> None:
 
 def test_a_cgroup_cpu_quota_caps_the_cores(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     quota = tmp_path / "cpu.max"
-    monkeypatch.setattr(cpu_share, "_cgroup_file", lambda name: quota)
-    affinity = len(cpu_share.os.sched_getaffinity(0))
+    monkeypatch.setattr(base, "cgroup_file", lambda name: quota)
+    affinity = len(os.sched_getaffinity(0))
     quota.write_text("max 100000\n")
-    assert usable_cores() == affinity
+    assert usable_cpu_count() == affinity
     quota.write_text("50000 100000\n")  # half a core: still one thread
-    assert usable_cores() == 1
+    assert usable_cpu_count() == 1
     quota.write_text(f"{100000 * affinity + 1} 100000\n")  # a little over: affinity wins
-    assert usable_cores() == affinity
+    assert usable_cpu_count() == affinity
     quota.write_text("garbage\n")
-    assert usable_cores() == affinity
+    assert usable_cpu_count() == affinity

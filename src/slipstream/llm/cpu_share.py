@@ -4,8 +4,8 @@ llama.cpp splits each forward pass across its threads, and its threads meet at a
 barrier after every operation. When another process (a front end, a load generator, a
 neighbour on the host) takes one of the cores, the thread that loses its core holds every
 other one spinning at the next barrier until the scheduler gives the core back. Measured
-here (SmolLM2-135M, 2 cores, `benchmarks/llm_threads.py`): 2 threads make 122 tokens/s on
-an idle host and 2.6-29 tokens/s beside two busy processes, where 1 thread makes 42-55.
+here (one stream of SmolLM2-135M, 2 cores, `benchmarks/llm_threads.py`): beside two busy
+processes 2 threads made 37 tokens/s and 1 thread 55; on an idle host, 95 and 84.
 
 :class:`ThreadGovernor` reads the kernel's CPU pressure (PSI: the share of time in
 which some runnable task waited for a CPU) between steps. When the cores are crowded, it
@@ -17,11 +17,11 @@ or PSI disabled) the thread count stays where it started.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from slipstream.runtime.base import cgroup_file
 
 logger = logging.getLogger(__name__)
 
@@ -37,38 +37,10 @@ FIRST_WAIT_S = 2.0
 LONGEST_WAIT_S = 60.0
 
 
-def usable_cores() -> int:
-    """The cores this process may run on: its affinity, capped by its cgroup's CPU quota
-    (a container's ``cpu.max``, a Kubernetes CPU limit), rounded up."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
-    quota = _cgroup_file("cpu.max")
-    if quota is not None:
-        try:
-            limit, period = quota.read_text().split()
-            if limit != "max":
-                cores = min(cores, max(1, math.ceil(int(limit) / int(period))))
-        except (OSError, ValueError):
-            pass
-    return cores
-
-
-def _cgroup_file(name: str) -> Path | None:
-    """``name`` in this process's cgroup v2 directory, where there is one."""
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                path = Path("/sys/fs/cgroup") / line[3:].lstrip("/") / name
-                return path if path.is_file() else None
-    except OSError:
-        pass
-    return None
-
-
 def pressure_source() -> Callable[[], int] | None:
     """A reader of the microseconds in which some task waited for a CPU (PSI's ``some``
     total): this cgroup's where it has one, else the host's; None without PSI."""
-    candidates = [_cgroup_file("cpu.pressure"), Path("/proc/pressure/cpu")]
+    candidates = [cgroup_file("cpu.pressure"), Path("/proc/pressure/cpu")]
     for path in candidates:
         if path is None:
             continue

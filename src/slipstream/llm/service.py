@@ -23,7 +23,6 @@ from prometheus_client import CollectorRegistry
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
 from slipstream.llm.api import GenerationService, Job
-from slipstream.llm.cpu_share import usable_cores
 from slipstream.llm.engine import CacheStats, Engine
 from slipstream.llm.metrics import LlmMetrics
 from slipstream.llm.text import TextDelta, stream_text
@@ -39,6 +38,7 @@ from slipstream.repository.layout import (
     read_model_directory,
 )
 from slipstream.runtime import heap
+from slipstream.runtime.base import usable_cpu_count
 from slipstream.types import RepositoryEntry
 
 logger = logging.getLogger(__name__)
@@ -508,7 +508,7 @@ def _llama_threads(models: int) -> int:
     Each llama.cpp context runs its own thread pool; two models both using every core
     would oversubscribe them, and a decode step waits for its slowest thread.
     """
-    return max(1, usable_cores() // max(1, models))
+    return max(1, usable_cpu_count() // max(1, models))
 
 
 def _load_engine(source: Path, config: ModelConfig, threads: int) -> Engine:

@@ -104,10 +104,33 @@ class BackendUnavailable(RuntimeError):
 
 
 def usable_cpu_count() -> int:
-    """Cores this process may run on (respects taskset / cgroup affinity)."""
+    """Cores this process may run on: its affinity (taskset, cpusets), capped by its
+    cgroup's CPU quota (a container's ``cpu.max``, a Kubernetes CPU limit), rounded up."""
+    import math
     import os
 
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_file("cpu.max")
+    if quota is not None:
+        try:
+            limit, period = quota.read_text().split()
+            if limit != "max":
+                cores = min(cores, max(1, math.ceil(int(limit) / int(period))))
+        except (OSError, ValueError):
+            pass
+    return cores
+
+
+def cgroup_file(name: str) -> Path | None:
+    """``name`` in this process's cgroup v2 directory, where there is one."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                path = Path("/sys/fs/cgroup") / line[3:].lstrip("/") / name
+                return path if path.is_file() else None
+    except OSError:
+        pass
+    return None
