@@ -51,8 +51,8 @@ class GenerationSettings(_Strict):
         0,
         ge=0,
         description="CPU threads of this model's forward passes; 0 = automatic (llama_cpp: "
-        "the process's cores split evenly among its llama_cpp models; transformers: torch's "
-        "default)",
+        "the process's cores split evenly among its llama_cpp models, fewer while other "
+        "work crowds the cores; transformers: torch's default)",
     )
     device: str = Field(
         "cpu",
