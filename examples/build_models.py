@@ -355,7 +355,8 @@ generation:
   max_num_seqs: 32
   max_model_len: 2048
   default_max_tokens: 256
-  # CPU threads; 0 = this process's cores, split among its llama_cpp models.
+  # CPU threads; 0 = this process's cores, split among its llama_cpp models, fewer
+  # while other work crowds the cores (see README: the llama.cpp engine).
   threads: 0
 """
 
