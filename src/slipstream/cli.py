@@ -216,6 +216,7 @@ def main() -> None:
     default="single",
     help=_help("engines"),
 )
+@click.option("--frontend-hold-us", type=int, default=1000, help=_help("frontend_hold_us"))
 @click.option(
     "--cpu-scheduling",
     type=click.Choice(["batch", "default"]),

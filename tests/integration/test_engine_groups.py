@@ -14,6 +14,7 @@ engine gathers and stacks itself. Hypothesis draws the mixes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 from collections import Counter
@@ -86,8 +87,10 @@ class Engine:
         self.client_path = str(root / "engine")
         self.client = EngineClient(self.client_path)
         self.other = EngineClient(self.client_path)  # a second front end
-        self.remote = RemoteInferenceService([self.client])
-        self.other_remote = RemoteInferenceService([self.other])
+        # Without the wait for company (engine/company.py, tested at the end): these
+        # tests say what reaches the engine in one turn.
+        self.remote = RemoteInferenceService([self.client], hold_s=0)
+        self.other_remote = RemoteInferenceService([self.other], hold_s=0)
         self.run(self._start())
 
     def _noted(self, method: str, gatherer: Gatherer) -> Gatherer:
@@ -537,3 +540,109 @@ def test_a_slow_models_requests_do_not_hold_back_anothers(engine: Engine) -> Non
         await asyncio.wait_for(asyncio.gather(engine.remote.infer(filler), slow, slow_lone), 10)
 
     engine.run(scenario())
+
+
+# A lone request waiting for company (engine/company.py), through a real engine.
+
+
+def _company_remote(engine: Engine, hold_s: float) -> RemoteInferenceService:
+    return RemoteInferenceService([engine.client], hold_s=hold_s)
+
+
+async def _two_at_once(remote: RemoteInferenceService) -> None:
+    """Two requests in flight at once: the front end now expects company for a lone one."""
+    await _each([remote.infer(_add_sub(1, seed)) for seed in (90, 91)])
+
+
+def test_a_lone_request_waits_for_the_company_that_is_due(engine: Engine) -> None:
+    """After two requests in flight at once, a lone one is held (hold: 5 s) until a
+    second comes 30 ms later, and both travel as one stack."""
+
+    async def scenario() -> tuple[Any, Any, float]:
+        loop = asyncio.get_running_loop()
+        remote = _company_remote(engine, 5.0)
+        await _two_at_once(remote)
+        engine.server.stacks.clear()
+        started = loop.time()
+        first = asyncio.ensure_future(remote.infer(_add_sub(1, 1, id="a")))
+        await asyncio.sleep(0.03)
+        assert not first.done() and engine.server.stacks == []  # still in the front end
+        second = await asyncio.wait_for(remote.infer(_add_sub(1, 2, id="b")), 10)
+        return await first, second, loop.time() - started
+
+    first, second, took = engine.run(scenario())
+    assert engine.server.stacks == [[1, 1]]
+    assert 0.03 <= took < 2.0
+    for answer, seed in ((first, 1), (second, 2)):
+        inputs = _add_sub(1, seed).inputs
+        np.testing.assert_allclose(answer.outputs["OUTPUT0"], inputs["INPUT0"] + inputs["INPUT1"])
+
+
+def test_a_held_request_leaves_alone_after_the_longest_hold(engine: Engine) -> None:
+    """When no company comes, the lone request leaves after the hold (0.2 s) alone."""
+
+    async def scenario() -> tuple[InferResponse, float]:
+        loop = asyncio.get_running_loop()
+        remote = _company_remote(engine, 0.2)
+        await _two_at_once(remote)
+        started = loop.time()
+        answer = await asyncio.wait_for(remote.infer(_add_sub(1, 3, id="c")), 10)
+        return answer, loop.time() - started
+
+    answer, took = engine.run(scenario())
+    assert answer.id == "c"
+    assert 0.19 <= took < 2.0
+
+
+def test_only_a_lone_request_waits_for_company(engine: Engine) -> None:
+    """A turn of two requests leaves at once, though three were in flight before."""
+
+    async def scenario() -> float:
+        loop = asyncio.get_running_loop()
+        remote = _company_remote(engine, 5.0)
+        await _each([remote.infer(_add_sub(1, seed)) for seed in range(3)])
+        started = loop.time()
+        answers = await _each([remote.infer(_add_sub(1, seed)) for seed in range(2)])
+        assert all(isinstance(answer, InferResponse) for answer in answers), answers
+        return loop.time() - started
+
+    assert engine.run(scenario()) < 2.0
+
+
+def test_a_client_alone_never_waits_for_company(engine: Engine) -> None:
+    """One request at a time (C=1) never waits, however long the hold (5 s)."""
+
+    async def scenario() -> float:
+        loop = asyncio.get_running_loop()
+        remote = _company_remote(engine, 5.0)
+        started = loop.time()
+        for seed in range(20):
+            answer = await asyncio.wait_for(remote.infer(_add_sub(1, seed, id=f"s{seed}")), 10)
+            assert answer.id == f"s{seed}"
+        return loop.time() - started
+
+    assert engine.run(scenario()) < 4.0  # 20 holds would take 100 s
+
+
+def test_a_held_request_given_up_on_never_reaches_the_engine(engine: Engine) -> None:
+    """A lone request cancelled while it waits for company is never sent: when the hold
+    (0.2 s) ends there is nothing to send, and the model runs nothing."""
+
+    async def held_then_given_up(remote: RemoteInferenceService) -> None:
+        held = asyncio.ensure_future(remote.infer(_add_sub(1, 4)))
+        await asyncio.sleep(0.05)
+        held.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await held
+        await asyncio.sleep(0.3)
+
+    remote = _company_remote(engine, 0.2)
+    engine.run(_two_at_once(remote))
+    before = engine.successes("add_sub")
+    engine.server.stacks.clear()
+    engine.run(held_then_given_up(remote))
+    assert engine.successes("add_sub") == before
+    assert engine.server.stacks == []
+    # The front end still serves: its next request is answered.
+    answer = engine.run(asyncio.wait_for(remote.infer(_add_sub(1, 5, id="after")), 10))
+    assert answer.id == "after"

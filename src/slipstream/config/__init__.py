@@ -461,6 +461,15 @@ class ServerSettings(_Strict):
         "own, CPU models never wait behind a GPU model's GIL, a cascade runs with its "
         "stages. Implies --frontends 1 when --frontends is 0.",
     )
+    frontend_hold_us: int = Field(
+        1000,
+        ge=0,
+        le=100_000,
+        description="With --frontends N: the longest (microseconds) a front end holds a "
+        "request that would reach the engine alone while more are due (fewer are in "
+        "flight than it held at once lately), so that they travel together: gRPC's front "
+        "end takes one call at a time. A client alone (C=1) never waits. 0: never hold.",
+    )
     cpu_scheduling: Literal["batch", "default"] = Field(
         "batch",
         description="Linux scheduling policy of the --frontends N processes. batch "

@@ -152,6 +152,11 @@ class Group:
         self._waiters.append(waiter)
         return waiter
 
+    @property
+    def size(self) -> int:
+        """Requests added so far."""
+        return len(self._requests)
+
     @staticmethod
     def response(answer: Any) -> InferResponse:
         """A settled answer as the response (a lone request's comes as its fields)."""

@@ -5,10 +5,12 @@
 and gRPC front ends run unchanged on top of it; each method is one call to the engine
 process, which runs it on its ``ModelServer`` and answers with the result or the error
 (a 404 stays a 404), but ``infer``: the requests of one turn of the event loop go
-together (:mod:`slipstream.engine.groups`). With several engines (one per device), a
-model's calls go to the engine that serves it (a :class:`ModelRouting` says which);
-what concerns the whole server (readiness, the repository index, every model's
-statistics, shared-memory registrations) is asked of, or made in, every engine.
+together (:mod:`slipstream.engine.groups`), and a turn's lone request may wait a
+moment for others when more are due (:mod:`slipstream.engine.company`). With several
+engines (one per device), a model's calls go to the engine that serves it (a
+:class:`ModelRouting` says which); what concerns the whole server (readiness, the
+repository index, every model's statistics, shared-memory registrations) is asked of, or
+made in, every engine.
 Requests carry their tensors as out-of-band frames (:mod:`slipstream.engine.wire`);
 shared-memory inputs travel as their region and offset, and the engine reads the
 client's region itself, since it holds the registrations.
@@ -22,6 +24,7 @@ from typing import Any, Protocol
 
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
+from slipstream.engine.company import HOLD_S, Company
 from slipstream.engine.groups import Group, answer_gathered, answer_group, answer_groups
 from slipstream.engine.host import Call, Gatherer
 from slipstream.engine.wire import request_fields, request_from, response_fields
@@ -57,14 +60,22 @@ class RemoteInferenceService(InferenceService):
     """:class:`InferenceService` over the front end's :class:`EngineClient` of each engine
     (one but for ``--engines per-device``); see the module docstring."""
 
-    def __init__(self, clients: list[EngineClient], routing: ModelRouting | None = None) -> None:
+    def __init__(
+        self,
+        clients: list[EngineClient],
+        routing: ModelRouting | None = None,
+        hold_s: float = HOLD_S,
+    ) -> None:
         if len(clients) > 1 and routing is None:
             raise ValueError("several engines need a routing")
         self._clients = clients
         self._routing = routing
         self._stopping = False
-        # The requests of this turn of the event loop for each engine, sent at its end.
+        # The requests of this turn of the event loop for each engine, sent at its end
+        # (or, for a lone request waiting for company, when it comes or _held fires).
         self._groups: dict[int, Group] = {}
+        self._company = Company(hold_s)
+        self._held: asyncio.TimerHandle | None = None
 
     def is_live(self) -> bool:
         """This front end is up (an engine may be restarting: then not ready)."""
@@ -113,21 +124,44 @@ class RemoteInferenceService(InferenceService):
     async def infer(self, request: InferRequest) -> InferResponse:
         """Sent with the other requests of this turn of the loop for the same engine as
         one group (:class:`~slipstream.engine.groups.Group`); answered as the engine's
-        ``infer`` answers it alone."""
+        ``infer`` answers it alone. A turn's lone request may wait for company: see
+        :mod:`slipstream.engine.company`."""
         index = 0 if self._routing is None else self._routing.engine_of(request.model_name)
-        group = self._groups.get(index)
-        if group is None:
-            group = self._groups[index] = Group(self._clients[index])
-            if len(self._groups) == 1:  # the turn's first
-                asyncio.get_running_loop().call_soon(self._send_groups)
-        answer = group.add(request)
+        loop = asyncio.get_running_loop()
+        company = self._company
+        company.arrived(loop.time())
         try:
-            return Group.response(await answer)
-        except asyncio.CancelledError:
-            group.left(answer)
-            raise
+            group = self._groups.get(index)
+            if group is None:
+                group = self._groups[index] = Group(self._clients[index])
+                if len(self._groups) == 1 and self._held is None:  # the turn's first
+                    loop.call_soon(self._end_turn)
+            if self._held is not None and not company.expecting():  # the company came
+                self._held.cancel()
+                self._held = None
+                loop.call_soon(self._send_groups)
+            answer = group.add(request)
+            try:
+                return Group.response(await answer)
+            except asyncio.CancelledError:
+                group.left(answer)
+                raise
+        finally:
+            company.done()
+
+    def _end_turn(self) -> None:
+        """The turn's groups leave now, but a lone request that waits for company."""
+        groups = self._groups
+        if len(groups) == 1 and self._company.expecting():
+            (group,) = groups.values()
+            if group.size == 1:
+                loop = asyncio.get_running_loop()
+                self._held = loop.call_later(self._company.most_s, self._send_groups)
+                return
+        self._send_groups()
 
     def _send_groups(self) -> None:
+        self._held = None
         groups, self._groups = self._groups, {}
         for group in groups.values():
             group.send()

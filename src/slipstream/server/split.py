@@ -383,7 +383,7 @@ async def _serve_frontend(
     if len(shares) > 1:
         devices = [share.device for share in shares if share is not None]
         routing = await asyncio.to_thread(Routing, settings.model_repository, devices)
-    service = RemoteInferenceService(clients, routing)
+    service = RemoteInferenceService(clients, routing, settings.frontend_hold_us / 1e6)
     jobs = job_queue(settings)
     name = str(index)
     # The board of front ends' series lives in the first engine.

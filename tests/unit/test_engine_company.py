@@ -1,0 +1,119 @@
+"""When a front end's lone request waits for company (``engine/company.py``).
+
+The rule on a fake clock: a client alone never makes it wait, requests held at once make
+the next lone one wait until as many are in flight again, and that memory fades after
+one to two windows. A stateful machine checks the rule against the history of arrivals.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from slipstream.engine.company import Company
+
+WINDOW = 0.05
+
+
+def test_a_client_alone_never_waits() -> None:
+    company = Company(0.001, WINDOW)
+    now = 0.0
+    for _ in range(1000):
+        company.arrived(now)
+        assert not company.expecting()
+        company.done()
+        now += 0.0003
+
+
+def test_requests_held_at_once_make_a_lone_one_wait_until_as_many_are_in_flight() -> None:
+    company = Company(0.001, WINDOW)
+    for _ in range(3):
+        company.arrived(0.0)
+    for _ in range(3):
+        company.done()
+    company.arrived(0.001)
+    assert company.expecting()  # one in flight where three were
+    company.arrived(0.0012)
+    assert company.expecting()
+    company.arrived(0.0014)
+    assert not company.expecting()  # as many as before: none more is due
+
+
+def test_the_memory_of_a_peak_fades_after_one_to_two_windows() -> None:
+    company = Company(0.001, WINDOW)
+    company.arrived(0.0)
+    company.arrived(0.0)
+    company.done()
+    company.done()
+    company.arrived(0.06)  # the next window: the one before still counts
+    assert company.expecting()
+    company.done()
+    company.arrived(0.115)  # two windows on: the peak of two is forgotten
+    assert not company.expecting()
+    company.done()
+    company.arrived(0.5)  # long after: nothing remembered
+    assert not company.expecting()
+
+
+def test_no_hold_never_waits() -> None:
+    company = Company(0.0, WINDOW)
+    company.arrived(0.0)
+    company.arrived(0.0)
+    company.done()
+    company.done()
+    company.arrived(0.001)
+    assert not company.expecting()
+
+
+def test_bad_arguments_and_a_done_without_a_request_are_refused() -> None:
+    with pytest.raises(ValueError, match="most_s"):
+        Company(-1.0)
+    with pytest.raises(ValueError, match="window_s"):
+        Company(0.001, 0.0)
+    with pytest.raises(RuntimeError, match="without a request"):
+        Company().done()
+
+
+class CompanyMachine(RuleBasedStateMachine):
+    """Random arrivals and completions on a fake clock. Right after each arrival (when
+    the front end asks), the rule is checked against the history: it waits only for a
+    peak seen within the last two windows, and never while as many requests are in
+    flight as any arrival of the last window saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.company = Company(0.001, WINDOW)
+        self.now = 0.0
+        self.active = 0
+        self.history: list[tuple[float, int]] = []  # (arrival time, in flight after it)
+
+    @rule(gap=st.floats(0.0, 3 * WINDOW, allow_nan=False))
+    def arrive(self, gap: float) -> None:
+        self.now += gap
+        self.company.arrived(self.now)
+        self.active += 1
+        self.history.append((self.now, self.active))
+        # (a margin for the windows' edges in floating point)
+        recent = [seen for at, seen in self.history if at > self.now - WINDOW + 1e-9]
+        lately = [seen for at, seen in self.history if at > self.now - 2 * WINDOW - 1e-9]
+        if self.company.expecting():
+            assert self.active < max(lately)
+        else:
+            assert self.active >= max(recent)
+
+    @precondition(lambda self: self.active > 0)
+    @rule()
+    def finish(self) -> None:
+        self.company.done()
+        self.active -= 1
+
+    @invariant()
+    def counts_agree(self) -> None:
+        assert self.company.active == self.active
+        assert self.company.peak >= 0
+
+
+TestCompanyMachine = CompanyMachine.TestCase
+TestCompanyMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
