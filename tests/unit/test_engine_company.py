@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from slipstream.engine.company import Company
+from slipstream.engine.company import PROBE_EVERY, Company
 
 WINDOW = 0.05
 
@@ -57,6 +57,37 @@ def test_the_memory_of_a_peak_fades_after_one_to_two_windows() -> None:
     assert not company.expecting()
 
 
+def _expecting(company: Company, now: float) -> None:
+    """Two in flight at ``now``, then one: the front end expects company."""
+    company.arrived(now)
+    company.arrived(now)
+    company.done()
+    company.done()
+    company.arrived(now)
+    assert company.expecting()
+    company.done()
+
+
+def test_holds_nobody_joins_stop_but_for_probes_and_joined_ones_bring_them_back() -> None:
+    company = Company(0.001, WINDOW)
+    _expecting(company, 0.0)
+    company.arrived(0.0)
+    failed = 0
+    while failed < 100 and company.should_hold():  # each hold times out alone
+        company.held(joined=False)
+        failed += 1
+    assert 3 <= failed <= 8  # a few, not forever
+    asked = [company.should_hold() for _ in range(4 * PROBE_EVERY)]
+    assert sum(asked) == 4  # one probe in PROBE_EVERY
+    # (the refusal that ended the loop above was the first of PROBE_EVERY)
+    assert asked.index(True) == PROBE_EVERY - 2
+    for _ in range(20):  # the probes are joined now: holding comes back
+        assert any(company.should_hold() for _ in range(PROBE_EVERY))
+        company.held(joined=True)
+    assert all(company.should_hold() for _ in range(10))
+    assert company.joined_share > 0.9
+
+
 def test_no_hold_never_waits() -> None:
     company = Company(0.0, WINDOW)
     company.arrived(0.0)
@@ -65,6 +96,7 @@ def test_no_hold_never_waits() -> None:
     company.done()
     company.arrived(0.001)
     assert not company.expecting()
+    assert not company.should_hold()
 
 
 def test_bad_arguments_and_a_done_without_a_request_are_refused() -> None:
@@ -88,6 +120,7 @@ class CompanyMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.active = 0
         self.history: list[tuple[float, int]] = []  # (arrival time, in flight after it)
+        self.refused = 0  # eligible requests refused a hold in a row
 
     @rule(gap=st.floats(0.0, 3 * WINDOW, allow_nan=False))
     def arrive(self, gap: float) -> None:
@@ -102,6 +135,23 @@ class CompanyMachine(RuleBasedStateMachine):
             assert self.active < max(lately)
         else:
             assert self.active >= max(recent)
+
+    @rule(joined=st.booleans())
+    def lone_request(self, joined: bool) -> None:
+        """A turn's lone request asks whether to wait; a hold ends joined or not."""
+        expecting = self.company.expecting()
+        share = self.company.joined_share
+        holds = self.company.should_hold()
+        assert not holds or expecting  # never without company due
+        if expecting and share >= 0.5:
+            assert holds  # holds that pay go on
+        if expecting and not holds:
+            self.refused += 1
+            assert self.refused < PROBE_EVERY  # a probe comes
+        if holds:
+            self.refused = 0
+            self.company.held(joined)
+        assert 0.0 <= self.company.joined_share <= 1.0
 
     @precondition(lambda self: self.active > 0)
     @rule()

@@ -139,7 +139,7 @@ class RemoteInferenceService(InferenceService):
             if self._held is not None and not company.expecting():  # the company came
                 self._held.cancel()
                 self._held = None
-                loop.call_soon(self._send_groups)
+                loop.call_soon(self._send_groups, True)
             answer = group.add(request)
             try:
                 return Group.response(await answer)
@@ -152,17 +152,20 @@ class RemoteInferenceService(InferenceService):
     def _end_turn(self) -> None:
         """The turn's groups leave now, but a lone request that waits for company."""
         groups = self._groups
-        if len(groups) == 1 and self._company.expecting():
+        if len(groups) == 1:
             (group,) = groups.values()
-            if group.size == 1:
+            if group.size == 1 and self._company.should_hold():
                 loop = asyncio.get_running_loop()
-                self._held = loop.call_later(self._company.most_s, self._send_groups)
+                self._held = loop.call_later(self._company.most_s, self._send_groups, True)
                 return
         self._send_groups()
 
-    def _send_groups(self) -> None:
+    def _send_groups(self, held: bool = False) -> None:
+        """Sends this turn's groups; ``held``: they end a lone request's wait."""
         self._held = None
         groups, self._groups = self._groups, {}
+        if held:
+            self._company.held(sum(group.size for group in groups.values()) > 1)
         for group in groups.values():
             group.send()
 
