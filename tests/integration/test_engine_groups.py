@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from slipstream.config import ServerSettings
 from slipstream.engine import groups
 from slipstream.engine.client import EngineClient
+from slipstream.engine.company import Company
 from slipstream.engine.groups import answer_gathered
 from slipstream.engine.host import EngineHost, Gatherer
 from slipstream.engine.remote import RemoteInferenceService, engine_calls, engine_gathered
@@ -89,8 +90,8 @@ class Engine:
         self.other = EngineClient(self.client_path)  # a second front end
         # Without the wait for company (engine/company.py, tested at the end): these
         # tests say what reaches the engine in one turn.
-        self.remote = RemoteInferenceService([self.client], hold_s=0)
-        self.other_remote = RemoteInferenceService([self.other], hold_s=0)
+        self.remote = RemoteInferenceService([self.client], company=Company(0))
+        self.other_remote = RemoteInferenceService([self.other], company=Company(0))
         self.run(self._start())
 
     def _noted(self, method: str, gatherer: Gatherer) -> Gatherer:
@@ -546,7 +547,9 @@ def test_a_slow_models_requests_do_not_hold_back_anothers(engine: Engine) -> Non
 
 
 def _company_remote(engine: Engine, hold_s: float) -> RemoteInferenceService:
-    return RemoteInferenceService([engine.client], hold_s=hold_s)
+    """A front end holding lone requests up to ``hold_s``, remembering its peak for 10 s
+    (a loaded host's pauses between the steps of a test do not make it forget)."""
+    return RemoteInferenceService([engine.client], company=Company(hold_s, window_s=10.0))
 
 
 async def _two_at_once(remote: RemoteInferenceService) -> None:

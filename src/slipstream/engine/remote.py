@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
-from slipstream.engine.company import HOLD_S, Company
+from slipstream.engine.company import Company
 from slipstream.engine.groups import Group, answer_gathered, answer_group, answer_groups
 from slipstream.engine.host import Call, Gatherer
 from slipstream.engine.wire import request_fields, request_from, response_fields
@@ -64,7 +64,7 @@ class RemoteInferenceService(InferenceService):
         self,
         clients: list[EngineClient],
         routing: ModelRouting | None = None,
-        hold_s: float = HOLD_S,
+        company: Company | None = None,
     ) -> None:
         if len(clients) > 1 and routing is None:
             raise ValueError("several engines need a routing")
@@ -74,7 +74,8 @@ class RemoteInferenceService(InferenceService):
         # The requests of this turn of the event loop for each engine, sent at its end
         # (or, for a lone request waiting for company, when it comes or _held fires).
         self._groups: dict[int, Group] = {}
-        self._company = Company(hold_s)
+        # When a lone request waits for others (the default hold unless given).
+        self._company = company if company is not None else Company()
         self._held: asyncio.TimerHandle | None = None
 
     def is_live(self) -> bool:

@@ -38,6 +38,7 @@ from prometheus_client import disable_created_metrics
 from slipstream import runtime
 from slipstream.config import ServerSettings
 from slipstream.engine.client import EngineClient
+from slipstream.engine.company import Company
 from slipstream.engine.host import Call, EngineHost
 from slipstream.engine.remote import RemoteInferenceService, engine_calls, engine_gathered
 from slipstream.engine.supervisor import (
@@ -383,7 +384,7 @@ async def _serve_frontend(
     if len(shares) > 1:
         devices = [share.device for share in shares if share is not None]
         routing = await asyncio.to_thread(Routing, settings.model_repository, devices)
-    service = RemoteInferenceService(clients, routing, settings.frontend_hold_us / 1e6)
+    service = RemoteInferenceService(clients, routing, Company(settings.frontend_hold_us / 1e6))
     jobs = job_queue(settings)
     name = str(index)
     # The board of front ends' series lives in the first engine.
