@@ -155,7 +155,11 @@ async def test_open_loop_keeps_the_rate_when_the_server_keeps_up() -> None:
     assert abs(sample.sends.sent - 200) <= 3
     assert sample.ok_requests >= 195
     assert sample.latency.percentile_s(50) < 0.01
-    assert sample.sends.inflight_cap_waits == 0
+    # Almost never capped: a pause of the loop on a loaded host (~40 ms, the 8 slots'
+    # worth at 200/s) can fill the slots for a moment; it failed once at 3 of 200 in a
+    # `make test` whose other half ran beside it. A stalled server fills them for
+    # ~0.3 s (the test above).
+    assert sample.sends.inflight_cap_waits <= 5
 
 
 async def test_closed_loop_keeps_n_requests_outstanding_and_counts_errors_by_key() -> None:
