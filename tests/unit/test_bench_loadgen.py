@@ -158,7 +158,7 @@ async def test_open_loop_keeps_the_rate_when_the_server_keeps_up() -> None:
     # Almost never capped: a pause of the loop on a loaded host (~40 ms, the 8 slots'
     # worth at 200/s) can fill the slots for a moment; it failed once at 3 of 200 in a
     # `make test` whose other half ran beside it. A stalled server fills them for
-    # ~0.3 s (the test above).
+    # STALL_S (the test above).
     assert sample.sends.inflight_cap_waits <= 5
 
 
