@@ -62,6 +62,7 @@ import asyncio
 import csv
 import json
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -120,6 +121,8 @@ CAP_HANDLERS = ("recorded", "decode", "coded", "model")
 # Printed as "a / b": the ratios the issue's targets are stated in.
 # A split layout's front ends' share of the server's CPU, under "<case>[<layout>]" + this.
 FRONT_ENDS = " front ends"
+# The load generator's CPU per inference, under the case's name with this suffix.
+LOAD = " load"
 
 RATIOS = [
     ("grpc", "cap_grpc"),
@@ -253,7 +256,8 @@ def _key(name: str, layout: str) -> str:
     (its front ends' CPU); a cap's, and one process's, as the case is named."""
     if layout == "one" or name.startswith("cap"):
         return name
-    return f"{name.removesuffix(FRONT_ENDS)}[{layout}]" + FRONT_ENDS * name.endswith(FRONT_ENDS)
+    suffix = next((s for s in (FRONT_ENDS, LOAD) if name.endswith(s)), "")
+    return f"{name.removesuffix(suffix)}[{layout}]" + suffix
 
 
 def measure_all(
@@ -281,7 +285,7 @@ def measure_all(
                 before = None if case.cap else _server_work(server, ports["http"], args.model)
                 roles_before = _role_cpu(server)
                 cap_before = (_cpu_seconds(caps[case.cap]), time.monotonic()) if case.cap else None
-                rate = measure(tool, case, port, level, args)
+                rate, load_seconds = measure(tool, case, port, level, args)
                 results[case.name][level].append(rate)
                 line = f"  {case.name:16s} C={level:<3d} {_fmt(rate)} infer/s"
                 if cap_before is not None and rate:
@@ -295,6 +299,10 @@ def measure_all(
                     spent = (after[0] - before[0]) / done * 1e6 if done else None
                     cpu[case.name][level].append(spent)
                     line += f", server {_fmt(spent)} us CPU/infer"
+                    if done:
+                        load = load_seconds / done * 1e6
+                        cpu.setdefault(case.name + LOAD, {}).setdefault(level, []).append(load)
+                        line += f", load generator {load:.0f}"
                     roles = _role_cpu(server)
                     if done and len(roles) > 1:  # split: the engine's share and the rest
                         shares = {
@@ -352,8 +360,26 @@ def measure(
     port: int,
     concurrency: int,
     args: argparse.Namespace,
+) -> tuple[float | None, float]:
+    """Inferences per second of one case at one concurrency (None when it cannot run) and
+    the CPU seconds the load generator spent on it, warm-up and every trial included."""
+    before = _children_cpu()
+    rate = _measure_rate(tool, case, port, concurrency, args)
+    return rate, _children_cpu() - before
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _measure_rate(
+    tool: tuple[Path, dict[str, str]] | None,
+    case: Case,
+    port: int,
+    concurrency: int,
+    args: argparse.Namespace,
 ) -> float | None:
-    """Inferences per second of one case at one concurrency; None when it cannot run."""
     pin = ["taskset", "-c", args.client_cores]
     with tempfile.TemporaryDirectory() as tmp:
         if tool is not None:
@@ -445,13 +471,18 @@ def report(
         name: {n: _median(values) for n, values in by_level.items()}
         for name, by_level in cpu.items()
     }
-    print("\nserver CPU us per inference (all its processes), median of the rounds")
+    print(
+        "\nCPU us per inference, median of the rounds: the server's (all its processes);"
+        f' "<case>{LOAD}": the load generator\'s'
+    )
     for name, by_level in cpu_medians.items():
         print(f"{name:18s}" + "".join(f"{_fmt(by_level[n]):>12s}" for n in levels))
     # By CPU: the layout's inferences per CPU-second over one process's (a capacity ratio):
     # b's CPU per inference over a's.
     flipped = [(b, a) for a, b in pairs]
     by_cpu = _print_ratios(flipped, cpu_medians, levels, " by CPU", swap_names=True)
+    labels = [_tree_label(t, trees) for t in trees] if len(trees) > 1 else [""]
+    ceilings = _print_ceilings(medians, cpu_medians, levels, args, layouts, labels)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
@@ -469,8 +500,61 @@ def report(
             "ratios_by_cpu": {
                 k: {str(n): v for n, v in m.items()} for k, m in by_cpu.items()
             },
+            "ceilings_over_one_process": {
+                k: {str(n): v for n, v in m.items()} for k, m in ceilings.items()
+            },
         }, indent=2))  # fmt: skip
         print(f"\nwrote {args.json}")
+
+
+def _print_ceilings(
+    medians: dict[str, dict[int, float | None]],
+    cpu: dict[str, dict[int, float | None]],
+    levels: list[int],
+    args: argparse.Namespace,
+    layouts: list[tuple[str, int, str]],
+    labels: list[str],
+) -> dict[str, dict[int, float | None]]:
+    """What each layout could reach on its cores if they were always busy, over what one
+    process measured: the fewest of its server cores over the server's CPU per inference,
+    the load generator's cores over its CPU per inference, and all the cores they use
+    over both together (where they share cores, each inference costs the two of them).
+    A layout target above its ceiling cannot be met on this host."""
+    print("\nceiling with every core busy: min(server cores / server us, load cores / load "
+          "us, all cores / both), over one process's measured infer/s")  # fmt: skip
+    client = _cores(args.client_cores)
+    ceilings: dict[str, dict[int, float | None]] = {}
+    for layout, _, cores in layouts:
+        server = _cores(cores)
+        for case in ("http", "grpc", "grpc_stream"):
+            for label in labels:
+                name = case if layout == "one" else f"{case}[{layout}]"
+                spent, load = cpu.get(name + label), cpu.get(name + LOAD + label)
+                one = medians.get(case + label)
+                if spent is None or load is None or one is None:
+                    continue
+                row: dict[int, float | None] = {}
+                for n in levels:
+                    s, c = spent.get(n), load.get(n)
+                    bound = None if s is None or c is None else min(
+                        len(server) / s, len(client) / c, len(server | client) / (s + c)
+                    ) * 1e6  # fmt: skip
+                    row[n] = _ratio(bound, one.get(n))
+                key = f"{name}{label} ceiling / {case}{label}"
+                ceilings[key] = row
+                print(f"{key:28s}" + "".join(
+                    f"{'n/a' if r is None else f'{r:.2f}':>10s}" for r in row.values()
+                ))  # fmt: skip
+    return ceilings
+
+
+def _cores(text: str) -> set[int]:
+    """taskset's list (``0,1``, ``0-3``) as a set of core numbers."""
+    found: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        found.update(range(int(first), int(last or first) + 1))
+    return found
 
 
 def _print_ratios(
