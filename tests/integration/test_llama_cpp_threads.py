@@ -1,4 +1,4 @@
-"""The llama.cpp engine's threads beside busy processes (``llm/cpu_share.py``): real
+"""The llama.cpp engine's threads beside busy processes (``runtime/cpu_share.py``): real
 llama.cpp, real neighbours spinning on every core, the host's own CPU pressure (PSI).
 
 Automatic threads: a generation that starts with every core's thread gives threads up
@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import pytest
 
 from slipstream.config import GenerationSettings
-from slipstream.llm.cpu_share import pressure_source
 from slipstream.llm.engine import SamplingParams
 from slipstream.llm.llamacpp import LlamaCppEngine, load_llama_cpp_engine
 from slipstream.runtime.base import usable_cpu_count
+from slipstream.runtime.cpu_share import pressure_source
 from tests.llm_models import smollm2_gguf
 
 pytestmark = pytest.mark.skipif(

@@ -318,11 +318,19 @@ def test_exported_program_load_refuses_other_files(tmp_path: Path) -> None:
 # --- torch: parameters ----------------------------------------------------------------
 
 
-def test_torch_thread_count_parameter(tmp_path: Path) -> None:
+def test_torch_thread_count_parameter_is_set_where_the_model_runs(tmp_path: Path) -> None:
+    # torch keeps the count per thread: loading sets nothing (it would not reach the
+    # instance thread, and would change what the loading thread's other models use).
     path = tmp_path / "model.pt2"
     torch.export.save(torch.export.export(DictOut(), (torch.ones(2, 3),)), str(path))
-    get_backend("torch").load(path, {"intra_op_thread_count": "1"}, 1)
-    assert torch.get_num_threads() == 1
+    before = torch.get_num_threads()
+    backend = get_backend("torch").load(path, {"intra_op_thread_count": "1"}, 1)
+    assert torch.get_num_threads() == before
+    try:
+        backend.run({"x": np.ones((2, 3), np.float32)}, ["total"])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
-"""The thread governor of CPU engines (``llm/cpu_share.py``) over a fake clock and a fake
+"""The thread governor of CPU engines (``runtime/cpu_share.py``) over a fake clock and a fake
 PSI counter, and the cores a process may use (``runtime/base.py``)."""
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,17 +12,19 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from slipstream.llm.cpu_share import (
+from slipstream.runtime import base
+from slipstream.runtime.base import usable_cpu_count
+from slipstream.runtime.cpu_share import (
     CALM,
     CROWDED,
     FIRST_WAIT_S,
     LONGEST_WAIT_S,
     WINDOW_S,
+    AppliedThreads,
+    GovernedThreads,
     ThreadGovernor,
     pressure_source,
 )
-from slipstream.runtime import base
-from slipstream.runtime.base import usable_cpu_count
 
 
 class Host:
@@ -113,6 +116,66 @@ def test_one_thread_has_nothing_to_give_up() -> None:
     assert _steps(host, governor, 10, 1.0) == []
     assert _steps(host, governor, 10, 0.0) == []
     assert governor.threads == 1
+
+
+def _on_new_thread(function: object) -> None:
+    thread = threading.Thread(target=function)  # type: ignore[arg-type]
+    thread.start()
+    thread.join()
+
+
+def test_a_count_is_applied_once_on_each_thread_that_runs() -> None:
+    applied: list[tuple[str, int]] = []
+    count = AppliedThreads(3, lambda n: applied.append((threading.current_thread().name, n)))
+
+    def runs() -> None:
+        for _ in range(3):
+            count.before()
+            count.after()
+
+    runs()
+    runs()
+    assert applied == [("MainThread", 3)]
+    _on_new_thread(runs)
+    assert len(applied) == 2 and applied[1][0] != "MainThread" and applied[1][1] == 3
+
+
+def test_governed_runs_apply_the_governors_count_where_they_run() -> None:
+    host = Host()
+    applied: list[int] = []
+    runs = GovernedThreads(host.governor(2), applied.append, clock=lambda: host.now)
+
+    def step(seconds: float, share: float) -> None:
+        runs.before()
+        host.run(seconds, share)
+        runs.after()
+
+    step(0.05, 1.0)
+    assert applied == [2]
+    for _ in range(round(2 * WINDOW_S / 0.05)):
+        step(0.05, 1.0)  # back to back on crowded cores: a thread given up
+    assert runs.threads == 1 and applied == [2, 1]
+    for _ in range(round(2 * FIRST_WAIT_S / 0.05)):
+        step(0.05, 0.0)
+    assert runs.threads == 2 and applied == [2, 1, 2]
+
+
+def test_a_pause_between_runs_is_rest() -> None:
+    host = Host()
+    runs = GovernedThreads(host.governor(2), lambda n: None, clock=lambda: host.now)
+    for _ in range(10):
+        runs.before()
+        host.run(0.05, 0.0)
+        runs.after()
+        host.run(WINDOW_S * 1.5, 1.0)  # idle longer than a window, the host crowded
+    assert runs.threads == 2
+    # The same crowding between runs closer together is the runs' own.
+    for _ in range(10):
+        runs.before()
+        host.run(0.05, 0.0)
+        runs.after()
+        host.run(WINDOW_S / 2, 1.0)
+    assert runs.threads == 1
 
 
 class GovernorMachine(RuleBasedStateMachine):

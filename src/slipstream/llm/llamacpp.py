@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING, Any
 from slipstream.errors import InvalidRequest, Unavailable
 from slipstream.llm.chat_template import ChatTemplate
 from slipstream.llm.constraints import Matchers
-from slipstream.llm.cpu_share import ThreadGovernor, pressure_source
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, SamplingParams
 from slipstream.llm.llamacpp_sampling import SequenceSampler, build_tokenizer
 from slipstream.llm.llamacpp_scheduler import LlamaRuntime, LlamaSequence, Scheduler
+from slipstream.runtime.cpu_share import ThreadGovernor, pressure_source
 
 if TYPE_CHECKING:
     from slipstream.config import GenerationSettings
@@ -349,7 +349,7 @@ def load_llama_cpp_engine(
 ) -> Engine:
     """Load a ``.gguf`` file with llama.cpp. Blocking; clear errors for what is not one.
     ``adaptive``: ``threads`` is the most its forward passes use, fewer while the host's
-    cores are crowded (:mod:`slipstream.llm.cpu_share`)."""
+    cores are crowded (:mod:`slipstream.runtime.cpu_share`)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     with path.open("rb") as handle:

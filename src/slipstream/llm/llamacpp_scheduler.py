@@ -22,7 +22,7 @@ from slipstream.llm.llamacpp_sampling import SequenceSampler
 
 if TYPE_CHECKING:
     from slipstream.config import GenerationSettings
-    from slipstream.llm.cpu_share import ThreadGovernor
+    from slipstream.runtime.cpu_share import ThreadGovernor
 
 logger = logging.getLogger(__name__)
 

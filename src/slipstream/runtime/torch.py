@@ -28,9 +28,14 @@ Where the signature comes from:
 
 Parameters (config.yaml ``parameters``):
 
-* ``intra_op_thread_count``: torch's intra-op threads; default: usable cores divided by
-  the instance count. torch keeps one count per process, so the last torch model
-  loaded sets it for all of them.
+* ``intra_op_thread_count``: torch's intra-op threads on the CPU. Given, it is kept. Not
+  given, it starts at the usable cores divided by the instance count and follows the
+  host's load: while the kernel's CPU pressure says the cores are crowded (another
+  process, the server's own front ends, a load generator), an instance gives up a
+  thread, and tries one more once they are calm (:mod:`slipstream.runtime.cpu_share`).
+  torch's OpenMP threads wait for each other after every op, so a thread that loses its
+  core stalls the others: beside one busy process an MLP ran 4x slower on 2 threads
+  than on 1 here.
 * ``device``: ``cpu`` (default) or ``cuda`` / ``cuda:N``. A ``.pt2`` exported on another
   device (the CPU, usually) is moved with its burnt-in device arguments, so it serves.
   On CUDA each instance has its own stream and pinned staging buffers
@@ -75,6 +80,12 @@ import torch
 from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, numpy_dtype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
+from slipstream.runtime.cpu_share import (
+    AppliedThreads,
+    GovernedThreads,
+    ThreadGovernor,
+    pressure_source,
+)
 from slipstream.runtime.data_errors import torch_data_error
 from slipstream.runtime.torch_cuda import (
     CudaRunner,
@@ -106,7 +117,7 @@ _Model = Callable[..., Any]
 class TorchParameters:
     """The backend options read from config.yaml ``parameters``."""
 
-    # Threads torch uses inside one op (process-wide in torch).
+    # Threads torch uses inside one op (the most, where governed).
     intra_op_thread_count: int
     # Where the model's weights live and its batches run.
     device: torch.device
@@ -116,6 +127,8 @@ class TorchParameters:
     autocast: bool = False
     # CUDA graph batch sizes, ascending; empty = no graphs.
     graph_batch_sizes: tuple[int, ...] = ()
+    # intra_op_thread_count was given: keep it whatever the host's load.
+    fixed_threads: bool = True
 
     @classmethod
     def parse(cls, parameters: Mapping[str, str], instance_count: int) -> TorchParameters:
@@ -169,7 +182,20 @@ class TorchParameters:
             dtype=_PRECISIONS[precision],
             autocast=mode == "autocast",
             graph_batch_sizes=sizes,
+            fixed_threads="intra_op_thread_count" in parameters,
         )
+
+
+def _thread_count(parameters: TorchParameters) -> AppliedThreads:
+    """The intra-op threads of an instance's runs: governed on the CPU where no count was
+    given and the kernel keeps CPU pressure (PSI), else fixed."""
+    most = parameters.intra_op_thread_count
+    if not parameters.fixed_threads and most > 1 and parameters.device.type == "cpu":
+        stalled_us = pressure_source()
+        if stalled_us is not None:
+            return GovernedThreads(ThreadGovernor(most, stalled_us), torch.set_num_threads)
+        logger.debug("no CPU pressure information (PSI) here: %d torch threads throughout", most)
+    return AppliedThreads(most, torch.set_num_threads)
 
 
 def _parse_graph_sizes(raw: str) -> tuple[int, ...]:
@@ -220,6 +246,7 @@ class TorchBackend(Backend):
             },
         )
         self._cuda: CudaRunner | None = None
+        self._threads = _thread_count(parameters)
         if self._device.type == "cuda":
             if (
                 parameters.graph_batch_sizes
@@ -241,9 +268,6 @@ class TorchBackend(Backend):
     @classmethod
     def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> TorchBackend:
         options = TorchParameters.parse(parameters, instance_count)
-        if torch.get_num_threads() != options.intra_op_thread_count:
-            torch.set_num_threads(options.intra_op_thread_count)
-            logger.debug("torch intra-op threads set to %d", options.intra_op_thread_count)
         try:
             if path.suffix.lower() == ".pt2":
                 model, signature = _load_exported(path, options.device)
@@ -269,6 +293,11 @@ class TorchBackend(Backend):
     def signature(self) -> ModelSignature:
         return self._signature
 
+    @property
+    def intra_op_threads(self) -> int:
+        """The intra-op threads this instance's next CPU run uses."""
+        return self._threads.threads
+
     def run(
         self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
     ) -> dict[str, np.ndarray]:
@@ -281,9 +310,13 @@ class TorchBackend(Backend):
                 if self._cuda is not None:
                     return self._cuda.run(names, arrays, output_names)
                 tensors = [torch.from_numpy(_writable(array)) for array in arrays]
-                named = self._precision.forward(
-                    self._model, tensors, output_names, self._name_outputs
-                )
+                self._threads.before()
+                try:
+                    named = self._precision.forward(
+                        self._model, tensors, output_names, self._name_outputs
+                    )
+                finally:
+                    self._threads.after()
             except (IndexError, RuntimeError) as exc:
                 refused = torch_data_error(exc)
                 if refused is None:
