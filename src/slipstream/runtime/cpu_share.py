@@ -2,11 +2,11 @@
 
 Used by the llama.cpp engine and by the torch backend on the CPU. llama.cpp splits each
 forward pass across its threads, and its threads meet at a spin barrier after every
-operation. When another process (a front end, a load generator, a
-neighbour on the host) takes one of the cores, the thread that loses its core holds every
-other one spinning at the next barrier until the scheduler gives the core back. Measured
-here (one stream of SmolLM2-135M, 2 cores, `benchmarks/llm_threads.py`): beside two busy
-processes 2 threads made 37 tokens/s and 1 thread 55; on an idle host, 95 and 84.
+operation. When another process (a front end, a load generator, a neighbour on the
+host) takes one of the cores, the thread that loses its core holds every other one
+spinning at the next barrier until the scheduler gives the core back. Measured here (one
+stream of SmolLM2-135M, 2 cores, `benchmarks/llm_threads.py`): beside two busy processes
+2 threads made 37 tokens/s and 1 thread 55; on an idle host, 95 and 84.
 
 :class:`ThreadGovernor` reads the kernel's CPU pressure (PSI: the share of time in
 which some runnable task waited for a CPU) between steps. When the cores are crowded, it
@@ -14,11 +14,11 @@ gives up a thread; when they have been calm for a while, it tries one more, and 
 (doubling the wait) each time that crowds them again. Without PSI (kernels before 4.20,
 or PSI disabled) the thread count stays where it started.
 
-torch's OpenMP threads behave the same way: an MLP's batch of 8 (384 -> 1536 -> 384) ran
-3,692 times a second on 2 threads and 2,751 on 1 on an idle host here, but beside one
-busy process 747 and 2,778. :class:`GovernedThreads` drives a governor from a backend's
-runs and applies its count on the thread that runs the model, where torch reads it
-(:class:`AppliedThreads`).
+torch's OpenMP threads wait for each other after every op the same way. An MLP's batches
+of 8 (384 -> 1536 -> 384, `benchmarks/torch_threads.py`) ran at 20,370 rows/s on 2
+threads and 17,215 on 1 on an idle host here, but beside one busy process at 6,674 and
+17,165. :class:`GovernedThreads` drives a governor from a backend's runs and applies its
+count on the thread that runs the model, where torch reads it (:class:`AppliedThreads`).
 """
 
 from __future__ import annotations
@@ -149,8 +149,9 @@ class AppliedThreads:
     """A thread count applied on each thread that runs a model: call :meth:`before` on
     that thread before each run, :meth:`after` when it ends. torch keeps its count per
     thread: a count set on the thread that loaded a model does not reach the instance
-    thread that runs it (set on the loading thread, 1 thread ran an MLP beside a busy
-    process at 1,000-1,400 batches a second here; set on the running thread, 2,750)."""
+    thread that runs it (``intra_op_thread_count: 1`` set where the model loaded ran
+    the MLP above at 6,699 rows/s beside a busy process, as 2 threads do; set on the
+    running thread, at 17,165)."""
 
     def __init__(self, threads: int, apply: Callable[[int], None]) -> None:
         self._threads = threads

@@ -34,8 +34,8 @@ Parameters (config.yaml ``parameters``):
   process, the server's own front ends, a load generator), an instance gives up a
   thread, and tries one more once they are calm (:mod:`slipstream.runtime.cpu_share`).
   torch's OpenMP threads wait for each other after every op, so a thread that loses its
-  core stalls the others: beside one busy process an MLP ran 4x slower on 2 threads
-  than on 1 here.
+  core stalls the others: beside one busy process an MLP ran 2.6x slower on 2 threads
+  than on 1 here (``benchmarks/torch_threads.py``).
 * ``device``: ``cpu`` (default) or ``cuda`` / ``cuda:N``. A ``.pt2`` exported on another
   device (the CPU, usually) is moved with its burnt-in device arguments, so it serves.
   On CUDA each instance has its own stream and pinned staging buffers
