@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.neighbours import against_neighbours  # noqa: E402
 from slipstream.config import GenerationSettings  # noqa: E402
 from slipstream.llm.engine import SamplingParams  # noqa: E402
 from slipstream.llm.llamacpp import LlamaCppEngine, load_llama_cpp_engine  # noqa: E402
@@ -66,33 +64,14 @@ def main() -> None:
     engines = {name: load_llama_cpp_engine(smollm2_gguf(), settings, n, adaptive)
                for name, (n, adaptive) in kinds.items()}  # fmt: skip
     loop = asyncio.new_event_loop()
-    results: dict[str, dict[str, Any]] = {}
     print(f"{cores} cores; {args.streams} streams, {args.seconds:.0f} s a measurement")
-    for busy in range(cores + 1):
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(busy)]  # fmt: skip
-        try:
-            time.sleep(0.5)
-            rates: dict[str, list[float]] = {name: [] for name in engines}
-            threads: dict[str, int] = {}
-            for _ in range(args.rounds):
-                for name, engine in engines.items():
-                    rates[name].append(
-                        loop.run_until_complete(tokens_per_s(engine, args.streams, args.seconds))
-                    )
-                    threads[name] = engine.cache_stats().cpu_threads
-        finally:
-            for hog in hogs:
-                hog.kill()
-                hog.wait()
-        medians = {name: statistics.median(values) for name, values in rates.items()}
-        best = max(medians[name] for name in medians if name.startswith("fixed"))
-        label = f"{busy} busy"
-        results[label] = {"tokens_per_s": rates, "threads_at_end": threads}
-        for name, value in medians.items():
-            spread = f"{min(rates[name]):.1f}-{max(rates[name]):.1f}"
-            print(f"{label:7} {name:8} {value:7.1f} tok/s ({spread})  / best fixed "
-                  f"{value / best:.2f}  threads at end {threads[name]}")  # fmt: skip
+
+    def measure(name: str) -> tuple[float, int]:
+        engine = engines[name]
+        rate = loop.run_until_complete(tokens_per_s(engine, args.streams, args.seconds))
+        return rate, engine.cache_stats().cpu_threads
+
+    results = against_neighbours(cores, list(engines), measure, args.rounds, "tok/s")
     for engine in engines.values():
         loop.run_until_complete(engine.close())
     loop.close()

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,24 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
+from benchmarks.neighbours import against_neighbours  # noqa: E402
 from slipstream.runtime.base import usable_cpu_count  # noqa: E402
 from slipstream.runtime.torch import TorchBackend  # noqa: E402
-
-
-def export_mlp(path: Path) -> Path:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(384, 1536), torch.nn.GELU(), torch.nn.Linear(1536, 384)
-    ).eval()
-    batch = torch.export.Dim("batch", min=1, max=1024)
-    program = torch.export.export(model, (torch.zeros(2, 384),), dynamic_shapes=({0: batch},))
-    torch.export.save(program, str(path))
-    return path
+from tests.torch_models import export_mlp  # noqa: E402
 
 
 def rows_per_s(backend: TorchBackend, batch: int, seconds: float) -> float:
@@ -84,36 +72,21 @@ def main() -> None:
         "fixed 1": {"intra_op_thread_count": "1"},
         "default": {},
     }
-    results: dict[str, dict[str, Any]] = {}
     print(f"{cores} cores; {args.seconds:.0f} s a measurement, {args.rounds} rounds")
+    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = export_mlp(Path(tmp) / "model.pt2")
         for batch in (int(b) for b in args.batch.split(",")):
-            for busy in range(cores + 1):
-                hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                        for _ in range(busy)]  # fmt: skip
+
+            def measure(name: str, batch: int = batch) -> tuple[float, int]:
+                backend = TorchBackend.load(path, kinds[name], 1)
                 try:
-                    time.sleep(0.5)
-                    rates: dict[str, list[float]] = {name: [] for name in kinds}
-                    threads: dict[str, int] = {}
-                    for _ in range(args.rounds):
-                        for name, parameters in kinds.items():
-                            backend = TorchBackend.load(path, parameters, 1)
-                            rates[name].append(rows_per_s(backend, batch, args.seconds))
-                            threads[name] = backend.intra_op_threads
-                            backend.close()
+                    return rows_per_s(backend, batch, args.seconds), backend.intra_op_threads
                 finally:
-                    for hog in hogs:
-                        hog.kill()
-                        hog.wait()
-                medians = {name: statistics.median(values) for name, values in rates.items()}
-                best = max(medians[name] for name in medians if name.startswith("fixed"))
-                label = f"batch {batch}, {busy} busy"
-                results[label] = {"rows_per_s": rates, "threads_at_end": threads}
-                for name, value in medians.items():
-                    spread = f"{min(rates[name]):,.0f}-{max(rates[name]):,.0f}"
-                    print(f"{label:17} {name:8} {value:9,.0f} rows/s ({spread})  / best fixed "
-                          f"{value / best:.2f}  threads at end {threads[name]}")  # fmt: skip
+                    backend.close()
+
+            results.update(against_neighbours(cores, list(kinds), measure, args.rounds,
+                                              "rows/s", f"batch {batch}, "))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

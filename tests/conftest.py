@@ -12,6 +12,7 @@ import compileall
 import gc
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,13 @@ def example_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True, capture_output=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
     return models
+
+
+@pytest.fixture
+def neighbours() -> Iterator[None]:
+    """A process spinning on each usable core, for the test's length."""
+    from slipstream.runtime.base import usable_cpu_count
+    from tests.cpu_neighbours import busy_processes
+
+    with busy_processes(usable_cpu_count()):
+        yield

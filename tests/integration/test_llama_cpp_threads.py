@@ -10,10 +10,7 @@ calm while the rest of the suite runs beside it.)
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -30,19 +27,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 PROMPT = [504, 3468, 282, 260, 3725, 314, 1345, 30, 657, 253, 2397, 1117, 28, 5629, 288, 441]
-
-
-@pytest.fixture
-def neighbours() -> Iterator[None]:
-    """A process spinning on each core, for the test's length."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(usable_cpu_count())]  # fmt: skip
-    try:
-        yield
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
 
 
 def _engine(threads: int, adaptive: bool) -> LlamaCppEngine:

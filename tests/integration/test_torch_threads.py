@@ -12,20 +12,18 @@ once neighbours crowd the cores.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from slipstream.runtime.base import usable_cpu_count
 from slipstream.runtime.cpu_share import pressure_source
 from slipstream.runtime.torch import TorchBackend
+from tests.torch_models import export_mlp
 
 pytestmark = pytest.mark.skipif(
     usable_cpu_count() < 2, reason="needs 2 cores for a second intra-op thread"
@@ -34,15 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(384, 1536), torch.nn.GELU(), torch.nn.Linear(1536, 384)
-    ).eval()
-    batch = torch.export.Dim("batch", min=1, max=1024)
-    program = torch.export.export(model, (torch.zeros(2, 384),), dynamic_shapes=({0: batch},))
-    path = tmp_path_factory.mktemp("torch-threads") / "model.pt2"
-    torch.export.save(program, str(path))
-    return path
+    return export_mlp(tmp_path_factory.mktemp("torch-threads") / "model.pt2")
 
 
 def _run(backend: TorchBackend) -> None:
@@ -78,19 +68,6 @@ def test_each_model_runs_with_its_own_count(model_path: Path) -> None:
     finally:
         one.close()
         two.close()
-
-
-@pytest.fixture
-def neighbours() -> Iterator[None]:
-    """A process spinning on each core, for the test's length."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(usable_cpu_count())]  # fmt: skip
-    try:
-        yield
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
 
 
 def _run_until(backend: TorchBackend, threads: int, seconds: float) -> int:
