@@ -30,8 +30,10 @@ import tritonclient.http as httpclient
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from slipstream.runtime.base import usable_cpu_count
 from tests.llm_models import smollm2_gguf
 from tests.models import ADD_SUB_WIDTH, build_add_constant, build_add_sub, write_config
+from tests.torch_models import export_mlp
 from tests.utils import HOST, RemoteServer, free_ports, slipstream_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -105,6 +107,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, scraper: Prometheus) -> Ite
         "version_policy": {"all": {}},
         "rollout": {"weights": {"1": 80, "2": 20}, "shadow": {"version": "2", "share": 1.0}},
     })  # fmt: skip
+    # A torch model on the CPU: its instances' intra-op threads (slipstream_model_cpu_threads).
+    (repo / "torch_mlp" / "1").mkdir(parents=True)
+    export_mlp(repo / "torch_mlp" / "1" / "model.pt2")
+    write_config(repo, "torch_mlp", {"backend": "torch", "trust_pickle": True,
+                                     "max_batch_size": 8})  # fmt: skip
     (repo / "smol" / "1").mkdir(parents=True)
     os.link(smollm2_gguf(), repo / "smol" / "1" / "model.gguf")
     write_config(repo, "smol", {"backend": "llama_cpp",
@@ -245,6 +252,19 @@ def test_every_exported_metric_family_is_on_a_panel_or_in_an_alert(
         and name not in NOT_SHOWN
     )  # fmt: skip
     assert not unshown, f"on no panel and in no alert: {unshown}"
+
+
+def test_cpu_threads_are_reported_for_torch_models_only(server: RemoteServer) -> None:
+    text = server.http.get("/metrics").text
+    samples = {
+        sample.labels["model"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "slipstream_model_cpu_threads"
+        for sample in family.samples
+    }
+    # One instance with the cores' threads at most, one at least (the governor's floor).
+    assert set(samples) == {"torch_mlp"}
+    assert 1 <= samples["torch_mlp"] <= usable_cpu_count()
 
 
 def test_the_built_in_dashboard_draws_its_charts_in_a_real_browser(

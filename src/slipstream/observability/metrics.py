@@ -98,6 +98,9 @@ class ModelMetrics:
         # Read at scrape time, so queue depth costs nothing per request.
         self.pending_requests: Callable[[], int] = lambda: 0
         self.oldest_pending_age_s: Callable[[], float] = lambda: 0.0
+        # The CPU threads of the instances' next runs, summed; None: the backend does not
+        # say (only torch on the CPU does, whose count follows the host's load).
+        self.cpu_threads: Callable[[], int | None] = lambda: None
 
     def count_failure(self, reason: str) -> None:
         self.request_failure[reason] += 1
@@ -204,7 +207,17 @@ class _Collector(Collector):
             "How long the last load (incl. warm-up) of a model version took.",
             labels=labels,
         )
+        threads = GaugeMetricFamily(
+            "slipstream_model_cpu_threads",
+            "CPU threads the instances' next runs use, summed (torch on the CPU: fewer "
+            "while the host's cores are crowded, unless the config sets "
+            "intra_op_thread_count).",
+            labels=labels,
+        )
         for m in models:
+            cpu_threads = m.cpu_threads()
+            if cpu_threads is not None:
+                threads.add_metric(m.labels, cpu_threads)
             success.add_metric(m.labels, m.request_success)
             for reason, count in m.request_failure.items():
                 failure.add_metric([*m.labels, reason], count)
@@ -215,6 +228,7 @@ class _Collector(Collector):
             oldest.add_metric(m.labels, m.oldest_pending_age_s())
             load.add_metric(m.labels, m.model_load_duration_s)
         yield from (success, failure, inferences, executions, dispatches, pending, oldest, load)
+        yield threads
         yield from _histograms(models)
 
 

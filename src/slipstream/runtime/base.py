@@ -98,6 +98,12 @@ class Backend(ABC):
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to free explicitly
         """Free what this instance holds."""
 
+    @property
+    def cpu_threads(self) -> int | None:
+        """The CPU threads this instance's next run uses, where the backend follows the
+        host's load (``slipstream_model_cpu_threads``); None where it does not say."""
+        return None
+
 
 class BackendUnavailable(RuntimeError):
     """The backend's optional dependency is not installed; the message names the extra."""

@@ -298,6 +298,10 @@ class TorchBackend(Backend):
         """The intra-op threads this instance's next CPU run uses."""
         return self._threads.threads
 
+    @property
+    def cpu_threads(self) -> int | None:
+        return None if self._cuda is not None else self._threads.threads
+
     def run(
         self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
     ) -> dict[str, np.ndarray]:

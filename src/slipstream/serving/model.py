@@ -70,6 +70,8 @@ class ModelVersion:
         self._batching = bool(config.max_batch_size)
         self.batcher = Batcher(config, instances, self._output_names, metrics, self.stats)
         self._instances = instances
+        if any(instance.cpu_threads is not None for instance in instances):
+            metrics.cpu_threads = lambda: sum(instance.cpu_threads or 0 for instance in instances)
         # Watches served requests (drift); set by the manager once the version is kept.
         self.tap: ResponseTap | None = None
 
