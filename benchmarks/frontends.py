@@ -123,6 +123,8 @@ CAP_HANDLERS = ("recorded", "decode", "coded", "model")
 FRONT_ENDS = " front ends"
 # The load generator's CPU per inference, under the case's name with this suffix.
 LOAD = " load"
+# The cases whose split layouts are compared with one process.
+LAYOUT_CASES = ("http", "grpc", "grpc_stream")
 
 RATIOS = [
     ("grpc", "cap_grpc"),
@@ -456,7 +458,7 @@ def report(
     pairs = list(RATIOS)
     for layout, _, _ in layouts:
         if layout != "one":
-            pairs += [(f"{case}[{layout}]", case) for case in ("http", "grpc", "grpc_stream")]
+            pairs += [(f"{case}[{layout}]", case) for case in LAYOUT_CASES]
             pairs += [(f"grpc[{layout}]", "cap_grpc"), (f"grpc[{layout}]{FRONT_ENDS}", "cap_grpc")]
     if len(trees) > 1:
         # Each tree against the first, case by case; the layout pairs within each tree.
@@ -526,7 +528,7 @@ def _print_ceilings(
     ceilings: dict[str, dict[int, float | None]] = {}
     for layout, _, cores in layouts:
         server = _cores(cores)
-        for case in ("http", "grpc", "grpc_stream"):
+        for case in LAYOUT_CASES:
             for label in labels:
                 name = case if layout == "one" else f"{case}[{layout}]"
                 spent, load = cpu.get(name + label), cpu.get(name + LOAD + label)

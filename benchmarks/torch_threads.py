@@ -81,7 +81,8 @@ def main() -> None:
             def measure(name: str, batch: int = batch) -> tuple[float, int]:
                 backend = TorchBackend.load(path, kinds[name], 1)
                 try:
-                    return rows_per_s(backend, batch, args.seconds), backend.intra_op_threads
+                    rate = rows_per_s(backend, batch, args.seconds)
+                    return rate, backend.cpu_threads or 0
                 finally:
                     backend.close()
 

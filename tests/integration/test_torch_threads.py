@@ -64,30 +64,30 @@ def test_each_model_runs_with_its_own_count(model_path: Path) -> None:
         # Loaded last, ``two`` used to set every model's count.
         assert _workers_started(lambda: [_run(one) for _ in range(5)]) == 0
         assert _workers_started(lambda: [_run(two) for _ in range(5)]) == 1
-        assert one.intra_op_threads == 1 and two.intra_op_threads == 2
+        assert one.cpu_threads == 1 and two.cpu_threads == 2
     finally:
         one.close()
         two.close()
 
 
-def _run_until(backend: TorchBackend, threads: int, seconds: float) -> int:
+def _run_until(backend: TorchBackend, threads: int, seconds: float) -> int | None:
     """Runs back to back on one thread until the instance's count is ``threads`` or
     ``seconds`` pass; the count at the end."""
 
     def work() -> None:
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and backend.intra_op_threads != threads:
+        while time.monotonic() < deadline and backend.cpu_threads != threads:
             _run(backend)
 
     _workers_started(work)
-    return backend.intra_op_threads
+    return backend.cpu_threads
 
 
 @pytest.mark.skipif(pressure_source() is None, reason="needs the kernel's CPU pressure (PSI)")
 def test_default_threads_give_way_to_busy_neighbours(model_path: Path, neighbours: None) -> None:
     backend = TorchBackend.load(model_path, {}, 1)
     try:
-        assert backend.intra_op_threads == usable_cpu_count()
+        assert backend.cpu_threads == usable_cpu_count()
         assert _run_until(backend, 1, 30) == 1
         # The next instance thread starts with the one thread.
         assert _workers_started(lambda: _run(backend)) == 0

@@ -154,13 +154,9 @@ class AppliedThreads:
     running thread, at 17,165)."""
 
     def __init__(self, threads: int, apply: Callable[[int], None]) -> None:
-        self._threads = threads
+        self.threads = threads
         self._apply = apply
         self._applied = threading.local()
-
-    @property
-    def threads(self) -> int:
-        return self._threads
 
     def before(self) -> None:
         threads = self.threads
@@ -191,14 +187,11 @@ class GovernedThreads(AppliedThreads):
         self._clock = clock
         self._ended: float | None = None
 
-    @property
-    def threads(self) -> int:
-        return self.governor.threads
-
     def before(self) -> None:
         if self._ended is None or self._clock() - self._ended > self._idle_s:
             self.governor.resting()
         self.governor.observe()
+        self.threads = self.governor.threads
         super().before()
 
     def after(self) -> None:

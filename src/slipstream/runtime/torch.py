@@ -294,11 +294,6 @@ class TorchBackend(Backend):
         return self._signature
 
     @property
-    def intra_op_threads(self) -> int:
-        """The intra-op threads this instance's next CPU run uses."""
-        return self._threads.threads
-
-    @property
     def cpu_threads(self) -> int | None:
         return None if self._cuda is not None else self._threads.threads
 
