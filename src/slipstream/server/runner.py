@@ -316,10 +316,12 @@ async def _sample_costs(tracker: CostTracker) -> None:
 
 
 def front_door_parts(
-    settings: ServerSettings, registry: CollectorRegistry
+    settings: ServerSettings, registry: CollectorRegistry, shared: LimitStore | None = None
 ) -> tuple[Gate | None, Limiter | None, bool] | None:
     """The key gate, the limiter and whether to log each request; None when the server
-    has none of them (then no middleware or interceptor is installed at all)."""
+    has none of them (then no middleware or interceptor is installed at all).
+    ``shared``: where a front end of ``--frontends N`` counts when the limits are kept in
+    memory (its engine's store: one budget for every front end)."""
     if settings.access_log:
         _raw_access_log()
     if settings.auth_file is None:
@@ -329,7 +331,7 @@ def front_door_parts(
     gate = Gate(keys, counts, settings.metrics_need_key)
     # Always a limiter, though no key has limits yet: a key created with limits while the
     # server runs (the keys file is read again) is limited at once.
-    store: LimitStore = MemoryStore()
+    store: LimitStore = shared if shared is not None else MemoryStore()
     if settings.rate_limit_store.startswith("redis://"):
         from slipstream.security.redis_store import RedisStore
 

@@ -40,6 +40,7 @@ from slipstream.config import ServerSettings
 from slipstream.engine.client import EngineClient
 from slipstream.engine.company import Company
 from slipstream.engine.host import Call, EngineHost
+from slipstream.engine.limit_store import engine_limit_store, limit_calls
 from slipstream.engine.remote import RemoteInferenceService, engine_calls, engine_gathered
 from slipstream.engine.supervisor import (
     Supervisor,
@@ -181,7 +182,7 @@ async def _serve_engine(
 
     journal.restore_regions(service.shared_memory)
     calls = engine_calls(service)
-    calls.update(drift=drift, metrics=metrics)
+    calls.update(drift=drift, metrics=metrics, **limit_calls())
     _journaled_calls(calls, service, journal, settings.load_models if explicit else [])
     host = EngineHost(
         engine_address(directory, index), calls, streams={"http": forward},
@@ -360,13 +361,13 @@ async def _serve_frontend(
     raise_open_files_limit(settings.max_connections)
     disable_created_metrics()  # type: ignore[no-untyped-call]
     metrics = ServerMetrics()
+    clients = [EngineClient(engine_address(directory, i)) for i in range(len(shares))]
     try:
-        door = front_door_parts(settings, metrics.registry)
+        door = front_door_parts(settings, metrics.registry, engine_limit_store(clients[0]))
         tls = TlsSetup.of(settings)
     except (KeysFileError, OSError) as exc:
         logger.error("%s", exc)
         return 1
-    clients = [EngineClient(engine_address(directory, i)) for i in range(len(shares))]
     for client in clients:
         client.start()
     connecting: asyncio.Future[Any] = asyncio.gather(
