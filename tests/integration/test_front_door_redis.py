@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,10 +20,11 @@ import pytest
 import redis as redis_client
 
 from slipstream.errors import TooManyRequests, Unavailable
-from slipstream.security.keys import ApiKey, KeyLimits, KeyRing
+from slipstream.security.keys import KeyLimits, KeyRing
 from slipstream.security.limits import Limiter
 from slipstream.security.metrics import FrontDoorMetrics
 from slipstream.security.redis_store import RedisStore
+from tests.limit_stores import wait_for
 from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
 from tests.redis_server import RedisServer
 from tests.utils import RemoteServer
@@ -193,145 +194,6 @@ def test_the_redis_cache_is_shared_and_survives_outages_and_corrupt_entries(
         assert time.monotonic() < deadline, "the cache never recovered"
         assert _cached_infer(one, secret, 7.0) == [14.0] * ADD_SUB_WIDTH
         time.sleep(0.2)
-
-
-async def test_the_redis_gcra_admits_concurrent_checks_exactly_as_the_local_one(
-    redis: RedisServer,
-) -> None:
-    store = RedisStore(redis.url)
-    try:
-        verdicts = await asyncio.gather(
-            *(store.acquire("exact", rate_per_s=1.0, burst=10, cost=1) for _ in range(50))
-        )
-        assert [v.allowed for v in verdicts] == [True] * 10 + [False] * 40
-        refused = verdicts[-1]
-        assert 0 < refused.retry_after_s <= 1.01 and 9 <= refused.reset_s <= 10.01
-        # Tokens: a cost-0 check passes until forced charges put the bucket in debt.
-        assert (await store.acquire("tokens", 10.0, 600, 0)).allowed
-        assert (await store.acquire("tokens", 10.0, 600, 900, force=True)).allowed
-        debt = await store.acquire("tokens", 10.0, 600, 0)
-        assert not debt.allowed and 29 <= debt.retry_after_s <= 30.01
-    finally:
-        await store.close()
-
-
-async def test_fast_keys_spend_leases_and_two_processes_still_share_one_budget(
-    redis: RedisServer,
-) -> None:
-    """Two stores (two server processes) share each key's budget: at 2,000 requests/s
-    (leases of 10 tokens, LEASE_S of the rate) they admit no more than it together; at
-    10^6 requests/s (a key that never refuses) Redis answers a small share of the checks."""
-    ring = KeyRing(Path("unused.json"), [])
-    _, shared = ring.create("shared", "infer", limits=KeyLimits(2000.0, 40))
-    _, fast = ring.create("fast", "infer", limits=KeyLimits(1e6, 1_000_000))
-    limiters = [Limiter(RedisStore(redis.url), FrontDoorMetrics()) for _ in range(2)]
-    stats = redis_client.Redis(port=redis.port)
-
-    async def drive(key: ApiKey, seconds: float) -> tuple[int, int, float, int]:
-        """(admitted, refused, elapsed s, script calls) of 64 clients over both stores."""
-        counts = [0, 0]
-        calls = stats.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
-
-        async def client(limiter: Limiter, until: float) -> None:
-            while time.monotonic() < until:
-                try:
-                    await limiter.admit(key, generative=False)
-                    counts[0] += 1
-                except TooManyRequests:
-                    counts[1] += 1
-                await asyncio.sleep(0)
-
-        started = time.monotonic()
-        await asyncio.gather(
-            *(client(limiter, started + seconds) for limiter in limiters for _ in range(32))
-        )
-        elapsed = time.monotonic() - started
-        calls = stats.info("commandstats")["cmdstat_evalsha"]["calls"] - calls
-        return counts[0], counts[1], elapsed, calls
-
-    try:
-        admitted, refused, elapsed, _ = await drive(shared, 1.0)
-        budget = 40 + 2000.0 * elapsed
-        assert refused > 0, "the clients never asked for more than the budget"
-        assert 0.8 * budget <= admitted <= budget + 1, (admitted, budget)
-        admitted, refused, _, calls = await drive(fast, 0.5)
-        assert refused == 0 and admitted > 1000
-        assert calls <= admitted / 20, f"{calls} script calls for {admitted} admitted requests"
-    finally:
-        for limiter in limiters:
-            await limiter.store.close()
-        stats.close()
-
-
-async def test_requests_in_flight_count_across_processes_and_a_stopped_one_frees_its_share(
-    redis: RedisServer,
-) -> None:
-    """A key's concurrency limit is one budget for every process sharing the Redis (the
-    front ends of --frontends N, replicas): 3 in flight over two processes fill a limit
-    of 3; a release in one lets the other in; a process that stops without releasing
-    (killed) stops counting once it has been silent for ``gone_after_s``."""
-    ring = KeyRing(Path("unused.json"), [])
-    _, key = ring.create("three", "infer", limits=KeyLimits(max_concurrent=3))
-    one, two = (Limiter(RedisStore(redis.url, gone_after_s=0.5), FrontDoorMetrics())
-                for _ in range(2))  # fmt: skip
-    try:
-        assert await one.admit(key, generative=False)
-        assert await one.admit(key, generative=False)
-        assert await two.admit(key, generative=False)
-        for limiter in (one, two):
-            with pytest.raises(TooManyRequests) as refused:
-                await limiter.admit(key, generative=False)
-            assert ("ratelimit-policy", '"concurrency";q=3') in refused.value.headers
-        one.release(key)
-        assert await wait_for(lambda: two.admit(key, generative=False), 2.0)
-        with pytest.raises(TooManyRequests):
-            await one.admit(key, generative=False)
-        # `one` stops holding its request without releasing it (a killed process).
-        assert isinstance(one.store, RedisStore)
-        await one.store.close()
-        started = time.monotonic()
-        assert await wait_for(lambda: two.admit(key, generative=False), 5.0)
-        assert 0.3 <= time.monotonic() - started <= 3.0
-        # Now `two` holds all three; its releases free them for anyone.
-        for _ in range(3):
-            two.release(key)
-        for _ in range(3):
-            assert await wait_for(lambda: two.admit(key, generative=False), 2.0)
-    finally:
-        await one.store.close()
-        await two.store.close()
-
-
-async def wait_for(admit: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
-    """``admit()`` retried while it is refused with 429, up to ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return await admit()
-        except TooManyRequests:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.02)
-
-
-async def test_a_request_that_goes_away_while_redis_counts_it_leaves_no_slot_taken(
-    redis: RedisServer,
-) -> None:
-    ring = KeyRing(Path("unused.json"), [])
-    _, key = ring.create("one-at-a-time", "infer", limits=KeyLimits(max_concurrent=1))
-    first, other = (Limiter(RedisStore(redis.url), FrontDoorMetrics()) for _ in range(2))
-    try:
-        for _ in range(5):
-            admitting = asyncio.ensure_future(first.admit(key, generative=False))
-            await asyncio.sleep(0)  # the script is on its way to Redis
-            admitting.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await admitting
-        # Whether or not Redis counted them, none of the five holds the key's one slot.
-        assert await wait_for(lambda: other.admit(key, generative=False), 2.0)
-    finally:
-        await first.store.close()
-        await other.store.close()
 
 
 async def test_requests_admitted_while_redis_is_down_count_once_it_is_back(

@@ -492,7 +492,8 @@ class ServerSettings(_Strict):
     )
     rate_limit_store: str = Field(
         "memory",
-        description="Where the keys' rate limits are counted: memory (this process) or "
+        description="Where the keys' rate limits are counted: memory (this server; with "
+        "--frontends N, its engine process, shared by every front end) or "
         "redis://host:port[/db] (shared by every server using that Redis).",
     )
     rollout_store: str = Field(

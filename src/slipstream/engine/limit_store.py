@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from slipstream.engine.client import EngineClient
 from slipstream.engine.host import Call
-from slipstream.security.shared_store import Backend, Entry, LocalBackend, RateCheck, SharedStore
+from slipstream.security.shared_store import (
+    GONE_S,
+    Backend,
+    Entry,
+    LocalBackend,
+    RateCheck,
+    SharedStore,
+)
 
 
 class EngineBackend(Backend):
@@ -34,9 +41,10 @@ class EngineBackend(Backend):
         await self._client.call("limits_hold", process, changes)
 
 
-def engine_limit_store(client: EngineClient) -> SharedStore:
-    """A front end's store: the budgets in the engine ``client`` talks to."""
-    return SharedStore(EngineBackend(client), "the engine")
+def engine_limit_store(client: EngineClient, gone_after_s: float = GONE_S) -> SharedStore:
+    """A front end's store: the budgets in the engine ``client`` talks to (a front end
+    silent for ``gone_after_s`` no longer holds requests in flight there)."""
+    return SharedStore(EngineBackend(client), "the engine", gone_after_s)
 
 
 def limit_calls(backend: LocalBackend | None = None) -> dict[str, Call]:

@@ -1,0 +1,222 @@
+"""Rate limits shared between the processes of a server, whatever keeps them: Redis
+(replicas, ``--rate-limit-store redis://``) and the engine process (the front ends of
+``--frontends N`` with the default ``--rate-limit-store memory``). The same contract runs
+against both (:mod:`tests.limit_stores`): exact GCRA admission of concurrent checks,
+leases that keep one budget, requests in flight counted across processes, a process
+that stops freeing its share. Then a served ``--frontends 2`` keeps one budget per key
+over both front ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from slipstream.errors import TooManyRequests
+from slipstream.security.keys import ApiKey, KeyLimits, KeyRing
+from slipstream.security.limits import Limiter
+from slipstream.security.metrics import FrontDoorMetrics
+from tests.limit_stores import EngineStores, RedisStores, Stores, wait_for
+from tests.models import build_add_sub
+from tests.redis_server import RedisServer
+from tests.utils import RemoteServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as running:
+        yield running
+
+
+@pytest.fixture(params=["redis", "engine"])
+async def stores(
+    request: pytest.FixtureRequest, redis: RedisServer, tmp_path: Path
+) -> AsyncIterator[Stores]:
+    made: Stores
+    if request.param == "redis":
+        made = RedisStores(redis)
+    else:
+        made = EngineStores(tmp_path)
+        await made.start()
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+async def test_the_shared_gcra_admits_concurrent_checks_exactly_as_the_local_one(
+    stores: Stores,
+) -> None:
+    store = await stores.make()
+    try:
+        verdicts = await asyncio.gather(
+            *(store.acquire("exact", rate_per_s=1.0, burst=10, cost=1) for _ in range(50))
+        )
+        assert [v.allowed for v in verdicts] == [True] * 10 + [False] * 40
+        refused = verdicts[-1]
+        assert 0 < refused.retry_after_s <= 1.01 and 9 <= refused.reset_s <= 10.01
+        # Tokens: a cost-0 check passes until forced charges put the bucket in debt.
+        assert (await store.acquire("tokens", 10.0, 600, 0)).allowed
+        assert (await store.acquire("tokens", 10.0, 600, 900, force=True)).allowed
+        debt = await store.acquire("tokens", 10.0, 600, 0)
+        assert not debt.allowed and 29 <= debt.retry_after_s <= 30.01
+    finally:
+        await store.close()
+
+
+async def test_fast_keys_spend_leases_and_two_processes_still_share_one_budget(
+    stores: Stores,
+) -> None:
+    """Two stores (two server processes) share each key's budget: at 2,000 requests/s
+    (leases of 10 tokens, LEASE_S of the rate) they admit no more than it together; at
+    10^6 requests/s (a key that never refuses) the backend answers a small share of the
+    checks."""
+    ring = KeyRing(Path("unused.json"), [])
+    _, shared = ring.create("shared", "infer", limits=KeyLimits(2000.0, 40))
+    _, fast = ring.create("fast", "infer", limits=KeyLimits(1e6, 1_000_000))
+    limiters = [Limiter(await stores.make(), FrontDoorMetrics()) for _ in range(2)]
+
+    async def drive(key: ApiKey, seconds: float) -> tuple[int, int, float, int]:
+        """(admitted, refused, elapsed s, backend calls) of 64 clients over both stores."""
+        counts = [0, 0]
+        calls = stores.calls()
+
+        async def client(limiter: Limiter, until: float) -> None:
+            while time.monotonic() < until:
+                try:
+                    await limiter.admit(key, generative=False)
+                    counts[0] += 1
+                except TooManyRequests:
+                    counts[1] += 1
+                await asyncio.sleep(0)
+
+        started = time.monotonic()
+        await asyncio.gather(
+            *(client(limiter, started + seconds) for limiter in limiters for _ in range(32))
+        )
+        elapsed = time.monotonic() - started
+        calls = stores.calls() - calls
+        return counts[0], counts[1], elapsed, calls
+
+    try:
+        admitted, refused, elapsed, _ = await drive(shared, 1.0)
+        budget = 40 + 2000.0 * elapsed
+        assert refused > 0, "the clients never asked for more than the budget"
+        assert 0.8 * budget <= admitted <= budget + 1, (admitted, budget)
+        admitted, refused, _, calls = await drive(fast, 0.5)
+        assert refused == 0 and admitted > 1000
+        assert calls <= admitted / 20, f"{calls} backend calls for {admitted} admitted requests"
+    finally:
+        for limiter in limiters:
+            await limiter.store.close()
+
+
+async def test_requests_in_flight_count_across_processes_and_a_stopped_one_frees_its_share(
+    stores: Stores,
+) -> None:
+    """A key's concurrency limit is one budget for every process sharing the backend
+    (the front ends of --frontends N, replicas): 3 in flight over two processes fill a limit
+    of 3; a release in one lets the other in; a process that stops without releasing
+    (killed) stops counting once it has been silent for ``gone_after_s``."""
+    ring = KeyRing(Path("unused.json"), [])
+    _, key = ring.create("three", "infer", limits=KeyLimits(max_concurrent=3))
+    one, two = [Limiter(await stores.make(gone_after_s=0.5), FrontDoorMetrics())
+                for _ in range(2)]  # fmt: skip
+    try:
+        assert await one.admit(key, generative=False)
+        assert await one.admit(key, generative=False)
+        assert await two.admit(key, generative=False)
+        for limiter in (one, two):
+            with pytest.raises(TooManyRequests) as refused:
+                await limiter.admit(key, generative=False)
+            assert ("ratelimit-policy", '"concurrency";q=3') in refused.value.headers
+        one.release(key)
+        assert await wait_for(lambda: two.admit(key, generative=False), 2.0)
+        with pytest.raises(TooManyRequests):
+            await one.admit(key, generative=False)
+        # `one` stops holding its request without releasing it (a killed process).
+        await one.store.close()
+        started = time.monotonic()
+        assert await wait_for(lambda: two.admit(key, generative=False), 5.0)
+        assert 0.3 <= time.monotonic() - started <= 3.0
+        # Now `two` holds all three; its releases free them for anyone.
+        for _ in range(3):
+            two.release(key)
+        for _ in range(3):
+            assert await wait_for(lambda: two.admit(key, generative=False), 2.0)
+    finally:
+        await one.store.close()
+        await two.store.close()
+
+
+async def test_a_request_that_goes_away_while_counted_leaves_no_slot_taken(
+    stores: Stores,
+) -> None:
+    ring = KeyRing(Path("unused.json"), [])
+    _, key = ring.create("one-at-a-time", "infer", limits=KeyLimits(max_concurrent=1))
+    first, other = [Limiter(await stores.make(), FrontDoorMetrics()) for _ in range(2)]
+    try:
+        for _ in range(5):
+            admitting = asyncio.ensure_future(first.admit(key, generative=False))
+            await asyncio.sleep(0)  # the call is on its way to the backend
+            admitting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await admitting
+        # Whether or not the backend counted them, none of the five holds the key's one slot.
+        assert await wait_for(lambda: other.admit(key, generative=False), 2.0)
+    finally:
+        await first.store.close()
+        await other.store.close()
+
+
+RATE, BURST = 20.0, 20
+
+
+def test_the_front_ends_of_one_server_share_each_keys_budget(
+    tmp_path: Path,
+) -> None:
+    """``--frontends 2`` with the limits in memory: a key's requests over sixteen
+    connections (spread by the kernel over both front ends) are admitted within one
+    budget, not one per front end; both front ends refused some."""
+    ring = KeyRing.load(tmp_path / "keys.json", missing_ok=True)
+    secret, _ = ring.create("shared", "infer", limits=KeyLimits(RATE, BURST))
+    ring.save()
+    build_add_sub(tmp_path / "repo")
+    args = ["--frontends", "2", "--auth-file", str(tmp_path / "keys.json")]
+    with RemoteServer(tmp_path / "repo", args, log_dir=tmp_path) as server:
+        url = server.url("/v2/models/add_sub")
+        statuses, elapsed_s = asyncio.run(_hammer(url, secret, connections=16, seconds=3.0))
+        admitted = statuses.count(200)
+        assert statuses.count(429) == len(statuses) - admitted
+        budget = BURST + RATE * elapsed_s
+        assert 0.8 * budget <= admitted <= budget + 1, (admitted, elapsed_s, len(statuses))
+        metrics = httpx.get(server.url("/metrics"), timeout=30).text
+        for frontend in ("0", "1"):
+            assert f'frontend="{frontend}",key="shared",limit="requests"' in metrics or (
+                f'key="shared",limit="requests",frontend="{frontend}"' in metrics
+            ), f"front end {frontend} refused nothing: did it get connections?"
+
+
+async def _hammer(url: str, secret: str, connections: int, seconds: float
+                  ) -> tuple[list[int], float]:  # fmt: skip
+    """Each of ``connections`` clients (a connection each) looping for ``seconds``: every
+    status, and the time taken."""
+    statuses: list[int] = []
+    headers = {"Authorization": f"Bearer {secret}"}
+
+    async def client_loop(until: float) -> None:
+        limits = httpx.Limits(max_connections=1)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+            while time.monotonic() < until:
+                statuses.append((await client.get(url, headers=headers)).status_code)
+
+    started = time.monotonic()
+    await asyncio.gather(*(client_loop(started + seconds) for _ in range(connections)))
+    return statuses, time.monotonic() - started
