@@ -10,6 +10,9 @@ over both front ends.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -179,29 +182,72 @@ async def test_a_request_that_goes_away_while_counted_leaves_no_slot_taken(
 RATE, BURST = 20.0, 20
 
 
-def test_the_front_ends_of_one_server_share_each_keys_budget(
-    tmp_path: Path,
-) -> None:
-    """``--frontends 2`` with the limits in memory: a key's requests over sixteen
-    connections (spread by the kernel over both front ends) are admitted within one
-    budget, not one per front end; both front ends refused some."""
-    ring = KeyRing.load(tmp_path / "keys.json", missing_ok=True)
+@pytest.fixture(scope="module")
+def split_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RemoteServer, str]]:
+    """``--frontends 2`` with an API key limited to RATE/s (burst BURST); the server and
+    the key's secret."""
+    tmp = tmp_path_factory.mktemp("split_limits")
+    ring = KeyRing.load(tmp / "keys.json", missing_ok=True)
     secret, _ = ring.create("shared", "infer", limits=KeyLimits(RATE, BURST))
     ring.save()
-    build_add_sub(tmp_path / "repo")
-    args = ["--frontends", "2", "--auth-file", str(tmp_path / "keys.json")]
-    with RemoteServer(tmp_path / "repo", args, log_dir=tmp_path) as server:
-        url = server.url("/v2/models/add_sub")
-        statuses, elapsed_s = asyncio.run(_hammer(url, secret, connections=16, seconds=3.0))
-        admitted = statuses.count(200)
-        assert statuses.count(429) == len(statuses) - admitted
-        budget = BURST + RATE * elapsed_s
-        assert 0.8 * budget <= admitted <= budget + 1, (admitted, elapsed_s, len(statuses))
-        metrics = httpx.get(server.url("/metrics"), timeout=30).text
-        for frontend in ("0", "1"):
-            assert f'frontend="{frontend}",key="shared",limit="requests"' in metrics or (
-                f'key="shared",limit="requests",frontend="{frontend}"' in metrics
-            ), f"front end {frontend} refused nothing: did it get connections?"
+    build_add_sub(tmp / "repo")
+    args = ["--frontends", "2", "--auth-file", str(tmp / "keys.json")]
+    with RemoteServer(tmp / "repo", args, log_dir=tmp) as server:
+        yield server, secret
+
+
+def test_the_front_ends_of_one_server_share_each_keys_budget(
+    split_server: tuple[RemoteServer, str],
+) -> None:
+    """A key's requests over sixteen connections (spread by the kernel over both front
+    ends) are admitted within one budget, not one per front end; both refused some."""
+    server, secret = split_server
+    admitted, budget, statuses = _within_budget(server, secret, 3.0)
+    assert 0.8 * budget <= admitted <= budget + 1, (admitted, budget, len(statuses))
+    metrics = httpx.get(server.url("/metrics"), timeout=30).text
+    for frontend in ("0", "1"):
+        labels = ('key="shared"', 'limit="requests"', f'frontend="{frontend}"')
+        refused = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("slipstream_rate_limited_total{")
+                   and all(label in line for label in labels)]  # fmt: skip
+        assert refused and refused[0] > 0, f"front end {frontend} refused nothing"
+
+
+def test_limits_fail_open_while_the_engine_restarts_and_hold_again_after(
+    split_server: tuple[RemoteServer, str],
+) -> None:
+    """kill -9 of the engine: the front ends cannot ask it, so they admit (and say so
+    once in the log); the engine started again counts from a full budget, and the key
+    is limited again within one budget."""
+    server, secret = split_server
+    pids = [int(pid) for pid in re.findall(r"engine started \(pid (\d+)\)", server.log_text())]
+    os.kill(pids[-1], signal.SIGKILL)
+    url = server.url("/v2/models/add_sub")
+    headers = {"Authorization": f"Bearer {secret}"}
+    deadline = time.monotonic() + 60
+    statuses = []
+    with httpx.Client(timeout=30) as client:
+        while client.get(server.url("/v2/health/ready")).status_code != 200:
+            assert time.monotonic() < deadline, "the engine never came back"
+            statuses.append(client.get(url, headers=headers).status_code)
+            time.sleep(0.05)
+    assert 503 in statuses and 429 not in statuses, statuses
+    assert "rate-limit store unreachable" in server.log_text()
+    time.sleep(1.0)  # past any lease, and the budget back
+    admitted, budget, statuses = _within_budget(server, secret, 2.0)
+    assert 0.8 * budget <= admitted <= budget + 1, (admitted, budget, len(statuses))
+    assert "rate-limit store answers again" in server.log_text()
+
+
+def _within_budget(server: RemoteServer, secret: str, seconds: float
+                   ) -> tuple[int, float, list[int]]:  # fmt: skip
+    """(admitted, the budget of the time taken, every status) of sixteen clients hammering
+    ``add_sub`` for ``seconds``; every status is 200 or 429."""
+    url = server.url("/v2/models/add_sub")
+    statuses, elapsed_s = asyncio.run(_hammer(url, secret, connections=16, seconds=seconds))
+    admitted = statuses.count(200)
+    assert statuses.count(429) == len(statuses) - admitted, set(statuses)
+    return admitted, BURST + RATE * elapsed_s, statuses
 
 
 async def _hammer(url: str, secret: str, connections: int, seconds: float
