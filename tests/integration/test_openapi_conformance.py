@@ -180,6 +180,17 @@ def test_repository_options_of_the_wrong_type_are_400(
     assert reply.json()["error"].startswith(f"{field}: expected")
 
 
+def test_a_rollout_of_a_models_only_version_is_400_naming_the_baseline(
+    server: RemoteServer,
+) -> None:
+    """``add_sub`` serves one version: rolling it out leaves nothing to compare it with
+    (found by the conformance run: a 500 until 2026-11-28)."""
+    reply = httpx.post(server.url("/v2/models/add_sub/rollout"),
+                       json={"action": "start", "candidate": "1", "steps": [50]})  # fmt: skip
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"].startswith("baseline: version (none) of 'add_sub' is not")
+
+
 def test_v2_requests_for_a_generative_model_are_404_naming_the_openai_routes(
     server: RemoteServer,
 ) -> None:

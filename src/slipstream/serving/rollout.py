@@ -265,7 +265,7 @@ class Rollouts:
                 f"{loaded}); serve both versions (version_policy: {{all: {{}}}}) and load it"
             )
         baseline = plan.baseline or self._serving_version(name, versions, plan.candidate)
-        if baseline == plan.candidate or int(baseline) not in versions:
+        if not baseline or baseline == plan.candidate or int(baseline) not in versions:
             raise InvalidRequest(
                 f"baseline: version {baseline or '(none)'} of {name!r} is not a loaded "
                 f"version other than the candidate (loaded: {loaded})"
