@@ -316,6 +316,15 @@ def test_seeded_sampling_is_reproducible_and_n_fans_out(client: openai.OpenAI) -
     assert first.usage is not None and first.usage.completion_tokens == 36
 
 
+def test_a_negative_seed_is_a_seed_too(client: openai.OpenAI) -> None:
+    """OpenAI's seeds are signed 64-bit integers (a 500 here until 2026-11-28: numpy's
+    generator takes none below zero)."""
+    kwargs: dict[str, Any] = {"model": "smol_alone", "prompt": "My favourite colour is",
+                              "max_tokens": 8, "seed": -(2**63), "temperature": 1.0}  # fmt: skip
+    texts = [client.completions.create(**kwargs).choices[0].text for _ in range(2)]
+    assert texts[0] == texts[1] and texts[0]
+
+
 def test_chat_uses_the_template_stored_in_the_gguf(client: openai.OpenAI, alone: Any) -> None:
     messages: list[Any] = [{"role": "user", "content": "What is 2 + 2?"}]
     ours = client.chat.completions.create(

@@ -247,6 +247,7 @@ def test_streamed_chat_sends_role_first_and_reason_last(client: openai.OpenAI) -
         ({"model": "tiny", "prompt": "x", "max_tokens": 100_000}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "logprobs": 30}, 400, "logprobs"),
         ({"model": "tiny", "prompt": "x", "n": 100}, 400, "n"),
+        ({"model": "tiny", "prompt": "x", "seed": 2**63}, 400, "seed"),
         ({"model": "tiny", "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
         ({"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
         ({"model": "tiny", "prompt": "x", "grammar": "root ::= ("}, 400, "grammar"),

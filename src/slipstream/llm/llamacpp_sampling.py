@@ -74,7 +74,9 @@ class SequenceSampler:
             and not params.logit_bias
         )
         # Set when draw() samples in numpy (see the module docstring); else llama.cpp's chain.
-        self._rng = np.random.default_rng(params.seed) if plain else None
+        # numpy takes only non-negative seeds: a negative one as its two's complement.
+        seed = None if params.seed is None else params.seed % 2**64
+        self._rng = np.random.default_rng(seed) if plain else None
         self.chain = None
         if not plain:
             self.chain = self._build_chain(prompt, len(prompt) + params.max_tokens)

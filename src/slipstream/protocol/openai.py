@@ -81,7 +81,8 @@ class _Sampling(_Request):
         _only({"type": "string"}, {"type": "array", "items": {"type": "string"},
                "maxItems": MAX_STOPS}, _NULL, note=f"at most {MAX_STOPS} stop sequences"),
     ] = None  # fmt: skip
-    seed: int | None = None
+    # OpenAI's range: a signed 64-bit integer.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
