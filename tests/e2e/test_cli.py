@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.utils import RemoteServer, slipstream_command
@@ -162,3 +163,29 @@ def test_an_engine_that_cannot_start_stops_the_server_saying_why(
     assert result.returncode == 1, result.stderr[-2000:]
     assert "model 'nope' is not in the repository" in result.stderr, result.stderr[-2000:]
     assert re.search(r"engine( cpu)? exited \(code 1\) before it was ready", result.stderr)
+
+
+@pytest.mark.parametrize(
+    ("command", "fragment"),
+    [
+        (["profile", "{model}"], "model.onnx: onnxruntime cannot load it"),
+        (["optimize", "--model", "{model}", "--repository", "{tmp}/out", "--name", "n",
+          "--passes", "graph", "--validation", "{tmp}/val.npz"], "not a readable ONNX model"),
+        (["export", "build", "--target", "edge", "{tmp}/repo/bad", "-o", "{tmp}/bundle",
+          "--validation", "{tmp}/val.npz"], "not a readable ONNX model"),
+    ],
+    ids=["profile", "optimize", "export"],
+)  # fmt: skip
+def test_a_file_that_is_not_a_model_is_an_error_naming_it_not_a_traceback(
+    tmp_path: Path, command: list[str], fragment: str
+) -> None:
+    """Found 2026-11-28: each of these printed protobuf's or ONNX Runtime's traceback."""
+    model = tmp_path / "repo" / "bad" / "1" / "model.onnx"
+    model.parent.mkdir(parents=True)
+    model.write_bytes(b"not a model\n")
+    np.savez(tmp_path / "val.npz", x=np.zeros((4, 3), np.float32))
+    args = [part.format(model=model, tmp=tmp_path) for part in command]
+    result = run_cli(*args, timeout_s=120)
+    assert result.returncode != 0
+    assert fragment in result.stdout + result.stderr, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr

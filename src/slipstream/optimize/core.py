@@ -275,7 +275,10 @@ def _datasets(
 ) -> tuple[Dataset, Dataset | None, dict[str, Any]]:
     import onnx
 
-    graph = onnx.load(str(source), load_external_data=False).graph
+    try:
+        graph = onnx.load(str(source), load_external_data=False).graph
+    except Exception as exc:  # protobuf's DecodeError and kin: the file, not our fault
+        raise OptimizeError(f"{source.name}: not a readable ONNX model ({exc})") from None
     initializers = {init.name for init in graph.initializer}
     input_names = [value.name for value in graph.input if value.name not in initializers]
     try:

@@ -52,7 +52,7 @@ from slipstream.profile.results import (
     describe_environment,
 )
 from slipstream.runtime import backend_for_file, get_backend
-from slipstream.runtime.base import Backend, ModelSignature, TensorSpec
+from slipstream.runtime.base import Backend, BackendUnavailable, ModelSignature, TensorSpec
 from slipstream.tensors import random_tensor, value_source
 
 logger = logging.getLogger(__name__)
@@ -274,7 +274,12 @@ def _load_backend(
             f"threads not applied: the {backend_class.name} backend has no thread setting "
             "(numpy / BLAS use their own defaults)"
         )
-    return backend_class.load(path, parameters, 1), notes
+    try:
+        return backend_class.load(path, parameters, 1), notes
+    except (BackendUnavailable, ProfileError):
+        raise
+    except Exception as exc:  # a file the backend cannot read: the CLI says so, no trace
+        raise ProfileError(f"{path.name}: {backend_class.name} cannot load it: {exc}") from exc
 
 
 def _thread_parameters(backend_name: str, threads: int) -> dict[str, str]:
