@@ -104,8 +104,9 @@ MODEL_DEPENDENT = (
 
 # 400s that depend on what a field's text means or on other fields, which a JSON schema
 # cannot say: a grammar, regex or JSON schema that does not compile (or that the model's
-# vocabulary cannot follow), one constraint at a time, a tool_choice naming a tool the request does not offer, top_logprobs without
-# logprobs. The document states each rule in the field's description.
+# vocabulary cannot follow), one constraint at a time, a tool_choice naming a tool the
+# request does not offer, top_logprobs without logprobs. The document states each rule in
+# the field's description.
 CONTENT_DEPENDENT = (
     "does not compile", "cannot follow it", "set one constraint", "needs tools", "no tool named",
     "only allowed when", "not supported together with", "cannot be combined with",
