@@ -20,7 +20,7 @@ RATES_BURSTS = [(1.0, 10), (2.0, 3), (8.0, 1), (4.0, 40)]
 
 def _shape(rate: float, burst: int, cost: int, force: bool) -> Shape:
     interval_us = 1e6 / rate
-    return Shape(interval_us, burst * interval_us, cost, force, "", 0.0, 0, 0.0)
+    return Shape(interval_us, burst * interval_us, cost, force, 0.0, 0, 0.0)
 
 
 class _Clock:

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from slipstream.security.shared_store import GONE_S, Backend, Entry, RateCheck, SharedStore
+from slipstream.security.shared_store import (
+    GONE_S,
+    Backend,
+    Entry,
+    RateCheck,
+    Shape,
+    SharedStore,
+)
 
 # KEYS: one bucket per entry. ARGV: per entry "interval_us capacity_us cost force count".
 # Returns two integers per entry: how many of its count were admitted (the first ones),
@@ -117,15 +124,25 @@ class RedisBackend(Backend):
         self._gcra = self._client.register_script(_GCRA)
         self._enter = self._client.register_script(_ENTER)
         self._hold = self._client.register_script(_HOLD)
+        # Each shape's script argument "interval capacity cost force", formatted once.
+        self._texts: dict[Shape, str] = {}
 
     async def admit(self, checks: list[RateCheck]) -> list[tuple[int, int]]:
         replies = await self._gcra(
             keys=[_PREFIX + check.bucket for check in checks],
-            args=[f"{check.shape.text} {check.count}" for check in checks],
+            args=[f"{self._text(check.shape)} {check.count}" for check in checks],
         )
         if len(replies) != 2 * len(checks):
             raise ValueError(f"{len(replies)} numbers for {len(checks)} entries")
         return [(int(replies[2 * i]), int(replies[2 * i + 1])) for i in range(len(checks))]
+
+    def _text(self, shape: Shape) -> str:
+        text = self._texts.get(shape)
+        if text is None:
+            text = self._texts[shape] = (
+                f"{shape.interval_us:.3f} {shape.capacity_us:.3f} {shape.cost} {int(shape.force)}"
+            )
+        return text
 
     async def enter(self, process: str, gone_ms: int, entries: list[Entry]) -> list[int]:
         args: list[Any] = [process, gone_ms]

@@ -56,7 +56,6 @@ class Shape:
     capacity_us: float  # how far ahead of now the bucket may run: the burst's time
     cost: int  # units one check takes (0: a check that takes nothing, tokens' admission)
     force: bool  # taken even into debt, never refused
-    text: str  # Redis's script argument: "interval capacity cost force"
     wait_offset_us: float  # a refused check's wait: its reset time plus this
     lease: int  # tokens asked for beyond the checks at hand (0: no lease)
     lease_s: float  # how long leased tokens may be spent
@@ -232,13 +231,12 @@ class SharedStore(LimitStore):
         if shape is None:
             interval_us = 1e6 / rate_per_s
             capacity_us = burst * interval_us
-            text = f"{interval_us:.3f} {capacity_us:.3f} {cost} {1 if force else 0}"
             lease = 0
             if cost == 1 and not force:
                 lease = min(burst, math.floor(rate_per_s * LEASE_S))
                 lease = lease if lease > 1 else 0
             shape = self._shapes[key] = Shape(
-                interval_us, capacity_us, cost, force, text,
+                interval_us, capacity_us, cost, force,
                 cost * interval_us - capacity_us, lease, lease * interval_us / 1e6,
             )  # fmt: skip
         return shape
