@@ -5,12 +5,15 @@
 #                                                lacks into .whl/, the source tree at git
 #                                                revision BEFORE (default 3c116c6, the tree
 #                                                before engine groups) into .gpu/before/src
-#   benchmarks/gpu_session.sh run                on the device machine (the device tool's
+#   benchmarks/gpu_session.sh run [before]       on the device machine (the device tool's
 #                                                run, carry [".whl", ".gpu"]): installs the
-#                                                wheels into /tmp/site, measures
-#                                                benchmarks/gpu.py on the tree before and on
-#                                                this one (figures into $OUT), runs
-#                                                make test-gpu
+#                                                wheels into /tmp/site, runs make test-gpu,
+#                                                then measures benchmarks/gpu.py on this
+#                                                tree (figures into $OUT); with "before",
+#                                                also on the tree before, first
+#
+# A task lent a device has 15 minutes of it, a machine's start included: "run" ends within
+# about 6 minutes (timeout_s 420 leaves room for one more try), "run before" within 9.
 #
 # .whl/ and .gpu/ are ignored through .git/info/exclude (prepare adds them), so they travel
 # only where the call carries them. docs/gpu.md reads the figures.
@@ -55,25 +58,27 @@ run() {
     --target /tmp/site .whl/*.whl >"$OUT/pip.txt" 2>&1 || { tail -5 "$OUT/pip.txt"; return 1; }
   nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv >"$OUT/smi.txt" 2>&1
   export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-  # Before: the FP16 HTTP and gRPC case only; after: FP16 with 4 and 8 front ends and
-  # FP32, at C=1 and 256, both protocols.
-  PYTHONPATH=.gpu/before/src:/tmp/site timeout 170 python3 benchmarks/gpu.py \
-    --served fp16-graphs-i1-split4 --concurrency 256 --protocols http-binary,grpc \
-    --duration 3 --json "$OUT/before.json" >"$OUT/before.txt" 2>&1
-  echo "before rc=$?" >>"$OUT/before.txt"
-  PYTHONPATH=src:/tmp/site timeout 220 python3 benchmarks/gpu.py \
+  # Correctness first: a GPU issue is not done until its tests pass on a GPU.
+  PYTHONPATH=/tmp/site timeout 180 make test-gpu >"$OUT/test-gpu.txt" 2>&1
+  echo "test-gpu rc=$?" >>"$OUT/test-gpu.txt"
+  if [ "${1:-}" = before ]; then  # the FP16 HTTP and gRPC case only
+    PYTHONPATH=.gpu/before/src:/tmp/site timeout 150 python3 benchmarks/gpu.py \
+      --served fp16-graphs-i1-split4 --concurrency 256 --protocols http-binary,grpc \
+      --duration 3 --json "$OUT/before.json" >"$OUT/before.txt" 2>&1
+    echo "before rc=$?" >>"$OUT/before.txt"
+    tail -6 "$OUT/before.txt"
+  fi
+  # FP16 with 4 and 8 front ends and FP32, at C=1 and 256, both protocols.
+  PYTHONPATH=src:/tmp/site timeout 200 python3 benchmarks/gpu.py \
     --served fp16-graphs-i1-split4,fp16-graphs-i1-split8,fp32-graphs-i1-split4 \
     --concurrency 1,256 --duration 3 --json "$OUT/after.json" >"$OUT/after.txt" 2>&1
   echo "after rc=$?" >>"$OUT/after.txt"
-  PYTHONPATH=/tmp/site timeout 200 make test-gpu >"$OUT/test-gpu.txt" 2>&1
-  echo "test-gpu rc=$?" >>"$OUT/test-gpu.txt"
-  tail -6 "$OUT/before.txt"
-  tail -12 "$OUT/after.txt"
   tail -3 "$OUT/test-gpu.txt"
+  tail -12 "$OUT/after.txt"
 }
 
 case "${1:-}" in
   prepare) shift; prepare "$@" ;;
-  run) run ;;
-  *) echo "usage: $0 prepare [BEFORE] | run" >&2; exit 2 ;;
+  run) shift; run "$@" ;;
+  *) echo "usage: $0 prepare [BEFORE] | run [before]" >&2; exit 2 ;;
 esac
