@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import uvloop
 
 from slipstream.config import parse_model_config
 from slipstream.errors import InternalError, InvalidRequest, RequestTimeout, Unavailable
@@ -236,6 +238,42 @@ async def test_default_timeout_comes_from_config() -> None:
     backend.gate.set()
     # The first request left the queue before its deadline, so it ran and succeeded.
     np.testing.assert_array_equal((await running)["y"], rows(0))
+
+
+def test_a_sub_millisecond_timeout_holds_on_uvloop() -> None:
+    """uvloop's timers count whole milliseconds: a 300 us queue timeout used to fire at
+    the loop's next turn, before an idle batcher had dispatched the request, so every
+    request failed. A timeout now fails a request only once it has waited that long."""
+
+    def waited_us(timeout: RequestTimeout) -> int:
+        found = re.search(r"waiting (\d+) us", str(timeout))
+        assert found is not None, timeout
+        return int(found[1])
+
+    async def scenario() -> None:
+        backend = FakeBackend()
+        batcher, _, _ = make_batcher([backend], default_timeout_microseconds=300)
+        served = 0
+        for value in range(50):
+            try:
+                out = await batcher.submit({"x": rows(value)}, 1, KEY)
+            except RequestTimeout as timeout:  # only if this process really was held up
+                assert waited_us(timeout) >= 300
+            else:
+                np.testing.assert_array_equal(out["y"], rows(2 * value))
+                served += 1
+        assert served >= 40
+        backend.gate.clear()
+        running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+        await held(backend)
+        for timeout_us in (100, 300, 900):
+            with pytest.raises(RequestTimeout) as raised:
+                await batcher.submit({"x": rows(1)}, 1, KEY, timeout_us=timeout_us)
+            assert waited_us(raised.value) >= timeout_us
+        backend.gate.set()
+        await running
+
+    uvloop.run(scenario())
 
 
 async def test_cancelled_request_is_dropped_from_the_queue() -> None:

@@ -63,6 +63,8 @@ Arrays = dict[str, np.ndarray]
 # Queued requests of other shapes (or too many rows) that one batch looks past, per
 # priority level, before it stops growing: bounds the work of one dispatch.
 _SCAN_LIMIT = 64
+# The coarsest timer tick of the event loops we run on (uvloop's: 1 ms).
+_TIMER_TICK_S = 0.001
 
 
 def _instance_thread() -> Executor:
@@ -83,6 +85,8 @@ class _Pending:
     future: asyncio.Future[Arrays]
     enqueue_ns: int
     timeout_handle: asyncio.TimerHandle | None = None
+    # When the request's queue timeout ends (0: none).
+    deadline_ns: int = 0
     # Set when the request leaves the queue for an instance.
     dispatch_ns: int = 0
     # Client requests this submission stands for (several stacked by the serving core):
@@ -243,6 +247,7 @@ class Batcher:
         )
         timeout_us = timeout_us or self._default_timeout_us
         if timeout_us:
+            pending.deadline_ns = pending.enqueue_ns + timeout_us * 1000
             pending.timeout_handle = loop.call_later(timeout_us / 1e6, self._expire, pending)
         self._queues[pending.level].append(pending)
         self._num_pending += requests
@@ -443,6 +448,15 @@ class Batcher:
 
     def _expire(self, pending: _Pending) -> None:
         pending.timeout_handle = None
+        early_ns = pending.deadline_ns - self._clock_ns()
+        if early_ns > 0:
+            # A loop's timers can fire early: uvloop's count whole milliseconds, so a
+            # 200 us timeout fires at the next turn, before the request could be
+            # dispatched. Wait out the rest (at least a tick of such a loop).
+            pending.timeout_handle = asyncio.get_running_loop().call_later(
+                max(early_ns / 1e9, _TIMER_TICK_S), self._expire, pending
+            )
+            return
         if self._remove(pending):
             self._metrics.count_failure("timeout")
             waited_us = (self._clock_ns() - pending.enqueue_ns) // 1000
