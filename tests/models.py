@@ -194,6 +194,39 @@ def build_mean_embedding(repo: Path, name: str, table: np.ndarray) -> Path:
     return _save(_model(graph), repo, name, 1)
 
 
+def build_positions(repo: Path, name: str, positions: int) -> Path:
+    """Token scores = (id + its position's bias) x mask, from a table of ``positions``
+    biases, as an encoder adds its position embeddings.
+
+    Inputs ``input_ids`` and ``attention_mask`` INT64 ``[batch, tokens]``, named
+    dimensions both inputs share; output ``scores`` FP32 ``[batch, tokens]``. A
+    sequence of another length than ``positions`` (or 1) is one ONNX Runtime refuses
+    when it runs (its Add cannot broadcast), as an encoder refuses one past its table.
+    """
+    dims = ["batch", "tokens"]
+    nodes = [
+        helper.make_node("Cast", ["input_ids"], ["ids"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["attention_mask"], ["mask"], to=TensorProto.FLOAT),
+        helper.make_node("Add", ["ids", "bias"], ["biased"]),
+        helper.make_node("Mul", ["biased", "mask"], ["scores"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, dims),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, dims),
+        ],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, dims)],
+        initializer=[
+            numpy_helper.from_array(
+                np.arange(positions, dtype=np.float32).reshape(1, positions) / 10, "bias"
+            )
+        ],
+    )
+    return _save(_model(graph), repo, name, 1)
+
+
 def mean_embedding(table: np.ndarray, ids: list[int]) -> np.ndarray:
     return np.asarray(table[ids].mean(axis=0), dtype=np.float32)
 

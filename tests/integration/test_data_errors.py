@@ -5,6 +5,11 @@ past the table passes every check the model's config allows (INT64, any length) 
 only ONNX Runtime refuses it, when it runs. Triton answers that with the runtime's
 message and a client error; so does Slipstream, over HTTP and gRPC, and a batch holding
 one such request still answers the others.
+
+A second model adds a table of position biases, as an encoder does: a sequence longer
+than the table, and inputs whose lengths differ where the model names one dimension
+for both, are the client's errors too (ONNX Runtime reports the first as a FAIL, the
+status it also gives its own faults).
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.models import build_mean_embedding, mean_embedding, write_config
+from tests.models import build_mean_embedding, build_positions, mean_embedding, write_config
 from tests.utils import RemoteServer
 
 TABLE = np.arange(40, dtype=np.float32).reshape(10, 4)
 # What ONNX Runtime says of a Gather index past a 10-row table.
 ORT_MESSAGE = "indices element out of data bounds, idx=10"
+# The position table's length: sequences of other lengths (but 1) are refused.
+POSITIONS = 4
 # Requests sent together into one batch: the queue holds them until BATCH of them wait.
 BATCH = 4
 
@@ -50,6 +57,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
             },
         },
     )
+    build_positions(repo, "positions", POSITIONS)
+    write_config(repo, "positions", {"max_batch_size": 8})
     with RemoteServer(repo, log_dir=tmp) as remote:
         yield remote
 
@@ -133,3 +142,50 @@ def _batches(server: RemoteServer) -> dict[int, int]:
         batch["batch_size"]: batch["compute_infer"]["count"]
         for batch in stats["model_stats"][0]["batch_stats"]
     }
+
+
+def _positions(server: RemoteServer, ids: list[int], mask: list[int]) -> httpx.Response:
+    body = {
+        "inputs": [
+            {"name": "input_ids", "shape": [1, len(ids)], "datatype": "INT64", "data": ids},
+            {"name": "attention_mask", "shape": [1, len(mask)], "datatype": "INT64", "data": mask},
+        ]
+    }
+    return httpx.post(server.url("/v2/models/positions/infer"), json=body, timeout=60)
+
+
+def test_a_sequence_past_the_position_table_is_a_400(server: RemoteServer) -> None:
+    ok = _positions(server, [1, 2, 3, 4], [1, 1, 1, 0])
+    assert ok.status_code == 200, ok.text
+    np.testing.assert_allclose(ok.json()["outputs"][0]["data"], [1.0, 2.1, 3.2, 0.0], rtol=1e-6)
+    for length in (POSITIONS + 2, 0):
+        response = _positions(server, [1] * length, [1] * length)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error.startswith("the model refused the request's data: Add node"), error
+        if length:
+            broadcast = "Attempting to broadcast an axis by a dimension other than 1"
+            assert f"{broadcast}. {POSITIONS} by {length}" in error
+        # The kernel's words, without ORT's status, source file or C++ function.
+        assert "ONNXRuntimeError" not in error and "onnxruntime::" not in error
+        assert ".h:" not in error
+
+
+def test_inputs_that_disagree_on_a_named_dimension_are_a_400(server: RemoteServer) -> None:
+    response = _positions(server, [1, 2, 3, 4], [1, 1, 1])
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == (
+        "input 'attention_mask': dimension 1 is 3, but the model names it 'tokens', which "
+        "is 4 in input 'input_ids' (dimension 1)"
+    )
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    inputs = []
+    for name, values in (("input_ids", [[1, 2, 3, 4, 5, 6]]), ("attention_mask", [[1] * 6])):
+        tensor = grpcclient.InferInput(name, [1, 6], "INT64")
+        tensor.set_data_from_numpy(np.array(values, dtype=np.int64))
+        inputs.append(tensor)
+    with pytest.raises(InferenceServerException) as refused:
+        client.infer("positions", inputs)
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "Attempting to broadcast" in str(refused.value.message())
+    client.close()

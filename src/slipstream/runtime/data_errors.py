@@ -18,17 +18,35 @@ import re
 from slipstream.errors import InvalidRequest
 
 try:  # onnxruntime is a core dependency, but keep this module importable without it
-    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument
 except ImportError:  # pragma: no cover
-    ORT_DATA_ERRORS: tuple[type[Exception], ...] = ()
+    ORT_ERRORS: tuple[type[Exception], ...] = ()
 else:
-    # ORT's INVALID_ARGUMENT status: inputs a kernel refused (indices out of bounds,
-    # shapes a node cannot take). FAIL and RUNTIME_EXCEPTION stay internal: they are
-    # also how ORT reports its own faults (allocation failures, broken kernels).
-    ORT_DATA_ERRORS = (InvalidArgument,)
+    # ORT's INVALID_ARGUMENT status: inputs a kernel refused (indices out of bounds, an
+    # Expand to a shape that cannot be). Its FAIL status is also how ORT reports its own
+    # faults (allocation failures, broken kernels): only the shape checks below count.
+    ORT_ERRORS = (InvalidArgument, Fail)
 
 # ORT prefixes every message with its status: "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : ".
-_ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : [A-Z_]+ : ")
+_ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : ([A-Z_]+) : ")
+# A kernel's refusal: "Non-zero status code returned while running Add node.
+# Name:'/encoder/Add_1' Status Message: <source file>:<line> <function> [<check> was
+# false.] <what>".
+_ORT_NODE = re.compile(
+    r"^Non-zero status code returned while running (\w+) node\. Name:'([^']*)' "
+    r"Status Message: (?:\S+\.(?:h|cc|cpp):\d+ (?:.*? was false\. |\w+ ))?(.*)$",
+    re.DOTALL,
+)
+# FAIL messages of kernels whose input shapes do not fit together: a request whose
+# tensors share a dimension in the model's eyes but not in its data, a sequence longer
+# than a position table, an empty sequence a Reshape cannot take.
+_ORT_SHAPE_FAILS = re.compile(
+    r"Attempting to broadcast an axis"  # Add, Mul, Where...: mismatched dims
+    r"|Can broadcast 0 by 0 or 1"  # the same, one of them empty
+    r"|cannot be reshaped to the requested shape"  # Reshape
+    r"|dimension mismatch"  # MatMul
+    r"|mismatched dimensions"  # Concat
+)
 
 # What torch says when an op is handed data it cannot take. Matched against the last
 # line of the message (TorchScript puts its interpreter's traceback before it).
@@ -46,9 +64,24 @@ def refused(message: str) -> InvalidRequest:
     return InvalidRequest(f"the model refused the request's data: {message}")
 
 
-def ort_message(exc: BaseException) -> str:
-    """ONNX Runtime's message without its status prefix."""
-    return _ORT_PREFIX.sub("", str(exc).strip())
+def ort_data_error(exc: BaseException) -> InvalidRequest | None:
+    """The 400 for an ONNX Runtime error caused by the request's data, else None (a fault).
+
+    The client gets the kernel's own words and the node that said them, without ORT's
+    status prefix or the source file and C++ function it came from.
+    """
+    message = str(exc).strip()
+    status = _ORT_PREFIX.match(message)
+    text = message[status.end() :] if status else message
+    kernel = _ORT_NODE.match(text)
+    if kernel is not None:
+        op, node, what = kernel.groups()
+        text = f"{op} node {node!r}: {what.strip()}" if node else f"{op} node: {what.strip()}"
+    if status is not None and status[1] == "INVALID_ARGUMENT":
+        return refused(text)
+    if status is not None and status[1] == "FAIL" and kernel and _ORT_SHAPE_FAILS.search(text):
+        return refused(text)
+    return None
 
 
 def torch_data_error(exc: BaseException) -> InvalidRequest | None:

@@ -52,6 +52,36 @@ def _spec(arg: ort.NodeArg) -> TensorSpec:
     return TensorSpec(name=arg.name, datatype=datatype, shape=shape)
 
 
+def _shared_dims(args: Sequence[ort.NodeArg]) -> list[tuple[str, list[tuple[str, int]]]]:
+    """The model's named dimensions that more than one input has: (name, [(input,
+    axis)...]). A name stands for one size in a run: two inputs of ``[batch, tokens]``
+    must come with as many tokens each."""
+    where: dict[str, list[tuple[str, int]]] = {}
+    for arg in args:
+        for axis, dim in enumerate(arg.shape or ()):
+            if isinstance(dim, str) and dim:
+                where.setdefault(dim, []).append((arg.name, axis))
+    return [(dim, places) for dim, places in where.items() if len({name for name, _ in places}) > 1]
+
+
+def _check_shared_dim(
+    dim: str, places: list[tuple[str, int]], inputs: dict[str, np.ndarray]
+) -> None:
+    seen: tuple[str, int, int] | None = None  # (input, axis, size) of the first one sent
+    for name, axis in places:
+        array = inputs.get(name)
+        if array is None or array.ndim <= axis:  # not sent (optional), or ORT's to refuse
+            continue
+        if seen is None:
+            seen = (name, axis, array.shape[axis])
+        elif array.shape[axis] != seen[2]:
+            raise InvalidRequest(
+                f"input {name!r}: dimension {axis} is {array.shape[axis]}, but the model "
+                f"names it {dim!r}, which is {seen[2]} in input {seen[0]!r} (dimension "
+                f"{seen[1]})"
+            )
+
+
 def session_options(parameters: dict[str, str], instance_count: int) -> ort.SessionOptions:
     """SessionOptions from config ``parameters`` (intra_op_thread_count, ...)."""
     options = ort.SessionOptions()
@@ -119,6 +149,7 @@ class OnnxBackend(Backend):
             outputs=tuple(_spec(a) for a in session.get_outputs()),
         )
         self._string_inputs = {s.name for s in self._signature.inputs if s.datatype == "BYTES"}
+        self._shared_dims = _shared_dims(session.get_inputs())
         self._run_options = ort.RunOptions()
         # A run refused for its data is answered 400 with ORT's message; ORT would also
         # log it at ERROR level, once per bad request. Real faults are logged by the
@@ -148,11 +179,16 @@ class OnnxBackend(Backend):
                         f"input {name!r}: BYTES elements must be valid UTF-8 for this model's "
                         "string input"
                     ) from None
+        for dim, places in self._shared_dims:
+            _check_shared_dim(dim, places, inputs)
         names = list(output_names)
         try:
             results = self._run(names, feed)
-        except data_errors.ORT_DATA_ERRORS as exc:
-            raise data_errors.refused(data_errors.ort_message(exc)) from exc
+        except data_errors.ORT_ERRORS as exc:
+            refused = data_errors.ort_data_error(exc)
+            if refused is None:
+                raise
+            raise refused from exc
         return dict(zip(names, results, strict=True))
 
     def _run(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
