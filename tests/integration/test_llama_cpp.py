@@ -395,7 +395,11 @@ def test_a_client_that_disconnects_frees_its_sequence(server: RemoteServer) -> N
         lines = reply.iter_lines()
         assert next(lines).startswith("data: ")
         assert metric(server, "slipstream_llm_sequences_running", model="smol") == 1
-        assert metric(server, "slipstream_llm_kv_cache_blocks_used", model="smol") > 0
+        used = metric(server, "slipstream_llm_kv_cache_blocks_used", model="smol")
+        free = metric(server, "slipstream_llm_kv_cache_blocks_free", model="smol")
+        # Counted in smol's blocks of 16 tokens: 128 in all, and the sequence holds its
+        # prompt (a few tokens) + 500 rounded up to whole blocks.
+        assert (used, used + free) == (32, 128)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and metric(
         server, "slipstream_llm_sequences_running", model="smol"

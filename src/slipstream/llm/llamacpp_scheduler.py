@@ -137,16 +137,19 @@ class Scheduler:
 
     def stats(self) -> CacheStats:
         """Cells of running sequences count as used; an idle slot's cached prefix counts as
-        free (it is evicted whenever the room is needed), as vLLM counts cached blocks."""
+        free (it is evicted whenever the room is needed), as vLLM counts cached blocks.
+        The cells are counted in blocks of the config's ``generation.block_size``, a
+        sequence's cells rounded up to whole blocks, as the paged engine counts them."""
         # Read without the loop's lock: a snapshot, off by a step at most.
         running = [slot.sequence for slot in list(self._slots) if slot.sequence is not None]
-        reserved = sum(len(s.prompt) + s.params.max_tokens for s in running)
-        cached = sum(len(s.cached) for s in running)
+        block = self._engine.settings.block_size
+        reserved = [len(s.prompt) + s.params.max_tokens for s in running]
+        cached = sum(min(len(s.cached), r) for s, r in zip(running, reserved, strict=True))
         return CacheStats(
-            block_size=1,
-            blocks_total=self._engine.cache_tokens,
-            blocks_used=reserved,
-            tokens_cached=min(cached, reserved),
+            block_size=block,
+            blocks_total=self._engine.cache_tokens // block,
+            blocks_used=sum(-(-tokens // block) for tokens in reserved),
+            tokens_cached=cached,
             running=len(running),
             waiting=self.waiting_count(),
             prefix_cache_queries=self._prefix_queries,
