@@ -9,6 +9,7 @@ without the extra: the OpenVINO models are not ready and say why, the rest serve
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,6 +111,9 @@ def test_openvino_answers_as_onnx_runtime_over_grpc(server: RemoteServer, reposi
     config = httpx.get(server.url("/v2/models/encoder_ov/config")).json()
     assert config["backend"] == "openvino" and config["max_batch_size"] == 8
     assert config["instance_group"][0]["count"] == 2
+    # The start-up line names the frameworks the models made it import.
+    imported = re.search(r"frameworks imported: (.*)", server.log_text())
+    assert imported is not None and "openvino" in imported[1].split(", ")
 
 
 def test_without_openvino_its_models_say_how_to_install_it_and_the_rest_serve(

@@ -70,8 +70,8 @@ class StartupTrace:
 
 
 # The heavy imports a start-up may pay for; a server imports only what its models use.
-_FRAMEWORKS = ("onnxruntime", "torch", "transformers", "tokenizers", "sklearn", "llama_cpp",
-               "scipy", "redis")  # fmt: skip
+_FRAMEWORKS = ("onnxruntime", "openvino", "torch", "transformers", "tokenizers", "sklearn",
+               "llama_cpp", "scipy", "redis")  # fmt: skip
 
 
 def frameworks_imported() -> list[str]:
