@@ -195,6 +195,9 @@ def test_an_idle_generative_model_sleeps_and_its_next_generation_loads_it(
         sdk = server.openai()
         assert [model.id for model in sdk.models.list()] == ["tiny"]  # still offered
         assert server.http.get("/v2/health/ready").status_code == 200
+        for path in ("/v2/models/tiny/ready", "/v2/models/tiny/versions/1/ready"):
+            assert server.http.get(path).status_code == 200, path  # its next request loads it
+        assert server.http.get("/v2/models/tiny/versions/2/ready").status_code == 400
         reply = sdk.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
             extra_body={"ignore_eos": True},  # a random tiny model may end sooner
@@ -202,6 +205,7 @@ def test_an_idle_generative_model_sleeps_and_its_next_generation_loads_it(
         assert reply.choices[0].message.content is not None
         assert reply.usage is not None and reply.usage.completion_tokens == 4
         assert index(server)["tiny"] == ("READY", "")
+        assert server.http.get("/v2/models/tiny/ready").status_code == 200
         assert metric(server, r'slipstream_model_unloads_total\{model="tiny",reason="idle"\}') == 1
         assert metric(server, r'slipstream_model_load_waits_total\{model="tiny"\}') == 1
         assert loads(server, "tiny") == 2

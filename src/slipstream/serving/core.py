@@ -186,6 +186,15 @@ class ModelServer(RegionCalls, InferenceService):
         validate_model_name(name)  # a bad name is a 400, not "not ready"
         if self.cascades.get(name) is not None:
             return version in ("", "1")
+        if (lane := self._lane_of(name)) is not None:  # generative: asleep and idle too
+            return any(
+                entry.name == name
+                and version in ("", entry.version)
+                and (
+                    entry.state == "READY" or (entry.state, entry.reason) == ("UNAVAILABLE", "idle")
+                )
+                for entry in lane.index()
+            )
         try:
             self.models.resolve(name, version)
         except ModelAsleep:
