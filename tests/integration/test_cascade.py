@@ -26,6 +26,7 @@ from tests.utils import RemoteServer, free_ports
 LARGE_OFFSET = 100
 THRESHOLD = 0.9
 KEY_ENV = "CASCADE_TEST_REMOTE_KEY"
+ADMIN_KEY_ENV = "CASCADE_TEST_REMOTE_ADMIN_KEY"
 
 
 def cascade_config(second: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -63,10 +64,12 @@ def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     write_config(repo, "local_cascade", cascade_config({"model": "large"}))
     ring = KeyRing.load(root / "keys.json", missing_ok=True)
     secret, _ = ring.create("cascade", "infer")
+    admin_secret, _ = ring.create("cascade_admin", "admin")
     ring.save()
     args = ["--frontends", "1", "--auth-file", str(root / "keys.json")]
     with RemoteServer(repo, args, log_dir=root) as server:
         server.api_key = secret  # type: ignore[attr-defined]
+        server.admin_key = admin_secret  # type: ignore[attr-defined]
         yield server
 
 
@@ -82,11 +85,17 @@ def server(
     over_remote = {"model": "large", "url": remote.http_url, "api_key_env": KEY_ENV}
     write_config(repo, "remote_cascade", cascade_config(over_remote))
     write_config(repo, "strict_cascade", cascade_config(over_remote, on_stage_failure="fail"))
+    # First stages on the remote server, one whose key may read its config (admin), one
+    # whose key may not.
+    for name, key_env in (("remote_first", ADMIN_KEY_ENV), ("remote_first_infer", KEY_ENV)):
+        small = {"model": "small", "url": remote.http_url, "api_key_env": key_env,
+                 "confidence": {"output": "probabilities", "threshold": THRESHOLD}}  # fmt: skip
+        write_config(repo, name, {"cascade": {"stages": [small, {"model": "large"}]}})
     write_config(repo, "unknown_cascade", cascade_config({"model": "nope"}))
     (closed_port,) = free_ports(1)
     down = {"model": "large", "url": f"http://127.0.0.1:{closed_port}"}
     write_config(repo, "down_cascade", cascade_config(down))
-    env = {KEY_ENV: remote.api_key}  # type: ignore[attr-defined]
+    env = {KEY_ENV: remote.api_key, ADMIN_KEY_ENV: remote.admin_key}  # type: ignore[attr-defined]
     # Two cascades fail at start on purpose: ready means every other model loaded.
     args = ["--no-strict-readiness"]
     with RemoteServer(repo, args, log_dir=root, env=env) as running:
@@ -114,6 +123,17 @@ def test_tritonclient_http_and_grpc_see_a_model(server: RemoteServer) -> None:
     grpc = grpcclient.InferenceServerClient(server.grpc_address)
     metadata = http.get_model_metadata("digits_cascade")
     assert [t["name"] for t in metadata["inputs"]] == ["x"]
+    # Its config is a batching model's, as its metadata: the first stage's limit, dims
+    # without the batch dim (tools such as perf_analyzer build requests from it).
+    small = http.get_model_config("small")["max_batch_size"]
+    assert small > 0
+    # A remote first stage's limit is read from its config; 1 where its key may not.
+    for name, limit in (("digits_cascade", small), ("remote_first", small),
+                        ("remote_first_infer", 1)):  # fmt: skip
+        config = http.get_model_config(name)
+        assert config["max_batch_size"] == limit, name
+        (x_config,) = config["input"]
+        assert [-1, *[int(d) for d in x_config["dims"]]] == metadata["inputs"][0]["shape"]
     assert {t["name"] for t in metadata["outputs"]} == {"probabilities", "label"}
     assert grpc.is_model_ready("digits_cascade")
     x = rows(False, True)

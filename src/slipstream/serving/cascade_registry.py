@@ -177,11 +177,13 @@ class Cascades:
             raise ConfigError(f"{name}/config.yaml: no cascade: section")
         stages: list[Stage] = []
         signatures: list[Signature] = []
+        batch_sizes: list[int] = []
         try:
             for index, spec in enumerate(config.cascade.stages):
-                stage, signature = await self._stage(name, index, spec)
+                stage, signature, max_batch_size = await self._stage(name, index, spec)
                 stages.append(stage)
                 signatures.append(signature)
+                batch_sizes.append(max_batch_size)
             metadata = _cascade_metadata(name, config, signatures)
         except BaseException:
             for stage in stages:
@@ -189,10 +191,15 @@ class Cascades:
                     await stage.remote.close()
             raise
         counts = self.counts.for_cascade(name, [stage.spec.name for stage in stages])
-        completed = _completed_config(config, metadata)
+        # Every row of a request goes to the first stage: its limit is the cascade's
+        # (1 where a remote one does not say).
+        completed = _completed_config(config, metadata, batch_sizes[0] or 1)
         return Cascade(name, completed, metadata, stages, counts, ModelMetrics(name, "1"))
 
-    async def _stage(self, cascade: str, index: int, spec: CascadeStage) -> tuple[Stage, Signature]:
+    async def _stage(
+        self, cascade: str, index: int, spec: CascadeStage
+    ) -> tuple[Stage, Signature, int]:
+        """A stage ready to run, its signature and its max_batch_size (0: unknown)."""
         where = f"stages[{index}] ({spec.name})"
         if spec.remote:
             from slipstream.serving.cascade_remote import RemoteStage  # imports httpx
@@ -200,11 +207,12 @@ class Cascades:
             remote = RemoteStage(spec)
             try:
                 signature = await remote.signature()
+                max_batch_size = await remote.max_batch_size()
             except BaseException:
                 await remote.close()
                 raise
             _check_batching(where, signature)
-            return Stage(spec, remote), signature
+            return Stage(spec, remote), signature, max_batch_size
         if spec.model == cascade or self.handles(spec.model):
             raise ConfigError(f"{where}: {spec.model!r} is a cascade; a stage must be a model")
         if not (self.repository / spec.model).is_dir():
@@ -217,21 +225,21 @@ class Cascades:
             await self.models.load(spec.model)
         try:
             model = self.models.resolve(spec.model, spec.version)
-            signature, batching = model.tensor_metadata(), bool(model.config.max_batch_size)
+            signature, max_batch_size = model.tensor_metadata(), model.config.max_batch_size
         except ModelAsleep:
             meta, config = self.models.sleeping_version(spec.model, spec.version)
-            signature, batching = (meta.inputs, meta.outputs), bool(config.max_batch_size)
+            signature, max_batch_size = (meta.inputs, meta.outputs), config.max_batch_size
         except SlipstreamError as exc:
             failures = self.models.failures(spec.model)
             raise ConfigError(
                 f"{where}: model {spec.model!r} cannot serve: {failures or exc.message}"
             ) from None
-        if not batching:
+        if not max_batch_size:
             raise ConfigError(
                 f"{where}: model {spec.model!r} does not batch (max_batch_size 0); a "
                 "cascade sends each stage a subset of a request's rows, so its stages batch"
             )
-        return Stage(spec, None), signature
+        return Stage(spec, None), signature, max_batch_size
 
 
 def _check_batching(where: str, signature: Signature) -> None:
@@ -285,8 +293,11 @@ def _cascade_metadata(name: str, config: ModelConfig, signatures: list[Signature
     return ModelMetadata(name, ["1"], "cascade", list(inputs), outputs)
 
 
-def _completed_config(config: ModelConfig, metadata: ModelMetadata) -> ModelConfig:
-    """The cascade's config with its signature filled in, for /config."""
+def _completed_config(
+    config: ModelConfig, metadata: ModelMetadata, max_batch_size: int
+) -> ModelConfig:
+    """The cascade's config with its signature filled in, for /config: a batching
+    model's, as its metadata says (dims without the batch dim)."""
 
     def tensors(found: list[TensorMetadata]) -> list[TensorConfig]:
         return [TensorConfig(name=t.name, data_type=t.datatype, dims=t.shape[1:]) for t in found]
@@ -294,6 +305,7 @@ def _completed_config(config: ModelConfig, metadata: ModelMetadata) -> ModelConf
     return config.model_copy(
         update={
             "platform": "cascade",
+            "max_batch_size": max_batch_size,
             "input": tensors(metadata.inputs),
             "output": tensors(metadata.outputs),
         }

@@ -83,6 +83,16 @@ class RemoteStage:
             raise ConfigError(f"stage {self.name}: {exc.message}") from None
         return inputs, outputs
 
+    async def max_batch_size(self) -> int:
+        """The remote model's max_batch_size from its config, 0 where it does not say (a
+        server without the config route, or an answer without the field)."""
+        try:
+            reply = await self._client.get(f"{self._path}/config")
+            found = reply.json().get("max_batch_size") if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return 0
+        return found if type(found) is int and found > 0 else 0
+
     async def infer(
         self, inputs: dict[str, np.ndarray], outputs: list[str], timeout_us: int
     ) -> dict[str, np.ndarray]:
