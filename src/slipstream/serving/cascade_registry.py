@@ -225,10 +225,10 @@ class Cascades:
             await self.models.load(spec.model)
         try:
             model = self.models.resolve(spec.model, spec.version)
-            signature, max_batch_size = model.tensor_metadata(), model.config.max_batch_size
+            signature, max_batch_size = model.tensor_metadata(), model.config.max_batch_size or 0
         except ModelAsleep:
             meta, config = self.models.sleeping_version(spec.model, spec.version)
-            signature, max_batch_size = (meta.inputs, meta.outputs), config.max_batch_size
+            signature, max_batch_size = (meta.inputs, meta.outputs), config.max_batch_size or 0
         except SlipstreamError as exc:
             failures = self.models.failures(spec.model)
             raise ConfigError(
