@@ -300,8 +300,26 @@ def test_the_access_log_has_one_json_line_per_request_and_echoes_request_ids(
             metadata=[("authorization", secrets_["infer"]), ("x-request-id", "grpc-7")],
         )
         assert dict(call.trailing_metadata())["x-request-id"] == "grpc-7"
+        # Refused for the key's role: the line still names the key.
+        with pytest.raises(grpc.RpcError) as refused_grpc:
+            channel.unary_unary(f"/{SERVICE_NAME}/RepositoryIndex")(
+                pb.RepositoryIndexRequest().SerializeToString(),
+                metadata=[("authorization", secrets_["infer"]), ("x-request-id", "grpc-403")],
+            )
+        assert refused_grpc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # Refused for the key's role and for the model: the lines still name the key.
+    wrong_role = httpx.post(
+        server.url("/v2/repository/index"),
+        headers={**bearer(secrets_["infer"]), "X-Request-Id": "role-403"},
+    )
+    wrong_model = httpx.get(
+        server.url(f"/v2/models/{FORBIDDEN}"),
+        headers={**bearer(secrets_["restricted"]), "X-Request-Id": "model-403"},
+    )
+    assert (wrong_role.status_code, wrong_model.status_code) == (403, 403)
+    rids = ("trace-42", generated, "grpc-7", "grpc-403", "role-403", "model-403")
     deadline = time.monotonic() + 10
-    while any(f'"{rid}"' not in server.log_text() for rid in ("trace-42", generated, "grpc-7")):
+    while any(f'"{rid}"' not in server.log_text() for rid in rids):
         assert time.monotonic() < deadline, server.log_tail()
         time.sleep(0.1)
     lines = {}
@@ -318,6 +336,9 @@ def test_the_access_log_has_one_json_line_per_request_and_echoes_request_ids(
     assert over_grpc["protocol"] == "grpc" and over_grpc["method"] == "ModelMetadata"
     assert over_grpc["key"] == "app" and over_grpc["model"] == "add_sub"
     assert over_grpc["status"] == "OK"
+    for rid, name, status in (("role-403", "app", "403"), ("model-403", "tenant", "403"),
+                              ("grpc-403", "app", "PERMISSION_DENIED")):  # fmt: skip
+        assert (lines[rid]["key"], lines[rid]["status"]) == (name, status), lines[rid]
     log = server.log_text()
     assert not any(secret in log for name, secret in secrets_.items() if name != "file")
 

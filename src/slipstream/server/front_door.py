@@ -190,8 +190,11 @@ class HttpFrontDoor:
         model = access.model
         if not model and access.model_in_body:
             model = body_model(request.body)
+        name = key.name if key else request.owner
+        if not name and self._gate is not None:  # refused before it was known: 403 (role)
+            name = self._gate.key_name(request.header(b"authorization"))
         AccessRecord(
-            rid, "http", request.method, request.path, key.name if key else "-", model,
+            rid, "http", request.method, request.path, name or "-", model,
             access.version, str(status), (time.perf_counter() - started) * 1e3,
             len(request.body), bytes_out,
         ).emit()  # fmt: skip

@@ -75,7 +75,10 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 model = getattr(request, model_field, "") if model_field else ""
                 version = getattr(request, "model_version", "") or getattr(request, "version", "")
                 latency_ms = (time.perf_counter() - started) * 1e3
-                AccessRecord(rid, "grpc", method, details.method, key.name if key else "-",
+                name = key.name if key else ""
+                if not name and self._gate is not None:  # refused before it was known: 403
+                    name = self._gate.key_name(_as_bytes(authorization))
+                AccessRecord(rid, "grpc", method, details.method, name or "-",
                              model, version, status, latency_ms, request.ByteSize(),
                              0).emit()  # fmt: skip
 
