@@ -355,10 +355,8 @@ def reference(model: str, data: Path, model_repository: Path, version: int | Non
 
     Example: slipstream monitor reference mlp --data validation.npz
     """
-    import numpy as np
-
     from slipstream.errors import InvalidRequest
-    from slipstream.monitor.sampler import REFERENCE_FILE
+    from slipstream.monitor.reference import ReferenceError, write_reference
     from slipstream.repository.layout import model_path, read_model_directory
     from slipstream.tensors import TensorFileError, read_tensor_file
 
@@ -373,20 +371,10 @@ def reference(model: str, data: Path, model_repository: Path, version: int | Non
     if chosen not in directory.versions:
         found = ", ".join(map(str, directory.versions))
         raise click.ClickException(f"--version {chosen}: {model} has versions {found}")
-    names = {name for request in requests for name in request}
-    arrays = {}
-    for name in sorted(names):
-        parts = [np.asarray(r[name]) for r in requests if name in r]
-        if any(part.ndim == 0 for part in parts):
-            raise click.ClickException(f"{data}: {name!r} is a scalar; samples go along axis 0")
-        try:
-            arrays[name] = np.concatenate(parts)
-        except ValueError as exc:
-            raise click.ClickException(
-                f"{data}: {name!r}: rows of different shapes: {exc}"
-            ) from exc
-    target = directory.path / str(chosen) / REFERENCE_FILE
-    np.savez(target, **arrays)  # type: ignore[arg-type]
+    try:
+        target, arrays = write_reference(directory, chosen, requests, data)
+    except ReferenceError as exc:
+        raise click.ClickException(str(exc)) from exc
     rows = ", ".join(f"{name} {len(array)} rows" for name, array in arrays.items())
     click.echo(f"wrote {target}: {rows}")
 

@@ -173,6 +173,25 @@ def test_a_reference_written_by_the_cli_is_the_one_the_server_tests_against(
     bad = subprocess.run([*command[:-2], "--model-repository", str(tmp_path / "none")],
                          capture_output=True, text=True, check=False)  # fmt: skip
     assert bad.returncode != 0 and "ref" in bad.stderr
+    # Arrays the model has no tensor for, or whose rows it would not take: refused, and
+    # the good reference stays.
+    written = (repo / "ref" / "1" / "drift_reference.npz").read_bytes()
+    wrong = {
+        "foo": ({"foo": np.zeros((20, 3), np.float32)}, "'foo': not an input or output of ref"),
+        "rows": (
+            {"INPUT0": np.zeros((20, ADD_SUB_WIDTH + 1), np.float32)},
+            f"'INPUT0' has rows of shape [{ADD_SUB_WIDTH + 1}]; ref's INPUT0 takes "
+            f"[-1, {ADD_SUB_WIDTH}]",
+        ),
+    }
+    for name, (arrays, error) in wrong.items():
+        np.savez(tmp_path / f"{name}.npz", **arrays)  # type: ignore[arg-type]
+        at = command.index("--data") + 1
+        other = [*command[:at], str(tmp_path / f"{name}.npz"), *command[at + 1 :]]
+        refused = subprocess.run(other, capture_output=True, text=True, check=False)
+        assert refused.returncode != 0 and error in refused.stderr, refused.stderr
+        assert "OUTPUT0" in refused.stderr or name == "rows"  # the tensors it has
+    assert (repo / "ref" / "1" / "drift_reference.npz").read_bytes() == written
 
 
 def test_the_readme_s_monitoring_block_is_a_valid_config() -> None:
