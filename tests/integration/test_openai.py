@@ -265,6 +265,35 @@ def test_bad_requests_get_openai_errors(
     assert error["param"] == param and error["message"] and error["type"]
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"service_tier": "flex"}, "service_tier"),
+    ],
+)
+def test_chat_fields_for_what_this_server_does_not_do_are_refused_naming_them(
+    client: openai.OpenAI, fields: dict[str, Any], param: str
+) -> None:
+    """The openai SDK sends OpenAI's own fields; one this server would have to ignore
+    (a legacy function call answered as plain text, audio never made) is a 400."""
+    messages: Any = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, **fields)
+    assert refused.value.param == param, refused.value.body
+    # What changes nothing in the text is accepted: a prediction, text-only modalities.
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, modalities=["text"],
+        service_tier="auto", prediction={"type": "content", "content": "Hello"},
+    )  # fmt: skip
+    assert reply.choices[0].message.content is not None
+
+
 def test_malformed_json_and_sdk_error_types(server: RemoteServer, client: openai.OpenAI) -> None:
     reply = server.http.post("/v1/chat/completions", content=b"{nope")
     assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]

@@ -14,6 +14,7 @@ from slipstream.errors import InvalidRequest
 from slipstream.llm.engine import EngineStep, TokenLogprob
 from slipstream.llm.text import stream_text
 from slipstream.protocol import openai
+from slipstream.protocol import openai_replies as replies
 from slipstream.types import Constraint
 
 
@@ -98,11 +99,11 @@ def test_logit_bias_and_logprobs_settings() -> None:
 
 
 def test_logprob_shapes() -> None:
-    entries: list[openai.LogprobEntry] = [
+    entries: list[replies.LogprobEntry] = [
         ("Hel", b"Hel", -0.5, [("Hel", b"Hel", -0.5), ("Hi", b"Hi", -1.5)]),
         ("lo", b"lo", -0.25, [("lo", b"lo", -0.25), ("p", b"p", -2.0)]),
     ]
-    chat_shape = openai.chat_logprobs(entries)
+    chat_shape = replies.chat_logprobs(entries)
     assert chat_shape == {"refusal": None, "content": [
         {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108], "top_logprobs": [
             {"token": "Hel", "logprob": -0.5, "bytes": [72, 101, 108]},
@@ -110,11 +111,11 @@ def test_logprob_shapes() -> None:
         {"token": "lo", "logprob": -0.25, "bytes": [108, 111], "top_logprobs": [
             {"token": "lo", "logprob": -0.25, "bytes": [108, 111]},
             {"token": "p", "logprob": -2.0, "bytes": [112]}]}]}  # fmt: skip
-    assert openai.completion_logprobs(entries, 10) == {
+    assert replies.completion_logprobs(entries, 10) == {
         "tokens": ["Hel", "lo"], "token_logprobs": [-0.5, -0.25],
         "top_logprobs": [{"Hel": -0.5, "Hi": -1.5}, {"lo": -0.25, "p": -2.0}],
         "text_offset": [10, 13]}  # fmt: skip
-    assert openai.chat_logprobs(None) is None and openai.completion_logprobs(None, 0) is None
+    assert replies.chat_logprobs(None) is None and replies.completion_logprobs(None, 0) is None
 
 
 async def test_logprobs_travel_with_the_text_they_belong_to() -> None:

@@ -1,4 +1,5 @@
-"""The OpenAI API's wire format: request schemas with validation, response builders.
+"""The OpenAI API's requests: schemas with validation (the replies are built by
+:mod:`slipstream.protocol.openai_replies`).
 
 Pure codec, no I/O. Fields OpenAI defines but Slipstream does not implement (tools,
 ``suffix``, ``best_of`` > 1, ...) are refused with a 400 naming the field, never
@@ -10,17 +11,13 @@ of the same names, ``grammar`` and ``json_schema`` as llama.cpp's server has the
 
 from __future__ import annotations
 
-import base64
 import re
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
-import numpy as np
 import orjson
 from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema
 
-from slipstream.errors import InvalidRequest, SlipstreamError
+from slipstream.errors import InvalidRequest
 from slipstream.names import validate_model_name
 from slipstream.protocol.openai_tools import (
     MAX_TOOLS,
@@ -37,8 +34,6 @@ MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
 # Inputs one /v1/embeddings request may carry: OpenAI's own limit.
 MAX_EMBEDDING_INPUTS = 2048
-
-_PARAM = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 
 def _only(*schemas: dict[str, Any], note: str) -> WithJsonSchema:
@@ -290,9 +285,34 @@ class ChatRequest(_Sampling):
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's fields for what this server does not do: each refused naming it (below).
+    functions: Annotated[Any, _only(_NULL, note="legacy: send tools")] = None
+    function_call: Annotated[Any, _only(_NULL, note="legacy: send tool_choice")] = None
+    audio: Annotated[Any, _only(_NULL, note="text only")] = None
+    modalities: Annotated[
+        list[str] | None,
+        _only({"type": "array", "items": {"const": "text"}}, _NULL, note="text only"),
+    ] = None
+    web_search_options: Annotated[Any, _only(_NULL, note="not supported")] = None
+    reasoning_effort: Annotated[Any, _only(_NULL, note="not supported")] = None
+    # A latency hint: the text is the same without it, so it is accepted and not used.
+    prediction: dict[str, Any] | None = None
+    service_tier: Literal["auto", "default"] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        for field, use in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, field) is not None:
+                raise InvalidRequest(
+                    f"{field}: the legacy function-calling fields are not supported; send "
+                    f"{use} instead"
+                )
+        if self.audio is not None or (self.modalities and set(self.modalities) != {"text"}):
+            field = "audio" if self.audio is not None else "modalities"
+            raise InvalidRequest(f"{field}: this server generates text only")
+        for field in ("web_search_options", "reasoning_effort"):
+            if getattr(self, field) is not None:
+                raise InvalidRequest(f"{field}: not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs: only allowed when logprobs is true")
         choice = self.choice()
@@ -401,194 +421,3 @@ def parse(body: bytes, schema: type[_Request]) -> Any:
     if check is not None:
         check()
     return request
-
-
-# -- responses ---------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-# One token's logprobs as the routes hand them over: (token text, its bytes, logprob,
-# [(alternative's text, its bytes, logprob), ...] most likely first).
-Alternative = tuple[str, bytes, float]
-LogprobEntry = tuple[str, bytes, float, list[Alternative]]
-
-
-def chat_logprobs(entries: list[LogprobEntry] | None) -> dict[str, Any] | None:
-    """A chat choice's ``logprobs``: ``{"content": [...], "refusal": None}``."""
-    if entries is None:
-        return None
-    content = [
-        {"token": token, "logprob": logprob, "bytes": list(raw),
-         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in top]}
-        for token, raw, logprob, top in entries
-    ]  # fmt: skip
-    return {"content": content, "refusal": None}
-
-
-def completion_logprobs(entries: list[LogprobEntry] | None, offset: int) -> dict[str, Any] | None:
-    """A completion choice's legacy ``logprobs``; ``offset``: characters before the first."""
-    if entries is None:
-        return None
-    offsets = []
-    for token, *_ in entries:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": [token for token, *_ in entries],
-        "token_logprobs": [logprob for _, _, logprob, _ in entries],
-        "top_logprobs": [{t: lp for t, _, lp in top} for *_, top in entries],
-        "text_offset": offsets,
-    }
-
-
-# A choice as the routes hand it over: (text, finish_reason, logprob entries or None).
-Choice = tuple[str, str, "list[LogprobEntry] | None"]
-
-
-def completion(
-    rid: str, created: int, model: str, texts: list[Choice], use: dict[str, int]
-) -> bytes:
-    """A text_completion, one choice per item of ``texts``."""
-    choices = [
-        {"index": i, "text": text, "logprobs": completion_logprobs(entries, 0),
-         "finish_reason": reason}
-        for i, (text, reason, entries) in enumerate(texts)
-    ]  # fmt: skip
-    return orjson.dumps({"id": rid, "object": "text_completion", "created": created,
-                         "model": model, "choices": choices, "usage": use})  # fmt: skip
-
-
-# A tool call as the routes hand it over: (call id, function name, arguments JSON text).
-CallItem = tuple[str, str, str]
-
-
-def tool_calls(calls: list[CallItem]) -> list[dict[str, Any]]:
-    """The ``tool_calls`` of a message (with ``index``, for a streamed delta)."""
-    return [
-        {"index": i, "id": cid, "type": "function",
-         "function": {"name": name, "arguments": arguments}}
-        for i, (cid, name, arguments) in enumerate(calls)
-    ]  # fmt: skip
-
-
-def chat_completion(
-    rid: str, created: int, model: str, texts: list[Choice], use: dict[str, int],
-    calls: list[list[CallItem]] | None = None,
-) -> bytes:  # fmt: skip
-    choices = []
-    for i, (text, reason, entries) in enumerate(texts):
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        made = calls[i] if calls else []
-        if made:
-            message["content"] = text or None
-            message["tool_calls"] = [
-                {key: value for key, value in call.items() if key != "index"}
-                for call in tool_calls(made)
-            ]
-        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(entries),
-                        "finish_reason": reason})  # fmt: skip
-    return orjson.dumps({"id": rid, "object": "chat.completion", "created": created,
-                         "model": model, "choices": choices, "usage": use})  # fmt: skip
-
-
-def sse(payload: Any) -> bytes:
-    """One server-sent event carrying ``payload`` as JSON."""
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def completion_chunk(
-    rid: str, created: int, model: str, index: int, text: str, reason: str | None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                         "finish_reason": reason}]}  # fmt: skip
-
-
-def chat_chunk(
-    rid: str, created: int, model: str, index: int, delta: dict[str, str], reason: str | None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                         "finish_reason": reason}]}  # fmt: skip
-
-
-def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, int]) -> bytes:
-    return sse({"id": rid, "object": obj, "created": created, "model": model,
-                "choices": [], "usage": use})  # fmt: skip
-
-
-def _card(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "slipstream"}
-
-
-def model_card(name: str, created: int) -> bytes:
-    return orjson.dumps(_card(name, created))
-
-
-def models_list(models: list[tuple[str, int]]) -> bytes:
-    data = [_card(name, created) for name, created in models]
-    return orjson.dumps({"object": "list", "data": data})
-
-
-def embeddings(model: str, vectors: np.ndarray, encoding: str, prompt_tokens: int) -> bytes:
-    data = []
-    for index, row in enumerate(np.asarray(vectors, dtype=np.float32)):
-        value: Any = (
-            base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
-            if encoding == "base64"
-            else row.tolist()
-        )
-        data.append({"object": "embedding", "index": index, "embedding": value})
-    return orjson.dumps({"object": "list", "data": data, "model": model,
-                         "usage": {"prompt_tokens": prompt_tokens,
-                                   "total_tokens": prompt_tokens}})  # fmt: skip
-
-
-# The front door's refusals, with the type and code OpenAI's own API answers them with.
-_CLIENT_CODES = {
-    401: ("invalid_request_error", "invalid_api_key"),
-    403: ("permission_error", "permission_denied"),
-    429: ("requests", "rate_limit_exceeded"),
-}
-
-
-def error(exc: SlipstreamError) -> bytes:
-    """``{"error": {message, type, param, code}}`` as OpenAI writes it."""
-    status = exc.http_status
-    match = _PARAM.match(exc.message)
-    param = match.group(1) if match and status < 500 else None
-    if status == 404:
-        kind, code = "invalid_request_error", "model_not_found"
-    elif status in _CLIENT_CODES:
-        kind, code = _CLIENT_CODES[status]
-    elif status < 500:
-        kind, code = "invalid_request_error", None
-    else:
-        kind, code = "server_error", "service_unavailable" if status == 503 else None
-    return orjson.dumps({"error": {"message": exc.message, "type": kind, "param": param,
-                                   "code": code}})  # fmt: skip
-
-
-def error_event(exc: SlipstreamError) -> bytes:
-    """An error met after a stream began, sent as its last event."""
-    return b"data: " + error(exc) + b"\n\n"

@@ -18,12 +18,12 @@ from pydantic import Field
 from slipstream.errors import InvalidRequest
 from slipstream.protocol.openai import (
     _NULL,
-    CallItem,
     ContentPart,
     _only,
     _response_format,
     _Sampling,
 )
+from slipstream.protocol.openai_replies import CallItem
 from slipstream.protocol.openai_tools import MAX_TOOLS, _Request
 from slipstream.types import Constraint
 

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Awaitable
 import orjson
 
 from slipstream.errors import SlipstreamError, TooManyRequests
-from slipstream.protocol import openai, v2
+from slipstream.protocol import openai_replies as replies
+from slipstream.protocol import v2
 from slipstream.security.access import HttpAccess, RouteAccess
 from slipstream.security.gate import AccessRecord, Gate, body_model, request_id
 from slipstream.security.keys import ApiKey
@@ -210,7 +211,7 @@ async def _ready(reply: Reply) -> Reply:
 
 
 def _refusal(exc: SlipstreamError, path: str) -> HttpResponse:
-    body = openai.error(exc) if path.startswith("/v1/") else v2.encode_error(exc.message)
+    body = replies.error(exc) if path.startswith("/v1/") else v2.encode_error(exc.message)
     reply = error_reply(exc, body)
     if isinstance(exc, TooManyRequests):
         reply.headers += [(name.encode(), value.encode()) for name, value in exc.headers]

@@ -20,7 +20,7 @@ from slipstream.llm.tools import (
     read_calls,
     template_messages,
 )
-from slipstream.protocol import openai
+from slipstream.protocol import openai_replies as replies
 from slipstream.types import Constraint
 
 
@@ -95,11 +95,11 @@ class Collected:
     reasons: list[str]
     completion_tokens: list[int]
     # Per choice: logprob entries, or None when the request asked for none.
-    entries: list[list[openai.LogprobEntry] | None]
+    entries: list[list[replies.LogprobEntry] | None]
     # Per choice: the tool calls read from its text.
-    calls: list[list[openai.CallItem]] = field(default_factory=list)
+    calls: list[list[replies.CallItem]] = field(default_factory=list)
 
-    def choices(self) -> list[openai.Choice]:
+    def choices(self) -> list[replies.Choice]:
         return list(zip(self.texts, self.reasons, self.entries, strict=True))
 
 
@@ -113,7 +113,7 @@ async def collect(
     texts = [[echo] for echo in echoes] if echoes else [[""] for _ in range(choices)]
     reasons = ["stop"] * choices
     completion_tokens = [0] * choices
-    entries: list[list[openai.LogprobEntry] | None] = [
+    entries: list[list[replies.LogprobEntry] | None] = [
         [] if pieces is not None else None for _ in range(choices)
     ]
     async for index, delta in stream:
@@ -148,20 +148,20 @@ async def replay_events(
     extra = {"usage": None} if head.include_usage else {}
     for index, text in enumerate(collected.texts):
         role = {"role": "assistant", "content": ""}
-        yield openai.sse(openai.chat_chunk(rid, created, model, index, role, None) | extra)
+        yield replies.sse(replies.chat_chunk(rid, created, model, index, role, None) | extra)
         if text:
-            chunk = openai.chat_chunk(rid, created, model, index, {"content": text}, None,
-                                      openai.chat_logprobs(collected.entries[index]))  # fmt: skip
-            yield openai.sse(chunk | extra)
+            chunk = replies.chat_chunk(rid, created, model, index, {"content": text}, None,
+                                      replies.chat_logprobs(collected.entries[index]))  # fmt: skip
+            yield replies.sse(chunk | extra)
         if collected.calls[index]:
-            delta: Any = {"tool_calls": openai.tool_calls(collected.calls[index])}
-            yield openai.sse(openai.chat_chunk(rid, created, model, index, delta, None) | extra)
-        last = openai.chat_chunk(rid, created, model, index, {}, collected.reasons[index])
-        yield openai.sse(last | extra)
+            delta: Any = {"tool_calls": replies.tool_calls(collected.calls[index])}
+            yield replies.sse(replies.chat_chunk(rid, created, model, index, delta, None) | extra)
+        last = replies.chat_chunk(rid, created, model, index, {}, collected.reasons[index])
+        yield replies.sse(last | extra)
     if head.include_usage:
-        use = openai.usage(prompt_tokens, sum(collected.completion_tokens))
-        yield openai.usage_chunk(rid, created, model, "chat.completion.chunk", use)
-    yield openai.SSE_DONE
+        use = replies.usage(prompt_tokens, sum(collected.completion_tokens))
+        yield replies.usage_chunk(rid, created, model, "chat.completion.chunk", use)
+    yield replies.SSE_DONE
 
 
 class Pieces:
@@ -178,8 +178,8 @@ class Pieces:
             known = self._known[token_id] = (raw.decode("utf-8", errors="replace"), raw)
         return known
 
-    def entries(self, logprobs: Sequence[TokenLogprob]) -> list[openai.LogprobEntry]:
-        out: list[openai.LogprobEntry] = []
+    def entries(self, logprobs: Sequence[TokenLogprob]) -> list[replies.LogprobEntry]:
+        out: list[replies.LogprobEntry] = []
         for item in logprobs:
             text, raw = self.piece(item.token_id)
             top = [(*self.piece(token), logprob) for token, logprob in item.top]
@@ -213,12 +213,12 @@ async def sse_events(
     extra: dict[str, Any] = {"usage": None} if head.include_usage else {}
     if chat:
         for index in range(choices):
-            role = openai.chat_chunk(
+            role = replies.chat_chunk(
                 rid, created, model, index, {"role": "assistant", "content": ""}, None
             )
-            yield openai.sse(role | extra)
+            yield replies.sse(role | extra)
     for index, echo in enumerate(echoes or []):
-        yield openai.sse(openai.completion_chunk(rid, created, model, index, echo, None) | extra)
+        yield replies.sse(replies.completion_chunk(rid, created, model, index, echo, None) | extra)
     completion_tokens = [0] * choices
     # Characters sent so far per choice: the legacy logprobs' text_offset counts from it.
     offsets = [len(echo) for echo in echoes] if echoes else [0] * choices
@@ -226,24 +226,24 @@ async def sse_events(
         async for index, delta in stream:
             completion_tokens[index] = delta.completion_tokens
             if head.continuous_usage:
-                extra = {"usage": openai.usage(prompt_tokens, sum(completion_tokens))}
+                extra = {"usage": replies.usage(prompt_tokens, sum(completion_tokens))}
             entries = pieces.entries(delta.logprobs) if pieces is not None else None
             if chat:
                 if delta.text or entries:
-                    chunk = openai.chat_chunk(rid, created, model, index, {"content": delta.text},
-                                              None, openai.chat_logprobs(entries))  # fmt: skip
-                    yield openai.sse(chunk | extra)
+                    chunk = replies.chat_chunk(rid, created, model, index, {"content": delta.text},
+                                              None, replies.chat_logprobs(entries))  # fmt: skip
+                    yield replies.sse(chunk | extra)
                 if delta.finish_reason is not None:
-                    last = openai.chat_chunk(rid, created, model, index, {}, delta.finish_reason)
-                    yield openai.sse(last | extra)
+                    last = replies.chat_chunk(rid, created, model, index, {}, delta.finish_reason)
+                    yield replies.sse(last | extra)
             else:
-                logprobs = openai.completion_logprobs(entries, offsets[index])
+                logprobs = replies.completion_logprobs(entries, offsets[index])
                 offsets[index] += sum(len(text) for text, *_ in entries or [])
-                chunk = openai.completion_chunk(rid, created, model, index, delta.text,
+                chunk = replies.completion_chunk(rid, created, model, index, delta.text,
                                                 delta.finish_reason, logprobs)  # fmt: skip
-                yield openai.sse(chunk | extra)
+                yield replies.sse(chunk | extra)
     except SlipstreamError as exc:
-        yield openai.error_event(exc)
+        yield replies.error_event(exc)
         return
     finally:
         aclose = getattr(stream, "aclose", None)
@@ -251,6 +251,6 @@ async def sse_events(
             await aclose()
     if head.include_usage:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        use = openai.usage(prompt_tokens, sum(completion_tokens))
-        yield openai.usage_chunk(rid, created, model, obj, use)
-    yield openai.SSE_DONE
+        use = replies.usage(prompt_tokens, sum(completion_tokens))
+        yield replies.usage_chunk(rid, created, model, obj, use)
+    yield replies.SSE_DONE

@@ -19,6 +19,7 @@ from slipstream.llm.api import GenerationService
 from slipstream.llm.text import TextDelta
 from slipstream.llm.tools import Tool
 from slipstream.protocol import openai
+from slipstream.protocol import openai_replies as replies
 from slipstream.protocol.openai_responses import (
     ResponsesRequest,
     call_item,
@@ -51,7 +52,7 @@ async def respond(
     jobs = build_jobs(engine, body, [prompt], body.max_output_tokens,
                       llm.default_max_tokens(body.model), None, constraint)  # fmt: skip
     llm.admit(body.model, jobs)
-    rid, created = item_id("resp"), openai.now()
+    rid, created = item_id("resp"), replies.now()
     stream = llm.generate(body.model, jobs, arrived)
     if body.stream and not tools:
         return StreamingResponse(200, _text_events(stream, rid, created, body, len(prompt)))

@@ -20,6 +20,7 @@ from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.tools import Tool
 from slipstream.names import path_model_name
 from slipstream.protocol import openai
+from slipstream.protocol import openai_replies as replies
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.server.openai_cache import GenerationCache
 from slipstream.server.openai_generation import (
@@ -79,12 +80,12 @@ class OpenAIApp:
                 listed = await self._model_list()
                 if request.models is not None:  # only what the caller's key may use
                     listed = [entry for entry in listed if entry[0] in request.models]
-                return HttpResponse(200, openai.models_list(listed))
+                return HttpResponse(200, replies.models_list(listed))
             if route.startswith("/v1/models/"):
                 name = path_model_name(route.removeprefix("/v1/models/"))
                 for entry, created in await self._model_list():
                     if entry == name:
-                        return HttpResponse(200, openai.model_card(name, created))
+                        return HttpResponse(200, replies.model_card(name, created))
                 raise ModelNotFound(f"model: {name!r} is not served here")
         if request.method == "POST":
             if route == "/v1/completions":
@@ -168,8 +169,8 @@ class OpenAIApp:
             events = sse_events(stream, head, len(jobs), prompt_tokens, echoes)
             return StreamingResponse(200, events)
         collected = await collect(stream, len(jobs), pieces, echoes)
-        use = openai.usage(prompt_tokens, sum(collected.completion_tokens))
-        build = openai.chat_completion if chat else openai.completion
+        use = replies.usage(prompt_tokens, sum(collected.completion_tokens))
+        build = replies.chat_completion if chat else replies.completion
         return HttpResponse(
             200, build(head.rid, head.created, body.model, collected.choices(), use)
         )
@@ -187,8 +188,8 @@ class OpenAIApp:
         read_tool_calls(collected, tools, choice)
         if body.stream:
             return StreamingResponse(200, replay_events(collected, head, prompt_tokens))
-        use = openai.usage(prompt_tokens, sum(collected.completion_tokens))
-        reply = openai.chat_completion(head.rid, head.created, body.model, collected.choices(),
+        use = replies.usage(prompt_tokens, sum(collected.completion_tokens))
+        reply = replies.chat_completion(head.rid, head.created, body.model, collected.choices(),
                                        use, collected.calls)  # fmt: skip
         return HttpResponse(200, reply)
 
@@ -199,7 +200,7 @@ class OpenAIApp:
         route_key = request.header(b"x-slipstream-route-key")
         key = route_key.decode("latin-1") if route_key else (body.user or "")
         vectors, prompt_tokens = await self._embedder.embed(body.model, body.texts(), key)
-        reply = openai.embeddings(body.model, vectors, body.encoding_format, prompt_tokens)
+        reply = replies.embeddings(body.model, vectors, body.encoding_format, prompt_tokens)
         return HttpResponse(200, reply)
 
 
@@ -207,9 +208,9 @@ def _head(body: Any, chat: bool, pieces: Pieces | None) -> StreamHead:
     options = body.stream_options if body.stream else None
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.include_usage and options.continuous_usage_stats)
-    rid = openai.new_id("chatcmpl" if chat else "cmpl")
-    return StreamHead(rid, openai.now(), body.model, chat, include_usage, pieces, continuous)
+    rid = replies.new_id("chatcmpl" if chat else "cmpl")
+    return StreamHead(rid, replies.now(), body.model, chat, include_usage, pieces, continuous)
 
 
 def _openai_error(exc: SlipstreamError) -> HttpResponse:
-    return error_reply(exc, openai.error(exc))
+    return error_reply(exc, replies.error(exc))

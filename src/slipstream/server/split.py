@@ -54,7 +54,7 @@ from slipstream.errors import SlipstreamError
 from slipstream.observability.merge import Family, merged_text, snapshot
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.startup import TRACE
-from slipstream.protocol import openai
+from slipstream.protocol import openai_replies as replies
 from slipstream.repository.layout import list_models
 from slipstream.repository.placement import CPU, Routing, Share, engine_devices
 from slipstream.runtime import heap
@@ -489,11 +489,11 @@ class OpenAIForwarder:
 
     async def _models(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
         """Every engine's /v1/models, as one list (the first failure as it is)."""
-        replies = await asyncio.gather(
+        answers = await asyncio.gather(
             *(self._forward(client, request) for client in self._clients)
         )
         data: list[Any] = []
-        for reply in replies:
+        for reply in answers:
             if not isinstance(reply, HttpResponse) or reply.status != 200:
                 return reply
             data.extend(orjson.loads(reply.body)["data"])
@@ -507,7 +507,7 @@ class OpenAIForwarder:
         try:
             first = await anext(items)
         except SlipstreamError as exc:
-            return error_reply(exc, openai.error(exc))
+            return error_reply(exc, replies.error(exc))
         if isinstance(first, HttpResponse):
             async for _ in items:  # the end of the stream
                 pass
@@ -522,7 +522,7 @@ async def _relay(items: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for chunk in items:
             yield chunk
     except SlipstreamError as exc:
-        yield openai.error_event(exc)
+        yield replies.error_event(exc)
     finally:
         await items.aclose()  # type: ignore[attr-defined]
 
