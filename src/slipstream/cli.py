@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 from pydantic import ValidationError
+from pydantic_core import PydanticUndefined
 
 from slipstream import __version__
 from slipstream.config import ServerSettings, format_validation_error
@@ -23,8 +24,8 @@ from slipstream.config import ServerSettings, format_validation_error
 def _help(field: str) -> str:
     description = ServerSettings.model_fields[field].description or ""
     default = ServerSettings.model_fields[field].default
-    if default is None or callable(default) or field == "model_repository":
-        return description
+    if default in (None, PydanticUndefined) or callable(default) or field == "model_repository":
+        return description  # PydanticUndefined: a default_factory's (an empty list)
     return f"{description} [default: {default}]"
 
 

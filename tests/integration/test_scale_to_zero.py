@@ -153,6 +153,9 @@ def test_a_model_that_fails_to_load_on_demand_answers_503_naming_why_and_backs_o
         state, reason = index(server)["fragile"]
         assert state == "UNAVAILABLE" and reason and reason != "idle"
         assert infer(server, "pinned", 1.0).status_code == 200  # the others are untouched
+        # and the server stays in its load balancer (strict readiness counts models that
+        # failed to load, not an idle one that failed to wake)
+        assert server.http.get("/v2/health/ready").status_code == 200
     finally:
         shutil.copy(saved, model_file)
     deadline = time.monotonic() + 15

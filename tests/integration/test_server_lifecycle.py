@@ -226,6 +226,21 @@ def test_load_model_that_does_not_exist_at_startup_is_reported(
         server.stop()
 
 
+def test_a_server_not_ready_at_start_does_not_log_that_it_is(tmp_path: Path, log_dir: Path) -> None:
+    """Strict readiness with a model that failed to load: the start-up line says the
+    server is serving but not ready, as /v2/health/ready answers."""
+    repo = tmp_path / "repo"
+    build_add_sub(repo)
+    build_add_sub(repo, "broken")
+    write_config(repo, "broken", {BROKEN_KEY: {}})
+    server = RemoteServer(repo, log_dir=log_dir, wait_for="live")
+    with server:
+        wait_for(lambda: "Slipstream is" in server.log_text(), 30.0, "the start-up line")
+        assert httpx.get(server.url("/v2/health/ready"), timeout=5).status_code == 503
+        log = server.log_text()
+        assert "but not ready: a model failed to load" in log and "Slipstream is ready" not in log
+
+
 # ---------------------------------------------------------------------------- mode none, versions
 
 

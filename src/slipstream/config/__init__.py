@@ -354,9 +354,9 @@ class ServerSettings(_Strict):
     idle_unload_seconds: float = Field(
         0.0,
         ge=0,
-        description="Unload a V2 model after this long without a request (0: never); a "
-        "model's config.yaml may set its own idle_unload_seconds, or pin: true. The next "
-        "request loads it again and waits for it, up to --load-wait-s.",
+        description="Unload a model (V2 or generative) after this long without a request "
+        "(0: never); a model's config.yaml may set its own idle_unload_seconds, or pin: "
+        "true. The next request loads it again and waits for it, up to --load-wait-s.",
     )
     load_wait_s: float = Field(
         60.0,
@@ -422,7 +422,7 @@ class ServerSettings(_Strict):
         ge=1,
         description="Most open HTTP connections. At the limit, a new connection closes the "
         "longest-idle one, or is refused with 503 when none is idle "
-        "(slipstream_http_connections_closed_by_limit counts both).",
+        "(slipstream_http_connections_closed_by_limit_total counts both).",
     )
     grpc_max_message_bytes: int | None = Field(
         None,

@@ -122,7 +122,7 @@ async def serve(
     def start_companions() -> None:
         background.extend(asyncio.create_task(run(service)) for run in companions)
 
-    exit_code = await run_until_stopped(start_task, stop_task, settings, start_companions)
+    exit_code = await run_until_stopped(start_task, stop_task, settings, start_companions, service)
     logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
                 settings.shutdown_timeout_s)  # fmt: skip
     for task in (start_task, stop_task, *background):
@@ -413,9 +413,11 @@ async def run_until_stopped(
     stop_task: asyncio.Task[bool],
     settings: ServerSettings,
     on_ready: Callable[[], object] | None = None,
+    service: InferenceService | None = None,
 ) -> int:
     """Wait for a stop signal; 0 on a requested stop, 1 when model loading crashed.
-    ``on_ready`` is called once the models have started."""
+    ``on_ready`` is called once the models have started; ``service`` says whether the
+    server is ready then (a model that failed to load keeps it not ready)."""
     watched: set[asyncio.Task[Any]] = {start_task, stop_task}
     while True:
         done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
@@ -430,8 +432,15 @@ async def run_until_stopped(
             heap.settle()
             if on_ready is not None:
                 on_ready()
-            logger.info("Slipstream is ready: HTTP port %s, gRPC port %s",
-                        settings.http_port or "off", settings.grpc_port or "off")  # fmt: skip
+            ports = (settings.http_port or "off", settings.grpc_port or "off")
+            if service is None or await service.is_ready():
+                logger.info("Slipstream is ready: HTTP port %s, gRPC port %s", *ports)
+            else:
+                logger.warning(
+                    "Slipstream is serving on HTTP port %s, gRPC port %s, but not ready: a "
+                    "model failed to load (see above, or the repository index); with "
+                    "--no-strict-readiness the others make it ready", *ports,
+                )  # fmt: skip
             logger.info("%s", TRACE.summary())
             if settings.trace_startup is not None:
                 _write_trace(settings.trace_startup)

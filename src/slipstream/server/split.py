@@ -193,7 +193,9 @@ async def _serve_engine(
     background = background_tasks(settings, core, None)
     start_task = asyncio.create_task(service.start())
     stop_task = asyncio.create_task(stop.wait())
-    exit_code = await run_until_stopped(start_task, stop_task, settings, on_ready=ready.set)
+    exit_code = await run_until_stopped(
+        start_task, stop_task, settings, on_ready=ready.set, service=service
+    )
     logger.info("engine stopping")
     for task in (start_task, stop_task, parent, *background):
         task.cancel()

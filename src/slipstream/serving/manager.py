@@ -205,8 +205,13 @@ class ModelManager:
 
         A failed reload that left the previous versions serving does not count: the
         model is as ready as it was, and the index shows why the new files were refused.
+        Nor does an idle model that failed to wake: it answers 503 naming why, and taking
+        the whole server out of its load balancer for it would fail every other model.
         """
-        return any(state.failures and not state.kept_previous for state in self._models.values())
+        return any(
+            state.failures and not state.kept_previous and not state.asleep
+            for state in self._models.values()
+        )
 
     # -- repository index ----------------------------------------------------------------
 
