@@ -38,6 +38,11 @@ class ModelNotFound(ClientError):
     grpc_code = "NOT_FOUND"
 
 
+class GenerativeModel(ModelNotFound):
+    """A generative model asked for where tensor models are served (the V2 routes,
+    /v1/embeddings): it is served on the OpenAI generation routes only."""
+
+
 class MethodNotAllowed(ClientError):
     """The path names a route, but not for this HTTP method."""
 

@@ -451,7 +451,11 @@ def test_generative_models_are_indexed_loaded_and_unloaded_at_run_time(tmp_path:
         assert index() == {"first": ("1", "READY", ""), "second": ("", "", ""),
                            "broken": ("", "", "")}  # fmt: skip
         assert served() == ["first"]
-        assert complete("second").status_code == 404
+        not_loaded = complete("second")
+        assert not_loaded.status_code == 404
+        assert not_loaded.json()["error"]["message"] == (
+            "model: 'second' is not loaded; load it with POST /v2/repository/models/second/load"
+        )
 
         load = server.http.post("/v2/repository/models/second/load", timeout=60)
         assert load.status_code == 200, load.text

@@ -335,6 +335,11 @@ class LlmModels(GenerationService):
             raise Unavailable(f"model {name!r} is asleep (idle); a generation request loads it")
         if name in self._failures:
             raise Unavailable(f"model {name!r} failed to load: {self._failures[name]}")
+        if self.handles(name):  # in the repository, not loaded (explicit model control)
+            raise ModelNotFound(
+                f"model: {name!r} is not loaded; load it with POST "
+                f"/v2/repository/models/{name}/load"
+            )
         served = ", ".join(self._engines) or "none"
         raise ModelNotFound(f"model: {name!r} is not a generative model here (served: {served})")
 

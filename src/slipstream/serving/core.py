@@ -14,6 +14,7 @@ from slipstream import __version__
 from slipstream.config import ModelConfig, ServerSettings
 from slipstream.errors import (
     ClientError,
+    GenerativeModel,
     InvalidRequest,
     ModelNotFound,
     SlipstreamError,
@@ -551,7 +552,7 @@ class ModelServer(RegionCalls, InferenceService):
         """A generative model is served on the OpenAI routes only: to V2 it is no model
         (404), not one to wait for (503) or to load."""
         if self._lane_of(name) is not None:
-            raise ModelNotFound(
+            raise GenerativeModel(
                 f"model {name!r} is a generative model, served on the OpenAI routes "
                 "(/v1/completions, /v1/chat/completions), not by V2"
             )

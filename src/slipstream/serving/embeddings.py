@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from slipstream.config import ConfigError, ModelConfig
-from slipstream.errors import InvalidRequest, SlipstreamError
+from slipstream.errors import GenerativeModel, InvalidRequest, SlipstreamError
 from slipstream.repository.layout import contained_file, model_path
 from slipstream.serving.service import InferenceService
 from slipstream.types import InferRequest
@@ -54,7 +54,14 @@ class Embedder:
         ``max_request_tokens``. If one piece fails, or the caller is cancelled (the
         client went away), the other pieces are cancelled too.
         """
-        config = await self._service.model_config(model)
+        try:
+            config = await self._service.model_config(model)
+        except GenerativeModel:
+            raise InvalidRequest(
+                f"model: {model!r} is a generative model, served on /v1/completions and "
+                "/v1/chat/completions; /v1/embeddings serves embedding models (a V2 model "
+                "whose config.yaml names a tokenizer)"
+            ) from None
         if not config.tokenizer:
             raise InvalidRequest(
                 f"model: {model!r} is not an embedding model (its config.yaml names no tokenizer)"
