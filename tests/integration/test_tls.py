@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.models import ADD_SUB_WIDTH, build_add_sub
-from tests.utils import HOST, RemoteServer
+from tests.utils import HOST, RemoteServer, free_ports, slipstream_command
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -113,3 +113,30 @@ def test_plain_http_and_clients_without_a_certificate_are_refused(
         grpc.is_server_live()
     grpc.close()
     assert "Traceback" not in server.log_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        # The client's key beside the server's certificate: OpenSSL says "key values
+        # mismatch", naming neither file.
+        (("--tls-cert", "server.pem", "--tls-key", "client.key"), ("server.pem", "client.key")),
+        (("--tls-client-ca", "server.csr"), ("server.csr",)),
+    ],
+)
+def test_files_that_do_not_load_stop_the_server_naming_them(
+    certs: Path, tmp_path: Path, flags: tuple[str, ...], named: tuple[str, ...]
+) -> None:
+    build_add_sub(tmp_path / "repo")
+    args = {"--tls-cert": "server.pem", "--tls-key": "server.key"}
+    args.update(zip(flags[::2], flags[1::2], strict=True))
+    http_port, grpc_port = free_ports(2)
+    command = [*slipstream_command(), "serve", "--model-repository", str(tmp_path / "repo"),
+               "--http-port", str(http_port), "--grpc-port", str(grpc_port)]  # fmt: skip
+    for flag, name in args.items():
+        command += [flag, str(certs / name)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    for name in named:
+        assert str(certs / name) in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

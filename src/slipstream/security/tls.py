@@ -12,9 +12,20 @@ def http_context(cert: Path, key: Path, client_ca: Path | None = None) -> ssl.SS
     """A server context (TLS 1.2+); with ``client_ca``, clients must show a certificate."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cert, key)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:  # OpenSSL's words alone name neither file
+        raise ssl.SSLError(
+            f"--tls-cert {cert} and --tls-key {key}: {exc.reason or exc}; the key must be "
+            "the certificate's, both PEM"
+        ) from exc
     if client_ca is not None:
-        context.load_verify_locations(client_ca)
+        try:
+            context.load_verify_locations(client_ca)
+        except ssl.SSLError as exc:
+            raise ssl.SSLError(
+                f"--tls-client-ca {client_ca}: {exc.reason or exc}; expected PEM CA certificates"
+            ) from exc
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 
