@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slipstream.config import ModelConfig, TensorConfig
+from slipstream.config import ModelConfig, TensorConfig, WarmupSample
 from slipstream.datatypes import to_config_datatype
 from slipstream.observability.stats import ModelStats, StatDuration
 from slipstream.types import ModelMetadata, RepositoryEntry, ServerMetadata, TensorMetadata
@@ -76,14 +76,16 @@ def model_config_json(config: ModelConfig) -> dict[str, Any]:
             },
         },
         "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},
-        "model_warmup": [w.model_dump() for w in config.model_warmup],
+        "model_warmup": [_warmup_json(w) for w in config.model_warmup],
     }
 
 
-_INFER_STAT_NAMES = (
-    "success", "fail", "queue", "compute_input", "compute_infer",
-    "compute_output", "cache_hit", "cache_miss",
-)  # fmt: skip
+def _warmup_json(sample: WarmupSample) -> dict[str, Any]:
+    """A warm-up sample as Triton writes it: TYPE_* datatypes, as the tensors have."""
+    out = sample.model_dump()
+    for name, tensor in sample.inputs.items():
+        out["inputs"][name]["data_type"] = to_config_datatype(tensor.data_type)
+    return out
 
 
 _INFER_STAT_NAMES = (
