@@ -105,6 +105,10 @@ class Share(Protocol):
     def select(self, models: dict[str, ModelDirectory]) -> dict[str, ModelDirectory]: ...
 
 
+# (directory, why) of the entries list_models skipped and said so.
+_SKIPPED: set[tuple[Path, str]] = set()
+
+
 def list_models(repository: Path, share: Share | None = None) -> dict[str, ModelDirectory]:
     """Every model directory in the repository, by name (those of ``share`` only, where
     one is given).
@@ -122,8 +126,13 @@ def list_models(repository: Path, share: Share | None = None) -> dict[str, Model
         try:
             _inside(repository, inside, entry.name)
         except SlipstreamError as exc:
-            logger.warning("skipping %s: %s", entry, exc.message)
+            # Every scan skips it (the V2 models', the generative ones', each poll):
+            # said once, and again only once it was fixed and broke anew.
+            if (entry, exc.message) not in _SKIPPED:
+                _SKIPPED.add((entry, exc.message))
+                logger.warning("skipping %s: %s", entry, exc.message)
             continue
+        _SKIPPED.difference_update({k for k in _SKIPPED if k[0] == entry})
         models[entry.name] = read_model_directory(entry)
     return models if share is None else share.select(models)
 
