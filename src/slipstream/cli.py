@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
 from slipstream import __version__
-from slipstream.config import ServerSettings, format_validation_error
+from slipstream.config import ServerSettings
 
 
 def _help(field: str) -> str:
@@ -27,6 +27,18 @@ def _help(field: str) -> str:
     if default in (None, PydanticUndefined) or callable(default) or field == "model_repository":
         return description  # PydanticUndefined: a default_factory's (an empty list)
     return f"{description} [default: {default}]"
+
+
+def _option_problems(error: ValidationError) -> str:
+    """What is wrong with the options, each problem under its flag's name (not the
+    settings field behind it); one that concerns several flags names them itself."""
+    flags = {p.name: p.opts[-1] for p in click.get_current_context().command.params}
+    problems = []
+    for problem in error.errors():
+        message = problem["msg"].removeprefix("Value error, ")
+        field = str(problem["loc"][0]) if problem["loc"] else ""
+        problems.append(f"{flags.get(field, field)}: {message}" if field else message)
+    return "; ".join(problems)
 
 
 def _default(field: str) -> Any:
@@ -237,7 +249,7 @@ def serve(**options: Any) -> None:
     try:
         settings = ServerSettings(**options)
     except ValidationError as exc:
-        raise click.BadParameter(format_validation_error("option", exc)) from None
+        raise click.UsageError(_option_problems(exc)) from None
     if not settings.model_repository.is_dir():
         raise click.BadParameter(
             f"{settings.model_repository} is not a directory", param_hint="--model-repository"
@@ -315,7 +327,7 @@ def worker(**options: Any) -> None:
     try:
         settings = WorkerSettings(**options)
     except ValidationError as exc:
-        raise click.BadParameter(format_validation_error("option", exc)) from None
+        raise click.UsageError(_option_problems(exc)) from None
     if not settings.model_repository.is_dir():
         raise click.BadParameter(
             f"{settings.model_repository} is not a directory", param_hint="--repository"

@@ -93,10 +93,12 @@ def test_repository_option_is_required() -> None:
     [
         (["--model-control-mode", "sometimes"], "--model-control-mode"),
         (["--http-port", "eighty"], "--http-port"),
-        (["--http-port", "70000"], "http_port"),
-        (["--max-request-bytes", "10"], "max_request_bytes"),
+        (["--http-port", "70000"], "--http-port: "),
+        (["--max-request-bytes", "10"], "--max-request-bytes: "),
+        (["--load-model", "../up"], "--load-model: '../up' contains '/'"),
+        (["--tls-cert", "cert.pem"], "Error: --tls-cert and --tls-key go together"),
         (["--log-level", "loud"], "--log-level"),
-        (["--frontends", "-1"], "frontends"),
+        (["--frontends", "-1"], "--frontends: "),
         (["--frontends", "2", "--ray"], "--frontends"),
         (["--engines", "per-device", "--ray"], "--engines"),
         (["--engines", "per-gpu"], "--engines"),
@@ -109,6 +111,8 @@ def test_invalid_option_values_exit_non_zero_naming_the_option(
     assert result.returncode != 0
     assert fragment in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+    # Named by its flag, never by the settings field behind it.
+    assert "_" not in result.stderr.split("Error:")[-1].split(":")[0], result.stderr
 
 
 @pytest.mark.parametrize(
