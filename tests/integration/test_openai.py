@@ -253,6 +253,7 @@ def test_streamed_chat_sends_role_first_and_reason_last(client: openai.OpenAI) -
         ({"model": "tiny", "prompt": "x", "grammar": "root ::= ("}, 400, "grammar"),
         ({"model": "tiny"}, 400, "prompt"),
         ({"model": "nope", "prompt": "x"}, 404, "model"),
+        ({"model": "../tiny", "prompt": "x"}, 400, "model"),
         ({"model": "embed", "prompt": "x"}, 404, "model"),
     ],
 )

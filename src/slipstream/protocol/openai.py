@@ -416,7 +416,7 @@ def parse(body: bytes, schema: type[_Request]) -> Any:
     except ValidationError as exc:
         raise InvalidRequest(_first_problem(exc)) from None
     if isinstance(request, _Sampling | EmbeddingRequest):
-        validate_model_name(request.model, "model")
+        validate_model_name(request.model, "model:")  # "model: ...": the field named
     check = getattr(request, "check_supported", None)
     if check is not None:
         check()
