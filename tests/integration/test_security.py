@@ -221,7 +221,8 @@ def test_openai_model_field_is_checked(http: httpx.Client) -> None:
             response = http.post(route, json={"model": name, **body})
             assert response.status_code == 400, (route, name, response.text)
             error = response.json()["error"]
-            assert error["message"].startswith("model ") and MODEL_NAME_RULE in error["message"]
+            assert error["message"].startswith("model: ") and MODEL_NAME_RULE in error["message"]
+            assert error["param"] == "model"
     response = http.get("/v1/models/..%2Fevilrepo%2Fevil")
     assert response.status_code == 400 and "path separator" in response.json()["error"]["message"]
     assert index(http) == before
