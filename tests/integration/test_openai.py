@@ -441,7 +441,7 @@ def test_embeddings_beyond_the_limits_are_refused_naming_them(server: RemoteServ
 def test_embeddings_of_a_generative_model_are_refused(server: RemoteServer) -> None:
     reply = server.http.post("/v1/embeddings", json={"model": "tiny", "input": "x"})
     error = reply.json()["error"]
-    assert (reply.status_code, error["param"]) == (400, "model"), reply.text
+    assert (reply.status_code, error["param"]) == (404, "model"), reply.text
     assert "generative model, served on /v1/completions" in error["message"]
     reply = server.http.post("/v1/embeddings", json={"model": "embed", "input": [""]})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "input[0]"

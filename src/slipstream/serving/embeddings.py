@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from slipstream.config import ConfigError, ModelConfig
-from slipstream.errors import GenerativeModel, InvalidRequest, SlipstreamError
+from slipstream.errors import GenerativeModel, InvalidRequest, ModelNotFound, SlipstreamError
 from slipstream.repository.layout import contained_file, model_path
 from slipstream.serving.service import InferenceService
 from slipstream.types import InferRequest
@@ -56,8 +56,8 @@ class Embedder:
         """
         try:
             config = await self._service.model_config(model)
-        except GenerativeModel:
-            raise InvalidRequest(
+        except GenerativeModel:  # a model, but not one this route serves: 404
+            raise ModelNotFound(
                 f"model: {model!r} is a generative model, served on /v1/completions and "
                 "/v1/chat/completions; /v1/embeddings serves embedding models (a V2 model "
                 "whose config.yaml names a tokenizer)"
