@@ -1,54 +1,21 @@
-"""The HTTP router: prefix routing and the middleware chain every route passes."""
+"""What a request no route answers gets: 405 only where another method would do."""
 
 from __future__ import annotations
 
-from slipstream.server.httpd import HttpRequest, HttpResponse
-from slipstream.server.router import Handler, Reply, Router
+from slipstream.errors import MethodNotAllowed, ModelNotFound
+from slipstream.server.router import no_route
 
 
-def request(path: str) -> HttpRequest:
-    return HttpRequest(method="GET", path=path, query=b"", headers=[], body=b"")
+def test_another_method_of_a_route_is_405_with_allow() -> None:
+    refused = no_route("GET", "/v2/models/m/infer")
+    assert isinstance(refused, MethodNotAllowed) and refused.allow == ["POST"]
 
 
-def answering(text: str) -> Handler:
-    async def handle(req: HttpRequest) -> Reply:
-        return HttpResponse(200, f"{text} {req.path}".encode())
-
-    return handle
-
-
-async def test_first_matching_prefix_wins_else_the_fallback() -> None:
-    router = Router(
-        fallback=answering("v2"), routes=[("/v1/", answering("openai")), ("/v1", answering("x"))]
-    )
-    for path, body in [
-        ("/v1/models", b"openai /v1/models"),
-        ("/v2/health/live", b"v2 /v2/health/live"),
-    ]:
-        reply = await router.handle(request(path))
-        assert isinstance(reply, HttpResponse) and reply.body == body
-
-
-async def test_middleware_runs_in_order_around_every_route_and_may_answer_itself() -> None:
-    seen: list[str] = []
-
-    async def tag(req: HttpRequest, call_next: Handler) -> Reply:
-        seen.append(f"tag {req.path}")
-        reply = await call_next(req)
-        seen.append("tag done")
-        return reply
-
-    async def keys(req: HttpRequest, call_next: Handler) -> Reply:
-        seen.append("keys")
-        if req.path.endswith("/secret"):
-            return HttpResponse(401, b"no key")
-        return await call_next(req)
-
-    router = Router(answering("v2"), [("/v1/", answering("openai"))], middleware=[tag, keys])
-    ok = await router.handle(request("/v1/models"))
-    assert isinstance(ok, HttpResponse) and ok.status == 200 and ok.body == b"openai /v1/models"
-    assert seen == ["tag /v1/models", "keys", "tag done"]
-    seen.clear()
-    refused = await router.handle(request("/v2/secret"))
-    assert isinstance(refused, HttpResponse) and refused.status == 401
-    assert seen == ["tag /v2/secret", "keys", "tag done"]
+def test_a_route_asked_with_its_own_method_but_not_mounted_is_404() -> None:
+    """Under Ray with no generative model nothing mounts /v1: a GET of /v1/models used to
+    answer "GET is not allowed on /v1/models; use GET, HEAD"."""
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
+        refused = no_route(method, path)
+        assert type(refused) is ModelNotFound, refused
+        assert refused.message == f"{method} {path} is not served here"
+    assert no_route("GET", "/nowhere").message == "no route for GET /nowhere"

@@ -70,8 +70,11 @@ def known_routes() -> list[tuple[str, str]]:
 
 def no_route(method: str, path: str) -> ClientError:
     """What a request that no route answers gets: 405 (with Allow) when the path names a
-    route of other methods, else 404."""
+    route of other methods, else 404 (also for a route of the API that this server does
+    not mount, e.g. the OpenAI routes under Ray with no generative model)."""
     allow = allowed_methods(path)
-    if allow:
+    if allow and method not in allow:
         return MethodNotAllowed(f"{method} is not allowed on {path}; use {', '.join(allow)}", allow)
+    if allow:
+        return ModelNotFound(f"{method} {path} is not served here")
     return ModelNotFound(f"no route for {method} {path}")
