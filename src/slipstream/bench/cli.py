@@ -78,7 +78,9 @@ _FILE = click.Path(path_type=Path, dir_okay=False)
     "-i",
     type=click.Choice(["http", "http-binary", "grpc", *_OPENAI_PROTOCOLS]),
     default="http",
-    help=_help("protocol") + " " + _help("protocol", OpenAIBenchSettings),
+    # One option picks the mode: the OpenAI settings' own default does not apply here.
+    help=f"{BenchSettings.model_fields['protocol'].description} "
+    f"{OpenAIBenchSettings.model_fields['protocol'].description} [default: http]",
 )
 @click.option(
     "--concurrency", callback=_number_list(int, "integers like 1,8,64"), help=_help("concurrency")
