@@ -128,7 +128,8 @@ def bench(**options: Any) -> None:
       slipstream bench localhost:8001 -m mlp --protocol grpc --request-rate 100,500 \\
           --distribution poisson --json out.json --report out.html
       slipstream bench http://localhost:8000 -m minilm --shape input_ids:128 \\
-          --shape attention_mask:128 --batch-size 8 --server-pid $(pgrep -f "slipstream serve")
+          --shape attention_mask:128 --batch-size 8 \\
+          --server-pid "$(pgrep -f 'serve.*-port 8000' | head -1)"
       slipstream bench http://localhost:8000 -m smollm2 --protocol openai-chat \\
           --request-rate 1,2 --num-requests 50 --prompt-tokens 256,64 \\
           --output-tokens 64 --ignore-eos --goodput "ttft:500 tpot:100" --json llm.json
