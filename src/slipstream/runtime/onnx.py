@@ -89,6 +89,8 @@ def session_options(parameters: dict[str, str], instance_count: int) -> ort.Sess
     options.intra_op_num_threads = int(parameters.get("intra_op_thread_count", default_threads))
     options.inter_op_num_threads = int(parameters.get("inter_op_thread_count", 1))
     spinning = parameters.get("allow_spinning", "0")
+    if spinning not in ("0", "1"):  # ORT spins for "1" only: "yes" would silently mean no
+        raise ValueError(f'parameters.allow_spinning: {spinning!r}; expected "0" or "1"')
     options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
     level = parameters.get("graph_optimization_level", "all")
     if level not in _GRAPH_LEVELS:
