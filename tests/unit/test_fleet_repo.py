@@ -86,6 +86,14 @@ def test_publish_signs_a_new_version_and_bumps_every_role(
     assert (staged / "2" / "model.onnx").is_file()
 
 
+def test_publish_says_the_tuf_target_it_signed(paths: FleetPaths, tmp_path: Path) -> None:
+    bundle = write_bundle(tmp_path / "b" / "m", "m", 1)
+    result = CliRunner().invoke(main, ["fleet", "publish", str(bundle), "--repo", str(paths.repo)])
+    assert result.exit_code == 0, result.output
+    # A target name, not a path here: the file is public/targets/bundles/m/<sha256>.m-1.tar.
+    assert "as target bundles/m/m-1.tar" in result.output
+
+
 def test_publish_refuses_an_older_or_equal_version(paths: FleetPaths, tmp_path: Path) -> None:
     publish_bundle(paths, write_bundle(tmp_path / "b2" / "m", "m", 2))
     with pytest.raises(FleetRepoError, match="not newer than the published version 2"):

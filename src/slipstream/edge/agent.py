@@ -214,8 +214,8 @@ class FleetAgent:
         self.state.models[entry.name] = ModelStatus(entry.version, previous)
         _prune(model_dir, keep={entry.version, previous})
         shutil.rmtree(backup, ignore_errors=True)
-        logger.info("fleet agent: %s version %d serving (was %s)", entry.name, entry.version,
-                    previous)  # fmt: skip
+        was = "first install" if previous is None else f"was version {previous}"
+        logger.info("fleet agent: %s version %d serving (%s)", entry.name, entry.version, was)
 
     async def _load_and_check(
         self, service: ModelServer, entry: IndexEntry, model_dir: Path
@@ -273,7 +273,10 @@ class FleetAgent:
                 headers={"content-type": "application/json"},
             )  # fmt: skip
         except urllib3.exceptions.HTTPError as exc:
-            logger.info("fleet agent: report to %s failed: %s", url, exc)
+            # After a round that failed, the publisher's being down was just logged.
+            logged = self.state.failures_in_row > 0 and base == self.settings.fleet_url.rstrip("/")
+            level = logging.DEBUG if logged else logging.INFO
+            logger.log(level, "fleet agent: report to %s failed: %s", url, exc)
             return
         if reply.status >= 300:
             logger.warning("fleet agent: report to %s answered %d", url, reply.status)

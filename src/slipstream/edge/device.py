@@ -23,6 +23,10 @@ import logging
 import shutil
 from pathlib import Path
 
+from tuf.api.exceptions import UnsignedMetadataError
+from tuf.api.metadata import Metadata, Root
+from tuf.api.serialization import DeserializationError
+
 from slipstream.config import ServerSettings
 from slipstream.edge.agent import AgentSettings, FleetAgent
 from slipstream.edge.fleet_client import FleetDirs
@@ -44,9 +48,18 @@ def edge_server_settings(repository: Path, **overrides: object) -> ServerSetting
 
 def provision_root(dirs: FleetDirs, root: Path | None) -> None:
     """Keep ``root`` (the publisher's root.json) as the device's trust anchor, on first
-    start; later starts use the stored one (TUF moves it forward by signed rotations)."""
+    start; later starts use the stored one (TUF moves it forward by signed rotations).
+    ProvisionError, with nothing stored, when ``root`` is not root metadata TUF's client
+    would start from, or when the stored one is not."""
     stored = dirs.trusted_root
     if stored.is_file():
+        problem = root_problem(stored.read_bytes())
+        if problem:
+            raise ProvisionError(
+                f"the trusted root this device keeps, {stored}, is unusable: {problem}; "
+                "delete it and start again with --root and the publisher's "
+                "public/metadata/1.root.json"
+            )
         if root is not None and root.read_bytes() != stored.read_bytes():
             logger.warning("--root %s differs from the trusted root this device keeps (%s); "
                            "keeping the stored one (TUF rotates roots by signed updates)",
@@ -59,8 +72,33 @@ def provision_root(dirs: FleetDirs, root: Path | None) -> None:
         )
     if not root.is_file():
         raise ProvisionError(f"--root {root}: not a file")
+    problem = root_problem(root.read_bytes())
+    if problem:
+        raise ProvisionError(
+            f"--root {root}: {problem}; pass the publisher's public/metadata/1.root.json"
+        )
     dirs.root.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(root, stored)
+
+
+def root_problem(data: bytes) -> str:
+    """Why ``data`` is not a root TUF's client would start from ("" when it is): it must
+    be root metadata signed by its own root keys (a threshold of them), as
+    ``tuf.ngclient`` checks the root it is given. An expired root passes: the client
+    checks expiry only on the newest root, which it downloads."""
+    try:
+        metadata = Metadata[Root].from_bytes(data)
+    except DeserializationError as exc:
+        inner = exc.__cause__
+        detail = f"{type(inner).__name__}: {inner}" if inner is not None else str(exc)
+        return f"not TUF root metadata ({detail})"
+    if not isinstance(metadata.signed, Root):
+        return f"{metadata.signed.type} metadata, not root"
+    try:
+        metadata.signed.verify_delegate(Root.type, metadata.signed_bytes, metadata.signatures)
+    except UnsignedMetadataError as exc:
+        return f"not signed by its own root keys ({exc})"
+    return ""
 
 
 async def run_edge(settings: ServerSettings, agent: AgentSettings) -> int:

@@ -102,7 +102,7 @@ def publish(bundle: Path, repo: Path, keys: Path | None) -> None:
     entry = result.entry
     click.echo(
         f"published {entry.name} version {entry.version} ({result.bundle_bytes / 1e6:.1f} MB) "
-        f"as {entry.target}: targets v{result.targets_version}, timestamp "
+        f"as target {entry.target}: targets v{result.targets_version}, timestamp "
         f"v{result.timestamp_version}"
     )
 
@@ -197,9 +197,9 @@ def edge(**options: Any) -> None:
     from slipstream.edge.fleet_client import FleetDirs
 
     repository: Path = options["repository"]
-    repository.mkdir(parents=True, exist_ok=True)
     try:
         provision_root(FleetDirs(repository / ".fleet"), options["root"])
+        repository.mkdir(parents=True, exist_ok=True)
         settings = edge_server_settings(
             repository, host=options["host"], http_port=options["http_port"],
             grpc_port=options["grpc_port"], log_level=options["log_level"],

@@ -18,6 +18,9 @@ from __future__ import annotations
 import logging
 import shutil
 import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,29 @@ logger = logging.getLogger(__name__)
 
 # A download that did not complete: the publisher is down, the network is, or it is slow.
 _NETWORK_ERRORS = (tuf_errors.DownloadError, urllib3.exceptions.HTTPError, OSError)
+# True while this client's requests run (in their thread's context only).
+_IN_FLEET_REQUEST: ContextVar[bool] = ContextVar("slipstream_fleet_request", default=False)
+
+
+class _QuietRetries(logging.Filter):
+    """Drops urllib3's "Retrying (...)" warnings of the fleet client's requests: a poll
+    that fails is logged once, by the agent, with its cause. urllib3's other users in the
+    process keep theirs (the filter looks at the context the record is logged in)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_IN_FLEET_REQUEST.get() and str(record.msg).startswith("Retrying"))
+
+
+_QUIET_RETRIES = _QuietRetries()
+
+
+@contextmanager
+def _fleet_requests() -> Iterator[None]:
+    token = _IN_FLEET_REQUEST.set(True)
+    try:
+        yield
+    finally:
+        _IN_FLEET_REQUEST.reset(token)
 
 
 class FleetSyncError(RuntimeError):
@@ -84,25 +110,34 @@ class FleetClient:
         self.url = url.rstrip("/")
         self.dirs = dirs
         self._fetcher = fetcher or Urllib3Fetcher(socket_timeout=timeout_s)
+        # urllib3 logs its retries there (addFilter adds a filter once).
+        logging.getLogger("urllib3.connectionpool").addFilter(_QUIET_RETRIES)
 
     def open(self) -> FleetSync:
         """A refreshed session; FleetSyncError when the metadata is refused or unreachable."""
         for directory in (self.dirs.metadata, self.dirs.downloads, self.dirs.staging):
             directory.mkdir(parents=True, exist_ok=True)
-        updater = Updater(
-            metadata_dir=str(self.dirs.metadata),
-            metadata_base_url=f"{self.url}/metadata/",
-            target_dir=str(self.dirs.downloads),
-            target_base_url=f"{self.url}/targets/",
-            fetcher=self._fetcher,
-            bootstrap=self.dirs.trusted_root.read_bytes(),
-        )
         try:
-            updater.refresh()
+            updater = Updater(
+                metadata_dir=str(self.dirs.metadata),
+                metadata_base_url=f"{self.url}/metadata/",
+                target_dir=str(self.dirs.downloads),
+                target_base_url=f"{self.url}/targets/",
+                fetcher=self._fetcher,
+                bootstrap=self.dirs.trusted_root.read_bytes(),
+            )
+        except tuf_errors.RepositoryError as exc:  # DeserializationError included
+            # slipstream edge checks it at start: this is a file changed since.
+            raise FleetSyncError(f"{self.dirs.trusted_root} refused: {_cause(exc)}") from None
+        try:
+            with _fleet_requests():
+                updater.refresh()
         except tuf_errors.RepositoryError as exc:
             raise FleetSyncError(f"fleet metadata refused: {_cause(exc)}") from None
         except _NETWORK_ERRORS as exc:
-            raise FleetSyncError(f"fleet repository unreachable: {_cause(exc)}") from None
+            raise FleetSyncError(
+                f"fleet repository unreachable at {self.url}: {_cause(exc)}"
+            ) from None
         return FleetSync(updater, self.dirs)
 
 
@@ -134,11 +169,12 @@ class FleetSync:
     def _download(self, target: str) -> Path | None:
         """A verified local copy of ``target`` (downloaded unless already cached)."""
         try:
-            info = self._updater.get_targetinfo(target)
-            if info is None:
-                return None
-            cached = self._updater.find_cached_target(info)
-            return Path(cached or self._updater.download_target(info))
+            with _fleet_requests():
+                info = self._updater.get_targetinfo(target)
+                if info is None:
+                    return None
+                cached = self._updater.find_cached_target(info)
+                return Path(cached or self._updater.download_target(info))
         except (tuf_errors.RepositoryError, *_NETWORK_ERRORS) as exc:
             raise FleetSyncError(f"{target} refused: {_cause(exc)}") from None
 
@@ -164,7 +200,9 @@ def unpack_bundle(tar: Path, staged: Path, entry: IndexEntry) -> Path:
 
 
 def _cause(exc: BaseException) -> str:
-    """TUF's refusal by its name: the class says which check failed."""
+    """TUF's refusal by its name (the class says which check failed); anything else with
+    the innermost exception it was raised from, the reason (tuf's SlowRetrievalError, which
+    has no message, also wraps a refused connection: its name alone would mislead)."""
     kind = {
         tuf_errors.UnsignedMetadataError: "not signed by the trusted keys",
         tuf_errors.ExpiredMetadataError: "expired metadata",
@@ -175,5 +213,24 @@ def _cause(exc: BaseException) -> str:
     }
     for cls, what in kind.items():
         if isinstance(exc, cls):
-            return f"{what} ({type(exc).__name__}: {exc})"
-    return f"{type(exc).__name__}: {exc}"
+            return f"{what} ({_describe(exc)})"
+    inner = _innermost(exc)
+    if inner is exc or not str(exc):
+        return _describe(inner)
+    return f"{_describe(exc)} ({_describe(inner)})"
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    """The end of ``exc``'s __cause__ / __context__ chain."""
+    seen = {id(exc)}
+    while True:
+        inner = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+        if inner is None or id(inner) in seen:
+            return exc
+        seen.add(id(inner))
+        exc = inner
+
+
+def _describe(exc: BaseException) -> str:
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__

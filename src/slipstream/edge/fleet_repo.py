@@ -199,7 +199,7 @@ def publish_bundle(
     entry = IndexEntry(manifest.name, manifest.version, info.path, manifest.target)
     repo.write_index({**index, manifest.name: entry})
     repo.commit(lifetimes, bump_targets=True)
-    logger.info("published %s version %d (%d bytes) as %s", manifest.name, manifest.version,
+    logger.info("published %s version %d (%d bytes) as target %s", manifest.name, manifest.version,
                 len(data), target)  # fmt: skip
     return PublishResult(
         entry, repo.targets.signed.version, repo.timestamp.signed.version, len(data)
