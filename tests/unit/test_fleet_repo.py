@@ -25,9 +25,11 @@ from slipstream.edge.fleet_repo import (
     FleetPaths,
     FleetRepoError,
     IndexEntry,
+    Lifetimes,
     init_repository,
     pack_bundle,
     publish_bundle,
+    refresh_metadata,
 )
 from slipstream.edge.manifest import BundleError
 from tests.bundles import write_bundle
@@ -166,3 +168,22 @@ def test_failed_rounds_back_off_up_to_the_limit(tmp_path: Path) -> None:
     agent.state.failures_in_row = 10
     assert 15.0 <= agent.next_delay_s() <= 30.0
     assert json.loads(agent.state.to_json())["device_id"] == "d"
+
+
+def test_refresh_renews_a_root_near_its_expiry_and_devices_follow(tmp_path: Path) -> None:
+    """The root, signed once at init, expires (a year by default): past it, every device
+    refused every poll, and no command could renew it. ``fleet refresh`` now signs a new
+    root version when the root nears its expiry, and a device trusting the old one
+    follows it as a TUF root rotation."""
+    paths = FleetPaths.of(tmp_path / "repo")
+    init_repository(paths, Lifetimes(root_days=-1.0))  # a root already past its expiry
+    publish_bundle(paths, write_bundle(tmp_path / "b" / "m", "m", 1))
+    device = client_for(paths, tmp_path / "device")
+    with pytest.raises(FleetSyncError, match="expired metadata"):
+        device.open()
+    refresh_metadata(paths)
+    renewed = json.loads((paths.metadata / "root.json").read_bytes())["signed"]
+    assert renewed["version"] == 2 and (paths.metadata / "2.root.json").is_file()
+    assert device.open().index()["m"].version == 1
+    refresh_metadata(paths)  # a root with a year left is not signed again
+    assert not (paths.metadata / "3.root.json").exists()

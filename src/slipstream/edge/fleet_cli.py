@@ -111,8 +111,9 @@ def publish(bundle: Path, repo: Path, keys: Path | None) -> None:
 @_REPO
 @_KEYS
 def refresh(repo: Path, keys: Path | None) -> None:
-    """Sign a new snapshot and timestamp with renewed expiry (the timestamp lasts a day:
-    run this daily, e.g. from cron, when nothing is published).
+    """Sign the targets, snapshot and timestamp again with renewed expiry (the timestamp
+    lasts a day: run this daily, e.g. from cron, when nothing is published), and a new
+    root version once the root has less than 30 days left (it lasts a year).
 
     \b
     Example:

@@ -111,6 +111,8 @@ class Lifetimes:
     targets_days: float = 90.0
     snapshot_days: float = 7.0
     timestamp_days: float = 1.0
+    # ``fleet refresh`` signs a new root version once the root has less left than this.
+    root_renew_days: float = 30.0
 
     def expires(self, role: str) -> datetime:
         days = float(getattr(self, f"{role}_days"))
@@ -207,10 +209,24 @@ def publish_bundle(
 
 
 def refresh_metadata(paths: FleetPaths, lifetimes: Lifetimes | None = None) -> int:
-    """Sign a new snapshot and timestamp (renewed expiry, nothing else changed); return
-    the timestamp's version."""
+    """Sign the targets, snapshot and timestamp again (renewed expiry, nothing else
+    changed), and a new root version once the root is within ``root_renew_days`` of its
+    expiry; return the timestamp's version.
+
+    The new root has the same keys, signed by the same root key: a device, which trusts
+    the root before it, takes it as TUF's clients take any root rotation (N+1.root.json,
+    checked against root N's keys and its own).
+    """
+    lifetimes = lifetimes or Lifetimes()
     repo = _Repository.load(paths)
-    repo.commit(lifetimes or Lifetimes(), bump_targets=False)
+    root = repo.root.signed
+    if root.expires - datetime.now(UTC) < timedelta(days=lifetimes.root_renew_days):
+        root.version += 1
+        root.expires = lifetimes.expires("root")
+        repo.root.signatures.clear()
+        repo.write_root()
+        logger.info("root version %d signed, expiring %s", root.version, root.expires)
+    repo.commit(lifetimes, bump_targets=False)
     return repo.timestamp.signed.version
 
 
