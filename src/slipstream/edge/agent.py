@@ -116,8 +116,8 @@ class FleetAgent:
             try:
                 await self.sync_once(service)
             except Exception as exc:  # a bug must not stop the updates or the server
-                logger.exception("fleet agent: the round failed")
-                self._failed(f"{type(exc).__name__}: {exc}")
+                logger.exception("fleet agent: the round failed; retrying")  # once, traced
+                self._failed(f"{type(exc).__name__}: {exc}", logged=True)
             await self.report()
             await asyncio.sleep(self.next_delay_s())
 
@@ -142,8 +142,9 @@ class FleetAgent:
             await self._install(service, entry, staged)
         return True
 
-    def _failed(self, error: str) -> bool:
-        logger.warning("fleet agent: %s; serving what was installed, retrying", error)
+    def _failed(self, error: str, logged: bool = False) -> bool:
+        if not logged:
+            logger.warning("fleet agent: %s; serving what was installed, retrying", error)
         self.state.last_error, self.state.last_error_at = error, _now()
         self.state.failures_in_row += 1
         return False
