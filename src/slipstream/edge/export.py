@@ -27,6 +27,7 @@ whole or not at all (built beside OUT, then renamed).
 from __future__ import annotations
 
 import logging
+import secrets
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -61,6 +62,7 @@ from slipstream.optimize.data import DataError, Dataset, load_dataset
 from slipstream.optimize.gate import (
     DEFAULT_MAX_DROP,
     GateResult,
+    check_max_drop,
     choose_metric,
     compare_outputs,
     judge,
@@ -128,7 +130,10 @@ def export_bundle(request: ExportRequest) -> ExportResult:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="slipstream-export-") as scratch:
         built = build_target(request.target, source.path, Path(scratch), request.options)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        # mkdir, not tempfile.mkdtemp: the rename keeps the mode, and mkdtemp's 0o700
+        # would lock out a server running as another user.
+        staging = out.parent / f".{out.name}-{secrets.token_hex(8)}"
+        staging.mkdir()
         try:
             manifest, gate = _write_bundle(request, source, built, staging)
             if out.exists():
@@ -264,9 +269,13 @@ def _gate(options: TargetOptions, original: Backend, model: Backend, rows: Datas
     after = run_rows(model, rows, [name])[name]
     try:
         metric, reason = choose_metric(options.metric, rows.labels is not None, name, before)
+        max_drop = (
+            DEFAULT_MAX_DROP[metric]
+            if options.max_drop is None
+            else check_max_drop(metric, options.max_drop)
+        )
     except ValueError as exc:
         raise ExportError(str(exc)) from None
-    max_drop = DEFAULT_MAX_DROP[metric] if options.max_drop is None else options.max_drop
     values = compare_outputs(metric, max_drop, before, after, rows.labels)
     return judge(metric, reason, name, rows.num_rows, max_drop, values)
 

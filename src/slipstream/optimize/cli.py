@@ -106,8 +106,9 @@ if TYPE_CHECKING:
 @click.option(
     "--max-drop",
     type=float,
-    help="Largest accepted drop: percentage points for top1/agreement, 1-cosine "
-    "for cosine, absolute error for mae/maxae [default: 1.0, 1.0, 0.01, 0.01, 0.1].",
+    help="Largest accepted drop: percentage points for top1/agreement (0 to 100), "
+    "1-cosine for cosine (0 to 1), absolute error for mae/maxae (>= 0) "
+    "[default: 1.0, 1.0, 0.01, 0.01, 0.1].",
 )
 @click.option("--output", "output_name", help="Model output the gate compares [default: first].")
 @click.option(

@@ -31,6 +31,7 @@ whole or not at all.
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,7 @@ from slipstream.optimize.gate import (
     CalibrationJudge,
     GateResult,
     MetricName,
+    check_max_drop,
     choose_metric,
     compare_outputs,
     judge,
@@ -52,6 +54,7 @@ from slipstream.optimize.gate import (
 from slipstream.optimize.passes import (
     PYTORCH_PASSES,
     PassContext,
+    PassError,
     PassRecord,
     PassSettings,
     order_passes,
@@ -181,6 +184,9 @@ def optimize_model(
         raise OptimizeError(str(exc)) from None
     torch_pass = names[0] if names[0] in PYTORCH_PASSES else None
     _check_source(source, torch_pass)
+    if request.max_drop is not None:
+        # Before any work; the metric's own range once the metric is known (_metric).
+        _check_max_drop(request.metric, request.max_drop)
     with tempfile.TemporaryDirectory(prefix="slipstream-optimize-") as scratch:
         work = Path(scratch)
         reference, current, records, versions = source, source, [], _tool_versions()
@@ -195,7 +201,10 @@ def optimize_model(
             target = work / f"{index}-{name}.onnx"
             later = tuple(names[index + 1 :])
             context = PassContext(request.settings, calibration, on_progress, later, judge)
-            records.append(run_pass(name, current, target, context))
+            try:
+                records.append(run_pass(name, current, target, context))
+            except PassError as exc:
+                raise OptimizeError(str(exc)) from None
             current = target
         gate = _gate(request, reference, current, validation, on_progress)
         result = OptimizationResult(
@@ -317,19 +326,31 @@ def _calibration_judge(
     try:
         name, before = run_model(source, calibration, request.output_name)
     except Exception as exc:  # ORT raises its own exception types for bad feeds
-        raise OptimizeError(f"--calibration: the original model cannot run it: {exc}") from None
-    metric, max_drop = _metric(request, validation.labels is not None, name, before)
+        # Without --calibration the rows are the first of --validation: name what was given.
+        option = "--validation" if request.calibration is None else "--calibration"
+        raise OptimizeError(f"{option}: the original model cannot run it: {exc}") from None
+    metric, _, max_drop = _metric(request, validation.labels is not None, name, before)
     return CalibrationJudge(calibration, before, name, metric, max_drop)
 
 
 def _metric(
     request: OptimizeRequest, has_labels: bool, output_name: str, output: Any
-) -> tuple[MetricName, float]:
+) -> tuple[MetricName, str, float]:
+    """(metric, why it was chosen, largest accepted drop) for the gate."""
     try:
-        metric, _ = choose_metric(request.metric, has_labels, output_name, output)
+        metric, reason = choose_metric(request.metric, has_labels, output_name, output)
     except ValueError as exc:
         raise OptimizeError(str(exc)) from None
-    return metric, DEFAULT_MAX_DROP[metric] if request.max_drop is None else request.max_drop
+    if request.max_drop is None:
+        return metric, reason, DEFAULT_MAX_DROP[metric]
+    return metric, reason, _check_max_drop(metric, request.max_drop)
+
+
+def _check_max_drop(metric: MetricName | None, max_drop: float) -> float:
+    try:
+        return check_max_drop(metric, max_drop)
+    except ValueError as exc:
+        raise OptimizeError(str(exc)) from None
 
 
 def _gate(
@@ -343,12 +364,8 @@ def _gate(
         name, before = run_model(source, data, request.output_name, on_progress, "original")
     except Exception as exc:  # ORT raises its own exception types for bad feeds
         raise OptimizeError(f"--validation: the original model cannot run it: {exc}") from None
+    metric, reason, max_drop = _metric(request, data.labels is not None, name, before)
     _, after = run_model(optimized, data, name, on_progress, "optimized")
-    try:
-        metric, reason = choose_metric(request.metric, data.labels is not None, name, before)
-    except ValueError as exc:
-        raise OptimizeError(str(exc)) from None
-    max_drop = DEFAULT_MAX_DROP[metric] if request.max_drop is None else request.max_drop
     values = compare_outputs(metric, max_drop, before, after, data.labels)
     return judge(metric, reason, name, data.num_rows, max_drop, values)
 
@@ -418,8 +435,10 @@ def _write_version(
     final = model_dir / str(version)
     result = _replace(result, version=version, version_dir=final)
     # Build the version beside its final name, then rename: a polling server never sees
-    # a version directory without its model file.
-    staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=model_dir))
+    # a version directory without its model file. mkdir, not tempfile.mkdtemp: the rename
+    # keeps the mode, and mkdtemp's 0o700 would lock out a server running as another user.
+    staging = model_dir / f".{version}-{secrets.token_hex(8)}"
+    staging.mkdir()
     try:
         shutil.copyfile(optimized, staging / "model.onnx")
         (staging / RECORD_NAME).write_text(json.dumps(result.to_record(), indent=2) + "\n")

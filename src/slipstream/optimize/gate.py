@@ -11,12 +11,17 @@ Metrics (``--metric``) and what ``--max-drop X`` means for each:
 - ``mae`` / ``maxae``: mean / largest absolute difference to the original's outputs;
   fails above X (defaults 0.01 / 0.1).
 
+``X`` is at least 0 for every metric, at most 100 for top1 and agreement (percentage
+points) and at most 1 for cosine (1 - X then bounds the mean at 0 and the minimum at -1,
+the lowest a cosine can be).
+
 Without ``--metric``: labels in the data -> top1; an integer output, or one whose name
 says it is a class or probability -> agreement; any other float output -> cosine.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +33,12 @@ from slipstream.optimize.data import Dataset
 
 __all__ = [
     "DEFAULT_MAX_DROP",
+    "MAX_DROP_LIMIT",
     "CalibrationJudge",
     "CandidateScore",
     "GateResult",
     "MetricName",
+    "check_max_drop",
     "choose_metric",
     "compare_outputs",
     "judge",
@@ -47,6 +54,14 @@ DEFAULT_MAX_DROP: dict[MetricName, float] = {
     "cosine": 0.01,
     "mae": 0.01,
     "maxae": 0.1,
+}
+# The largest meaningful ``--max-drop`` per metric (see the module docstring).
+MAX_DROP_LIMIT: dict[MetricName, float] = {
+    "top1": 100.0,
+    "agreement": 100.0,
+    "cosine": 1.0,
+    "mae": math.inf,
+    "maxae": math.inf,
 }
 # Output names that mark a classifier (scores over classes, or the class itself).
 _CLASSIFIER_HINTS = ("logit", "prob", "class", "label", "score", "predict")
@@ -183,6 +198,28 @@ def choose_metric(
             f"output {output_name!r} looks like a classifier's and there are no labels",
         )
     return "cosine", f"output {output_name!r} is a float tensor (an embedding) with no labels"
+
+
+def check_max_drop(metric: MetricName | None, max_drop: float) -> float:
+    """``max_drop`` if it is a drop ``metric`` can have; ValueError naming ``--max-drop``.
+
+    ``metric`` None (not chosen yet) checks only what holds for every metric.
+
+    >>> check_max_drop("cosine", 0.02)
+    0.02
+    """
+    if not 0 <= max_drop < math.inf:  # also refuses NaN
+        raise ValueError(
+            f"--max-drop {max_drop:g}: expected a number >= 0 (the largest accepted drop, "
+            "e.g. 1.0 percentage point of top-1 or 0.01 of cosine similarity)"
+        )
+    if metric is not None and max_drop > MAX_DROP_LIMIT[metric]:
+        unit = "1 - cosine" if metric == "cosine" else "percentage points"
+        raise ValueError(
+            f"--max-drop {max_drop:g}: the {metric} gate takes 0 to "
+            f"{MAX_DROP_LIMIT[metric]:g} ({unit}; default {DEFAULT_MAX_DROP[metric]:g})"
+        )
+    return max_drop
 
 
 def compare_outputs(

@@ -12,6 +12,8 @@ FP16 model or converting a quantized one to FP16 is not meaningful.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -49,6 +51,8 @@ PRECISION_PASSES = frozenset({"fp16", "int8-dynamic", "int8-static"})
 PYTORCH_PASSES = frozenset({"prune", "distill"})
 CalibrationMethodName = Literal["minmax", "entropy", "percentile"]
 GraphLevel = Literal["basic", "extended"]
+# The names of the standard ONNX operator domain, the one the int8 passes quantize.
+_STANDARD_DOMAINS = frozenset({"", "ai.onnx"})
 # Why the default graph level is "basic", kept in the record next to the setting.
 _GRAPH_LEVEL_REASONS = {
     "basic": (
@@ -216,25 +220,26 @@ def _int8_dynamic(source: Path, target: Path, context: PassContext) -> _PassResu
     }
     notes = []
     judge, rows = context.judge, context.calibration
-    if settings.int8_search and judge is not None and rows is not None:
-        result = search_int8_dynamic(
-            source,
-            target,
-            quantize,
-            judge,
-            rows,
-            settings.smoothing_alphas,
-            settings.int8_op_types,
-            context.on_progress,
-        )
-        recorded["smoothing_alpha"] = result.smoothing_alpha
-        recorded["excluded_nodes"] = result.excluded_nodes
-        recorded["search"] = result.to_record()
-        notes.append(_search_note(result, rows.num_rows))
-    else:
-        quantize(source, target, (), None)
-        if settings.int8_search:
-            notes.append("int8 search skipped: no calibration rows to judge candidates on")
+    with _quantizer_input("int8-dynamic", source, target) as private_source:
+        if settings.int8_search and judge is not None and rows is not None:
+            result = search_int8_dynamic(
+                private_source,
+                target,
+                quantize,
+                judge,
+                rows,
+                settings.smoothing_alphas,
+                settings.int8_op_types,
+                context.on_progress,
+            )
+            recorded["smoothing_alpha"] = result.smoothing_alpha
+            recorded["excluded_nodes"] = result.excluded_nodes
+            recorded["search"] = result.to_record()
+            notes.append(_search_note(result, rows.num_rows))
+        else:
+            quantize(private_source, target, (), None)
+            if settings.int8_search:
+                notes.append("int8 search skipped: no calibration rows to judge candidates on")
     # Written by the quantizer; see onnx_edit.strip_value_info for why they go.
     model = onnx.load(str(target))
     if strip_value_info(model):
@@ -265,6 +270,68 @@ def _dynamic_quantizer(settings: PassSettings) -> Quantizer:
             )
 
     return quantize
+
+
+@contextmanager
+def _quantizer_input(name: str, source: Path, target: Path) -> Iterator[Path]:
+    """``source`` copied into a directory of its own beside ``target``, for ORT's quantizers.
+
+    They write a shape-inferred copy (``<input>-inferred.onnx``, as large as the model)
+    beside the file they are given: beside the repository's model when a pass reads it
+    first, where it fails if the repository is mounted read-only. The copy also keeps the
+    standard operator set imported once (skl2onnx may import it twice), as they require.
+    """
+    model = onnx.load(str(source))
+    _check_quantizable(name, model)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-input-", dir=target.parent) as scratch:
+        copy = Path(scratch) / "model.onnx"
+        if _drop_repeated_opsets(name, model):
+            onnx.save(model, str(copy))
+        else:
+            shutil.copyfile(source, copy)
+        yield copy
+
+
+def _check_quantizable(name: str, model: onnx.ModelProto) -> None:
+    """PassError unless ``model`` has a node in the standard ONNX domain to quantize."""
+    nodes = model.graph.node
+    if any(node.domain in _STANDARD_DOMAINS for node in nodes):
+        return
+    operators = ", ".join(sorted({node.op_type for node in nodes}))
+    domains = ", ".join(sorted({node.domain for node in nodes}))
+    found = (
+        f"its operators ({operators}) are all {domains} ones, as in a scikit-learn pipeline "
+        "converted to ONNX-ML"
+        if nodes
+        else "its graph has no nodes"
+    )
+    raise PassError(
+        f"{name}: the int8 passes quantize standard ONNX (ai.onnx) operators, and this model "
+        f"has none: {found}. It cannot be made INT8: serve it as it is, or convert it to "
+        "standard ONNX operators first"
+    )
+
+
+def _drop_repeated_opsets(name: str, model: onnx.ModelProto) -> bool:
+    """Remove repeated imports of one operator set version; whether any was removed."""
+    seen: dict[str, int] = {}
+    kept = []
+    for opset in model.opset_import:
+        domain = "" if opset.domain in _STANDARD_DOMAINS else opset.domain
+        if seen.get(domain) == opset.version:
+            continue
+        if domain in seen:
+            raise PassError(
+                f"{name}: the model imports operator set {domain or 'ai.onnx'} twice, as "
+                f"versions {seen[domain]} and {opset.version}; export it with one version"
+            )
+        seen[domain] = opset.version
+        kept.append(onnx.helper.make_opsetid(opset.domain, opset.version))
+    if len(kept) == len(model.opset_import):
+        return False
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    return True
 
 
 # ONNX Runtime's quantizers log "Please consider [to run] pre-processing before
@@ -322,9 +389,12 @@ def _int8_static(source: Path, target: Path, context: PassContext) -> _PassResul
     reader = _CalibrationReader(
         context.calibration, settings.calibration_batch_size, context.on_progress
     )
-    with _without_preprocessing_hint():
+    with (
+        _quantizer_input("int8-static", source, target) as private_source,
+        _without_preprocessing_hint(),
+    ):
         quantize_static(
-            source,
+            private_source,
             target,
             calibration_data_reader=reader,
             quant_format=QuantFormat.QDQ,

@@ -12,8 +12,8 @@ which cores it ran on.
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,10 @@ def apply_winner(result: TuneResult, model_dir: Path, base_config: dict[str, Any
     )
     if config_path.exists():
         shutil.copy2(config_path, config_path.with_name(config_path.name + ".before-tune"))
-    staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=model_dir))
+    # mkdir, not tempfile.mkdtemp: the rename keeps the mode, and mkdtemp's 0o700 would
+    # lock out a server running as another user.
+    staging = model_dir / f".{version}-{secrets.token_hex(8)}"
+    staging.mkdir()
     try:
         for path in model_files(source):
             shutil.copyfile(path, staging / path.name)

@@ -29,7 +29,7 @@ EXIT_INTERRUPTED = 130
               help="Latency bounds every measured level must meet: FIGURE=MS, comma-"
               "separated; FIGURE is avg_ms, p50_ms, p90_ms, p95_ms or p99_ms.")  # fmt: skip
 @click.option("--min-throughput", type=float, help="Inferences/s a configuration must serve.")
-@click.option("--max-accuracy-drop", type=float,
+@click.option("--max-accuracy-drop", type=click.FloatRange(min=0),
               help="Largest accuracy drop of a model variant, in its gate metric's unit "
               "(as optimize's --max-drop); variants over it are listed, not searched.")  # fmt: skip
 @click.option("--validation", type=click.Path(path_type=Path, exists=True, dir_okay=True),

@@ -63,9 +63,14 @@ def leaderboard_row(record: TrialRecord) -> list[str]:
         _fmt(record.spread_pct, 1),
         _fmt(level.p50_ms if level else None),
         _fmt(level.p99_ms if level else None),
-        _fmt(record.accuracy_drop, 4),
+        _drop(record.accuracy_drop, record.accuracy_baseline),
         _fmt(record.cost_per_1m_infer, 4),
     ]
+
+
+def _drop(drop: float | None, baseline: int | None) -> str:
+    """An accuracy drop, and the version it is against unless the original (tune.variants)."""
+    return _fmt(drop, 4) + ("" if baseline is None else f" vs v{baseline}")
 
 
 def verdict(result: TuneResult) -> str:
@@ -148,7 +153,8 @@ def html_report(result: TuneResult) -> str:
         html_table(
             ["variant", "accuracy drop", "metric", "from", "excluded"],
             [
-                [v["name"], _fmt(v["accuracy_drop"], 4), v["accuracy_metric"] or "-",
+                [v["name"], _drop(v["accuracy_drop"], v.get("accuracy_baseline")),
+                 v["accuracy_metric"] or "-",
                  v["accuracy_source"], v["excluded"] or "-"]
                 for v in result.variants
             ],

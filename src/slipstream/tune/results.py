@@ -48,6 +48,9 @@ class TrialRecord:
     throughput_runs: list[float] = field(default_factory=list)
     price_per_hour: float = 0.0
     accuracy_drop: float | None = None
+    # The version ``accuracy_drop`` is measured against when that is an optimized one
+    # (see tune.variants); None: against the original.
+    accuracy_baseline: int | None = None
     # Cores the load generator ran on, apart from the server's; None: it shared them
     # (no usable core was left outside the profile).
     client_cpus: list[int] | None = None

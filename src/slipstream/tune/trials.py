@@ -128,6 +128,7 @@ def run_trial(
         status="failed",
         price_per_hour=profile.price_per_hour,
         accuracy_drop=variant.accuracy_drop,
+        accuracy_baseline=variant.accuracy_baseline,
     )
     trial_dir = context.work_dir / f"trial-{trial:03d}"
     config = model_config(

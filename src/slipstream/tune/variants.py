@@ -7,6 +7,12 @@ maxae: the error), or measured on ``--validation`` rows against the original (th
 newest version without that file, i.e. not made by optimize). A variant whose drop is
 over ``--max-accuracy-drop`` is kept in the report with the reason and not searched.
 
+optimize starts from the newest version, so a second run makes v3 from v2 and v3's
+record gives its drop against v2, not the original. Such a drop is reported "vs v2".
+Drops against successive versions do not add up to the drop against the original (an
+agreement or a cosine is not additive), so against ``--max-accuracy-drop`` it counts as
+unknown: excluded, with the fix (``--validation`` measures it against the original).
+
 Each variant is served by a backend: the model's own (``backend:`` in its config.yaml,
 else by file type), and, with ``--backends``, every other installed backend that reads
 the file: an ONNX version becomes a second variant on OpenVINO ("v1 original on
@@ -58,6 +64,9 @@ class Variant:
     excluded: str = ""
     # The backend that serves it (config.yaml's backend:); "" for the model's own.
     backend: str = ""
+    # The version the drop is measured against when that is itself an optimized version
+    # (optimize run on v2 records v3's drop against v2); None: against the original.
+    accuracy_baseline: int | None = None
 
 
 def find_variants(model_dir: Path) -> tuple[ModelConfig, list[Variant]]:
@@ -92,9 +101,20 @@ def find_variants(model_dir: Path) -> tuple[ModelConfig, list[Variant]]:
                 accuracy_drop=drop,
                 accuracy_metric=metric,
                 accuracy_source=RECORD_NAME,
+                accuracy_baseline=_optimized_source(record, model_dir),
             )
         )
     return config, variants
+
+
+def _optimized_source(record: dict[str, Any], model_dir: Path) -> int | None:
+    """The version of ``model_dir`` the record's gate compared with, when optimize made it."""
+    source = Path(str(record.get("source_model", "")))
+    version_dir = source.parent
+    if not version_dir.name.isdigit() or version_dir.parent.name != model_dir.name:
+        return None  # a file outside the model directory (a .pt, an ONNX file elsewhere)
+    version = int(version_dir.name)
+    return version if _record(model_dir / str(version)) is not None else None
 
 
 def _record(version_dir: Path) -> dict[str, Any] | None:
@@ -164,6 +184,7 @@ def measure_drops(variants: list[Variant], validation: Path) -> None:
             0.0 if variant is reference else drop_from_values(metric, *values[:2])
         )
         variant.accuracy_source = "--validation"
+        variant.accuracy_baseline = None
 
 
 def apply_budget(variants: list[Variant], max_drop: float | None) -> None:
@@ -176,11 +197,31 @@ def apply_budget(variants: list[Variant], max_drop: float | None) -> None:
                 f"accuracy drop unknown ({variant.accuracy_source} has no gate figures); "
                 "give --validation to measure it"
             )
+        elif variant.accuracy_baseline is not None:
+            variant.excluded = (
+                f"accuracy drop against the original unknown ({variant.accuracy_source} gives "
+                f"{drop_text(variant)}, and v{variant.accuracy_baseline} was optimized "
+                "itself); give --validation to measure it"
+            )
         elif variant.accuracy_drop > max_drop:
             variant.excluded = (
-                f"accuracy drop {variant.accuracy_drop:g} ({variant.accuracy_metric}) is over "
-                f"--max-accuracy-drop {max_drop:g}"
+                f"accuracy drop {drop_text(variant)} is over --max-accuracy-drop {max_drop:g}"
             )
+
+
+def drop_text(variant: Variant) -> str:
+    """The drop with its metric and, when not the original, what it is measured against.
+
+    >>> drop_text(Variant("v3 graph", 3, Path("3/model.onnx"), ["graph"], 0.002, "cosine",
+    ...                   RECORD_NAME, accuracy_baseline=2))
+    '0.002 (cosine) vs v2'
+    """
+    text = "unknown" if variant.accuracy_drop is None else f"{variant.accuracy_drop:g}"
+    if variant.accuracy_metric:
+        text += f" ({variant.accuracy_metric})"
+    if variant.accuracy_baseline is not None:
+        text += f" vs v{variant.accuracy_baseline}"
+    return text
 
 
 def backend_variants(
