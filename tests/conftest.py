@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import compileall
 import gc
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -77,3 +78,15 @@ def neighbours() -> Iterator[None]:
 
     with busy_processes(usable_cpu_count()):
         yield
+
+
+@pytest.fixture(params=[0o022, 0o002], ids=["umask-022", "umask-002"])
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The process umask for one test, each of two usual values (the files a test makes
+    must get the modes a user's umask gives)."""
+    value: int = request.param
+    previous = os.umask(value)
+    try:
+        yield value
+    finally:
+        os.umask(previous)

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from slipstream.cli import main
-from slipstream.edge.export import ExportRequest, export_bundle
+from slipstream.edge.export import ExportRequest, ExportResult, export_bundle
 from slipstream.edge.targets import ExportError, TargetOptions
 from slipstream.optimize import OptimizeError, OptimizeRequest, PassSettings, optimize_model
 from tests.models import build_tiny_encoder, tiny_encoder_rows
@@ -209,27 +209,11 @@ def test_export_writes_nothing_beside_a_read_only_source(tmp_path: Path) -> None
     version_dir.chmod(0o555)
     try:
         before = _untouched(version_dir)
-        result = export_bundle(
-            ExportRequest(
-                model_dir=tmp_path / "repo" / "encoder", target="edge",
-                out=tmp_path / "bundles" / "encoder",
-                options=TargetOptions(validation=tmp_path / "val.npz"),
-            )
-        )  # fmt: skip
+        result = _export_encoder(tmp_path)
         assert result.gate.passed
         assert _untouched(version_dir) == before
     finally:
         version_dir.chmod(0o755)
-
-
-@pytest.fixture(params=[0o022, 0o002], ids=["umask-022", "umask-002"])
-def umask(request: pytest.FixtureRequest) -> Iterator[int]:
-    value: int = request.param
-    previous = os.umask(value)
-    try:
-        yield value
-    finally:
-        os.umask(previous)
 
 
 def _mode(path: Path) -> int:
@@ -249,12 +233,17 @@ def test_a_new_version_directory_has_the_mode_mkdir_gives(tmp_path: Path, umask:
 def test_a_bundle_directory_has_the_mode_mkdir_gives(tmp_path: Path, umask: int) -> None:
     build_tiny_encoder(tmp_path / "repo")
     np.savez(tmp_path / "val.npz", **tiny_encoder_rows(40))  # type: ignore[arg-type]
-    result = export_bundle(
+    result = _export_encoder(tmp_path)
+    assert _mode(result.bundle) == 0o777 & ~umask
+    assert _mode(result.bundle / "1") == 0o777 & ~umask
+
+
+def _export_encoder(tmp_path: Path) -> ExportResult:
+    """The edge bundle of tmp_path/repo/encoder, gated on tmp_path/val.npz."""
+    return export_bundle(
         ExportRequest(
             model_dir=tmp_path / "repo" / "encoder", target="edge",
             out=tmp_path / "bundles" / "encoder",
             options=TargetOptions(validation=tmp_path / "val.npz"),
         )
     )  # fmt: skip
-    assert _mode(result.bundle) == 0o777 & ~umask
-    assert _mode(result.bundle / "1") == 0o777 & ~umask

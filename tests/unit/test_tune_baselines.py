@@ -5,9 +5,7 @@ makes v3 from v2), how the budget's refusals read, and the mode of the version
 from __future__ import annotations
 
 import json
-import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,16 +140,6 @@ def test_the_cli_refuses_a_negative_accuracy_budget(tmp_path: Path) -> None:
     assert "Invalid value for '--max-accuracy-drop': -1.0 is not in the range x>=0" in (
         outcome.output
     )
-
-
-@pytest.fixture(params=[0o022, 0o002], ids=["umask-022", "umask-002"])
-def umask(request: pytest.FixtureRequest) -> Iterator[int]:
-    value: int = request.param
-    previous = os.umask(value)
-    try:
-        yield value
-    finally:
-        os.umask(previous)
 
 
 def test_the_applied_version_has_the_mode_mkdir_gives(tmp_path: Path, umask: int) -> None:
