@@ -438,10 +438,15 @@ class SharedStore(LimitStore):
             await self._tell()
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        tasks = list(self._tasks)
         if self._holding is not None:
-            self._holding.cancel()
+            tasks.append(self._holding)
+        for task in tasks:
+            task.cancel()
+        # Let them unwind before the backend goes: a call cancelled mid-flight gives its
+        # connection back (or drops it) then, not when its task is collected later, with
+        # its socket left open.
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._backend.close()
 
 
