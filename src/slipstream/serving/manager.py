@@ -202,16 +202,11 @@ class ModelManager:
 
     def has_failures(self) -> bool:
         """Whether a model failed to load and nothing of it serves (strict readiness).
-
-        A failed reload that left the previous versions serving does not count: the
-        model is as ready as it was, and the index shows why the new files were refused.
-        Nor does an idle model that failed to wake: it answers 503 naming why, and taking
-        the whole server out of its load balancer for it would fail every other model.
-        """
-        return any(
-            state.failures and not state.kept_previous and not state.asleep
-            for state in self._models.values()
-        )
+        Neither a failed reload that left the previous versions serving counts (the index
+        says why the new files were refused), nor an idle model that failed to wake (it
+        answers 503 naming why; the server out of its load balancer would fail the rest)."""
+        states = self._models.values()
+        return any(s.failures and not (s.kept_previous or s.asleep) for s in states)
 
     # -- repository index ----------------------------------------------------------------
 
