@@ -67,6 +67,11 @@ def _model(graph: onnx.GraphProto) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _OPSET)])
 
 
+def write_graph(graph: onnx.GraphProto, repo: Path, name: str, version: int = 1) -> Path:
+    """REPO/NAME/VERSION/model.onnx of ``graph`` (standard opset, checked); its path."""
+    return _save(_model(graph), repo, name, version)
+
+
 def write_config(repo: Path, name: str, config: dict[str, Any] | str) -> Path:
     """Write ``REPO/<name>/config.yaml`` from a mapping, or verbatim from a string."""
     path = repo / name / "config.yaml"

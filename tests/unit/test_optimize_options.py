@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
@@ -16,6 +15,7 @@ from slipstream.cli import main
 from slipstream.edge.export import ExportRequest, export_bundle
 from slipstream.edge.targets import ExportError, Target, TargetOptions
 from slipstream.optimize import OptimizeError, OptimizeRequest, optimize_model
+from tests.models import write_graph
 
 
 def _embedder(repo: Path) -> Path:
@@ -29,12 +29,7 @@ def _embedder(repo: Path) -> Path:
         [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", 8])],
         [numpy_helper.from_array(weight, "W")],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path = repo / "m" / "1" / "model.onnx"
-    path.parent.mkdir(parents=True)
-    onnx.save(model, str(path))
-    return path
+    return write_graph(graph, repo, "m")
 
 
 @pytest.fixture
