@@ -31,11 +31,15 @@ class InvalidRequest(ClientError):
     grpc_code = "INVALID_ARGUMENT"
 
 
-class ModelNotFound(ClientError):
-    """Unknown model or version."""
+class NotFound(ClientError):
+    """Nothing is served at what the request names (a route, a job)."""
 
     http_status = 404
     grpc_code = "NOT_FOUND"
+
+
+class ModelNotFound(NotFound):
+    """Unknown model or version."""
 
 
 class GenerativeModel(ModelNotFound):

@@ -295,6 +295,19 @@ def test_chat_fields_for_what_this_server_does_not_do_are_refused_naming_them(
     assert reply.choices[0].message.content is not None
 
 
+def test_only_an_unknown_model_is_a_model_not_found(server: RemoteServer) -> None:
+    """error.code ``model_not_found`` is what clients retry with another model on; an
+    unknown route under /v1 is a 404 without it."""
+    reply = server.http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert (reply.status_code, reply.json()["error"]["code"]) == (404, "model_not_found")
+    for method in ("GET", "POST"):
+        reply = server.http.request(method, "/v1/nowhere", json={})
+        error = reply.json()["error"]
+        assert (reply.status_code, error["code"], error["type"]) == (
+            404, None, "invalid_request_error"), reply.text  # fmt: skip
+        assert error["message"] == f"no route for {method} /v1/nowhere"
+
+
 def test_malformed_json_and_sdk_error_types(server: RemoteServer, client: openai.OpenAI) -> None:
     reply = server.http.post("/v1/chat/completions", content=b"{nope")
     assert reply.status_code == 400 and "JSON" in reply.json()["error"]["message"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slipstream.errors import MethodNotAllowed, ModelNotFound
+from slipstream.errors import MethodNotAllowed, NotFound
 from slipstream.server.router import no_route
 
 
@@ -16,6 +16,6 @@ def test_a_route_asked_with_its_own_method_but_not_mounted_is_404() -> None:
     answer "GET is not allowed on /v1/models; use GET, HEAD"."""
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
         refused = no_route(method, path)
-        assert type(refused) is ModelNotFound, refused
+        assert type(refused) is NotFound, refused
         assert refused.message == f"{method} {path} is not served here"
     assert no_route("GET", "/nowhere").message == "no route for GET /nowhere"

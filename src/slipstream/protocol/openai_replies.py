@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slipstream.errors import SlipstreamError
+from slipstream.errors import ModelNotFound, SlipstreamError
 
 # A message naming the field at fault starts with it: "temperature: ...".
 _PARAM = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
@@ -190,7 +190,7 @@ def error(exc: SlipstreamError) -> bytes:
     status = exc.http_status
     match = _PARAM.match(exc.message)
     param = match.group(1) if match and status < 500 else None
-    if status == 404:
+    if isinstance(exc, ModelNotFound):
         kind, code = "invalid_request_error", "model_not_found"
     elif status in _CLIENT_CODES:
         kind, code = _CLIENT_CODES[status]

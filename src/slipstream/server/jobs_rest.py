@@ -15,7 +15,7 @@ job's status and ``Location: /v2/jobs/<id>``. A client may name the job with an
 
 from __future__ import annotations
 
-from slipstream.errors import InvalidRequest, ModelNotFound
+from slipstream.errors import InvalidRequest, NotFound
 from slipstream.jobs.codec import encode_status, encode_stored_request
 from slipstream.jobs.queue import JobQueue, new_job_id
 from slipstream.names import check_job_id, path_model_name
@@ -101,7 +101,7 @@ class JobRoutes:
         queue = self._require_queue()
         status = await queue.status(check_job_id(job_id, "job id"))
         if status is None:
-            raise ModelNotFound(
+            raise NotFound(
                 f"job {job_id!r} not found: it was never submitted, or it ended longer ago "
                 "than the workers' --result-ttl-s"
             )
@@ -109,7 +109,7 @@ class JobRoutes:
 
     def _require_queue(self) -> JobQueue:
         if self._queue is None:
-            raise ModelNotFound(_NOT_ENABLED)
+            raise NotFound(_NOT_ENABLED)
         return self._queue
 
     def _header_length(self, http: HttpRequest) -> int | None:

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Protocol
 
-from slipstream.errors import ClientError, MethodNotAllowed, ModelNotFound
+from slipstream.errors import ClientError, MethodNotAllowed, NotFound
 from slipstream.protocol.openapi import allowed_methods, openapi_document
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
 
@@ -76,5 +76,5 @@ def no_route(method: str, path: str) -> ClientError:
     if allow and method not in allow:
         return MethodNotAllowed(f"{method} is not allowed on {path}; use {', '.join(allow)}", allow)
     if allow:
-        return ModelNotFound(f"{method} {path} is not served here")
-    return ModelNotFound(f"no route for {method} {path}")
+        return NotFound(f"{method} {path} is not served here")
+    return NotFound(f"no route for {method} {path}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slipstream.errors import ClientError, ModelNotFound, SlipstreamError, Unavailable
+from slipstream.errors import ClientError, NotFound, SlipstreamError, Unavailable
 from slipstream.observability.metrics import ModelMetrics
 from slipstream.serving.model import ModelVersion
 
@@ -22,7 +22,7 @@ def record_failure(model: ModelVersion, exc: SlipstreamError, elapsed_ns: int) -
 def count_failure(metrics: ModelMetrics, exc: SlipstreamError) -> None:
     if isinstance(exc, Unavailable):
         return  # queue-full and timeout are counted by the batcher, where they happen
-    if isinstance(exc, ModelNotFound):
+    if isinstance(exc, NotFound):
         reason = "not_found"
     elif isinstance(exc, ClientError):
         reason = "bad_request"
