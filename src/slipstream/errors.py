@@ -72,9 +72,9 @@ class Unavailable(SlipstreamError):
 
 
 class RequestTimeout(Unavailable):
-    """The request waited in the queue past its timeout and was never run."""
-
-    grpc_code = "DEADLINE_EXCEEDED"
+    """The request waited in the queue past its timeout and was never run: UNAVAILABLE
+    over gRPC too, as Triton answers it (DEADLINE_EXCEEDED reads as the client's own
+    deadline, and clients retry on UNAVAILABLE)."""
 
 
 class InternalError(SlipstreamError):

@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
@@ -918,6 +919,32 @@ def test_queue_timeout_fails_a_request_that_never_runs(
     failures = after["inference_stats"]["fail"]["count"]
     assert failures == before["inference_stats"]["fail"]["count"] + 1
     assert metric(http, "slipstream_request_failure_total", **labels) == timeouts_before + 1
+
+
+def test_a_queue_timeout_over_grpc_is_unavailable_as_tritons(
+    server: RemoteServer, gates: dict[str, Gate]
+) -> None:
+    """Triton answers a request that timed out in its queue UNAVAILABLE (its clients retry
+    on that code); DEADLINE_EXCEEDED would read as the client's own deadline."""
+    model = "slow_timeout"
+    gate = gates[model]
+    first_run = len(gate.runs())
+    stuck = [grpcclient.InferInput("INPUT0", [1, GATED_WIDTH], "FP32")]
+    stuck[0].set_data_from_numpy(slow_input(1))
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    with sessions(server, 1) as (blocking,), ThreadPoolExecutor(1) as pool:
+        with gate.closed():
+            blocker = pool.submit(
+                post_infer, blocking, model, infer_body({"INPUT0": slow_input(0)})
+            )
+            gate.wait_runs(first_run + 1)
+            with pytest.raises(InferenceServerException) as info:
+                client.infer(model, stuck, timeout=QUEUE_TIMEOUT_US)
+        assert blocker.result().status_code == 200
+    client.close()
+    assert info.value.status() == "StatusCode.UNAVAILABLE", info.value
+    assert "timed out" in str(info.value.message())
+    assert gate.runs()[first_run:] == [[0.0]]
 
 
 def test_full_queue_refuses_with_retry_after(
