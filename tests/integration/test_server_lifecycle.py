@@ -156,6 +156,24 @@ def test_load_infer_unload_and_reload(explicit_server: RemoteServer) -> None:
         client.close()
 
 
+def test_a_load_with_a_config_or_files_is_refused_not_done_from_disk(
+    explicit_server: RemoteServer, explicit_http: httpx.Client
+) -> None:
+    """tritonclient's load_model(config=..., files=...): serving the repository's model
+    instead of the one sent would pass for success; each is a 400 naming what it sent."""
+    client = httpclient.InferenceServerClient(explicit_server.http_address)
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            client.load_model("identity", files={"file:1/model.onnx": b"weights"})
+        assert refused.value.status() == "400" and "file:1/model.onnx" in str(refused.value)
+        with pytest.raises(InferenceServerException) as refused:
+            client.load_model("identity", config='{"max_batch_size": 4}')
+        assert "parameters.config" in str(refused.value)
+    finally:
+        client.close()
+    assert "READY" not in states(explicit_http, "identity")
+
+
 def test_load_and_unload_of_a_missing_model_are_404(explicit_http: httpx.Client) -> None:
     assert_error(explicit_http.post("/v2/repository/models/no_such/load"), 404, "no_such")
     assert_error(explicit_http.post("/v2/repository/models/no_such/unload"), 404, "no_such")

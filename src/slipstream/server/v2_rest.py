@@ -168,10 +168,19 @@ class V2RestApp:
                     raise InvalidRequest(
                         f"parameters: expected an object, got {type(parameters).__name__}"
                     )
-                if parameters.get("config"):
+                # Triton's load may carry a config override and model files ("file:...");
+                # both come from the repository here, and ignoring them would load a model
+                # other than the one asked for.
+                if "config" in parameters:
                     raise InvalidRequest(
                         "parameters.config: loading with an inline config is not supported; "
                         "write REPO/<model>/config.yaml and load again"
+                    )
+                if parameters:
+                    names = ", ".join(sorted(parameters))
+                    raise InvalidRequest(
+                        f"parameters: {names} not supported in a load; put the model's "
+                        "files in the model repository and load again"
                     )
                 await service.load_model(name)
             else:
