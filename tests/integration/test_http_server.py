@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
+import zlib
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -128,6 +130,41 @@ async def test_oversized_and_malformed_requests_are_refused(server: tuple) -> No
     assert bad.startswith(b"HTTP/1.1 400") and b"malformed" in bad
     boom = await exchange(port, b"GET /boom HTTP/1.1\r\nHost: t\r\n\r\n")
     assert boom.startswith(b"HTTP/1.1 500") and b"handler bug" not in boom
+
+
+@pytest.mark.parametrize(
+    ("coding", "compress"),
+    [
+        (b"gzip", gzip.compress),
+        (b"deflate", zlib.compress),  # zlib's format: HTTP's deflate, tritonclient's
+        (b"deflate", lambda data: zlib.compress(data, wbits=-zlib.MAX_WBITS)),  # raw
+    ],
+)
+async def test_a_compressed_body_reaches_the_handler_decoded_and_held_to_the_limit(
+    server: tuple, coding: bytes, compress: Callable[[bytes], bytes]
+) -> None:
+    _, _, port = server
+
+    def post(body: bytes, encoding: bytes = coding) -> bytes:
+        return (
+            b"POST /z HTTP/1.1\r\nHost: t\r\nContent-Encoding: " + encoding
+            + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )  # fmt: skip
+
+    served = await exchange(port, post(compress(b"x" * 1000)) + post(compress(b"y" * 7)))
+    assert served.count(b"HTTP/1.1 200") == 2 and b"POST /z 1000" in served, served
+    assert b"POST /z 7" in served
+    # 1,001 bytes decoded: past the 1,000-byte limit, though the body sent is tiny.
+    bomb = await exchange(port, post(compress(b"x" * 1001)), read_until_close=True)
+    assert bomb.startswith(b"HTTP/1.1 413") and b"once decoded from" in bomb, bomb
+    corrupt = await exchange(port, post(b"not compressed"), read_until_close=True)
+    assert corrupt.startswith(b"HTTP/1.1 400") and b"not valid " + coding in corrupt
+    cut = await exchange(port, post(compress(b"z" * 500)[:-6]), read_until_close=True)
+    assert cut.startswith(b"HTTP/1.1 400"), cut
+    unknown = await exchange(port, post(b"abc", b"br"), read_until_close=True)
+    assert unknown.startswith(b"HTTP/1.1 415") and b"'br' is not supported" in unknown
+    plain = await exchange(port, post(b"abc", b"identity"))
+    assert plain.startswith(b"HTTP/1.1 200") and plain.endswith(b"POST /z 3")
 
 
 async def test_disconnect_cancels_the_handler(server: tuple) -> None:

@@ -289,6 +289,25 @@ def test_add_sub_matches_onnxruntime(
     assert response["model_version"] == "1"
 
 
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests_of_tritonclient_are_served(
+    client: httpclient.InferenceServerClient,
+    model_files: dict[str, Path],
+    binary: bool,
+    algorithm: str,
+) -> None:
+    """tritonclient's request_compression_algorithm: its Inference-Header-Content-Length
+    counts the decompressed JSON, as Triton reads it."""
+    inputs = add_sub_inputs(rows=2, seed=3)
+    result = client.infer(
+        "add_sub", triton_inputs(inputs, binary=binary),
+        request_compression_algorithm=algorithm, response_compression_algorithm=algorithm,
+    )  # fmt: skip
+    for name, array in run_onnx(model_files["add_sub"], inputs).items():
+        np.testing.assert_array_equal(result.as_numpy(name), array)
+
+
 def test_binary_inputs_with_binary_and_json_outputs(
     http: httpx.Client, model_files: dict[str, Path]
 ) -> None:

@@ -19,12 +19,14 @@ import httptools
 from slipstream.observability.metrics import TransportMetrics
 from slipstream.server.http_messages import (
     STATUS_LINES,
+    BodyRefused,
     ErrorBody,
     Handler,
     HttpLimits,
     HttpRequest,
     HttpResponse,
     StreamingResponse,
+    decode_body,
     response_head,
 )
 
@@ -278,11 +280,17 @@ class Connection(asyncio.Protocol):
         if self._input_closed or self._parser is None:
             return
         parsed = httptools.parse_url(self._url)
+        body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
+        try:
+            body = decode_body(self._headers, body, self._limits.max_body_bytes)
+        except BodyRefused as refused:
+            self._reply_and_close(refused.status, refused.message)
+            return
         request = HttpRequest(
             method=self._parser.get_method().decode("ascii"),
             path=parsed.path.decode("latin-1"),
             headers=self._headers,
-            body=b"".join(self._body) if len(self._body) != 1 else self._body[0],
+            body=body,
             query=parsed.query or b"",
         )
         self._requests.append((request, self._parser.should_keep_alive()))

@@ -6,6 +6,7 @@ Plain data between :mod:`slipstream.server.httpd` (the transport) and the front 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -93,6 +94,56 @@ class HttpLimits:
     keep_alive_timeout_s: float = 75.0
     # Open connections at most; beyond, the longest-idle one is closed (or the new refused).
     max_connections: int = 10_000
+
+
+class BodyRefused(Exception):
+    """A request body the transport cannot hand on: its status and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def decode_body(headers: list[tuple[bytes, bytes]], body: bytes, limit: int) -> bytes:
+    """``body`` as it was before its Content-Encoding, removing that header (and the
+    length it describes): gzip and deflate, what tritonclient's
+    ``request_compression_algorithm`` sends (its Inference-Header-Content-Length counts
+    the decoded bytes). The decoded body is held to ``limit`` as a plain one is, so a small
+    compressed body cannot become a huge one. Raises :class:`BodyRefused`."""
+    for header, _ in headers:
+        if header == b"content-encoding":
+            break
+    else:
+        return body  # the common case: one pass over the headers, nothing made
+    coding = b",".join(v for n, v in headers if n == b"content-encoding").strip().lower()
+    if coding == b"identity":
+        return body
+    headers[:] = [(n, v) for n, v in headers if n not in (b"content-encoding", b"content-length")]
+    name = coding.decode("latin-1")
+    if coding in (b"gzip", b"x-gzip"):
+        attempts = [16 + zlib.MAX_WBITS]
+    elif coding == b"deflate":  # zlib's format, as HTTP means it; raw deflate from some
+        attempts = [zlib.MAX_WBITS, -zlib.MAX_WBITS]
+    else:
+        raise BodyRefused(
+            415, f"Content-Encoding {name!r} is not supported; send gzip, deflate or identity"
+        )
+    for wbits in attempts:
+        decoder = zlib.decompressobj(wbits)
+        try:
+            decoded = decoder.decompress(body, limit + 1)
+        except zlib.error as exc:
+            error = str(exc)
+            continue
+        if len(decoded) > limit:
+            raise BodyRefused(
+                413, f"request body exceeds the limit of {limit} bytes once decoded from "
+                f"{name} (--max-request-bytes)"
+            )  # fmt: skip
+        if not decoder.eof or decoder.unused_data:
+            raise BodyRefused(400, f"request body: {name} data is truncated or has trailing bytes")
+        return decoded
+    raise BodyRefused(400, f"request body is not valid {name} data ({error})")
 
 
 def response_head(
