@@ -307,10 +307,26 @@ async def test_higher_priority_runs_first() -> None:
     assert order == [0.0, 3.0, 4.0, 1.0, 2.0]
 
 
-async def test_unknown_priority_level_is_a_client_error() -> None:
-    batcher, _, _ = make_batcher([FakeBackend()])
-    with pytest.raises(InvalidRequest, match="priority_levels"):
-        await batcher.submit({"x": rows(0)}, 1, KEY, priority=3)
+async def test_a_priority_beyond_the_levels_is_the_default_level_as_in_triton() -> None:
+    """Triton runs a priority the model does not have at its default level: a client
+    sending one priority to models with different levels (or none) is served by each."""
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher(
+        [backend], max_batch_size=1, priority_levels=2, default_priority_level=2
+    )
+    running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await held(backend)
+    beyond = asyncio.ensure_future(batcher.submit({"x": rows(1)}, 1, KEY, 3))
+    high = asyncio.ensure_future(batcher.submit({"x": rows(2)}, 1, KEY, 1))
+    await until(lambda: batcher.num_pending == 2, "two queued requests")
+    backend.gate.set()
+    await asyncio.gather(running, beyond, high)
+    assert [float(b[0, 0]) for b in backend.batches] == [0.0, 2.0, 1.0]
+    alone, _, _ = make_batcher([FakeBackend()])  # no levels at all
+    np.testing.assert_array_equal(
+        (await alone.submit({"x": rows(3)}, 1, KEY, priority=3))["y"], rows(6)
+    )
 
 
 async def test_one_bad_request_does_not_fail_its_batch() -> None:

@@ -298,11 +298,10 @@ class BatcherMachine(RuleBasedStateMachine):
     )
     def arrive(self, rows: int, width: int, priority: int, timeout_us: int, poison: bool) -> None:
         rows = min(rows, self.max_batch_size)
-        priority = min(priority, self.levels if self.levels > 1 else 0)
         timeout_s = timeout_us / 1e6 or self.default_timeout_s
         now = self.loop.now_s
         default_level = max(1, self.config.dynamic_batching.default_priority_level) - 1
-        level = priority - 1 if priority else default_level
+        level = priority - 1 if 0 < priority <= self.levels else default_level
         r = Req(
             rid=next(self.ids),
             rows=rows,

@@ -45,9 +45,7 @@ import numpy as np
 
 from slipstream.config import ModelConfig
 from slipstream.errors import (
-    ClientError,
     InternalError,
-    InvalidRequest,
     RequestTimeout,
     SlipstreamError,
     Unavailable,
@@ -233,14 +231,14 @@ class Batcher:
                 f"queue is full ({self._max_queue_size} requests waiting); retry later",
                 retry_after_s=1,
             )
-        if priority > self._levels:
-            raise _bad_priority(priority, self._levels)
         loop = asyncio.get_running_loop()
         pending = _Pending(
             inputs=inputs,
             rows=rows,
             shape_key=shape_key,
-            level=priority - 1 if priority else self._default_level,
+            # 0, or a level the model does not have, is its default level, as in Triton:
+            # one client's priority may reach models with fewer levels (or none).
+            level=priority - 1 if 0 < priority <= self._levels else self._default_level,
             future=loop.create_future(),
             enqueue_ns=self._clock_ns(),
             requests=requests,
@@ -562,12 +560,3 @@ def _as_served_error(exc: BaseException) -> BaseException:
         return exc
     logger.error("model execution failed", exc_info=exc)
     return InternalError("model execution failed; see the server log")
-
-
-def _bad_priority(priority: int, levels: int) -> ClientError:
-    if levels == 1:
-        return InvalidRequest(
-            f"parameters.priority: {priority} but the model has no priority levels; "
-            "set dynamic_batching.priority_levels in its config.yaml, or send priority 0"
-        )
-    return InvalidRequest(f"parameters.priority: {priority}; expected 0..{levels}")
