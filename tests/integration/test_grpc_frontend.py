@@ -364,20 +364,23 @@ def test_stream_infer_answers_every_request_and_errors_in_band(
         np.testing.assert_array_equal(total, np.full((1, 4), 2 * int(request_id), np.float32))
 
 
-def test_stream_requests_run_concurrently(client: grpcclient.InferenceServerClient) -> None:
+def test_stream_requests_run_concurrently_and_are_answered_in_order(
+    client: grpcclient.InferenceServerClient,
+) -> None:
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
         a = np.ones((1, 4), np.float32)
         # "gated" finishes only once the later "open" request has run: a stream that
-        # served requests one by one would never answer either.
+        # served requests one by one would never answer either. "open" finishes first,
+        # yet is answered second, as Triton answers a non-decoupled model's stream.
         client.async_stream_infer("gated", add_sub_inputs(a, a), request_id="waits")
         client.async_stream_infer("add_sub", add_sub_inputs(a, a), request_id="open")
         received = [answers.get(timeout=5) for _ in range(2)]
     finally:
         client.stop_stream()
     assert [error for _, error in received] == [None, None]
-    assert [result.get_response().id for result, _ in received] == ["open", "waits"]
+    assert [result.get_response().id for result, _ in received] == ["waits", "open"]
 
 
 # ---------------------------------------------------------------- statistics and repository

@@ -45,6 +45,12 @@ from slipstream.types import (
 _RAW_OUTPUT_TAG = b"\x32"  # ModelInferResponse.raw_output_contents = 6
 _STREAM_INFER_RESPONSE_TAG = b"\x12"  # ModelStreamInferResponse.infer_response = 2
 
+# Triton's parameter marking a stream's last answer to a request; serialised once.
+FINAL_RESPONSE = "triton_final_response"
+_FINAL_RESPONSE_ENTRY = pb.ModelInferResponse(
+    parameters={FINAL_RESPONSE: pb.InferParameter(bool_param=True)}
+).SerializeToString()
+
 # The 4-byte little-endian length before each element of a raw BYTES tensor.
 _BYTES_LENGTH = struct.Struct("<I")
 
@@ -344,9 +350,12 @@ def serialize_infer_response(response: InferResponse) -> bytes:
     return b"".join(_infer_response_parts(response))
 
 
-def serialize_stream_infer_response(response: InferResponse) -> bytes:
-    """The wire bytes of ``ModelStreamInferResponse(infer_response=...)``, one copy."""
+def serialize_stream_infer_response(response: InferResponse, final: bool = False) -> bytes:
+    """The wire bytes of ``ModelStreamInferResponse(infer_response=...)``, one copy;
+    ``final`` adds Triton's parameter ``triton_final_response``, true."""
     parts = _infer_response_parts(response)
+    if final:
+        parts.append(_FINAL_RESPONSE_ENTRY)  # a parser merges map entries in any order
     size = sum(len(part) for part in parts)
     return b"".join([_STREAM_INFER_RESPONSE_TAG, varint(size), *parts])
 

@@ -19,7 +19,7 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -30,6 +30,7 @@ from slipstream.errors import InvalidRequest, SlipstreamError, Unavailable
 from slipstream.names import validate_model_name
 from slipstream.protocol import grpc_codec, v2_shm
 from slipstream.protocol.proto import inference_pb2 as pb
+from slipstream.server import grpc_stream
 from slipstream.server.grpc_front_door import KEY_NAME
 from slipstream.serving.service import InferenceService
 
@@ -206,58 +207,36 @@ class _GrpcFrontend:
     async def model_stream_infer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[bytes]:
-        """Answer each request on the stream as soon as it completes, in any order.
+        """Answer each request on the stream, in the order the requests came, as Triton.
 
-        Requests run concurrently (a slow one does not hold back the rest); one task
-        reads the stream while this generator is the only writer, since grpc.aio allows
-        one write at a time. Clients match answers to requests by their ``id``.
+        Requests run concurrently (a slow one holds back the answers after it, never
+        their runs); see :func:`grpc_stream.in_request_order`.
         """
-        # Serialised ModelStreamInferResponse messages; None once every request is answered.
-        answers: asyncio.Queue[bytes | None] = asyncio.Queue()
-        in_flight: set[asyncio.Task[None]] = set()
-
         route_key = _route_key(context)
-
-        async def answer(request: pb.ModelInferRequest) -> None:
-            answers.put_nowait(await self._stream_answer(request, route_key))
-
-        async def read_requests() -> None:
-            try:
-                async for request in requests:
-                    task = asyncio.create_task(answer(request))
-                    in_flight.add(task)
-                    task.add_done_callback(in_flight.discard)
-                if in_flight:
-                    await asyncio.wait(list(in_flight))
-            finally:
-                # Wakes the writer below even when reading failed.
-                answers.put_nowait(None)
-
-        reader = asyncio.create_task(read_requests())
-        try:
-            while (item := await answers.get()) is not None:
+        answers = grpc_stream.in_request_order(
+            requests, lambda request: self._stream_answer(request, route_key)
+        )
+        # Closed with this generator, so a client that leaves cancels the runs it left.
+        async with contextlib.aclosing(answers):
+            async for item in answers:
                 yield item
-            await reader  # re-raises a failure to read the stream
-        finally:
-            reader.cancel()
-            for task in list(in_flight):
-                task.cancel()
 
     async def _stream_answer(self, request: pb.ModelInferRequest, route_key: str) -> bytes:
         # A failed request is answered on the stream; the stream itself stays open.
         try:
             validate_model_name(request.model_name)
             decoded = grpc_codec.decode_infer_request(request)
+            decoded.parameters.pop(grpc_stream.ENABLE_EMPTY_FINAL_RESPONSE, None)
             decoded.route_key = route_key
             decoded.owner = KEY_NAME.get()
             response = await self._service.infer(decoded)
-            return grpc_codec.serialize_stream_infer_response(response)
+            return grpc_codec.serialize_stream_infer_response(response, final=True)
         except SlipstreamError as exc:
             message = exc.message
         except Exception:
             logger.exception("gRPC ModelStreamInfer request failed")
             message = _INTERNAL_MESSAGE
-        return pb.ModelStreamInferResponse(error_message=message).SerializeToString()
+        return grpc_stream.serialize_stream_error(request, message)
 
     # ------------------------------------------------------------ repository
 
