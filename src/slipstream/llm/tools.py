@@ -12,7 +12,8 @@ calls and results are written back into the conversation in the same format:
 What the model writes is read back the same way. With ``tool_choice`` ``required`` or a
 named function, decoding is constrained to a call whose arguments validate against the
 function's schema (the constraint is the JSON schema built by :func:`call_constraint`),
-so a call always comes back, well formed.
+so a call always comes back, well formed. A schema that does not compile is a 400 naming
+the tool's ``parameters``, not the ``response_format`` the request never sent.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from slipstream.errors import InvalidRequest
+from slipstream.llm.constraints import compile_constraint
 from slipstream.types import Constraint
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -37,6 +39,9 @@ class Tool:
     description: str
     # The JSON schema of its arguments (an object schema).
     parameters: dict[str, Any]
+    # The request field holding ``parameters``, for error messages; "" names chat's
+    # ``tools[i].function.parameters`` by the tool's place in the list.
+    field: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,22 +127,92 @@ def _arguments(call: dict[str, Any]) -> Any:
 
 def call_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool) -> Constraint | None:
     """The constraint that makes the model call: a named function's arguments, or (for
-    ``required``) a list of {name, arguments} calls; None when the model may answer."""
+    ``required``) a list of {name, arguments} calls; None when the model may answer.
+    InvalidRequest names the tool's ``parameters`` when its schema does not compile."""
     if choice in ("none", "auto"):
         return None
     if choice != "required":
         tool = _find(tools, choice)
-        return Constraint("json_schema", json.dumps(tool.parameters), strict=True)
-    one_call = {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": tool.name},
-                                          "arguments": tool.parameters},
-         "required": ["name", "arguments"], "additionalProperties": False}
-        for tool in tools
-    ]}  # fmt: skip
-    schema = {"type": "array", "items": one_call, "minItems": 1}
+        own = Constraint("json_schema", json.dumps(tool.parameters), strict=True)
+        return checked(_field(tool, tools.index(tool)), own)
+    lifted: dict[str, Any] = {}
+    branches = []
+    for index, tool in enumerate(tools):
+        own = Constraint("json_schema", json.dumps(tool.parameters), strict=True)
+        checked(_field(tool, index), own)
+        arguments = _lift(tool.parameters, f"tool{index}", lifted)
+        branches.append({"type": "object", "required": ["name", "arguments"],
+                         "properties": {"name": {"const": tool.name}, "arguments": arguments},
+                         "additionalProperties": False})  # fmt: skip
+    calls: dict[str, Any] = {"type": "array", "items": {"anyOf": branches}, "minItems": 1}
     if not parallel:
-        schema["maxItems"] = 1
-    return Constraint("json_schema", json.dumps(schema), strict=True)
+        calls["maxItems"] = 1
+    if lifted:
+        calls["$defs"] = lifted
+    return checked("tools", Constraint("json_schema", json.dumps(calls), strict=True))
+
+
+def checked(field: str, constraint: Constraint) -> Constraint:
+    """``constraint``, compiled once to check it: InvalidRequest names ``field`` (the
+    request field it came from) when it does not compile."""
+    try:
+        compile_constraint(constraint)
+    except InvalidRequest as exc:
+        problem = exc.message.split(": ", 1)[-1]
+        raise InvalidRequest(f"{field}: {problem}") from None
+    return constraint
+
+
+def _field(tool: Tool, index: int) -> str:
+    return tool.field or f"tools[{index}].function.parameters"
+
+
+# The keywords whose values are data, not schemas: a "$ref" key inside is no reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _lift(parameters: dict[str, Any], own: str, lifted: dict[str, Any]) -> dict[str, Any]:
+    """A tool's schema placed below the root of the call schema with its references kept
+    working (JSON pointers resolve from the root, which is no longer the tool's): the
+    tool's ``$defs`` / ``definitions`` move into ``lifted`` (the root's ``$defs``) as
+    ``own.name``, the rest of its schema as ``own``, and every local reference is
+    rewritten to match. A schema without references comes back unchanged.
+
+    pydantic's schemas (``openai.pydantic_function_tool``) refer to ``#/$defs/...``."""
+    if "$ref" not in json.dumps(parameters):
+        return parameters
+    body = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    # A pointer segment escapes "~" and "/" only; "own." adds neither, so the escaped
+    # name of a definition in a pointer is "own." + its escaped name there.
+    prefix = f"{own}."
+
+    def ref(pointer: str) -> str:
+        for container in ("/$defs/", "/definitions/"):
+            if pointer.startswith(container):
+                name, _, rest = pointer[len(container) :].partition("/")
+                return f"#/$defs/{prefix}{name}" + (f"/{rest}" if rest else "")
+        return f"#/$defs/{own}{pointer}"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = ref(value[1:])
+            elif key in _DATA_KEYWORDS:
+                out[key] = value
+            else:
+                out[key] = rewrite(value)
+        return out
+
+    for container in ("$defs", "definitions"):
+        for name, schema in (parameters.get(container) or {}).items():
+            lifted[f"{prefix}{name}"] = rewrite(schema)
+    lifted[own] = rewrite(body)
+    return {"$ref": f"#/$defs/{own}"}
 
 
 def _find(tools: list[Tool], name: str) -> Tool:

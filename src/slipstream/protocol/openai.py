@@ -1,24 +1,36 @@
 """The OpenAI API's requests: schemas with validation (the replies are built by
 :mod:`slipstream.protocol.openai_replies`).
 
-Pure codec, no I/O. Fields OpenAI defines but Slipstream does not implement (tools,
-``suffix``, ``best_of`` > 1, ...) are refused with a 400 naming the field, never
-silently ignored; unknown extra fields are ignored as OpenAI-compatible servers do.
+Pure codec, no I/O. Fields OpenAI defines but Slipstream does not implement
+(``suffix``, ``best_of`` > 1, ...) are refused with a 400 naming the field, never
+silently ignored, and so are vLLM's extensions it does not implement
+(:mod:`slipstream.protocol.openai_fields`); unknown extra fields are ignored as
+OpenAI-compatible servers do. ``null`` for an optional field means its default.
 ``top_k``, ``ignore_eos``, ``repetition_penalty`` and the ``guided_json`` /
-``guided_choice`` / ``guided_grammar`` constraints are accepted as the vLLM extensions
-of the same names, ``grammar`` and ``json_schema`` as llama.cpp's server has them.
+``guided_choice`` / ``guided_regex`` / ``guided_grammar`` constraints are accepted as the
+vLLM extensions of the same names, ``grammar`` and ``json_schema`` as llama.cpp's server
+has them.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
 from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema
 
 from slipstream.errors import InvalidRequest
 from slipstream.names import validate_model_name
+from slipstream.protocol.openai_fields import (
+    VLLM_CHAT,
+    VLLM_COMPLETION,
+    VLLM_EMBEDDING,
+    VLLM_SAMPLING,
+    Unserved,
+    _Fields,
+)
 from slipstream.protocol.openai_tools import (
     MAX_TOOLS,
     NamedToolChoice,
@@ -47,7 +59,7 @@ _NULL: dict[str, Any] = {"type": "null"}
 _ZERO = {"type": "number", "enum": [0]}
 
 
-class StreamOptions(_Request):
+class StreamOptions(_Fields):
     include_usage: bool = False
     # vLLM's: every chunk carries the usage so far (guidellm and vLLM's tools ask for it).
     continuous_usage_stats: bool = False
@@ -60,17 +72,17 @@ _STREAM_OPTIONS_NEED_STREAM: dict[str, Any] = {
 }
 
 
-class _Sampling(_Request):
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)
+class _Sampling(_Fields):
+    """What every generation route takes: the sampling settings and the constraint
+    extensions. ``_formats`` adds the route's own structured-output field."""
+
+    unserved = VLLM_SAMPLING
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
-    stream_options: StreamOptions | None = None
     stop: Annotated[
         str | list[str] | None,
         _only({"type": "string"}, {"type": "array", "items": {"type": "string"},
@@ -89,19 +101,8 @@ class _Sampling(_Request):
               _NULL, note="token id -> bias in [-100, 100]; ids beyond the vocabulary: 400"),
     ] = None  # fmt: skip
     user: str | None = None
-    # Structured outputs: OpenAI's response_format, and the extensions users know. One
-    # constraint a request; a grammar, regex or schema that does not compile is a 400.
-    response_format: Annotated[
-        dict[str, Any] | None,
-        _only({"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}},
-               "required": ["type"]},
-              {"type": "object", "properties": {"type": {"const": "json_schema"},
-               "json_schema": {"type": "object", "properties": {
-                   "name": {"type": "string"}, "schema": {"type": "object"},
-                   "strict": {"type": "boolean"}}, "required": ["schema"]}},
-               "required": ["type", "json_schema"]},
-              _NULL, note="text, json_object, or json_schema {name, schema, strict}"),
-    ] = None  # fmt: skip
+    # Structured outputs: the route's own field (_formats), and the extensions users know.
+    # One constraint a request; a grammar, regex or schema that does not compile is a 400.
     guided_json: dict[str, Any] | str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_regex: str | None = None
@@ -120,8 +121,6 @@ class _Sampling(_Request):
         return stops
 
     def check_supported(self) -> None:
-        if self.stream_options is not None and not self.stream:
-            raise InvalidRequest("stream_options: only allowed when stream is true")
         self.bias()
         self.constraint()
 
@@ -140,11 +139,12 @@ class _Sampling(_Request):
 
     def constraint(self) -> Constraint | None:
         """The one structured-output constraint the request sets, if any."""
-        found: list[tuple[str, Constraint]] = []
-        if self.response_format is not None:
-            constraint = _response_format(self.response_format)
-            if constraint is not None:
-                found.append(("response_format", constraint))
+        found = self.constraint_field()
+        return found[1] if found else None
+
+    def constraint_field(self) -> tuple[str, Constraint] | None:
+        """(the field that set it, the constraint): the one the request sets, if any."""
+        found = self._formats()
         for field, schema in (("guided_json", self.guided_json), ("json_schema", self.json_schema)):
             if schema is not None:
                 found.append((field, _schema_constraint(field, schema)))
@@ -160,7 +160,46 @@ class _Sampling(_Request):
         if len(found) > 1:
             names = " and ".join(field for field, _ in found)
             raise InvalidRequest(f"{found[1][0]}: set one constraint, not {names}")
-        return found[0][1] if found else None
+        return found[0] if found else None
+
+    def _formats(self) -> list[tuple[str, Constraint]]:
+        """The constraint of the route's own structured-output field, if set."""
+        return []
+
+
+class _Classic(_Sampling):
+    """The fields chat and completions share beyond sampling (the Responses API has its
+    own names for them: max_output_tokens, text.format)."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)
+
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream_options: StreamOptions | None = None
+    # OpenAI's structured outputs.
+    response_format: Annotated[
+        dict[str, Any] | None,
+        _only({"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}},
+               "required": ["type"]},
+              {"type": "object", "properties": {"type": {"const": "json_schema"},
+               "json_schema": {"type": "object", "properties": {
+                   "name": {"type": "string"}, "schema": {"type": "object"},
+                   "strict": {"type": "boolean"}}, "required": ["schema"]}},
+               "required": ["type", "json_schema"]},
+              _NULL, note="text, json_object, or json_schema {name, schema, strict}"),
+    ] = None  # fmt: skip
+
+    def check_supported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options: only allowed when stream is true")
+        super().check_supported()
+
+    def _formats(self) -> list[tuple[str, Constraint]]:
+        if self.response_format is not None:
+            constraint = _response_format(self.response_format)
+            if constraint is not None:
+                return [("response_format", constraint)]
+        return []
 
 
 def _response_format(value: dict[str, Any]) -> Constraint | None:
@@ -201,7 +240,9 @@ _TOKEN_IDS = {
 }
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Classic):
+    unserved: ClassVar[Mapping[str, Unserved]] = {**VLLM_SAMPLING, **VLLM_COMPLETION}
+
     prompt: Annotated[
         str | list[str] | list[int] | list[list[int]],
         _only({"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
@@ -244,15 +285,24 @@ class CompletionRequest(_Sampling):
         return prompts
 
 
-class ContentPart(_Request):
+class ContentPart(_Fields):
     # Only text parts are served (ChatMessage.text names a part of another type).
     model_config = ConfigDict(extra="ignore", json_schema_extra={"required": ["type", "text"]})
 
     type: Annotated[str, WithJsonSchema({"const": "text"})]
     text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
+    def checked_text(self, where: str, kinds: tuple[str, ...]) -> str:
+        """The part's text; InvalidRequest naming ``where`` for a part of another type, or
+        a text part without its ``text``."""
+        if self.type not in kinds:
+            raise InvalidRequest(f"{where}: only text parts are supported, got type {self.type!r}")
+        if self.text is None:
+            raise InvalidRequest(f"{where}.text: missing; a {self.type!r} part needs its text")
+        return self.text
 
-class ChatMessage(_Request):
+
+class ChatMessage(_Fields):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -268,16 +318,13 @@ class ChatMessage(_Request):
             return content
         pieces = []
         for number, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise InvalidRequest(
-                    f"messages[{index}].content[{number}]: only text parts are supported, "
-                    f"got type {part.type!r}"
-                )
-            pieces.append(part.text)
+            pieces.append(part.checked_text(f"messages[{index}].content[{number}]", ("text",)))
         return "".join(pieces)
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(_Classic):
+    unserved: ClassVar[Mapping[str, Unserved]] = {**VLLM_SAMPLING, **VLLM_CHAT}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -358,32 +405,76 @@ class ChatRequest(_Sampling):
         return messages
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(_Fields):
+    """OpenAI's embeddings request. ``input`` is text, texts, token ids or lists of token
+    ids (LangChain's OpenAIEmbeddings sends token lists by default); ``dimensions`` may
+    only name the model's own width, since vectors are never truncated.
+
+    ``inputs()`` and ``check_dimensions()`` serve a route that embeds token ids and knows
+    the model's width; ``texts()`` serves one that embeds text only, refusing the rest
+    naming the field (what /openapi.json documents while the route calls it).
+    """
+
+    unserved = VLLM_EMBEDDING
+
     model: str = Field(min_length=1)
     input: Annotated[
-        str | list[str],
+        str | list[str] | list[int] | list[list[int]],
         Field(min_length=1),
         _only({"type": "string", "minLength": 1},
               {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
                "maxItems": MAX_EMBEDDING_INPUTS}, note="non-empty strings"),
     ]  # fmt: skip
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int | None, _only(_NULL, note="embeddings have the model's width")] = None
+    dimensions: Annotated[
+        int | None, Field(ge=1), _only(_NULL, note="embeddings have the model's width")
+    ] = None
     user: str | None = None
 
-    def texts(self) -> list[str]:
-        if self.dimensions is not None:
-            raise InvalidRequest("dimensions: not supported; embeddings have the model's width")
-        texts = [self.input] if isinstance(self.input, str) else list(self.input)
-        if len(texts) > MAX_EMBEDDING_INPUTS:
+    def inputs(self) -> list[str | list[int]]:
+        """Each input, as non-empty text or non-empty token ids."""
+        found = self.input
+        items: list[Any] = [found] if isinstance(found, str) or _ids(found) else list(found)
+        if len(items) > MAX_EMBEDDING_INPUTS:
             raise InvalidRequest(
-                f"input: {len(texts)} inputs; at most {MAX_EMBEDDING_INPUTS} in one request "
+                f"input: {len(items)} inputs; at most {MAX_EMBEDDING_INPUTS} in one request "
                 "(send the rest in further requests)"
             )
+        for index, item in enumerate(items):
+            where = "input" if items[0] is found else f"input[{index}]"
+            if not item:
+                raise InvalidRequest(f"{where}: must not be empty")
+            if isinstance(item, list) and min(item) < 0:
+                raise InvalidRequest(
+                    f"{where}: holds a negative token id {min(item)}; expected token ids (>= 0)"
+                )
+        return items
+
+    def texts(self) -> list[str]:
+        """The inputs as texts, for a route that cannot embed token ids or compare
+        ``dimensions`` with the model's width: either is a 400 naming it."""
+        if self.dimensions is not None:
+            raise InvalidRequest("dimensions: not supported; embeddings have the model's width")
+        texts = self.inputs()
         for index, text in enumerate(texts):
-            if not text:
-                raise InvalidRequest(f"input[{index}]: must be a non-empty string")
-        return texts
+            if not isinstance(text, str):
+                where = "input" if len(texts) == 1 and _ids(self.input) else f"input[{index}]"
+                raise InvalidRequest(f"{where}: token ids are not supported here; send text")
+        return [text for text in texts if isinstance(text, str)]
+
+    def check_dimensions(self, width: int) -> None:
+        """A 400 naming ``dimensions`` unless it is unset or the model's ``width``: the
+        vectors are the model's own, never truncated."""
+        if self.dimensions is not None and self.dimensions != width:
+            raise InvalidRequest(
+                f"dimensions: {self.dimensions} is not supported; model {self.model!r} "
+                f"embeds in {width} dimensions (leave dimensions out, or send {width})"
+            )
+
+
+def _ids(value: object) -> bool:
+    """Whether ``value`` is one list of token ids (not a list of texts or id lists)."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], int)
 
 
 # A part of a pydantic error location that names a branch of a union, not a field:

@@ -5,43 +5,90 @@ says ``store: false``. The request maps onto the chat machinery: ``instructions`
 system message, ``input`` the conversation (text, messages, earlier function calls and
 their outputs), ``tools`` the functions (in the Responses API's flat shape), and
 ``text.format`` the structured-output constraint.
+
+It takes the Responses API's own names (``max_output_tokens``, ``text.format``,
+``include`` / ``top_logprobs``); chat's names for the same things, and Responses fields
+this server does not implement (``reasoning``, ``background``, ...), are a 400 naming the
+field and what to send instead. The sampling extensions chat takes (``top_k``, ``seed``,
+``stop``, the penalties, ``logit_bias``, the ``guided_*`` constraints) apply here too.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from slipstream.errors import InvalidRequest
 from slipstream.protocol.openai import (
     _NULL,
+    _STREAM_OPTIONS_NEED_STREAM,
+    MAX_TOP_LOGPROBS,
     ContentPart,
     _only,
     _response_format,
     _Sampling,
 )
+from slipstream.protocol.openai_fields import VLLM_SAMPLING, Unserved, _Fields
 from slipstream.protocol.openai_replies import CallItem
-from slipstream.protocol.openai_tools import MAX_TOOLS, _Request
+from slipstream.protocol.openai_tools import MAX_TOOLS
 from slipstream.types import Constraint
 
+# Chat's and completions' names, and the Responses fields this server does not implement.
+_UNSERVED: Mapping[str, Unserved] = {
+    **VLLM_SAMPLING,
+    "max_tokens": Unserved("not a Responses field; send max_output_tokens"),
+    "max_completion_tokens": Unserved("not a Responses field; send max_output_tokens"),
+    "n": Unserved("the Responses API makes one response", (1,)),
+    "response_format": Unserved("not a Responses field; send text.format"),
+    "logprobs": Unserved(
+        "not a Responses field; send top_logprobs, or include ['message.output_text.logprobs']"
+    ),
+    "reasoning": Unserved("not supported: this server's models do not reason on request"),
+    "background": Unserved(
+        "not supported: this server stores no responses; answers come in the request",
+        (False,),
+    ),
+    "conversation": Unserved(
+        "not supported: this server stores no conversations; send the whole conversation in input"
+    ),
+    "prompt": Unserved(
+        "not supported: this server stores no prompt templates; send instructions and input"
+    ),
+    "truncation": Unserved(
+        "only 'disabled' is supported: a conversation longer than the model's context is a 400",
+        ("disabled",),
+    ),
+}
 
-class InputMessage(_Request):
+# OpenAI's include values: the output's logprobs, and what only items this server never
+# makes (built-in tool calls, reasoning, input images) would carry, so asking changes
+# nothing.
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+_INCLUDABLE = {
+    INCLUDE_LOGPROBS, "reasoning.encrypted_content", "web_search_call.results",
+    "web_search_call.action.sources", "file_search_call.results", "message.input_image.image_url",
+    "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+}  # fmt: skip
+
+
+class InputMessage(_Fields):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
 
 
-class InputFunctionCall(_Request):
+class InputFunctionCall(_Fields):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str = "{}"
 
 
-class InputFunctionOutput(_Request):
+class InputFunctionOutput(_Fields):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str
@@ -52,7 +99,7 @@ InputItem = InputMessage | InputFunctionCall | InputFunctionOutput
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 
 
-class FunctionTool(_Request):
+class FunctionTool(_Fields):
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str = ""
@@ -60,24 +107,42 @@ class FunctionTool(_Request):
     strict: bool | None = None
 
 
-class NamedFunctionChoice(_Request):
+class NamedFunctionChoice(_Fields):
     type: Literal["function"]
     name: str = Field(min_length=1)
 
 
-class TextOptions(_Request):
+class TextOptions(_Fields):
     format: dict[str, Any] = Field(default_factory=lambda: {"type": "text"})
 
 
+class ResponsesStreamOptions(_Fields):
+    # OpenAI's random padding of stream events against length side channels: it changes
+    # no text a client reads, so it is accepted and not sent.
+    include_obfuscation: bool = True
+
+
 class ResponsesRequest(_Sampling):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)
+    unserved = _UNSERVED
+    # One response a request (the generation path reads n).
+    n: ClassVar[int] = 1
+
     input: str | Annotated[list[InputItem], Field(min_length=1)]
-    n: Annotated[int, _only({"const": 1}, note="one response")] = 1
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextOptions | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    include: Annotated[
+        list[str] | None,
+        _only({"type": "array", "items": {"enum": sorted(_INCLUDABLE)}}, _NULL,
+              note=f"{INCLUDE_LOGPROBS!r} adds the output's logprobs"),
+    ] = None  # fmt: skip
+    service_tier: Literal["auto", "default"] | None = None
     store: bool | None = None
     previous_response_id: Annotated[
         str | None, _only(_NULL, note="stateless: send the whole conversation in input")
@@ -86,13 +151,16 @@ class ResponsesRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options: only allowed when stream is true")
+        for value in self.include or []:
+            if value not in _INCLUDABLE:
+                raise InvalidRequest(f"include: {value!r} is not one of {sorted(_INCLUDABLE)}")
         if self.previous_response_id is not None:
             raise InvalidRequest(
                 "previous_response_id: this server stores no responses; send the whole "
                 "conversation in input"
             )
-        if self.n != 1:
-            raise InvalidRequest("n: the Responses API makes one response")
         if isinstance(self.input, list) and not self.input:
             raise InvalidRequest("input: must not be empty")
         choice = self.choice()
@@ -101,6 +169,11 @@ class ResponsesRequest(_Sampling):
             raise InvalidRequest(f"tool_choice: {choice!r} needs tools")
         if choice not in ("none", "auto", "required") and choice not in names:
             raise InvalidRequest(f"tool_choice: no tool named {choice!r} (tools: {names})")
+        if choice not in ("none", "auto") and self.constraint() is not None:
+            raise InvalidRequest(
+                "tool_choice: a required tool call cannot be combined with text.format "
+                "or another constraint"
+            )
 
     def choice(self) -> str:
         choice = self.tool_choice
@@ -108,21 +181,25 @@ class ResponsesRequest(_Sampling):
             return "auto" if self.tools else "none"
         return choice if isinstance(choice, str) else choice.name
 
-    def constraint(self) -> Constraint | None:
-        if self.text is not None:
-            fmt = self.text.format
-            if fmt.get("type") == "json_schema":
-                # The Responses API puts name, schema and strict beside the type.
-                fmt = {"type": "json_schema", "json_schema": fmt}
-            try:
-                found = _response_format(fmt)
-            except InvalidRequest as exc:
-                raise InvalidRequest(
-                    exc.message.replace("response_format", "text.format")
-                ) from None
-            if found is not None:
-                return found
-        return super().constraint()
+    def wanted_logprobs(self) -> int | None:
+        """None, or how many alternatives each token's logprobs list: asked for by
+        ``include`` (OpenAI's way) or by ``top_logprobs`` alone (vLLM's)."""
+        if self.top_logprobs is None and INCLUDE_LOGPROBS not in (self.include or []):
+            return None
+        return self.top_logprobs or 0
+
+    def _formats(self) -> list[tuple[str, Constraint]]:
+        if self.text is None:
+            return []
+        fmt = self.text.format
+        if fmt.get("type") == "json_schema":
+            # The Responses API puts name, schema and strict beside the type.
+            fmt = {"type": "json_schema", "json_schema": fmt}
+        try:
+            found = _response_format(fmt)
+        except InvalidRequest as exc:
+            raise InvalidRequest(exc.message.replace("response_format", "text.format")) from None
+        return [] if found is None else [("text.format", found)]
 
     def chat(self) -> list[dict[str, Any]]:
         """The conversation as chat messages (OpenAI's chat shapes)."""
@@ -156,15 +233,11 @@ class ResponsesRequest(_Sampling):
 def _text(content: str | list[ContentPart], index: int) -> str:
     if isinstance(content, str):
         return content
-    pieces = []
-    for number, part in enumerate(content):
-        if part.type not in _TEXT_PARTS or part.text is None:
-            raise InvalidRequest(
-                f"input[{index}].content[{number}]: only text parts are supported, got type "
-                f"{part.type!r}"
-            )
-        pieces.append(part.text)
-    return "".join(pieces)
+    kinds = tuple(sorted(_TEXT_PARTS))
+    return "".join(
+        part.checked_text(f"input[{index}].content[{number}]", kinds)
+        for number, part in enumerate(content)
+    )
 
 
 # -- the response ---------------------------------------------------------------------------
@@ -174,10 +247,15 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(mid: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+def message_item(
+    mid: str, text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """An assistant message; ``status`` ``incomplete`` when max_output_tokens cut it short
+    (its text is still there), ``in_progress`` (no content yet) while it streams."""
+    content = [{"type": "output_text", "text": text, "annotations": [],
+                "logprobs": logprobs or []}]  # fmt: skip
     return {"type": "message", "id": mid, "status": status, "role": "assistant",
-            "content": content if status == "completed" else []}  # fmt: skip
+            "content": content if status != "in_progress" else []}  # fmt: skip
 
 
 def call_item(call: CallItem, status: str = "completed") -> dict[str, Any]:

@@ -3,8 +3,11 @@
 A response holds one message (``output_text``) or the function calls the model made.
 Streamed, it is the Responses API's event sequence: ``response.created``, the output
 item and its content part opened, ``response.output_text.delta`` per piece of text, each
-closed again, then ``response.completed``. With tools offered, calls are read from the
-whole text, so that stream is sent once the answer is complete.
+closed again, then ``response.completed`` (``response.incomplete`` when
+``max_output_tokens`` cut the message short: the message item is ``incomplete`` too).
+With tools offered, calls are read from the whole text, so that stream is sent once the
+answer is complete. ``top_logprobs`` (or ``include`` ``message.output_text.logprobs``)
+puts each token's logprob on the ``output_text`` and on its deltas.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import orjson
 from slipstream.errors import SlipstreamError
 from slipstream.llm.api import GenerationService
 from slipstream.llm.text import TextDelta
-from slipstream.llm.tools import Tool
+from slipstream.llm.tools import Tool, checked
 from slipstream.protocol import openai
 from slipstream.protocol import openai_replies as replies
 from slipstream.protocol.openai_responses import (
@@ -30,6 +33,7 @@ from slipstream.protocol.openai_responses import (
 )
 from slipstream.server.http_messages import HttpResponse, StreamingResponse
 from slipstream.server.openai_generation import (
+    Pieces,
     build_jobs,
     chat_with_tools,
     collect,
@@ -45,24 +49,34 @@ async def respond(
     engine = llm.engine(body.model)
     choice = body.choice()
     offered = body.tools or [] if choice != "none" else []
-    tools = [Tool(t.name, t.description, t.parameters) for t in offered]
+    tools = [Tool(t.name, t.description, t.parameters, f"tools[{index}].parameters")
+             for index, t in enumerate(offered)]  # fmt: skip
+    found = body.constraint_field()
+    # Checked here so that a schema that does not compile is named by its own field
+    # (text.format), not by the response_format the request never sent.
+    own = checked(*found) if found is not None else None
     prompt, constraint = chat_with_tools(
-        engine, body.chat(), tools, choice, body.parallel_tool_calls, body.constraint()
+        engine, body.chat(), tools, choice, body.parallel_tool_calls, own
     )
     jobs = build_jobs(engine, body, [prompt], body.max_output_tokens,
-                      llm.default_max_tokens(body.model), None, constraint)  # fmt: skip
+                      llm.default_max_tokens(body.model), body.wanted_logprobs(),
+                      constraint)  # fmt: skip
     llm.admit(body.model, jobs)
+    pieces = Pieces(engine) if jobs[0].params.logprobs is not None else None
     rid, created = item_id("resp"), replies.now()
     stream = llm.generate(body.model, jobs, arrived)
     if body.stream and not tools:
-        return StreamingResponse(200, _text_events(stream, rid, created, body, len(prompt)))
-    collected = await collect(stream, 1, None)
+        events = _text_events(stream, rid, created, body, len(prompt), pieces)
+        return StreamingResponse(200, events)
+    collected = await collect(stream, 1, pieces)
     read_tool_calls(collected, tools, choice)
     output = [call_item(call) for call in collected.calls[0]]
-    if not output:
-        output = [message_item(item_id("msg"), collected.texts[0])]
-    tokens = (len(prompt), collected.completion_tokens[0])
     incomplete = collected.reasons[0] == "length"
+    if not output:
+        status = "incomplete" if incomplete else "completed"
+        logprobs = _logprobs(collected.entries[0])
+        output = [message_item(item_id("msg"), collected.texts[0], status, logprobs)]
+    tokens = (len(prompt), collected.completion_tokens[0])
     final = response(rid, created, body, output, tokens, incomplete)
     if body.stream:
         return StreamingResponse(200, _replay(final, body))
@@ -75,6 +89,7 @@ async def _text_events(
     created: int,
     body: ResponsesRequest,
     prompt_tokens: int,
+    pieces: Pieces | None,
 ) -> AsyncIterator[bytes]:
     sequence = _Counter()
     opening = response(rid, created, body, [], None)
@@ -86,15 +101,18 @@ async def _text_events(
                 item=message_item(mid, "", "in_progress"))  # fmt: skip
     part = {"type": "output_text", "text": "", "annotations": []}
     yield event("response.content_part.added", sequence(), part=part, **where)
-    pieces: list[str] = []
+    texts: list[str] = []
+    logprobs: list[dict[str, Any]] = []
     generated, reason = 0, "stop"
     try:
         async for _, delta in stream:
             generated = delta.completion_tokens
-            if delta.text:
-                pieces.append(delta.text)
+            entries = _logprobs(pieces.entries(delta.logprobs) if pieces else None)
+            logprobs += entries
+            if delta.text or entries:
+                texts.append(delta.text)
                 yield event("response.output_text.delta", sequence(), delta=delta.text,
-                            logprobs=[], **where)  # fmt: skip
+                            logprobs=entries, **where)  # fmt: skip
             if delta.finish_reason is not None:
                 reason = delta.finish_reason
     except SlipstreamError as exc:
@@ -104,12 +122,13 @@ async def _text_events(
         return
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
-    text = "".join(pieces)
-    yield event("response.output_text.done", sequence(), text=text, logprobs=[], **where)
+    text = "".join(texts)
+    yield event("response.output_text.done", sequence(), text=text, logprobs=logprobs, **where)
     yield event("response.content_part.done", sequence(), part=part | {"text": text}, **where)
-    item = message_item(mid, text)
+    incomplete = reason == "length"
+    item = message_item(mid, text, "incomplete" if incomplete else "completed", logprobs)
     yield event("response.output_item.done", sequence(), output_index=0, item=item)
-    final = response(rid, created, body, [item], (prompt_tokens, generated), reason == "length")
+    final = response(rid, created, body, [item], (prompt_tokens, generated), incomplete)
     yield event(_last_event(final), sequence(), response=final)
 
 
@@ -131,19 +150,26 @@ async def _replay(final: dict[str, Any], body: ResponsesRequest) -> AsyncIterato
                         arguments=item["arguments"], **where)  # fmt: skip
         else:
             text = item["content"][0]["text"]
+            logprobs = item["content"][0]["logprobs"]
             yield event("response.output_item.added", sequence(), output_index=index,
                         item=item | {"status": "in_progress", "content": []})  # fmt: skip
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
             part = {"type": "output_text", "text": "", "annotations": []}
             yield event("response.content_part.added", sequence(), part=part, **where)
-            yield event("response.output_text.delta", sequence(), delta=text, logprobs=[],
-                        **where)  # fmt: skip
-            yield event("response.output_text.done", sequence(), text=text, logprobs=[],
+            yield event("response.output_text.delta", sequence(), delta=text,
+                        logprobs=logprobs, **where)  # fmt: skip
+            yield event("response.output_text.done", sequence(), text=text, logprobs=logprobs,
                         **where)  # fmt: skip
             yield event("response.content_part.done", sequence(), part=part | {"text": text},
                         **where)  # fmt: skip
         yield event("response.output_item.done", sequence(), output_index=index, item=item)
     yield event(_last_event(final), sequence(), response=final)
+
+
+def _logprobs(entries: list[replies.LogprobEntry] | None) -> list[dict[str, Any]]:
+    """The Responses API's ``logprobs`` of an ``output_text``: chat's entries."""
+    found = replies.chat_logprobs(entries)
+    return found["content"] if found is not None else []
 
 
 def _last_event(final: dict[str, Any]) -> str:

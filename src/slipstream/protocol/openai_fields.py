@@ -1,0 +1,192 @@
+"""Field rules every OpenAI request schema shares.
+
+- ``null`` for an optional field means its default. OpenAI's reference types them
+  "number or null ... Defaults to X", and the openai SDK sends ``null`` for a keyword
+  passed as ``None``; a required field (``model``, ``messages``, ``prompt``, ``input``)
+  stays required, so ``null`` there is a 400.
+- The known extensions of other servers (vLLM's sampling and chat fields) that this
+  server does not implement are refused with a 400 naming the field and what to send
+  instead, unless the value asks for what the server does anyway (``min_p: 0``,
+  ``skip_special_tokens: true``): a client that set one would otherwise get a different
+  text than it asked for, silently. Fields nobody defines stay ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import GetJsonSchemaHandler, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
+
+from slipstream.errors import InvalidRequest
+from slipstream.protocol.openai_tools import _Request
+
+_NULL: dict[str, Any] = {"type": "null"}
+
+
+@dataclass(frozen=True, slots=True)
+class Unserved:
+    """A field another server defines and this one does not implement."""
+
+    # Why it is refused and what to send instead (the 400's message after the name).
+    advice: str
+    # Values that ask for what this server does anyway (the other server's defaults):
+    # accepted. ``null`` always is.
+    same: tuple[Any, ...] = ()
+
+    def accepts(self, value: Any) -> bool:
+        # True == 1 in Python; a bool must match a bool, a number a number.
+        return value is None or any(
+            value == same and isinstance(value, bool) == isinstance(same, bool)
+            for same in self.same
+        )
+
+
+# vLLM's sampling extensions (its SamplingParams and request fields) that Slipstream does
+# not implement; top_k, repetition_penalty, ignore_eos, seed and the guided_* constraints
+# it does. guided_decoding_backend changes no text (every constraint runs on llguidance):
+# it is ignored like any unknown field.
+VLLM_SAMPLING: Mapping[str, Unserved] = {
+    "min_p": Unserved("not supported; use top_p or top_k", (0, 0.0)),
+    "min_tokens": Unserved(
+        "not supported; use ignore_eos with max_tokens for a fixed length", (0,)
+    ),
+    "stop_token_ids": Unserved("not supported; send the tokens' text in stop", ([],)),
+    "include_stop_str_in_output": Unserved(
+        "not supported: a stop sequence is never part of the text", (False,)
+    ),
+    "skip_special_tokens": Unserved(
+        "only true is supported: special tokens are never part of the text", (True,)
+    ),
+    "truncate_prompt_tokens": Unserved(
+        "not supported: a prompt is never truncated; shorten it (one longer than the "
+        "model's context is a 400)"
+    ),
+    "use_beam_search": Unserved("not supported: there is no beam search; use n", (False,)),
+    "length_penalty": Unserved(
+        "not supported: it applies to beam search, which this server does not do", (1, 1.0)
+    ),
+    "bad_words": Unserved("not supported; set the words' token ids to -100 in logit_bias", ([],)),
+    "allowed_token_ids": Unserved(
+        "not supported; use logit_bias, or a constraint (guided_choice, guided_regex)"
+    ),
+    "prompt_logprobs": Unserved("not supported: logprobs are computed for generated tokens"),
+    "logits_processors": Unserved("not supported", ([],)),
+    "return_tokens_as_token_ids": Unserved("not supported", (False,)),
+    "return_token_ids": Unserved("not supported", (False,)),
+    "add_special_tokens": Unserved(
+        "not supported: the model's tokenizer settings decide; send token ids to control "
+        "the prompt's tokens exactly"
+    ),
+    "structured_outputs": Unserved(
+        "not supported; use response_format, guided_json, guided_regex, guided_choice or "
+        "guided_grammar"
+    ),
+    "structural_tag": Unserved("not supported; use response_format json_schema or guided_grammar"),
+    "guided_whitespace_pattern": Unserved(
+        "not supported: JSON is written compact (', ' and ': ' separators)"
+    ),
+    "priority": Unserved("not supported: there is no priority scheduling", (0,)),
+    "cache_salt": Unserved("not supported"),
+    "kv_transfer_params": Unserved("not supported"),
+    "vllm_xargs": Unserved("not supported"),
+    "mm_processor_kwargs": Unserved("not supported: this server serves text only"),
+}
+
+# vLLM's chat-only extensions.
+VLLM_CHAT: Mapping[str, Unserved] = {
+    "chat_template": Unserved("not supported: the model's own chat template is applied"),
+    "chat_template_kwargs": Unserved("not supported", ({},)),
+    "add_generation_prompt": Unserved("only true is supported", (True,)),
+    "continue_final_message": Unserved("not supported", (False,)),
+    "echo": Unserved("not supported on chat; use /v1/completions with echo", (False,)),
+    "documents": Unserved("not supported; put the documents in a message"),
+}
+
+# vLLM's completions-only extensions.
+VLLM_COMPLETION: Mapping[str, Unserved] = {
+    "prompt_embeds": Unserved("not supported; send text or token ids in prompt"),
+}
+
+# vLLM's embeddings extensions.
+VLLM_EMBEDDING: Mapping[str, Unserved] = {
+    "truncate_prompt_tokens": Unserved(
+        "not supported: each input is truncated where the model's tokenizer file says"
+    ),
+    "add_special_tokens": VLLM_SAMPLING["add_special_tokens"],
+    "priority": VLLM_SAMPLING["priority"],
+}
+
+
+class _Fields(_Request):
+    """Base of the OpenAI request schemas: ``null`` is the default, and the fields in
+    ``unserved`` are refused naming them (see the module docstring)."""
+
+    # Field name -> why it is refused, for the known fields this schema does not serve.
+    unserved: ClassVar[Mapping[str, Unserved]] = {}
+    # The names of the fields that have a default, set per class.
+    _optional: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._optional = frozenset(
+            field.alias or name
+            for name, field in cls.model_fields.items()
+            if not field.is_required()
+        )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_and_unserved(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, rule in cls.unserved.items():
+            if name in data and not rule.accepts(data[name]):
+                raise InvalidRequest(f"{name}: {rule.advice}")
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in cls._optional
+        }
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The documented schema (/openapi.json) says that every optional field takes
+        ``null``, so generated clients and conformance checks know it."""
+        schema = handler(core_schema)
+        target = handler.resolve_ref_schema(schema)
+        required = set(target.get("required", ()))
+        properties = target.get("properties", {})
+        for name, prop in properties.items():
+            if name not in required:
+                properties[name] = _nullable(prop)
+        return schema
+
+
+def _nullable(prop: dict[str, Any]) -> dict[str, Any]:
+    """``prop`` allowing ``null`` too."""
+    if _allows_null(prop):
+        return prop
+    if "anyOf" in prop:
+        return {**prop, "anyOf": [*prop["anyOf"], _NULL]}
+    meta: dict[str, Any] = {
+        key: prop[key] for key in ("title", "description", "default") if key in prop
+    }
+    inner = {key: value for key, value in prop.items() if key not in meta}
+    return {"anyOf": [inner, _NULL], **meta}
+
+
+def _allows_null(prop: dict[str, Any]) -> bool:
+    kind = prop.get("type")
+    if kind == "null" or (isinstance(kind, list) and "null" in kind):
+        return True
+    if "const" in prop and prop["const"] is None:
+        return True
+    branches = prop.get("anyOf", ())
+    return any(isinstance(branch, dict) and _allows_null(branch) for branch in branches)
