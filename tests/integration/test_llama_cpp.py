@@ -21,7 +21,6 @@ import os
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -56,6 +55,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
         "smol_streams": {"num_blocks": 128, "block_size": 16, "max_batch_tokens": STEP_TOKENS,
                          "max_num_seqs": 8, "max_model_len": 1024,
                          "kv_streams": "per_sequence"},
+        # One sequence at a time, four waiting at most: a long one keeps the rest queued.
+        "smol_one": {"num_blocks": 128, "block_size": 16, "max_num_seqs": 1,
+                     "max_queue_size": 4},
         # One sequence at a time from an empty cache: every run computes the same way.
         "smol_alone": {"num_blocks": 16, "block_size": 16, "max_num_seqs": 1,
                        "max_queue_size": 8, "prefix_caching": False},
@@ -144,7 +146,7 @@ def complete_ids(client: openai.OpenAI, model: str, prompt: list[int], max_token
 
 def test_models_lists_the_gguf_models_and_not_the_broken_file(client: openai.OpenAI) -> None:
     served = sorted(m.id for m in client.models.list().data)
-    assert served == ["smol", "smol_alone", "smol_queue", "smol_small", "smol_streams"]
+    assert served == ["smol", "smol_alone", "smol_one", "smol_queue", "smol_small", "smol_streams"]
 
 
 def test_greedy_completion_matches_llama_cpp_alone(client: openai.OpenAI, alone: Any) -> None:
@@ -325,6 +327,28 @@ def test_a_negative_seed_is_a_seed_too(client: openai.OpenAI) -> None:
     assert texts[0] == texts[1] and texts[0]
 
 
+def test_a_seed_draws_the_same_text_whatever_else_the_request_asks(
+    client: openai.OpenAI,
+) -> None:
+    """One seed is one random stream: asking for logprobs, or a logit bias that changes
+    nothing, never changes the text drawn at temperature 1 (both sent the draw through
+    llama.cpp's own sampler, another stream, until 2026-12), and all 64 bits of the seed
+    count (that sampler took the low 32)."""
+
+    def text(seed: int, **extra: Any) -> str:
+        reply = client.completions.create(
+            model="smol_alone", prompt="Once upon a time", max_tokens=10, temperature=1.0,
+            seed=seed, extra_body={"ignore_eos": True}, **extra,
+        )  # fmt: skip
+        return reply.choices[0].text
+
+    for seed in (1, 7, 42, 2**40 + 3):
+        plain = text(seed)
+        assert text(seed, logprobs=1) == plain, seed
+        assert text(seed, logit_bias={"0": 0}) == plain, seed
+    assert len({text(5 + k * 2**32, logprobs=1) for k in range(3)}) == 3
+
+
 def test_chat_uses_the_template_stored_in_the_gguf(client: openai.OpenAI, alone: Any) -> None:
     messages: list[Any] = [{"role": "user", "content": "What is 2 + 2?"}]
     ours = client.chat.completions.create(
@@ -379,6 +403,111 @@ def test_a_full_waiting_queue_answers_503(server: RemoteServer) -> None:
     assert 200 in statuses and 503 in statuses and set(statuses) <= {200, 503}
 
 
+def _count(server: RemoteServer, name: str, **labels: str) -> float:
+    """A counter's value; 0 before its first increment (no sample yet)."""
+    try:
+        return metric(server, name, **labels)
+    except AssertionError:
+        return 0.0
+
+
+def test_a_request_with_more_sequences_than_may_ever_wait_is_400_naming_the_field(
+    server: RemoteServer, client: openai.OpenAI
+) -> None:
+    """prompts x n sequences beyond generation.max_queue_size could never all wait: a 400
+    naming ``n`` (or ``prompt`` when the prompts alone are too many), before any sequence
+    starts (until 2026-12 the first 256 were queued, started and cancelled, then a 503
+    said to retry)."""
+    before = _count(server, "slipstream_llm_prompt_tokens_total", model="smol")
+    with pytest.raises(openai.BadRequestError) as many:
+        client.completions.create(model="smol", prompt=["Hi"] * 100, n=4, max_tokens=2)
+    assert many.value.param == "n"
+    assert "400 sequences" in many.value.message and "max_queue_size 256" in many.value.message
+    with pytest.raises(openai.BadRequestError) as prompts:
+        client.completions.create(model="smol_queue", prompt=["Hi", "Ho"], max_tokens=2)
+    assert prompts.value.param == "prompt"
+    assert _count(server, "slipstream_llm_prompt_tokens_total", model="smol") == before
+
+
+def _hold_the_slot(http: httpx.AsyncClient) -> Any:
+    """A stream of 2,000 tokens in smol_one's only slot (seconds): every other sequence
+    waits while it runs. Open it with ``async with``; leaving cancels it."""
+    body = {"model": "smol_one", "prompt": "Hello", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    return http.stream("POST", "/v1/completions", json=body)
+
+
+async def _waiting(http: httpx.AsyncClient, count: int) -> None:
+    """Until smol_one's waiting-sequences gauge reads ``count`` (10 s at most)."""
+    pattern = re.compile(r'^slipstream_llm_sequences_waiting\{model="smol_one"\} (\S+)$', re.M)
+    for _ in range(200):
+        match = pattern.search((await http.get("/metrics")).text)
+        if match and float(match.group(1)) == count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"smol_one's waiting sequences never read {count}")
+
+
+def test_a_request_the_queue_cannot_hold_now_is_503_before_any_sequence_starts(
+    server: RemoteServer,
+) -> None:
+    """With 2 of smol_one's 4 queue places taken, a request of 3 sequences is a 503
+    with Retry-After, counted as a whole before any of them is queued: no prompt read,
+    nothing started then cancelled (until 2026-12 two were queued, then the third got
+    the 503 and the two were cancelled)."""
+    url = server.url("/v1/completions")
+    waiter = {"model": "smol_one", "prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
+
+    async def scenario() -> tuple[httpx.Response, list[httpx.Response], float, float]:
+        async with httpx.AsyncClient(base_url=server.url(""), timeout=120) as http:
+            async with _hold_the_slot(http) as holder:
+                lines = holder.aiter_lines()  # kept: dropping it would close the stream
+                await anext(lines)
+                waiters = [asyncio.create_task(http.post(url, json=waiter)) for _ in range(2)]
+                await _waiting(http, 2)
+                before = _count(server, "slipstream_llm_prompt_tokens_total", model="smol_one")
+                body = {"model": "smol_one", "prompt": "Hi", "n": 3, "max_tokens": 2}
+                refused = await http.post(url, json=body)
+                after = _count(server, "slipstream_llm_prompt_tokens_total", model="smol_one")
+                await _waiting(http, 2)
+            return refused, await asyncio.gather(*waiters), before, after
+
+    refused, served, before, after = asyncio.run(scenario())
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert after == before
+    assert "this request adds 3" in refused.json()["error"]["message"]
+    assert [reply.status_code for reply in served] == [200] * 2
+
+
+def test_clients_that_leave_the_queue_free_their_places_at_once(server: RemoteServer) -> None:
+    """Queued sequences whose clients disconnect leave the waiting count (and its gauge)
+    at once, wherever they stand in the queue: the 4-place queue of smol_one, one live
+    waiter at its head and 3 abandoned behind it, takes new requests again (until
+    2026-12 the abandoned ones stayed counted until they reached the head, and new
+    requests got 503 while one long sequence ran)."""
+    url = server.url("/v1/completions")
+    body = {"model": "smol_one", "prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url(""), timeout=120) as http:
+            async with _hold_the_slot(http) as holder:
+                lines = holder.aiter_lines()  # kept: dropping it would close the stream
+                await anext(lines)
+                head = asyncio.create_task(http.post(url, json=body))
+                await _waiting(http, 1)
+                leaving = [asyncio.create_task(http.post(url, json=body)) for _ in range(3)]
+                await _waiting(http, 4)
+                for task in leaving:
+                    task.cancel()
+                await asyncio.gather(*leaving, return_exceptions=True)
+                await _waiting(http, 1)
+                later = [asyncio.create_task(http.post(url, json=body)) for _ in range(3)]
+                await _waiting(http, 4)
+            return await asyncio.gather(head, *later)
+
+    assert [reply.status_code for reply in asyncio.run(scenario())] == [200] * 4
+
+
 def test_a_client_that_disconnects_frees_its_sequence(server: RemoteServer) -> None:
     def cancelled() -> float:
         try:
@@ -411,68 +540,14 @@ def test_a_client_that_disconnects_frees_its_sequence(server: RemoteServer) -> N
 
 
 def test_llama_cpp_models_share_the_cores(server: RemoteServer) -> None:
-    """Seven llama.cpp models configured in one process (two of them fail to load): each
-    gets a seventh of the cores, at least one thread."""
+    """Eight llama.cpp models configured in one process (two of them fail to load): each
+    gets an eighth of the cores, at least one thread."""
     cores = len(os.sched_getaffinity(0))
     log = server.log_text()
     threads = [int(n) for n in re.findall(r"llama\.cpp engine: model\.gguf, (\d+) threads", log)]
-    assert threads == [max(1, cores // 7)] * 5
+    assert threads == [max(1, cores // 8)] * 6
     # What each uses now: at most its share (fewer while the cores are crowded).
-    assert 1 <= metric(server, "slipstream_llm_cpu_threads", model="smol") <= max(1, cores // 7)
+    assert 1 <= metric(server, "slipstream_llm_cpu_threads", model="smol") <= max(1, cores // 8)
 
 
 # -- the repository API ------------------------------------------------------------------
-
-
-def test_generative_models_are_indexed_loaded_and_unloaded_at_run_time(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    for name in ("first", "second"):
-        (repo / name / "1").mkdir(parents=True)
-        os.link(smollm2_gguf(), repo / name / "1" / "model.gguf")
-        write_config(repo, name, {"backend": "llama_cpp", "generation": {"num_blocks": 16}})
-    (repo / "broken" / "1").mkdir(parents=True)
-    (repo / "broken" / "1" / "model.gguf").write_bytes(b"GGML but not GGUF")
-    write_config(repo, "broken", {"backend": "llama_cpp"})
-    args = ["--model-control-mode", "explicit", "--load-model", "first"]
-    with RemoteServer(repo, args, log_dir=tmp_path) as server:
-
-        def index() -> dict[str, tuple[str, str, str]]:
-            entries = server.http.post("/v2/repository/index", json={}).json()
-            return {e["name"]: (e.get("version", ""), e.get("state", ""), e.get("reason", ""))
-                    for e in entries}  # fmt: skip
-
-        def served() -> list[str]:
-            return sorted(m["id"] for m in server.http.get("/v1/models").json()["data"])
-
-        def complete(model: str) -> httpx.Response:
-            body = {"model": model, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
-            return server.http.post("/v1/completions", json=body, timeout=60)
-
-        assert index() == {"first": ("1", "READY", ""), "second": ("", "", ""),
-                           "broken": ("", "", "")}  # fmt: skip
-        assert served() == ["first"]
-        not_loaded = complete("second")
-        assert not_loaded.status_code == 404
-        assert not_loaded.json()["error"]["message"] == (
-            "model: 'second' is not loaded; load it with POST /v2/repository/models/second/load"
-        )
-
-        load = server.http.post("/v2/repository/models/second/load", timeout=60)
-        assert load.status_code == 200, load.text
-        assert index()["second"] == ("1", "READY", "")
-        assert served() == ["first", "second"]
-        assert complete("second").json()["usage"]["completion_tokens"] == 3
-
-        unload = server.http.post("/v2/repository/models/first/unload", timeout=60)
-        assert unload.status_code == 200, unload.text
-        assert index()["first"] == ("", "", "")
-        assert served() == ["second"]
-        assert complete("first").status_code == 404
-
-        bad = server.http.post("/v2/repository/models/broken/load", timeout=60)
-        assert bad.status_code == 400
-        assert "not a GGUF file" in bad.json()["error"]
-        _version, state, reason = index()["broken"]
-        assert state == "UNAVAILABLE" and "not a GGUF file" in reason
-        # Nothing else was harmed.
-        assert complete("second").status_code == 200

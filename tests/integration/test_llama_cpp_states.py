@@ -7,7 +7,8 @@ lets the engine settle and checks what must always hold:
 
 * every sequence that was not cancelled got exactly ``max_tokens`` tokens and finished
   with ``length``; a cancelled one got at most that;
-* nothing is left running or waiting, and no cache is reserved;
+* nothing is left running or waiting, and no cache is reserved; a cancelled sequence
+  never counts as waiting;
 * the KV cache matches the scheduler's books: for every slot, llama.cpp holds exactly
   the positions ``0 .. len(tokens) - 1`` the scheduler believes that slot has cached;
 * the prefix-cache counters only grow, and hits never exceed queries.
@@ -144,6 +145,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert task.exception() is None, task.exception()
             assert tokens == max_tokens
             assert steps[-1].finish_reason == "length"
+
+    @invariant()
+    def only_live_sequences_count_as_waiting(self) -> None:
+        """A cancelled sequence leaves the waiting count at once, wherever it stood in the
+        queue: at most the live sequences without a token yet are counted (until 2026-12
+        those cancelled behind the queue's head stayed counted, refusing new requests)."""
+        assert self.engine is not None
+        live = sum(
+            not task.done() and ident not in self.cancelled and not self.results.get(ident)
+            for ident, (task, _) in self.tasks.items()
+        )
+        assert self.engine.cache_stats().waiting <= live
 
     @invariant()
     def an_idle_engine_matches_its_books(self) -> None:

@@ -33,10 +33,10 @@ only the sequence's own stream: at 16 sequences a step took 47-51 ms instead of 
   stream per sequence a prefix under 16 tokens is not reused, and a new sequence takes
   the idle slot beside running ones: llama.cpp runs each run of consecutive sequence ids
   in a step as a forward pass of its own, so the step's batch also goes in id order;
-* **sampling** by llama.cpp's sampler chain, one per sequence: penalties and logit bias,
-  then greedy, or temperature, top-k, top-p and a seeded draw; logprobs and llguidance
-  constraints (structured outputs, required tool calls) only for the sequences that ask
-  (:mod:`slipstream.llm.llamacpp_sampling`).
+* **sampling**, one sampler per sequence: llama.cpp's penalties and logit bias, then
+  greedy, or temperature, top-k, top-p and a draw from one numpy generator per seed;
+  logprobs and llguidance constraints (structured outputs, required tool calls) only for
+  the sequences that ask (:mod:`slipstream.llm.llamacpp_sampling`).
 
 Text: tokens and chat templates come from the GGUF file itself (the Jinja template in
 ``tokenizer.chat_template``, rendered in a sandbox as transformers renders it).
@@ -245,13 +245,16 @@ class LlamaCppEngine(Engine):
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[EngineStep]:
-        self._check_queue()
-        if self._scheduler.stopping:
-            raise Unavailable("the generation engine is stopping", retry_after_s=5)
         loop = asyncio.get_running_loop()
         matcher = None
         if params.constraint is not None:
             matcher = await self._matchers.new(params.constraint)
+        # Checked after the matcher's await, with nothing awaited until the sequence is
+        # submitted: a sequence counts as waiting from the moment it passes the check, so
+        # the requests the service admitted together never overfill the queue.
+        self._check_queue()
+        if self._scheduler.stopping:
+            raise Unavailable("the generation engine is stopping", retry_after_s=5)
         sampler = SequenceSampler(self._lib, self._vocab, params, prompt_ids, matcher)
         sequence = LlamaSequence(list(prompt_ids), params, loop, asyncio.Queue(), sampler=sampler)
         self._scheduler.submit(sequence)

@@ -1,33 +1,33 @@
-"""Choosing each sequence's next token on llama.cpp: sampler chains, grammars, logprobs.
+"""Choosing each sequence's next token on llama.cpp: penalties, grammars, logprobs, draws.
 
-One :class:`SequenceSampler` per sequence. Its chain of llama.cpp samplers applies, in
-llama.cpp's own order: the repetition penalty (over prompt and output), the frequency
-and presence penalties (over the output, as OpenAI defines them), the logit bias, then
-greedy, or temperature, top-k, top-p and a seeded draw.
+One :class:`SequenceSampler` per sequence. The token is always chosen by the same code,
+:func:`draw`, from the sequence's final logits: greedy is an argmax; a draw takes the
+tempered softmax's exact top-k and top-p sets (llama.cpp's order and rules) with a numpy
+generator seeded by the request's seed, all 64 bits of it. So one seed is one random
+stream, whatever else the request asks: logprobs, or a logit bias that changes nothing,
+never change the sampled text (until 2026-12, a sequence with either drew from
+llama.cpp's ``dist`` sampler instead, another stream, seeded with the low 32 bits).
 
-A sequence with no penalty, bias, constraint or logprobs (what most requests ask) is
-sampled in numpy straight from the context's row of logits (:func:`draw`): greedy is an
-argmax, a draw takes the tempered softmax's exact top-k and top-p sets, with a generator
-seeded by the request's seed. Through llama.cpp's chain, a token of SmolLM2 (a 49k
-vocabulary) cost 0.14 ms greedy, 0.84 ms drawn from the whole vocabulary (OpenAI's
-default: temperature 1, no top-k) and 1.0 ms with top-p 0.9, on one core; llama-server's
-default top-k of 40 hides that cost from its users.
-
-The others run llama.cpp's chain: ``llama_sampler_sample`` on the context's logits, or,
-with a constraint or logprobs, on a copy of the row taken once. A constraint is an
+What comes before the draw runs only for the sequences that ask. The repetition
+penalty (over prompt and output), the frequency and presence penalties (over the
+output, as OpenAI defines them) and the logit bias are llama.cpp's samplers, one chain,
+applied in that order to a copy of the context's row of logits. A constraint is an
 llguidance matcher (JSON schemas, regular expressions, choices, GBNF grammars), checked
-the way llama-server checks its grammars: on the token the chain chose alone first (one
-token through the matcher, cheap); only when the matcher refuses it is the vocabulary
-masked (llguidance's bitmask) and the choice made again. Logprobs are a log-softmax of
-the logits after the same penalties, bias and temperature, in numpy, paid only by the
-requests that ask.
+the way llama-server checks its grammars: on the token drawn alone first (one token
+through the matcher, cheap); only when the matcher refuses it is the vocabulary masked
+(llguidance's bitmask) and the token drawn again. Logprobs are a log-softmax of the
+logits after the penalties, bias and temperature, in numpy.
+
+A plain sequence draws straight from the context's row (no copy). Through llama.cpp's
+own chain a token of SmolLM2 (a 49k vocabulary) cost 0.84 ms drawn from the whole
+vocabulary (OpenAI's default: temperature 1, no top-k) and 1.0 ms with top-p 0.9, on
+one core; :func:`draw` avoids its full sorts (see there).
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -65,24 +65,13 @@ class SequenceSampler:
         self.n_vocab = int(lib.llama_vocab_n_tokens(vocab))
         # An llguidance LLMatcher when the output is constrained.
         self._matcher = matcher
-        plain = (
-            matcher is None
-            and params.logprobs is None
-            and params.repetition_penalty == 1.0
-            and not params.frequency_penalty
-            and not params.presence_penalty
-            and not params.logit_bias
-        )
-        # Set when draw() samples in numpy (see the module docstring); else llama.cpp's chain.
         # numpy takes only non-negative seeds: a negative one as its two's complement.
         seed = None if params.seed is None else params.seed % 2**64
-        self._rng = np.random.default_rng(seed) if plain else None
+        self._rng = np.random.default_rng(seed)
+        # llama.cpp's penalties and logit bias, when the request sets any (else None).
         self.chain = None
-        if not plain:
+        if params.penalized or params.logit_bias:
             self.chain = self._build_chain(prompt, len(prompt) + params.max_tokens)
-        # Kept only when logprobs need them: the penalties' view of the history.
-        self._prompt_tokens = np.unique(prompt) if params.logprobs is not None else None
-        self._output_counts: Counter[int] = Counter()
 
     def _build_chain(self, prompt: list[int], max_len: int) -> Any:
         lib, params = self._lib, self._params
@@ -104,19 +93,6 @@ class SequenceSampler:
                 *(lib.llama_logit_bias(token, bias) for token, bias in params.logit_bias)
             )
             add(chain, lib.llama_sampler_init_logit_bias(self.n_vocab, len(biases), biases))
-        if params.greedy:
-            add(chain, lib.llama_sampler_init_greedy())
-            return chain
-        # OpenAI's order, as the transformers engine applies it: temperature, then the
-        # top-k and top-p cuts on the tempered distribution, then the draw.
-        if params.temperature != 1.0:
-            add(chain, lib.llama_sampler_init_temp(params.temperature))
-        if params.top_k > 0:
-            add(chain, lib.llama_sampler_init_top_k(params.top_k))
-        if params.top_p < 1.0:
-            add(chain, lib.llama_sampler_init_top_p(params.top_p, 1))
-        seed = lib.LLAMA_DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
-        add(chain, lib.llama_sampler_init_dist(seed))
         return chain
 
     def free(self) -> None:
@@ -134,61 +110,56 @@ class SequenceSampler:
     def sample(self, context: Any, index: int) -> tuple[int, TokenLogprob | None]:
         """The next token from row ``index`` of the last decode's logits (and its logprob)."""
         lib, params, matcher = self._lib, self._params, self._matcher
-        if self._rng is not None:
-            row = np.ctypeslib.as_array(lib.llama_get_logits_ith(context, index), (self.n_vocab,))
-            return draw(row, params, self._rng), None
-        if matcher is None and params.logprobs is None:
-            return int(lib.llama_sampler_sample(self.chain, context, index)), None
-        row = np.ctypeslib.as_array(lib.llama_get_logits_ith(context, index), (self.n_vocab,))
-        logits = row.copy()  # [n_vocab]: the context reuses its buffer next step
-        token = self._choose(logits)
-        if matcher is not None and matcher.validate_tokens([token]) != 1:
-            token = self._choose(np.where(allowed_tokens(matcher, self.n_vocab), logits, -np.inf))
-        lib.llama_sampler_accept(self.chain, token)
-        if matcher is not None and not matcher.consume_token(token):
-            raise _unfollowable(params, matcher)
-        logprob = self._logprob(logits, token) if params.logprobs is not None else None
-        self._output_counts[token] += 1
+        # [n_vocab], read only: the context reuses its buffer next step.
+        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(context, index), (self.n_vocab,))
+        if self.chain is not None:
+            logits = self._processed(logits)
+        token = draw(logits, params, self._rng)
+        if matcher is not None:
+            if matcher.validate_tokens([token]) != 1:
+                allowed = allowed_tokens(matcher, self.n_vocab)
+                token = draw(np.where(allowed, logits, -np.inf), params, self._rng)
+            if not matcher.consume_token(token):
+                raise _unfollowable(params, matcher)
+        if self.chain is not None:
+            lib.llama_sampler_accept(self.chain, token)
+        logprob = _logprob(logits, token, params) if params.logprobs is not None else None
         return token, logprob
 
-    def _choose(self, logits: np.ndarray) -> int:
+    def _processed(self, row: np.ndarray) -> np.ndarray:
+        """``row`` after the chain's penalties and bias ([n_vocab] float32, a new array)."""
         lib = self._lib
         data = np.empty(self.n_vocab, _TOKEN_DATA)
         data["id"] = np.arange(self.n_vocab, dtype=np.int32)
-        data["logit"] = logits
+        data["logit"] = row
         data["p"] = 0.0
         candidates = lib.llama_token_data_array(
             data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data)), self.n_vocab, -1, False
         )
         lib.llama_sampler_apply(self.chain, ctypes.byref(candidates))
-        return int(candidates.data[candidates.selected].id)
+        # Penalties and bias change logits in place, keeping the order and the size; put
+        # them back by id all the same.
+        size = int(candidates.size)
+        logits = np.full(self.n_vocab, -np.inf, np.float32)
+        logits[data["id"][:size]] = data["logit"][:size]
+        return logits
 
-    def _logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
-        params = self._params
-        scores = logits.astype(np.float64)  # [n_vocab]
-        if params.repetition_penalty != 1.0 and self._prompt_tokens is not None:
-            seen = np.union1d(self._prompt_tokens, np.fromiter(self._output_counts, np.int64))
-            values = scores[seen]
-            scores[seen] = np.where(
-                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
-            )
-        if self._output_counts and (params.frequency_penalty or params.presence_penalty):
-            ids = np.fromiter(self._output_counts, np.int64)
-            counts = np.fromiter(self._output_counts.values(), np.float64)
-            scores[ids] -= counts * params.frequency_penalty + params.presence_penalty
-        for biased, bias in params.logit_bias:
-            scores[biased] += bias
-        if not params.greedy:
-            scores /= params.temperature
-        top = scores.max()
-        log_total = top + math.log(float(np.exp(scores - top).sum()))
-        wanted = params.logprobs or 0
-        best: tuple[tuple[int, float], ...] = ()
-        if wanted:
-            ids = np.argpartition(-scores, wanted)[:wanted]
-            ids = ids[np.argsort(-scores[ids], kind="stable")]
-            best = tuple((int(i), float(scores[i] - log_total)) for i in ids)
-        return TokenLogprob(token, float(scores[token] - log_total), best)
+
+def _logprob(logits: np.ndarray, token: int, params: SamplingParams) -> TokenLogprob:
+    """``token``'s log-probability in the distribution it was drawn from (the logits
+    after penalties and bias, tempered unless greedy), and the ``params.logprobs`` best."""
+    scores = logits.astype(np.float64)  # [n_vocab]
+    if not params.greedy:
+        scores /= params.temperature
+    top = scores.max()
+    log_total = top + math.log(float(np.exp(scores - top).sum()))
+    wanted = params.logprobs or 0
+    best: tuple[tuple[int, float], ...] = ()
+    if wanted:
+        ids = np.argpartition(-scores, wanted)[:wanted]
+        ids = ids[np.argsort(-scores[ids], kind="stable")]
+        best = tuple((int(i), float(scores[i] - log_total)) for i in ids)
+    return TokenLogprob(token, float(scores[token] - log_total), best)
 
 
 def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -82,6 +82,8 @@ class LlamaSequence:
     generated: int = 0
     sampler: SequenceSampler | None = None
     cancelled: bool = False
+    # Counted in Scheduler.waiting_count(): submitted, not yet given a slot nor cancelled.
+    queued: bool = False
 
 
 @dataclass
@@ -106,6 +108,11 @@ class Scheduler:
         self._lock = threading.Condition()
         self._submitted: deque[LlamaSequence] = deque()
         self._cancelled: list[LlamaSequence] = []
+        # Sequences with ``queued`` set. A count of its own, not the queues' lengths: a
+        # cancelled sequence leaves it at once, though the loop thread takes it out of
+        # _waiting only at its next iteration (until 2026-12, cancelled ones behind the
+        # head stayed counted, and new requests got 503 for a queue of abandoned ones).
+        self._queued = 0
         self.stopping = False
         self._waiting: deque[LlamaSequence] = deque()
         self._running: list[LlamaSequence] = []
@@ -119,11 +126,14 @@ class Scheduler:
     def submit(self, sequence: LlamaSequence) -> None:
         with self._lock:
             self._submitted.append(sequence)
+            sequence.queued = True
+            self._queued += 1
             self._lock.notify()
 
     def cancel(self, sequence: LlamaSequence) -> None:
         with self._lock:
             sequence.cancelled = True
+            self._unqueue(sequence)
             self._cancelled.append(sequence)
             self._lock.notify()
 
@@ -133,7 +143,14 @@ class Scheduler:
             self._lock.notify()
 
     def waiting_count(self) -> int:
-        return len(self._submitted) + len(self._waiting)
+        """Sequences submitted and not yet running, the cancelled ones not counted."""
+        return self._queued
+
+    def _unqueue(self, sequence: LlamaSequence) -> None:
+        """Count ``sequence`` out of the waiting ones (once); the caller holds the lock."""
+        if sequence.queued:
+            sequence.queued = False
+            self._queued -= 1
 
     def stats(self) -> CacheStats:
         """Cells of running sequences count as used; an idle slot's cached prefix counts as
@@ -209,6 +226,8 @@ class Scheduler:
         with self._lock:
             self._waiting.extend(self._submitted)
             self._submitted.clear()
+            for sequence in self._waiting:
+                self._unqueue(sequence)
         deliveries: list[tuple[LlamaSequence, EngineStep | BaseException]] = []
         for sequence in [*self._running, *self._waiting]:
             deliveries.append((sequence, error))
@@ -248,6 +267,8 @@ class Scheduler:
                 return
             self._waiting.popleft()
             self._running.append(sequence)
+            with self._lock:
+                self._unqueue(sequence)
 
     def _place(self, sequence: LlamaSequence) -> bool:
         prompt = sequence.prompt
@@ -368,8 +389,12 @@ class Scheduler:
     def _drop(self, sequence: LlamaSequence) -> None:
         if sequence in self._running:
             self._finish(sequence)
-        else:
-            self._free_sampler(sequence)
+            return
+        # Out of the queue now, not when it reaches the head: until then it would hold
+        # its place in memory and in every scan of the queue.
+        with contextlib.suppress(ValueError):  # already dropped at the head by _schedule
+            self._waiting.remove(sequence)
+        self._free_sampler(sequence)
 
     def _finish(self, sequence: LlamaSequence) -> None:
         """Release the sequence's slot; its cached tokens stay for prefix reuse."""

@@ -14,6 +14,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -67,6 +68,10 @@ class LlmModels(GenerationService):
         self._engines: dict[str, Engine] = {}
         self._created: dict[str, int] = {}
         self._default_max_tokens: dict[str, int] = {}
+        # Each model's generation.max_queue_size, and its requests' jobs handed to
+        # generate() whose engine has not yet counted them as waiting (see admit).
+        self._queue_limit: dict[str, int] = {}
+        self._unstarted: dict[str, int] = {}
         self._versions: dict[str, int] = {}
         self._loading: set[str] = set()
         self._unloading: set[str] = set()
@@ -142,6 +147,7 @@ class LlmModels(GenerationService):
             self._versions[name] = version
             self._created[name] = int(time.time())
             self._default_max_tokens[name] = config.generation.default_max_tokens
+            self._queue_limit[name] = config.generation.max_queue_size
             self._failures.pop(name, None)
             logger.info("generative model %s is READY (%s)", name, source)
             if previous is not None:
@@ -352,34 +358,62 @@ class LlmModels(GenerationService):
     # -- generation ----------------------------------------------------------------------
 
     def admit(self, model: str, jobs: Sequence[Job]) -> Engine:
-        """Check every job fits before anything is sent (400/503 come before a stream)."""
+        """Check every job fits before anything is sent (400/503 come before a stream).
+
+        The queue is checked for all the request's jobs at once (until 2026-12 each job
+        alone, as it was queued: the first ones started, then a 503): more than
+        ``generation.max_queue_size`` is a 400, as both engines count all of a request's
+        jobs waiting when they arrive together; more than the room left now, a 503. That
+        room counts the jobs of requests admitted, not yet queued by their engine (see
+        :meth:`generate`, called right after this with nothing awaited between)."""
         engine = self.engine(model)
         self._admitted[model] = self._admitted.get(model, 0) + 1
         if jobs:  # the jobs of one request share everything the engine checks here
             engine.check_features(jobs[0].params)
+        limit = self._queue_limit.get(model, 0)
+        if limit and len(jobs) > limit:
+            raise _too_many(jobs, limit)
         for job in jobs:
             engine.admit(len(job.prompt_ids), job.params.max_tokens)
+        waiting = engine.cache_stats().waiting + self._unstarted.get(model, 0)
+        if limit and waiting + len(jobs) > limit:
+            raise Unavailable(
+                f"{waiting} sequences are already waiting for the KV cache, and this request "
+                f"adds {len(jobs)} (generation.max_queue_size {limit}); retry later",
+                retry_after_s=1,
+            )
         return engine
 
-    async def generate(
+    def generate(
         self, model: str, jobs: Sequence[Job], arrived: float
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """Run the jobs concurrently; yield (job index, delta) as deltas come.
 
         ``arrived`` is the request's ``time.perf_counter()`` at arrival, for TTFT and
         end-to-end latency. Closing the iterator cancels every unfinished sequence.
+        The jobs count as waiting from this call (see :meth:`admit`) until their engine
+        counts them, or the iterator ends or is dropped unstarted.
         """
         engine = self.engine(model)
+        unstarted = _Unstarted(self._unstarted, model, len(jobs))
+        stream = self._generate(model, engine, jobs, arrived, unstarted)
+        weakref.finalize(stream, unstarted.release_all)
+        return stream
+
+    async def _generate(
+        self, model: str, engine: Engine, jobs: Sequence[Job], arrived: float,
+        unstarted: _Unstarted,
+    ) -> AsyncIterator[tuple[int, TextDelta]]:  # fmt: skip
         if len(jobs) == 1:
             job = jobs[0]
-            async for delta in self._one(model, engine, job, arrived):
+            async for delta in self._one(model, engine, job, arrived, unstarted):
                 yield job.index, delta
             return
         merged: asyncio.Queue[tuple[int, TextDelta] | BaseException | None] = asyncio.Queue()
 
         async def pump(job: Job) -> None:
             try:
-                async for delta in self._one(model, engine, job, arrived):
+                async for delta in self._one(model, engine, job, arrived, unstarted):
                     merged.put_nowait((job.index, delta))
             except Exception as exc:
                 merged.put_nowait(exc)
@@ -398,13 +432,14 @@ class LlmModels(GenerationService):
                 else:
                     yield item
         finally:
+            unstarted.release_all()  # the jobs whose task never ran
             for task in tasks:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _one(
-        self, model: str, engine: Engine, job: Job, arrived: float
+        self, model: str, engine: Engine, job: Job, arrived: float, unstarted: _Unstarted
     ) -> AsyncIterator[TextDelta]:
         metrics = self.metrics
         metrics.prompt_tokens.labels(model).inc(len(job.prompt_ids))
@@ -413,6 +448,9 @@ class LlmModels(GenerationService):
         previous_tokens = 0
         previous_at = arrived
         outcome = "cancelled"
+        # The engine counts the job as waiting from here: stream_text starts ``steps`` at
+        # once, and the engine checks its queue and queues the job without awaiting.
+        unstarted.release(1)
         try:
             async for delta in stream_text(steps, engine.decode, job.stops):
                 now = time.perf_counter()
@@ -435,6 +473,35 @@ class LlmModels(GenerationService):
             raise
         finally:
             metrics.requests.labels(model, outcome).inc()
+
+
+class _Unstarted:
+    """One request's jobs counted in ``counts[model]`` until their engine counts them."""
+
+    def __init__(self, counts: dict[str, int], model: str, jobs: int) -> None:
+        self._counts, self._model, self._left = counts, model, jobs
+        counts[model] = counts.get(model, 0) + jobs
+
+    def release(self, jobs: int) -> None:
+        jobs = min(jobs, self._left)
+        self._left -= jobs
+        self._counts[self._model] -= jobs
+
+    def release_all(self) -> None:
+        self.release(self._left)
+
+
+def _too_many(jobs: Sequence[Job], limit: int) -> InvalidRequest:
+    """The 400 of a request with more jobs than may ever wait at once, naming ``prompt``
+    when its prompts alone are too many, else ``n`` (the jobs of one prompt share its
+    list of ids)."""
+    prompts = len({id(job.prompt_ids) for job in jobs})
+    field = "prompt" if prompts > limit else "n"
+    return InvalidRequest(
+        f"{field}: {prompts} prompt(s) x n = {len(jobs)} sequences, more than may wait for "
+        f"the KV cache at once (generation.max_queue_size {limit}); send at most {limit} "
+        "per request"
+    )
 
 
 async def _in_own_thread(function: Callable[..., T], *args: Any) -> T:
