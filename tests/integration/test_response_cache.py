@@ -66,6 +66,12 @@ def test_a_repeated_request_is_answered_from_the_cache_without_running(
     stats = httpx.get(server.url("/v2/models/cached/stats")).json()["model_stats"][0]
     assert stats["inference_stats"]["cache_hit"]["count"] == 2
 
+    # perf_analyzer reads whether a model caches from its config.
+    for model, enabled in (("cached", True), ("plain", False)):
+        assert http.get_model_config(model)["response_cache"] == {"enable": enabled}
+        config = grpc.get_model_config(model, as_json=True)["config"]
+        assert config.get("response_cache", {}).get("enable", False) is enabled
+
     for _ in range(2):  # not enabled in its config: runs every time
         infer(http, httpclient, "plain", 1.0)
     assert metric(server, "slipstream_execution_count_total", "plain") == 2

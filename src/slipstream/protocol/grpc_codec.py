@@ -496,6 +496,7 @@ def encode_model_config(config: ModelConfig) -> pb.ModelConfigResponse:
         # Slipstream queues every model version, so dynamic_batching is always present.
         dynamic_batching=_dynamic_batching(config.dynamic_batching),
         model_warmup=[_warmup(sample) for sample in config.model_warmup],
+        response_cache=pb.ModelResponseCache(enable=config.response_cache.enable),
     )
     for key, value in config.parameters.items():
         message.parameters[key].string_value = value

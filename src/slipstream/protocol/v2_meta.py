@@ -77,6 +77,8 @@ def model_config_json(config: ModelConfig) -> dict[str, Any]:
         },
         "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},
         "model_warmup": [_warmup_json(w) for w in config.model_warmup],
+        # perf_analyzer reads this to report the cache's hits and misses.
+        "response_cache": {"enable": config.response_cache.enable},
     }
 
 

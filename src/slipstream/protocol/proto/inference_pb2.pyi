@@ -615,6 +615,7 @@ class ModelConfig(_message.Message):
         "output",
         "parameters",
         "platform",
+        "response_cache",
         "version_policy",
     )
     class ParametersEntry(_message.Message):
@@ -639,6 +640,7 @@ class ModelConfig(_message.Message):
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_WARMUP_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_CACHE_FIELD_NUMBER: _ClassVar[int]
     name: str
     platform: str
     version_policy: ModelVersionPolicy
@@ -651,6 +653,7 @@ class ModelConfig(_message.Message):
     parameters: _containers.MessageMap[str, ModelParameter]
     model_warmup: _containers.RepeatedCompositeFieldContainer[ModelWarmup]
     backend: str
+    response_cache: ModelResponseCache
     def __init__(
         self,
         name: str | None = ...,
@@ -665,7 +668,14 @@ class ModelConfig(_message.Message):
         parameters: _Mapping[str, ModelParameter] | None = ...,
         model_warmup: _Iterable[ModelWarmup | _Mapping] | None = ...,
         backend: str | None = ...,
+        response_cache: ModelResponseCache | _Mapping | None = ...,
     ) -> None: ...
+
+class ModelResponseCache(_message.Message):
+    __slots__ = ("enable",)
+    ENABLE_FIELD_NUMBER: _ClassVar[int]
+    enable: bool
+    def __init__(self, enable: bool | None = ...) -> None: ...
 
 class ModelStatisticsRequest(_message.Message):
     __slots__ = ("name", "version")
