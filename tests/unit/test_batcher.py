@@ -279,7 +279,7 @@ def test_a_sub_millisecond_timeout_holds_on_uvloop() -> None:
 async def test_cancelled_request_is_dropped_from_the_queue() -> None:
     backend = FakeBackend()
     backend.gate.clear()
-    batcher, _, _ = make_batcher([backend])
+    batcher, _, metrics = make_batcher([backend])
     running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
     await held(backend)
     abandoned = asyncio.ensure_future(batcher.submit({"x": rows(7)}, 1, KEY))
@@ -287,9 +287,17 @@ async def test_cancelled_request_is_dropped_from_the_queue() -> None:
     abandoned.cancel()
     await asyncio.sleep(0)
     assert batcher.num_pending == 0
+    # The running one's client goes too: counted as cancelled like the queued one (its
+    # statistics count both failed), though its batch runs on.
+    running.cancel()
+    await asyncio.sleep(0)
     backend.gate.set()
-    await running
+    await batcher.close(5.0)  # lets the running batch finish
     assert 7.0 not in np.concatenate(backend.batches).ravel().tolist()
+    cancelled = metrics.registry.get_sample_value(
+        "slipstream_request_failure_total", {"model": "m", "version": "1", "reason": "cancelled"}
+    )
+    assert cancelled == 2
 
 
 async def test_higher_priority_runs_first() -> None:

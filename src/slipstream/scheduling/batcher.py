@@ -211,8 +211,10 @@ class Batcher:
             self._withdraw(pending)
 
     def _withdraw(self, pending: _Pending) -> None:
-        if self._remove(pending):
-            self._metrics.count_failure("cancelled")
+        """The client went away: a request still queued is dropped, never run; queued or
+        running, it counts as cancelled, as its statistics count it failed."""
+        self._remove(pending)
+        self._metrics.count_failure("cancelled")
 
     def _enqueue(
         self,
