@@ -331,7 +331,8 @@ class ServerSettings(_Strict):
     model_control_mode: Literal["none", "explicit", "poll"] = Field(
         "none",
         description="none: load every model at start; explicit: load/unload via the "
-        "repository API (and --load-model); poll: also reload when files change.",
+        "repository API (and --load-model); poll: load every model at start and follow "
+        "the repository's files (added, changed, removed; the load/unload API is refused).",
     )
     load_models: list[str] = Field(
         default_factory=list, description="Models to load at start in explicit mode."
