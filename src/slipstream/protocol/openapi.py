@@ -265,7 +265,10 @@ def _v2_paths() -> dict[str, Any]:
             "get": {"summary": summary, "operationId": op, "responses": {"200": ok} | _v2_errors()}
         }
 
-    repository_body = {"required": False, "content": json_content(ref("RepositoryLoadRequest"))}
+    bodies = {
+        action: {"required": False, "content": json_content(ref(f"Repository{action}Request"))}
+        for action in ("Load", "Unload")
+    }
     paths: dict[str, Any] = {
         "/v2/health/live": get("Server live", "server_live", response("Live")),
         "/v2/health/ready": get("Server ready (503: not ready)", "server_ready", response("Ready")),
@@ -299,7 +302,7 @@ def _v2_paths() -> dict[str, Any]:
                 "summary": f"{action.title()} a model (--model-control-mode explicit; "
                 "400 in the other modes)",
                 "operationId": f"repository_model_{action}",
-                "requestBody": repository_body,
+                "requestBody": bodies[action.title()],
                 "responses": {"200": response("Done")} | _v2_errors("400", "404", body=True),
             },
         }

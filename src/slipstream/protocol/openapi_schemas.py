@@ -224,7 +224,18 @@ def v2_schemas() -> dict[str, Any]:
             "properties": {
                 "parameters": {
                     "type": "object",
-                    "description": "parameters.config (an inline config) is refused with 400",
+                    "maxProperties": 0,
+                    "description": "Triton's config and file: parameters are refused with "
+                    "400: models load from the repository only",
+                }
+            },
+        },
+        "RepositoryUnloadRequest": {
+            "type": "object",
+            "properties": {
+                "parameters": {
+                    "type": "object",
+                    "description": "ignored (Triton's unload_dependents among them)",
                 }
             },
         },
