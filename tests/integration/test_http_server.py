@@ -352,6 +352,25 @@ async def test_a_refusal_is_answered_after_the_pipelined_requests_before_it(
     await writer.wait_closed()
 
 
+async def test_each_413_for_body_size_is_counted_as_a_limit_close(limited: tuple) -> None:
+    _, _, metrics, port = limited
+    declared = await exchange(
+        port, b"POST /big HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\n\r\n", True
+    )
+    assert declared.startswith(b"HTTP/1.1 413") and b"connection: close" in declared
+    assert metrics.closed_by_limit["body_too_large"] == 1
+    chunked = b"".join(b"64\r\n" + b"x" * 100 + b"\r\n" for _ in range(12))
+    sent = b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
+    assert (await exchange(port, sent, True)).startswith(b"HTTP/1.1 413")
+    assert metrics.closed_by_limit["body_too_large"] == 2
+    bomb = gzip.compress(b"x" * 1001)  # within the limit as sent, past it once decoded
+    zipped = b"POST /z HTTP/1.1\r\nHost: t\r\nContent-Encoding: gzip\r\nContent-Length: %d"
+    assert (await exchange(port, zipped % len(bomb) + b"\r\n\r\n" + bomb, True)).startswith(
+        b"HTTP/1.1 413"
+    )
+    assert metrics.closed_by_limit["body_too_large"] == 3
+
+
 async def test_too_many_headers_are_refused(limited: tuple) -> None:
     _, _, _, port = limited
     headers = b"".join(b"X-%d: v\r\n" % i for i in range(11))

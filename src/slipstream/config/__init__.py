@@ -369,7 +369,10 @@ class ServerSettings(_Strict):
         64 * 1024 * 1024, ge=1024, description="Larger request bodies are refused with 413."
     )
     shutdown_timeout_s: float = Field(
-        30.0, ge=0, description="On SIGTERM, how long in-flight requests may take to finish."
+        30.0,
+        ge=0,
+        description="On SIGTERM, how long in-flight requests may take to finish; "
+        "then they are answered 503 with Retry-After.",
     )
     max_header_bytes: int = Field(
         64 * 1024,

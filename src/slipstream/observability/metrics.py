@@ -39,6 +39,8 @@ CONNECTION_CLOSE_REASONS = (
     "header_too_large",  # 431: request line and headers past --max-header-bytes
     "uri_too_long",  # 414: the URL alone past --max-header-bytes
     "too_many_headers",  # 431: past --max-header-count
+    # 413: a body past --max-request-bytes (by Content-Length, as received, or decoded).
+    "body_too_large",
     "header_timeout",  # 408 (or silence): head not complete within --header-timeout-s
     "body_timeout",  # 408: the body stalled for --body-timeout-s
     "body_too_slow",  # 408: the body came slower than --min-body-rate-bytes-s
@@ -274,8 +276,8 @@ class _TransportCollector(Collector):
         closed = CounterMetricFamily(
             "slipstream_http_connections_closed_by_limit",
             "HTTP connections the server closed or refused on its own, by the limit that "
-            "did it (header size and count, header and body timeouts, keep-alive idle, "
-            "--max-connections).",
+            "did it (header size and count, body size, header and body timeouts, send "
+            "timeout, keep-alive idle, --max-connections, the discard budget).",
             labels=["reason"],
         )
         for reason, count in self._transport.closed_by_limit.items():

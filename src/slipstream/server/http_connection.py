@@ -1,8 +1,9 @@
 """One HTTP/1.1 client connection of :class:`~slipstream.server.httpd.HttpServer`: it
 parses requests with httptools, runs the handler on them in order, writes the replies,
 and enforces the per-connection limits (header size and count, the timeouts the server's
-sweeper checks, write back-pressure). The server owns what spans connections: listening,
-admission, the sweeper, the discard budget.
+sweeper checks, write back-pressure) and its part of a shutdown (drain, expire). The server
+owns what spans connections: listening, admission, the sweeper, the discard budget, and
+when a shutdown drains and expires.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import httptools
 
 from slipstream.observability.metrics import TransportMetrics
 from slipstream.server.http_messages import (
-    STATUS_LINES,
     BodyRefused,
     ErrorBody,
     Handler,
@@ -26,6 +26,7 @@ from slipstream.server.http_messages import (
     HttpRequest,
     HttpResponse,
     StreamingResponse,
+    closing_reply,
     decode_body,
     response_head,
 )
@@ -41,6 +42,11 @@ _REQUEST_LINE_OVERHEAD = 32
 _LINGER_S = 2.0
 # Where the parser is in a connection's current request.
 _IDLE, _HEAD, _BODY = 0, 1, 2
+# The answer, during a shutdown, to a request the server will not run: one begun after the
+# drain started, or still running (or queued) when --shutdown-timeout-s ran out.
+_SHUTTING_DOWN = "the server is shutting down; retry the request (on a new connection)"
+_RETRY_AFTER_S = b"1"
+_RETRY_AFTER = b"retry-after: " + _RETRY_AFTER_S + b"\r\n"
 
 
 class ConnectionOwner(Protocol):
@@ -67,11 +73,11 @@ class Connection(asyncio.Protocol):
 
     __slots__ = (
         "_begun", "_body", "_body_size", "_body_started_at", "_closing", "_completed",
-        "_final_reply", "_finished", "_head_bytes", "_head_started_at", "_headers",
-        "_input_closed", "_known_head_bytes", "_last_active", "_last_read_at", "_limits",
-        "_loop", "_lost", "_parser", "_phase", "_reading_paused", "_received_any",
-        "_requests", "_server", "_transport", "_url", "_worker", "_writable",
-        "_write_paused_at",
+        "_drain_admits", "_expired", "_final_reply", "_finished", "_head_bytes",
+        "_head_started_at", "_headers", "_input_closed", "_known_head_bytes",
+        "_last_active", "_last_read_at", "_limits", "_loop", "_lost", "_parser", "_phase",
+        "_reading_paused", "_received_any", "_requests", "_server", "_streaming",
+        "_transport", "_url", "_worker", "_writable", "_write_paused_at",
     )  # fmt: skip
 
     def __init__(self, server: ConnectionOwner) -> None:
@@ -118,6 +124,14 @@ class Connection(asyncio.Protocol):
         self._completed = 0
         self._lost = False
         self._finished: asyncio.Future[None] | None = None  # made by finished()
+        # Shutdown (see drain): None while serving normally; once draining, how many
+        # requests had begun when it started. Those are in flight and answered; one
+        # begun later is refused 503.
+        self._drain_admits: int | None = None
+        # --shutdown-timeout-s ran out: what is left is answered 503, not run (see expire).
+        self._expired = False
+        # A streamed body is being sent: its head is out, so it can only be cut short.
+        self._streaming = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
@@ -255,11 +269,15 @@ class Connection(asyncio.Protocol):
         self._last_read_at = self._body_started_at = self._loop.time()
         if self._input_closed:
             return
+        if self._drain_admits is not None and self._begun > self._drain_admits:
+            # Begun after the drain started (a client pipelining): a new request, refused.
+            self._reply_and_close(503, _SHUTTING_DOWN, _RETRY_AFTER)
+            return
         for name, value in self._headers:
             if name == b"content-length" and value.isdigit():
                 if int(value) > self._limits.max_body_bytes:
                     # Refused before a byte of the body is read into memory.
-                    self._reply_and_close(413, self._too_large(int(value)))
+                    self._refuse_body(f"request body of {int(value)} bytes exceeds")
                     return
             elif name == b"expect" and value.lower() == b"100-continue":
                 assert self._transport is not None
@@ -270,7 +288,7 @@ class Connection(asyncio.Protocol):
             return
         self._body_size += len(body)
         if self._body_size > self._limits.max_body_bytes:
-            self._reply_and_close(413, self._too_large(None))
+            self._refuse_body("request body exceeds")
             return
         self._body.append(body)
 
@@ -284,6 +302,8 @@ class Connection(asyncio.Protocol):
         try:
             body = decode_body(self._headers, body, self._limits.max_body_bytes)
         except BodyRefused as refused:
+            if refused.status == 413:  # too large once decoded: the same limit
+                self._server.metrics.count_close("body_too_large")
             self._reply_and_close(refused.status, refused.message)
             return
         request = HttpRequest(
@@ -305,17 +325,12 @@ class Connection(asyncio.Protocol):
     async def _serve_queued(self) -> None:
         while self._requests and not self._closing:
             request, keep_alive = self._requests.pop(0)
-            try:
-                response = await self._server.handler(request)
-            except Exception:
-                logger.exception("unhandled error on %s %s", request.method, request.path)
-                response = HttpResponse(500, self._server.error_body("internal server error"))
+            response = await self._respond(request)
             if isinstance(response, StreamingResponse):
-                if not await self._write_stream(request, response, keep_alive):
-                    return
+                stays_open = await self._write_stream(request, response, keep_alive)
             else:
-                await self._write(request, response, keep_alive)
-            if not keep_alive:
+                stays_open = await self._write(request, response, keep_alive)
+            if not stays_open:
                 self._close()
                 return
             if self._reading_paused and len(self._requests) < _MAX_PIPELINED:
@@ -323,8 +338,43 @@ class Connection(asyncio.Protocol):
         self._last_active = self._loop.time()
         if self._final_reply is not None and not self._closing:
             self._send_final(self._final_reply)
-        elif self._phase == _IDLE and not self._input_closed:
+        elif self._phase != _IDLE or self._input_closed:
+            return
+        elif self._drain_admits is not None:
+            # Drained (a stream whose head went out before the drain began ends here).
+            self._close()
+        else:
             self._server.mark_idle(self)
+
+    async def _respond(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
+        """The handler's response; 503 once the shutdown timeout has run out (see expire),
+        whose cancellation of the handler is turned into that answer."""
+        if self._expired:
+            return self._shutdown_response()
+        try:
+            return await self._server.handler(request)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self._expired or self._lost or task is None:
+                raise  # the client went away, or the task is cancelled from outside
+            task.uncancel()
+            return self._shutdown_response()
+        except Exception:
+            logger.exception("unhandled error on %s %s", request.method, request.path)
+            return HttpResponse(500, self._server.error_body("internal server error"))
+
+    def _shutdown_response(self) -> HttpResponse:
+        body = self._server.error_body(_SHUTTING_DOWN)
+        return HttpResponse(503, body, headers=[(b"retry-after", _RETRY_AFTER_S)])
+
+    def _keeps_alive(self, keep_alive: bool) -> bool:
+        """Whether the response about to be written leaves the connection open. Draining,
+        only while more is to be answered (requests queued or being received, a refusal
+        due): the last response says ``connection: close``, so no client sends another
+        request on a connection the server is about to close."""
+        if not keep_alive or self._drain_admits is None:
+            return keep_alive
+        return bool(self._requests) or self._final_reply is not None or self._phase != _IDLE
 
     def _resume_reading(self) -> None:
         # The timeouts measure the client, not the pause: their clocks restart.
@@ -334,31 +384,39 @@ class Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.resume_reading()
 
-    async def _write(self, request: HttpRequest, response: HttpResponse, keep_alive: bool) -> None:
+    async def _write(self, request: HttpRequest, response: HttpResponse, keep_alive: bool) -> bool:
+        """Send a response; False when the connection is to close (or has) after it."""
         if self._transport is None or self._closing:
-            return
+            return False
         await self._until_writable()
+        if self._transport is None or self._closing:
+            return False
+        # Decided at the last moment: a drain may have begun while the handler ran.
+        keep_alive = self._keeps_alive(keep_alive)
         parts = response_head(response.status, response.content_type, response.headers, keep_alive)
         parts[-1:-1] = (b"content-length: ", str(len(response.body)).encode(), b"\r\n")
         if request.method != "HEAD":
             parts.append(response.body)
         self._transport.write(b"".join(parts))
+        return keep_alive
 
     async def _write_stream(
         self, request: HttpRequest, response: StreamingResponse, keep_alive: bool
     ) -> bool:
-        """Send a streamed body; False when the connection went away part-way."""
+        """Send a streamed body; False when the connection is to close (or went away)."""
         chunks = response.chunks
         try:
             if self._transport is None or self._closing:
                 return False
+            keep_alive = self._keeps_alive(keep_alive)
             parts = response_head(
                 response.status, response.content_type, response.headers, keep_alive
             )
             parts[-1:-1] = (b"cache-control: no-cache\r\n", b"transfer-encoding: chunked\r\n")
             self._transport.write(b"".join(parts))
             if request.method == "HEAD":
-                return True
+                return keep_alive
+            self._streaming = True
             async for chunk in chunks:
                 if not chunk:
                     continue
@@ -369,34 +427,32 @@ class Connection(asyncio.Protocol):
             if self._transport is None or self._closing:
                 return False
             self._transport.write(b"0\r\n\r\n")
-            return True
+            return keep_alive
         except Exception:
             # Headers are out: the only honest signal left is to cut the connection.
             logger.exception("stream for %s %s failed part-way", request.method, request.path)
             self._close()
             return False
         finally:
+            self._streaming = False
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
 
     # -- closing -------------------------------------------------------------------------
 
-    def _too_large(self, size: int | None) -> str:
+    def _refuse_body(self, what: str) -> None:
+        self._server.metrics.count_close("body_too_large")
         limit = self._limits.max_body_bytes
-        what = f"request body of {size} bytes" if size is not None else "request body"
-        return f"{what} exceeds the limit of {limit} bytes (--max-request-bytes)"
+        self._reply_and_close(413, f"{what} the limit of {limit} bytes (--max-request-bytes)")
 
-    def _reply_and_close(self, status: int, message: str) -> None:
-        """Stop reading requests; answer ``status`` after the ones before, then close."""
+    def _reply_and_close(self, status: int, message: str, headers: bytes = b"") -> None:
+        """Stop reading requests; answer ``status`` after the ones before, then close.
+        ``headers``: more header lines for the reply, each ending in CRLF."""
         if self._transport is None or self._input_closed:
             return
         self._input_closed = True
-        body = self._server.error_body(message)
-        reply = (
-            STATUS_LINES[status] + b"content-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
-        )  # fmt: skip
+        reply = closing_reply(status, self._server.error_body(message), headers)
         if self._requests or self._serving():
             self._final_reply = reply  # pipelined requests before it are answered first
         else:
@@ -425,13 +481,40 @@ class Connection(asyncio.Protocol):
     def _serving(self) -> bool:
         return self._worker is not None and not self._worker.done()
 
-    def close_when_idle(self) -> None:
-        """Shutdown: close now if nothing is in flight, else after the current reply."""
-        if self._worker is None or self._worker.done():
+    def drain(self) -> None:
+        """Shutdown began: answer the requests in flight, then close; if none, close now.
+
+        The requests begun so far (running, queued behind it, or still arriving) are
+        served; the response after which nothing is left to answer says ``connection:
+        close`` and the connection closes after it (_keeps_alive). A request begun later
+        is refused 503 (on_headers_complete). An idle keep-alive connection is closed at
+        once: the sooner, the smaller the window in which its client may send on it."""
+        if self._closing:
+            return
+        self._drain_admits = self._begun
+        if not (self._phase != _IDLE or self._requests or self._serving()):
             self._close()
-        else:
-            self._requests.clear()
-            self._worker.add_done_callback(lambda _: self._close())
+
+    def expire(self) -> None:
+        """--shutdown-timeout-s ran out: answer what is left 503 with Retry-After, then
+        close. A handler still running is cancelled (its queued inference dropped) and
+        answered, as are the requests queued behind it; a partly received request is
+        answered too. A stream already under way can only be cut short."""
+        if self._closing:
+            return
+        self._expired = True
+        if self._drain_admits is None:
+            self._drain_admits = self._begun
+        if self._streaming and self._worker is not None:
+            self._worker.cancel()  # closes the stream's iterator: generation stops
+            self._close()
+            return
+        if self._phase != _IDLE:  # answered after the requests before it
+            self._reply_and_close(503, _SHUTTING_DOWN, _RETRY_AFTER)
+        if self._serving() and self._worker is not None:
+            self._worker.cancel()  # _respond turns the cancellation into the 503
+        elif not self._closing:
+            self._close()
 
     def abort(self) -> None:
         if self._transport is not None:

@@ -160,6 +160,15 @@ def response_head(
     return parts
 
 
+def closing_reply(status: int, body: bytes, headers: bytes = b"") -> bytes:
+    """A whole JSON response that ends its connection: the transport's own refusals.
+    ``headers``: more header lines, each ending in CRLF (``b"retry-after: 1\\r\\n"``)."""
+    return (
+        STATUS_LINES[status] + b"content-type: application/json\r\ncontent-length: "
+        + str(len(body)).encode() + b"\r\n" + headers + b"connection: close\r\n\r\n" + body
+    )  # fmt: skip
+
+
 def error_reply(exc: SlipstreamError, body: bytes) -> HttpResponse:
     """``exc``'s status with ``body``, and Retry-After or Allow when the error carries one."""
     headers = []

@@ -9,7 +9,7 @@ inference work is dropped without a watcher task per request.
 
 Covered: keep-alive and HTTP/1.0, pipelined requests (answered in order), chunked
 request bodies, ``Expect: 100-continue``, HEAD, write back-pressure, a graceful shutdown
-that lets in-flight requests finish, and streamed responses (:class:`StreamingResponse`,
+(:meth:`HttpServer.shutdown`), and streamed responses (:class:`StreamingResponse`,
 chunked) for server-sent events.
 
 What one client may cost is bounded (:class:`HttpLimits`): the size and count of a
@@ -72,6 +72,9 @@ _DISCARD_BYTES_S = 32 * 1024 * 1024
 # or 2 ms when every one of them has timed out and is answered 408 (15 ms for a thousand
 # at once before the sweep was sliced).
 _SWEEP_SLICE = 128
+# Once --shutdown-timeout-s has run out and the requests left were answered 503, how long
+# their clients get to read that before the connections still open are aborted.
+_EXPIRE_GRACE_S = 1.0
 
 
 class HttpServer:
@@ -196,18 +199,37 @@ class HttpServer:
         self._idle.pop(connection, None)
 
     async def shutdown(self, timeout_s: float) -> None:
-        """Stop accepting, let in-flight requests finish (bounded), close every connection."""
+        """Stop accepting and drain; returns within ``timeout_s`` plus about a second.
+
+        Idle connections close at once. The requests in flight (running, pipelined
+        behind, or arriving) are served, the last response on each connection saying
+        ``connection: close``; a request begun after this is answered 503. What is still
+        running at ``timeout_s`` is cancelled and answered 503 with Retry-After (a stream
+        under way is cut short); a connection still open a grace later is aborted.
+        """
         if self._server is not None:
             self._server.close()
         for handle in (self._sweeper, self._sweeper_slice):
             if handle is not None:
                 handle.cancel()
         for connection in list(self._connections):
-            connection.close_when_idle()
-        waiting = [c.finished() for c in self._connections]
-        if waiting:
-            _, pending = await asyncio.wait(waiting, timeout=timeout_s)
-            if pending:
-                logger.warning("%d connections still busy after %.0f s", len(pending), timeout_s)
+            connection.drain()
+        if await self._all_closed(timeout_s):
+            return
+        logger.warning(
+            "%d connections still busy after %.0f s (--shutdown-timeout-s): answering "
+            "their requests 503", len(self._connections), timeout_s,
+        )  # fmt: skip
+        for connection in list(self._connections):
+            connection.expire()
+        if not await self._all_closed(_EXPIRE_GRACE_S):
             for connection in list(self._connections):
                 connection.abort()
+
+    async def _all_closed(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every connection to close; whether they all did."""
+        waiting = [c.finished() for c in self._connections]
+        if not waiting:
+            return True
+        _, pending = await asyncio.wait(waiting, timeout=timeout_s)
+        return not pending
