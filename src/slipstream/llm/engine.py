@@ -26,6 +26,64 @@ FinishReason = Literal["stop", "length"]
 GREEDY_BELOW = 1e-5
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """A prompt and completion longer than the model's context: a 400 that OpenAI's
+    clients recognise by ``code`` (LiteLLM and LangChain trim the conversation and retry
+    on ``context_length_exceeded``) and by the message's first sentence, OpenAI's words.
+
+    ``param`` names the field to change: the route calls :meth:`naming` with the field
+    the client sent (max_tokens, max_completion_tokens), or the prompt's field when the
+    client sent no maximum and the prompt alone fills the context.
+    """
+
+    # OpenAI's error code for it; the OpenAI error writer sends it as ``code``.
+    code = "context_length_exceeded"
+
+    def __init__(
+        self,
+        max_model_len: int,
+        prompt_tokens: int,
+        max_tokens: int,
+        param: str = "max_tokens",
+        prompt_field: str = "prompt",
+        max_sent: bool = True,
+    ) -> None:
+        self.max_model_len = max_model_len
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        # The request field at fault, as OpenAI's error ``param``.
+        self.param = param
+        first = f"This model's maximum context length is {max_model_len} tokens. However, "
+        if max_sent:
+            needed = prompt_tokens + max_tokens
+            message = (
+                f"you requested {needed} tokens ({prompt_tokens} in the {prompt_field}, "
+                f"{max_tokens} in the completion). Please reduce the length of the "
+                f"{prompt_field} or {param}, so that both fit the context length of "
+                f"{max_model_len} tokens."
+            )
+        else:
+            message = (
+                f"your {prompt_field} resulted in {prompt_tokens} tokens, which leaves no "
+                f"room for a completion. Please reduce the length of the {prompt_field} to "
+                f"less than the context length of {max_model_len} tokens."
+            )
+        super().__init__(first + message)
+
+    def naming(self, sent: str | None, prompt_field: str) -> ContextLengthExceeded:
+        """The same refusal in the request's own fields: ``sent`` is the maximum field the
+        client sent (None: none), ``prompt_field`` where its prompt is (messages, prompt,
+        input)."""
+        return ContextLengthExceeded(
+            self.max_model_len,
+            self.prompt_tokens,
+            self.max_tokens,
+            param=sent or prompt_field,
+            prompt_field=prompt_field,
+            max_sent=sent is not None,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token. A temperature of 0 (or below ``GREEDY_BELOW``)
@@ -195,10 +253,7 @@ class Engine(ABC):
             raise InvalidRequest("prompt: must contain at least one token")
         needed = prompt_tokens + max_tokens
         if needed > self.max_model_len:
-            raise InvalidRequest(
-                f"max_tokens: prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{needed} exceeds the model's context length of {self.max_model_len} tokens"
-            )
+            raise ContextLengthExceeded(self.max_model_len, prompt_tokens, max_tokens)
         if needed > self.sequence_tokens:
             where = (
                 "the KV cache"

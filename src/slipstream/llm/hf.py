@@ -146,8 +146,11 @@ class TransformersEngine(Engine):
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[EngineStep]:
-        self._check_queue()
         matcher = None if params.constraint is None else await self._matchers.new(params.constraint)
+        # Checked after the matcher's await, with nothing awaited until the sequence counts
+        # as waiting (the first step of _steps): requests that passed the check together
+        # before an await could overfill the queue.
+        self._check_queue()
         extras = sampling.RequestExtras(params, prompt_ids, matcher)
         extras_id = self._extras.add(extras) if extras.needed else 0
         request_id = uuid.uuid4().hex

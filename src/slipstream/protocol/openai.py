@@ -23,6 +23,7 @@ from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema
 
 from slipstream.errors import InvalidRequest
 from slipstream.names import validate_model_name
+from slipstream.protocol.openai_base import _Request
 from slipstream.protocol.openai_fields import (
     VLLM_CHAT,
     VLLM_COMPLETION,
@@ -36,7 +37,6 @@ from slipstream.protocol.openai_tools import (
     NamedToolChoice,
     ToolCallItem,
     ToolSpec,
-    _Request,
 )
 from slipstream.types import Constraint
 
@@ -410,9 +410,9 @@ class EmbeddingRequest(_Fields):
     ids (LangChain's OpenAIEmbeddings sends token lists by default); ``dimensions`` may
     only name the model's own width, since vectors are never truncated.
 
-    ``inputs()`` and ``check_dimensions()`` serve a route that embeds token ids and knows
-    the model's width; ``texts()`` serves one that embeds text only, refusing the rest
-    naming the field (what /openapi.json documents while the route calls it).
+    ``inputs()`` and ``check_dimensions()`` serve the /v1/embeddings route, which embeds
+    token ids and knows the model's width; ``texts()`` serves a caller that embeds text
+    only, refusing the rest naming the field.
     """
 
     unserved = VLLM_EMBEDDING
@@ -423,12 +423,22 @@ class EmbeddingRequest(_Fields):
         Field(min_length=1),
         _only({"type": "string", "minLength": 1},
               {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-               "maxItems": MAX_EMBEDDING_INPUTS}, note="non-empty strings"),
+               "maxItems": MAX_EMBEDDING_INPUTS},
+              _TOKEN_IDS,
+              {"type": "array", "items": _TOKEN_IDS, "minItems": 1,
+               "maxItems": MAX_EMBEDDING_INPUTS},
+              note="a non-empty string, strings, token ids, or lists of token ids (ids "
+                   "beyond the model's vocabulary: 400)"),
     ]  # fmt: skip
     encoding_format: Literal["float", "base64"] = "float"
+    # Documented as null: the one width accepted depends on the model, which no schema of
+    # the route can know (a conformance run would call any other width a wrong 400).
     dimensions: Annotated[
-        int | None, Field(ge=1), _only(_NULL, note="embeddings have the model's width")
-    ] = None
+        int | None,
+        Field(ge=1),
+        _only(_NULL, note="the model's own width is accepted too (vectors are never "
+                          "truncated); another width is a 400"),
+    ] = None  # fmt: skip
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:

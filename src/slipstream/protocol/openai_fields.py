@@ -1,9 +1,8 @@
-"""Field rules every OpenAI request schema shares.
+"""Field rules every top-level OpenAI request schema shares.
 
-- ``null`` for an optional field means its default. OpenAI's reference types them
-  "number or null ... Defaults to X", and the openai SDK sends ``null`` for a keyword
-  passed as ``None``; a required field (``model``, ``messages``, ``prompt``, ``input``)
-  stays required, so ``null`` there is a 400.
+- ``null`` for an optional field means its default, here as in the nested objects
+  (:mod:`slipstream.protocol.openai_base`); a required field (``model``, ``messages``,
+  ``prompt``, ``input``) stays required, so ``null`` there is a 400.
 - The known extensions of other servers (vLLM's sampling and chat fields) that this
   server does not implement are refused with a 400 naming the field and what to send
   instead, unless the value asks for what the server does anyway (``min_p: 0``,
@@ -17,14 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import GetJsonSchemaHandler, model_validator
-from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import CoreSchema
+from pydantic import model_validator
 
 from slipstream.errors import InvalidRequest
-from slipstream.protocol.openai_tools import _Request
-
-_NULL: dict[str, Any] = {"type": "null"}
+from slipstream.protocol.openai_base import _Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,71 +117,18 @@ VLLM_EMBEDDING: Mapping[str, Unserved] = {
 
 
 class _Fields(_Request):
-    """Base of the OpenAI request schemas: ``null`` is the default, and the fields in
-    ``unserved`` are refused naming them (see the module docstring)."""
+    """Base of the top-level OpenAI request schemas: the fields in ``unserved`` are
+    refused naming them (see the module docstring); ``null`` is the default, as in every
+    request schema (:class:`~slipstream.protocol.openai_base._Request`)."""
 
     # Field name -> why it is refused, for the known fields this schema does not serve.
     unserved: ClassVar[Mapping[str, Unserved]] = {}
-    # The names of the fields that have a default, set per class.
-    _optional: ClassVar[frozenset[str]] = frozenset()
-
-    @classmethod
-    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
-        super().__pydantic_init_subclass__(**kwargs)
-        cls._optional = frozenset(
-            field.alias or name
-            for name, field in cls.model_fields.items()
-            if not field.is_required()
-        )
 
     @model_validator(mode="before")
     @classmethod
-    def _nulls_and_unserved(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        for name, rule in cls.unserved.items():
-            if name in data and not rule.accepts(data[name]):
-                raise InvalidRequest(f"{name}: {rule.advice}")
-        return {
-            key: value
-            for key, value in data.items()
-            if value is not None or key not in cls._optional
-        }
-
-    @classmethod
-    def __get_pydantic_json_schema__(
-        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
-    ) -> JsonSchemaValue:
-        """The documented schema (/openapi.json) says that every optional field takes
-        ``null``, so generated clients and conformance checks know it."""
-        schema = handler(core_schema)
-        target = handler.resolve_ref_schema(schema)
-        required = set(target.get("required", ()))
-        properties = target.get("properties", {})
-        for name, prop in properties.items():
-            if name not in required:
-                properties[name] = _nullable(prop)
-        return schema
-
-
-def _nullable(prop: dict[str, Any]) -> dict[str, Any]:
-    """``prop`` allowing ``null`` too."""
-    if _allows_null(prop):
-        return prop
-    if "anyOf" in prop:
-        return {**prop, "anyOf": [*prop["anyOf"], _NULL]}
-    meta: dict[str, Any] = {
-        key: prop[key] for key in ("title", "description", "default") if key in prop
-    }
-    inner = {key: value for key, value in prop.items() if key not in meta}
-    return {"anyOf": [inner, _NULL], **meta}
-
-
-def _allows_null(prop: dict[str, Any]) -> bool:
-    kind = prop.get("type")
-    if kind == "null" or (isinstance(kind, list) and "null" in kind):
-        return True
-    if "const" in prop and prop["const"] is None:
-        return True
-    branches = prop.get("anyOf", ())
-    return any(isinstance(branch, dict) and _allows_null(branch) for branch in branches)
+    def _unserved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, rule in cls.unserved.items():
+                if name in data and not rule.accepts(data[name]):
+                    raise InvalidRequest(f"{name}: {rule.advice}")
+        return data

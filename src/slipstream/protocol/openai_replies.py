@@ -190,7 +190,14 @@ def error(exc: SlipstreamError) -> bytes:
     status = exc.http_status
     match = _PARAM.match(exc.message)
     param = match.group(1) if match and status < 500 else None
-    if isinstance(exc, ModelNotFound):
+    # An error that carries OpenAI's own code and param (ContextLengthExceeded: clients
+    # detect an overflow by its code) has them in the reply, whatever its message says.
+    own_code, own_param = getattr(exc, "code", None), getattr(exc, "param", None)
+    if isinstance(own_param, str):
+        param = own_param
+    if isinstance(own_code, str):
+        kind, code = "invalid_request_error", own_code
+    elif isinstance(exc, ModelNotFound):
         kind, code = "invalid_request_error", "model_not_found"
     elif status in _CLIENT_CODES:
         kind, code = _CLIENT_CODES[status]

@@ -1,17 +1,14 @@
 """The OpenAI API's function-calling shapes: the tools a request offers, the choice
-among them, and the calls earlier turns made."""
+among them, and the calls earlier turns made. ``null`` for an optional field is its
+default here too (:mod:`slipstream.protocol.openai_base`): the openai SDK sends it."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-
-class _Request(BaseModel):
-    """Base of every OpenAI request schema: unknown fields are ignored, as OpenAI does."""
-
-    model_config = ConfigDict(extra="ignore")
+from slipstream.protocol.openai_base import _Request
 
 
 class FunctionCall(_Request):

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slipstream.errors import SlipstreamError
-from slipstream.llm.api import Job
-from slipstream.llm.engine import Engine, SamplingParams, TokenLogprob
+from slipstream.llm.api import GenerationService, Job
+from slipstream.llm.engine import ContextLengthExceeded, Engine, SamplingParams, TokenLogprob
 from slipstream.llm.text import TextDelta
 from slipstream.llm.tools import (
     Tool,
     ToolChoice,
     call_constraint,
+    checked,
     plain_messages,
     read_calls,
     template_messages,
@@ -40,7 +41,8 @@ def build_jobs(
     for prompt in prompts:
         limit = max_tokens
         if limit is None:  # OpenAI's default: as much as the context leaves, capped
-            room = min(engine.max_model_len, engine.cache_tokens) - len(prompt)
+            # One sequence's room: with a KV stream per sequence it is less than the cache.
+            room = min(engine.max_model_len, engine.sequence_tokens) - len(prompt)
             limit = max(1, min(default_max_tokens, room))
         for _ in range(body.n):
             seed = None if body.seed is None else body.seed + len(jobs)
@@ -60,6 +62,33 @@ def build_jobs(
             )
             jobs.append(Job(len(jobs), prompt, params, stops))
     return jobs
+
+
+# The fields that can set a request's maximum completion length, and its prompt, per
+# route (chat, completions, responses).
+_MAX_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
+_PROMPT_FIELDS = ("messages", "prompt", "input")
+
+
+def admit(llm: GenerationService, body: Any, jobs: list[Job]) -> Engine:
+    """``llm.admit``, with a context overflow named in the request's own fields: the
+    maximum the client sent (max_completion_tokens, max_tokens...), or its prompt's field
+    when it sent none (the engine cannot tell a default from a sent value)."""
+    try:
+        return llm.admit(body.model, jobs)
+    except ContextLengthExceeded as exc:
+        sent = next((f for f in _MAX_FIELDS if getattr(body, f, None) is not None), None)
+        prompt_field = next((f for f in _PROMPT_FIELDS if hasattr(body, f)), "prompt")
+        raise exc.naming(sent, prompt_field) from None
+
+
+def own_constraint(body: Any) -> Constraint | None:
+    """The request's own structured-output constraint, compiled once to check it: one
+    that does not compile is a 400 naming the field that carried it (``guided_json``,
+    ``json_schema``, ``guided_grammar``...), not the ``response_format`` the engine would
+    name by the constraint's kind."""
+    found = body.constraint_field()
+    return checked(*found) if found is not None else None
 
 
 def chat_with_tools(
@@ -208,7 +237,8 @@ async def sse_events(
     prompt_tokens: int,
     echoes: list[str] | None,
 ) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed completion: role first, reason last, [DONE]."""
+    """The server-sent events of a streamed completion: role first, reason last, [DONE]
+    (after an error event too)."""
     rid, created, model, chat, pieces = head.rid, head.created, head.model, head.chat, head.pieces
     extra: dict[str, Any] = {"usage": None} if head.include_usage else {}
     if chat:
@@ -243,7 +273,10 @@ async def sse_events(
                                                 delta.finish_reason, logprobs)  # fmt: skip
                 yield replies.sse(chunk | extra)
     except SlipstreamError as exc:
+        # [DONE] still ends the stream, as vLLM ends its error streams: clients that read
+        # to [DONE] stop there (the openai SDK raises at the error event before it).
         yield replies.error_event(exc)
+        yield replies.SSE_DONE
         return
     finally:
         aclose = getattr(stream, "aclose", None)

@@ -34,6 +34,7 @@ from slipstream.protocol.openai_responses import (
 from slipstream.server.http_messages import HttpResponse, StreamingResponse
 from slipstream.server.openai_generation import (
     Pieces,
+    admit,
     build_jobs,
     chat_with_tools,
     collect,
@@ -61,7 +62,7 @@ async def respond(
     jobs = build_jobs(engine, body, [prompt], body.max_output_tokens,
                       llm.default_max_tokens(body.model), body.wanted_logprobs(),
                       constraint)  # fmt: skip
-    llm.admit(body.model, jobs)
+    admit(llm, body, jobs)  # an overflow names max_output_tokens or input
     pieces = Pieces(engine) if jobs[0].params.logprobs is not None else None
     rid, created = item_id("resp"), replies.now()
     stream = llm.generate(body.model, jobs, arrived)

@@ -26,9 +26,11 @@ from slipstream.server.openai_cache import GenerationCache
 from slipstream.server.openai_generation import (
     Pieces,
     StreamHead,
+    admit,
     build_jobs,
     chat_with_tools,
     collect,
+    own_constraint,
     read_tool_calls,
     replay_events,
     sse_events,
@@ -103,11 +105,16 @@ class OpenAIApp:
         raise no_route(request.method, request.path)
 
     async def _model_list(self) -> list[tuple[str, int]]:
+        """(name, created) of the generative and embedding models served. An embedding
+        model asleep (idle-unloaded, README "Scale to zero") is served, its next request
+        loads it; one that failed or that the operator unloaded is not."""
         models = dict(self._llm.models())
-        started = int(time.time())
-        for entry in await self._service.repository_index(ready_only=True):
-            if entry.name not in models and await self._embedder.is_embedding_model(entry.name):
-                models[entry.name] = started
+        for entry in await self._service.repository_index():
+            asleep = (entry.state, entry.reason) == ("UNAVAILABLE", "idle")
+            if entry.name in models or not (entry.state == "READY" or asleep):
+                continue
+            if await self._embedder.is_embedding_model(entry.name):
+                models[entry.name] = self._embedder.created(entry.name)
         return sorted(models.items())
 
     # -- generation ----------------------------------------------------------------------
@@ -128,7 +135,7 @@ class OpenAIApp:
                 prompts.append(engine.encode(prompt))
         jobs = build_jobs(engine, body, prompts, body.max_tokens,
                           self._llm.default_max_tokens(body.model), body.logprobs,
-                          body.constraint())  # fmt: skip
+                          own_constraint(body))  # fmt: skip
         # echo: each choice's text starts with its prompt's.
         echoes = [engine.decode(job.prompt_ids) for job in jobs] if body.echo else None
         return await self._respond(body, jobs, arrived, chat=False, echoes=echoes)
@@ -143,7 +150,7 @@ class OpenAIApp:
         tools = [Tool(t.function.name, t.function.description, t.function.parameters)
                  for t in offered]  # fmt: skip
         prompt, constraint = chat_with_tools(
-            engine, body.chat(), tools, choice, body.parallel_tool_calls, body.constraint()
+            engine, body.chat(), tools, choice, body.parallel_tool_calls, own_constraint(body)
         )
         jobs = build_jobs(engine, body, [prompt], body.limit(),
                           self._llm.default_max_tokens(body.model), body.wanted_logprobs(),
@@ -160,7 +167,7 @@ class OpenAIApp:
         chat: bool,
         echoes: list[str] | None = None,
     ) -> Reply:
-        engine = self._llm.admit(body.model, jobs)
+        engine = admit(self._llm, body, jobs)
         pieces = Pieces(engine) if jobs[0].params.logprobs is not None else None
         head = _head(body, chat, pieces)
         prompt_tokens = sum(len(job.prompt_ids) for job in jobs[:: body.n])
@@ -180,7 +187,7 @@ class OpenAIApp:
     ) -> Reply:
         """Tool calls are read from the whole text, so a streamed answer is sent once it
         is complete (its events are the ones a stream of it would carry)."""
-        engine = self._llm.admit(body.model, jobs)
+        engine = admit(self._llm, body, jobs)
         pieces = Pieces(engine) if jobs[0].params.logprobs is not None else None
         head = _head(body, True, pieces)
         prompt_tokens = len(jobs[0].prompt_ids)
@@ -199,7 +206,9 @@ class OpenAIApp:
         body: openai.EmbeddingRequest = openai.parse(request.body, openai.EmbeddingRequest)
         route_key = request.header(b"x-slipstream-route-key")
         key = route_key.decode("latin-1") if route_key else (body.user or "")
-        vectors, prompt_tokens = await self._embedder.embed(body.model, body.texts(), key)
+        vectors, prompt_tokens = await self._embedder.embed(
+            body.model, body.inputs(), key, check_width=body.check_dimensions
+        )
         reply = replies.embeddings(body.model, vectors, body.encoding_format, prompt_tokens)
         return HttpResponse(200, reply)
 

@@ -1,19 +1,24 @@
-"""Embeddings on a V2 model: text in, vectors out, through the model's own queue.
+"""Embeddings on a V2 model: text or token ids in, vectors out, through the model's own
+queue.
 
 A V2 model whose config.yaml names a ``tokenizer`` (a tokenizers JSON file inside its
-directory) embeds text: the texts are tokenized and padded into pieces of at most
-``max_batch_size`` rows, each piece is a V2 request on the model's batcher (so the
+directory) embeds text: the texts are tokenized (token id lists, which LangChain sends,
+are taken as they are, cut where the tokenizer cuts text) and padded into pieces of at
+most ``max_batch_size`` rows, each piece is a V2 request on the model's batcher (so the
 pieces batch with other traffic and use every instance), and the model's first output
 is the vectors. The OpenAI ``/v1/embeddings`` route is a thin caller of this.
 
     embedder = Embedder(service, repository)
-    vectors, prompt_tokens = await embedder.embed("minilm", ["a cat", "a dog"])  # [2, 384]
+    vectors, prompt_tokens = await embedder.embed("minilm", ["a cat", [101, 3899, 102]])
+    vectors.shape  # (2, 384)
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +26,7 @@ import numpy as np
 
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import GenerativeModel, InvalidRequest, ModelNotFound, SlipstreamError
-from slipstream.repository.layout import contained_file, model_path
+from slipstream.repository.layout import CONFIG_FILENAMES, contained_file, model_path
 from slipstream.serving.service import InferenceService
 from slipstream.types import InferRequest
 
@@ -34,6 +39,23 @@ class Embedder:
         self._repository = repository
         # (model, tokenizer file named in its config) -> the loaded tokenizer.
         self._tokenizers: dict[tuple[str, str], Any] = {}
+        # Model -> when it was first listed, for a model without a config file to date.
+        self._first_listed: dict[str, int] = {}
+
+    def created(self, name: str) -> int:
+        """The model's ``created`` (unix seconds) for /v1/models: when its config.yaml was
+        last written, so it stays the same across listings, reloads and sleeps. Without
+        a readable file: when this server first listed it."""
+        try:
+            directory = model_path(self._repository, name)
+        except SlipstreamError:
+            return self._first_listed.setdefault(name, int(time.time()))
+        for filename in CONFIG_FILENAMES:
+            try:
+                return int((directory / filename).stat().st_mtime)
+            except OSError:
+                continue
+        return self._first_listed.setdefault(name, int(time.time()))
 
     async def is_embedding_model(self, name: str) -> bool:
         try:
@@ -42,9 +64,18 @@ class Embedder:
             return False
 
     async def embed(
-        self, model: str, texts: list[str], route_key: str = ""
+        self,
+        model: str,
+        inputs: list[str | list[int]],
+        route_key: str = "",
+        check_width: Callable[[int], None] | None = None,
     ) -> tuple[np.ndarray, int]:
-        """The vectors of ``texts`` ([len(texts), width]) and how many tokens they took.
+        """The vectors of ``inputs`` ([len(inputs), width]) and how many tokens they took.
+
+        Each input is a text or a list of token ids (already checked non-empty and >= 0);
+        an id beyond the tokenizer's vocabulary is a 400 naming ``input``.
+        ``check_width`` is called with the model's width (from its config when that
+        fixes it, so a request it refuses runs nothing; else from the vectors).
 
         ``route_key`` (sticky routing, e.g. OpenAI's ``user``) picks the version during a
         rollout; without one, a request of several pieces gets a key of its own, so all
@@ -67,11 +98,14 @@ class Embedder:
                 f"model: {model!r} is not an embedding model (its config.yaml names no tokenizer)"
             )
         tokenizer = self._tokenizer(model, config.tokenizer)
+        width = config.output[0].dims[-1] if config.output and config.output[0].dims else -1
+        if check_width is not None and width > 0:
+            check_width(width)
         # Tokenizing up to 2,048 texts takes milliseconds: off the event loop.
+        ids = await asyncio.to_thread(_token_ids, tokenizer, inputs)
         step = config.max_batch_size or 1
-        pieces = await asyncio.to_thread(
-            lambda: [_pad(tokenizer, texts[i : i + step]) for i in range(0, len(texts), step)]
-        )
+        pad_id = int((tokenizer.padding or {}).get("pad_id", 0))
+        pieces = [_pad(ids[i : i + step], pad_id) for i in range(0, len(ids), step)]
         prompt_tokens = sum(int(mask.sum()) for _, mask in pieces)
         if prompt_tokens > config.max_request_tokens:
             raise InvalidRequest(
@@ -89,7 +123,10 @@ class Embedder:
         finally:
             for run in runs:
                 run.cancel()
-        return np.concatenate(vectors), prompt_tokens
+        joined = np.concatenate(vectors)
+        if check_width is not None and width <= 0:
+            check_width(int(joined.shape[-1]))
+        return joined, prompt_tokens
 
     async def _run(
         self, model: str, config: ModelConfig, route_key: str, ids: np.ndarray, mask: np.ndarray
@@ -126,14 +163,39 @@ class Embedder:
         return tokenizer
 
 
-def _pad(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and attention mask, padded to the piece's longest text."""
-    encoded = tokenizer.encode_batch(texts)
-    longest = max(len(e.ids) for e in encoded)
-    pad_id = int((tokenizer.padding or {}).get("pad_id", 0))
-    ids = np.full((len(encoded), longest), pad_id, dtype=np.int64)
-    mask = np.zeros((len(encoded), longest), dtype=np.int64)
-    for row, item in enumerate(encoded):
-        ids[row, : len(item.ids)] = item.ids
-        mask[row, : len(item.ids)] = 1
+def _token_ids(tokenizer: Any, inputs: list[str | list[int]]) -> list[list[int]]:
+    """Each input's token ids: texts tokenized (in one batch), id lists checked against
+    the vocabulary and cut to the length the tokenizer cuts texts to."""
+    texts = [item for item in inputs if isinstance(item, str)]
+    encoded = iter(tokenizer.encode_batch(texts)) if texts else iter(())
+    vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
+    truncation = tokenizer.truncation or {}
+    longest = int(truncation.get("max_length", 0))
+    from_left = truncation.get("direction") == "left"
+    ids: list[list[int]] = []
+    for index, item in enumerate(inputs):
+        if isinstance(item, str):
+            ids.append(list(next(encoded).ids))
+            continue
+        largest = max(item)
+        if largest >= vocab:
+            where = "input" if len(inputs) == 1 else f"input[{index}]"
+            raise InvalidRequest(
+                f"{where}: token id {largest} is outside the model's vocabulary "
+                f"(ids 0 to {vocab - 1})"
+            )
+        if longest and len(item) > longest:
+            item = item[-longest:] if from_left else item[:longest]
+        ids.append(item)
+    return ids
+
+
+def _pad(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and attention mask, padded to the piece's longest row."""
+    longest = max(len(row) for row in rows)
+    ids = np.full((len(rows), longest), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), longest), dtype=np.int64)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = row
+        mask[index, : len(row)] = 1
     return ids, mask
