@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from slipstream.engine.channel import Link
 from slipstream.engine.wire import error_state, rebuild_error
@@ -47,6 +49,11 @@ class EngineClient:
         self._lost = asyncio.Event()
         self._connecting: asyncio.Task[None] | None = None
         self._closing = False
+        # What the engine's absence cost, for /metrics (see EngineLinkCollector): times
+        # the connection was lost, calls failed in flight then, calls refused meanwhile.
+        self.losses = 0
+        self.failed_in_flight = 0
+        self.refused = 0
 
     @property
     def connected(self) -> bool:
@@ -101,6 +108,8 @@ class EngineClient:
         if not self._closing:
             count = len(self._calls) + len(self._streams)
             logger.warning("the engine process went away: %d calls in flight fail", count)
+            self.losses += 1
+            self.failed_in_flight += count
         self._fail_all("the engine process stopped while serving the request; retry")
         self._lost.set()
 
@@ -125,6 +134,7 @@ class EngineClient:
         the engine is away). Give up on it with :meth:`give_up`."""
         future = into if into is not None else asyncio.get_running_loop().create_future()
         if self._link is None:
+            self.refused += 1
             future.set_exception(self._gone_error())
             return -1, future
         call_id = next(self._ids)
@@ -181,6 +191,7 @@ class EngineClient:
 
     def _check_connected(self) -> None:
         if self._link is None:
+            self.refused += 1
             raise self._gone_error()
 
     @staticmethod
@@ -224,3 +235,30 @@ class EngineClient:
                 future.set_exception(EngineGone(reason, retry_after_s=RETRY_AFTER_S))
         for queue in self._streams.values():
             queue.put_nowait(EngineGone(reason, retry_after_s=RETRY_AFTER_S))
+
+
+class EngineLinkCollector:
+    """A front end's view of its engines' absences, as Prometheus counters: the engines'
+    own series restart from zero with them, so an engine that crashes and restarts shows
+    here (and in the alert on it), not as a gap."""
+
+    def __init__(self, clients: list[EngineClient]) -> None:
+        self._clients = clients
+
+    def collect(self) -> Iterator[Metric]:
+        lost = CounterMetricFamily(
+            "slipstream_engine_connection_lost",
+            "Times this front end lost its connection to an engine process (it stopped, "
+            "or was restarted)",
+        )
+        failed = CounterMetricFamily(
+            "slipstream_engine_unavailable_calls",
+            "Calls to an engine answered 503 because it was away: in flight when it went "
+            "(in_flight), or made while it was (refused); requests, health checks, scrapes",
+            labels=["when"],
+        )
+        lost.add_metric([], sum(client.losses for client in self._clients))
+        failed.add_metric(["in_flight"], sum(c.failed_in_flight for c in self._clients))
+        failed.add_metric(["refused"], sum(client.refused for client in self._clients))
+        yield lost
+        yield failed

@@ -1,6 +1,6 @@
 """The split layout's parent process: starts the engine and the front ends, keeps them up.
 
-    supervisor (this process: no sockets of its own)
+    supervisor (this process: holds the ports, see server/ports.py; listens on none)
       |- engine process      Unix socket <socket dir>/engine      (models, batchers, LLM loop)
       |- (engine 1 ...       <socket dir>/engine-1                 one per device: --engines)
       |- front end 0         HTTP + gRPC ports (SO_REUSEPORT)      -> connected to each engine

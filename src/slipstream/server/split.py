@@ -37,7 +37,7 @@ from prometheus_client import disable_created_metrics
 
 from slipstream import runtime
 from slipstream.config import ServerSettings
-from slipstream.engine.client import EngineClient
+from slipstream.engine.client import EngineClient, EngineLinkCollector
 from slipstream.engine.company import Company
 from slipstream.engine.host import Call, EngineHost
 from slipstream.engine.limit_store import engine_limit_store, limit_calls
@@ -55,13 +55,14 @@ from slipstream.observability.merge import Family, merged_text, snapshot
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.startup import TRACE
 from slipstream.protocol import openai_replies as replies
-from slipstream.repository.layout import list_models
+from slipstream.repository.layout import list_models, tensor_models
 from slipstream.repository.placement import CPU, Routing, Share, engine_devices
 from slipstream.runtime import heap
 from slipstream.security.gate import body_model
 from slipstream.security.keys import KeysFileError
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.server.openai_rest import OpenAIApp
+from slipstream.server.ports import Port, claim_ports
 from slipstream.server.runner import (
     TlsSetup,
     background_tasks,
@@ -93,6 +94,11 @@ _CONNECT_WAIT_S = 10.0
 async def serve_split(settings: ServerSettings, stop: asyncio.Event | None = None) -> int:
     """Run the supervisor until ``stop`` or a termination signal; the exit code."""
     stop = stop_on_signals(stop)
+    try:  # before anything starts: a port taken fails the server as one process does
+        claim = claim_ports(settings.host, _ports(settings))
+    except OSError as exc:
+        logger.error("%s", exc)
+        return 1
     directory = socket_dir()
     backends = runtime.registered_backends()
     if settings.engines == "per-device":
@@ -117,8 +123,16 @@ async def serve_split(settings: ServerSettings, stop: asyncio.Event | None = Non
         exit_code = await supervisor.run(stop)
     finally:
         remove_socket_dir(directory)
+        claim.close()
     logger.info("shutdown complete")
     return exit_code
+
+
+def _ports(settings: ServerSettings) -> list[Port]:
+    """The ports every front end listens on (0: that server is off)."""
+    ports = [Port("HTTP", settings.http_port, "--http-port"),
+             Port("gRPC", settings.grpc_port, "--grpc-port")]  # fmt: skip
+    return [port for port in ports if port.number]
 
 
 # -- the engine process ------------------------------------------------------------------
@@ -153,9 +167,15 @@ async def _serve_engine(
     parent = watch_parent(stop)
     journal = _EngineJournal(Path(f"{engine_address(directory, index)}-state.json"))
     explicit = settings.model_control_mode == "explicit"
+    loaded: list[str] = []  # explicit mode's models, from --load-model or the journal
+    early: list[str] = []
     if explicit:
-        loaded = journal.models if journal.models is not None else settings.load_models
-        settings = settings.model_copy(update={"load_models": _mine(loaded, settings, share)})
+        journaled = journal.models if journal.models is not None else settings.load_models
+        loaded = _mine(journaled, settings, share)
+        early = _tensor_models(loaded, settings, share)
+        settings = settings.model_copy(
+            update={"load_models": [name for name in loaded if name not in early]}
+        )
     core = build_core(settings, with_transport=False, share=share, gpu_metrics=index == 0)
     service = core.service
     openai_app = OpenAIApp(
@@ -183,15 +203,17 @@ async def _serve_engine(
     journal.restore_regions(service.shared_memory)
     calls = engine_calls(service)
     calls.update(drift=drift, metrics=metrics, **limit_calls())
-    _journaled_calls(calls, service, journal, settings.load_models if explicit else [])
+    _journaled_calls(calls, service, journal, loaded)
     host = EngineHost(
         engine_address(directory, index), calls, streams={"http": forward},
         tells={"board": board.put},
         gathered=engine_gathered(service),
     )  # fmt: skip
+    loads = [asyncio.create_task(service.models.load(name)) for name in early]
+    await asyncio.sleep(0)  # their first steps: every model of ``early`` is LOADING
+    start_task = asyncio.create_task(_start(service, loads))
     await host.start()
     background = background_tasks(settings, core, None)
-    start_task = asyncio.create_task(service.start())
     stop_task = asyncio.create_task(stop.wait())
     exit_code = await run_until_stopped(
         start_task, stop_task, settings, on_ready=ready.set, service=service
@@ -203,6 +225,26 @@ async def _serve_engine(
     await service.stop()
     logger.info("engine stopped")
     return exit_code
+
+
+async def _start(service: ModelServer, loads: list[asyncio.Task[None]]) -> None:
+    """Start the engine's core once explicit mode's V2 models are loaded (``loads``,
+    begun side by side before the engine listens). ModelServer.start loads them one after
+    another, and until its turn came each answered "not loaded; load it with POST ..."
+    (no Retry-After) to the front ends, which reach an engine as soon as it listens;
+    begun before, each is LOADING from the first call: 503 with Retry-After, as in the
+    other modes. Their cascades, then the LLM lane, load in start() after them."""
+    await asyncio.gather(*loads)
+    await service.start()
+
+
+def _tensor_models(names: list[str], settings: ServerSettings, share: Share | None) -> list[str]:
+    """Those of ``names`` that the V2 model manager loads (not cascades nor generative)."""
+    try:
+        models = tensor_models(settings.model_repository, share)
+    except FileNotFoundError:
+        return []
+    return [name for name in names if name in models]
 
 
 def _mine(names: list[str], settings: ServerSettings, share: Share | None) -> list[str]:
@@ -364,6 +406,7 @@ async def _serve_frontend(
     disable_created_metrics()  # type: ignore[no-untyped-call]
     metrics = ServerMetrics()
     clients = [EngineClient(engine_address(directory, i)) for i in range(len(shares))]
+    metrics.registry.register(EngineLinkCollector(clients))
     try:
         door = front_door_parts(settings, metrics.registry, engine_limit_store(clients[0]))
         tls = TlsSetup.of(settings)
