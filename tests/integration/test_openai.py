@@ -458,6 +458,10 @@ def test_embeddings_of_a_generative_model_are_refused(server: RemoteServer) -> N
     assert "generative model, served on /v1/completions" in error["message"]
     reply = server.http.post("/v1/embeddings", json={"model": "embed", "input": [""]})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "input[0]"
+    # An unknown one: named as the field, as on the other routes.
+    reply = server.http.post("/v1/embeddings", json={"model": "nope", "input": "x"})
+    error = reply.json()["error"]
+    assert (reply.status_code, error["param"], error["code"]) == (404, "model", "model_not_found")
 
 
 # -- penalties, logprobs, constraints and tools on this engine -------------------------------

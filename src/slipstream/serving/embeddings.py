@@ -93,6 +93,8 @@ class Embedder:
                 "/v1/chat/completions; /v1/embeddings serves embedding models (a V2 model "
                 "whose config.yaml names a tokenizer)"
             ) from None
+        except ModelNotFound as exc:  # named as the field it is, as the other routes do
+            raise ModelNotFound(f"model: {exc.message}") from None
         if not config.tokenizer:
             raise InvalidRequest(
                 f"model: {model!r} is not an embedding model (its config.yaml names no tokenizer)"
