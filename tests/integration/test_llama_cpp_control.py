@@ -49,6 +49,7 @@ def test_generative_models_are_indexed_loaded_and_unloaded_at_run_time(tmp_path:
         assert not_loaded.status_code == 404
         assert not_loaded.json()["error"]["message"] == (
             "model: 'second' is not loaded; load it with POST /v2/repository/models/second/load"
+            " (model control mode explicit; in mode none, after a restart)"
         )
 
         load = server.http.post("/v2/repository/models/second/load", timeout=60)

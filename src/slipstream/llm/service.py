@@ -343,8 +343,8 @@ class LlmModels(GenerationService):
             raise Unavailable(f"model {name!r} failed to load: {self._failures[name]}")
         if self.handles(name):  # in the repository, not loaded (explicit model control)
             raise ModelNotFound(
-                f"model: {name!r} is not loaded; load it with POST "
-                f"/v2/repository/models/{name}/load"
+                f"model: {name!r} is not loaded; load it with POST /v2/repository/models/"
+                f"{name}/load (model control mode explicit; in mode none, after a restart)"
             )
         served = ", ".join(self._engines) or "none"
         raise ModelNotFound(f"model: {name!r} is not a generative model here (served: {served})")
