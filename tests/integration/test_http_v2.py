@@ -298,14 +298,45 @@ def test_compressed_requests_of_tritonclient_are_served(
     algorithm: str,
 ) -> None:
     """tritonclient's request_compression_algorithm: its Inference-Header-Content-Length
-    counts the decompressed JSON, as Triton reads it."""
-    inputs = add_sub_inputs(rows=2, seed=3)
+    counts the decompressed JSON, as Triton reads it; and response_compression_algorithm
+    (64 rows: an answer large enough to be compressed)."""
+    inputs = add_sub_inputs(rows=64, seed=3)
     result = client.infer(
         "add_sub", triton_inputs(inputs, binary=binary),
         request_compression_algorithm=algorithm, response_compression_algorithm=algorithm,
     )  # fmt: skip
     for name, array in run_onnx(model_files["add_sub"], inputs).items():
         np.testing.assert_array_equal(result.as_numpy(name), array)
+
+
+@pytest.mark.parametrize(
+    ("accept", "coding"),
+    [("gzip", "gzip"), ("deflate", "deflate"), ("gzip;q=0, deflate", "deflate"),
+     ("br", None), ("identity", None)],
+)  # fmt: skip
+def test_an_answer_is_compressed_as_the_client_accepts(
+    server: RemoteServer, model_files: dict[str, Path], accept: str, coding: str | None
+) -> None:
+    inputs = add_sub_inputs(rows=64, seed=4)
+    body = infer_body(inputs, outputs=[{"name": "OUTPUT0", "parameters": {"binary_data": True}}])
+    # httpx decodes what the server names, so the arrays read back prove the encoding.
+    with httpx.Client(base_url=server.http_url, timeout=CLIENT_TIMEOUT_S) as session:
+        reply = session.post(
+            "/v2/models/add_sub/infer", content=body, headers={"Accept-Encoding": accept}
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.headers.get("content-encoding") == coding
+        if coding is not None:
+            assert int(reply.headers["content-length"]) < len(reply.content)
+        json_length = int(reply.headers["inference-header-content-length"])
+        served = np.frombuffer(reply.content[json_length:], np.float32)
+        expected = run_onnx(model_files["add_sub"], inputs)["OUTPUT0"]
+        np.testing.assert_array_equal(served.reshape(expected.shape), expected)
+        small = session.post(
+            "/v2/models/add_sub/infer", content=infer_body(add_sub_inputs(rows=1)),
+            headers={"Accept-Encoding": accept},
+        )  # fmt: skip
+        assert "content-encoding" not in small.headers  # too small to gain
 
 
 def test_binary_inputs_with_binary_and_json_outputs(

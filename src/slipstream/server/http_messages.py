@@ -146,6 +146,31 @@ def decode_body(headers: list[tuple[bytes, bytes]], body: bytes, limit: int) -> 
     raise BodyRefused(400, f"request body is not valid {name} data ({error})")
 
 
+# Smaller response bodies are sent as they are: compressing saves next to nothing.
+_MIN_COMPRESSED_BYTES = 1024
+
+
+def encode_body(accept: bytes, body: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """``body`` compressed as the client's Accept-Encoding asks (gzip, else deflate; what
+    tritonclient's ``response_compression_algorithm`` sends), naming it in ``headers``;
+    as it is when the client accepts neither, or the body is too small to gain. Level 1:
+    a tensor's bytes compress little at any level, and the client asked to save bytes
+    on the wire, not the server's CPU."""
+    if len(body) < _MIN_COMPRESSED_BYTES:
+        return body
+    offered = {
+        coding.strip(): quality
+        for coding, _, quality in (part.partition(b";") for part in accept.lower().split(b","))
+    }
+    for coding in (b"gzip", b"deflate"):
+        if coding in offered and offered[coding].replace(b" ", b"") not in (b"q=0", b"q=0.0"):
+            headers.append((b"content-encoding", coding))
+            wbits = 16 + zlib.MAX_WBITS if coding == b"gzip" else zlib.MAX_WBITS
+            compressor = zlib.compressobj(1, zlib.DEFLATED, wbits)
+            return compressor.compress(body) + compressor.flush()
+    return body
+
+
 def response_head(
     status: int, content_type: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
 ) -> list[bytes]:

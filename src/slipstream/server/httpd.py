@@ -40,6 +40,7 @@ from slipstream.server.http_messages import (
     HttpRequest,
     HttpResponse,
     StreamingResponse,
+    encode_body,
     error_reply,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "HttpResponse",
     "HttpServer",
     "StreamingResponse",
+    "encode_body",
     "error_reply",
 ]
 

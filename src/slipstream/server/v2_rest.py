@@ -24,7 +24,13 @@ from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta, v2_shm
 from slipstream.protocol.openapi import openapi_document
 from slipstream.server import dashboard
-from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
+from slipstream.server.httpd import (
+    HttpRequest,
+    HttpResponse,
+    StreamingResponse,
+    encode_body,
+    error_reply,
+)
 from slipstream.server.jobs_rest import JobRoutes, prefers_async
 from slipstream.server.router import no_route
 from slipstream.serving.cascade import FAILED_STAGE_PARAMETER, STAGE_PARAMETER
@@ -280,6 +286,9 @@ class V2RestApp:
         response = await self._service.infer(request)
         payload, json_length = v2.encode_infer_response(response, request)
         headers = _cascade_headers(response.parameters) if response.parameters else []
+        accept = http.header(b"accept-encoding")
+        if accept is not None:  # Inference-Header-Content-Length counts the JSON as made
+            payload = encode_body(accept, payload, headers)
         if json_length is None:
             return HttpResponse(200, payload, headers=headers)
         headers.append((_HEADER_LENGTH, str(json_length).encode()))
