@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from slipstream.errors import InvalidRequest
-from slipstream.server.split import _EngineJournal
+from slipstream.server.journal import EngineJournal
 from slipstream.serving.cuda_ipc import HANDLE_BYTES, CudaIpc
 from slipstream.serving.shared_memory import SHM_DIR, RegionNotFound, SystemSharedMemory
 from slipstream.types import (
@@ -184,11 +184,11 @@ def test_an_engine_started_again_opens_its_cuda_regions_again(ipc: HostIpc, tmp_
     handle, memory = ipc.allocate(16)
     memory.view(np.float32)[:] = [5, 6, 7, 8]
     before.register_cuda("r", handle, device_id=0, byte_size=16, owner="a")
-    _EngineJournal(tmp_path / "engine-state.json").save(before)
+    EngineJournal(tmp_path / "engine-state.json").save(before)
     before.close()
 
     after = SystemSharedMemory(allowed=True, cuda=ipc)
-    _EngineJournal(tmp_path / "engine-state.json").restore_regions(after)
+    EngineJournal(tmp_path / "engine-state.json").restore_regions(after)
     assert [(s.owner, s.name, s.raw_handle) for s in after.registered_cuda()] == [
         ("a", "r", handle)
     ]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from slipstream.errors import InvalidRequest
-from slipstream.server.split import _EngineJournal
+from slipstream.server.journal import EngineJournal
 from slipstream.serving.shared_memory import (
     MAX_REGIONS_PER_KEY,
     SHM_DIR,
@@ -177,11 +177,11 @@ def test_an_engine_started_again_registers_each_owners_regions_again(
     before = SystemSharedMemory(allowed=True)
     before.register("r", key, offset=0, byte_size=64, owner="a")
     before.register("r", key, offset=64, byte_size=64, owner="b")
-    _EngineJournal(tmp_path / "engine-state.json").save(before)
+    EngineJournal(tmp_path / "engine-state.json").save(before)
     before.close()
 
     after = SystemSharedMemory(allowed=True)
-    _EngineJournal(tmp_path / "engine-state.json").restore_regions(after)
+    EngineJournal(tmp_path / "engine-state.json").restore_regions(after)
     assert [(s.owner, s.name, s.offset) for s in after.registered()] == [
         ("a", "r", 0), ("b", "r", 64)
     ]  # fmt: skip

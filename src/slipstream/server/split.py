@@ -21,8 +21,6 @@ second); with several engines, each engine's with an ``engine`` label naming its
 from __future__ import annotations
 
 import asyncio
-import base64
-import dataclasses
 import logging
 import signal
 import sys
@@ -61,6 +59,7 @@ from slipstream.runtime import heap
 from slipstream.security.gate import body_model
 from slipstream.security.keys import KeysFileError
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
+from slipstream.server.journal import EngineJournal
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.ports import Port, claim_ports
 from slipstream.server.runner import (
@@ -76,7 +75,6 @@ from slipstream.server.runner import (
     stop_on_signals,
 )
 from slipstream.serving.core import ModelServer
-from slipstream.serving.shared_memory import SystemSharedMemory
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +163,7 @@ async def _serve_engine(
     TRACE.mark("imported")
     stop = stop_on_signals(None, (signal.SIGTERM,))
     parent = watch_parent(stop)
-    journal = _EngineJournal(Path(f"{engine_address(directory, index)}-state.json"))
+    journal = EngineJournal(Path(f"{engine_address(directory, index)}-state.json"))
     explicit = settings.model_control_mode == "explicit"
     loaded: list[str] = []  # explicit mode's models, from --load-model or the journal
     early: list[str] = []
@@ -201,6 +199,7 @@ async def _serve_engine(
             yield chunk
 
     journal.restore_regions(service.shared_memory)
+    asleep = journal.restore_models(service.models)  # before any load: they stay asleep
     calls = engine_calls(service)
     calls.update(drift=drift, metrics=metrics, **limit_calls())
     _journaled_calls(calls, service, journal, loaded)
@@ -209,9 +208,10 @@ async def _serve_engine(
         tells={"board": board.put},
         gathered=engine_gathered(service),
     )  # fmt: skip
-    loads = [asyncio.create_task(service.models.load(name)) for name in early]
+    loads = [asyncio.create_task(service.models.load(n)) for n in early if n not in asleep]
     await asyncio.sleep(0)  # their first steps: every model of ``early`` is LOADING
     start_task = asyncio.create_task(_start(service, loads))
+    watch = asyncio.create_task(journal.watch(service.models, start_task))
     await host.start()
     background = background_tasks(settings, core, None)
     stop_task = asyncio.create_task(stop.wait())
@@ -219,7 +219,7 @@ async def _serve_engine(
         start_task, stop_task, settings, on_ready=ready.set, service=service
     )
     logger.info("engine stopping")
-    for task in (start_task, stop_task, parent, *background):
+    for task in (start_task, stop_task, parent, watch, *background):
         task.cancel()
     await host.close()
     await service.stop()
@@ -262,71 +262,8 @@ def _mine(names: list[str], settings: ServerSettings, share: Share | None) -> li
     return [name for name in names if name in mine or (first and name not in models)]
 
 
-class _EngineJournal:
-    """What an engine was asked to change at run time, written to the split layout's
-    private directory on every change, so that an engine started again after it died
-    serves as the one before it did: the client shared-memory regions (the clients'
-    objects outlive the engine, and their requests go on naming the regions) and, in
-    explicit model-control mode, the models loaded and unloaded through the repository
-    API."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self.regions: list[dict[str, Any]] = []
-        # CUDA regions: as CudaRegionStatus's fields, the handle in base64.
-        self.cuda_regions: list[dict[str, Any]] = []
-        # None: no change yet (the models of --load-model).
-        self.models: list[str] | None = None
-        try:
-            saved = orjson.loads(path.read_bytes())
-        except FileNotFoundError:
-            return
-        except (OSError, orjson.JSONDecodeError) as exc:
-            logger.error("cannot read the engine's state from %s: %s", path, exc)
-            return
-        self.regions, self.models = saved["regions"], saved["models"]
-        self.cuda_regions = saved.get("cuda_regions", [])
-
-    def restore_regions(self, regions: SystemSharedMemory) -> None:
-        for region in self.regions:
-            try:
-                regions.register(
-                    region["name"], region["key"], region["offset"], region["byte_size"],
-                    region.get("owner", ""),
-                )  # fmt: skip
-            except SlipstreamError as exc:
-                logger.warning("region %r is not registered again: %s", region["name"], exc)
-        for region in self.cuda_regions:
-            try:
-                regions.register_cuda(
-                    region["name"], base64.b64decode(region["raw_handle"]),
-                    region["device_id"], region["byte_size"], region["owner"],
-                )  # fmt: skip
-            except SlipstreamError as exc:
-                logger.warning("CUDA region %r is not registered again: %s", region["name"], exc)
-        if self.regions or self.cuda_regions:
-            logger.info("registered %d shared-memory regions again",
-                        len(self.regions) + len(self.cuda_regions))  # fmt: skip
-
-    def save(self, regions: SystemSharedMemory | None = None) -> None:
-        if regions is not None:
-            self.regions = [dataclasses.asdict(status) for status in regions.registered()]
-            self.cuda_regions = [
-                {**dataclasses.asdict(status), "raw_handle": _base64(status.raw_handle)}
-                for status in regions.registered_cuda()
-            ]
-        temporary = self._path.with_suffix(".tmp")
-        state = {"regions": self.regions, "cuda_regions": self.cuda_regions, "models": self.models}
-        temporary.write_bytes(orjson.dumps(state))
-        temporary.replace(self._path)
-
-
-def _base64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
 def _journaled_calls(
-    calls: dict[str, Call], service: ModelServer, journal: _EngineJournal, explicit: list[str]
+    calls: dict[str, Call], service: ModelServer, journal: EngineJournal, explicit: list[str]
 ) -> None:
     """Wrap the calls that change the engine's state so each change is journaled.
     ``explicit``: the models loaded now in explicit mode (empty in other modes)."""

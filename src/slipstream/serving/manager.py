@@ -6,7 +6,6 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from slipstream.config import ConfigError, ModelConfig
@@ -34,6 +33,9 @@ from slipstream.repository.layout import (
 from slipstream.runtime import heap
 from slipstream.runtime.base import BackendUnavailable
 from slipstream.serving.model import ModelVersion
+from slipstream.serving.model_state import ModelAsleep as ModelAsleep  # core.py imports it here
+from slipstream.serving.model_state import ModelState, files_unchanged
+from slipstream.serving.model_state import signature_change as signature_change  # for tests
 from slipstream.serving.taps import TapFactory
 from slipstream.types import ModelMetadata, RepositoryEntry
 
@@ -44,45 +46,6 @@ _MAX_BACKOFF_S = 60.0
 
 # What serving() answers for a model never loaded.
 _NOTHING: dict[int, ModelVersion] = {}
-
-
-@dataclass(slots=True)
-class ModelState:
-    """Everything known about one model of the repository."""
-
-    name: str
-    # Serving versions by number. A reload builds a new dict and assigns it in one step,
-    # so a request routes on either the old set or the new one, never a mix.
-    versions: dict[int, ModelVersion] = field(default_factory=dict)
-    # Why the last load attempt failed, by version (0: the whole model, e.g. its config).
-    failures: dict[int, str] = field(default_factory=dict)
-    # The last attempt failed and ``versions`` kept serving what was loaded before it.
-    kept_previous: bool = False
-    # LOADING / UNLOADING while a change is in progress, else "".
-    transition: str = ""
-    # The files ``versions`` were loaded from; None when nothing is loaded.
-    loaded: ModelFingerprint | None = None
-    # The files the last load attempt saw, whatever its outcome: unchanged files are
-    # not tried again (a second concurrent load, a poll after a failure).
-    attempted: ModelFingerprint | None = None
-    # Load attempts finished, so a load that waited for another can tell one ran.
-    attempts: int = 0
-    # Unloaded for being idle (see serving/idle.py): the next request loads it again.
-    # What its versions were, so metadata is answered without loading them.
-    asleep: bool = False
-    sleeping: dict[int, tuple[ModelMetadata, ModelConfig]] = field(default_factory=dict)
-    # A wake-up load that failed is not tried again before ``retry_at`` (monotonic s);
-    # each failure in a row doubles the wait, up to _MAX_BACKOFF_S.
-    retry_at: float = 0.0
-    failed_wakes: int = 0
-
-
-class ModelAsleep(Unavailable):
-    """The model was unloaded for being idle; :meth:`ModelManager.wake` loads it again."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"model {name!r} is loading after being idle", retry_after_s=1)
-        self.name = name
 
 
 class ModelManager:
@@ -115,6 +78,8 @@ class ModelManager:
         self._locks: dict[str, asyncio.Lock] = {}
         # What the previous poll found: files must look the same twice to be loaded.
         self._last_poll: dict[str, ModelFingerprint] = {}
+        # What the engine before this one kept serving after a failed reload (fallback()).
+        self._fallbacks: dict[str, list[int]] = {}
 
     # -- routing -------------------------------------------------------------------------
 
@@ -249,7 +214,9 @@ class ModelManager:
         return tensor_models(self.repository, self._share)
 
     async def load_all(self) -> None:
-        names = list(self._tensor_models())
+        """Load every model but those restored asleep (restore_asleep): they stay so."""
+        asleep = self.asleep()
+        names = [name for name in self._tensor_models() if name not in asleep]
         await asyncio.gather(*(self.load(name) for name in names))
 
     async def load(self, name: str) -> None:
@@ -302,6 +269,7 @@ class ModelManager:
     ) -> None:
         """Load what changed beside what serves, then swap, or keep serving on failure."""
         name = state.name
+        fallback = self._fallbacks.pop(name, [])
         if not directory.versions:
             # The version directories were removed: there is nothing left to keep serving.
             await self._swap(state, {}, None)
@@ -318,7 +286,7 @@ class ModelManager:
         reused = {
             v: model
             for v, model in state.versions.items()
-            if v in wanted and _unchanged(state.loaded, found, v)
+            if v in wanted and files_unchanged(state.loaded, found, v)
         }
         fresh = [v for v in wanted if v not in reused]
         results = await asyncio.gather(
@@ -332,9 +300,36 @@ class ModelManager:
             await asyncio.gather(*(_discard(model) for model in loaded.values()))
             self._fail(state, failures, kept_previous=True)
             return
+        kept = await self._fall_back(state, directory, config, fallback) if failures else None
+        if kept is not None:
+            # The versions loaded beside the failed ones give way to the fallback's.
+            await asyncio.gather(*(_discard(model) for model in loaded.values()))
+            await self._swap(state, kept, found)
+            self._fail(state, failures, kept_previous=True)
+            return
         await self._swap(state, {**reused, **loaded}, found)
         # A first load serves the versions that loaded, beside the failed ones.
         self._fail(state, failures, kept_previous=False)
+
+    async def _fall_back(
+        self, state: ModelState, directory: ModelDirectory, config: ModelConfig, versions: list[int]
+    ) -> dict[int, ModelVersion] | None:
+        """``versions`` (see :meth:`fallback`) loaded, or None when they fail too (so the
+        model fails as it would have without them)."""
+        if not versions or not set(versions) <= set(directory.versions):
+            return None
+        results = await asyncio.gather(
+            *(self._load_version(state, v, directory.path / str(v), config) for v in versions)
+        )
+        loaded = {
+            v: r for v, r in zip(versions, results, strict=True) if isinstance(r, ModelVersion)
+        }
+        if len(loaded) < len(versions):
+            await asyncio.gather(*(_discard(model) for model in loaded.values()))
+            return None
+        logger.warning("model %s: serving versions %s, as before the engine restarted",
+                       state.name, ", ".join(map(str, versions)))  # fmt: skip
+        return loaded
 
     def _fail(self, state: ModelState, failures: dict[int, str], kept_previous: bool) -> None:
         """Record (and log, once) the outcome of a load attempt."""
@@ -463,6 +458,35 @@ class ModelManager:
         logger.info("model %s: unloaded after being idle; its next request loads it again", name)
         return True
 
+    # -- what an engine restarted after it died takes over (server/journal.py) -------------
+
+    def restore_asleep(
+        self, name: str, sleeping: dict[int, tuple[ModelMetadata, ModelConfig]]
+    ) -> None:
+        """Take ``name`` as unloaded for being idle (by the engine before this one): a
+        scale to zero outlives the restart; its next request loads it, as before."""
+        path = model_path(self.repository, name)
+        # Only while on disk and still this engine's (--engines per-device: its share).
+        if sleeping and name not in self._models and name in self._tensor_models():
+            # Its files as attempted: a poll sees no change to load.
+            self._models[name] = ModelState(name, asleep=True, sleeping=sleeping,
+                                            attempted=fingerprint(path))  # fmt: skip
+
+    def fallback(self, name: str, versions: list[int]) -> None:
+        """``versions`` of ``name`` kept serving after a failed reload (in the engine before
+        this one): when its first load fails with nothing serving, they load instead."""
+        self._fallbacks[name] = versions
+
+    def asleep(self) -> dict[str, dict[int, tuple[ModelMetadata, ModelConfig]]]:
+        """The models unloaded for being idle, with their versions' metadata and config."""
+        return {name: state.sleeping for name, state in self._models.items()
+                if state.asleep and state.sleeping and not state.versions}  # fmt: skip
+
+    def kept_previous(self) -> dict[str, list[int]]:
+        """The models whose failed reload left their earlier versions serving: those."""
+        return {name: sorted(state.versions) for name, state in self._models.items()
+                if state.kept_previous and state.versions}  # fmt: skip
+
     def sleeping_version(self, name: str, version: str) -> tuple[ModelMetadata, ModelConfig]:
         """Metadata and config of an asleep model's version (the newest when ``version``
         is empty), as loaded before; ModelNotFound when it is not asleep."""
@@ -555,38 +579,6 @@ class ModelManager:
 async def _discard(model: ModelVersion) -> None:
     """Free a version that loaded but will not serve (it never took a request)."""
     await model.batcher.close(0.0)
-
-
-def signature_change(serving: ModelConfig, new: ModelConfig) -> str:
-    """How ``new``'s input/output names or datatypes differ from ``serving``'s; "" if not.
-
-    Shapes may change (a fixed dim becoming -1 breaks no client); a renamed, added,
-    removed or retyped tensor breaks the clients of the serving version.
-    """
-    problems = []
-    for kind, old, now in (
-        ("input", serving.input, new.input),
-        ("output", serving.output, new.output),
-    ):
-        before = {t.name: t.data_type for t in old}
-        after = {t.name: t.data_type for t in now}
-        for tensor in sorted(set(before) | set(after)):
-            if tensor not in after:
-                problems.append(f"{kind} {tensor!r} is gone")
-            elif tensor not in before:
-                problems.append(f"{kind} {tensor!r} is new")
-            elif before[tensor] != after[tensor]:
-                problems.append(f"{kind} {tensor!r} is {after[tensor]}, was {before[tensor]}")
-    return ", ".join(problems)
-
-
-def _unchanged(loaded: ModelFingerprint | None, found: ModelFingerprint, version: int) -> bool:
-    """Whether a serving version's files and the config are as they were loaded."""
-    return (
-        loaded is not None
-        and loaded.config == found.config
-        and loaded.version(version) == found.version(version)
-    )
 
 
 def _no_version(name: str, directory: ModelDirectory) -> str:
