@@ -12,6 +12,7 @@ with its output in a log file that is printed when it fails to start or to stop.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -267,6 +268,11 @@ class RemoteServer:
             return self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+
+    def engine_pids(self) -> list[int]:
+        """The engine processes the supervisor of a split layout has started so far,
+        oldest first (from its log)."""
+        return [int(pid) for pid in re.findall(r"engine started \(pid (\d+)\)", self.log_text())]
 
     def log_tail(self) -> str:
         text = self.log_text()

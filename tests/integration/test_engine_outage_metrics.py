@@ -5,7 +5,6 @@ so each front end counts what the outage cost (the connection lost, the calls an
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -44,8 +43,7 @@ def test_an_engine_restart_is_counted_by_the_front_ends(split: RemoteServer) -> 
         assert samples(before, "slipstream_engine_connection_lost_total") == {
             (("frontend", "0"),): 0.0
         }
-        pids = re.findall(r"engine started \(pid (\d+)\)", split.log_text())
-        os.kill(int(pids[-1]), signal.SIGKILL)
+        os.kill(split.engine_pids()[-1], signal.SIGKILL)
         refused = 0
         deadline = time.monotonic() + 60
         while client.get(split.url("/v2/health/ready")).status_code != 200:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -220,8 +219,7 @@ def test_limits_fail_open_while_the_engine_restarts_and_hold_again_after(
     once in the log); the engine started again counts from a full budget, and the key
     is limited again within one budget."""
     server, secret = split_server
-    pids = [int(pid) for pid in re.findall(r"engine started \(pid (\d+)\)", server.log_text())]
-    os.kill(pids[-1], signal.SIGKILL)
+    os.kill(server.engine_pids()[-1], signal.SIGKILL)
     url = server.url("/v2/models/add_sub")
     headers = {"Authorization": f"Bearer {secret}"}
     deadline = time.monotonic() + 60

@@ -14,7 +14,6 @@ import re
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -53,12 +52,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
             "--load-model", "add_sub", "--load-model", "smollm2", "--allow-client-shm"]  # fmt: skip
     with RemoteServer(repo, args, log_dir=tmp) as remote:
         yield remote
-
-
-def engine_pids(server: RemoteServer) -> list[int]:
-    """The engine processes the supervisor has started so far, oldest first."""
-    log = Path(server.log_path).read_text()
-    return [int(pid) for pid in re.findall(r"engine started \(pid (\d+)\)", log)]
 
 
 def add_sub_inputs(
@@ -250,9 +243,9 @@ def _kill_the_engine_under_load(server: RemoteServer) -> None:
          "data": [1.0] * ADD_SUB_WIDTH} for n in ("INPUT0", "INPUT1")]}  # fmt: skip
 
     def kill_and_wait() -> None:
-        os.kill(engine_pids(server)[-1], signal.SIGKILL)
+        os.kill(server.engine_pids()[-1], signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while not (len(engine_pids(server)) > 1 and _ready(server)):
+        while not (len(server.engine_pids()) > 1 and _ready(server)):
             assert time.monotonic() < deadline, "the engine was not restarted"
             time.sleep(0.1)
 

@@ -8,11 +8,9 @@ never "not loaded; load it with POST ..." as if the operator had to act.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -41,11 +39,6 @@ def explicit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]
         yield running
 
 
-def _engine_pids(server: RemoteServer) -> list[int]:
-    log = Path(server.log_path).read_text()
-    return [int(pid) for pid in re.findall(r"engine started \(pid (\d+)\)", log)]
-
-
 def test_a_restarted_engine_answers_loading_with_retry_after_not_not_loaded(
     explicit: RemoteServer,
 ) -> None:
@@ -54,14 +47,14 @@ def test_a_restarted_engine_answers_loading_with_retry_after_not_not_loaded(
          "data": [1.0] * ADD_SUB_WIDTH} for n in ("INPUT0", "INPUT1")]}  # fmt: skip
     urls = [explicit.url(f"/v2/models/{name}/infer") for name in ("quick", "slow")]
     assert all(httpx.post(url, json=body).status_code == 200 for url in urls)
-    pids = _engine_pids(explicit)
+    pids = explicit.engine_pids()
     os.kill(pids[-1], signal.SIGKILL)
     answers: list[tuple[int, str | None, str]] = []
     deadline = time.monotonic() + 60
     with httpx.Client(timeout=10) as http:
         # Until both answer again: quick's load no longer waits behind slow's (it took
         # its turn after slow's warm-up, answering "not loaded" meanwhile).
-        while len(_engine_pids(explicit)) == len(pids) or not _both_served(answers):
+        while len(explicit.engine_pids()) == len(pids) or not _both_served(answers):
             assert time.monotonic() < deadline, answers[-5:]
             for url in urls:
                 answer = http.post(url, json=body)

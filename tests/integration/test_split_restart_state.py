@@ -11,7 +11,6 @@ killed one did, not as a fresh start would.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -51,10 +50,6 @@ def poll(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
         yield running
 
 
-def _engine_pids(server: RemoteServer) -> list[int]:
-    return [int(pid) for pid in re.findall(r"engine started \(pid (\d+)\)", server.log_text())]
-
-
 def _index(server: RemoteServer) -> set[tuple[str, str, str, str]]:
     answer = server.http.post("/v2/repository/index", json={})
     if answer.status_code != 200:
@@ -73,9 +68,9 @@ def _until(check: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
 def _restart_engine(server: RemoteServer) -> str:
     """Kill the engine with -9 once its journal is saved; the log from its successor on."""
     time.sleep(_JOURNALED_S)
-    pids = _engine_pids(server)
+    pids = server.engine_pids()
     os.kill(pids[-1], signal.SIGKILL)
-    _until(lambda: len(_engine_pids(server)) > len(pids), "the engine is started again")
+    _until(lambda: len(server.engine_pids()) > len(pids), "the engine is started again")
     # Then until the new engine answers, every model settled (no LOADING).
     _until(lambda: _settled(server), "the new engine serves")
     return _since_restart(server)
@@ -88,7 +83,7 @@ def _settled(server: RemoteServer) -> bool:
 
 def _since_restart(server: RemoteServer) -> str:
     """The server's log since the last engine started."""
-    return server.log_text().split(f"engine started (pid {_engine_pids(server)[-1]})", 1)[1]
+    return server.log_text().split(f"engine started (pid {server.engine_pids()[-1]})", 1)[1]
 
 
 def test_models_asleep_before_an_engine_restart_stay_asleep_after_it(idle: RemoteServer) -> None:
