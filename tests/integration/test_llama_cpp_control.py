@@ -60,7 +60,7 @@ def test_generative_models_are_indexed_loaded_and_unloaded_at_run_time(tmp_path:
 
         unload = server.http.post("/v2/repository/models/first/unload", timeout=60)
         assert unload.status_code == 200, unload.text
-        assert index()["first"] == ("", "", "")
+        assert index()["first"] == ("1", "UNAVAILABLE", "unloaded")  # as Triton lists it
         assert served() == ["second"]
         assert complete("first").status_code == 404
 

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
@@ -145,8 +146,23 @@ def test_load_infer_unload_and_reload(explicit_server: RemoteServer) -> None:
             client.infer("identity", [tensor])
         assert info.value.status() in ("404", "503")
         assert "identity" in str(info.value.message())
+        # Listed as Triton lists an unloaded model, over HTTP and gRPC; its series in
+        # /metrics says UNLOADED, which the "model not ready" alert leaves alone.
+        unloaded = {
+            "name": "identity",
+            "version": "1",
+            "state": "UNAVAILABLE",
+            "reason": "unloaded",
+        }
         index = {e["name"]: e for e in client.get_model_repository_index()}
-        assert index["identity"].get("state") != "READY"
+        assert index["identity"] == unloaded
+        with grpcclient.InferenceServerClient(explicit_server.grpc_address) as grpc:
+            listed = grpc.get_model_repository_index(as_json=True)["models"]
+            assert {e["name"]: e for e in listed}["identity"] == unloaded
+        scraped = httpx.get(explicit_server.url("/metrics")).text
+        assert 'slipstream_model_ready{model="identity",state="UNLOADED",version="1"} 0.0' in (
+            scraped
+        )
         # The other model was never touched.
         assert client.is_model_ready("add_sub")
 

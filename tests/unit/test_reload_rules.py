@@ -244,8 +244,9 @@ async def test_a_signature_change_is_refused_until_the_model_is_unloaded(
     assert "signature" in index(explicit)[("2", "UNAVAILABLE")]
 
     await explicit.unload_model("scale")
+    assert index(explicit) == {("1", "UNAVAILABLE"): "unloaded"}  # as Triton lists it
     await explicit.load_model("scale")
-    assert index(explicit) == {("2", "READY"): ""}
+    assert index(explicit) == {("2", "READY"): "", ("1", "UNAVAILABLE"): "unloaded"}
 
 
 async def test_a_good_reload_swaps_and_keeps_unchanged_versions(
@@ -287,7 +288,8 @@ async def test_load_and_unload_in_flight_together_end_as_the_last_call_says(
     write_scale_model(repo / "scale" / "2" / "model.onnx", factor=3.0)
     await asyncio.gather(explicit.load_model("scale"), explicit.unload_model("scale"))
     assert not await explicit.model_ready("scale")
-    assert index(explicit) == {("", ""): ""}  # in the repository, not loaded
+    # In the repository, its versions unloaded (each served, if only for a moment).
+    assert index(explicit) == {("1", "UNAVAILABLE"): "unloaded", ("2", "UNAVAILABLE"): "unloaded"}
     await asyncio.gather(explicit.unload_model("scale"), explicit.load_model("scale"))
     assert await served(explicit) == ("2", 3.0)
 
@@ -323,7 +325,7 @@ async def test_poll_tries_a_broken_version_once_per_change(
     for _ in range(2):
         await polled.models.poll_once()
     assert await served(polled) == ("2", 3.0)
-    assert index(polled) == {("2", "READY"): ""}
+    assert index(polled) == {("2", "READY"): "", ("1", "UNAVAILABLE"): "unloaded"}
     assert len(failed_loads(caplog)) == 1
 
 

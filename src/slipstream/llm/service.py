@@ -183,10 +183,11 @@ class LlmModels(GenerationService):
     async def unload(self, name: str) -> None:
         """Stop serving ``name``: new requests get 404, running ones finish first."""
         async with self._locks.setdefault(name, asyncio.Lock()):
-            self._asleep.pop(name, None)  # unloaded on purpose: it stays so
+            asleep = self._asleep.pop(name, None)  # unloaded on purpose: it stays so
+            if asleep is not None:  # the index lists it as unloaded, the version it had
+                self._versions[name] = asleep
             engine = self._engines.pop(name, None)
             self._created.pop(name, None)
-            self._versions.pop(name, None)
             self._failures.pop(name, None)
             if engine is None:
                 return
@@ -201,13 +202,10 @@ class LlmModels(GenerationService):
     def index(self, ready_only: bool = False) -> list[RepositoryEntry]:
         """The repository's generative models and their states, as the V2 index lists them."""
         try:
-            names = [
-                name
-                for name, directory in list_models(self.repository, self._share).items()
-                if is_generative(directory)
-            ]
+            models = list_models(self.repository, self._share)
         except FileNotFoundError:
-            names = []
+            models = {}
+        names = [name for name, directory in models.items() if is_generative(directory)]
         entries = []
         for name in sorted(set(names) | set(self._engines)):
             engine = self._engines.get(name)
@@ -228,6 +226,9 @@ class LlmModels(GenerationService):
                 entries.append(RepositoryEntry(name, "", "UNLOADING", ""))
             elif name in self._failures:
                 entries.append(RepositoryEntry(name, "", "UNAVAILABLE", self._failures[name]))
+            elif name in self._versions:  # served, then unloaded: as Triton lists it
+                unloaded = str(self._versions[name])
+                entries.append(RepositoryEntry(name, unloaded, "UNAVAILABLE", "unloaded"))
             else:
                 entries.append(RepositoryEntry(name, "", "", ""))
         return entries

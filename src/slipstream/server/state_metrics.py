@@ -20,12 +20,14 @@ class ModelStateCollector(Collector):
             "slipstream_model_ready",
             "1 when the model version is READY; 0 while it loads, unloads, after its load "
             "failed, or while it sleeps after an idle unload (state IDLE; its next request "
-            "loads it) (state says which)",
+            "loads it), or after it was unloaded (UNLOADED) (state says which)",
             labels=["model", "version", "state"],
         )
         for entry in self._service.index_now():
             state = entry.state or "UNLOADED"
             if state == "UNAVAILABLE" and entry.reason == "idle":
                 state = "IDLE"
+            elif state == "UNAVAILABLE" and entry.reason == "unloaded":
+                state = "UNLOADED"  # by the operator, or replaced: not an alert
             ready.add_metric([entry.name, entry.version, state], float(state == "READY"))
         yield ready

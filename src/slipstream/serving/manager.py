@@ -34,7 +34,7 @@ from slipstream.runtime import heap
 from slipstream.runtime.base import BackendUnavailable
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.model_state import ModelAsleep as ModelAsleep  # core.py imports it here
-from slipstream.serving.model_state import ModelState, files_unchanged
+from slipstream.serving.model_state import ModelState, files_unchanged, index_entries
 from slipstream.serving.model_state import signature_change as signature_change  # for tests
 from slipstream.serving.taps import TapFactory
 from slipstream.types import ModelMetadata, RepositoryEntry
@@ -183,29 +183,11 @@ class ModelManager:
         entries: list[RepositoryEntry] = []
         for name in sorted(set(on_disk) | set(self._models)):
             state = self._models.get(name)
-            if state is not None and state.asleep and not state.versions and not state.transition:
-                if not ready_only:
-                    reason = self.failures(name) or "idle"
-                    entries.extend(RepositoryEntry(name, str(v), "UNAVAILABLE", reason)
-                                   for v in sorted(state.sleeping))  # fmt: skip
-                continue
-            if state is None or not (state.versions or state.failures or state.transition):
+            if state is None:
                 if not ready_only:
                     entries.append(RepositoryEntry(name, "", "", ""))
                 continue
-            for number in sorted(state.versions):
-                # A version whose files failed to reload serves its earlier files.
-                reason = state.failures.get(number, "")
-                if reason:
-                    reason = f"serving the files loaded before; reloading failed: {reason}"
-                entries.append(RepositoryEntry(name, str(number), "READY", reason))
-            if ready_only:
-                continue
-            for number, reason in sorted(state.failures.items()):
-                if number not in state.versions:
-                    entries.append(RepositoryEntry(name, str(number or ""), "UNAVAILABLE", reason))
-            if state.transition and not state.versions:
-                entries.append(RepositoryEntry(name, "", state.transition, ""))
+            entries.extend(index_entries(state, self.failures(name), ready_only))
         return entries
 
     # -- loading and unloading ---------------------------------------------------------
@@ -397,6 +379,7 @@ class ModelManager:
         if versions:  # loaded again (on demand, or by a load request): awake
             state.asleep, state.sleeping, state.failed_wakes = False, {}, 0
         retired = [model for v, model in old.items() if versions.get(v) is not model]
+        state.unloaded = (state.unloaded | set(old)) - set(versions)
         # Requests already routed to a retired version were queued on it in the same
         # event-loop step: its batcher lets them finish before it closes.
         await asyncio.gather(*(self._close(model) for model in retired))

@@ -9,7 +9,7 @@ from slipstream.config import ModelConfig
 from slipstream.errors import Unavailable
 from slipstream.repository.changes import ModelFingerprint
 from slipstream.serving.model import ModelVersion
-from slipstream.types import ModelMetadata
+from slipstream.types import ModelMetadata, RepositoryEntry
 
 
 @dataclass(slots=True)
@@ -41,6 +41,10 @@ class ModelState:
     # each failure in a row doubles the wait, up to manager.py's _MAX_BACKOFF_S.
     retry_at: float = 0.0
     failed_wakes: int = 0
+    # Versions that served and were unloaded since (by request, a reload that dropped
+    # them, an idle unload): the index lists them UNAVAILABLE, reason "unloaded", as
+    # Triton does, until they serve again.
+    unloaded: set[int] = field(default_factory=set)
 
 
 class ModelAsleep(Unavailable):
@@ -49,6 +53,37 @@ class ModelAsleep(Unavailable):
     def __init__(self, name: str) -> None:
         super().__init__(f"model {name!r} is loading after being idle", retry_after_s=1)
         self.name = name
+
+
+def index_entries(state: ModelState, failures: str, ready_only: bool) -> list[RepositoryEntry]:
+    """``state``'s lines in the repository index (``failures``: why its last load failed,
+    as :meth:`ModelManager.failures` words it)."""
+    name = state.name
+    if state.asleep and not state.versions and not state.transition:
+        if ready_only:
+            return []
+        why = failures or "idle"
+        return [RepositoryEntry(name, str(v), "UNAVAILABLE", why) for v in sorted(state.sleeping)]
+    entries = []
+    for number in sorted(state.versions):
+        # A version whose files failed to reload serves its earlier files.
+        reason = state.failures.get(number, "")
+        if reason:
+            reason = f"serving the files loaded before; reloading failed: {reason}"
+        entries.append(RepositoryEntry(name, str(number), "READY", reason))
+    if ready_only:
+        return entries
+    for number, reason in sorted(state.failures.items()):
+        if number not in state.versions:
+            entries.append(RepositoryEntry(name, str(number or ""), "UNAVAILABLE", reason))
+    if state.transition and not state.versions:  # LOADING or UNLOADING says it all
+        entries.append(RepositoryEntry(name, "", state.transition, ""))
+    else:
+        for number in sorted(state.unloaded - set(state.versions) - set(state.failures)):
+            entries.append(RepositoryEntry(name, str(number), "UNAVAILABLE", "unloaded"))
+    if not entries:
+        entries.append(RepositoryEntry(name, "", "", ""))
+    return entries
 
 
 def signature_change(serving: ModelConfig, new: ModelConfig) -> str:
