@@ -261,6 +261,25 @@ def test_load_model_that_does_not_exist_at_startup_is_reported(
         server.stop()
 
 
+def test_explicit_start_up_loads_its_models_side_by_side(tmp_path: Path, log_dir: Path) -> None:
+    """--load-model a --load-model b: both warm up at once (each warm-up is a run held
+    at the gate), as poll mode loads them; one after the other, start-up took the sum."""
+    repo = tmp_path / "repo"
+    gate = Gate(tmp_path / "gate")
+    for name in ("first", "second"):
+        build_gated(repo, name, gate, {"max_batch_size": 1})
+    args = ["--model-control-mode", "explicit", "--load-model", "first", "--load-model", "second"]
+    server = RemoteServer(repo, args, log_dir=log_dir, wait_for=None, command=gated_command())
+    try:
+        with gate.closed():
+            server.start()
+            gate.wait_runs(2)  # both warm-ups held at once
+        wait_for(lambda: "Slipstream is ready" in server.log_text(), 30.0, "the start-up line")
+        assert httpx.get(server.url("/v2/models/second/ready"), timeout=5).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_a_server_not_ready_at_start_does_not_log_that_it_is(tmp_path: Path, log_dir: Path) -> None:
     """Strict readiness with a model that failed to load: the start-up line says the
     server is serving but not ready, as /v2/health/ready answers."""

@@ -123,12 +123,19 @@ class ModelServer(RegionCalls, InferenceService):
         only = set(self.settings.load_models) if mode == "explicit" else None
         others = asyncio.gather(*(lane.load_all(only) for lane in self._lanes))
         if mode == "explicit":
-            for name in self.settings.load_models:
-                validate_model_name(name)
-                if self.cascades.handles(name):
-                    await self.cascades.load(name, quiet=True)
-                elif self._lane_of(name) is None:
-                    await self.models.load(name)
+            names = [validate_model_name(name) for name in self.settings.load_models]
+            cascades = [name for name in names if self.cascades.handles(name)]
+            # Side by side, as poll mode loads them; the cascades after, their stages ready.
+            loads = await asyncio.gather(
+                *(self.models.load(name) for name in names
+                  if name not in cascades and self._lane_of(name) is None),
+                return_exceptions=True,
+            )  # fmt: skip
+            for outcome in loads:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            for name in cascades:
+                await self.cascades.load(name, quiet=True)
         else:
             await self.models.load_all()
             await self.cascades.load_all()  # after the models: they are its stages
