@@ -68,8 +68,9 @@ from slipstream.optimize.gate import (
     judge,
 )
 from slipstream.repository.layout import (
-    CONFIG_FILENAMES,
+    CONFIG_FILES,
     model_file,
+    raw_config,
     read_config,
     read_model_directory,
 )
@@ -172,11 +173,10 @@ def _read_source(request: ExportRequest) -> _Source:
 
 
 def _raw_config(model_dir: Path) -> dict[str, object]:
-    for name in CONFIG_FILENAMES:
-        if (model_dir / name).is_file():
-            data = yaml.safe_load((model_dir / name).read_text())
-            return dict(data) if isinstance(data, dict) else {}
-    return {}
+    """The model's config keys (a Triton config.pbtxt translated), written to the bundle
+    as its config.yaml."""
+    data = raw_config(model_dir)
+    return dict(data) if isinstance(data, dict) else {}
 
 
 def _write_bundle(
@@ -231,7 +231,7 @@ def _write_bundle(
 def _copy_model_directory_files(model_dir: Path, bundle: Path) -> None:
     """The model directory's other files (a tokenizer, a drift reference), as they are."""
     for entry in model_dir.iterdir():
-        if entry.name.isdigit() or entry.name.startswith(".") or entry.name in CONFIG_FILENAMES:
+        if entry.name.isdigit() or entry.name.startswith(".") or entry.name in CONFIG_FILES:
             continue
         if entry.is_dir():
             shutil.copytree(entry, bundle / entry.name)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from slipstream.repository.layout import CONFIG_FILENAMES
+from slipstream.repository.layout import CONFIG_FILES
 
 # (path relative to the model directory, size_bytes, mtime_ns, inode); the inode tells a
 # file replaced by rename (``mv`` of a finished copy) within one mtime tick. -1s when it
@@ -57,7 +57,7 @@ class PollDecision:
 
 def fingerprint(model_dir: Path) -> ModelFingerprint:
     """Stamp the config and every file of every version directory of one model."""
-    config = tuple(_stamp(model_dir, model_dir / name) for name in CONFIG_FILENAMES)
+    config = tuple(_stamp(model_dir, model_dir / name) for name in CONFIG_FILES)
     versions = []
     for entry in _list(model_dir):
         if entry.name.isdigit() and int(entry.name) > 0 and entry.is_dir():

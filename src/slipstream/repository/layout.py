@@ -2,6 +2,7 @@
 
 ```
 REPO/<model>/config.yaml            optional; completed from the model file when absent
+REPO/<model>/config.pbtxt           or Triton's (repository/triton_config.py)
 REPO/<model>/<version>/model.<ext>  version directories are positive integers
 ```
 """
@@ -20,11 +21,16 @@ import yaml
 from slipstream.config import ConfigError, ModelConfig, parse_model_config
 from slipstream.errors import InvalidRequest, SlipstreamError
 from slipstream.names import validate_model_name
+from slipstream.repository.triton_config import TRITON_CONFIG_FILENAME, parse_triton_config
 from slipstream.runtime import MODEL_EXTENSIONS
 
 logger = logging.getLogger(__name__)
 
+# Slipstream's own config files, which `tune --apply` writes and `export` copies.
 CONFIG_FILENAMES = ("config.yaml", "config.yml")
+# Every file a model's config is read from, in order: a config.yaml beside a Triton
+# config.pbtxt wins (so Slipstream's keys can be added to a Triton repository).
+CONFIG_FILES = (*CONFIG_FILENAMES, TRITON_CONFIG_FILENAME)
 T = TypeVar("T")
 # libyaml's safe loader where PyYAML was built with it (its wheels are): a model's
 # config parses in 70 us instead of 500, and listing a repository reads every config
@@ -157,28 +163,42 @@ def read_model_directory(path: Path) -> ModelDirectory:
 
 
 def read_config(model: ModelDirectory) -> ModelConfig:
-    """The model's config.yaml, validated; an empty config when there is none."""
-    for filename in CONFIG_FILENAMES:
-        config_path = model.path / filename
-        if config_path.is_file():
+    """The model's config.yaml (or config.pbtxt), validated; an empty config when there
+    is none."""
+    source = f"{model.name}/config.yaml"
+    config = ModelConfig()
+    for filename in CONFIG_FILES:
+        if (model.path / filename).is_file():
             source = f"{model.name}/{filename}"
-            try:
-                data = yaml.load(config_path.read_text(), Loader=_SAFE_LOADER)
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{source}: not valid YAML: {exc}") from None
-            config = parse_model_config(data, source)
+            config = parse_model_config(raw_config(model.path, filename), source)
             break
-    else:
-        config = ModelConfig()
     if config.name and config.name != model.name:
         raise ConfigError(
-            f"{model.name}/config.yaml: name: {config.name!r} must match the directory name "
+            f"{source}: name: {config.name!r} must match the directory name "
             f"{model.name!r} (or be left out)"
         )
     if config.tokenizer:
         contained_file(model.path, config.tokenizer, "tokenizer")
     config.name = model.name
     return config
+
+
+def raw_config(path: Path, filename: str | None = None) -> Any:
+    """The keys of the config of the model directory ``path`` as written, not validated
+    (``filename``: which of CONFIG_FILES; the first present when None); {} without one.
+    ConfigError when the file does not parse."""
+    if filename is None:
+        filename = next((n for n in CONFIG_FILES if (path / n).is_file()), None)
+        if filename is None:
+            return {}
+    source = f"{path.name}/{filename}"
+    text = (path / filename).read_text()
+    if filename == TRITON_CONFIG_FILENAME:
+        return parse_triton_config(text, source)
+    try:
+        return yaml.load(text, Loader=_SAFE_LOADER)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
 
 
 def is_generative(model: ModelDirectory) -> bool:
@@ -201,7 +221,7 @@ def is_cascade(model: ModelDirectory) -> bool:
 def config_stamp(path: Path) -> tuple[int, ...] | None:
     """What changes when the config file of the model directory ``path`` changes (which
     of the names, inode, size, times); None when it has none."""
-    for index, filename in enumerate(CONFIG_FILENAMES):
+    for index, filename in enumerate(CONFIG_FILES):
         try:
             info = (path / filename).stat()
         except OSError:

@@ -26,7 +26,7 @@ import numpy as np
 
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import GenerativeModel, InvalidRequest, ModelNotFound, SlipstreamError
-from slipstream.repository.layout import CONFIG_FILENAMES, contained_file, model_path
+from slipstream.repository.layout import CONFIG_FILES, contained_file, model_path
 from slipstream.serving.service import InferenceService
 from slipstream.types import InferRequest
 
@@ -50,7 +50,7 @@ class Embedder:
             directory = model_path(self._repository, name)
         except SlipstreamError:
             return self._first_listed.setdefault(name, int(time.time()))
-        for filename in CONFIG_FILENAMES:
+        for filename in CONFIG_FILES:
             try:
                 return int((directory / filename).stat().st_mtime)
             except OSError:

@@ -396,38 +396,89 @@ class ModelConfigResponse(_message.Message):
     config: ModelConfig
     def __init__(self, config: ModelConfig | _Mapping | None = ...) -> None: ...
 
+class ModelTensorReshape(_message.Message):
+    __slots__ = ("shape",)
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shape: _Iterable[int] | None = ...) -> None: ...
+
 class ModelInput(_message.Message):
-    __slots__ = ("data_type", "dims", "name", "optional")
+    __slots__ = (
+        "allow_ragged_batch",
+        "data_type",
+        "dims",
+        "format",
+        "is_shape_tensor",
+        "name",
+        "optional",
+        "reshape",
+    )
+    class Format(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        FORMAT_NONE: _ClassVar[ModelInput.Format]
+        FORMAT_NHWC: _ClassVar[ModelInput.Format]
+        FORMAT_NCHW: _ClassVar[ModelInput.Format]
+
+    FORMAT_NONE: ModelInput.Format
+    FORMAT_NHWC: ModelInput.Format
+    FORMAT_NCHW: ModelInput.Format
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
+    RESHAPE_FIELD_NUMBER: _ClassVar[int]
+    IS_SHAPE_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_RAGGED_BATCH_FIELD_NUMBER: _ClassVar[int]
     OPTIONAL_FIELD_NUMBER: _ClassVar[int]
     name: str
     data_type: DataType
+    format: ModelInput.Format
     dims: _containers.RepeatedScalarFieldContainer[int]
+    reshape: ModelTensorReshape
+    is_shape_tensor: bool
+    allow_ragged_batch: bool
     optional: bool
     def __init__(
         self,
         name: str | None = ...,
         data_type: DataType | str | None = ...,
+        format: ModelInput.Format | str | None = ...,
         dims: _Iterable[int] | None = ...,
+        reshape: ModelTensorReshape | _Mapping | None = ...,
+        is_shape_tensor: bool | None = ...,
+        allow_ragged_batch: bool | None = ...,
         optional: bool | None = ...,
     ) -> None: ...
 
 class ModelOutput(_message.Message):
-    __slots__ = ("data_type", "dims", "name")
+    __slots__ = ("data_type", "dims", "is_shape_tensor", "label_filename", "name", "reshape")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
+    RESHAPE_FIELD_NUMBER: _ClassVar[int]
+    IS_SHAPE_TENSOR_FIELD_NUMBER: _ClassVar[int]
     name: str
     data_type: DataType
     dims: _containers.RepeatedScalarFieldContainer[int]
+    label_filename: str
+    reshape: ModelTensorReshape
+    is_shape_tensor: bool
     def __init__(
         self,
         name: str | None = ...,
         data_type: DataType | str | None = ...,
         dims: _Iterable[int] | None = ...,
+        label_filename: str | None = ...,
+        reshape: ModelTensorReshape | _Mapping | None = ...,
+        is_shape_tensor: bool | None = ...,
     ) -> None: ...
+
+class ModelTransactionPolicy(_message.Message):
+    __slots__ = ("decoupled",)
+    DECOUPLED_FIELD_NUMBER: _ClassVar[int]
+    decoupled: bool
+    def __init__(self, decoupled: bool | None = ...) -> None: ...
 
 class ModelVersionPolicy(_message.Message):
     __slots__ = ("all", "latest", "specific")
@@ -610,6 +661,7 @@ class ModelConfig(_message.Message):
         "input",
         "instance_group",
         "max_batch_size",
+        "model_transaction_policy",
         "model_warmup",
         "name",
         "output",
@@ -640,6 +692,7 @@ class ModelConfig(_message.Message):
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_WARMUP_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TRANSACTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_CACHE_FIELD_NUMBER: _ClassVar[int]
     name: str
     platform: str
@@ -653,6 +706,7 @@ class ModelConfig(_message.Message):
     parameters: _containers.MessageMap[str, ModelParameter]
     model_warmup: _containers.RepeatedCompositeFieldContainer[ModelWarmup]
     backend: str
+    model_transaction_policy: ModelTransactionPolicy
     response_cache: ModelResponseCache
     def __init__(
         self,
@@ -668,6 +722,7 @@ class ModelConfig(_message.Message):
         parameters: _Mapping[str, ModelParameter] | None = ...,
         model_warmup: _Iterable[ModelWarmup | _Mapping] | None = ...,
         backend: str | None = ...,
+        model_transaction_policy: ModelTransactionPolicy | _Mapping | None = ...,
         response_cache: ModelResponseCache | _Mapping | None = ...,
     ) -> None: ...
 

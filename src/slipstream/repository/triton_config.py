@@ -1,0 +1,158 @@
+"""A Triton ``config.pbtxt``, read as the ``config.yaml`` it stands for.
+
+A Triton model repository is served as it is: the protobuf text file is parsed by
+protobuf's own text format parser into the ``ModelConfig`` message of our V2 proto (its
+field names are Triton's), and translated into the keys of Slipstream's config, which
+then validates it as it validates a ``config.yaml``. What Slipstream does not do is
+refused with the field named, never silently ignored: a model that relied on a sequence
+batcher or an ensemble would otherwise serve wrong answers.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from google.protobuf import text_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from slipstream.config import ConfigError
+from slipstream.protocol.proto import inference_pb2 as pb
+
+TRITON_CONFIG_FILENAME = "config.pbtxt"
+
+# Triton's platform / backend names -> Slipstream's backend.
+_BACKENDS = {
+    "onnxruntime_onnx": "onnxruntime",
+    "onnxruntime": "onnxruntime",
+    "pytorch_libtorch": "torch",
+    "pytorch": "torch",
+    "openvino": "openvino",
+}
+
+# Triton settings Slipstream has no counterpart for, and what to do instead.
+_UNSUPPORTED = {
+    "sequence_batching": "stateful (sequence) models are not supported",
+    "ensemble_scheduling": (
+        "ensembles are not supported; a cascade (cascade: in config.yaml) chains models"
+    ),
+    "optimization": (
+        "Triton's optimization settings are not read; remove the block (ONNX Runtime's "
+        "options go in parameters: intra_op_thread_count, ...)"
+    ),
+    "batch_input": "batch inputs are not supported",
+    "batch_output": "batch outputs are not supported",
+    "gpus": 'choose the device with parameters { key: "device" value { string_value: ... } }',
+    "rate_limiter": "Triton's rate limiter is not supported (see --rate-limit)",
+    "input_data_file": "warm-up data from a file is not supported; use zero_data or random_data",
+}
+
+_NO_FIELD = re.compile(r'^(\d+):\d+ : Message type "[\w.]+" has no field named "(\w+)"')
+
+
+def parse_triton_config(text: str, source: str) -> dict[str, Any]:
+    """``config.pbtxt``'s text as the keys of a config.yaml; ConfigError naming the field."""
+    message = pb.ModelConfig()
+    try:
+        text_format.Parse(text, message)
+    except text_format.ParseError as exc:
+        raise ConfigError(f"{source}: {_explain(str(exc))}") from None
+    config = _as_dict(message)
+    try:
+        return _translate(config)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _explain(error: str) -> str:
+    unknown = _NO_FIELD.match(error)
+    if unknown is None:
+        return f"not a valid Triton model configuration: {error}"
+    line, field = unknown.groups()
+    why = _UNSUPPORTED.get(field, "Slipstream does not support this Triton setting")
+    return f"line {line}: {field}: {why}"
+
+
+def _as_dict(message: Message) -> dict[str, Any]:
+    """The fields set in ``message``, by name, as plain values (enums by name)."""
+    return {field.name: _field_value(field, value) for field, value in message.ListFields()}
+
+
+def _field_value(field: FieldDescriptor, value: Any) -> Any:
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        entry = field.message_type.fields_by_name["value"]
+        return {key: _one(entry, item) for key, item in value.items()}
+    if field.is_repeated:
+        return [_one(field, item) for item in value]
+    return _one(field, value)
+
+
+def _one(field: FieldDescriptor, value: Any) -> Any:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return _as_dict(value)
+    if field.enum_type is not None:
+        return field.enum_type.values_by_number[value].name
+    return value
+
+
+def _translate(config: dict[str, Any]) -> dict[str, Any]:
+    """Triton's message (as a dict) -> Slipstream's config keys; ValueError naming a field."""
+    if config.pop("model_transaction_policy", {}).get("decoupled"):
+        raise ValueError("model_transaction_policy.decoupled: decoupled models are not supported")
+    named = config.get("backend") or config.get("platform")
+    if named is not None:
+        if named not in _BACKENDS:
+            known = ", ".join(sorted(_BACKENDS))
+            field = "backend" if config.get("backend") else "platform"
+            raise ValueError(f"{field}: {named!r} is not a backend Slipstream runs ({known})")
+        config["backend"] = _BACKENDS[named]
+        config.pop("platform", None)  # completed from the backend, as Triton names it
+    for kind in ("input", "output"):
+        config[kind] = [_tensor(kind, tensor) for tensor in config.get(kind, [])]
+    if "dynamic_batching" in config:
+        config["dynamic_batching"] = _batching(config["dynamic_batching"])
+    for index, sample in enumerate(config.get("model_warmup", [])):
+        for name, tensor in sample.get("inputs", {}).items():
+            if "input_data_file" in tensor:
+                raise ValueError(
+                    f"model_warmup[{index}].inputs[{name!r}]: {_UNSUPPORTED['input_data_file']}"
+                )
+    for group in config.get("instance_group", []):
+        if group.get("kind") == "KIND_MODEL":
+            group["kind"] = "KIND_AUTO"  # the backend's own placement
+    return config
+
+
+def _tensor(kind: str, tensor: dict[str, Any]) -> dict[str, Any]:
+    where = f"{kind} {tensor.get('name', '')!r}"
+    for flag in ("is_shape_tensor", "allow_ragged_batch"):
+        if tensor.pop(flag, False):
+            raise ValueError(f"{where}: {flag} is not supported")
+    reshape = tensor.pop("reshape", None)
+    if reshape is not None and reshape.get("shape", []) != tensor.get("dims", []):
+        raise ValueError(
+            f"{where}: reshape {reshape.get('shape', [])} (from dims {tensor.get('dims', [])}) "
+            "is not supported; export the model with the shape its clients send"
+        )
+    # An image layout (informational) and a classification label file: the
+    # classification extension is refused per request, so the labels are never read.
+    tensor.pop("format", None)
+    tensor.pop("label_filename", None)
+    tensor.setdefault("dims", [])
+    return tensor
+
+
+def _batching(batching: dict[str, Any]) -> dict[str, Any]:
+    policy = batching.pop("default_queue_policy", {})
+    batching.pop("preserve_ordering", None)  # each request is answered on its own
+    if policy.get("timeout_action") == "DELAY":
+        raise ValueError(
+            "dynamic_batching.default_queue_policy.timeout_action: DELAY is not supported "
+            "(a request past its timeout is refused, as REJECT does)"
+        )
+    if "default_timeout_microseconds" in policy:
+        batching["default_timeout_microseconds"] = policy["default_timeout_microseconds"]
+    if policy.get("max_queue_size"):  # 0: unbounded in Triton; Slipstream's default bound
+        batching["max_queue_size"] = policy["max_queue_size"]
+    return batching

@@ -1,0 +1,151 @@
+"""A Triton config.pbtxt read as Slipstream's config (repository/triton_config.py):
+what Triton's examples write is served as they mean it, and what Slipstream does not do
+is refused naming the field and its line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slipstream.config import ConfigError
+from slipstream.repository.layout import read_config, read_model_directory
+from tests.models import build_add_sub, write_config
+
+# As Triton's documentation writes them: lists in both spellings, enums, a map of
+# parameters, a queue policy, a version policy and a warm-up sample.
+ADD_SUB = """
+name: "add_sub"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+version_policy: { specific: { versions: [1] } }
+input [
+  {
+    name: "INPUT0"
+    data_type: TYPE_FP32
+    format: FORMAT_NONE
+    dims: [ 16 ]
+  },
+  {
+    name: "INPUT1"
+    data_type: TYPE_FP32
+    dims: [ 16 ]
+    reshape: { shape: [ 16 ] }
+  }
+]
+output {
+  name: "OUTPUT0"
+  data_type: TYPE_FP32
+  dims: [ 16 ]
+  label_filename: "labels.txt"
+}
+output {
+  name: "OUTPUT1"
+  data_type: TYPE_FP32
+  dims: [ 16 ]
+}
+instance_group [ { count: 2, kind: KIND_CPU } ]
+dynamic_batching {
+  preferred_batch_size: [ 4, 8 ]
+  max_queue_delay_microseconds: 100
+  preserve_ordering: true
+  default_queue_policy {
+    timeout_action: REJECT default_timeout_microseconds: 5000 max_queue_size: 16
+  }
+}
+parameters: { key: "intra_op_thread_count" value: { string_value: "1" } }
+model_warmup [
+  {
+    name: "zeros"
+    batch_size: 2
+    inputs { key: "INPUT0" value: { data_type: TYPE_FP32 dims: [ 16 ] zero_data: true } }
+    inputs { key: "INPUT1" value: { data_type: TYPE_FP32 dims: [ 16 ] random_data: true } }
+  }
+]
+response_cache { enable: true }
+model_transaction_policy { decoupled: false }
+"""
+
+
+def _model(tmp_path: Path, pbtxt: str, name: str = "add_sub") -> Path:
+    build_add_sub(tmp_path, name)
+    (tmp_path / name / "config.pbtxt").write_text(pbtxt)
+    return tmp_path / name
+
+
+def test_a_triton_config_is_read_as_it_means(tmp_path: Path) -> None:
+    config = read_config(read_model_directory(_model(tmp_path, ADD_SUB)))
+    assert config.backend == "onnxruntime"
+    assert config.max_batch_size == 8
+    assert config.version_policy.select([1, 2, 3]) == [1]
+    assert [(t.name, t.data_type, t.dims) for t in config.input] == [
+        ("INPUT0", "FP32", [16]),
+        ("INPUT1", "FP32", [16]),
+    ]
+    assert [t.name for t in config.output] == ["OUTPUT0", "OUTPUT1"]
+    assert config.instance_count == 2
+    batching = config.dynamic_batching
+    assert batching.preferred_batch_size == [4, 8]
+    assert batching.max_queue_delay_microseconds == 100
+    assert batching.default_timeout_microseconds == 5000
+    assert batching.max_queue_size == 16
+    assert config.parameters == {"intra_op_thread_count": "1"}
+    (sample,) = config.model_warmup
+    assert (sample.name, sample.batch_size) == ("zeros", 2)
+    assert sample.inputs["INPUT0"].zero_data and sample.inputs["INPUT1"].random_data
+    assert config.response_cache.enable
+
+
+def test_max_batch_size_0_is_kept_and_its_absence_leaves_it_to_the_model_file(
+    tmp_path: Path,
+) -> None:
+    explicit = read_config(read_model_directory(_model(tmp_path, "max_batch_size: 0", "a")))
+    assert explicit.max_batch_size == 0  # no batching, as Triton reads it
+    absent = read_config(
+        read_model_directory(_model(tmp_path, 'platform: "onnxruntime_onnx"', "b"))
+    )
+    assert absent.max_batch_size is None  # completed from the file, as a config.yaml's
+
+
+def test_a_config_yaml_beside_it_wins(tmp_path: Path) -> None:
+    directory = _model(tmp_path, ADD_SUB)
+    write_config(tmp_path, "add_sub", {"max_batch_size": 2})
+    assert read_config(read_model_directory(directory)).max_batch_size == 2
+
+
+@pytest.mark.parametrize(
+    ("pbtxt", "expected"),
+    [
+        (
+            'name: "add_sub"\nsequence_batching { max_sequence_idle_microseconds: 5000000 }',
+            r"config\.pbtxt: line 2: sequence_batching: stateful \(sequence\) models are not",
+        ),
+        ("ensemble_scheduling { }", r"line 1: ensemble_scheduling: ensembles are not supported"),
+        (
+            "optimization { graph { level: 1 } }",
+            r"line 1: optimization: Triton's optimization settings are not read",
+        ),
+        ("instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]", r"line 1: gpus: choose"),
+        ('backend: "python"', r"backend: 'python' is not a backend Slipstream runs"),
+        ('platform: "tensorrt_plan"', r"platform: 'tensorrt_plan' is not a backend"),
+        ("model_transaction_policy { decoupled: true }", r"decoupled models are not supported"),
+        (
+            'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ]\n'
+            "          reshape { shape: [ 4, 4 ] } } ]",
+            r"input 'INPUT0': reshape \[4, 4\] \(from dims \[16\]\) is not supported",
+        ),
+        (
+            "dynamic_batching { default_queue_policy { timeout_action: DELAY } }",
+            r"timeout_action: DELAY is not supported",
+        ),
+        ("max_batch_size: eight", r"not a valid Triton model configuration: 1:17"),
+        ("max_batch_size: -1", r"max_batch_size"),  # our validation, naming the key
+        ('name: "other"', r"add_sub/config\.pbtxt: name: 'other' must match the directory"),
+    ],
+)
+def test_what_slipstream_does_not_do_is_refused_naming_the_field(
+    tmp_path: Path, pbtxt: str, expected: str
+) -> None:
+    directory = _model(tmp_path, pbtxt)
+    with pytest.raises(ConfigError, match=expected):
+        read_config(read_model_directory(directory))
