@@ -98,6 +98,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("jobs_repo")
     build_add_sub(root / "models")
     build_flaky(root / "models", root / "runs.jsonl", delay_ms=5, config=FLAKY_CONFIG)
+    # One request at a time, each 300 ms: a job behind another waits in the queue.
+    build_flaky(root / "models", root / "slow_runs.jsonl", delay_ms=300,
+                config={"max_batch_size": 1}, name="slow")  # fmt: skip
     return root / "models"
 
 
@@ -232,6 +235,61 @@ def test_a_bad_submission_is_answered_at_once_naming_the_field(
     reply = client.post(path, content=orjson.dumps(body), headers=headers)
     assert reply.status_code == status, reply.text
     assert named in reply.json()["error"]
+
+
+def test_a_job_whose_own_timeout_expires_fails_at_once_with_the_synchronous_status(
+    client: httpx.Client, worker: Worker
+) -> None:
+    """A request's ``timeout`` parameter bounds its wait in the model's queue; the
+    synchronous route answers 503 when it runs out, and so does the job, on its first
+    attempt, instead of being retried through reclaim timeouts and ending as a 500."""
+
+    def body(tag: float, **extra: Any) -> bytes:
+        return orjson.dumps({"model": "slow", "inputs": [{"name": "INPUT0", "datatype": "FP32",
+                             "shape": [1, 4], "data": [tag, 1.0, 2.0, 3.0]}], **extra})  # fmt: skip
+
+    ahead = [client.post("/v2/jobs", content=body(9100.0 + i)).json()["job_id"] for i in range(2)]
+    # Both claimed: in the model's queue, 600 ms of work that the next job waits behind.
+    wait_for(lambda: all(client.get(f"/v2/jobs/{job_id}").json()["attempts"] == 1
+                         for job_id in ahead), "the jobs ahead to start", worker)  # fmt: skip
+    reply = client.post("/v2/jobs", content=body(9110.0, parameters={"timeout": 1000}))
+    assert reply.status_code == 202, reply.text
+    started = time.monotonic()
+    failed = wait_done(client, reply.json()["job_id"])
+    assert failed["status"] == "failed" and failed["error_status"] == 503, failed
+    assert failed["attempts"] == 1 and "timed out" in failed["error"]
+    assert time.monotonic() - started < 1.0  # not after a reclaim (--reclaim-after-s 1)
+    assert all(wait_done(client, job_id)["status"] == "done" for job_id in ahead)
+
+
+def test_jobs_waiting_in_a_workers_batcher_past_the_reclaim_timeout_run_once(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """A worker reads the 20 jobs at once and runs them one by one for 2 s, with
+    --reclaim-after-s 1: the last ones wait in its batcher past the timeout, and neither
+    it nor the other worker (which reclaims every 0.25 s) may take them as abandoned, run
+    them again and count an attempt (three such and a healthy job is dead-lettered)."""
+    url = redis.url + "/3"  # a database of its own: no other test's worker reads it
+    repo = tmp_path / "models"
+    runs = tmp_path / "runs.jsonl"
+    build_flaky(repo, runs, delay_ms=100, config={"max_batch_size": 1})
+    asyncio.run(submit_jobs(url, [(f"held-{i}", i + 1.0) for i in range(20)]))
+    store = redis_client.Redis.from_url(url)
+    workers = [Worker(url, repo, tmp_path, name) for name in ("first", "second")]
+    try:
+        workers[0].wait_ready()
+        wait_for(lambda: store.xlen(STREAM) == 0, "every job to end", workers[0])
+    finally:
+        logs = ""
+        for worker in workers:
+            assert worker.stop() == 0, worker.log()[-4000:]
+            logs += worker.log()
+    attempts = [int(store.hget(record_key(f"held-{i}"), "attempts") or 0) for i in range(20)]
+    assert attempts == [1] * 20
+    tags = sorted(tag for tag in logged_runs(runs) if tag > 0)  # 0: the warm-up's
+    assert tags == [i + 1.0 for i in range(20)]  # each ran once
+    assert "reclaimed" not in logs
+    assert store.xlen(DEAD) == 0
 
 
 def test_a_worker_serves_the_servers_metrics_names(client: httpx.Client, worker: Worker) -> None:

@@ -218,4 +218,31 @@ def test_scale_to_zero_manifests_wake_on_traffic_and_are_ready_at_once() -> None
     trigger = from_zero["triggers"][0]["metadata"]
     assert (trigger["stream"], trigger["consumerGroup"]) == (STREAM, GROUP)
     assert int(trigger["lagCount"]) > 0 and trigger["activationLagCount"] == "0"
-    assert all(isinstance(v, str) for v in trigger.values())  # KEDA: strings
+    for each in from_zero["triggers"]:
+        assert each["type"] == "redis-streams" and each["metadata"]["stream"] == STREAM
+        assert all(isinstance(v, str) for v in each["metadata"].values())  # KEDA: strings
+
+
+def keda_redis_streams_counts(metadata: dict[str, str]) -> str:
+    """What KEDA's redis-streams trigger counts, by its own rule (``Validate`` in
+    kedacore/keda pkg/scalers/redis_streams_scaler.go): with a consumerGroup, the group's
+    lag (XINFO GROUPS) when lagCount is set, else its pending entries (XPENDING); without
+    one, the stream's length (XLEN). The trigger is active above activationLagCount."""
+    if "consumerGroup" not in metadata:
+        return "length"
+    return "lag" if int(metadata.get("lagCount", "0")) else "pending"
+
+
+def test_scale_to_zero_keeps_a_worker_while_any_job_is_unfinished() -> None:
+    """The lag counts only jobs no worker has read; a worker reads 128 at once, so jobs
+    held by a killed worker (or by the last one when it is scaled in) are pending at lag
+    0. Some trigger must count them, or no worker ever starts to take them over."""
+    from_zero = named("ScaledObject", "slipstream-worker-from-zero")["spec"]
+    counted = set()
+    for trigger in from_zero["triggers"]:
+        metadata = trigger["metadata"]
+        assert metadata.get("consumerGroup", GROUP) == GROUP
+        assert metadata.get("activationLagCount", "0") == "0"  # active at 1 job
+        counted.add(keda_redis_streams_counts(metadata))
+    # Workers delete an entry when its job ends: its length is every unfinished job.
+    assert "length" in counted or {"lag", "pending"} <= counted, counted

@@ -11,7 +11,8 @@ also runs on a Redis Cluster:
   failed, ``model``, ``version``, ``attempts``, then ``result`` (the V2 JSON response) or
   ``error``; it expires ``pending_ttl_s`` after submission, ``result_ttl_s`` after it ends.
 - ``{slipstream-jobs}:dead``: the dead letters: every job that failed, with its request
-  and why (a client error, or ``max_attempts`` faults or crashes in a row).
+  and why (a client error, its own ``timeout`` run out, or ``max_attempts`` faults or
+  crashes in a row), and every entry that was not a job (a field missing).
 
 Submitting is one script: an existing record is answered as it stands (a client's job id
 is an idempotency key: the same id twice is one job), a full stream is refused (503),

@@ -40,9 +40,9 @@ class WorkerSettings(BaseModel):
     )  # fmt: skip
     reclaim_after_s: float = Field(
         60.0, gt=0,
-        description="A job read by a worker and not finished for this long (the worker "
-        "died, or the run faulted) is taken over by another worker: longer than a job "
-        "runs, or slow jobs run twice (their result is still written once).",
+        description="A job whose worker died, or whose run faulted, is taken over by "
+        "another worker after this long. A live worker keeps the jobs it holds (running "
+        "or waiting in its batcher) from going idle, however long they take.",
     )  # fmt: skip
     result_ttl_s: int = Field(3600, ge=1, description="How long a finished job's result is kept.")
     trust_pickle: bool = Field(

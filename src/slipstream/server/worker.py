@@ -11,6 +11,8 @@ server uses (config, batcher, instances, metrics), and each round is three steps
 
 Several rounds are in flight (``--rounds``), so one reads while another computes, and
 any number of workers on any hosts share the stream (see :mod:`slipstream.jobs.consumer`).
+While a round's jobs wait in the batcher, the worker keeps them from looking idle
+(``hold_loop``), so that no worker, itself included, reclaims and runs them twice.
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None
                 settings.redis.split("@")[-1])  # fmt: skip
     rounds = [asyncio.create_task(worker.read_loop(stop)) for _ in range(settings.rounds)]
     rounds.append(asyncio.create_task(worker.reclaim_loop(stop)))
+    # Until the last round is over: the jobs of a round finishing on SIGTERM stay held.
+    holding = asyncio.create_task(worker.hold_loop())
     await stop.wait()
     logger.info("worker stopping: finishing its rounds (up to %.0f s)", settings.shutdown_timeout_s)
     _, unfinished = await asyncio.wait(rounds, timeout=settings.shutdown_timeout_s + 2)
-    for task in unfinished:
+    for task in [*unfinished, holding]:
         task.cancel()
     await service.stop()
     await consumer.close()
@@ -122,21 +126,39 @@ class Worker:
             except Exception as exc:
                 await _redis_failed(exc)
 
+    async def hold_loop(self) -> None:
+        """Until cancelled, zero the idle time of the jobs this worker holds, a few times
+        per reclaim timeout: Redis counts idle time from the read, and a job waiting in
+        the batcher behind a long prefetch would otherwise be reclaimed (by this worker or
+        another) and run again, an attempt counted against a job nothing went wrong with."""
+        interval_s = self._settings.reclaim_after_s / 4
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self._consumer.refresh_held()
+            except Exception as exc:
+                await _redis_failed(exc)
+
     async def run_round(self, jobs: list[StoredJob]) -> None:
-        claims = await self._consumer.claim(jobs, self._settings.max_attempts)
-        finished: list[Finished] = []
-        runs: list[StoredJob] = []
-        for claim in claims:
-            if claim.attempts < 0:  # ended elsewhere, or its record expired: drop it
-                finished.append(Finished(claim.job, "ack"))
-            elif claim.attempts > self._settings.max_attempts:
-                finished.append(_spent(claim, self._settings.max_attempts))
-            else:
-                runs.append(claim.job)
-        finished += await asyncio.gather(*(self._run(job) for job in runs))
-        self.finished += await self._consumer.finish(finished)
+        try:
+            claims = await self._consumer.claim(jobs, self._settings.max_attempts)
+            finished: list[Finished] = []
+            runs: list[StoredJob] = []
+            for claim in claims:
+                if claim.attempts < 0:  # ended elsewhere, or its record expired: drop it
+                    finished.append(Finished(claim.job, "ack"))
+                elif claim.attempts > self._settings.max_attempts:
+                    finished.append(_spent(claim, self._settings.max_attempts))
+                else:
+                    runs.append(claim.job)
+            finished += await asyncio.gather(*(self._run(job) for job in runs))
+            self.finished += await self._consumer.finish(finished)
+        finally:
+            # Finished, or left pending (a fault, Redis down): idle from now, reclaimable.
+            self._consumer.release(jobs)
 
     async def _run(self, job: StoredJob) -> Finished:
+        request: InferRequest | None = None
         try:
             request = v2.decode_infer_request(
                 job.body, job.header_length, job.model_name, job.model_version
@@ -147,10 +169,15 @@ class Worker:
             # The request itself is wrong: no attempt can succeed.
             return Finished(job, "failed", error=exc.message, error_status=exc.http_status)
         except SlipstreamError as exc:  # a fault, a full queue, a model not ready: again
-            return Finished(job, "retry", error=exc.message)
+            if isinstance(exc, RequestTimeout) and request is not None and request.timeout_us:
+                # The client's own timeout ran out: the synchronous route answers 503 at
+                # that point, and a retry would run the job long after the time it set.
+                return Finished(job, "failed", error=exc.message, error_status=exc.http_status)
+            return Finished(job, "retry", error=exc.message, error_status=exc.http_status)
         except Exception as exc:
             logger.exception("job %s failed unexpectedly", job.job_id)
-            return Finished(job, "retry", error=f"internal error: {type(exc).__name__}")
+            return Finished(job, "retry", error=f"internal error: {type(exc).__name__}",
+                            error_status=500)  # fmt: skip
         return Finished(job, "done", result=body)
 
     async def _infer(self, request: InferRequest) -> InferResponse:
@@ -175,7 +202,10 @@ def _spent(claim: Claim, max_attempts: int) -> Finished:
     else:
         error += " (each worker stopped before finishing it)"
     logger.warning("job %s: %s", claim.job.job_id, error)
-    return Finished(claim.job, "failed", error=error, error_status=500)
+    # The last fault's status, as the synchronous route answers it (503 for a model not
+    # ready); 500 when workers died (or a worker older than last_error_status) left none.
+    status = claim.last_error_status or 500
+    return Finished(claim.job, "failed", error=error, error_status=status)
 
 
 async def _redis_failed(exc: Exception) -> None:
