@@ -124,6 +124,22 @@ def test_bad_input_is_a_usage_error(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--price-per-hour", "-1"), ("--price-per-hour", "nan"), ("--warmup-s", "-1"),
+     ("--window-s", "0"), ("--window-s", "inf"), ("--min-throughput", "0")],
+)  # fmt: skip
+def test_an_out_of_range_number_is_a_usage_error_naming_its_flag(
+    tmp_path: Path, flag: str, value: str
+) -> None:
+    build_add_sub(tmp_path)
+    out = tmp_path / "out"
+    result = _tune(str(tmp_path / "add_sub"), "--slo", "p99_ms=10", flag, value, "--out", str(out))
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{flag}'" in result.output
+    assert not out.exists()  # refused before a trial ran
+
+
 def test_inputs_bench_cannot_make_stop_the_tune_at_the_first_trial(tmp_path: Path) -> None:
     # Variable token dims and no --shape: every trial would fail the same way.
     build_mean_embedding(tmp_path, "embed", np.eye(8, dtype=np.float32))

@@ -48,6 +48,7 @@ FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                 "RAY_SERVE_MIN_HANDLE_METRICS_TIMEOUT_S": "1"}  # fmt: skip
 SLOW_WIDTH, SLOW_LAYERS, SLOW_ROWS = 1024, 8, 16
+MAX_REQUEST_BYTES = 1 << 20
 
 
 def build_slow(repo: Path) -> None:
@@ -103,7 +104,9 @@ def server(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "upscale_delay_s": 0, "downscale_delay_s": 1, "look_back_period_s": 1, "num_cpus": 0.25,
     }})  # fmt: skip
     log_dir = tmp_path_factory.mktemp("ray_logs")
-    with RemoteServer(repo, ["--ray"], log_dir=log_dir, startup_timeout_s=180,
+    # A small --max-request-bytes: a body over it is cheap to send (#2 of the audit).
+    with RemoteServer(repo, ["--ray", "--max-request-bytes", str(MAX_REQUEST_BYTES)],
+                      log_dir=log_dir, startup_timeout_s=180,
                       env=FAST_METRICS) as running:  # fmt: skip
         yield running
 
@@ -243,3 +246,111 @@ def test_the_openai_routes_serve_the_generative_models_streamed_or_not(
                                             temperature=0, stream=True)  # fmt: skip
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert streamed == text  # greedy: the same tokens, as server-sent events
+
+
+def test_model_control_is_refused_naming_ray_serve_and_the_model_keeps_serving(
+    server: RemoteServer,
+) -> None:
+    client = httpclient.InferenceServerClient(server.http_address, network_timeout=60)
+    try:
+        for action in ("load", "unload"):
+            reply = httpx.post(server.url(f"/v2/repository/models/add_sub/{action}"), timeout=30)
+            assert reply.status_code == 400, reply.text
+            message = reply.json()["error"]
+            assert f"model {action} is not available under serve --ray" in message
+            assert "ray_serve:" in message and "restart slipstream serve --ray" in message
+        assert client.is_model_ready("add_sub")  # the unload did nothing, and said so
+    finally:
+        client.close()
+
+
+def test_the_repository_index_lists_each_model_as_its_replicas_report_it(
+    server: RemoteServer,
+) -> None:
+    client = httpclient.InferenceServerClient(server.http_address, network_timeout=60)
+    try:
+        index = {entry["name"]: entry for entry in client.get_model_repository_index()}
+        assert index["add_sub"] == {"name": "add_sub", "version": "1", "state": "READY"}
+        assert index["smol"] == {"name": "smol", "version": "1", "state": "READY"}
+        napper = index["napper"]  # scaled to zero: READY only while a replica runs
+        assert napper["state"] == "READY" or "min_replicas 0" in napper["reason"], napper
+        ready = httpx.post(server.url("/v2/repository/index"), json={"ready": True}, timeout=30)
+        assert {"add_sub", "slow", "smol"} <= {entry["name"] for entry in ready.json()}
+        assert all(entry["state"] == "READY" for entry in ready.json())
+    finally:
+        client.close()
+
+
+def test_statistics_add_up_every_replica_of_a_model(server: RemoteServer) -> None:
+    data = [0.5] * ADD_SUB_WIDTH
+    body = {"inputs": [{"name": name, "datatype": "FP32", "shape": [1, ADD_SUB_WIDTH],
+                        "data": data} for name in ("INPUT0", "INPUT1")]}  # fmt: skip
+    served: dict[str, int] = {}
+    with httpx.Client(base_url=server.http_url, timeout=30) as http:
+        while min(served.values(), default=0) < 3 or len(served) < 2:
+            reply = http.post("/v2/models/add_sub/infer", json=body)
+            assert reply.status_code == 200, reply.text
+            replica = reply.headers["x-slipstream-replica"]
+            served[replica] = served.get(replica, 0) + 1
+            assert sum(served.values()) < 200, served
+    pattern = re.compile(
+        r'^slipstream_request_success_total\{model="add_sub",.*replica="([^"]+)"[^}]*\} (\S+)', re.M
+    )
+    client = httpclient.InferenceServerClient(server.http_address, network_timeout=60)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            # Each replica reports its counters and its statistics together: once every
+            # replica has reported the requests above, the sum of the one is the other.
+            per_replica = {
+                r: float(n) for r, n in pattern.findall(server.http.get("/metrics").text)
+            }
+            every = client.get_inference_statistics()["model_stats"]
+            mine = client.get_inference_statistics("add_sub")["model_stats"]
+            total = sum(int(s["inference_stats"]["success"]["count"]) for s in every
+                        if s["name"] == "add_sub")  # fmt: skip
+            own = int(mine[0]["inference_stats"]["success"]["count"])
+            settled = len(per_replica) == 2 and total == own == sum(per_replica.values())
+            if (settled and total >= sum(served.values())) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert settled and total >= sum(served.values()), (per_replica, total, own, served)
+        assert min(per_replica.values()) >= 3  # both replicas' requests are in the total
+    finally:
+        client.close()
+
+
+def test_a_body_over_max_request_bytes_is_refused_413_as_the_plain_server_does(
+    server: RemoteServer,
+) -> None:
+    size = 2 * MAX_REQUEST_BYTES
+    with httpx.Client(base_url=server.http_url, timeout=60) as http:
+        reply = http.post("/v2/models/add_sub/infer", content=b" " * size)
+        assert reply.status_code == 413
+        assert reply.json() == {"error": f"request body of {size} bytes exceeds the limit of "
+                                f"{MAX_REQUEST_BYTES} bytes (--max-request-bytes)"}  # fmt: skip
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: refused as it streams in
+            for _ in range(4):
+                yield b" " * (MAX_REQUEST_BYTES // 2)
+
+        reply = http.post("/v2/models/add_sub/infer", content=chunks())
+        assert reply.status_code == 413
+        assert reply.json() == {"error": f"request body exceeds the limit of "
+                                f"{MAX_REQUEST_BYTES} bytes (--max-request-bytes)"}  # fmt: skip
+        assert http.get("/v2/models/add_sub/ready").status_code == 200
+
+
+def test_errors_name_what_is_true_under_ray(server: RemoteServer) -> None:
+    with httpx.Client(base_url=server.http_url, timeout=30) as http:
+        reply = http.get("/v2/models/smol")
+        assert reply.status_code == 404
+        assert reply.json()["error"] == (
+            "model 'smol' is a generative model, served on the OpenAI routes "
+            "(/v1/completions, /v1/chat/completions), not by V2"
+        )  # as the plain server words it
+        reply = http.post("/v1/embeddings", json={"model": "add_sub", "input": "hi"})
+        assert reply.status_code == 404
+        message = reply.json()["error"]["message"]
+        assert message.startswith("/v1/embeddings is not served under serve --ray")
+        assert "load it with" not in message

@@ -159,7 +159,7 @@ def _record(
         trial=trial, config=config, status=status, levels=[level], chosen_level=0,  # type: ignore[arg-type]
         score=throughput / price if status == "ok" else -p99 / 50,
         throughput_runs=[throughput] if status == "ok" else [], price_per_hour=price,
-        accuracy_drop=0.0,
+        run_levels=[level] if status == "ok" else [], accuracy_drop=0.0,
     )  # fmt: skip
 
 
@@ -245,6 +245,50 @@ def test_ctrl_c_keeps_what_was_measured_and_writes_the_report(
     assert document["interrupted"] is True and len(document["trials"]) == 2
     assert document["winner"] == 2
     assert "Interrupted" in (out / "tune.html").read_text()
+
+
+def test_a_winner_whose_remeasurement_misses_the_slo_leaves_the_leaderboard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slipstream.tune import session
+    from slipstream.tune.session import TuneOptions, run_tune
+    from slipstream.tune.settings import Catalogue
+
+    build_add_sub(tmp_path)
+    # Trial 2 (batch 4) is the faster one measured once; measured again it breaks the
+    # SLO (p99 80 ms > 50). Trial 1 (batch 1) meets it both times.
+    first = {1: (100.0, 10.0), 2: (300.0, 20.0)}
+    again = {1: (110.0, 14.0), 2: (40.0, 80.0)}
+    seen: list[int] = []
+
+    def fake_trial(context: object, trial: int, config: dict[str, object]) -> TrialRecord:
+        throughput, p99 = (again if trial in seen else first)[trial]
+        seen.append(trial)
+        record = _record(trial, throughput, p99, 0.1, "ok" if p99 <= 50 else "slo_unmet")
+        record.config = dict(config)
+        return record
+
+    monkeypatch.setattr(session, "run_trial", fake_trial)
+    options = TuneOptions(
+        model_dir=tmp_path / "add_sub", slo=parse_slo("p99_ms=50", None),
+        catalogue=Catalogue(profiles=[HardwareProfile(name="cpu", cores=1, price_per_hour=0.1)]),
+        work_dir=tmp_path / "work", mode="brute", batch_sizes=(1, 4), queue_delays_us=(0,),
+        instances=(1,), threads=(1,), backends=("onnxruntime",), remeasure_top=2,
+    )  # fmt: skip
+    result = run_tune(options)
+    assert sorted(seen) == [1, 1, 2, 2]
+    missed = result.record(2)
+    assert missed.status == "slo_unmet" and missed.score is not None and missed.score < 0
+    assert missed.error.startswith("re-measurement 2 did not meet the SLO (closest level")
+    assert missed.p99_ms == 80.0 and missed.throughput is None
+    assert result.winner == 1 and result.leaderboard == [1] and result.pareto == [1]
+    winner = result.record(1)
+    # The throughput and the latencies reported are medians over the same two runs.
+    assert winner.throughput == 105.0 and winner.spread_pct == pytest.approx(100 * 10 / 105)
+    assert (winner.p50_ms, winner.p99_ms) == (6.0, 12.0)
+    assert verdict(result).startswith(
+        "best within SLO (p99_ms<=50): trial 1, 105.0 infer/s, p99 12.00 ms"
+    )
 
 
 def test_validation_rows_measure_the_drop_instead_of_the_record(tmp_path: Path) -> None:

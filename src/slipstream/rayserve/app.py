@@ -6,8 +6,9 @@ the same config, batcher and runtime as ``slipstream serve``) behind the same V2
 front end (:class:`~slipstream.server.v2_rest.V2RestApp`: JSON and binary tensors,
 metadata, config, statistics). Ray's HTTP proxy routes by the longest prefix, so a request
 goes from the proxy straight to a replica of its model; one more application at ``/``
-answers the server's routes (health, metadata). The replicas of a model scale by its
-config.yaml's ``ray_serve:`` section (Ray Serve's autoscaling_config):
+answers the server's routes (health, metadata, and from every replica's reports the
+repository index and statistics: :mod:`slipstream.rayserve.control`). The replicas of a
+model scale by its config.yaml's ``ray_serve:`` section (Ray Serve's autoscaling_config):
 
     # REPO/minilm/config.yaml
     ray_serve: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 4}
@@ -19,7 +20,8 @@ The generative models are one more application at ``/v1`` (the OpenAI routes: Ra
 by path, and an OpenAI request names its model in its body). ``/metrics`` at the root
 answers every replica's metrics, with the server's names and a ``replica`` label
 (:mod:`slipstream.rayserve.metrics`). Not served under Ray yet: gRPC, /v1/embeddings (its
-embedding model is a V2 application of its own), asynchronous jobs, API keys.
+embedding model is a V2 application of its own), asynchronous jobs, API keys; model
+load and unload are Ray Serve's (the repository and ``ray_serve:``, read at start): 400.
 """
 
 from __future__ import annotations
@@ -36,18 +38,22 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from slipstream.config import ModelConfig, RayServeConfig, ServerSettings
 from slipstream.llm.service import LlmModels
 from slipstream.observability.metrics import ServerMetrics
+from slipstream.protocol import v2, v2_meta
+from slipstream.rayserve import control
 from slipstream.rayserve.metrics import (
     BOARD_NAME,
     BOARD_NAMESPACE,
     PUSH_INTERVAL_S,
+    ReplicaReport,
     board_actor,
     merged_text,
     snapshot,
 )
 from slipstream.repository.layout import is_generative, list_models, read_config
+from slipstream.server.http_messages import BodyRefused
 from slipstream.server.httpd import HttpRequest, StreamingResponse
 from slipstream.server.openai_rest import OpenAIApp
-from slipstream.server.router import Router
+from slipstream.server.router import Handler, Router
 from slipstream.server.v2_rest import V2RestApp
 from slipstream.serving.core import ModelServer
 
@@ -100,30 +106,49 @@ class V2Replica:
         explicit = ServerSettings(
             **{**settings, "model_control_mode": "explicit", "load_models": models}
         )
+        self._max_request_bytes = explicit.max_request_bytes
+        self._models = models
         self._metrics = ServerMetrics()
+        # The root holds a generative lane that loads nothing: the V2 routes it answers
+        # for a generative model then say where that model is served (the OpenAI routes).
         lanes: list[LlmModels] = []
-        if generative:
+        if generative or not models:
             lanes.append(LlmModels(explicit.model_repository, self._metrics.registry))
         self._service = ModelServer(explicit, self._metrics, lanes=lanes)
         v2_app = V2RestApp(self._service, self._metrics)
-        routes = []
+        self._board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
+        actor = ray.get_runtime_context().get_actor_id() or str(os.getpid())
+        self._replica_id = f"{models[0] if models else 'root'}-{actor[:8]}"
+        routes: list[tuple[str, Handler]] = [("/v1/embeddings", control.no_embeddings)]
         if generative:
             openai_app = OpenAIApp(lanes[0], self._service, explicit.model_repository)
             routes.append(("/v1/", openai_app.handle))
+        elif models:
+            stats = control.ModelStatsRoute(models[0], self._replica_id, self._board,
+                                            v2_app.handle)  # fmt: skip
+            routes.append((f"/v2/models/{models[0]}/", stats.handle))
+        else:
+            routes.append(
+                ("/v2/", control.RootRoutes(self._service, self._board, v2_app.handle).handle)
+            )
         self._handle = Router(fallback=v2_app.handle, routes=routes).handle
         self._replica = str(os.getpid()).encode()
         # The root application (no models) answers /metrics for every replica.
         self._gathers_metrics = not models
-        self._board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
-        actor = ray.get_runtime_context().get_actor_id() or str(os.getpid())
-        self._replica_id = f"{models[0] if models else 'root'}-{actor[:8]}"
         # Loaded and warmed up before Ray routes a request here.
         await self._service.start()
-        self._pusher = asyncio.create_task(self._push_metrics()) if models else None
+        self._pusher = asyncio.create_task(self._push_reports()) if models else None
 
-    async def _push_metrics(self) -> None:
+    async def _push_reports(self) -> None:
         while True:
-            self._board.put.remote(self._replica_id, snapshot(self._metrics.registry))
+            stats = v2_meta.model_stats_json(await self._service.model_statistics())
+            index = v2_meta.repository_index_json(await self._service.repository_index())
+            report = ReplicaReport(
+                snapshot(self._metrics.registry),
+                [s for s in stats["model_stats"] if s["name"] in self._models],
+                [entry for entry in index if entry["name"] in self._models],
+            )
+            self._board.put.remote(self._replica_id, report)
             await asyncio.sleep(PUSH_INTERVAL_S)
 
     async def __call__(self, request: Any) -> Any:
@@ -131,20 +156,26 @@ class V2Replica:
         from starlette.responses import Response
         from starlette.responses import StreamingResponse as Streamed
 
+        headers = [(k.lower(), v) for k, v in request.headers.raw]
+        try:
+            body = await control.read_body(request, headers, self._max_request_bytes)
+        except BodyRefused as refused:
+            if refused.status == 413:
+                self._metrics.transport.count_close("body_too_large")
+            return Response(v2.encode_error(refused.message), refused.status,
+                            media_type="application/json")  # fmt: skip
         http = HttpRequest(
-            request.method, request.url.path,
-            [(k.lower(), v) for k, v in request.headers.raw], await request.body(),
-            request.url.query.encode(),
-        )  # fmt: skip
+            request.method, request.url.path, headers, body, request.url.query.encode()
+        )
         if self._gathers_metrics and http.path == "/metrics" and http.method in ("GET", "HEAD"):
             text = merged_text(await self._board.all.remote())
             return Response(text, 200, media_type=CONTENT_TYPE_LATEST)
         reply = await self._handle(http)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reply.headers}
-        headers[_REPLICA_HEADER.decode()] = self._replica.decode()
+        headers_out = {k.decode("latin-1"): v.decode("latin-1") for k, v in reply.headers}
+        headers_out[_REPLICA_HEADER.decode()] = self._replica.decode()
         if isinstance(reply, StreamingResponse):  # server-sent events of a generation
-            return Streamed(reply.chunks, reply.status, headers, reply.content_type.decode())
-        return Response(reply.body, reply.status, headers, reply.content_type.decode())
+            return Streamed(reply.chunks, reply.status, headers_out, reply.content_type.decode())
+        return Response(reply.body, reply.status, headers_out, reply.content_type.decode())
 
     def check_health(self) -> None:
         """Ray replaces a replica whose check raises."""

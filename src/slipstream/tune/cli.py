@@ -6,6 +6,7 @@ rich, matplotlib, optuna) loads when the command runs.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,12 +24,21 @@ EXIT_SLO_UNMET = 3
 EXIT_INTERRUPTED = 130
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A click range lets nan (and inf) through; the settings they reach refuse them
+    with a traceback, so they are a usage error naming the flag here."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", ctx, param)
+    return value
+
+
 @click.command("tune")
 @click.argument("model_dir", type=click.Path(path_type=Path, file_okay=False))
 @click.option("--slo", required=True,
               help="Latency bounds every measured level must meet: FIGURE=MS, comma-"
               "separated; FIGURE is avg_ms, p50_ms, p90_ms, p95_ms or p99_ms.")  # fmt: skip
-@click.option("--min-throughput", type=float, help="Inferences/s a configuration must serve.")
+@click.option("--min-throughput", type=click.FloatRange(min=0, min_open=True),
+              callback=_finite, help="Inferences/s a configuration must serve.")  # fmt: skip
 @click.option("--max-accuracy-drop", type=click.FloatRange(min=0),
               help="Largest accuracy drop of a model variant, in its gate metric's unit "
               "(as optimize's --max-drop); variants over it are listed, not searched.")  # fmt: skip
@@ -37,7 +47,7 @@ EXIT_INTERRUPTED = 130
               "V2 JSON) instead of reading optimization.json.")  # fmt: skip
 @click.option("--profiles", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               help="Hardware catalogue (YAML); default: this machine's cores.")  # fmt: skip
-@click.option("--price-per-hour", type=float,
+@click.option("--price-per-hour", type=click.FloatRange(min=0), callback=_finite,
               help="Price of this machine when no --profiles is given.")  # fmt: skip
 @click.option("--mode", type=click.Choice(["brute", "quick", "optuna"]), default="quick",
               show_default=True, help="brute: every configuration; quick: hill climbing; "
@@ -61,9 +71,11 @@ EXIT_INTERRUPTED = 130
               "with a spread).")  # fmt: skip
 @click.option("--patience", type=click.IntRange(min=1), default=15, show_default=True,
               help="optuna: stop after this many trials without a better one.")  # fmt: skip
-@click.option("--warmup-s", type=float, default=0.5, show_default=True,
+@click.option("--warmup-s", type=click.FloatRange(min=0), callback=_finite, default=0.5,
+              show_default=True,
               help="Warm-up per load level (bench's --warmup-s).")  # fmt: skip
-@click.option("--window-s", type=float, default=1.0, show_default=True,
+@click.option("--window-s", type=click.FloatRange(min=0, min_open=True), callback=_finite,
+              default=1.0, show_default=True,
               help="Measurement window (bench's --window-s).")  # fmt: skip
 @click.option("--max-windows", type=click.IntRange(min=3), default=6, show_default=True,
               help="Windows per level before giving up on stability.")  # fmt: skip

@@ -31,6 +31,7 @@ def tune_document(result: TuneResult) -> dict[str, Any]:
     for entry, record in zip(document["trials"], result.trials, strict=True):
         entry["throughput_infer_per_s"] = record.throughput
         entry["spread_pct"] = record.spread_pct
+        entry["p50_ms"], entry["p99_ms"] = record.p50_ms, record.p99_ms
         entry["cost_per_1m_infer"] = record.cost_per_1m_infer
         for level in entry["levels"]:
             if not math.isfinite(level["slo_ratio"]):
@@ -61,8 +62,8 @@ def leaderboard_row(record: TrialRecord) -> list[str]:
         str(level.concurrency) if level else "-",
         _fmt(record.throughput, 1),
         _fmt(record.spread_pct, 1),
-        _fmt(level.p50_ms if level else None),
-        _fmt(level.p99_ms if level else None),
+        _fmt(record.p50_ms),
+        _fmt(record.p99_ms),
         _drop(record.accuracy_drop, record.accuracy_baseline),
         _fmt(record.cost_per_1m_infer, 4),
     ]
@@ -81,7 +82,7 @@ def verdict(result: TuneResult) -> str:
         cost = record.cost_per_1m_infer
         return (
             f"best within SLO ({slo}): trial {record.trial}, {_fmt(record.throughput, 1)} "
-            f"infer/s, p99 {_fmt(record.level.p99_ms if record.level else None)} ms"
+            f"infer/s, p99 {_fmt(record.p99_ms)} ms"
             + (f", {cost:.4f} per 1M inferences" if cost else "")
         )
     if result.closest is not None:
@@ -190,8 +191,8 @@ def _pareto_png(result: TuneResult) -> bytes:
     priced = any(r.cost_per_1m_infer is not None for r in board)
     front = [result.record(t) for t in result.pareto]
     for records, style, label in ((board, "o", "within SLO"), (front, "-s", "Pareto front")):
-        xs = [cost_axis(r) for r in records if r.level and r.level.p99_ms is not None]
-        ys = [r.level.p99_ms for r in records if r.level and r.level.p99_ms is not None]
+        xs = [cost_axis(r) for r in records if r.p99_ms is not None]
+        ys = [r.p99_ms for r in records if r.p99_ms is not None]
         axes.plot(xs, ys, style, label=label, alpha=0.5 if style == "o" else 1.0)
     for bound_name, bound in result.slo.items():
         if bound_name.endswith("_ms") and bound is not None and bound_name == "p99_ms":

@@ -46,6 +46,9 @@ class TrialRecord:
     # Throughput at the SLO of every measurement of this config (the first, then
     # re-measurements).
     throughput_runs: list[float] = field(default_factory=list)
+    # The level within the SLO of each of those measurements, in the same order: the
+    # reported p50 and p99 are medians over the same runs as the throughput.
+    run_levels: list[LevelFigures] = field(default_factory=list)
     price_per_hour: float = 0.0
     accuracy_drop: float | None = None
     # The version ``accuracy_drop`` is measured against when that is an optimized one
@@ -66,6 +69,23 @@ class TrialRecord:
     def throughput(self) -> float | None:
         """The median throughput at the SLO over every measurement."""
         return statistics.median(self.throughput_runs) if self.throughput_runs else None
+
+    @property
+    def p50_ms(self) -> float | None:
+        """p50 at the SLO: the median over the measurements, as ``throughput``."""
+        return self._median_figure("p50_ms")
+
+    @property
+    def p99_ms(self) -> float | None:
+        """p99 at the SLO: the median over the measurements, as ``throughput``."""
+        return self._median_figure("p99_ms")
+
+    def _median_figure(self, name: str) -> float | None:
+        if not self.run_levels:  # not within the SLO: the chosen (closest) level's
+            return getattr(self.level, name, None)
+        values = [getattr(level, name) for level in self.run_levels]
+        known = [value for value in values if value is not None]
+        return statistics.median(known) if known else None
 
     @property
     def spread_pct(self) -> float | None:
@@ -107,7 +127,7 @@ def pareto_front(records: list[TrialRecord]) -> list[TrialRecord]:
     is better on each), by cost. Unpriced runs use 1 / throughput for cost."""
     points = []
     for record in leaderboard(records):
-        p99 = record.level.p99_ms if record.level else None
+        p99 = record.p99_ms
         if p99 is not None:
             points.append((cost_axis(record), p99, record))
     front = []

@@ -246,21 +246,48 @@ def _new_result(options: TuneOptions, plan: TunePlan) -> TuneResult:
 def _remeasure(
     plan: TunePlan, result: TuneResult, options: TuneOptions, listener: TuneListener
 ) -> None:
-    """Measure the best few again: their figures become medians with a spread."""
+    """Measure the best few again: their figures become medians with a spread. One that
+    misses the SLO (or fails) in a re-measurement leaves the leaderboard: a configuration
+    within it once and not again is not one to deploy as "within the SLO"."""
     top = leaderboard(result.trials)[: options.remeasure_top]
     for record in top:
         for _ in range(options.remeasure_runs):
             listener.remeasuring(record.trial, record.config)
             again = run_trial(plan.context, record.trial, record.config)
-            if again.status == "ok" and again.level is not None:
-                record.throughput_runs.append(again.level.throughput_infer_per_s)
-            else:
-                record.throughput_runs.append(0.0)
-                record.error = f"a re-measurement {again.status.replace('_', ' ')}" + (
-                    f": {again.error}" if again.error else ""
-                )
-        if record.throughput is not None:
-            record.score = score(record, plan.priced)
+            if again.status != "ok" or again.level is None:
+                _missed_on_remeasure(record, again)
+                break
+            record.throughput_runs.append(again.level.throughput_infer_per_s)
+            record.run_levels.append(again.level)
+        record.score = score(record, plan.priced)
+
+
+def _missed_on_remeasure(record: TrialRecord, again: TrialRecord) -> None:
+    """``record`` met the SLO, ``again`` (its re-measurement) did not: the record takes
+    the re-measurement's status and figures, and says why."""
+    run = len(record.throughput_runs) + 1
+    if again.status == "failed":
+        record.error = f"re-measurement {run} failed: {again.error}"
+        record.log_tail = again.log_tail
+    else:
+        level = again.level
+        figures = (
+            f" (closest level: concurrency {level.concurrency}, p50 {_ms(level.p50_ms)}, "
+            f"p99 {_ms(level.p99_ms)}, {level.throughput_infer_per_s:.1f} infer/s)"
+            if level is not None
+            else ""
+        )
+        record.error = (
+            f"re-measurement {run} did not meet the SLO{figures}; the first "
+            f"measurement{'s' if run > 2 else ''} did"
+        )
+    record.status = again.status
+    record.levels, record.chosen_level = again.levels, again.chosen_level
+    record.throughput_runs, record.run_levels = [], []
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
 
 
 def _rank(result: TuneResult) -> None:

@@ -216,6 +216,7 @@ def _fill(record: TrialRecord, curve: LoadCurve, slo: Slo) -> None:
         record.status = "ok"
         record.chosen_level = curve.levels.index(curve.best)
         record.throughput_runs = [curve.best.throughput_infer_per_s]
+        record.run_levels = [record.levels[record.chosen_level]]
         return
     record.status = "slo_unmet"
     ratios = [level.slo_ratio for level in record.levels]

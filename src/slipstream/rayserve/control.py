@@ -1,0 +1,221 @@
+"""The routes whose answer under ``serve --ray`` differs from one server's.
+
+Under Ray a request reaches one replica of one application, so the routes that speak
+for the whole server are answered here from what every replica reports to the board
+(:mod:`slipstream.rayserve.metrics`), and the routes Ray Serve owns say so:
+
+- ``POST /v2/repository/index``: each model as its replicas report it (READY, version);
+  a model none of whose replicas runs (scaled to zero, or still starting) is
+  UNAVAILABLE with the reason.
+- ``GET /v2/models/stats``: every replica's statistics, summed per model version; a
+  model's own ``.../stats`` route adds the other replicas' figures to its replica's own.
+- ``POST /v2/repository/models/<model>/load|unload``: 400. Ray Serve runs every model of
+  the repository as an application: what runs, and on how many replicas, is the
+  repository and each model's ``ray_serve:`` config, read at start.
+- ``/v1/embeddings``: 404 naming why: its embedding model is a V2 application of its own.
+- A request body over ``--max-request-bytes``: 413, as the plain server answers it.
+
+    root = RootRoutes(service, board, fallback=v2_app.handle)
+    router = Router(fallback=v2_app.handle, routes=[("/v2/", root.handle)])
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from slipstream.config import ConfigError
+from slipstream.errors import InvalidRequest, NotFound, SlipstreamError
+from slipstream.protocol import openai_replies, v2, v2_meta
+from slipstream.repository.layout import list_models, read_config
+from slipstream.server.http_messages import BodyRefused, decode_body, error_reply
+from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
+from slipstream.serving.core import ModelServer
+
+Reply = HttpResponse | StreamingResponse
+Handler = Callable[[HttpRequest], Awaitable[Reply]]
+
+MODEL_CONTROL_UNDER_RAY = (
+    "model {action} is not available under serve --ray: Ray Serve runs every model of "
+    "the repository as an application of its own, deployed at start; to change what "
+    "runs, change the model repository (and its config.yaml's ray_serve: section for the "
+    "replicas) and restart slipstream serve --ray"
+)
+EMBEDDINGS_UNDER_RAY = (
+    "/v1/embeddings is not served under serve --ray: each embedding model is a V2 "
+    "application of its own (POST /v2/models/<model>/infer takes its token ids); serve "
+    "it with slipstream serve, without --ray, for /v1/embeddings"
+)
+_INFER_STATS = ("success", "fail", "queue", "compute_input", "compute_infer",
+                "compute_output", "cache_hit", "cache_miss")  # fmt: skip
+_BATCH_STATS = ("compute_input", "compute_infer", "compute_output")
+
+
+async def read_body(request: Any, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+    """The body of a Starlette ``request``, decoded from its Content-Encoding, refused
+    (:class:`BodyRefused` 413, worded as the plain server words it) once it is past
+    ``limit``: by its Content-Length before a byte is read, else as it streams in."""
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise BodyRefused(
+                413, f"request body of {int(value)} bytes exceeds the limit of {limit} "
+                "bytes (--max-request-bytes)"
+            )  # fmt: skip
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyRefused(
+                413, f"request body exceeds the limit of {limit} bytes (--max-request-bytes)"
+            )
+        chunks.append(chunk)
+    return decode_body(headers, b"".join(chunks), limit)
+
+
+async def no_embeddings(request: HttpRequest) -> Reply:
+    """/v1/embeddings under Ray: 404 in the OpenAI error format, naming why."""
+    exc = NotFound(EMBEDDINGS_UNDER_RAY)
+    return error_reply(exc, openai_replies.error(exc))
+
+
+def merge_stats(stats: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """V2 statistics entries (``model_stats`` items) of several replicas, summed per
+    model version: counts and times add up, ``last_inference`` is the latest."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for entry in stats:
+        key = (entry["name"], entry["version"])
+        total = merged.get(key)
+        if total is None:
+            merged[key] = orjson.loads(orjson.dumps(entry))  # a copy to add into
+            continue
+        total["last_inference"] = max(total["last_inference"], entry["last_inference"])
+        for field in ("inference_count", "execution_count"):
+            total[field] += entry[field]
+        _add_durations(total["inference_stats"], entry["inference_stats"], _INFER_STATS)
+        batches = {batch["batch_size"]: batch for batch in total["batch_stats"]}
+        for batch in entry["batch_stats"]:
+            if batch["batch_size"] in batches:
+                _add_durations(batches[batch["batch_size"]], batch, _BATCH_STATS)
+            else:
+                total["batch_stats"].append(orjson.loads(orjson.dumps(batch)))
+        total["batch_stats"].sort(key=lambda batch: batch["batch_size"])
+    return [merged[key] for key in sorted(merged)]
+
+
+def _add_durations(total: dict[str, Any], more: dict[str, Any], names: Iterable[str]) -> None:
+    for name in names:
+        if name in more:
+            into = total.setdefault(name, {"count": 0, "ns": 0})
+            into["count"] += more[name]["count"]
+            into["ns"] += more[name]["ns"]
+
+
+def merged_index(
+    reported: Iterable[dict[str, str]], known: list[dict[str, str]], repository: Path,
+    ready_only: bool,
+) -> list[dict[str, str]]:  # fmt: skip
+    """The repository index: each model as its replicas report it (``reported``); one
+    in the repository (``known``) that no replica reports is UNAVAILABLE, saying why."""
+    entries = {tuple(sorted(entry.items())): entry for entry in reported}
+    listed = {entry["name"] for entry in entries.values()}
+    out = [entry for entry in entries.values() if not ready_only or entry["state"] == "READY"]
+    if not ready_only:
+        idle = _scaled_to_zero(repository)
+        for entry in known:
+            if entry["name"] in listed:
+                continue
+            reason = "no replica of its Ray Serve application is running" + (
+                " (ray_serve: min_replicas 0; a request starts one)"
+                if entry["name"] in idle
+                else " yet"
+            )
+            out.append({"name": entry["name"], "state": "UNAVAILABLE", "reason": reason})
+    return sorted(out, key=lambda entry: (entry["name"], entry.get("version", "")))
+
+
+def _scaled_to_zero(repository: Path) -> set[str]:
+    names = set()
+    for name, directory in list_models(repository).items():
+        try:
+            if read_config(directory).ray_serve.min_replicas == 0:
+                names.add(name)
+        except (ConfigError, OSError):  # its own application's load reports it
+            continue
+    return names
+
+
+class RootRoutes:
+    """The root application's server routes that span the applications (see the module
+    doc); every other request goes to ``fallback``, the V2 routes of its empty core."""
+
+    def __init__(self, service: ModelServer, board: Any, fallback: Handler) -> None:
+        """``board``: the Ray actor every replica reports to."""
+        self._service = service
+        self._board = board
+        self._fallback = fallback
+
+    async def handle(self, request: HttpRequest) -> Reply:
+        try:
+            return await self._dispatch(request)
+        except SlipstreamError as exc:
+            return error_reply(exc, v2.encode_error(exc.message))
+
+    async def _dispatch(self, request: HttpRequest) -> Reply:
+        parts = request.path.strip("/").split("/")
+        if request.method in ("GET", "HEAD") and parts == ["v2", "models", "stats"]:
+            reports = await self._board.reports.remote()
+            stats = merge_stats(s for report in reports.values() for s in report.model_stats)
+            return HttpResponse(200, orjson.dumps({"model_stats": stats}))
+        if request.method != "POST" or parts[:2] != ["v2", "repository"]:
+            return await self._fallback(request)
+        if parts[2:] == ["index"]:
+            options = v2.load_json_object(request.body) if request.body else {}
+            ready_only = options.get("ready", False)
+            if type(ready_only) is not bool:
+                raise InvalidRequest(f"ready: expected true or false, got {ready_only!r}")
+            reports = await self._board.reports.remote()
+            known = v2_meta.repository_index_json(await self._service.repository_index())
+            repository = self._service.settings.model_repository
+            index = await asyncio.to_thread(
+                merged_index, (e for report in reports.values() for e in report.index),
+                known, repository, ready_only,
+            )  # fmt: skip
+            return HttpResponse(200, orjson.dumps(index))
+        if len(parts) >= 5 and parts[2] == "models" and parts[-1] in ("load", "unload"):
+            raise InvalidRequest(MODEL_CONTROL_UNDER_RAY.format(action=parts[-1]))
+        return await self._fallback(request)
+
+
+class ModelStatsRoute:
+    """A model replica's ``.../stats`` routes: its own figures (as fresh as can be) plus
+    those the model's other replicas last reported."""
+
+    def __init__(self, model: str, replica_id: str, board: Any, handler: Handler) -> None:
+        self._model = model
+        self._replica_id = replica_id
+        self._board = board
+        self._handler = handler
+
+    async def handle(self, request: HttpRequest) -> Reply:
+        reply = await self._handler(request)
+        parts = request.path.strip("/").split("/")[3:]  # after v2/models/<model>
+        version = parts[1] if len(parts) == 3 and parts[0] == "versions" else ""
+        stats_route = parts == ["stats"] or (bool(version) and parts[2] == "stats")
+        if request.method not in ("GET", "HEAD") or not stats_route or reply.status != 200:
+            return reply
+        assert isinstance(reply, HttpResponse)
+        own = orjson.loads(reply.body)["model_stats"]
+        reports = await self._board.reports.remote()
+        others = [
+            entry
+            for replica, report in reports.items()
+            if replica != self._replica_id
+            for entry in report.model_stats
+            if entry["name"] == self._model and version in ("", entry["version"])
+        ]
+        stats = merge_stats([*own, *others])
+        return HttpResponse(200, orjson.dumps({"model_stats": stats}), reply.content_type)
