@@ -149,3 +149,13 @@ def test_what_slipstream_does_not_do_is_refused_naming_the_field(
     directory = _model(tmp_path, pbtxt)
     with pytest.raises(ConfigError, match=expected):
         read_config(read_model_directory(directory))
+
+
+def test_tune_and_export_start_from_the_config_pbtxt(tmp_path: Path) -> None:
+    """`tune` (and `export`) write a config.yaml, which wins over the config.pbtxt: they
+    start from its settings, translated, so the model's own config is not lost."""
+    from slipstream.tune.session import raw_config
+
+    config = raw_config(_model(tmp_path, ADD_SUB))
+    assert config["max_batch_size"] == 8 and config["backend"] == "onnxruntime"
+    assert config["dynamic_batching"]["preferred_batch_size"] == [4, 8]

@@ -17,8 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from slipstream.repository.layout import raw_config as layout_raw_config
 from slipstream.runtime import backend_for_file
 from slipstream.tune.measure import MeasureSettings
 from slipstream.tune.results import TrialRecord, TuneResult, closest, leaderboard, pareto_front
@@ -172,12 +171,10 @@ def _profiles(
 
 
 def raw_config(model_dir: Path) -> dict[str, Any]:
-    for name in ("config.yaml", "config.yml"):
-        path = model_dir / name
-        if path.is_file():
-            data = yaml.safe_load(path.read_text())
-            return dict(data) if isinstance(data, dict) else {}
-    return {}
+    """The model's config keys as written (a Triton config.pbtxt translated): the base
+    every trial's config.yaml and ``--apply``'s start from."""
+    data = layout_raw_config(model_dir)
+    return dict(data) if isinstance(data, dict) else {}
 
 
 def run_tune(options: TuneOptions, listener: TuneListener | None = None) -> TuneResult:
