@@ -18,8 +18,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from pydantic import ValidationError
 
-from slipstream.errors import InvalidRequest
-from slipstream.serving.rollout_analysis import VersionWindow, Window, judge
+from slipstream.errors import InternalError, InvalidRequest, ModelNotFound, Unavailable
+from slipstream.runtime.data_errors import refused
+from slipstream.serving.rollout_analysis import (
+    VersionWindow,
+    Window,
+    counts_against_version,
+    judge,
+)
 from slipstream.serving.rollout_state import RolloutPlan, RolloutState
 
 ACTIONS = ("pause", "resume", "promote", "abort")
@@ -165,3 +171,38 @@ def test_one_stalled_request_does_not_decide_a_small_window() -> None:
     # Every request 3x slower fails whatever the quantile.
     verdict, _ = judge(small, window((300, 0, 0.005), (30, 0, 0.015)), None)
     assert verdict.outcome == "fail"
+
+
+def test_a_p99_slower_by_less_than_min_p99_delta_ms_never_fails_on_its_own() -> None:
+    # Sub-millisecond requests: a few scheduler stalls put one version's p99 at 2.5x the
+    # other's, 1.5 ms apart, which says nothing of the model (byte-identical versions
+    # were rolled back so). The default floor is 2 ms.
+    verdict, _ = judge(PLAN, window((500, 0, 0.001), (100, 0, 0.0025)), None)
+    assert verdict.outcome == "pass", verdict
+    assert verdict.figures["p99_ratio"] == pytest.approx(2.5)
+    assert verdict.figures["p99_delta_ms"] == pytest.approx(1.5)
+    # Past the floor the ratio decides; a floor of 0 leaves the ratio alone.
+    verdict, _ = judge(PLAN, window((500, 0, 0.001), (100, 0, 0.004)), None)
+    assert verdict.outcome == "fail" and "min_p99_delta_ms 2" in verdict.reasons[0]
+    ratio_only = PLAN.model_copy(update={"min_p99_delta_ms": 0.0})
+    verdict, _ = judge(ratio_only, window((500, 0, 0.001), (100, 0, 0.0025)), None)
+    assert verdict.outcome == "fail"
+
+
+def test_a_runtime_refusal_counts_against_its_version_and_a_malformed_request_does_not() -> None:
+    assert counts_against_version(refused("Gather node 'g': indices element out of data bounds"))
+    assert counts_against_version(InternalError("model execution failed"))
+    assert counts_against_version(Unavailable("queue is full"))
+    assert not counts_against_version(InvalidRequest("input 'INPUT0': expected shape [-1, 4]"))
+    assert not counts_against_version(ModelNotFound("model 'm' has no version 3"))
+
+
+def test_a_rollout_paused_for_a_missing_version_resumes_as_after_a_pause_by_hand() -> None:
+    state = RolloutState.start("m", RolloutPlan(candidate="2", baseline="1"), now=0.0)
+    state.pause_unserved("paused: the candidate (version 2) of 'm' stopped serving")
+    assert (state.status, state.history[-1]["event"]) == ("paused", "pause")
+    assert "candidate" in state.reason
+    again = RolloutState.from_json(json.loads(json.dumps(state.to_json())))
+    assert again.reason == state.reason  # a restart keeps saying why
+    state.act("resume")
+    assert (state.status, state.reason) == ("running", "")

@@ -2,9 +2,11 @@
 
 Per-version request, error and latency series are the serving core's own
 (``slipstream_request_success``, ``slipstream_request_failure``,
-``slipstream_request_duration_seconds``, labels ``model`` and ``version``); these add
-what a rollout decides. Plain counts updated on the event loop, read at scrape time, as
-in :mod:`slipstream.observability.metrics`.
+``slipstream_request_duration_seconds``, labels ``model`` and ``version``), which count
+clients' requests only; these add what a rollout decides, and what became of the shadow
+copies (``slipstream_shadow_*``: a copy is in no ``slipstream_request_*`` series). Plain
+counts updated on the event loop, read at scrape time, as in
+:mod:`slipstream.observability.metrics`.
 """
 
 from __future__ import annotations

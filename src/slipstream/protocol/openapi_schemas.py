@@ -494,6 +494,7 @@ def _rollout_schemas() -> dict[str, Any]:
                 "min_requests": {"type": "integer", "minimum": 1},
                 "max_error_rate_increase": {"type": "number", "minimum": 0, "maximum": 1},
                 "max_p99_ratio": {"type": "number", "exclusiveMinimum": 0},
+                "min_p99_delta_ms": {"type": "number", "minimum": 0},
                 "min_agreement": {"type": "number", "minimum": 0, "maximum": 1},
                 "shadow_share": {"type": "number", "minimum": 0, "maximum": 1},
             },

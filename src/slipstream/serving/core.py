@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from slipstream import __version__
 from slipstream.config import ModelConfig, ServerSettings
 from slipstream.errors import (
-    ClientError,
     GenerativeModel,
     InvalidRequest,
     ModelNotFound,
@@ -34,11 +32,13 @@ from slipstream.serving.cascade import Cascade
 from slipstream.serving.cascade_registry import Cascades
 from slipstream.serving.idle import IdleWatcher
 from slipstream.serving.manager import ModelAsleep, ModelManager
-from slipstream.serving.model import ModelVersion, PreparedRequest
+from slipstream.serving.model import ModelVersion
 from slipstream.serving.outcomes import record_failure, record_success
 from slipstream.serving.rollout import Rollouts, Route
+from slipstream.serving.rollout_analysis import counts_against_version
 from slipstream.serving.rollout_store import rollout_store
 from slipstream.serving.service import InferenceService, ModelLane
+from slipstream.serving.shadow import run_copies
 from slipstream.serving.shared_memory import RegionCalls, SystemSharedMemory
 from slipstream.serving.taps import TapFactory
 from slipstream.types import (
@@ -93,7 +93,8 @@ class ModelServer(RegionCalls, InferenceService):
         self.metrics.registry.register(self.rollout_metrics.collector())
         # Version choice for requests that name none: weighted splits, rollouts, shadows.
         self.rollouts = Rollouts(
-            settings.model_repository, self.models, self.rollout_metrics, self._run_copies,
+            settings.model_repository, self.models, self.rollout_metrics,
+            functools.partial(run_copies, self.models),
             rollout_store(settings.rollout_store, settings.model_repository),
         )  # fmt: skip
         # Models that are chains of other models (serving/cascade.py).
@@ -345,8 +346,7 @@ class ModelServer(RegionCalls, InferenceService):
         try:
             response = await self._serve(model, request)
         except SlipstreamError as exc:
-            # A bad request is the client's fault, not the version's.
-            if window is not None and not isinstance(exc, ClientError):
+            if window is not None and counts_against_version(exc):
                 window.version(model.version_str).record(False, 0.0)
             raise
         if window is not None:
@@ -389,77 +389,6 @@ class ModelServer(RegionCalls, InferenceService):
             return None
         return model
 
-    async def _run_copies(
-        self, requests: Sequence[InferRequest]
-    ) -> list[InferResponse | SlipstreamError]:
-        """Run shadow copies (of one model, each naming the shadow version) unrouted. On a
-        batching model the copies are stacked into one submission per ``max_batch_size``
-        rows: one at a time, thirty copies cost the event loop ~1 ms, as much as the
-        primary requests they copy. Each copy is still counted in the version's stats."""
-        first = requests[0]
-        try:
-            model = self.models.resolve(first.model_name, first.model_version)
-        except SlipstreamError as exc:
-            return [exc] * len(requests)
-        # Every copy's answer or error: each is set below or by its chunk's run.
-        results: list[Any] = [None] * len(requests)
-        chunks: list[list[tuple[int, PreparedRequest]]] = []
-        # The chunk still filling for each shape and output list, and its rows so far.
-        filling: dict[tuple[Any, ...], tuple[list[tuple[int, PreparedRequest]], int]] = {}
-        limit = model.config.max_batch_size
-        for index, request in enumerate(requests):
-            try:
-                prepared = model.prepare(request)
-            except SlipstreamError as exc:
-                results[index] = exc
-                continue
-            key = (prepared.shape_key, tuple(prepared.output_names))
-            chunk, rows = filling.get(key, (None, 0))
-            if chunk is None or not limit or rows + prepared.rows > limit:
-                chunk, rows = [], 0
-                chunks.append(chunk)
-            chunk.append((index, prepared))
-            filling[key] = (chunk, rows + prepared.rows)
-        await asyncio.gather(*(self._run_stacked(model, chunk, results) for chunk in chunks))
-        return results
-
-    async def _run_stacked(
-        self,
-        model: ModelVersion,
-        chunk: list[tuple[int, PreparedRequest]],
-        results: list[Any],
-    ) -> None:
-        started_ns = time.perf_counter_ns()
-        prepared = [p for _, p in chunk]
-        if len(chunk) == 1:
-            inputs = prepared[0].inputs
-        else:
-            inputs = {name: np.concatenate([p.inputs[name] for p in prepared])
-                      for name in prepared[0].inputs}  # fmt: skip
-        rows = sum(p.rows for p in prepared)
-        try:
-            outputs = await model.batcher.submit(
-                inputs, rows, prepared[0].shape_key, requests=len(chunk)
-            )
-        except SlipstreamError as exc:
-            for index, _ in chunk:
-                record_failure(model, exc, time.perf_counter_ns() - started_ns)
-                results[index] = exc
-            return
-        elapsed_ns = time.perf_counter_ns() - started_ns
-        start = 0
-        for index, one in chunk:
-            stop = start + one.rows
-            results[index] = InferResponse(
-                model_name=model.name,
-                model_version=model.version_str,
-                outputs={name: outputs[name][start:stop] for name in one.output_names},
-            )
-            start = stop
-            record_success(model, elapsed_ns)
-        if model.tap is not None:
-            model.tap.offer(inputs, outputs)
-
     async def rollout(self, name: str, body: dict[str, Any] | None) -> dict[str, Any]:
         validate_model_name(name)
         self._refuse_generative(name)
@@ -474,7 +403,7 @@ class ModelServer(RegionCalls, InferenceService):
         request and stores its outputs. Durations are Triton's: lookup for a hit, lookup
         plus insertion for a miss (not the model's run)."""
         started_ns = time.perf_counter_ns()
-        key = request_key(model.name, model.version_str, request)
+        key = request_key(model.name, model.cache_identity, request)
         outputs = await cache.get(key) if key is not None else None
         metrics = model.metrics
         if outputs is not None:

@@ -7,7 +7,8 @@ model's serving versions or its rollout change:
   start``) routes by its state's weights, judges each analysis window (candidate against
   baseline, serving/rollout_analysis.py), steps up, promotes at the end or rolls back;
   its state persists (``REPO/<model>/rollout.json``, or Redis: serving/rollout_store.py)
-  and resumes after a restart;
+  and resumes after a restart; it pauses, saying why, when its candidate or baseline
+  stops serving;
 - else a model's config.yaml ``rollout:`` gives static weights (A/B) and a shadow;
 - else there is no route and the serving core resolves the newest version as before.
 
@@ -118,6 +119,8 @@ class Rollouts:
 
     def _build(self, name: str, versions: dict[int, ModelVersion]) -> Route:
         state = self._states.get(name)
+        if state is not None and state.status == "running":
+            self._pause_if_unserved(name, state, versions)
         config = versions[max(versions)].config.rollout if versions else None
         sticky_key = config.sticky_key if config else _DEFAULT_STICKY_KEY
         window = None
@@ -152,6 +155,25 @@ class Rollouts:
         metrics.states[name] = state.status if state else "none"
         metrics.steps[name] = state.step if state else 0
         return route
+
+    def _pause_if_unserved(
+        self, name: str, state: RolloutState, versions: dict[int, ModelVersion]
+    ) -> None:
+        """Pause a running rollout whose candidate or baseline no longer serves (unloaded,
+        removed from the repository): its windows could judge nothing, and without the
+        baseline the unproven candidate takes all the traffic. Said in its status, its
+        history, the log and ``slipstream_rollout_state``; resume once both serve again."""
+        missing = _unserved(state, versions)
+        if not missing:
+            return
+        if not versions and name in self._models.asleep():
+            return  # unloaded for being idle: its next request loads both again
+        state.pause_unserved(
+            f"paused: {missing} of {name!r} stopped serving; load it again and resume, or abort"
+        )
+        logger.warning("model %s: rollout of version %s %s", name, state.plan.candidate,
+                       state.reason)  # fmt: skip
+        self._save(name, state)
 
     def _shadow(self, name: str, spec: tuple[str, float, int] | None) -> ShadowMirror | None:
         """The model's mirror for ``spec`` (version, share, queue), reused while unchanged."""
@@ -240,9 +262,23 @@ class Rollouts:
                     f"model {name!r} has no rollout; start one with "
                     '{"action": "start", "candidate": "<version>"}'
                 )
+            if action in ("resume", "promote"):
+                self._check_serving(name, state, action)
             state.act(action)
             self._changed(name, state)
         return self.status(name)
+
+    def _check_serving(self, name: str, state: RolloutState, action: str) -> None:
+        """Refuse to resume without both versions, or to promote a candidate that does
+        not serve (it would get 100% of nothing)."""
+        missing = _unserved(state, self._models.serving(name))
+        if action == "promote" and missing and "candidate" not in missing:
+            missing = ""
+        if missing:
+            raise InvalidRequest(
+                f"action: cannot {action} the rollout of {name!r}: {missing} does not "
+                "serve; load it first, or abort"
+            )
 
     def _begin(self, name: str, fields: dict[str, Any]) -> None:
         versions = self._models.serving(name)
@@ -321,6 +357,7 @@ class Rollouts:
         state = self._states[name]
         while state.status == "running" and self._states.get(name) is state:
             await asyncio.sleep(state.plan.interval_s)
+            self.route(name)  # pauses it when a version stopped serving, without traffic too
             if state.status != "running" or self._states.get(name) is not state:
                 return
             window = self._windows.get(name) or Window()
@@ -339,6 +376,15 @@ class Rollouts:
                             verdict.outcome, detail, state.status,
                             state.candidate_weight())  # fmt: skip
                 self._changed(name, state)
+
+
+def _unserved(state: RolloutState, versions: dict[int, ModelVersion]) -> str:
+    """The rollout's versions that do not serve, in words ("" when both do)."""
+    plan = state.plan
+    missing = [f"the {role} (version {version})"
+               for role, version in (("candidate", plan.candidate), ("baseline", plan.baseline))
+               if int(version) not in versions]  # fmt: skip
+    return " and ".join(missing)
 
 
 def _passed(verdict: Verdict) -> str:

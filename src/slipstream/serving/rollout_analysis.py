@@ -4,7 +4,9 @@ The candidate is compared with the baseline measured side by side over the same 
 (not against fixed thresholds): the error-rate difference, the ratio of p99 latencies,
 and, when requests are mirrored, the share of the candidate's shadow answers that agree
 with the baseline's. A window with too few candidate requests is inconclusive (neither
-a pass nor a failure). When the baseline serves too little of a window to judge it (the
+a pass nor a failure). A p99 slower by less than ``min_p99_delta_ms`` passes whatever
+the ratio: sub-millisecond latencies are doubled by a scheduler stall or two, which
+says nothing of the candidate. When the baseline serves too little of a window to judge it (the
 100% step), the last baseline window that was large enough stands in for it.
 """
 
@@ -15,6 +17,8 @@ from typing import Literal
 
 import numpy as np
 
+from slipstream.errors import ClientError, InvalidRequest, SlipstreamError
+from slipstream.runtime.data_errors import refused
 from slipstream.serving.rollout_state import RolloutPlan
 
 # Latencies kept per version and window; beyond it the window's p99 is that of the first
@@ -24,6 +28,19 @@ _MAX_SAMPLES = 50_000
 _P99_SAMPLES = 300
 
 Outcome = Literal["pass", "fail", "inconclusive"]
+# How a runtime's refusal of a request's data begins (runtime/data_errors.py).
+_REFUSED = refused("").message
+
+
+def counts_against_version(error: SlipstreamError) -> bool:
+    """Whether a request that failed with ``error`` counts as an error of the version
+    that ran it. A request the client got wrong (malformed, a tensor the config does not
+    take) fails on every version alike and is left out; data a version's model refused
+    while running it counts, although it is answered 400 too: another version may serve
+    it (a candidate with a smaller vocabulary refuses tokens the baseline takes)."""
+    if not isinstance(error, ClientError):
+        return True
+    return isinstance(error, InvalidRequest) and error.message.startswith(_REFUSED)
 
 
 @dataclass(slots=True)
@@ -31,7 +48,7 @@ class VersionWindow:
     """One version's requests in the current window."""
 
     requests: int = 0
-    # Requests that failed for a reason other than the client's (4xx are not counted).
+    # Requests that failed other than by the client's fault (counts_against_version).
     errors: int = 0
     # Seconds each successful request took in the serving core.
     latencies_s: list[float] = field(default_factory=list)
@@ -145,13 +162,15 @@ def judge(
         q = tail_quantile(samples)
         base_p99, cand_p99 = reference.quantile_s(q, samples), cand.quantile_s(q, samples)
         ratio = cand_p99 / base_p99 if base_p99 > 0 else 1.0
+        delta_ms = (cand_p99 - base_p99) * 1e3
         figures |= {"baseline_p99_ms": base_p99 * 1e3, "candidate_p99_ms": cand_p99 * 1e3,
-                    "p99_ratio": ratio, "tail_quantile": q}  # fmt: skip
-        if ratio > plan.max_p99_ratio:
+                    "p99_ratio": ratio, "p99_delta_ms": delta_ms, "tail_quantile": q}  # fmt: skip
+        if ratio > plan.max_p99_ratio and delta_ms >= plan.min_p99_delta_ms:
             failed.append(
                 f"p{q * 100:.4g} latency {cand_p99 * 1e3:.2f} ms vs baseline "
                 f"{base_p99 * 1e3:.2f} ms over {samples} requests each "
-                f"(x{ratio:.2f} > max_p99_ratio {plan.max_p99_ratio})"
+                f"(x{ratio:.2f} > max_p99_ratio {plan.max_p99_ratio}, "
+                f"+{delta_ms:.2f} ms >= min_p99_delta_ms {plan.min_p99_delta_ms:g})"
             )
     if shadow.compared >= max(plan.min_requests, 1) and shadow.agreement < plan.min_agreement:
         failed.append(

@@ -7,6 +7,7 @@ verdicts and the admin API's actions, persists it after each change, and routes 
     running --pass--> next step ... --pass at the last step--> promoted
     running --fail (failure_limit times)--> rolled_back (candidate at 0%)
     running <--pause / resume--> paused
+    running --the candidate or the baseline stops serving--> paused (with the reason)
     running | paused --promote--> promoted;  --abort--> aborted (candidate at 0%)
 """
 
@@ -47,6 +48,9 @@ class RolloutPlan(BaseModel):
         0.01, ge=0, le=1, description="candidate error rate minus the baseline's, at most"
     )
     max_p99_ratio: float = Field(1.5, gt=0, description="candidate p99 / baseline p99, at most")
+    min_p99_delta_ms: float = Field(
+        2.0, ge=0, description="a p99 this much slower or less passes, whatever the ratio"
+    )
     min_agreement: float = Field(
         0.99, ge=0, le=1, description="share of shadow answers agreeing with the baseline's"
     )
@@ -79,7 +83,7 @@ class RolloutState:
     step: int = 0
     # Failed windows so far (the rollback comes at plan.failure_limit).
     failures: int = 0
-    # Why it ended, when it has ("" while active).
+    # Why it ended, or why the server paused it (a version stopped serving); "" else.
     reason: str = ""
     # Events, oldest first: {"at": unix seconds, "event", "step", "weight", "detail"}.
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -143,11 +147,20 @@ class RolloutState:
             self._log("pause", "by hand", now)
         elif action == "resume":
             self.status = "running"
+            self.reason = ""
             self._log("resume", "by hand", now)
         elif action == "promote":
             self._finish("promoted", "promote", "promoted by hand", now)
         else:
             self._finish("aborted", "abort", "aborted by hand", now)
+
+    def pause_unserved(self, reason: str, now: float | None = None) -> None:
+        """Pause a running rollout one of whose versions stopped serving: no window can
+        judge it, and a missing baseline leaves the candidate all the traffic. Resume
+        and abort then work as after a pause by hand."""
+        self.status = "paused"
+        self.reason = reason
+        self._log("pause", reason, now)
 
     def _finish(self, status: Status, event: Event, reason: str, now: float | None) -> None:
         self.status = status

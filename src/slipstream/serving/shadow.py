@@ -2,10 +2,12 @@
 
 The primary's answer goes to the client first; only then is a copy offered here, into a
 bounded queue (full: the copy is dropped and counted, never waited for). Workers run the
-copies on the shadow version and compare its answer with the primary's: labels (integer,
-bool) must be equal, float tensors are compared by cosine similarity and the largest
-absolute difference, BYTES (text) must match exactly. The shadow's answer is recorded,
-never returned.
+copies on the shadow version (:func:`run_copies`) and compare its answer with the
+primary's: labels (integer, bool) must be equal, float tensors are compared by cosine
+similarity and the largest absolute difference, BYTES (text) must match exactly. The
+shadow's answer is recorded in ``slipstream_shadow_*``, never returned, and never counted
+in the version's ``slipstream_request_*`` series: those count clients' requests, and a
+failing shadow must not page about a primary whose clients see no error.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
-from slipstream.errors import SlipstreamError
+from slipstream.errors import SlipstreamError, Unavailable
 from slipstream.observability.rollout_metrics import ShadowCounts
+from slipstream.serving.manager import ModelManager
+from slipstream.serving.model import ModelVersion, PreparedRequest
 from slipstream.serving.rollout_analysis import ShadowWindow
 from slipstream.types import InferRequest, InferResponse
 
@@ -241,6 +247,88 @@ class ShadowMirror:
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
         self._workers = []
+
+
+async def run_copies(
+    models: ModelManager, requests: Sequence[InferRequest]
+) -> list[InferResponse | SlipstreamError]:
+    """Run shadow copies (of one model, each naming the shadow version) unrouted. On a
+    batching model the copies are stacked into one submission per ``max_batch_size``
+    rows: one at a time, thirty copies cost the event loop ~1 ms, as much as the
+    primary requests they copy. Each copy is counted in the version's statistics (the
+    V2 statistics extension: what ran on it), not in its ``slipstream_request_*``."""
+    first = requests[0]
+    try:
+        model = models.resolve(first.model_name, first.model_version)
+    except SlipstreamError as exc:
+        return [exc] * len(requests)
+    # Every copy's answer or error: each is set below or by its chunk's run.
+    results: list[Any] = [None] * len(requests)
+    chunks: list[list[tuple[int, PreparedRequest]]] = []
+    # The chunk still filling for each shape and output list, and its rows so far.
+    filling: dict[tuple[Any, ...], tuple[list[tuple[int, PreparedRequest]], int]] = {}
+    limit = model.config.max_batch_size
+    for index, request in enumerate(requests):
+        try:
+            prepared = model.prepare(request)
+        except SlipstreamError as exc:
+            results[index] = exc
+            continue
+        key = (prepared.shape_key, tuple(prepared.output_names))
+        chunk, rows = filling.get(key, (None, 0))
+        if chunk is None or not limit or rows + prepared.rows > limit:
+            chunk, rows = [], 0
+            chunks.append(chunk)
+        chunk.append((index, prepared))
+        filling[key] = (chunk, rows + prepared.rows)
+    started_ns = time.perf_counter_ns()
+    await asyncio.gather(*(_run_stacked(model, chunk, results, started_ns) for chunk in chunks))
+    return results
+
+
+async def _run_stacked(
+    model: ModelVersion,
+    chunk: list[tuple[int, PreparedRequest]],
+    results: list[Any],
+    started_ns: int,
+) -> None:
+    prepared = [p for _, p in chunk]
+    if len(chunk) == 1:
+        inputs = prepared[0].inputs
+    else:
+        inputs = {name: np.concatenate([p.inputs[name] for p in prepared])
+                  for name in prepared[0].inputs}  # fmt: skip
+    rows = sum(p.rows for p in prepared)
+    try:
+        outputs = await model.batcher.submit(
+            inputs, rows, prepared[0].shape_key, requests=len(chunk)
+        )
+    except SlipstreamError as exc:
+        if len(chunk) > 1 and not isinstance(exc, Unavailable):
+            # To the batcher the stack is one request, so its rerun of a failed batch one
+            # request at a time cannot single out a bad copy: submitted each on its own,
+            # only the copies the version fails on (as it would their primaries) fail.
+            await asyncio.gather(*(_run_stacked(model, [one], results, started_ns)
+                                   for one in chunk))  # fmt: skip
+            return
+        elapsed_ns = time.perf_counter_ns() - started_ns
+        model.stats.record_request(ok=False, total_ns=elapsed_ns, count=len(chunk))
+        for index, _ in chunk:
+            results[index] = exc
+        return
+    elapsed_ns = time.perf_counter_ns() - started_ns
+    start = 0
+    for index, one in chunk:
+        stop = start + one.rows
+        results[index] = InferResponse(
+            model_name=model.name,
+            model_version=model.version_str,
+            outputs={name: outputs[name][start:stop] for name in one.output_names},
+        )
+        start = stop
+    model.stats.record_request(ok=True, total_ns=elapsed_ns, count=len(chunk))
+    if model.tap is not None:
+        model.tap.offer(inputs, outputs)
 
 
 def _settle(future: asyncio.Future[None]) -> None:
