@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from onnx import TensorProto, helper
 
-from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
+from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config, write_graph
 from tests.utils import RemoteServer
 
 
@@ -78,3 +80,36 @@ def test_a_repeated_request_is_answered_from_the_cache_without_running(
     assert metric(server, "nv_cache_num_hits_per_model", "plain") == 0
     http.close()
     grpc.close()
+
+
+def test_new_weights_under_the_same_version_are_never_answered_from_the_old_ones(
+    tmp_path: Path,
+) -> None:
+    """A reload of version 1 with other weights (or its wake-up, or a restart beside a
+    shared Redis cache): the cache keys answers by the version's files too."""
+    repo = tmp_path / "repo"
+    build_add_sub(repo, "swapped")
+    write_config(repo, "swapped", {"response_cache": {"enable": True}})
+    args = ["--cache", "local:size=1MB", "--model-control-mode", "explicit",
+            "--load-model", "swapped"]  # fmt: skip
+    with RemoteServer(repo, args, log_dir=tmp_path) as server:
+        http = httpclient.InferenceServerClient(server.http_address)
+        try:
+            assert np.all(infer(http, httpclient, "swapped", 3.0) == 6.0)  # 3 + 3
+            assert np.all(infer(http, httpclient, "swapped", 3.0) == 6.0)  # a hit
+            # Version 1's file replaced by a model computing INPUT0 * INPUT1, then loaded.
+            shape: list[str | int] = ["batch", ADD_SUB_WIDTH]
+            graph = helper.make_graph(
+                [helper.make_node("Mul", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+                 helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])],
+                "swapped",
+                [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+                 for n in ("INPUT0", "INPUT1")],
+                [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+                 for n in ("OUTPUT0", "OUTPUT1")],
+            )  # fmt: skip
+            write_graph(graph, repo, "swapped")
+            http.load_model("swapped")
+            assert np.all(infer(http, httpclient, "swapped", 3.0) == 9.0)  # 3 * 3, run
+        finally:
+            http.close()

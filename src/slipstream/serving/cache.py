@@ -41,7 +41,9 @@ _SOCKET_TIMEOUT_S = 0.5
 
 
 def request_key(name: str, version: str, request: InferRequest) -> bytes | None:
-    """The cache key of ``request`` on this model version (None: not cacheable)."""
+    """The cache key of ``request`` on this model version (None: not cacheable);
+    ``version``: the version's ``cache_identity`` (its number and a digest of its files,
+    so new weights under the same number are never answered from the old ones)."""
     if request.shared_memory_inputs or any(o.shared_memory for o in request.outputs or ()):
         # A client's region: the key would not see its bytes, and a hit would write no
         # output into it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -74,6 +75,9 @@ class ModelVersion:
             metrics.cpu_threads = lambda: sum(instance.cpu_threads or 0 for instance in instances)
         # Watches served requests (drift); set by the manager once the version is kept.
         self.tap: ResponseTap | None = None
+        # What the response cache keys this version's answers by beside its number (see
+        # :func:`files_identity`); set by :meth:`load`.
+        self.cache_identity = self.version_str
 
     @classmethod
     async def load(
@@ -102,6 +106,7 @@ class ModelVersion:
         try:
             completed = complete_config(config, instances[0].signature(), backend_name)
             model = cls(name, version, completed, instances, metrics)
+            model.cache_identity = await asyncio.to_thread(files_identity, path, completed)
             warm_up_started = time.perf_counter()
             await asyncio.to_thread(model._warm_up)
             metrics.warmup_duration_s = time.perf_counter() - warm_up_started
@@ -257,3 +262,19 @@ class ModelVersion:
         if unknown:
             raise ConfigError(f"model_warmup {sample.name!r}: unknown inputs {sorted(unknown)}")
         return inputs
+
+
+def files_identity(model_file: Path, config: ModelConfig) -> str:
+    """The version's number, and a digest of its directory's files (names, sizes and
+    modification times) and its completed config: new weights under the same version
+    number (a reload, a wake-up after the files changed, a restart beside a shared Redis
+    cache) change it, so the response cache never answers from the old ones."""
+    version_dir = model_file.parent
+    digest = hashlib.blake2b(digest_size=12)
+    digest.update(config.model_dump_json().encode())
+    for path in sorted(version_dir.rglob("*")):
+        if path.is_file():
+            info = path.stat()
+            digest.update(f"{path.relative_to(version_dir)}\0{info.st_size}\0".encode())
+            digest.update(f"{info.st_mtime_ns}\0".encode())
+    return f"{version_dir.name}:{digest.hexdigest()}"
