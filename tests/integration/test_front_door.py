@@ -378,3 +378,107 @@ def test_keys_created_and_revoked_on_disk_take_effect_without_a_restart(
         assert httpx.get(url, headers=bearer(secrets_["infer"])).status_code == 200
     finally:
         keys_file.write_bytes(good)
+
+
+def doubled_slashes(path: str) -> list[str]:
+    """``path`` with an empty segment at its start, its end and (when it has two) its
+    middle: the routes drop these, so the door must not let them past a route's rule."""
+    variants = ["/" + path, path + "//"]
+    second = path.find("/", 1)
+    if second > 0:
+        variants.append(path[:second] + "/" + path[second:])
+    return variants
+
+
+def test_an_extra_slash_gets_no_key_past_its_role_or_model_list(
+    server: RemoteServer, secrets_: dict[str, str]
+) -> None:
+    """Audit defect 1: ``//v2/models/X/infer`` or ``/v1/chat/completions//`` reached the
+    route while the key check, matching no rule, asked only for a valid key."""
+    keys = (None, secrets_["infer"], secrets_["restricted"], secrets_["admin"])
+    checked = 0
+    with httpx.Client(base_url=server.http_url, timeout=30) as client:
+        for method, template in known_routes():
+            for model in (ALLOWED, FORBIDDEN):
+                path = template.replace("{model}", model).replace("{version}", "1")
+                body = orjson.dumps({"model": model}) if method == "POST" else None
+                for variant in doubled_slashes(path):
+                    for secret in keys:
+                        reply = client.request(method, variant, content=body,
+                                               headers=bearer(secret))  # fmt: skip
+                        where = f"{method} {variant} -> {reply.status_code} {reply.text[:200]}"
+                        assert reply.status_code == 404, where
+                        checked += 1
+        # The one optional trailing '/' of a rule is still served (under its rule).
+        one = client.get("/v2/models/add_sub/", headers=bearer(secrets_["infer"]))
+        assert one.status_code == 200, one.text
+        wrong = client.get(f"/v2/models/{FORBIDDEN}/", headers=bearer(secrets_["restricted"]))
+        assert wrong.status_code == 403, wrong.text
+        # What the audit did with an infer key: unload a model in explicit mode.
+        for path in (f"//v2/repository/models/{FORBIDDEN}/unload",
+                     f"/v2/repository/models/{FORBIDDEN}/unload//"):  # fmt: skip
+            reply = client.post(path, headers=bearer(secrets_["infer"]))
+            assert reply.status_code == 404, reply.text
+        assert client.get(f"/v2/models/{FORBIDDEN}/ready").status_code == 200
+    assert checked > 500
+
+
+def binary_body(model: str) -> tuple[bytes, dict[str, str]]:
+    """A V2 request with its tensors in binary after the JSON part (tritonclient's form)."""
+    data = np.ones((1, ADD_SUB_WIDTH), np.float32).tobytes()
+    inputs = [{"name": name, "shape": [1, ADD_SUB_WIDTH], "datatype": "FP32",
+               "parameters": {"binary_data_size": len(data)}}
+              for name in ("INPUT0", "INPUT1")]  # fmt: skip
+    head = orjson.dumps({"model": model, "inputs": inputs})
+    return head + data + data, {"Inference-Header-Content-Length": str(len(head))}
+
+
+def test_a_binary_body_names_its_model_to_the_key_check(
+    server: RemoteServer, secrets_: dict[str, str]
+) -> None:
+    """Audit defect 2: POST /v2/jobs with binary tensors read as JSON whole found no
+    model, and a key limited to some models was not checked at all."""
+    restricted = bearer(secrets_["restricted"])
+    with httpx.Client(base_url=server.http_url, timeout=30) as client:
+        body, headers = binary_body(FORBIDDEN)
+        refused = client.post("/v2/jobs", content=body, headers={**restricted, **headers})
+        assert refused.status_code == 403, refused.text
+        assert f"may not use model {FORBIDDEN!r}" in refused.json()["error"]
+        body, headers = binary_body(ALLOWED)
+        allowed = client.post("/v2/jobs", content=body, headers={**restricted, **headers})
+        assert allowed.status_code not in (401, 403), allowed.text  # no job queue here: 404
+        # A body whose model cannot be read is refused to a key with a model list.
+        unread = client.post("/v2/jobs", content=b"\x00garbage", headers=restricted)
+        assert unread.status_code == 403 and "names none" in unread.json()["error"]
+        nameless = client.post("/v1/embeddings", json={"input": "x"}, headers=restricted)
+        assert nameless.status_code == 403, nameless.text
+        # An unrestricted key is not refused for that: the route answers its own 400.
+        plain = client.post("/v2/jobs", content=b"\x00garbage", headers=bearer(secrets_["admin"]))
+        assert plain.status_code not in (401, 403), plain.text
+    # The infer route takes its model from the path, binary body or not.
+    module_client = httpclient.InferenceServerClient(server.http_address)
+    with pytest.raises(InferenceServerException, match="may not use model"):
+        add_sub_infer(module_client, httpclient, headers=restricted)
+    result = add_sub_infer(module_client, httpclient, headers=bearer(secrets_["infer"]))
+    assert np.all(result.as_numpy("OUTPUT0") == 2)
+    module_client.close()
+
+
+def test_a_key_with_a_model_list_sees_only_its_models_in_every_listing(
+    server: RemoteServer, secrets_: dict[str, str]
+) -> None:
+    """Audit defect 4: the gRPC repository index and every model's statistics (HTTP and
+    gRPC) listed models the key may not use."""
+    restricted, admin = secrets_["restricted"], secrets_["admin"]
+    for secret, expected in ((restricted, set()), (admin, {FORBIDDEN})):
+        stats = httpx.get(server.url("/v2/models/stats"), headers=bearer(secret)).json()
+        assert {entry["name"] for entry in stats["model_stats"]} == expected
+        index = httpx.post(server.url("/v2/repository/index"), headers=bearer(secret)).json()
+        assert {entry["name"] for entry in index} == expected
+        client = grpcclient.InferenceServerClient(server.grpc_address)
+        metadata = {"authorization": f"Bearer {secret}"}
+        listed = client.get_model_repository_index(headers=metadata).models
+        assert {entry.name for entry in listed} == expected
+        every = client.get_inference_statistics("", headers=metadata).model_stats
+        assert {entry.name for entry in every} == expected
+        client.close()

@@ -34,10 +34,32 @@ def test_a_key_is_shown_once_and_only_its_hash_is_stored(tmp_path: Path) -> None
         again.create("bad", "infer", models=["../etc"])
 
 
+def test_create_never_writes_a_key_the_file_cannot_load(tmp_path: Path) -> None:
+    """Audit defect 5, below the CLI: whatever calls create, the file loads again and an
+    empty model list never means every model."""
+    ring = KeyRing.load(tmp_path / "keys.json", missing_ok=True)
+    for limits in (KeyLimits(requests_per_s=float("nan")), KeyLimits(requests_per_s=float("inf")),
+                   KeyLimits(max_concurrent=-1)):  # fmt: skip
+        with pytest.raises(KeysFileError, match="must not be negative, NaN or infinite"):
+            ring.create("bad", "infer", limits=limits)
+    with pytest.raises(KeysFileError, match="--name"):
+        ring.create("", "infer")
+    with pytest.raises(KeysFileError, match="--models: expected at least one"):
+        ring.create("bad", "infer", models=[])
+    ring.create("ok", "infer", models=["mlp"])
+    ring.save()
+    assert [key.name for key in KeyRing.load(tmp_path / "keys.json").keys] == ["ok"]
+
+
+_ENTRY = b'{"keys": [{"name": "a", "role": "infer", "sha256": "' + b"0" * 64 + b'", '
+
+
 @pytest.mark.parametrize(
     ("content", "named"),
     [
         (b"not json", "cannot read"),
+        # JSON has no NaN (orjson refuses one), but float() reads the string "nan".
+        (_ENTRY + b'"limits": {"requests_per_s": "nan"}}]}', "keys[0].limits"),
         (b'{"keys": [{"name": "a", "role": "root", "sha256": "00"}]}', "keys[0].role"),
         (b'{"keys": [{"name": "a", "role": "infer", "sha256": "zz"}]}', "keys[0].sha256"),
         (b'{"keys": [{"name": "", "role": "infer"}]}', "keys[0].name"),
@@ -199,3 +221,32 @@ async def _until(condition: Callable[[], bool]) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("never happened")
+
+
+async def test_small_front_door_fixes_of_the_audit(tmp_path: Path) -> None:
+    """Audit defect 8: a 401 names the scheme it wants (RFC 7235); Redis over TLS
+    (rediss://) is a --cache and a --rate-limit-store; a tokens-per-minute 429 on /v1/
+    has OpenAI's type "tokens"; a missing --tls-cert is named."""
+    from slipstream.config import ServerSettings
+    from slipstream.config.cache_spec import parse_cache_spec
+    from slipstream.protocol import openai_replies
+    from slipstream.security.tls import http_context
+
+    ring = KeyRing(Path("unused"), [])
+    door = HttpFrontDoor(Gate(ring, FrontDoorMetrics()), None, access_log=False)
+
+    async def route(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200)
+
+    refused = await door(HttpRequest("GET", "/v2/models/m", [], b""), route)
+    assert isinstance(refused, HttpResponse) and refused.status == 401
+    assert (b"www-authenticate", b'Bearer realm="slipstream"') in refused.headers
+    assert parse_cache_spec("rediss://cache:6380?ttl=5") == ("redis", 0, "rediss://cache:6380", 5)
+    settings = ServerSettings(model_repository=tmp_path, rate_limit_store="rediss://r:6380")
+    assert settings.rate_limit_store == "rediss://r:6380"
+    tokens = TooManyRequests("over", 30, [("ratelimit-policy", '"tokens";q=600;w=60')])
+    requests = TooManyRequests("over", 1, [("ratelimit-policy", '"requests";q=5;w=1')])
+    assert orjson.loads(openai_replies.error(tokens))["error"]["type"] == "tokens"
+    assert orjson.loads(openai_replies.error(requests))["error"]["type"] == "requests"
+    with pytest.raises(FileNotFoundError, match=f"--tls-cert {tmp_path / 'no.pem'}: no such"):
+        http_context(tmp_path / "no.pem", tmp_path / "no.key")

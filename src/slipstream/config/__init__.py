@@ -545,8 +545,8 @@ class ServerSettings(_Strict):
     @field_validator("rate_limit_store")
     @classmethod
     def _check_store(cls, value: str) -> str:
-        if value != "memory" and not value.startswith("redis://"):
-            raise ValueError(f"expected memory or redis://host:port, got {value!r}")
+        if value != "memory" and not value.startswith(("redis://", "rediss://")):
+            raise ValueError(f"expected memory or redis[s]://host:port, got {value!r}")
         return value
 
     @field_validator("jobs_redis")

@@ -28,7 +28,7 @@ def parse_cache_spec(spec: str) -> tuple[str, int, str, int]:
         if size_bytes < 1024:
             raise ValueError(f"local cache size {size_bytes} B: at least 1KB")
         return "local", size_bytes, "", 0
-    if spec.startswith("redis://"):
+    if spec.startswith(("redis://", "rediss://")):  # rediss: Redis over TLS
         url, _, query = spec.partition("?")
         ttl = 0
         for item in filter(None, query.split("&")):
@@ -37,4 +37,4 @@ def parse_cache_spec(spec: str) -> tuple[str, int, str, int]:
                 raise ValueError(f"redis cache option {item!r}: only ttl=<seconds> is known")
             ttl = int(value)
         return "redis", 0, url, ttl
-    raise ValueError(f"expected local:size=256MB or redis://host:port[?ttl=600], got {spec!r}")
+    raise ValueError(f"expected local:size=256MB or redis[s]://host:port[?ttl=600], got {spec!r}")

@@ -201,6 +201,10 @@ def error(exc: SlipstreamError) -> bytes:
         kind, code = "invalid_request_error", "model_not_found"
     elif status in _CLIENT_CODES:
         kind, code = _CLIENT_CODES[status]
+        # OpenAI's type names the limit: "tokens" for tokens per minute.
+        if status == 429 and any(value.startswith('"tokens"') for _, value in
+                                 getattr(exc, "headers", ())):  # fmt: skip
+            kind = "tokens"
     elif status < 500:
         kind, code = "invalid_request_error", None
     else:

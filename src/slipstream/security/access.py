@@ -5,7 +5,9 @@ the OpenAPI document) need no key; ``metrics`` needs one only with --metrics-nee
 Every route of the HTTP API (the OpenAPI document the router answers 405s from) and
 every gRPC method must be in these tables: tests/integration/test_front_door.py
 enumerates them from the router and the gRPC front end, so a new route without a rule
-fails there, and at run time a path no rule matches needs a valid key of any role.
+fails there. At run time a path no rule matches exactly is answered 404 by the front
+door: the routes read paths more loosely (extra '/'), and such a path must not reach
+one past its rule.
 """
 
 from __future__ import annotations
@@ -125,7 +127,9 @@ class RouteAccess:
         return self.template in MODEL_IN_BODY
 
 
-_UNKNOWN = RouteAccess("key")
+# A path no rule matches (the front door answers it 404): the strictest role, should
+# anything else ever ask.
+_UNKNOWN = RouteAccess("admin")
 # Paths seen recently -> their access; bounded, cleared when full (paths repeat).
 _MAX_CACHED = 4096
 

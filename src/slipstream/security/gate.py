@@ -99,14 +99,25 @@ class Gate:
         self._known[authorization] = key
         return key
 
-    def authorize_model(self, key: ApiKey | None, model: str) -> None:
-        """403 unless ``key`` may use ``model``."""
-        if key is not None and model and not key.allows_model(model):
-            self._metrics.refused["wrong_model"] += 1
+    def authorize_model(self, key: ApiKey | None, model: str, named: bool = False) -> None:
+        """403 unless ``key`` may use ``model``. ``named``: the request must name its model
+        (in its body); one whose model cannot be read is refused to a key limited to some
+        models, since the route may still find one there that the key may not use."""
+        if key is None or key.models is None or model in key.models:
+            return
+        if not model and not named:  # the route names no model (e.g. /v2/jobs/{job})
+            return
+        self._metrics.refused["wrong_model"] += 1
+        if not model:
             raise PermissionDenied(
-                f"API key {key.name!r} may not use model {model!r}; it may use "
-                f"{sorted(key.models or ())}"
+                f"API key {key.name!r} may use only models {sorted(key.models)}, and the "
+                "request names none that the front door can read: put the model in the "
+                'JSON "model" field (with binary tensors, in the JSON header part that '
+                "Inference-Header-Content-Length measures)"
             )
+        raise PermissionDenied(
+            f"API key {key.name!r} may not use model {model!r}; it may use {sorted(key.models)}"
+        )
 
 
 async def watch_keys(
@@ -152,9 +163,15 @@ def _secret(authorization: bytes) -> bytes:
     return authorization
 
 
-def body_model(body: bytes) -> str:
+def body_model(body: bytes, header_length: bytes | None = None) -> str:
     """The ``model`` field of a JSON body ("" when absent or unreadable: the route then
-    answers its own 400)."""
+    answers its own 400). ``header_length``: the Inference-Header-Content-Length value of
+    a binary-tensor body, whose JSON is only its first that many bytes (as the routes
+    read it)."""
+    if header_length is not None:
+        if not header_length.strip().isdigit():
+            return ""
+        body = body[: int(header_length)]
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:

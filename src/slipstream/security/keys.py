@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import tempfile
@@ -136,15 +137,27 @@ class KeyRing:
         limits: KeyLimits | None = None,
     ) -> tuple[str, ApiKey]:
         """A new key: its secret (shown once) and its entry (add it with :meth:`save`)."""
+        # Checked here, not only by the CLI: a file this writes must load again (a server
+        # that cannot read a changed file keeps its old keys, revoked ones included).
+        if not name.strip() or not name.isprintable():
+            raise KeysFileError(f"--name: expected a printable, non-empty name, got {name!r}")
         if any(key.name == name for key in self.keys):
             raise KeysFileError(f"{self.path}: a key named {name!r} exists; choose another --name")
+        problem = limits_problem(limits or KeyLimits())
+        if problem is not None:
+            raise KeysFileError(problem)
+        if models is not None and not models:
+            # An empty list must not become "every model".
+            raise KeysFileError("--models: expected at least one model name; leave --models "
+                                "out for a key that may use every model")  # fmt: skip
         for model in models or []:
             problem = model_name_problem(model)
             if problem is not None:
                 raise KeysFileError(f"--models: {model!r} {problem}")
         secret = _PREFIX + secrets.token_urlsafe(32)
         key = ApiKey(name, role, hash_key(secret),
-                     frozenset(models) if models else None, limits or KeyLimits())  # fmt: skip
+                     frozenset(models) if models is not None else None,
+                     limits or KeyLimits())  # fmt: skip
         self.keys.append(key)
         self._by_hash[bytes.fromhex(key.sha256)] = (bytes.fromhex(key.sha256), key)
         return secret, key
@@ -169,6 +182,18 @@ class KeyRing:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def limits_problem(limits: KeyLimits) -> str | None:
+    """What is wrong with ``limits`` ("--rate: ..."), or None. NaN and infinity are
+    refused: JSON has no spelling for them (orjson writes null), so the file would not
+    load again."""
+    for option, value in (("--rate", limits.requests_per_s), ("--burst", limits.burst),
+                          ("--concurrency", limits.max_concurrent),
+                          ("--tokens-per-minute", limits.tokens_per_minute)):  # fmt: skip
+        if not math.isfinite(value) or value < 0:
+            return f"{option}: limits must not be negative, NaN or infinite, got {value}"
+    return None
 
 
 def _dump_key(key: ApiKey) -> dict[str, Any]:
@@ -216,8 +241,7 @@ def _parse_key(entry: Any, where: str) -> ApiKey:
         )
     except (TypeError, ValueError, AttributeError):
         raise KeysFileError(f"{where}.limits: expected numbers") from None
-    if min(limits.requests_per_s, limits.burst, limits.max_concurrent,
-           limits.tokens_per_minute) < 0:  # fmt: skip
-        raise KeysFileError(f"{where}.limits: must not be negative")
+    if limits_problem(limits) is not None:
+        raise KeysFileError(f"{where}.limits: must be finite and not negative")
     return ApiKey(name, role, digest.lower(), frozenset(models) if models is not None else None,
                   limits)  # fmt: skip

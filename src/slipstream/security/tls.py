@@ -12,6 +12,9 @@ def http_context(cert: Path, key: Path, client_ca: Path | None = None) -> ssl.SS
     """A server context (TLS 1.2+); with ``client_ca``, clients must show a certificate."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    for option, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-client-ca", client_ca)):
+        if path is not None and not path.is_file():  # ssl's "[Errno 2]" names neither
+            raise FileNotFoundError(f"{option} {path}: no such file")
     try:
         context.load_cert_chain(cert, key)
     except ssl.SSLError as exc:  # OpenSSL's words alone name neither file

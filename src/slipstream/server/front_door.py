@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable
 
 import orjson
 
-from slipstream.errors import SlipstreamError, TooManyRequests
+from slipstream.errors import SlipstreamError, TooManyRequests, Unauthenticated
 from slipstream.protocol import openai_replies as replies
 from slipstream.protocol import v2
 from slipstream.security.access import HttpAccess, RouteAccess
@@ -25,9 +25,10 @@ from slipstream.security.gate import AccessRecord, Gate, body_model, request_id
 from slipstream.security.keys import ApiKey
 from slipstream.security.limits import Limiter
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
-from slipstream.server.router import Handler, Reply
+from slipstream.server.router import Handler, Reply, no_route
 
 _REQUEST_ID = b"x-request-id"
+_HEADER_LENGTH = b"inference-header-content-length"
 # A request's access before its path is classified (a refusal may come first).
 _UNCLASSIFIED = RouteAccess("key")
 
@@ -79,6 +80,10 @@ class HttpFrontDoor:
         gate = self._gate
         if gate is None:
             return None
+        if not access.template:
+            # The routes read a path more loosely than the rules do (extra '/' dropped):
+            # a path no rule names exactly must not reach a route past that route's rule.
+            raise no_route(request.method, request.path)
         authorization = None
         for name, value in request.headers:  # request.header(), without its call
             if name == b"authorization":
@@ -88,8 +93,8 @@ class HttpFrontDoor:
         if key is not None:
             request.owner = key.name
             if key.models is not None:
-                model = body_model(request.body) if access.model_in_body else access.model
-                gate.authorize_model(key, model)
+                model = _body_model(request) if access.model_in_body else access.model
+                gate.authorize_model(key, model, named=access.model_in_body)
                 request.models = key.models
         return key
 
@@ -190,7 +195,7 @@ class HttpFrontDoor:
              rid: str, started: float, bytes_out: int) -> None:  # fmt: skip
         model = access.model
         if not model and access.model_in_body:
-            model = body_model(request.body)
+            model = _body_model(request)
         name = key.name if key else request.owner
         if not name and self._gate is not None:  # refused before it was known: 403 (role)
             name = self._gate.key_name(request.header(b"authorization"))
@@ -199,6 +204,12 @@ class HttpFrontDoor:
             access.version, str(status), (time.perf_counter() - started) * 1e3,
             len(request.body), bytes_out,
         ).emit()  # fmt: skip
+
+
+def _body_model(request: HttpRequest) -> str:
+    """The model a body names, read as the routes read it (binary tensors: from the JSON
+    part that Inference-Header-Content-Length measures)."""
+    return body_model(request.body, request.header(_HEADER_LENGTH))
 
 
 def _charges_tokens(key: ApiKey, access: RouteAccess) -> bool:
@@ -213,6 +224,8 @@ async def _ready(reply: Reply) -> Reply:
 def _refusal(exc: SlipstreamError, path: str) -> HttpResponse:
     body = replies.error(exc) if path.startswith("/v1/") else v2.encode_error(exc.message)
     reply = error_reply(exc, body)
+    if isinstance(exc, Unauthenticated):  # RFC 7235: a 401 names the scheme it wants
+        reply.headers.append((b"www-authenticate", b'Bearer realm="slipstream"'))
     if isinstance(exc, TooManyRequests):
         reply.headers += [(name.encode(), value.encode()) for name, value in exc.headers]
     return reply

@@ -14,8 +14,10 @@ variable of the RPC's task, "" without keys): whose shared-memory regions it may
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -29,6 +31,25 @@ from slipstream.security.limits import Limiter
 # The name of the API key of the RPC being served ("" without one). grpc.aio runs each
 # RPC in a task of its own, and the tasks a handler starts inherit its context.
 KEY_NAME: ContextVar[str] = ContextVar("slipstream_key_name", default="")
+# The models the RPC's key may use (None: every model): what lists of models (the
+# repository index, every model's statistics) show.
+KEY_MODELS: ContextVar[frozenset[str] | None] = ContextVar("slipstream_key_models", default=None)
+# On ModelStreamInfer: id() of a request message whose answer is an error -> its status
+# code name. Each message's answer is one message on an OK stream, so the code is known
+# only where it was answered (v2_grpc); the access log reads it here.
+STREAM_ERRORS: ContextVar[dict[int, str] | None] = ContextVar("slipstream_stream_errors",
+                                                             default=None)  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Owed:
+    """A stream message admitted and not yet answered."""
+
+    request: Any
+    key: ApiKey | None
+    # Whether it holds one of the key's concurrency slots (given back with its answer).
+    counted: bool
+    started: float
 
 
 class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -70,7 +91,7 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 self._limiter.release(key)
 
         def log(context: Any, request: Any, key: ApiKey | None, started: float,
-                status: str) -> None:  # fmt: skip
+                status: str, bytes_out: int = 0) -> None:  # fmt: skip
             if rid:
                 model = getattr(request, model_field, "") if model_field else ""
                 version = getattr(request, "model_version", "") or getattr(request, "version", "")
@@ -80,7 +101,7 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     name = self._gate.key_name(_as_bytes(authorization))
                 AccessRecord(rid, "grpc", method, details.method, name or "-",
                              model, version, status, latency_ms, request.ByteSize(),
-                             0).emit()  # fmt: skip
+                             bytes_out).emit()  # fmt: skip
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -89,6 +110,7 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 started = time.perf_counter()
                 key: ApiKey | None = None
                 status = "OK"
+                bytes_out = 0
                 if rid:
                     context.set_trailing_metadata((("x-request-id", rid),))
                 try:
@@ -99,10 +121,14 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                         await _abort(context, exc, rid)
                     if key is not None:
                         KEY_NAME.set(key.name)
+                        KEY_MODELS.set(key.models)
                     try:
-                        return await inner(request, context)
+                        reply = await inner(request, context)
                     finally:
                         release(key, counted)
+                    if rid:  # ModelInfer answers bytes serialised already
+                        bytes_out = len(reply) if isinstance(reply, bytes) else reply.ByteSize()
+                    return reply
                 except BaseException:
                     code = context.code()
                     status = code.name if code is not None else status
@@ -110,7 +136,7 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                         status = "UNKNOWN"
                     raise
                 finally:
-                    log(context, request, key, started, status)
+                    log(context, request, key, started, status, bytes_out)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary,
@@ -121,6 +147,12 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             inner_stream = handler.stream_stream
 
             async def stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+                # Messages admitted, in arrival order: the stream answers in that order
+                # (grpc_stream.in_request_order), one answer each, so the n-th answer is
+                # the oldest one owed. Each keeps its concurrency slot until answered.
+                owed: deque[_Owed] = deque()
+                errors: dict[int, str] = {}
+
                 async def checked() -> AsyncIterator[Any]:
                     async for request in requests:
                         started = time.perf_counter()
@@ -129,17 +161,31 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                         except SlipstreamError as exc:
                             log(context, request, None, started, exc.grpc_code)
                             await _abort(context, exc, rid)
-                        release(key, counted)
-                        log(context, request, key, started, "OK")
+                        owed.append(_Owed(request, key, counted, started))
                         yield request
 
                 if rid:
                     context.set_trailing_metadata((("x-request-id", rid),))
+                    STREAM_ERRORS.set(errors)
                 if self._gate is not None:
                     # One key for the whole stream; each message is still checked above.
                     KEY_NAME.set(self._gate.key_name(_as_bytes(authorization)))
-                async for answer in inner_stream(checked(), context):
-                    yield answer
+                try:
+                    async for answer in inner_stream(checked(), context):
+                        if owed:
+                            done = owed.popleft()
+                            # Given back before the answer is written: a client that
+                            # sends its next message on reading it finds the slot free.
+                            release(done.key, done.counted)
+                            status = errors.pop(id(done.request), "OK")
+                            log(context, done.request, done.key, done.started, status,
+                                len(answer))  # fmt: skip
+                        yield answer
+                finally:
+                    while owed:  # the stream ended (a client that left) before these
+                        done = owed.popleft()
+                        release(done.key, done.counted)
+                        log(context, done.request, done.key, done.started, "CANCELLED")
 
             return grpc.stream_stream_rpc_method_handler(
                 stream,

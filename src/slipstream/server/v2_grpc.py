@@ -31,7 +31,7 @@ from slipstream.names import validate_model_name
 from slipstream.protocol import grpc_codec, v2_shm
 from slipstream.protocol.proto import inference_pb2 as pb
 from slipstream.server import grpc_stream
-from slipstream.server.grpc_front_door import KEY_NAME
+from slipstream.server.grpc_front_door import KEY_MODELS, KEY_NAME, STREAM_ERRORS
 from slipstream.serving.service import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -191,6 +191,9 @@ class _GrpcFrontend:
         # An empty name asks for every model.
         name = validate_model_name(request.name) if request.name else ""
         stats = await self._service.model_statistics(name, request.version)
+        visible = KEY_MODELS.get()
+        if visible is not None:  # only what the caller's key may use
+            stats = [entry for entry in stats if entry.name in visible]
         return grpc_codec.encode_model_statistics(stats)
 
     # ------------------------------------------------------------ inference
@@ -232,10 +235,13 @@ class _GrpcFrontend:
             response = await self._service.infer(decoded)
             return grpc_codec.serialize_stream_infer_response(response, final=True)
         except SlipstreamError as exc:
-            message = exc.message
+            message, code = exc.message, exc.grpc_code
         except Exception:
             logger.exception("gRPC ModelStreamInfer request failed")
-            message = _INTERNAL_MESSAGE
+            message, code = _INTERNAL_MESSAGE, "INTERNAL"
+        errors = STREAM_ERRORS.get()
+        if errors is not None:  # for the access log's line of this message
+            errors[id(request)] = code
         return grpc_stream.serialize_stream_error(request, message)
 
     # ------------------------------------------------------------ repository
@@ -245,6 +251,9 @@ class _GrpcFrontend:
     ) -> pb.RepositoryIndexResponse:
         _check_repository_name(request.repository_name)
         entries = await self._service.repository_index(ready_only=request.ready)
+        visible = KEY_MODELS.get()
+        if visible is not None:  # only what the caller's key may use, as over HTTP
+            entries = [entry for entry in entries if entry.name in visible]
         return grpc_codec.encode_repository_index(entries)
 
     async def repository_model_load(

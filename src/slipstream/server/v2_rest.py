@@ -147,7 +147,10 @@ class V2RestApp:
             if route == "health/ready":
                 return _empty(200 if await service.is_ready() else 503)
             if route == "models/stats":
-                return _json(v2_meta.model_stats_json(await service.model_statistics()))
+                stats = await service.model_statistics()
+                if request.models is not None:  # only what the caller's key may use
+                    stats = [entry for entry in stats if entry.name in request.models]
+                return _json(v2_meta.model_stats_json(stats))
         if method == "POST" and parts[:1] == ["repository"]:
             return await self._repository_route(parts[1:], request.body, request.models)
         raise no_route(method, f"/v2/{route}")
