@@ -78,6 +78,13 @@ def test_deterministic_generations_of_an_enabled_model_come_from_the_cache(
     )  # fmt: skip
     ids = {chunk.id for chunk in stream}
     assert len(ids) == 1 and first not in ids
+    # Counted in Triton's nv_cache_* series, as a V2 model's cache is: three hits, four
+    # misses (the cacheable requests above that came first).
+    scraped = httpx.get(server.url("/metrics")).text
+    for name, value in (("hits", 3), ("misses", 4)):
+        line = f'nv_cache_num_{name}_per_model{{model="tiny_cached",version="1"}} {value}.0'
+        assert line in scraped, [s for s in scraped.splitlines() if "nv_cache" in s]
+    assert 'nv_cache_num_hits_per_model{model="tiny",' not in scraped  # not enabled
 
 
 def test_tokens_per_minute_count_usage_and_refuse_when_spent(

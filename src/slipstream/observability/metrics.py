@@ -108,6 +108,18 @@ class ModelMetrics:
         self.request_failure[reason] += 1
 
 
+class CacheCounts:
+    """The response cache's counts of a model served outside V2's metrics (a generative
+    model on the OpenAI routes): the nv_cache_* series, as ModelMetrics has them."""
+
+    def __init__(self, model: str, version: str) -> None:
+        self.labels = [model, version]
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.cache_hit_us = 0.0
+        self.cache_miss_us = 0.0
+
+
 class TransportMetrics:
     """The HTTP transport's counts: connections open, and closed by a limit."""
 
@@ -134,6 +146,8 @@ class ServerMetrics:
         # Whether the server has a response cache (--cache): only then are the nv_cache_*
         # series exported, as Triton does.
         self.cache_enabled = False
+        # The generative models' cache counts (server/openai_cache.py), by model and version.
+        self._generative_cache: dict[tuple[str, str], CacheCounts] = {}
         self.registry.register(_Collector(self._models))
         self.registry.register(_CacheCollector(self))
         if with_transport:
@@ -147,6 +161,13 @@ class ServerMetrics:
         metrics = ModelMetrics(model, version)
         self._models[(model, version)] = metrics
         return metrics
+
+    def generative_cache(self, model: str, version: str) -> CacheCounts:
+        """The cache counts of a generative model version, created at its first lookup."""
+        counts = self._generative_cache.get((model, version))
+        if counts is None:
+            counts = self._generative_cache[model, version] = CacheCounts(model, version)
+        return counts
 
     def remove_model(self, model: str, version: str) -> None:
         """Drop an unloaded version's series so dashboards stop showing it."""
@@ -255,7 +276,10 @@ class _CacheCollector(Collector):
              "Total cache-miss lookup and insertion time per model, in microseconds.",
              "cache_miss_us"),
         ]  # fmt: skip
-        models = list(self._server._models.values())
+        models: list[ModelMetrics | CacheCounts] = [
+            *self._server._models.values(),
+            *self._server._generative_cache.values(),
+        ]
         for name, documentation, attribute in families:
             family = Metric(name, documentation, "gauge")
             for m in models:

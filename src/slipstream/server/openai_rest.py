@@ -19,6 +19,7 @@ from slipstream.errors import InternalError, ModelNotFound, SlipstreamError
 from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.tools import Tool
 from slipstream.names import path_model_name
+from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import openai
 from slipstream.protocol import openai_replies as replies
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
@@ -55,14 +56,18 @@ class OpenAIApp:
         service: InferenceService,
         repository: Path,
         cache: ResponseCache | None = None,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         """``cache``: the server's --cache, for deterministic generations of the models
-        whose config enables response_cache (see ``openai_cache.py``)."""
+        whose config enables response_cache (see ``openai_cache.py``), counted in
+        ``metrics``' nv_cache_* series."""
         self._llm = llm
         self._service = service
         self._repository = repository
         self._embedder = Embedder(service, repository)
-        self._cached = GenerationCache(cache, llm, repository) if cache is not None else None
+        self._cached = (
+            GenerationCache(cache, llm, repository, metrics) if cache is not None else None
+        )
 
     async def handle(self, request: HttpRequest) -> Reply:
         try:

@@ -100,7 +100,11 @@ async def serve(
         return 1
     jobs = job_queue(settings)
     openai_app = OpenAIApp(
-        core.generation, service, settings.model_repository, cache=service.response_cache
+        core.generation,
+        service,
+        settings.model_repository,
+        cache=service.response_cache,
+        metrics=core.metrics,
     )
 
     async def drift(model: str, version: str) -> dict[str, Any]:

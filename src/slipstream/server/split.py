@@ -177,7 +177,11 @@ async def _serve_engine(
     core = build_core(settings, with_transport=False, share=share, gpu_metrics=index == 0)
     service = core.service
     openai_app = OpenAIApp(
-        core.generation, service, settings.model_repository, cache=service.response_cache
+        core.generation,
+        service,
+        settings.model_repository,
+        cache=service.response_cache,
+        metrics=core.metrics,
     )
     board = _FrontEndBoard()
 
