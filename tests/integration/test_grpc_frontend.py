@@ -173,7 +173,7 @@ class FakeService(InferenceService):
             if m.loaded or not ready_only
         ]
 
-    async def load_model(self, name: str) -> None:
+    async def load_model(self, name: str, config: str | None = None) -> None:
         self._model(name, loaded=False).loaded = True
 
     async def unload_model(self, name: str) -> None:

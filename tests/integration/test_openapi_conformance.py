@@ -115,6 +115,8 @@ CONTENT_DEPENDENT = (
     "expected increasing percentages", "is not loaded", "is not a loaded version",
     "promote or abort it first", "cannot pause", "cannot resume", "cannot promote",
     "cannot abort", "are both version",
+    # A load's config override: a model config in Triton's JSON form, carried as a string.
+    "parameters.config:",
 )  # fmt: skip
 
 

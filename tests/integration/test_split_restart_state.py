@@ -112,3 +112,29 @@ def test_a_version_kept_after_a_failed_reload_serves_after_an_engine_restart(
     assert {e[:3] for e in _index(poll)} == kept
     assert poll.http.get("/v2/health/ready").status_code == 200
     assert poll.http.post("/v2/models/mlp/infer", json=BODY).status_code == 200
+
+
+def test_a_config_override_outlives_an_engine_restart(tmp_path: Path) -> None:
+    """Explicit mode: a model loaded with a config override (Triton's load with config)
+    is served with that config by the killed engine's successor too, not the repository's."""
+    build_add_sub(tmp_path / "models", "tuned")
+    args = ["--frontends", "1", "--model-control-mode", "explicit", "--load-model", "tuned"]
+    with RemoteServer(tmp_path / "models", args, log_dir=tmp_path) as server:
+        override = (
+            '{"max_batch_size": 2, "dynamic_batching": {"default_queue_policy": '
+            '{"max_queue_size": 7}}}'
+        )
+        load = server.http.post("/v2/repository/models/tuned/load",
+                                json={"parameters": {"config": override}})  # fmt: skip
+        assert load.status_code == 200, load.text
+
+        def config() -> tuple[int, int]:
+            got = server.http.get("/v2/models/tuned/config").json()
+            return got["max_batch_size"], got["dynamic_batching"]["default_queue_policy"][
+                "max_queue_size"
+            ]
+
+        assert config() == (2, 7)
+        _restart_engine(server)
+        assert config() == (2, 7)
+        assert server.http.post("/v2/models/tuned/infer", json=BODY).status_code == 200

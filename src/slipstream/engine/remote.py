@@ -187,9 +187,9 @@ class RemoteInferenceService(InferenceService):
                    for entry in each]  # fmt: skip
         return sorted(entries, key=lambda entry: entry.name)  # stable: versions stay in order
 
-    async def load_model(self, name: str) -> None:
+    async def load_model(self, name: str, config: str | None = None) -> None:
         engine = await self._engine_for_change(name)
-        await engine.call("load_model", name)
+        await engine.call("load_model", name, config)
         await self._unload_elsewhere(name, engine)
 
     async def unload_model(self, name: str) -> None:

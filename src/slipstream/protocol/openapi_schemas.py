@@ -224,9 +224,17 @@ def v2_schemas() -> dict[str, Any]:
             "properties": {
                 "parameters": {
                     "type": "object",
-                    "maxProperties": 0,
-                    "description": "Triton's config and file: parameters are refused with "
-                    "400: models load from the repository only",
+                    "properties": {
+                        "config": {
+                            "type": "string",
+                            "description": "Triton's config override: the model config in "
+                            "its JSON form, used instead of the repository's until a load "
+                            "without one",
+                        }
+                    },
+                    "additionalProperties": False,
+                    "description": "Triton's file: parameters are refused with 400: model "
+                    "files load from the repository only",
                 }
             },
         },

@@ -14,11 +14,14 @@ files change again, so a broken version is neither retried nor logged on every p
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from slipstream.config import ModelConfig
 from slipstream.repository.layout import CONFIG_FILES
 
 # (path relative to the model directory, size_bytes, mtime_ns, inode); the inode tells a
@@ -53,6 +56,14 @@ class PollDecision:
     # Changed since their last load attempt, and first seen changing by this poll (for a
     # log line per change rather than per poll).
     noticed: list[str]
+
+
+def with_override(found: ModelFingerprint, override: ModelConfig) -> ModelFingerprint:
+    """``found`` with a load request's config override counted as one more config file:
+    a changed override reloads every version, as a changed config.yaml does."""
+    digest = hashlib.blake2b(override.model_dump_json().encode(), digest_size=8).digest()
+    stamp: FileStamp = ("parameters.config", int.from_bytes(digest, "big"), 0, 0)
+    return dataclasses.replace(found, config=(*found.config, stamp))
 
 
 def fingerprint(model_dir: Path) -> ModelFingerprint:

@@ -21,7 +21,11 @@ import yaml
 from slipstream.config import ConfigError, ModelConfig, parse_model_config
 from slipstream.errors import InvalidRequest, SlipstreamError
 from slipstream.names import validate_model_name
-from slipstream.repository.triton_config import TRITON_CONFIG_FILENAME, parse_triton_config
+from slipstream.repository.triton_config import (
+    TRITON_CONFIG_FILENAME,
+    parse_triton_config,
+    parse_triton_json,
+)
 from slipstream.runtime import MODEL_EXTENSIONS
 
 logger = logging.getLogger(__name__)
@@ -180,6 +184,24 @@ def read_config(model: ModelDirectory) -> ModelConfig:
     if config.tokenizer:
         contained_file(model.path, config.tokenizer, "tokenizer")
     config.name = model.name
+    return config
+
+
+def load_override(repository: Path, name: str, text: str) -> ModelConfig:
+    """The config a load request carries (Triton's ``config`` parameter: the model config
+    in its JSON form), validated as the model's config file would be; InvalidRequest
+    naming the field."""
+    source = "parameters.config"
+    path = model_path(repository, name)
+    try:
+        config = parse_model_config(parse_triton_json(text, source), source)
+        if config.name and config.name != name:
+            raise ConfigError(f"{source}: name: {config.name!r} must be {name!r} (or be left out)")
+        if config.tokenizer:
+            contained_file(path, config.tokenizer, "tokenizer")
+    except ConfigError as exc:
+        raise InvalidRequest(str(exc)) from None
+    config.name = name
     return config
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
@@ -48,7 +48,8 @@ _UNSUPPORTED = {
     "input_data_file": "warm-up data from a file is not supported; use zero_data or random_data",
 }
 
-_NO_FIELD = re.compile(r'^(\d+):\d+ : Message type "[\w.]+" has no field named "(\w+)"')
+_NO_FIELD = re.compile(r'^(\d+):\d+ : Message type "([\w.]+)" has no field named "(\w+)"')
+_JSON_NO_FIELD = re.compile(r'Message type "([\w.]+)" has no field named "(\w+)"')
 
 
 def parse_triton_config(text: str, source: str) -> dict[str, Any]:
@@ -65,13 +66,41 @@ def parse_triton_config(text: str, source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: {exc}") from None
 
 
+def parse_triton_json(text: str, source: str) -> dict[str, Any]:
+    """A model config in Triton's JSON form (what a load request's ``config`` parameter
+    carries, as tritonclient's ``load_model(config=...)`` sends it) as the keys of a
+    config.yaml; ConfigError naming the field."""
+    message = pb.ModelConfig()
+    try:
+        json_format.Parse(text, message)
+    except json_format.ParseError as exc:
+        unknown = _JSON_NO_FIELD.search(str(exc))
+        if unknown is not None:
+            raise ConfigError(f"{source}: {_unknown(*unknown.groups())}") from None
+        raise ConfigError(f"{source}: not a valid Triton model configuration: {exc}") from None
+    try:
+        return _translate(_as_dict(message))
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
 def _explain(error: str) -> str:
     unknown = _NO_FIELD.match(error)
     if unknown is None:
         return f"not a valid Triton model configuration: {error}"
-    line, field = unknown.groups()
-    why = _UNSUPPORTED.get(field, "Slipstream does not support this Triton setting")
-    return f"line {line}: {field}: {why}"
+    line, message, field = unknown.groups()
+    return f"line {line}: {_unknown(message, field)}"
+
+
+def _unknown(message: str, field: str) -> str:
+    """Why ``field`` of ``message`` (a full proto name) was refused."""
+    if field in _UNSUPPORTED:
+        return f"{field}: {_UNSUPPORTED[field]}"
+    where = message.rsplit(".", 1)[-1]
+    return (
+        f"{field}: not a field of Triton's {where}, or one Slipstream does not support "
+        "(see the README's Serving your own models)"
+    )
 
 
 def _as_dict(message: Message) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import orjson
 
 from slipstream.config import ModelConfig
 from slipstream.errors import SlipstreamError
+from slipstream.repository.layout import load_override
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.shared_memory import SystemSharedMemory
 from slipstream.types import ModelMetadata, TensorMetadata
@@ -44,6 +45,8 @@ class EngineJournal:
         self.asleep: dict[str, dict[str, dict[str, Any]]] = {}
         # Models whose failed reload left earlier versions serving: name -> those versions.
         self.kept: dict[str, list[int]] = {}
+        # Models loaded with a config override (Triton's JSON form): name -> its text.
+        self.overrides: dict[str, str] = {}
         try:
             saved = orjson.loads(path.read_bytes())
         except FileNotFoundError:
@@ -54,6 +57,7 @@ class EngineJournal:
         self.regions, self.models = saved["regions"], saved["models"]
         self.cuda_regions = saved.get("cuda_regions", [])
         self.asleep, self.kept = saved.get("asleep", {}), saved.get("kept", {})
+        self.overrides = saved.get("overrides", {})
 
     def restore_regions(self, regions: SystemSharedMemory) -> None:
         for region in self.regions:
@@ -85,16 +89,29 @@ class EngineJournal:
             ]
         temporary = self._path.with_suffix(".tmp")
         state = {"regions": self.regions, "cuda_regions": self.cuda_regions,
-                 "models": self.models, "asleep": self.asleep, "kept": self.kept}  # fmt: skip
+                 "models": self.models, "asleep": self.asleep, "kept": self.kept,
+                 "overrides": self.overrides}  # fmt: skip
         temporary.write_bytes(orjson.dumps(state))
         temporary.replace(self._path)
 
+    def set_override(self, name: str, config: str | None) -> None:
+        """Record the config override ``name`` was loaded with (None: the repository's)."""
+        if config is None:
+            self.overrides.pop(name, None)
+        else:
+            self.overrides[name] = config
+
     def restore_models(self, models: ModelManager) -> set[str]:
         """Tell a new engine's manager, before it loads anything, what the engine before it
-        had asleep and what it kept serving after a failed reload; the models restored
-        asleep (not to be loaded at start)."""
+        had asleep, what it kept serving after a failed reload and the configs it loaded
+        models with; the models restored asleep (not to be loaded at start)."""
         for name, versions in self.kept.items():
             models.fallback(name, versions)
+        for name, text in self.overrides.items():
+            try:
+                models.restore_override(name, load_override(models.repository, name, text))
+            except SlipstreamError as exc:  # e.g. a journal of another release
+                logger.warning("model %s: loading it with its own config: %s", name, exc)
         for name, saved in self.asleep.items():
             try:
                 models.restore_asleep(name, {int(v): _sleeper(s) for v, s in saved.items()})

@@ -282,16 +282,18 @@ def _journaled_calls(
 
         return journaled
 
-    async def load_model(name: str) -> None:
-        await service.load_model(name)
+    async def load_model(name: str, config: str | None = None) -> None:
+        await service.load_model(name, config)
         loaded.add(name)
         journal.models = sorted(loaded)
+        journal.set_override(name, config)
         journal.save()
 
     async def unload_model(name: str) -> None:
         await service.unload_model(name)
         loaded.discard(name)
         journal.models = sorted(loaded)
+        journal.set_override(name, None)
         journal.save()
 
     for method in ("register_region", "unregister_region", "register_cuda_region",

@@ -261,8 +261,7 @@ class _GrpcFrontend:
     ) -> pb.RepositoryModelLoadResponse:
         _check_repository_name(request.repository_name)
         name = validate_model_name(request.model_name)
-        _check_no_load_parameters(name, request.parameters)
-        await self._service.load_model(name)
+        await self._service.load_model(name, _load_config(name, request.parameters))
         return pb.RepositoryModelLoadResponse()
 
     async def repository_model_unload(
@@ -328,17 +327,24 @@ def _check_repository_name(name: str) -> None:
         )
 
 
-def _check_no_load_parameters(
+def _load_config(
     model_name: str, parameters: Mapping[str, pb.ModelRepositoryParameter]
-) -> None:
-    # Triton lets a load carry a config override or model files; Slipstream reads both
-    # from the repository only, and silently ignoring them would load the wrong model.
-    if parameters:
-        names = ", ".join(sorted(parameters))
+) -> str | None:
+    """A load's config override (Triton's JSON form), or None. Triton lets a load carry
+    model files too; Slipstream reads them from the repository only, and silently
+    ignoring them would load the wrong model."""
+    others = sorted(set(parameters) - {"config"})
+    if others:
         raise InvalidRequest(
-            f"load of model '{model_name}': parameters ({names}) are not supported; "
-            "put the config and files in the model repository instead"
+            f"load of model '{model_name}': parameters ({', '.join(others)}) are not "
+            "supported; put the model's files in the model repository instead"
         )
+    if "config" not in parameters:
+        return None
+    config = parameters["config"]
+    if config.WhichOneof("parameter_choice") != "string_param":
+        raise InvalidRequest("parameters.config: expected the model config as a JSON string")
+    return config.string_param
 
 
 def _route_key(context: Any) -> str:

@@ -177,13 +177,14 @@ class V2RestApp:
                     raise InvalidRequest(
                         f"parameters: expected an object, got {type(parameters).__name__}"
                     )
-                # Triton's load may carry a config override and model files ("file:...");
-                # both come from the repository here, and ignoring them would load a model
-                # other than the one asked for.
-                if "config" in parameters:
+                # Triton's load may carry a config override (its JSON form, as a string)
+                # and model files ("file:..."); files come from the repository only, and
+                # ignoring them would load a model other than the one asked for.
+                config = parameters.pop("config", None)
+                if config is not None and not isinstance(config, str):
                     raise InvalidRequest(
-                        "parameters.config: loading with an inline config is not supported; "
-                        "write REPO/<model>/config.yaml and load again"
+                        "parameters.config: expected the model config as a JSON string, got "
+                        f"{type(config).__name__}"
                     )
                 if parameters:
                     names = ", ".join(sorted(parameters))
@@ -191,7 +192,7 @@ class V2RestApp:
                         f"parameters: {names} not supported in a load; put the model's "
                         "files in the model repository and load again"
                     )
-                await service.load_model(name)
+                await service.load_model(name, config)
             else:
                 await service.unload_model(name)
             return _empty(200)

@@ -24,7 +24,7 @@ from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.rollout_metrics import RolloutMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
-from slipstream.repository.layout import Share
+from slipstream.repository.layout import Share, load_override
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving import together
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
@@ -497,16 +497,26 @@ class ModelServer(RegionCalls, InferenceService):
         validate_model_name(name)
         return next((lane for lane in self._lanes if lane.handles(name)), None)
 
-    async def load_model(self, name: str) -> None:
+    async def load_model(self, name: str, config: str | None = None) -> None:
+        """``config``: Triton's load with a config override (its JSON form), used in
+        place of the repository's config.yaml or config.pbtxt."""
         self._check_explicit("load")
-        if self.cascades.handles(name):
+        override = None
+        if config is not None:
+            override = load_override(self.models.repository, name, config)
+        cascade, lane = self.cascades.handles(name), self._lane_of(name)
+        if override is not None and (cascade or lane is not None):
+            raise InvalidRequest(
+                f"parameters.config: model {name!r} is a cascade or a generative model; "
+                "a config override loads tensor models only"
+            )
+        if cascade:
             await self.cascades.load(name)
             return
-        lane = self._lane_of(name)
         if lane is not None:
             await lane.load(name)
             return
-        await self.models.load(name)
+        await self.models.load(name, override, request=True)
         failures = self.models.failures(name)
         if failures:
             raise InvalidRequest(f"failed to load model {name!r}: {failures}")

@@ -19,6 +19,7 @@ from slipstream.repository.changes import (
     changed_versions,
     fingerprint,
     settled_changes,
+    with_override,
 )
 from slipstream.repository.layout import (
     ModelDirectory,
@@ -201,18 +202,35 @@ class ModelManager:
         names = [name for name in self._tensor_models() if name not in asleep]
         await asyncio.gather(*(self.load(name) for name in names))
 
-    async def load(self, name: str) -> None:
-        """Load (or reload) a model; see :meth:`_load`."""
+    async def load(
+        self, name: str, override: ModelConfig | None = None, request: bool = False
+    ) -> None:
+        """Load (or reload) a model; see :meth:`_load`. ``request``: a load request's,
+        which sets the config to load with from now on: ``override`` instead of the
+        repository's (kept for reloads and wake-ups until a request without one); else
+        (start-up) the config in use, an override restored from the journal included."""
         validate_model_name(name)
-        await self._load(name, expected=None)
+        await self._load(name, expected=None, override=(override,) if request else None)
 
-    async def _load(self, name: str, expected: ModelFingerprint | None) -> None:
+    def restore_override(self, name: str, override: ModelConfig) -> None:
+        """Take ``override`` as the config ``name`` was loaded with (by the engine before
+        this one), before it is loaded."""
+        self._models.setdefault(name, ModelState(name)).override = override
+
+    async def _load(
+        self,
+        name: str,
+        expected: ModelFingerprint | None,
+        override: tuple[ModelConfig | None] | None = None,
+    ) -> None:
         """Load new files beside the serving versions; swap only when all are ready.
 
         Calls for one model run one at a time (other models are not held up). A call
         that waited for another load of the same files does not load them again, nor
         does a load of files already loaded without failures. ``expected`` (polling):
         the files a poll saw settle; when they changed since, the next poll decides.
+        ``override`` (a load request's): the config to use from now on, in a 1-tuple;
+        None keeps the one in use.
         """
         lock = self._locks.setdefault(name, asyncio.Lock())
         before = self._models.get(name)
@@ -229,10 +247,14 @@ class ModelManager:
                     f"model {name!r} is generative: it is served by the OpenAI routes (/v1/...) "
                     "and loaded at start-up"
                 )
-            found = fingerprint(path)
             state = self._models.setdefault(name, ModelState(name))
+            if override is not None:
+                state.override = override[0]
+            found = fingerprint(path)
             if expected is not None and found != expected:
                 return
+            if state.override is not None:  # a changed override is a changed config
+                found = with_override(found, state.override)
             if state.attempted == found and (
                 state.attempts != attempts_seen or (state.versions and not state.failures)
             ):
@@ -258,7 +280,7 @@ class ModelManager:
             self._fail(state, {0: _no_version(name, directory)}, kept_previous=False)
             return
         try:
-            config = read_config(directory)
+            config = state.override or read_config(directory)
             wanted = config.version_policy.select(list(directory.versions))
             if not wanted:
                 raise ConfigError(_no_version(name, directory))
@@ -404,6 +426,7 @@ class ModelManager:
                 state.kept_previous = False
                 state.attempted = None
                 state.asleep, state.sleeping = False, {}  # unloaded on purpose: stays so
+                state.override = None  # a later load reads the repository's config
             finally:
                 state.transition = ""
 

@@ -45,6 +45,9 @@ class ModelState:
     # them, an idle unload): the index lists them UNAVAILABLE, reason "unloaded", as
     # Triton does, until they serve again.
     unloaded: set[int] = field(default_factory=set)
+    # The config a load request carried (Triton's load with a config override), used in
+    # place of the repository's until a load without one, or an unload.
+    override: ModelConfig | None = None
 
 
 class ModelAsleep(Unavailable):

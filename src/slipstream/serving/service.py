@@ -129,8 +129,9 @@ class InferenceService(ABC):
     async def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]: ...
 
     @abstractmethod
-    async def load_model(self, name: str) -> None:
-        """Load (or reload) a model from the repository; ModelNotFound if absent."""
+    async def load_model(self, name: str, config: str | None = None) -> None:
+        """Load (or reload) a model from the repository; ModelNotFound if absent.
+        ``config``: a config override in Triton's JSON form (see ModelServer)."""
 
     @abstractmethod
     async def unload_model(self, name: str) -> None:
