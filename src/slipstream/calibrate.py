@@ -111,6 +111,7 @@ async def calibrate(
     if labels is None:
         raise CalibrationError(f"{data}: no {LABELS_NAME!r} array; save the expected class "
                                f"of each row under that name")  # fmt: skip
+    labels = _checked_labels(data, arrays, labels)
     from slipstream.serving.core import ModelServer  # the serving core: only when run
 
     settings = ServerSettings(model_repository=repository, model_control_mode="explicit",
@@ -137,6 +138,23 @@ async def calibrate(
     rest_accuracy = float(np.mean(rest_correct))
     target = target_accuracy if target_accuracy is not None else rest_accuracy - max_accuracy_drop
     return pick_threshold(scores, first_correct, rest_correct, target)
+
+
+def _checked_labels(data: Path, arrays: dict[str, np.ndarray], labels: np.ndarray) -> np.ndarray:
+    """``labels`` as [rows], one per row of every input (CalibrationError naming the
+    array otherwise), checked before any stage is loaded."""
+    if not arrays:
+        raise CalibrationError(f"{data}: only {LABELS_NAME!r}; save the cascade's inputs "
+                               "beside it, named like them")  # fmt: skip
+    if labels.ndim == 0 or labels.size != len(labels):  # [rows] or [rows, 1]
+        raise CalibrationError(f"{data}: {LABELS_NAME!r} has shape {list(labels.shape)}; "
+                               "it takes one expected class per row, shape [rows]")  # fmt: skip
+    for name, array in arrays.items():
+        rows = array.shape[0] if array.ndim else 0
+        if rows != len(labels):
+            raise CalibrationError(f"{data}: {LABELS_NAME!r} has {len(labels)} rows and "
+                                   f"{name!r} {rows}; save one label per row")  # fmt: skip
+    return labels.reshape(-1)
 
 
 async def _run_rows(
@@ -220,10 +238,11 @@ def cascade() -> None:
               "'labels' (the expected class per row).")  # fmt: skip
 @click.option("--model-repository", type=click.Path(file_okay=False, path_type=Path),
               default=Path("models"), show_default=True)  # fmt: skip
-@click.option("--max-accuracy-drop", type=float, default=0.005, show_default=True,
+@click.option("--max-accuracy-drop", type=click.FloatRange(0, 1), default=0.005,
+              show_default=True,
               help="Target: the accuracy of the rest of the cascade alone minus this "
               "(0.005: half a point).")  # fmt: skip
-@click.option("--target-accuracy", type=float, default=None,
+@click.option("--target-accuracy", type=click.FloatRange(0, 1), default=None,
               help="Target accuracy (0..1) instead of --max-accuracy-drop.")  # fmt: skip
 @click.option("--prediction-output", default="",
               help="Output holding the predicted class (class ids, or scores to argmax); "

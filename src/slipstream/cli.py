@@ -369,7 +369,7 @@ def reference(model: str, data: Path, model_repository: Path, version: int | Non
     Example: slipstream monitor reference mlp --data validation.npz
     """
     from slipstream.errors import InvalidRequest
-    from slipstream.monitor.reference import ReferenceError, write_reference
+    from slipstream.monitor.reference import ReferenceError, pick_version, write_reference
     from slipstream.repository.layout import model_path, read_model_directory
     from slipstream.tensors import TensorFileError, read_tensor_file
 
@@ -378,14 +378,9 @@ def reference(model: str, data: Path, model_repository: Path, version: int | Non
         requests = read_tensor_file(data)
     except (InvalidRequest, TensorFileError, OSError) as exc:
         raise click.ClickException(str(getattr(exc, "message", exc))) from exc
-    if not directory.versions:
-        raise click.ClickException(f"{directory.path}: no version directory (1/, 2/, ...)")
-    chosen = version if version is not None else max(directory.versions)
-    if chosen not in directory.versions:
-        found = ", ".join(map(str, directory.versions))
-        raise click.ClickException(f"--version {chosen}: {model} has versions {found}")
     try:
-        target, arrays = write_reference(directory, chosen, requests, data)
+        target, arrays = write_reference(directory, pick_version(directory, version), requests,
+                                         data)  # fmt: skip
     except ReferenceError as exc:
         raise click.ClickException(str(exc)) from exc
     rows = ", ".join(f"{name} {len(array)} rows" for name, array in arrays.items())
@@ -417,7 +412,11 @@ def report(model: str, url: str, version: str, out: Path, all_features: bool) ->
         raise click.ClickException(f"{url}: {exc}") from exc
     if reply.status_code != 200:
         raise click.ClickException(f"{path}: {reply.status_code} {reply.text}")
-    out.write_text(drift_page(reply.json(), all_features))
+    try:
+        out.write_text(drift_page(reply.json(), all_features))
+    except OSError as exc:  # a directory that does not exist, one not writable
+        why = f"cannot write {out}: {exc.strerror}"
+        raise click.BadParameter(why, param_hint="--out") from exc
     click.echo(f"wrote {out}")
 
 
@@ -448,7 +447,7 @@ _AUTH_FILE = click.option(
     help="infer: inference, metadata, OpenAI routes; admin: also repository load/unload, "
     "model config and statistics.",
 )
-@click.option("--models", default="", help="Comma-separated models the key may use; default all.")
+@click.option("--models", default=None, help="Comma-separated models the key may use; default all.")
 @click.option("--rate", type=float, default=0.0, help="Requests per second; 0: unlimited.")
 @click.option("--burst", type=int, default=0, help="Requests at once beyond --rate; 0: the rate.")
 @click.option("--concurrency", type=int, default=0, help="Requests in flight; 0: unlimited.")
@@ -459,21 +458,21 @@ def create_key(
     auth_file: Path,
     name: str,
     role: str,
-    models: str,
+    models: str | None,
     rate: float,
     burst: int,
     concurrency: int,
     tokens_per_minute: int,
 ) -> None:
     """Create a key: prints it once; the file keeps only its hash."""
-    from slipstream.security.keys import KeyLimits, KeyRing, KeysFileError
+    from slipstream.security.keys import KeyLimits, KeyRing, KeysFileError, limits_problem
 
-    if min(rate, burst, concurrency, tokens_per_minute) < 0:
-        raise click.BadParameter("limits must not be negative")
+    limits = KeyLimits(rate, burst, concurrency, tokens_per_minute)
+    if (problem := limits_problem(limits)) is not None:
+        raise click.BadParameter(problem)
     try:
         ring = KeyRing.load(auth_file, missing_ok=True)
-        wanted = [m.strip() for m in models.split(",") if m.strip()] or None
-        limits = KeyLimits(rate, burst, concurrency, tokens_per_minute)
+        wanted = None if models is None else [m.strip() for m in models.split(",") if m.strip()]
         secret, _ = ring.create(name, "admin" if role == "admin" else "infer", wanted, limits)
         ring.save()
     except KeysFileError as exc:

@@ -8,6 +8,7 @@ bin (the reference's deciles, or its categories), beside the table of tests.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,17 +27,21 @@ def drift_page(doc: Mapping[str, Any], all_features: bool = False) -> str:
         f"sampled {doc['sampled']}, dropped {doc['dropped']}. "
         f"<b>{'Drift detected' if doc['detected'] else 'No drift'}</b> in the last window.</p>"
     ]
+    if doc.get("disabled"):
+        parts.append(f"<p><b>Drift monitoring is off:</b> {escape(str(doc['disabled']))}</p>")
     for name, report in doc["tensors"].items():
         features = report["features"]
         shown = features if all_features else [f for f in features if f["drifted"]]
         parts.append(f"<h2>{escape(name)}: {'drifted' if report['detected'] else 'no drift'}"
                      f" (p below {report['p_threshold']:.2g})</h2>")  # fmt: skip
         rows = [
-            [f["feature"], f["kind"], f"{f['statistic']:.3f}", f"{f['p_value']:.3g}",
-             f"{f['psi']:.3f}", "yes" if f["drifted"] else ""]
-            for f in sorted(features, key=lambda f: f["p_value"])
+            [f["feature"], f["kind"], _number(f["statistic"], ".3f"),
+             _number(f["p_value"], ".3g"), _number(f["psi"], ".3f"),
+             "yes" if f["drifted"] else "", f.get("note", "")]
+            for f in sorted(features, key=_p_value_order)
         ]  # fmt: skip
-        parts.append(html_table(["feature", "test", "statistic", "p-value", "PSI", "drift"], rows))
+        header = ["feature", "test", "statistic", "p-value", "PSI", "drift", "note"]
+        parts.append(html_table(header, rows))
         parts.append(images(_chart(name, f) for f in shown[:MAX_CHARTS]))
         if len(shown) > MAX_CHARTS:
             parts.append(f"<p>{len(shown) - MAX_CHARTS} more features not drawn.</p>")
@@ -46,6 +51,18 @@ def drift_page(doc: Mapping[str, Any], all_features: bool = False) -> str:
     return html_page(title, parts)
 
 
+def _number(value: float | None, spec: str) -> str:
+    """A statistic as the table shows it: "untested" for none (a NaN in the JSON)."""
+    return "untested" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def _p_value_order(feature: Mapping[str, Any]) -> float:
+    """Smallest p-value first; a feature without one (untested) first of all: it is the
+    one to look at."""
+    p_value = feature["p_value"]
+    return -1.0 if p_value is None or not math.isfinite(p_value) else float(p_value)
+
+
 def _chart(tensor: str, feature: Mapping[str, Any]) -> bytes:
     reference, window = feature["reference_shares"], feature["window_shares"]
     bins = feature["bins"]
@@ -53,7 +70,7 @@ def _chart(tensor: str, feature: Mapping[str, Any]) -> bytes:
         labels = [f"{b:g}" for b in bins] + ["other"]
     else:
         edges = ["-inf", *(f"{b:.3g}" for b in bins), "inf"]
-        labels = [f"{lo}..{hi}" for lo, hi in itertools.pairwise(edges)]
+        labels = [f"{lo}..{hi}" for lo, hi in itertools.pairwise(edges)] + ["NaN"]
     figure = new_figure(6.4, 2.6)
     axes = figure.subplots()
     positions = range(len(reference))
@@ -61,7 +78,8 @@ def _chart(tensor: str, feature: Mapping[str, Any]) -> bytes:
     axes.bar([p + 0.2 for p in positions], window, width=0.4, label="last window")
     axes.set_xticks(list(positions), labels[: len(reference)], rotation=30, fontsize=7)
     axes.set_ylabel("share")
-    axes.set_title(f"{tensor} feature {feature['feature']}: p={feature['p_value']:.2g}, "
-                   f"PSI {feature['psi']:.2f}", fontsize=9)  # fmt: skip
+    axes.set_title(f"{tensor} feature {feature['feature']}: "
+                   f"p={_number(feature['p_value'], '.2g')}, "
+                   f"PSI {_number(feature['psi'], '.2f')}", fontsize=9)  # fmt: skip
     axes.legend(fontsize=7)
     return png(figure)

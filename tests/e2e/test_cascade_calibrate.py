@@ -82,3 +82,27 @@ def test_calibrate_names_an_unreachable_target(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 1
     assert "no threshold reaches the target accuracy 1.0000" in result.stderr
+
+
+def test_calibrate_names_labels_that_do_not_fit_and_flags_out_of_range(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    build_classifier(repo, "small")
+    build_classifier(repo, "large", label_offset=1)
+    write_config(repo, "cascade", {"cascade": {"stages": [
+        {"model": "small", "confidence": {"output": "probabilities", "threshold": 0.5}},
+        {"model": "large"}]}})  # fmt: skip
+    labelled_rows(tmp_path / "val.npz")
+    with np.load(tmp_path / "val.npz") as data:
+        np.savez(tmp_path / "short.npz", x=data["x"], labels=data["labels"][:10])
+    command = [*slipstream_command(), "cascade", "calibrate", "cascade", "--model-repository",
+               str(repo), "--data"]  # fmt: skip
+    cases = [
+        (["short.npz"], 1, f"'labels' has 10 rows and 'x' {CONFIDENT_ROWS + UNSURE_ROWS}"),
+        (["val.npz", "--target-accuracy", "1.5"], 2, "--target-accuracy"),
+        (["val.npz", "--max-accuracy-drop", "-1"], 2, "--max-accuracy-drop"),
+    ]
+    for args, exit_code, message in cases:
+        args[0] = str(tmp_path / args[0])
+        result = subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
+        assert result.returncode == exit_code and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

@@ -35,3 +35,27 @@ def test_create_prints_the_key_once_list_shows_no_secret_and_revoke_removes_it(
     assert KeyRing.load(Path(auth)).keys == []
     gone = keys("revoke", "--auth-file", auth, "--name", "ci")
     assert gone.returncode == 1 and "no key named 'ci'" in gone.stderr
+
+
+def test_create_refuses_values_that_would_break_the_file_or_widen_the_key(
+    tmp_path: Path,
+) -> None:
+    """Audit defect 5: --rate nan|inf was written as null (a file no server or later
+    command could read, so revokes were silently not applied), --name "" likewise, and
+    --models "" made a key for every model."""
+    auth = str(tmp_path / "keys.json")
+    assert keys("create", "--auth-file", auth, "--name", "ok").returncode == 0
+    for args, named in (
+        (("--rate", "nan"), "--rate"), (("--rate", "inf"), "--rate"),
+        (("--rate", "-inf"), "--rate"), (("--models", ""), "--models"),
+        (("--models", ","), "--models"), (("--models", " , "), "--models"),
+    ):  # fmt: skip
+        made = keys("create", "--auth-file", auth, "--name", "bad", *args)
+        assert made.returncode != 0 and named in made.stderr, (args, made.stderr)
+    for name in ("", " "):
+        made = keys("create", "--auth-file", auth, "--name", name)
+        assert made.returncode != 0 and "--name" in made.stderr, (name, made.stderr)
+    # The file still loads, and holds only the good key.
+    assert [key.name for key in KeyRing.load(Path(auth)).keys] == ["ok"]
+    assert keys("list", "--auth-file", auth).returncode == 0
+    assert keys("revoke", "--auth-file", auth, "--name", "ok").returncode == 0

@@ -76,13 +76,14 @@ def test_a_reference_is_captured_and_a_shifted_input_is_found(
     rng = np.random.default_rng(0)
     send(server, "watched", rng, 0.0)
     send(server, "watched", rng, 0.0)  # 400 rows: the reference
-    # Each window tests 4 tensors (2 inputs, 2 outputs). Requests that come while a
-    # window is being tested are not sampled, so send until the next one is tested.
-    calm = send_until(server, rng, 0.0, windows=4)
+    # Requests that come while a window is being tested are not sampled, so send until
+    # the next one is tested. A window of 4 tensors (2 inputs, 2 outputs) counts once.
+    calm = send_until(server, rng, 0.0, windows=1)
     assert calm["reference"] == "captured" and calm["reference_rows"] == 400
     assert calm["detected"] is False
-    shifted = send_until(server, rng, 1.0, windows=8)  # feature 5 of INPUT0: +1 sigma
-    assert shifted["detected"] is True
+    assert (calm["windows"], calm["tensor_tests"]) == (1, 4)
+    shifted = send_until(server, rng, 1.0, windows=2)  # feature 5 of INPUT0: +1 sigma
+    assert shifted["detected"] is True and shifted["windows"] == 2
     tensors = shifted["tensors"]
     assert isinstance(tensors, dict)
     flagged = [f["feature"] for f in tensors["INPUT0"]["features"] if f["drifted"]]
@@ -100,6 +101,11 @@ def test_a_reference_is_captured_and_a_shifted_input_is_found(
     html = page.read_text()
     assert "Drift detected" in html and "<h2>INPUT0: drifted" in html
     assert html.count("data:image/png;base64,") >= 1
+    # A page that cannot be written: a usage error naming --out, no traceback.
+    missing = [*command[:-1], str(tmp_path / "no-such-dir" / "drift.html")]
+    done = subprocess.run(missing, capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "--out" in done.stderr and "no-such-dir" in done.stderr
+    assert "Traceback" not in done.stderr
     samples = scrape(server)
     watched = {"model": "watched", "version": "1"}
     assert (
@@ -111,6 +117,8 @@ def test_a_reference_is_captured_and_a_shifted_input_is_found(
         == 0
     )
     assert samples[("slipstream_drift_samples_total", frozenset(watched.items()))] >= 40
+    windows = samples[("slipstream_drift_windows_total", frozenset(watched.items()))]
+    assert windows == drift(server, "watched").json()["windows"] >= 2
     feature_5 = frozenset({**watched, "tensor": "INPUT0", "feature": "5"}.items())
     assert samples[("slipstream_drift_p_value", feature_5)] < 1e-6
     assert samples[("slipstream_drift_score", feature_5)] > 0.2
@@ -173,8 +181,8 @@ def test_a_reference_written_by_the_cli_is_the_one_the_server_tests_against(
     bad = subprocess.run([*command[:-2], "--model-repository", str(tmp_path / "none")],
                          capture_output=True, text=True, check=False)  # fmt: skip
     assert bad.returncode != 0 and "ref" in bad.stderr
-    # Arrays the model has no tensor for, or whose rows it would not take: refused, and
-    # the good reference stays.
+    # Arrays the model has no tensor for, whose rows it would not take, fewer rows than
+    # a window, or none at all: refused, and the good reference stays.
     written = (repo / "ref" / "1" / "drift_reference.npz").read_bytes()
     wrong = {
         "foo": ({"foo": np.zeros((20, 3), np.float32)}, "'foo': not an input or output of ref"),
@@ -183,6 +191,13 @@ def test_a_reference_written_by_the_cli_is_the_one_the_server_tests_against(
             f"'INPUT0' has rows of shape [{ADD_SUB_WIDTH + 1}]; ref's INPUT0 takes "
             f"[-1, {ADD_SUB_WIDTH}]",
         ),
+        "one_row": (
+            {"INPUT0": np.zeros((1, ADD_SUB_WIDTH), np.float32)},
+            "'INPUT0' has 1 rows (samples along axis 0); a drift reference needs at least "
+            "200, ref's monitoring.drift.window",
+        ),
+        "no_rows": ({"INPUT0": np.zeros((0, ADD_SUB_WIDTH), np.float32)}, "has 0 rows"),
+        "empty": ({}, "no arrays; save one per tensor to monitor"),
     }
     for name, (arrays, error) in wrong.items():
         np.savez(tmp_path / f"{name}.npz", **arrays)  # type: ignore[arg-type]
@@ -190,8 +205,26 @@ def test_a_reference_written_by_the_cli_is_the_one_the_server_tests_against(
         other = [*command[:at], str(tmp_path / f"{name}.npz"), *command[at + 1 :]]
         refused = subprocess.run(other, capture_output=True, text=True, check=False)
         assert refused.returncode != 0 and error in refused.stderr, refused.stderr
-        assert "OUTPUT0" in refused.stderr or name == "rows"  # the tensors it has
+        assert "OUTPUT0" in refused.stderr or name not in ("foo", "empty")  # its tensors
     assert (repo / "ref" / "1" / "drift_reference.npz").read_bytes() == written
+
+
+def test_a_reference_file_it_cannot_use_turns_monitoring_off_not_the_model(
+    tmp_path: Path,
+) -> None:
+    """A one-row reference (written by hand, or by an older CLI): the model loads and
+    serves; /drift and the log say why it is not monitored."""
+    repo = tmp_path / "repo"
+    build_add_sub(repo, "tiny")
+    write_config(repo, "tiny", {"max_batch_size": 64, "monitoring": {"drift": DRIFT}})
+    np.savez(repo / "tiny" / "1" / "drift_reference.npz", INPUT0=np.zeros((1, ADD_SUB_WIDTH)))
+    with RemoteServer(repo, log_dir=tmp_path) as running:
+        assert running.http.get("/v2/models/tiny/ready", timeout=10).status_code == 200
+        send(running, "tiny", np.random.default_rng(6), 0.0)
+        doc = drift(running, "tiny").json()
+    assert "a reference needs at least 2 samples, got 1" in doc["disabled"]
+    assert doc["sampled"] == 0 and doc["tensors"] == {}
+    assert "drift monitoring of tiny:1 is off" in running.log_path.read_text()
 
 
 def test_the_readme_s_monitoring_block_is_a_valid_config() -> None:
@@ -205,13 +238,19 @@ def test_the_cost_per_inference_is_the_price_shared_by_compute_time(server: Remo
     rng = np.random.default_rng(5)
     send(server, "unwatched", rng, 0.0)
     send(server, "watched", rng, 0.0)
-    samples = scrape(server)
+    # The gauges follow the tracker's next snapshot (one per 10 s / 12 here).
+    deadline = time.monotonic() + 10
+    while True:
+        samples = scrape(server)
+        costs = {
+            dict(labels)["model"]: value
+            for (name, labels), value in samples.items()
+            if name == "slipstream_cost_per_million_inferences"
+        }
+        if costs or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert samples[("slipstream_price_per_hour", frozenset())] == 3.6
-    costs = {
-        dict(labels)["model"]: value
-        for (name, labels), value in samples.items()
-        if name == "slipstream_cost_per_million_inferences"
-    }
     shares = [v for (n, _), v in samples.items() if n == "slipstream_compute_share"]
     assert set(costs) <= {"watched", "unwatched"} and costs and all(c > 0 for c in costs.values())
     assert sum(shares) == pytest.approx(1.0)

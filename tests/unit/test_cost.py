@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.observability.cost import CostTracker
-from slipstream.observability.metrics import ServerMetrics
+from slipstream.observability.metrics import ModelMetrics, ServerMetrics
 
 
 def run(metrics: ServerMetrics, model: str, compute_s: float, inferences: int) -> None:
@@ -69,3 +69,36 @@ def test_nothing_is_shown_before_two_samples_or_without_compute() -> None:
         "slipstream_cost_per_million_inferences",
         "slipstream_compute_share",
     }
+
+
+def test_a_reload_starts_its_counts_again_and_the_gauges_stay_true() -> None:
+    """A reloaded version counts from zero in fresh counters: its deltas are its new
+    counts, never negative, so no version's gauges vanish or pass a share of 1."""
+    metrics = ServerMetrics()
+    metrics.for_model("big", "1")
+    metrics.for_model("small", "1")
+    tracker = CostTracker(metrics, price_per_hour=3.6, window_s=60)
+    tracker.sample(0.0)
+    run(metrics, "big", 30.0, 10_000)
+    run(metrics, "small", 10.0, 10_000)
+    tracker.sample(10.0)
+    metrics.add(ModelMetrics("big", "1"))  # big reloaded: its counts start at zero
+    run(metrics, "big", 3.0, 1_000)
+    run(metrics, "small", 1.0, 1_000)
+    tracker.sample(20.0)
+    costs = tracker.costs()
+    # 33 + 11 s of compute over the 20 s ($0.02): big 3/4 of it, small 1/4.
+    assert costs[("big", "1")] == pytest.approx((0.015 / 11_000 * 1e6, 0.75))
+    assert costs[("small", "1")] == pytest.approx((0.005 / 11_000 * 1e6, 0.25))
+    # The minor model reloaded instead, and counts that went down in the same counters
+    # (a reset): both are counted from zero.
+    metrics.add(ModelMetrics("small", "1"))
+    run(metrics, "big", 3.0, 1_000)
+    run(metrics, "small", 1.0, 1_000)
+    tracker.sample(30.0)
+    (big := metrics.models()[0]).inference_count = 500
+    big.compute_duration.total = 1.0
+    tracker.sample(40.0)
+    shares = {key: share for key, (_, share) in tracker.costs().items()}
+    assert shares[("small", "1")] == pytest.approx(12 / 49)
+    assert sum(shares.values()) == pytest.approx(1.0)

@@ -130,3 +130,71 @@ def test_the_report_as_json_names_each_feature() -> None:
     assert doc["tensor"] == "x" and doc["samples"] == 400 and doc["detected"] is True
     assert [f["feature"] for f in doc["features"] if f["drifted"]] == ["2"]
     assert doc["p_threshold"] == pytest.approx(0.05 / 6)
+
+
+def test_a_feature_that_turns_nan_drifts_however_much_of_it_is_nan() -> None:
+    """A broken sensor sends NaN: its share of NaN is tested as a category, and every
+    p-value stays a number (a NaN p-value would read as "no drift")."""
+    rng = np.random.default_rng(9)
+    reference = Reference.from_samples("x", rng.normal(size=(1000, 8)).astype(np.float32))
+    for rows in (slice(None), slice(None, None, 2)):  # all of the window, half of it
+        window = rng.normal(size=(WINDOW, 8)).astype(np.float32)
+        window[rows, 3] = np.nan
+        report = reference.test(window)
+        (feature,) = report.drifted
+        assert report.detected and feature.feature == "3" and feature.p_value < 1e-10
+        assert feature.nan_shares[0] == 0.0 and feature.nan_shares[1] >= 0.5
+        assert feature.window_shares[-1] == feature.nan_shares[1]  # NaN's own PSI bin
+        assert feature.psi > 0.2 and "NaN" in feature.note
+        assert all(math.isfinite(f["p_value"]) for f in report.to_json()["features"])
+    # A stray NaN is not drift.
+    window = rng.normal(size=(WINDOW, 8)).astype(np.float32)
+    window[0, 3] = np.nan
+    assert not reference.test(window).detected
+
+
+def test_one_nan_in_the_reference_does_not_blind_its_feature() -> None:
+    from scipy import stats
+
+    rng = np.random.default_rng(10)
+    samples = rng.normal(size=(1000, 4))
+    samples[7, 2] = np.nan
+    reference = Reference.from_samples("x", samples)
+    window = rng.normal(size=(WINDOW, 4))
+    calm = reference.test(window)
+    assert not calm.detected
+    # KS on the finite values, as scipy answers it for them; doubled for the two tests.
+    expected = stats.ks_2samp(samples[~np.isnan(samples[:, 2]), 2], window[:, 2])
+    assert calm.features[2].p_value == min(1.0, 2 * expected.pvalue)
+    window[:, 2] += 3.0  # a 3-sigma shift
+    shifted = reference.test(window)
+    assert [f.feature for f in shifted.drifted] == ["2"]
+    # A feature all NaN in the reference: a window of values drifts, one of NaN does not.
+    samples[:, 1] = np.nan
+    reference = Reference.from_samples("x", samples)
+    window[:, 2] -= 3.0  # the calm window again
+    assert [f.feature for f in reference.test(window).drifted] == ["1"]
+    nan_window = window.copy()
+    nan_window[:, 1] = np.nan
+    (feature,) = [f for f in reference.test(nan_window).features if f.feature == "1"]
+    assert not feature.drifted and "all NaN" in feature.note
+
+
+def test_the_report_page_draws_a_nan_window_and_survives_untested_features() -> None:
+    """A window with NaN gets a NaN bar; a feature with no p-value (a null in the JSON
+    of a server that could not test it) is tabled as untested, not a crash."""
+    from slipstream.drift_report import drift_page
+
+    rng = np.random.default_rng(11)
+    reference = Reference.from_samples("input", rng.normal(size=(1000, 2)))
+    window = rng.normal(size=(WINDOW, 2))
+    window[:, 1] = np.nan
+    report = reference.test(window).to_json()
+    untested = {**report["features"][0], "statistic": None, "p_value": None, "drifted": False}
+    report["features"].append({**untested, "feature": "2"})
+    doc = {"model": "m", "version": "1", "reference": "file", "reference_rows": 1000,
+           "window": WINDOW, "windows": 1, "sampled": 50, "dropped": 0, "detected": True,
+           "tensors": {"input": report}, "skipped": {}}  # fmt: skip
+    page = drift_page(doc, all_features=True)
+    assert "<h2>input: drifted" in page and page.count("data:image/png;base64,") == 3
+    assert "<td>untested</td>" in page and "all NaN" in page

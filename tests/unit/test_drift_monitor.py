@@ -51,6 +51,8 @@ def test_a_reference_is_captured_then_a_shifted_window_is_found(
     doc = monitor.to_json()
     assert doc["reference"] == "captured" and doc["reference_rows"] == 1000
     assert doc["detected"] is True and doc["sampled"] == 150 and doc["dropped"] == 0
+    # One window, of two tensors: counted once (and the two tests on their own).
+    assert (doc["windows"], doc["tensor_tests"]) == (1, 2)
     drifted = [f["feature"] for f in doc["tensors"]["input"]["features"] if f["drifted"]]
     assert "3" in drifted
     # Prediction drift: the label is categorical, and feature 0 did not move.
@@ -131,3 +133,53 @@ def test_after_a_window_requests_are_not_sampled_until_the_interval_has_passed(
     for _ in range(10):
         monitor.offer({"x": rng.normal(size=(5, 2))}, {})
     wait_until(lambda: monitor.state.windows == 2, "the next window tested")
+
+
+def test_a_capture_ends_though_a_tensor_few_requests_carry_falls_short(
+    monitors: list[DriftMonitor],
+) -> None:
+    """Most clients ask for the label only, one for every output: the capture ends with
+    the tensors that have their rows, the short one left out with the reason."""
+    rng = np.random.default_rng(4)
+    settings = DriftSettings(enable=True, window=100, reference_samples=200, min_interval_s=0)
+    monitor = DriftMonitor("digits", "1", settings)
+    monitors.append(monitor)
+    x = rng.normal(size=(1, 4))
+    monitor.offer({"input": x}, {"label": np.zeros(1, np.int64), "probabilities": x})
+    offer_rows(monitor, rng.normal(size=(300, 4)))
+    wait_until(lambda: monitor.state.windows == 1, "captured and tested")
+    doc = monitor.to_json()
+    assert doc["reference"] == "captured" and doc["reference_rows"] == 201  # 1 + 200
+    assert sorted(doc["tensors"]) == ["input", "label"]
+    assert "1 rows when the reference was captured from 200" in doc["skipped"]["probabilities"]
+
+
+@pytest.mark.parametrize(
+    ("arrays", "reason"),
+    [
+        ({"input": np.zeros((1, 4))}, "at least 2 samples, got 1"),
+        ({}, "it holds no arrays"),
+        (None, "cannot be read"),
+    ],
+)
+def test_a_reference_file_it_cannot_use_turns_monitoring_off_with_the_reason(
+    monitors: list[DriftMonitor],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    arrays: dict[str, np.ndarray] | None,
+    reason: str,
+) -> None:
+    """Never an exception out of the version's load: the version serves unmonitored."""
+    path = tmp_path / REFERENCE_FILE
+    if arrays is None:
+        path.write_bytes(b"not a zip file")
+    else:
+        np.savez(path, **arrays)  # type: ignore[arg-type]
+    monitor = DriftMonitor("mlp", "1", DriftSettings(enable=True), version_dir=tmp_path)
+    monitors.append(monitor)
+    offer_rows(monitor, np.zeros((20, 4)))  # not sampled, never raises
+    doc = monitor.to_json()
+    disabled = str(doc["disabled"])
+    assert reason in disabled and "slipstream monitor reference" in disabled
+    assert doc["sampled"] == 0 and doc["tensors"] == {}
+    assert f"drift monitoring of mlp:1 is off: {path}" in caplog.text

@@ -32,6 +32,17 @@ class ReferenceError(ValueError):
     """A reference that cannot be the model's: the message says why."""
 
 
+def pick_version(directory: ModelDirectory, version: int | None) -> int:
+    """``version`` (the newest when None), checked to be one of the model's."""
+    if not directory.versions:
+        raise ReferenceError(f"{directory.path}: no version directory (1/, 2/, ...)")
+    chosen = version if version is not None else max(directory.versions)
+    if chosen not in directory.versions:
+        found = ", ".join(map(str, directory.versions))
+        raise ReferenceError(f"--version {chosen}: {directory.name} has versions {found}")
+    return chosen
+
+
 def write_reference(
     directory: ModelDirectory,
     version: int,
@@ -83,9 +94,14 @@ def model_config(directory: ModelDirectory, version: int) -> ModelConfig:
 
 def check_reference(config: ModelConfig, arrays: Mapping[str, np.ndarray], source: Path) -> None:
     """ReferenceError unless each array is an input or output of the model, its samples
-    along axis 0 shaped as that tensor's rows."""
+    along axis 0 shaped as that tensor's rows, with at least a drift window of them."""
     tensors = {tensor.name: tensor for tensor in [*config.input, *config.output]}
     listed = ", ".join(f"{name} {_shape(tensor, config)}" for name, tensor in tensors.items())
+    if not arrays:
+        raise ReferenceError(
+            f"{source}: no arrays; save one per tensor to monitor, named after it "
+            f"(its tensors: {listed})"
+        )
     unknown = sorted(set(arrays) - set(tensors))
     if unknown:
         raise ReferenceError(
@@ -93,15 +109,26 @@ def check_reference(config: ModelConfig, arrays: Mapping[str, np.ndarray], sourc
             f"{config.name} (its tensors: {listed}); name each array after the tensor it "
             "samples"
         )
-    if not config.max_batch_size:
-        return  # no batch dim: a request's whole tensor is a sample, its shape as sent
+    if config.max_batch_size:  # else a request's whole tensor is a sample, as sent
+        for name, array in arrays.items():
+            dims = tensors[name].dims
+            shape = array.shape[1:]
+            if len(shape) != len(dims) or any(
+                d not in (-1, r) for d, r in zip(dims, shape, strict=True)
+            ):
+                raise ReferenceError(
+                    f"{source}: {name!r} has rows of shape {list(shape)}; {config.name}'s "
+                    f"{name} takes {_shape(tensors[name], config)} (samples along axis 0)"
+                )
+    # A window is tested against the whole reference: one smaller than a window would
+    # make the reference's own noise the drift found (the server refuses under 2 rows).
+    window = config.monitoring.drift.window
     for name, array in arrays.items():
-        dims = tensors[name].dims
-        rows = array.shape[1:]
-        if len(rows) != len(dims) or any(d not in (-1, r) for d, r in zip(dims, rows, strict=True)):
+        if len(array) < window:
             raise ReferenceError(
-                f"{source}: {name!r} has rows of shape {list(rows)}; {config.name}'s {name} "
-                f"takes {_shape(tensors[name], config)} (samples along axis 0)"
+                f"{source}: {name!r} has {len(array)} rows (samples along axis 0); a drift "
+                f"reference needs at least {window}, {config.name}'s "
+                "monitoring.drift.window: save more known-good samples"
             )
 
 

@@ -89,8 +89,11 @@ class DriftMonitors(Collector):
             labels=["model", "version"],
         )
         windows = CounterMetricFamily(
-            "slipstream_drift_windows", "Windows tested", labels=["model", "version"]
+            "slipstream_drift_windows",
+            "Windows tested (one per window, whatever the number of tensors it tests)",
+            labels=["model", "version"],
         )
+
         for (model, version), monitor in sorted(self._monitors.items()):
             state = monitor.state
             sampled.add_metric([model, version], state.sampled)

@@ -8,7 +8,13 @@ tested tensor are in, tests them against the reference (:mod:`slipstream.monitor
 
 The reference is the version's ``drift_reference.npz`` when it has one (one array per
 tensor name, written by ``slipstream monitor reference``), else the first
-``reference_samples`` rows the version serves: the distribution it met going live.
+``reference_samples`` rows the version serves: the distribution it met going live. A
+capture ends when one tensor has that many rows (a tensor few clients ask for, such as an
+output most requests leave out, would hold it open forever); the tensors short of them
+are left out, with the reason in ``skipped``.
+
+A reference file that cannot be used turns the version's monitoring off, with the reason
+in ``disabled``; the version itself loads and serves as without monitoring.
 """
 
 from __future__ import annotations
@@ -38,11 +44,16 @@ class DriftState:
 
     # Where the reference came from: "file", "captured", or "capturing" until it is.
     reference: str = "capturing"
-    # Rows gathered towards the reference while capturing.
+    # Rows gathered towards the reference while capturing (of its best-sampled tensor).
     reference_rows: int = 0
     sampled: int = 0
     dropped: int = 0
+    # Windows tested (one per window, however many tensors it tested).
     windows: int = 0
+    # Tensor tests run: a window of three tested tensors counts three.
+    tensor_tests: int = 0
+    # Why monitoring is off for the version (a reference file it cannot use); "" if on.
+    disabled: str = ""
     # The last window's report per tensor.
     reports: dict[str, DriftReport] = field(default_factory=dict)
     # Why a tensor is not tested (a shape that changed, a tensor the reference lacks).
@@ -79,6 +90,8 @@ class DriftMonitor:
         path = version_dir / REFERENCE_FILE if version_dir is not None else None
         if path is not None and path.is_file():
             self._load_reference(path)
+        if self.state.disabled:
+            self._open = False  # offers cost a flag check and are never sampled
         self._thread = threading.Thread(
             target=self._run, name=f"slipstream-drift-{model}", daemon=True
         )
@@ -150,8 +163,8 @@ class DriftMonitor:
             if rows.ndim == 0:
                 self.state.skipped[name] = "a scalar has no batch dimension to sample"
                 continue
-            if self.state.reference == "file" and name not in self._references:
-                continue
+            if self.state.reference != "capturing" and name not in self._references:
+                continue  # nothing to test it against
             target = self._captured if self.state.reference == "capturing" else self._pending
             target.setdefault(name, []).append(rows)
             self._rows[name] = self._rows.get(name, 0) + len(rows)
@@ -163,10 +176,20 @@ class DriftMonitor:
         return any(rows >= window for rows in self._rows.values())
 
     def _maybe_finish_capture(self) -> None:
-        self.state.reference_rows = min(self._rows.values(), default=0)
-        if self.state.reference_rows < self._settings.reference_samples:
+        self.state.reference_rows = max(self._rows.values(), default=0)
+        wanted = self._settings.reference_samples
+        if self.state.reference_rows < wanted:
             return
+        least = min(wanted, self._settings.window)
         for name, parts in self._captured.items():
+            rows = self._rows.get(name, 0)
+            if rows < least:
+                self.state.skipped[name] = (
+                    f"{rows} rows when the reference was captured from {wanted} (at least "
+                    f"{least} needed): too few requests carried it; ask for it in more "
+                    "requests, or write a reference file (slipstream monitor reference)"
+                )
+                continue
             try:
                 self._references[name] = Reference.from_samples(
                     name, np.concatenate(parts), alpha=self._settings.alpha
@@ -207,15 +230,34 @@ class DriftMonitor:
                 )  # fmt: skip
         if tested:
             self.state.reports = reports
-            self.state.windows += tested
+            self.state.windows += 1
+            self.state.tensor_tests += tested
 
     def _load_reference(self, path: Path) -> None:
-        with np.load(path, allow_pickle=False) as data:
-            for name in data.files:
-                self._references[name] = Reference.from_samples(
-                    name, data[name], alpha=self._settings.alpha
-                )
+        """The file's references; an array it cannot use is skipped, a file it cannot
+        use at all disables monitoring (never the version's load), each with the reason."""
         self.state.reference = "file"
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                for name in data.files:
+                    try:
+                        self._references[name] = Reference.from_samples(
+                            name, data[name], alpha=self._settings.alpha
+                        )
+                    except ValueError as exc:  # too few rows, a scalar
+                        self.state.skipped[name] = f"{path.name}: {exc}"
+        except Exception as exc:  # an unreadable file: zip, npy or pickle errors alike
+            self.state.disabled = f"{path}: cannot be read ({exc})"
+        if not self._references and not self.state.disabled:
+            why = "; ".join(self.state.skipped.values()) or "it holds no arrays"
+            self.state.disabled = f"{path}: no usable reference ({why})"
+        if self.state.disabled:
+            self.state.disabled += "; write it again with slipstream monitor reference"
+            logger.warning("drift monitoring of %s:%s is off: %s", self.model, self.version,
+                           self.state.disabled)  # fmt: skip
+        elif self.state.skipped:
+            logger.warning("drift reference of %s:%s: tensors left out: %s", self.model,
+                           self.version, self.state.skipped)  # fmt: skip
         self.state.reference_rows = min(
             (len(r.samples) for r in self._references.values()), default=0
         )
@@ -234,6 +276,8 @@ class DriftMonitor:
             "sampled": state.sampled,
             "dropped": state.dropped,
             "windows": state.windows,
+            "tensor_tests": state.tensor_tests,
+            "disabled": state.disabled or None,
             "detected": any(r.detected for r in reports.values()),
             "tensors": {name: r.to_json() for name, r in sorted(reports.items())},
             "skipped": dict(sorted(state.skipped.items())),

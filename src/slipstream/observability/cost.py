@@ -12,11 +12,15 @@ With one model this is the price divided by the throughput, as ``slipstream benc
 Idle time is paid too (the machine costs the same), which is what an operator pays.
 
 The runner calls :meth:`CostTracker.sample` every few seconds; a scrape reads the
-gauges over the snapshots of the last window.
+gauges over the snapshots of the last window. A version's counts start again from zero
+when it is reloaded (fresh counters for the new instance), so the window's deltas are
+summed snapshot to snapshot, and a count from another instance, or one that went down,
+is counted from zero, as Prometheus's rate() takes a counter reset.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,14 +28,25 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from slipstream.observability.metrics import ServerMetrics
+from slipstream.observability.metrics import ModelMetrics, ServerMetrics
+
+
+@dataclass(frozen=True)
+class _Count:
+    """One version's counts at a snapshot."""
+
+    # The counters read: a reload replaces them (held, so a new one never takes the id
+    # of one freed).
+    source: ModelMetrics
+    # Compute seconds and inferences since that instance loaded.
+    compute_s: float
+    inferences: int
 
 
 @dataclass(frozen=True)
 class _Snapshot:
     at_s: float
-    # (model, version) -> (compute seconds, inferences) since the version loaded.
-    totals: dict[tuple[str, str], tuple[float, int]]
+    totals: dict[tuple[str, str], _Count]
 
 
 class CostTracker(Collector):
@@ -46,7 +61,7 @@ class CostTracker(Collector):
     def sample(self, now_s: float) -> None:
         """Record the counts now; keep what the window needs (and one snapshot before it)."""
         totals = {
-            (m.labels[0], m.labels[1]): (m.compute_duration.total, m.inference_count)
+            (m.labels[0], m.labels[1]): _Count(m, m.compute_duration.total, m.inference_count)
             for m in self._metrics.models()
         }
         self._snapshots.append(_Snapshot(now_s, totals))
@@ -58,12 +73,8 @@ class CostTracker(Collector):
         that ran nothing in it are left out."""
         if len(self._snapshots) < 2:
             return {}
-        first, last = self._snapshots[0], self._snapshots[-1]
-        elapsed_s = last.at_s - first.at_s
-        deltas = {}
-        for key, (compute_s, inferences) in last.totals.items():
-            before = first.totals.get(key, (0.0, 0))
-            deltas[key] = (compute_s - before[0], inferences - before[1])
+        elapsed_s = self._snapshots[-1].at_s - self._snapshots[0].at_s
+        deltas = self._deltas()
         total_compute_s = sum(c for c, _ in deltas.values())
         if elapsed_s <= 0 or total_compute_s <= 0:
             return {}
@@ -76,6 +87,29 @@ class CostTracker(Collector):
             for key, (compute_s, inferences) in deltas.items()
             if inferences > 0
         }
+
+    def _deltas(self) -> dict[tuple[str, str], tuple[float, int]]:
+        """(compute seconds, inferences) per version over the window, summed snapshot to
+        snapshot; versions not loaded at its end are left out."""
+        deltas: dict[tuple[str, str], tuple[float, int]] = {}
+        for before, after in itertools.pairwise(self._snapshots):
+            for key, now in after.totals.items():
+                then = before.totals.get(key)
+                compute_s, inferences = now.compute_s, now.inferences
+                # Another instance's counts, or counts that went down (a reset), are all
+                # new; never a negative delta.
+                if (
+                    then is not None
+                    and then.source is now.source
+                    and compute_s >= then.compute_s
+                    and inferences >= then.inferences
+                ):
+                    compute_s -= then.compute_s
+                    inferences -= then.inferences
+                sum_s, sum_n = deltas.get(key, (0.0, 0))
+                deltas[key] = (sum_s + compute_s, sum_n + inferences)
+        last = self._snapshots[-1].totals
+        return {key: delta for key, delta in deltas.items() if key in last}
 
     def collect(self) -> Iterator[Metric]:
         price = GaugeMetricFamily(
