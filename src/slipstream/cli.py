@@ -549,6 +549,8 @@ def _rollout_call(url: str, model: str, body: dict[str, Any] | None, api_key: st
               help="Candidate error rate minus the baseline's, at most.")  # fmt: skip
 @click.option("--max-p99-ratio", type=float, default=1.5, show_default=True,
               help="Candidate p99 / baseline p99, at most.")  # fmt: skip
+@click.option("--min-p99-delta-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="A p99 at most this much slower passes, whatever the ratio.")  # fmt: skip
 @click.option("--shadow-share", type=float, default=0.0, show_default=True,
               help="Share of the baseline's requests also mirrored to the candidate.")  # fmt: skip
 @_SERVER_URL

@@ -132,7 +132,8 @@ def test_bad_candidates_roll_back_and_a_healthy_one_is_promoted(server: RemoteSe
                 reply = client.post(server.url(f"/v2/models/{model}/rollout"), json=PLAN)
                 assert reply.status_code == 200, reply.text
             cli(server, "start", "slow", "--candidate", "2", "--steps", "25,50",
-                "--interval", "1.5s", "--min-requests", "10")  # fmt: skip
+                "--interval", "1.5s", "--min-requests", "10",
+                "--min-p99-delta-ms", "1.5")  # fmt: skip
             final = {m: wait_for(client, server, m, lambda s: s["status"] in FINAL, 30)
                      for m in models}  # fmt: skip
             time.sleep(0.5)  # traffic after the verdicts: none may fail
@@ -151,6 +152,7 @@ def test_bad_candidates_roll_back_and_a_healthy_one_is_promoted(server: RemoteSe
         # Rolled back within two analysis windows of the start.
         took = event_at(state, "rollback") - event_at(state, "start")
         assert took <= 2 * INTERVAL_S + 0.5, state["history"]
+    assert "min_p99_delta_ms 1.5" in slow["reason"], slow["reason"]  # the CLI's flag
     assert good["status"] == "promoted", json.dumps(good["history"], indent=1)
     assert [e["event"] for e in good["history"]] == ["start", "pass", "pass", "promote"]
     assert good["weights"] == {"2": 100.0}
