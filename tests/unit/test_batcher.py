@@ -479,3 +479,31 @@ async def test_an_instance_idle_while_requests_wait_is_timed() -> None:
     await asyncio.sleep(0.05)
     await batcher.submit({"x": rows(7)}, 1, KEY)
     assert sum(model.instance_idle.counts) == 3
+
+
+class SummingBackend(FakeBackend):
+    """Answers one row for the whole batch (a sum over it): no row per input row."""
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> dict[str, Any]:
+        self.running += 1
+        self.gate.wait(5)
+        self.running -= 1
+        self.batches.append(inputs["x"].copy())
+        return {"y": inputs["x"].sum(axis=0, keepdims=True)}
+
+
+async def test_an_output_without_a_row_per_row_never_carries_another_requests_data() -> None:
+    """Split back by rows, a batch's one summed row went to the last request, with the
+    other clients' data in it, and the first got nothing: each request runs alone."""
+    backend = SummingBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher([backend])
+    first = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await held(backend)
+    a = asyncio.ensure_future(batcher.submit({"x": rows(1)}, 1, KEY))
+    b = asyncio.ensure_future(batcher.submit({"x": rows(100)}, 1, KEY))
+    await asyncio.sleep(0.05)
+    backend.gate.set()
+    results = await asyncio.gather(first, a, b)
+    assert [r["y"].tolist() for r in results] == [[[0.0]], [[1.0]], [[100.0]]]
+    assert any(len(batch) == 2 for batch in backend.batches)  # a and b were batched

@@ -529,6 +529,10 @@ def _run(backend: Backend, batch: list[_Pending], output_names: list[str]) -> _B
     outcomes: list[Arrays | BaseException]
     if len(batch) == 1:
         outcomes = [outputs]
+    elif not _one_row_per_row(outputs, sum(p.rows for p in batch)):
+        # An output without a row per input row (a sum over the batch, say) cannot be
+        # split back: its rows would carry other clients' data. Each request alone.
+        return _isolate_failure(backend, batch, output_names)
     else:
         outcomes = []
         start = 0
@@ -539,6 +543,26 @@ def _run(backend: Backend, batch: list[_Pending], output_names: list[str]) -> _B
     t3 = time.perf_counter_ns()
     rows = sum(p.rows for p in batch)
     return _BatchResult(outcomes, t1 - t0, t2 - t1, t3 - t2, rows)
+
+
+def _one_row_per_row(outputs: Arrays, rows: int) -> bool:
+    """Whether every output has the batch's rows as its first dimension."""
+    for name, array in outputs.items():
+        if getattr(array, "ndim", 0) == 0 or array.shape[0] != rows:
+            if name not in _UNSPLIT_WARNED:
+                _UNSPLIT_WARNED.add(name)
+                logger.warning(
+                    "output %r has shape %s for a batch of %d rows: the model does not "
+                    "answer a row per row, so batched requests run one by one; set "
+                    "max_batch_size: 0 if it does not batch", name,
+                    getattr(array, "shape", ()), rows,
+                )  # fmt: skip
+            return False
+    return True
+
+
+# Outputs already warned about by _one_row_per_row (once per process, not per batch).
+_UNSPLIT_WARNED: set[str] = set()
 
 
 def _isolate_failure(
