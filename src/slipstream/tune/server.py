@@ -113,23 +113,17 @@ class TrialServer:
         ]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["CUDA_VISIBLE_DEVICES"] = self._gpu if self._gpu is not None else ""
-        cpus = self._cpus
-
-        def pin() -> None:
-            # In the child before exec: the server and every thread it starts (ONNX
-            # Runtime's pools size themselves from this affinity) run on these cores.
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-
+        if self._cpus is not None:
+            # taskset execs the server on these cores, so it and every thread it starts
+            # (ONNX Runtime's pools size themselves from this affinity) run there. Not a
+            # preexec_fn: that makes Popen fork rather than vfork, which runs OpenBLAS's
+            # fork handler in this thread, and that deadlocks against another thread of
+            # this process using BLAS at the moment (seen in the test suite).
+            argv = ["taskset", "-c", ",".join(map(str, sorted(self._cpus))), *argv]
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         with self._log_path.open("wb") as log:
             self._proc = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=pin,
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
 
     def _wait_ready(self) -> None:
