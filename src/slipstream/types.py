@@ -45,6 +45,8 @@ class RequestedOutput:
     binary_data: bool | None = None
     # Write the output into this region instead of the response.
     shared_memory: SharedMemoryRef | None = None
+    # > 0: return the output's top classes instead (Triton's classification extension).
+    classification: int = 0
 
 
 @dataclass(slots=True)

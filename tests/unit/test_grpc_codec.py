@@ -13,7 +13,7 @@ from tritonclient.grpc import InferResult, model_config_pb2, service_pb2
 from slipstream.config import parse_model_config
 from slipstream.errors import InvalidRequest
 from slipstream.observability.stats import BatchStats, InferStats, ModelStats, StatDuration
-from slipstream.protocol import grpc_codec
+from slipstream.protocol import grpc_codec, grpc_config
 from slipstream.protocol.proto import inference_pb2 as pb
 from slipstream.types import (
     InferResponse,
@@ -306,9 +306,9 @@ def test_requested_outputs_are_listed_and_none_means_all() -> None:
     assert outputs == [RequestedOutput(name="OUTPUT1")]
 
 
-def test_classification_output_is_refused_naming_the_output() -> None:
+def test_a_classification_that_is_not_a_count_is_refused_naming_the_output() -> None:
     message = request_with("a", "FP32", [1], raw=b"\x00" * 4)
-    message.outputs.add(name="probs").parameters["classification"].int64_param = 3
+    message.outputs.add(name="probs").parameters["classification"].string_param = "3"
     error = decode_error(message)
     assert "'probs'" in error
     assert "'classification'" in error
@@ -437,7 +437,7 @@ def test_model_config_decodes_in_tritonclient_with_triton_enums() -> None:
         },
         "test",
     )
-    encoded = grpc_codec.encode_model_config(config)
+    encoded = grpc_config.encode_model_config(config)
     triton = service_pb2.ModelConfigResponse.FromString(encoded.SerializeToString()).config
     assert triton.max_batch_size == 8
     assert triton.backend == "onnxruntime"
@@ -462,7 +462,7 @@ def test_model_config_decodes_in_tritonclient_with_triton_enums() -> None:
 
 
 def test_model_config_default_version_policy_is_latest_one() -> None:
-    encoded = grpc_codec.encode_model_config(parse_model_config({"name": "m"}, "test"))
+    encoded = grpc_config.encode_model_config(parse_model_config({"name": "m"}, "test"))
     assert encoded.config.version_policy.latest.num_versions == 1
     assert encoded.config.max_batch_size == 0
 

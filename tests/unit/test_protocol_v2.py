@@ -435,8 +435,8 @@ JSON_ERRORS: list[tuple[Any, str]] = [
         "output 'y': parameters.binary_data",
     ),
     (
-        {"inputs": [], "outputs": [{"name": "y", "parameters": {"classification": 3}}]},
-        "output 'y': the classification extension is not supported",
+        {"inputs": [], "outputs": [{"name": "y", "parameters": {"classification": -3}}]},
+        "output 'y': parameters.classification: expected a non-negative integer",
     ),
     (
         {"inputs": [], "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r"}}]},

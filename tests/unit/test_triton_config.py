@@ -82,7 +82,9 @@ def test_a_triton_config_is_read_as_it_means(tmp_path: Path) -> None:
         ("INPUT0", "FP32", [16]),
         ("INPUT1", "FP32", [16]),
     ]
+    assert config.input[1].reshape is None  # a reshape to the dims themselves
     assert [t.name for t in config.output] == ["OUTPUT0", "OUTPUT1"]
+    assert [t.label_filename for t in config.output] == ["labels.txt", ""]
     assert config.instance_count == 2
     batching = config.dynamic_batching
     assert batching.preferred_batch_size == [4, 8]
@@ -131,8 +133,8 @@ def test_a_config_yaml_beside_it_wins(tmp_path: Path) -> None:
         ("model_transaction_policy { decoupled: true }", r"decoupled models are not supported"),
         (
             'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ]\n'
-            "          reshape { shape: [ 4, 4 ] } } ]",
-            r"input 'INPUT0': reshape \[4, 4\] \(from dims \[16\]\) is not supported",
+            "          reshape { shape: [ 4, 5 ] } } ]",
+            r"reshape: shape \[4, 5\] holds 20 elements but dims \[16\] hold 16",
         ),
         (
             "dynamic_batching { default_queue_policy { timeout_action: DELAY } }",

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from slipstream.config.base import Strict as _Strict
 from slipstream.config.cache_spec import parse_cache_spec
 from slipstream.config.cascade import CascadeConfig, CascadeStage, ConfidenceRule
+from slipstream.config.reshape import reshape_problem
 from slipstream.config.sections import (
     GENERATIVE_BACKENDS,
     DriftSettings,
@@ -26,6 +27,7 @@ from slipstream.config.sections import (
     RolloutConfig,
     ShadowConfig,
 )
+from slipstream.config.versions import VersionPolicy, WarmupInput, WarmupSample
 from slipstream.datatypes import from_config_datatype
 from slipstream.names import MODEL_NAME_RULE, model_name_problem
 
@@ -64,6 +66,12 @@ class TensorConfig(_Strict):
     dims: list[int] = Field(description="shape without the batch dim; -1 for variable")
     # Triton: an optional input may be left out of a request.
     optional: bool = False
+    reshape: list[int] | None = Field(
+        None, description="the shape the model file takes or produces, when not dims (Triton)"
+    )
+    label_filename: str = Field(
+        "", description="outputs: class labels, one a line, in the model directory"
+    )
 
     @field_validator("data_type")
     @classmethod
@@ -77,6 +85,18 @@ class TensorConfig(_Strict):
             if d < -1 or d == 0:
                 raise ValueError(f"each dim must be -1 (variable) or > 0, got {d}")
         return dims
+
+    @model_validator(mode="after")
+    def _check_reshape(self) -> TensorConfig:
+        label = Path(self.label_filename)
+        if label.is_absolute() or ".." in label.parts:
+            raise ValueError("label_filename: a file in the model directory, not a path out of it")
+        if self.reshape is not None:
+            if self.reshape == self.dims:
+                self.reshape = None
+            elif (problem := reshape_problem(self.dims, self.reshape)) is not None:
+                raise ValueError(f"reshape: {problem}")
+        return self
 
 
 class DynamicBatching(_Strict):
@@ -122,59 +142,6 @@ class InstanceGroup(_Strict):
     count: int = Field(1, ge=1, le=64)
     kind: Literal["KIND_CPU", "KIND_GPU", "KIND_AUTO"] = "KIND_CPU"
     name: str = ""
-
-
-class VersionPolicy(_Strict):
-    """Which version directories to serve: exactly one of latest / all / specific."""
-
-    latest: dict[str, int] | None = None
-    all: dict[str, Any] | None = None
-    specific: dict[str, list[int]] | None = None
-
-    @model_validator(mode="after")
-    def _one_policy(self) -> VersionPolicy:
-        chosen = [k for k in ("latest", "all", "specific") if getattr(self, k) is not None]
-        if len(chosen) > 1:
-            raise ValueError(f"set only one of latest / all / specific, got {chosen}")
-        if self.latest is not None:
-            n = self.latest.get("num_versions", 1)
-            if set(self.latest) - {"num_versions"} or n < 1:
-                raise ValueError("latest takes {num_versions: N} with N >= 1")
-        if self.specific is not None and set(self.specific) != {"versions"}:
-            raise ValueError("specific takes {versions: [1, 2, ...]}")
-        return self
-
-    def select(self, available: list[int]) -> list[int]:
-        """Versions to serve among the available ones, ascending."""
-        ordered = sorted(available)
-        if self.all is not None:
-            return ordered
-        if self.specific is not None:
-            wanted = set(self.specific["versions"])
-            return [v for v in ordered if v in wanted]
-        n = (self.latest or {}).get("num_versions", 1)
-        return ordered[-n:]
-
-
-class WarmupInput(_Strict):
-    data_type: str
-    dims: list[int]
-    zero_data: bool = False
-    random_data: bool = False
-
-    @field_validator("data_type")
-    @classmethod
-    def _normalise_datatype(cls, value: str) -> str:
-        return from_config_datatype(value)
-
-
-class WarmupSample(_Strict):
-    """One synthetic request run before the model is declared READY."""
-
-    name: str = "warmup"
-    batch_size: int = Field(1, ge=1)
-    inputs: dict[str, WarmupInput] = Field(default_factory=dict)
-    count: int = Field(1, ge=1, le=1000)
 
 
 class ModelConfig(_Strict):
@@ -259,6 +226,13 @@ class ModelConfig(_Strict):
                 item = item["string_value"]
             flat[key] = item if isinstance(item, str) else str(item)
         return flat
+
+    @model_validator(mode="after")
+    def _check_input_labels(self) -> ModelConfig:
+        for tensor in self.input:
+            if tensor.label_filename:
+                raise ValueError(f"input {tensor.name!r}: label_filename is for outputs")
+        return self
 
     @model_validator(mode="after")
     def _check_cascade(self) -> ModelConfig:

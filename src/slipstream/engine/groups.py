@@ -78,7 +78,7 @@ def stack_key(request: InferRequest) -> tuple[Any, ...] | None:
         return None
     outputs = None
     if request.outputs is not None:
-        if any(output.shared_memory for output in request.outputs):
+        if any(output.shared_memory or output.classification for output in request.outputs):
             return None
         outputs = tuple([output.name for output in request.outputs])
     rows = -1

@@ -251,10 +251,15 @@ def _decode_requested_outputs(raw: Any) -> list[RequestedOutput] | None:
             raise InvalidRequest(
                 f"output {name!r}: set either shared_memory_region or binary_data true, not both"
             )
-        if "classification" in params:
+        classes = params.get("classification", 0)
+        if type(classes) is not int or classes < 0:
             raise InvalidRequest(
-                f"output {name!r}: the classification extension is not supported; "
-                "request the raw output and take the top classes on the client"
+                f"output {name!r}: parameters.classification: expected a non-negative "
+                f"integer (the number of classes), got {show(classes)}"
+            )
+        if classes and region is not None:
+            raise InvalidRequest(
+                f"output {name!r}: set either shared_memory_region or classification, not both"
             )
         binary_data = params.get("binary_data")
         if binary_data is not None and type(binary_data) is not bool:
@@ -262,7 +267,7 @@ def _decode_requested_outputs(raw: Any) -> list[RequestedOutput] | None:
                 f"output {name!r}: parameters.binary_data: expected true or false, "
                 f"got {show(binary_data)}"
             )
-        requested.append(RequestedOutput(name, binary_data, region))
+        requested.append(RequestedOutput(name, binary_data, region, classes))
     return requested or None
 
 

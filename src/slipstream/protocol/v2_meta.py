@@ -40,6 +40,10 @@ def _config_tensor_json(tensor: TensorConfig) -> dict[str, Any]:
     }
     if tensor.optional:
         out["optional"] = True
+    if tensor.reshape is not None:
+        out["reshape"] = {"shape": tensor.reshape}
+    if tensor.label_filename:
+        out["label_filename"] = tensor.label_filename
     return out
 
 

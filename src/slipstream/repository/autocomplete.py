@@ -74,15 +74,17 @@ def _check_agrees(tensor: TensorConfig, spec: TensorSpec, batching: bool, kind: 
             f"{spec.datatype} in the model file"
         )
     file_dims = spec.shape[1:] if batching else spec.shape
-    if spec.shape and len(file_dims) != len(tensor.dims):
+    # The model file sees the reshape, where there is one; clients see the dims.
+    dims, key = (tensor.dims, "dims") if tensor.reshape is None else (tensor.reshape, "reshape")
+    if spec.shape and len(file_dims) != len(dims):
         raise ConfigError(
-            f"{kind} {tensor.name!r}: dims {tensor.dims} in config.yaml do not match the model "
+            f"{kind} {tensor.name!r}: {key} {dims} in config.yaml do not match the model "
             f"file's shape {list(spec.shape)}"
             + (" (the batch dim is implied by max_batch_size > 0)" if batching else "")
         )
-    for config_dim, file_dim in zip(tensor.dims, file_dims, strict=False):
+    for config_dim, file_dim in zip(dims, file_dims, strict=False):
         if file_dim != -1 and config_dim not in (-1, file_dim):
             raise ConfigError(
-                f"{kind} {tensor.name!r}: dims {tensor.dims} in config.yaml do not match the "
+                f"{kind} {tensor.name!r}: {key} {dims} in config.yaml do not match the "
                 f"model file's shape {list(spec.shape)}"
             )

@@ -159,15 +159,9 @@ def _tensor(kind: str, tensor: dict[str, Any]) -> dict[str, Any]:
         if tensor.pop(flag, False):
             raise ValueError(f"{where}: {flag} is not supported")
     reshape = tensor.pop("reshape", None)
-    if reshape is not None and reshape.get("shape", []) != tensor.get("dims", []):
-        raise ValueError(
-            f"{where}: reshape {reshape.get('shape', [])} (from dims {tensor.get('dims', [])}) "
-            "is not supported; export the model with the shape its clients send"
-        )
-    # An image layout (informational) and a classification label file: the
-    # classification extension is refused per request, so the labels are never read.
-    tensor.pop("format", None)
-    tensor.pop("label_filename", None)
+    if reshape is not None:
+        tensor["reshape"] = reshape.get("shape", [])
+    tensor.pop("format", None)  # an image layout: informational
     tensor.setdefault("dims", [])
     return tensor
 

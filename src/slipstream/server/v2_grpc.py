@@ -28,7 +28,7 @@ import grpc
 
 from slipstream.errors import InvalidRequest, SlipstreamError, Unavailable
 from slipstream.names import validate_model_name
-from slipstream.protocol import grpc_codec, v2_shm
+from slipstream.protocol import grpc_codec, grpc_config, v2_shm
 from slipstream.protocol.proto import inference_pb2 as pb
 from slipstream.server import grpc_stream
 from slipstream.server.grpc_front_door import KEY_MODELS, KEY_NAME, STREAM_ERRORS
@@ -183,7 +183,7 @@ class _GrpcFrontend:
         config = await self._service.model_config(
             validate_model_name(request.name), request.version
         )
-        return grpc_codec.encode_model_config(config)
+        return grpc_config.encode_model_config(config)
 
     async def model_statistics(
         self, request: pb.ModelStatisticsRequest

@@ -26,7 +26,7 @@ from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
 from slipstream.repository.layout import Share, load_override
 from slipstream.runtime.pickles import trust_pickles_server_wide
-from slipstream.serving import together
+from slipstream.serving import classification, together
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
 from slipstream.serving.cascade import Cascade
 from slipstream.serving.cascade_registry import Cascades
@@ -57,6 +57,7 @@ EXTENSIONS = [
     "model_repository",
     "statistics",
     "schedule_policy",
+    "classification",
     v2_shm.EXTENSION,
 ]
 
@@ -275,8 +276,23 @@ class ModelServer(RegionCalls, InferenceService):
             raise Unavailable("server is shutting down", retry_after_s=1)
         cascade = self.cascades.get(request.model_name)
         if cascade is not None:
-            return await self._infer_cascade(cascade, request)
-        return await self._infer_model(request)
+            response = await self._infer_cascade(cascade, request)
+        else:
+            response = await self._infer_model(request)
+        if classification.wanted(request):
+            # After everything that compares or keeps raw outputs (cache, shadow, taps).
+            return self._classified(request, response, cascade)
+        return response
+
+    def _classified(
+        self, request: InferRequest, response: InferResponse, cascade: Cascade | None
+    ) -> InferResponse:
+        if cascade is not None:
+            batching, labels = bool(cascade.config.max_batch_size), {}
+        else:
+            model = self.models.resolve(response.model_name, response.model_version)
+            batching, labels = bool(model.config.max_batch_size), model.labels
+        return classification.classify_response(request, response, batching, labels)
 
     async def _infer_model(self, request: InferRequest) -> InferResponse:
         """A request on a model (not a cascade): the version its route or name picks."""
@@ -379,7 +395,7 @@ class ModelServer(RegionCalls, InferenceService):
             return None
         if not request.model_version and self.rollouts.route(request.model_name) is not None:
             return None
-        if request.outputs and any(o.shared_memory for o in request.outputs):
+        if request.outputs and any(o.shared_memory or o.classification for o in request.outputs):
             return None
         try:
             model = self.models.resolve(request.model_name, request.model_version)

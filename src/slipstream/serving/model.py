@@ -21,12 +21,17 @@ from slipstream.runtime import backend_for_file, get_backend
 from slipstream.runtime.base import Backend
 from slipstream.runtime.pickles import check_pickle_trust
 from slipstream.scheduling.batcher import Batcher
+from slipstream.serving.classification import load_labels
+from slipstream.serving.reshaping import reshaping
 from slipstream.serving.taps import ResponseTap
 from slipstream.types import InferRequest, ModelMetadata, TensorMetadata
 
 logger = logging.getLogger(__name__)
 
 ShapeKey = tuple[tuple[int, ...], ...]
+
+# Output datatypes that have no classes to rank (Triton's classification refuses them).
+_NOT_CLASSES = frozenset({"BYTES", "BOOL", "BF16"})
 
 
 @dataclass(slots=True)
@@ -68,6 +73,7 @@ class ModelVersion:
         }
         self._required = [t.name for t in config.input if not t.optional]
         self._output_names = [t.name for t in config.output]
+        self._output_types = {t.name: t.data_type for t in config.output}
         self._batching = bool(config.max_batch_size)
         self.batcher = Batcher(config, instances, self._output_names, metrics, self.stats)
         self._instances = instances
@@ -78,6 +84,8 @@ class ModelVersion:
         # What the response cache keys this version's answers by beside its number (see
         # :func:`files_identity`); set by :meth:`load`.
         self.cache_identity = self.version_str
+        # Output name -> its class labels (label_filename), for classification requests.
+        self.labels: dict[str, list[str]] = {}
 
     @classmethod
     async def load(
@@ -105,7 +113,9 @@ class ModelVersion:
         instances = await asyncio.to_thread(load_instances)
         try:
             completed = complete_config(config, instances[0].signature(), backend_name)
-            model = cls(name, version, completed, instances, metrics)
+            labels = await asyncio.to_thread(load_labels, path.parent.parent, completed)
+            model = cls(name, version, completed, reshaping(instances, completed), metrics)
+            model.labels = labels
             model.cache_identity = await asyncio.to_thread(files_identity, path, completed)
             warm_up_started = time.perf_counter()
             await asyncio.to_thread(model._warm_up)
@@ -203,6 +213,11 @@ class ModelVersion:
                 raise InvalidRequest(
                     f"output {output.name!r}: model {self.name!r} has no such output "
                     f"(outputs: {known})"
+                )
+            if output.classification and self._output_types[output.name] in _NOT_CLASSES:
+                raise InvalidRequest(
+                    f"output {output.name!r}: classification needs a numeric output; this "
+                    f"one is {self._output_types[output.name]}"
                 )
             names.append(output.name)
         return names
