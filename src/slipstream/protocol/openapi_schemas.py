@@ -116,7 +116,11 @@ def v2_schemas() -> dict[str, Any]:
                 "name": {"type": "string"},
                 "parameters": {
                     "type": "object",
-                    "properties": {"binary_data": {"type": "boolean"}},
+                    "properties": {
+                        "binary_data": {"type": "boolean"},
+                        # Triton's classification extension: the top N classes as BYTES.
+                        "classification": {"type": "integer", "minimum": 0},
+                    },
                 },
             },
             "required": ["name"],
