@@ -9,7 +9,9 @@ a real server (explicit model control, the scripted backend and small ONNX model
 - ``removal``: a rollout whose candidate, then baseline, is unloaded pauses, says why,
   and resumes once both serve again;
 - ``mirror``: a shadow version that fails the marked requests: only those copies count
-  as failed, and none of its copies enters the ``slipstream_request_*`` series.
+  as failed, and none of its copies enters the ``slipstream_request_*`` series;
+- ``crowded``: a slow shadow version whose queue holds one request: the copies it has no
+  room for are dropped, not failed.
 """
 
 from __future__ import annotations
@@ -77,8 +79,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     build_scripted(repo, "mirror", 2, fail_marked=True)
     shadow = {"version": "2", "share": 1.0, "queue": 256}
     write_config(repo, "mirror", scripted_config(rollout={"weights": {"1": 100}, "shadow": shadow}))
+    build_scripted(repo, "crowded", 1)
+    build_scripted(repo, "crowded", 2, delay_s=0.05)
+    crowded = scripted_config(
+        max_batch_size=1,
+        dynamic_batching={"max_queue_size": 1},
+        rollout={"weights": {"1": 100}, "shadow": shadow},
+    )
+    write_config(repo, "crowded", crowded)
     args = ["--model-control-mode", "explicit"]
-    for name in ("vocab", "shapes", "removal", "mirror"):
+    for name in ("vocab", "shapes", "removal", "mirror", "crowded"):
         args += ["--load-model", name]
     with RemoteServer(repo, args, log_dir=root, command=scripted_command()) as running:
         yield running
@@ -212,9 +222,10 @@ def test_a_rollout_pauses_saying_why_when_its_candidate_or_baseline_stops_servin
         assert aborted["status"] == "aborted"
 
 
-def shadow_outcomes(client: httpx.Client, server: RemoteServer) -> dict[str, float]:
+def shadow_outcomes(client: httpx.Client, server: RemoteServer, model: str = "mirror"
+                    ) -> dict[str, float]:  # fmt: skip
     return {
-        outcome: samples(client, server, "slipstream_shadow_requests_total", model="mirror",
+        outcome: samples(client, server, "slipstream_shadow_requests_total", model=model,
                          version="2", outcome=outcome)
         for outcome in ("agreed", "disagreed", "failed", "dropped")
     }  # fmt: skip
@@ -261,3 +272,21 @@ def test_shadow_copies_stay_out_of_the_request_series(server: RemoteServer) -> N
         assert requests("1") == (primary[0] + 40, primary[1])
         assert requests("2") == shadow
         assert shadow_outcomes(client, server)["failed"] > 0
+
+
+def test_copies_a_full_shadow_queue_has_no_room_for_are_dropped_not_failed(
+    server: RemoteServer,
+) -> None:
+    url = server.url("/v2/models/crowded/infer")
+    with httpx.Client(timeout=30) as client:
+        # One at a time: version 1's own queue (one request, too) never overflows.
+        codes = Counter(client.post(url, json=body(1.0)).status_code for _ in range(40))
+    assert codes == {200: 40}
+    with httpx.Client(timeout=30) as client:
+        deadline = time.monotonic() + 20
+        while sum((counted := shadow_outcomes(client, server, "crowded")).values()) < 40:
+            assert time.monotonic() < deadline, counted
+            time.sleep(0.05)
+    # Version 2 takes 50 ms a copy and queues one: most copies find no room.
+    assert counted["failed"] == 0, counted
+    assert counted["dropped"] > 0 and counted["agreed"] > 0, counted

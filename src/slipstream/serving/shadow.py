@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.errors import SlipstreamError, Unavailable
+from slipstream.errors import RequestTimeout, SlipstreamError, Unavailable
 from slipstream.observability.rollout_metrics import ShadowCounts
 from slipstream.serving.manager import ModelManager
 from slipstream.serving.model import ModelVersion, PreparedRequest
@@ -216,6 +216,12 @@ class ShadowMirror:
         for (_, primary), answer in zip(batch, answers, strict=True):
             if isinstance(answer, InferResponse):
                 pairs.append((primary.outputs, answer.outputs))
+            elif isinstance(answer, Unavailable) and not isinstance(answer, RequestTimeout):
+                # The shadow's queue was full (or it was unloading): a copy it had no
+                # room for was dropped, as one its own queue had no room for; one that
+                # timed out waiting ran too slowly, and counts as failed.
+                logger.debug("shadow request to version %s dropped: %s", self.version, answer)
+                self._count("dropped")
             else:
                 logger.debug("shadow request to version %s failed: %s", self.version, answer)
                 self._count("failed")
