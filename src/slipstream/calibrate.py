@@ -120,7 +120,7 @@ async def calibrate(
     await server.start()
     try:
         cascade = server.cascades.get(name)
-        if cascade is None:
+        if cascade is None or not isinstance(cascade, Cascade):
             reasons = [e.reason for e in server.cascades.index() if e.name == name]
             raise CalibrationError(f"cascade {name!r} did not load: "
                                    f"{reasons[0] if reasons else 'not a cascade'}")  # fmt: skip

@@ -122,7 +122,7 @@ def test_a_config_yaml_beside_it_wins(tmp_path: Path) -> None:
             'name: "add_sub"\nsequence_batching { max_sequence_idle_microseconds: 5000000 }',
             r"config\.pbtxt: line 2: sequence_batching: stateful \(sequence\) models are not",
         ),
-        ("ensemble_scheduling { }", r"line 1: ensemble_scheduling: ensembles are not supported"),
+        ("ensemble_scheduling { }", r"ensemble\.steps: List should have at least 1 item"),
         (
             "optimization { graph { level: 1 } }",
             r"line 1: optimization: Triton's optimization settings are not read",

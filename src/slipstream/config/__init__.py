@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from slipstream.config.base import Strict as _Strict
 from slipstream.config.cache_spec import parse_cache_spec
 from slipstream.config.cascade import CascadeConfig, CascadeStage, ConfidenceRule
+from slipstream.config.ensemble import EnsembleConfig, EnsembleStep
 from slipstream.config.reshape import reshape_problem
 from slipstream.config.sections import (
     GENERATIVE_BACKENDS,
@@ -39,6 +40,8 @@ __all__ = [
     "ConfigError",
     "DriftSettings",
     "DynamicBatching",
+    "EnsembleConfig",
+    "EnsembleStep",
     "GenerationSettings",
     "InstanceGroup",
     "ModelConfig",
@@ -172,6 +175,11 @@ class ModelConfig(_Strict):
     response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
     ray_serve: RayServeConfig = Field(default_factory=RayServeConfig)
     rollout: RolloutConfig | None = None
+    ensemble: EnsembleConfig | None = Field(
+        None,
+        description="this model is an ensemble of other models (see config/ensemble.py): "
+        "no model file; steps run models, tensors passed between them by name",
+    )
     cascade: CascadeConfig | None = Field(
         None,
         description="this model is a cascade of other models (see config/cascade.py): no "
@@ -235,6 +243,22 @@ class ModelConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_ensemble(self) -> ModelConfig:
+        if self.ensemble is None:
+            return self
+        own = sorted(self.model_fields_set & (_MODEL_FILE_KEYS - _ENSEMBLE_KEYS))
+        if own or self.cascade is not None:
+            raise ValueError(
+                "an ensemble has no model file of its own; remove "
+                f"{', '.join(own or ['cascade'])} (set them on its steps' models)"
+            )
+        if not self.input or not self.output:
+            raise ValueError("an ensemble lists its input and output (name, data_type, dims)")
+        inputs, outputs = [t.name for t in self.input], [t.name for t in self.output]
+        self.ensemble.check_graph(inputs, outputs)
+        return self
+
+    @model_validator(mode="after")
     def _check_cascade(self) -> ModelConfig:
         if self.cascade is not None:
             # A cascade runs no file of its own: these would be silently ignored.
@@ -261,6 +285,10 @@ _MODEL_FILE_KEYS = frozenset({
     "dynamic_batching", "instance_group", "version_policy", "model_warmup", "parameters",
     "generation", "tokenizer", "rollout", "ray_serve", "trust_pickle",
 })  # fmt: skip
+
+
+# What an ensemble declares of its own: its signature and batching, as Triton's does.
+_ENSEMBLE_KEYS = frozenset({"platform", "max_batch_size", "input", "output"})
 
 
 def _checked_model_name(name: str) -> str:

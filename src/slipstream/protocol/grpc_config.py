@@ -11,6 +11,7 @@ from slipstream.config import (
 )
 from slipstream.datatypes import to_config_datatype
 from slipstream.protocol.proto import inference_pb2 as pb
+from slipstream.protocol.v2_meta import ensemble_steps
 
 
 def encode_model_config(config: ModelConfig) -> pb.ModelConfigResponse:
@@ -44,6 +45,11 @@ def encode_model_config(config: ModelConfig) -> pb.ModelConfigResponse:
     )
     for key, value in config.parameters.items():
         message.parameters[key].string_value = value
+    if config.ensemble is not None:
+        # One of Triton's scheduling choices: setting the ensemble's clears the batching.
+        steps = [pb.ModelEnsembling.Step(**step) for step in ensemble_steps(config.ensemble)]
+        message.ensemble_scheduling.CopyFrom(pb.ModelEnsembling(step=steps))
+        del message.instance_group[:]
     return pb.ModelConfigResponse(config=message)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slipstream.config import ModelConfig, TensorConfig, WarmupSample
+from slipstream.config import EnsembleConfig, ModelConfig, TensorConfig, WarmupSample
 from slipstream.datatypes import to_config_datatype
 from slipstream.observability.stats import ModelStats, StatDuration
 from slipstream.types import ModelMetadata, RepositoryEntry, ServerMetadata, TensorMetadata
@@ -57,7 +57,7 @@ def model_config_json(config: ModelConfig) -> dict[str, Any]:
         version_policy = {"specific": {"versions": policy.specific["versions"]}}
     else:
         version_policy = {"latest": {"num_versions": (policy.latest or {}).get("num_versions", 1)}}
-    return {
+    out = {
         "name": config.name,
         "platform": config.platform,
         "backend": config.backend,
@@ -84,6 +84,25 @@ def model_config_json(config: ModelConfig) -> dict[str, Any]:
         # perf_analyzer reads this to report the cache's hits and misses.
         "response_cache": {"enable": config.response_cache.enable},
     }
+    if config.ensemble is not None:
+        # Triton's scheduling is one of dynamic batching and ensemble scheduling; an
+        # ensemble has no instances of its own (perf_analyzer reads the steps from here).
+        del out["dynamic_batching"], out["instance_group"]
+        out["ensemble_scheduling"] = {"step": ensemble_steps(config.ensemble)}
+    return out
+
+
+def ensemble_steps(ensemble: EnsembleConfig) -> list[dict[str, Any]]:
+    """An ensemble's steps as Triton's ``ensemble_scheduling.step`` (-1: the default version)."""
+    return [
+        {
+            "model_name": step.model,
+            "model_version": int(step.version) if step.version else -1,
+            "input_map": step.input_map,
+            "output_map": step.output_map,
+        }
+        for step in ensemble.steps
+    ]
 
 
 def _warmup_json(sample: WarmupSample) -> dict[str, Any]:

@@ -230,14 +230,19 @@ def is_generative(model: ModelDirectory) -> bool:
 
 
 def is_cascade(model: ModelDirectory) -> bool:
-    """Whether the model is a cascade of other models (``cascade:`` in its config.yaml),
-    which the serving core builds from its stages rather than loading a file. A config
-    that does not parse says a cascade when it mentions one, so its error is reported
-    where cascades are loaded."""
+    """Whether the model is made of other models: a cascade (``cascade:`` in its
+    config.yaml) or an ensemble (``ensemble:``, Triton's ``ensemble_scheduling``), which
+    the serving core builds from them rather than loading a file. A config that does not
+    parse says one when it mentions one, so its error is reported where they are built."""
     kind = _KINDS.get(model)
     if kind is not None:
         return kind[1]
-    return any("cascade:" in _config_text(model.path / filename) for filename in CONFIG_FILENAMES)
+    texts = [_config_text(model.path / filename) for filename in CONFIG_FILES]
+    return any(mark in text for text in texts for mark in _COMPOSED_MARKS)
+
+
+# What a config that does not parse mentions when it is a cascade's or an ensemble's.
+_COMPOSED_MARKS = ("cascade:", "ensemble:", "ensemble_scheduling")
 
 
 def config_stamp(path: Path) -> tuple[int, ...] | None:
@@ -285,7 +290,9 @@ class ConfigMemo(Generic[T]):
 # (generative, cascade) of each model. Every listing of the repository asks both of
 # every model: for 500 models that took 132 ms parsing each config twice with libyaml,
 # 7 ms with the stamps.
-_KINDS = ConfigMemo(lambda config: (config.generative, config.cascade is not None))
+_KINDS = ConfigMemo(
+    lambda config: (config.generative, config.cascade is not None or config.ensemble is not None)
+)
 
 
 def _config_text(path: Path) -> str:

@@ -82,9 +82,13 @@ def placements(models: dict[str, ModelDirectory]) -> dict[str, str]:
 
 
 def _placement(config: ModelConfig) -> tuple[str, tuple[str, ...]]:
-    """A model's device and the local models its cascade names (none if no cascade)."""
+    """A model's device and the local models its cascade or ensemble runs (none if it
+    is neither): they are placed on one engine."""
     cascade = config.cascade.stages if config.cascade is not None else []
-    return device_of(config), tuple(stage.model for stage in cascade if not stage.url)
+    linked = [stage.model for stage in cascade if not stage.url]
+    if config.ensemble is not None:
+        linked += [step.model for step in config.ensemble.steps]
+    return device_of(config), tuple(linked)
 
 
 # A front end reads the placement every 2 s and each engine at every listing: a front

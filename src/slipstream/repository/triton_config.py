@@ -34,9 +34,6 @@ _BACKENDS = {
 # Triton settings Slipstream has no counterpart for, and what to do instead.
 _UNSUPPORTED = {
     "sequence_batching": "stateful (sequence) models are not supported",
-    "ensemble_scheduling": (
-        "ensembles are not supported; a cascade (cascade: in config.yaml) chains models"
-    ),
     "optimization": (
         "Triton's optimization settings are not read; remove the block (ONNX Runtime's "
         "options go in parameters: intra_op_thread_count, ...)"
@@ -130,6 +127,8 @@ def _translate(config: dict[str, Any]) -> dict[str, Any]:
     if config.pop("model_transaction_policy", {}).get("decoupled"):
         raise ValueError("model_transaction_policy.decoupled: decoupled models are not supported")
     named = config.get("backend") or config.get("platform")
+    if "ensemble_scheduling" in config or named == "ensemble":
+        return _ensemble(config)
     if named is not None:
         if named not in _BACKENDS:
             known = ", ".join(sorted(_BACKENDS))
@@ -164,6 +163,28 @@ def _tensor(kind: str, tensor: dict[str, Any]) -> dict[str, Any]:
     tensor.pop("format", None)  # an image layout: informational
     tensor.setdefault("dims", [])
     return tensor
+
+
+def _ensemble(config: dict[str, Any]) -> dict[str, Any]:
+    """An ensemble: its steps as ``ensemble.steps``; its signature as any model's."""
+    if config.pop("platform", "ensemble") != "ensemble" or "backend" in config:
+        raise ValueError('ensemble_scheduling: an ensemble\'s platform is "ensemble"')
+    steps = []
+    for index, step in enumerate(config.pop("ensemble_scheduling", {}).get("step", [])):
+        if step.get("model_namespace"):
+            raise ValueError(f"ensemble_scheduling.step[{index}]: model_namespace is not supported")
+        version = step.get("model_version", -1)
+        steps.append({
+            "model": step.get("model_name", ""),
+            "version": "" if version == -1 else str(version),
+            "input_map": step.get("input_map", {}),
+            "output_map": step.get("output_map", {}),
+        })  # fmt: skip
+    config["ensemble"] = {"steps": steps}
+    for kind in ("input", "output"):
+        config[kind] = [_tensor(kind, tensor) for tensor in config.get(kind, [])]
+    config.pop("instance_group", None)  # an ensemble has no instances of its own
+    return config
 
 
 def _batching(batching: dict[str, Any]) -> dict[str, Any]:

@@ -130,6 +130,8 @@ class _Answer:
 class Cascade:
     """A loaded cascade: its stages, signature, policy and counts."""
 
+    kind = "cascade"
+
     def __init__(
         self,
         name: str,
@@ -262,6 +264,9 @@ class Cascade:
                 spec.name,
                 message,
             )
+
+    def describe(self) -> str:
+        return " -> ".join(stage.spec.name for stage in self.stages)
 
     async def close(self) -> None:
         for stage in self.stages:

@@ -27,19 +27,22 @@ from slipstream.repository.layout import (
     read_model_directory,
 )
 from slipstream.serving.cascade import Cascade, Stage
+from slipstream.serving.ensemble import Ensemble
 from slipstream.serving.manager import ModelAsleep, ModelManager
 from slipstream.types import ModelMetadata, RepositoryEntry, TensorMetadata
 
 logger = logging.getLogger(__name__)
 
 Signature = tuple[list[TensorMetadata], list[TensorMetadata]]
+# A model made of other models: what this registry builds and serves.
+Composed = Cascade | Ensemble
 
 
 @dataclass(slots=True)
 class _CascadeState:
     """One cascade of the repository: what serves, and why the last build failed."""
 
-    serving: Cascade | None = None
+    serving: Composed | None = None
     failure: str = ""
     # The config.yaml text the last build attempt read (poll mode rebuilds on a change).
     attempted: str | None = None
@@ -57,15 +60,15 @@ class Cascades:
     counts: CascadeMetrics = field(default_factory=CascadeMetrics)
     _states: dict[str, _CascadeState] = field(default_factory=dict)
     # name -> the cascade serving it: the one lookup every request pays.
-    _serving: dict[str, Cascade] = field(default_factory=dict)
+    _serving: dict[str, Composed] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.metrics.registry.register(self.counts.collector())
 
-    def get(self, name: str) -> Cascade | None:
+    def get(self, name: str) -> Composed | None:
         return self._serving.get(name)
 
-    def serving(self) -> list[Cascade]:
+    def serving(self) -> list[Composed]:
         return list(self._serving.values())
 
     def handles(self, name: str) -> bool:
@@ -148,8 +151,7 @@ class Cascades:
         self.metrics.add(cascade.metrics)
         if old is not None:
             await old.close()
-        stages = " -> ".join(stage.spec.name for stage in cascade.stages)
-        logger.info("cascade %s is READY: %s", name, stages)
+        logger.info("%s %s is READY: %s", cascade.kind, name, cascade.describe())
 
     async def unload(self, name: str) -> None:
         state = self._states.get(name)
@@ -171,8 +173,10 @@ class Cascades:
 
     # -- building ------------------------------------------------------------------------
 
-    async def _build(self, name: str, path: Path) -> Cascade:
+    async def _build(self, name: str, path: Path) -> Composed:
         config = read_config(read_model_directory(path))
+        if config.ensemble is not None:
+            return await self._build_ensemble(name, config)
         if config.cascade is None:
             raise ConfigError(f"{name}/config.yaml: no cascade: section")
         stages: list[Stage] = []
@@ -196,6 +200,66 @@ class Cascades:
         completed = _completed_config(config, metadata, batch_sizes[0] or 1)
         return Cascade(name, completed, metadata, stages, counts, ModelMetrics(name, "1"))
 
+    async def _build_ensemble(self, name: str, config: ModelConfig) -> Ensemble:
+        """An ensemble whose steps' models serve, each step's tensors of one datatype
+        with the ensemble's, and (where the ensemble batches) each model batching."""
+        assert config.ensemble is not None
+        datatypes = {t.name: t.data_type for t in (*config.input, *config.output)}
+        for index, step in enumerate(config.ensemble.steps):
+            where = f"steps[{index}] ({step.name})"
+            model_config = await self._local_model(name, where, step.model, step.version)
+            batch = config.max_batch_size or 0
+            if batch and (model_config.max_batch_size or 0) < batch:
+                raise ConfigError(
+                    f"{where}: model {step.model!r} takes batches of up to "
+                    f"{model_config.max_batch_size or 0} rows (max_batch_size), fewer than "
+                    f"the ensemble's {batch}"
+                )
+            for kind, tensors, mapping in (
+                ("input", model_config.input, step.input_map),
+                ("output", model_config.output, step.output_map),
+            ):
+                declared = {t.name: t.data_type for t in tensors}
+                for model_name, tensor in mapping.items():
+                    if model_name not in declared:
+                        raise ConfigError(
+                            f"{where}: model {step.model!r} has no {kind} {model_name!r} "
+                            f"({kind}s: {', '.join(declared)})"
+                        )
+                    known = datatypes.setdefault(tensor, declared[model_name])
+                    if known != declared[model_name]:
+                        raise ConfigError(
+                            f"{where}: tensor {tensor!r} is {known} but model "
+                            f"{step.model!r}'s {kind} {model_name!r} is {declared[model_name]}"
+                        )
+        completed = config.model_copy(update={"platform": "ensemble"})
+        metadata = ModelMetadata(name, ["1"], "ensemble", *_signature(completed))
+        return Ensemble(name, completed, metadata, ModelMetrics(name, "1"))
+
+    async def _local_model(
+        self, composed: str, where: str, model: str, version: str
+    ) -> ModelConfig:
+        """The completed config of a local model a cascade or ensemble runs; loaded first
+        in explicit mode (as Triton loads an ensemble's models); ConfigError when it cannot
+        serve."""
+        if model == composed or self.handles(model):
+            raise ConfigError(f"{where}: {model!r} is made of other models; name a model")
+        if not (self.repository / model).is_dir():
+            raise ConfigError(
+                f"{where}: model {model!r} is not in the repository {self.repository}"
+            )
+        if not self.models.serving(model):
+            await self.models.load(model)
+        try:
+            return self.models.resolve(model, version).config
+        except ModelAsleep:
+            return self.models.sleeping_version(model, version)[1]
+        except SlipstreamError as exc:
+            failures = self.models.failures(model)
+            raise ConfigError(
+                f"{where}: model {model!r} cannot serve: {failures or exc.message}"
+            ) from None
+
     async def _stage(
         self, cascade: str, index: int, spec: CascadeStage
     ) -> tuple[Stage, Signature, int]:
@@ -213,33 +277,25 @@ class Cascades:
                 raise
             _check_batching(where, signature)
             return Stage(spec, remote), signature, max_batch_size
-        if spec.model == cascade or self.handles(spec.model):
-            raise ConfigError(f"{where}: {spec.model!r} is a cascade; a stage must be a model")
-        if not (self.repository / spec.model).is_dir():
-            raise ConfigError(
-                f"{where}: model {spec.model!r} is not in the repository {self.repository}"
-            )
-        if not self.models.serving(spec.model):
-            # Explicit mode: loading a cascade loads its models (a no-op for files that
-            # failed before and did not change: their failure is reported below).
-            await self.models.load(spec.model)
-        try:
-            model = self.models.resolve(spec.model, spec.version)
-            signature, max_batch_size = model.tensor_metadata(), model.config.max_batch_size or 0
-        except ModelAsleep:
-            meta, config = self.models.sleeping_version(spec.model, spec.version)
-            signature, max_batch_size = (meta.inputs, meta.outputs), config.max_batch_size or 0
-        except SlipstreamError as exc:
-            failures = self.models.failures(spec.model)
-            raise ConfigError(
-                f"{where}: model {spec.model!r} cannot serve: {failures or exc.message}"
-            ) from None
+        config = await self._local_model(cascade, where, spec.model, spec.version)
+        signature, max_batch_size = _signature(config), config.max_batch_size or 0
         if not max_batch_size:
             raise ConfigError(
                 f"{where}: model {spec.model!r} does not batch (max_batch_size 0); a "
                 "cascade sends each stage a subset of a request's rows, so its stages batch"
             )
         return Stage(spec, None), signature, max_batch_size
+
+
+def _signature(config: ModelConfig) -> Signature:
+    """A model's inputs and outputs as its completed config says (the batch dim first,
+    -1, when it batches)."""
+    lead = [-1] if config.max_batch_size else []
+
+    def tensors(found: list[TensorConfig]) -> list[TensorMetadata]:
+        return [TensorMetadata(t.name, t.data_type, lead + t.dims) for t in found]
+
+    return tensors(config.input), tensors(config.output)
 
 
 def _check_batching(where: str, signature: Signature) -> None:

@@ -28,8 +28,7 @@ from slipstream.repository.layout import Share, load_override
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving import classification, together
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
-from slipstream.serving.cascade import Cascade
-from slipstream.serving.cascade_registry import Cascades
+from slipstream.serving.cascade_registry import Cascades, Composed
 from slipstream.serving.idle import IdleWatcher
 from slipstream.serving.manager import ModelAsleep, ModelManager
 from slipstream.serving.model import ModelVersion
@@ -227,12 +226,12 @@ class ModelServer(RegionCalls, InferenceService):
         model = self._resolve_for_metadata(name, version)
         return model.config if isinstance(model, ModelVersion) else model[1]
 
-    def _cascade_for_metadata(self, name: str, version: str) -> Cascade | None:
+    def _cascade_for_metadata(self, name: str, version: str) -> Composed | None:
         cascade = self.cascades.get(name)
         if cascade is not None and version not in ("", "1"):
-            raise ModelNotFound(f"model {name!r} is a cascade; its one version is 1")
+            raise ModelNotFound(f"model {name!r} is a {cascade.kind}; its one version is 1")
         if cascade is None and self.cascades.handles(name):
-            raise ModelNotFound(f"cascade {name!r} is not loaded: {self._cascade_failure(name)}")
+            raise ModelNotFound(f"model {name!r} is not loaded: {self._cascade_failure(name)}")
         return cascade
 
     def _cascade_failure(self, name: str) -> str:
@@ -285,7 +284,7 @@ class ModelServer(RegionCalls, InferenceService):
         return response
 
     def _classified(
-        self, request: InferRequest, response: InferResponse, cascade: Cascade | None
+        self, request: InferRequest, response: InferResponse, cascade: Composed | None
     ) -> InferResponse:
         if cascade is not None:
             batching, labels = bool(cascade.config.max_batch_size), {}
@@ -306,12 +305,12 @@ class ModelServer(RegionCalls, InferenceService):
             if self.cascades.handles(request.model_name):
                 failure = self._cascade_failure(request.model_name)
                 raise Unavailable(
-                    f"cascade {request.model_name!r} is not loaded: {failure}"
+                    f"model {request.model_name!r} is not loaded: {failure}"
                 ) from None
             raise
         return await self._serve(model, request)
 
-    async def _infer_cascade(self, cascade: Cascade, request: InferRequest) -> InferResponse:
+    async def _infer_cascade(self, cascade: Composed, request: InferRequest) -> InferResponse:
         """Shared-memory inputs are read and outputs written here, around the stages."""
         if request.shared_memory_inputs:
             self.shared_memory.read_inputs(request)
@@ -523,8 +522,8 @@ class ModelServer(RegionCalls, InferenceService):
         cascade, lane = self.cascades.handles(name), self._lane_of(name)
         if override is not None and (cascade or lane is not None):
             raise InvalidRequest(
-                f"parameters.config: model {name!r} is a cascade or a generative model; "
-                "a config override loads tensor models only"
+                f"parameters.config: model {name!r} is a cascade, an ensemble or a generative "
+                "model; a config override loads tensor models only"
             )
         if cascade:
             await self.cascades.load(name)

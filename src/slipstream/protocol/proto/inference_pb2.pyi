@@ -658,6 +658,7 @@ class ModelConfig(_message.Message):
         "backend",
         "default_model_filename",
         "dynamic_batching",
+        "ensemble_scheduling",
         "input",
         "instance_group",
         "max_batch_size",
@@ -689,6 +690,7 @@ class ModelConfig(_message.Message):
     INSTANCE_GROUP_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    ENSEMBLE_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_WARMUP_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -703,6 +705,7 @@ class ModelConfig(_message.Message):
     instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
     default_model_filename: str
     dynamic_batching: ModelDynamicBatching
+    ensemble_scheduling: ModelEnsembling
     parameters: _containers.MessageMap[str, ModelParameter]
     model_warmup: _containers.RepeatedCompositeFieldContainer[ModelWarmup]
     backend: str
@@ -719,12 +722,56 @@ class ModelConfig(_message.Message):
         instance_group: _Iterable[ModelInstanceGroup | _Mapping] | None = ...,
         default_model_filename: str | None = ...,
         dynamic_batching: ModelDynamicBatching | _Mapping | None = ...,
+        ensemble_scheduling: ModelEnsembling | _Mapping | None = ...,
         parameters: _Mapping[str, ModelParameter] | None = ...,
         model_warmup: _Iterable[ModelWarmup | _Mapping] | None = ...,
         backend: str | None = ...,
         model_transaction_policy: ModelTransactionPolicy | _Mapping | None = ...,
         response_cache: ModelResponseCache | _Mapping | None = ...,
     ) -> None: ...
+
+class ModelEnsembling(_message.Message):
+    __slots__ = ("step",)
+    class Step(_message.Message):
+        __slots__ = ("input_map", "model_name", "model_namespace", "model_version", "output_map")
+        class InputMapEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
+
+        class OutputMapEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
+
+        MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+        MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+        INPUT_MAP_FIELD_NUMBER: _ClassVar[int]
+        OUTPUT_MAP_FIELD_NUMBER: _ClassVar[int]
+        MODEL_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+        model_name: str
+        model_version: int
+        input_map: _containers.ScalarMap[str, str]
+        output_map: _containers.ScalarMap[str, str]
+        model_namespace: str
+        def __init__(
+            self,
+            model_name: str | None = ...,
+            model_version: int | None = ...,
+            input_map: _Mapping[str, str] | None = ...,
+            output_map: _Mapping[str, str] | None = ...,
+            model_namespace: str | None = ...,
+        ) -> None: ...
+
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: _containers.RepeatedCompositeFieldContainer[ModelEnsembling.Step]
+    def __init__(self, step: _Iterable[ModelEnsembling.Step | _Mapping] | None = ...) -> None: ...
 
 class ModelResponseCache(_message.Message):
     __slots__ = ("enable",)
