@@ -28,7 +28,7 @@ input [
   {{ name: "B" data_type: TYPE_FP32 dims: [ {W} ] }}
 ]
 output [
-  {{ name: "DOUBLED_SUM" data_type: TYPE_FP32 dims: [ {W} ] }},
+  {{ name: "DOUBLED_SUM" data_type: TYPE_FP32 dims: [ {W} ] label_filename: "l.txt" }},
   {{ name: "DOUBLED_DIFF" data_type: TYPE_FP32 dims: [ {W} ] }},
   {{ name: "DIFF" data_type: TYPE_FP32 dims: [ {W} ] }}
 ]
@@ -82,7 +82,9 @@ def server(
     build_double(repo)
     (repo / "pipeline" / "1").mkdir(parents=True)  # Triton's empty version directory
     (repo / "pipeline" / "config.pbtxt").write_text(PIPELINE)
+    (repo / "pipeline" / "l.txt").write_text("".join(f"c{i}\n" for i in range(W)))
     (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "l.txt").write_text("")
     (repo / "broken" / "config.pbtxt").write_text(
         PIPELINE.replace('name: "pipeline"', 'name: "broken"').replace(
             'key: "INPUT1" value: "B"', 'key: "INPUT7" value: "B"'
@@ -117,6 +119,13 @@ def test_an_ensemble_runs_its_steps_over_http_and_grpc(server: RemoteServer) -> 
             result = client.infer("pipeline", _inputs(module, a, b), outputs=only)
             assert result.as_numpy("DOUBLED_SUM") is None
             np.testing.assert_allclose(result.as_numpy("DIFF"), a - b, rtol=1e-6)
+            # The ensemble's own label file, for its outputs' top classes.
+            top = [module.InferRequestedOutput("DOUBLED_SUM", class_count=1)]
+            result = client.infer("pipeline", _inputs(module, a, b), outputs=top)
+            best = (2 * (a + b)).argmax(axis=1)
+            assert [row[0].decode().split(":")[1:] for row in result.as_numpy("DOUBLED_SUM")] == [
+                [str(i), f"c{i}"] for i in best
+            ]
     finally:
         http.close()
         grpc.close()

@@ -151,6 +151,8 @@ class Cascade:
         self.stats = ModelStatsRecorder(name, "1")
         self._policy: CascadeConfig = config.cascade
         self._output_names = [tensor.name for tensor in metadata.outputs]
+        # A cascade's outputs are its stages': no label files of its own.
+        self.labels: dict[str, list[str]] = {}
         # Stages failing since their last answer (their failures are logged once).
         self._failing: set[str] = set()
 

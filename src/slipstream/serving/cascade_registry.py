@@ -27,6 +27,7 @@ from slipstream.repository.layout import (
     read_model_directory,
 )
 from slipstream.serving.cascade import Cascade, Stage
+from slipstream.serving.classification import load_labels
 from slipstream.serving.ensemble import Ensemble
 from slipstream.serving.manager import ModelAsleep, ModelManager
 from slipstream.types import ModelMetadata, RepositoryEntry, TensorMetadata
@@ -176,7 +177,9 @@ class Cascades:
     async def _build(self, name: str, path: Path) -> Composed:
         config = read_config(read_model_directory(path))
         if config.ensemble is not None:
-            return await self._build_ensemble(name, config)
+            ensemble = await self._build_ensemble(name, config)
+            ensemble.labels = load_labels(path, config)
+            return ensemble
         if config.cascade is None:
             raise ConfigError(f"{name}/config.yaml: no cascade: section")
         stages: list[Stage] = []

@@ -287,7 +287,7 @@ class ModelServer(RegionCalls, InferenceService):
         self, request: InferRequest, response: InferResponse, cascade: Composed | None
     ) -> InferResponse:
         if cascade is not None:
-            batching, labels = bool(cascade.config.max_batch_size), {}
+            batching, labels = bool(cascade.config.max_batch_size), cascade.labels
         else:
             model = self.models.resolve(response.model_name, response.model_version)
             batching, labels = bool(model.config.max_batch_size), model.labels

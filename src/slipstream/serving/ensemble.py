@@ -41,7 +41,8 @@ class Ensemble:
         self.stats = ModelStatsRecorder(name, "1")
         self._plan: EnsembleConfig = config.ensemble
         self._output_names = [tensor.name for tensor in config.output]
-        self._batching = bool(config.max_batch_size)
+        # Output name -> its class labels (label_filename), for classification requests.
+        self.labels: dict[str, list[str]] = {}
 
     def describe(self) -> str:
         return ", ".join(step.name for step in self._plan.steps)
