@@ -128,7 +128,7 @@ def test_a_config_yaml_beside_it_wins(tmp_path: Path) -> None:
             r"line 1: optimization: Triton's optimization settings are not read",
         ),
         ("instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]", r"line 1: gpus: choose"),
-        ('backend: "python"', r"backend: 'python' is not a backend Slipstream runs"),
+        ('backend: "dali"', r"backend: 'dali' is not a backend Slipstream runs"),
         ('platform: "tensorrt_plan"', r"platform: 'tensorrt_plan' is not a backend"),
         ("model_transaction_policy { decoupled: true }", r"decoupled models are not supported"),
         (

@@ -29,6 +29,7 @@ _BACKENDS = {
     "pytorch_libtorch": "torch",
     "pytorch": "torch",
     "openvino": "openvino",
+    "python": "python",
 }
 
 # Triton settings Slipstream has no counterpart for, and what to do instead.

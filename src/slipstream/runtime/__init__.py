@@ -1,4 +1,5 @@
-"""Backends that execute a model: ONNX Runtime (default), torch, scikit-learn, OpenVINO."""
+"""Backends that execute a model: ONNX Runtime (default), torch, scikit-learn, OpenVINO,
+Python (Triton's model.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "torch": ("slipstream.runtime.torch", "TorchBackend", "torch"),
     "sklearn": ("slipstream.runtime.sklearn", "SklearnBackend", "sklearn"),
     "openvino": ("slipstream.runtime.openvino", "OpenVinoBackend", "openvino"),
+    # Triton's Python backend: a model.py (code the server runs; trust_pickle opts in).
+    "python": ("slipstream.runtime.python_model", "PythonBackend", ""),
 }
 
 # model file extension -> default backend name
@@ -26,6 +29,7 @@ _BY_EXTENSION: dict[str, str] = {
     ".pkl": "sklearn",
     # OpenVINO IR: model.xml, its weights in model.bin beside it.
     ".xml": "openvino",
+    ".py": "python",
 }
 
 BACKEND_NAMES = tuple(_BACKENDS)

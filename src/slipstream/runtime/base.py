@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -94,6 +94,10 @@ class Backend(ABC):
         self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
     ) -> dict[str, np.ndarray]:
         """Execute one batch and return the requested outputs."""
+
+    def configure(self, config: dict[str, Any]) -> None:  # noqa: B027 - most need nothing
+        """Called once the model's config is completed, before warm-up, with it in
+        Triton's JSON form (a Python model's ``initialize`` reads it)."""
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to free explicitly
         """Free what this instance holds."""

@@ -38,8 +38,8 @@ def check_pickle_trust(
         return
     if not (model_trusts_pickle or _trusted_server_wide):
         raise ConfigError(
-            f"model {model!r}: {path.name} is a pickle ({backend.name} backend), and "
-            "loading a pickle runs any code the file holds, so it is refused by default. "
+            f"model {model!r}: {path.name} is {_what(backend)} ({backend.name} backend), "
+            "and loading it runs any code the file holds, so it is refused by default. "
             f"If you trust the file like code, add `trust_pickle: true` to {model}/config.yaml "
             f"(or start the server with --trust-pickle); better, {backend.pickle_free_format}"
         )
@@ -48,3 +48,7 @@ def check_pickle_trust(
         model,
         path,
     )
+
+
+def _what(backend: type[Backend]) -> str:
+    return "Python code" if backend.name == "python" else "a pickle"

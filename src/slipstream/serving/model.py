@@ -16,6 +16,7 @@ from slipstream.datatypes import V2_TO_NUMPY, numpy_dtype, v2_datatype
 from slipstream.errors import InvalidRequest
 from slipstream.observability.metrics import ModelMetrics
 from slipstream.observability.stats import ModelStatsRecorder
+from slipstream.protocol.v2_meta import model_config_json
 from slipstream.repository.autocomplete import complete_config
 from slipstream.runtime import backend_for_file, get_backend
 from slipstream.runtime.base import Backend
@@ -113,6 +114,7 @@ class ModelVersion:
         instances = await asyncio.to_thread(load_instances)
         try:
             completed = complete_config(config, instances[0].signature(), backend_name)
+            await asyncio.to_thread(_configure, instances, completed)
             labels = await asyncio.to_thread(load_labels, path.parent.parent, completed)
             model = cls(name, version, completed, reshaping(instances, completed), metrics)
             model.labels = labels
@@ -277,6 +279,13 @@ class ModelVersion:
         if unknown:
             raise ConfigError(f"model_warmup {sample.name!r}: unknown inputs {sorted(unknown)}")
         return inputs
+
+
+def _configure(instances: list[Backend], config: ModelConfig) -> None:
+    """Hand every instance the completed config (Triton's JSON form)."""
+    triton_json = model_config_json(config)
+    for instance in instances:
+        instance.configure(triton_json)
 
 
 def files_identity(model_file: Path, config: ModelConfig) -> str:

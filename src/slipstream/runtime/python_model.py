@@ -1,0 +1,159 @@
+"""Triton's Python backend: a ``model.py`` whose ``TritonPythonModel`` runs requests.
+
+A Triton repository's Python models (pre- and post-processing, tokenizers, business
+rules, most often steps of an ensemble) are served as they are::
+
+    preprocess/config.pbtxt      backend: "python", its inputs and outputs
+    preprocess/1/model.py        class TritonPythonModel: initialize / execute / finalize
+
+The model imports ``triton_python_backend_utils`` (:mod:`.python_utils`, registered under
+that name) for its tensors and responses. ``initialize(args)`` gets Triton's arguments
+(``args["model_config"]``: the completed config as Triton's JSON); ``execute(requests)``
+gets one request per batch the batcher formed (its inputs hold every row of the batch:
+a model that handles each row of its inputs, as batching models do, answers as it would
+per client request), and returns one response; ``finalize()`` runs at unload.
+
+A ``model.py`` is code the server runs: it loads only when its model says
+``trust_pickle: true`` (or with ``slipstream serve --trust-pickle``), as pickles do.
+Each instance runs in its own thread of the server process (Triton runs a stub process
+per instance), so a model holding the GIL for long slows the server: do the heavy work
+in numpy or in a model of another backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from slipstream.errors import InvalidRequest
+from slipstream.runtime import python_utils
+from slipstream.runtime.base import Backend, ModelSignature
+
+# Triton's error codes a request's own data causes: answered 400, not 500.
+_CLIENT_CODES = {python_utils.TritonError.INVALID_ARG, python_utils.TritonError.NOT_FOUND}
+_loaded = itertools.count()
+
+
+class PythonModelError(RuntimeError):
+    """What a Python model's ``execute`` returned or raised that is not an answer."""
+
+
+class PythonBackend(Backend):
+    name = "python"
+    file_extensions = (".py",)
+    # execute runs Python: each instance gets a thread of its own, off the event loop.
+    releases_gil: ClassVar[bool] = True
+    pickle_free_format = "review model.py as you review code: it runs in the server"
+
+    def __init__(self, model: Any, path: Path) -> None:
+        self._model = model
+        self._path = path
+        self._config: dict[str, Any] = {}
+
+    @classmethod
+    def loads_pickle(cls, path: Path) -> bool:
+        return True  # loading it runs the file's code: opt-in, as for pickles
+
+    @classmethod
+    def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> Backend:
+        sys.modules.setdefault("triton_python_backend_utils", python_utils)
+        # A module name of its own per instance: two models' model.py never share one.
+        spec = importlib.util.spec_from_file_location(f"_slipstream_model_{next(_loaded)}", path)
+        if spec is None or spec.loader is None:
+            raise PythonModelError(f"{path}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model_class = getattr(module, "TritonPythonModel", None)
+        if model_class is None:
+            raise PythonModelError(f"{path.name}: defines no class TritonPythonModel")
+        return cls(model_class(), path)
+
+    def configure(self, config: dict[str, Any]) -> None:
+        """Run the model's ``initialize`` with Triton's arguments (``config`` is the
+        completed model config in Triton's JSON form)."""
+        self._config = config
+        initialize = getattr(self._model, "initialize", None)
+        if initialize is not None:
+            version_dir = self._path.parent
+            initialize({
+                "model_config": json.dumps(config),
+                "model_instance_kind": "CPU",
+                "model_instance_name": f"{config.get('name', '')}_0",
+                "model_instance_device_id": "0",
+                "model_repository": str(version_dir.parent),
+                "model_version": version_dir.name,
+                "model_name": config.get("name", version_dir.parent.name),
+            })  # fmt: skip
+
+    def signature(self) -> ModelSignature:
+        return ModelSignature((), ())  # the config lists a Python model's tensors
+
+    def run(
+        self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
+    ) -> dict[str, np.ndarray]:
+        tensors = [python_utils.Tensor(name, array) for name, array in inputs.items()]
+        request = python_utils.InferenceRequest(tensors, output_names)
+        try:
+            responses = self._model.execute([request])
+        except python_utils.TritonError as exc:
+            raise _error(exc) from None
+        if not isinstance(responses, list | tuple) or len(responses) != 1:
+            raise PythonModelError(
+                f"{self._path.name}: execute returned {type(responses).__name__} for one "
+                "request; it returns a list of one InferenceResponse per request"
+            )
+        (response,) = responses
+        if not isinstance(response, python_utils.InferenceResponse):
+            raise PythonModelError(
+                f"{self._path.name}: execute returned a {type(response).__name__} where an "
+                "InferenceResponse belongs"
+            )
+        error = response.error()
+        if error is not None:
+            raise _error(error)
+        made = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+        missing = [name for name in output_names if name not in made]
+        if missing:
+            raise PythonModelError(
+                f"{self._path.name}: execute's response has no output {', '.join(missing)} "
+                f"(it has {', '.join(made) or 'none'})"
+            )
+        return {name: self._declared(name, made[name]) for name in output_names}
+
+    def _declared(self, name: str, array: np.ndarray) -> np.ndarray:
+        """``array`` in the output's declared datatype: numpy's defaults (float64,
+        int64, str) are what a Python model makes without thinking about it."""
+        declared = python_utils.get_output_config_by_name(self._config, name)
+        if declared is None:
+            return array
+        dtype = python_utils.triton_string_to_numpy(declared["data_type"])
+        if array.dtype == dtype:
+            return array
+        if dtype is np.object_:
+            if array.dtype.kind == "U":
+                return np.vectorize(str.encode, otypes=[object])(array)  # type: ignore[no-any-return]
+            return array.astype(object)
+        if array.dtype.kind not in "biuf":
+            raise PythonModelError(
+                f"{self._path.name}: output {name!r} is {array.dtype}, its config says "
+                f"{declared['data_type']}"
+            )
+        return array.astype(dtype)
+
+    def close(self) -> None:
+        finalize = getattr(self._model, "finalize", None)
+        if finalize is not None:
+            finalize()
+
+
+def _error(error: python_utils.TritonError) -> Exception:
+    if error.code() in _CLIENT_CODES:
+        return InvalidRequest(f"the model refused the request: {error.message()}")
+    return PythonModelError(f"the model failed the request: {error.message()}")
