@@ -38,7 +38,8 @@ def test_a_triton_repository_is_served_as_its_config_pbtxt_says(tmp_path: Path) 
     (repo / "add_sub" / "config.pbtxt").write_text(PBTXT)
     build_add_sub(repo, "stateful")
     (repo / "stateful" / "config.pbtxt").write_text(
-        'backend: "onnxruntime"\nmax_batch_size: 8\nsequence_batching { }\n'
+        'backend: "onnxruntime"\nmax_batch_size: 8\n'
+        "sequence_batching { iterative_sequence: true }\n"
     )
     args = ["--repository-poll-secs", "0.2", "--model-control-mode", "poll"]
     with RemoteServer(repo, args, log_dir=tmp_path, wait_for="live") as server:
@@ -66,7 +67,7 @@ def test_a_triton_repository_is_served_as_its_config_pbtxt_says(tmp_path: Path) 
             # What Slipstream does not do: refused with the field named, the rest served.
             index = {e["name"]: e for e in http.get_model_repository_index()}
             assert index["stateful"]["state"] == "UNAVAILABLE"
-            assert "line 3: sequence_batching: stateful" in index["stateful"]["reason"]
+            assert "sequence_batching.iterative_sequence is not" in index["stateful"]["reason"]
 
             # A changed config.pbtxt is a changed config: poll mode reloads it.
             (repo / "add_sub" / "config.pbtxt").write_text(

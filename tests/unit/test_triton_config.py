@@ -119,8 +119,8 @@ def test_a_config_yaml_beside_it_wins(tmp_path: Path) -> None:
     ("pbtxt", "expected"),
     [
         (
-            'name: "add_sub"\nsequence_batching { max_sequence_idle_microseconds: 5000000 }',
-            r"config\.pbtxt: line 2: sequence_batching: stateful \(sequence\) models are not",
+            'name: "add_sub"\nsequence_batching { iterative_sequence: true }',
+            r"config\.pbtxt: sequence_batching\.iterative_sequence is not supported",
         ),
         ("ensemble_scheduling { }", r"ensemble\.steps: List should have at least 1 item"),
         (

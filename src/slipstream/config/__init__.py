@@ -28,6 +28,7 @@ from slipstream.config.sections import (
     RolloutConfig,
     ShadowConfig,
 )
+from slipstream.config.sequence import SequenceBatching, check_sequence_tensors
 from slipstream.config.versions import VersionPolicy, WarmupInput, WarmupSample
 from slipstream.datatypes import from_config_datatype
 from slipstream.names import MODEL_NAME_RULE, model_name_problem
@@ -175,6 +176,9 @@ class ModelConfig(_Strict):
     response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
     ray_serve: RayServeConfig = Field(default_factory=RayServeConfig)
     rollout: RolloutConfig | None = None
+    sequence_batching: SequenceBatching | None = Field(
+        None, description="a stateful model (see config/sequence.py), as Triton's"
+    )
     ensemble: EnsembleConfig | None = Field(
         None,
         description="this model is an ensemble of other models (see config/ensemble.py): "
@@ -240,6 +244,12 @@ class ModelConfig(_Strict):
         for tensor in self.input:
             if tensor.label_filename:
                 raise ValueError(f"input {tensor.name!r}: label_filename is for outputs")
+        return self
+
+    @model_validator(mode="after")
+    def _check_sequences(self) -> ModelConfig:
+        if self.sequence_batching is not None:
+            check_sequence_tensors(self.sequence_batching, self.input, self.output)
         return self
 
     @model_validator(mode="after")

@@ -74,8 +74,8 @@ MERGE_MAX_BYTES = 32 * 1024
 def stack_key(request: InferRequest) -> tuple[Any, ...] | None:
     """What requests must share to travel stacked; None for one that travels alone
     (shared memory, a scalar or empty input, inputs of unequal batch dims, objects)."""
-    if request.shared_memory_inputs or not request.inputs:
-        return None
+    if request.shared_memory_inputs or not request.inputs or "sequence_id" in request.parameters:
+        return None  # a stateful model's requests run one at a time per sequence
     outputs = None
     if request.outputs is not None:
         if any(output.shared_memory or output.classification for output in request.outputs):

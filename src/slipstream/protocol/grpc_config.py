@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from google.protobuf import json_format
+
 from slipstream.config import (
     DynamicBatching,
     ModelConfig,
@@ -11,7 +13,7 @@ from slipstream.config import (
 )
 from slipstream.datatypes import to_config_datatype
 from slipstream.protocol.proto import inference_pb2 as pb
-from slipstream.protocol.v2_meta import ensemble_steps
+from slipstream.protocol.v2_meta import ensemble_steps, sequence_json
 
 
 def encode_model_config(config: ModelConfig) -> pb.ModelConfigResponse:
@@ -45,6 +47,11 @@ def encode_model_config(config: ModelConfig) -> pb.ModelConfigResponse:
     )
     for key, value in config.parameters.items():
         message.parameters[key].string_value = value
+    if config.sequence_batching is not None:
+        sequences = json_format.ParseDict(
+            sequence_json(config.sequence_batching), pb.ModelSequenceBatching()
+        )
+        message.sequence_batching.CopyFrom(sequences)  # clears dynamic_batching (a oneof)
     if config.ensemble is not None:
         # One of Triton's scheduling choices: setting the ensemble's clears the batching.
         steps = [pb.ModelEnsembling.Step(**step) for step in ensemble_steps(config.ensemble)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from slipstream.config import EnsembleConfig, ModelConfig, TensorConfig, WarmupSample
+from slipstream.config.sequence import SequenceBatching
 from slipstream.datatypes import to_config_datatype
 from slipstream.observability.stats import ModelStats, StatDuration
 from slipstream.types import ModelMetadata, RepositoryEntry, ServerMetadata, TensorMetadata
@@ -84,11 +85,31 @@ def model_config_json(config: ModelConfig) -> dict[str, Any]:
         # perf_analyzer reads this to report the cache's hits and misses.
         "response_cache": {"enable": config.response_cache.enable},
     }
+    if config.sequence_batching is not None:
+        # One of Triton's scheduling choices (perf_analyzer sends sequences when it sees it).
+        del out["dynamic_batching"]
+        out["sequence_batching"] = sequence_json(config.sequence_batching)
     if config.ensemble is not None:
         # Triton's scheduling is one of dynamic batching and ensemble scheduling; an
         # ensemble has no instances of its own (perf_analyzer reads the steps from here).
         del out["dynamic_batching"], out["instance_group"]
         out["ensemble_scheduling"] = {"step": ensemble_steps(config.ensemble)}
+    return out
+
+
+def sequence_json(sequences: SequenceBatching) -> dict[str, Any]:
+    """``sequence_batching`` as Triton writes it: TYPE_* datatypes, defaults left out."""
+    out = sequences.model_dump(exclude_defaults=True)
+    out["max_sequence_idle_microseconds"] = sequences.max_sequence_idle_microseconds
+    for control_input in out.get("control_input", []):
+        for control in control_input["control"]:
+            if control.get("data_type"):
+                control["data_type"] = to_config_datatype(control["data_type"])
+    for state in out.get("state", []):
+        state["data_type"] = to_config_datatype(state["data_type"])
+        for initial in state.get("initial_state", []):
+            if initial.get("data_type"):
+                initial["data_type"] = to_config_datatype(initial["data_type"])
     return out
 
 

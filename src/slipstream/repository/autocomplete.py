@@ -37,8 +37,15 @@ def complete_config(config: ModelConfig, signature: ModelSignature, backend: str
                 "list input and output (name, data_type, dims) in config.yaml"
             )
         return done
-    done.input = _complete(done.input, signature.inputs, batching, "input")
-    done.output = _complete(done.output, signature.outputs, batching, "output")
+    inputs, outputs = signature.inputs, signature.outputs
+    if done.sequence_batching is not None:
+        # A stateful model's controls and states are the server's to give, not a client's.
+        given = set(done.sequence_batching.model_inputs())
+        kept = set(done.sequence_batching.model_outputs())
+        inputs = tuple(spec for spec in inputs if spec.name not in given)
+        outputs = tuple(spec for spec in outputs if spec.name not in kept)
+    done.input = _complete(done.input, inputs, batching, "input")
+    done.output = _complete(done.output, outputs, batching, "output")
     return done
 
 

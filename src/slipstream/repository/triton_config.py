@@ -34,7 +34,6 @@ _BACKENDS = {
 
 # Triton settings Slipstream has no counterpart for, and what to do instead.
 _UNSUPPORTED = {
-    "sequence_batching": "stateful (sequence) models are not supported",
     "optimization": (
         "Triton's optimization settings are not read; remove the block (ONNX Runtime's "
         "options go in parameters: intra_op_thread_count, ...)"
@@ -141,6 +140,8 @@ def _translate(config: dict[str, Any]) -> dict[str, Any]:
         config[kind] = [_tensor(kind, tensor) for tensor in config.get(kind, [])]
     if "dynamic_batching" in config:
         config["dynamic_batching"] = _batching(config["dynamic_batching"])
+    if "sequence_batching" in config:
+        _sequences(config)
     for index, sample in enumerate(config.get("model_warmup", [])):
         for name, tensor in sample.get("inputs", {}).items():
             if "input_data_file" in tensor:
@@ -164,6 +165,32 @@ def _tensor(kind: str, tensor: dict[str, Any]) -> dict[str, Any]:
     tensor.pop("format", None)  # an image layout: informational
     tensor.setdefault("dims", [])
     return tensor
+
+
+def _sequences(config: dict[str, Any]) -> None:
+    """A stateful model's ``sequence_batching``: kept as it is (its keys are Triton's);
+    its strategy's batching settings become the model's dynamic_batching."""
+    sequences = config["sequence_batching"]
+    if sequences.pop("iterative_sequence", False):
+        raise ValueError("sequence_batching.iterative_sequence is not supported")
+    for control_input in sequences.get("control_input", []):
+        for control in control_input.get("control", []):
+            control.setdefault("kind", "CONTROL_SEQUENCE_START")  # proto3's default: unset
+    for state in sequences.get("state", []):
+        for initial in state.get("initial_state", []):
+            if "data_file" in initial:
+                raise ValueError(
+                    f"sequence_batching.state {state.get('input_name', '')!r}: initial_state "
+                    "from a data_file is not supported; a sequence's state starts at zeros"
+                )
+    strategy = sequences.get("oldest") or sequences.get("direct") or {}
+    batching = {
+        key: strategy[key]
+        for key in ("preferred_batch_size", "max_queue_delay_microseconds")
+        if key in strategy
+    }
+    if batching:
+        config.setdefault("dynamic_batching", batching)
 
 
 def _ensemble(config: dict[str, Any]) -> dict[str, Any]:

@@ -6,8 +6,10 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
+
+import numpy as np
 
 from slipstream import __version__
 from slipstream.config import ModelConfig, ServerSettings
@@ -31,11 +33,12 @@ from slipstream.serving.cache import ResponseCache, build_cache, request_key
 from slipstream.serving.cascade_registry import Cascades, Composed
 from slipstream.serving.idle import IdleWatcher
 from slipstream.serving.manager import ModelAsleep, ModelManager
-from slipstream.serving.model import ModelVersion
+from slipstream.serving.model import ModelVersion, PreparedRequest
 from slipstream.serving.outcomes import record_failure, record_success
 from slipstream.serving.rollout import Rollouts, Route
 from slipstream.serving.rollout_analysis import counts_against_version
 from slipstream.serving.rollout_store import rollout_store
+from slipstream.serving.sequences import Sequences
 from slipstream.serving.service import InferenceService, ModelLane
 from slipstream.serving.shadow import run_copies
 from slipstream.serving.shared_memory import RegionCalls, SystemSharedMemory
@@ -368,7 +371,8 @@ class ModelServer(RegionCalls, InferenceService):
             seconds = (time.perf_counter_ns() - started_ns) / 1e9
             window.version(model.version_str).record(True, seconds)
         shadow = route.shadow
-        if shadow is not None and shadow.version != model.version_str:
+        # A stateful model's copies would run outside their sequences: none are made.
+        if shadow is not None and shadow.version != model.version_str and model.sequences is None:
             shadow.offer(request, response)
         return response
 
@@ -400,7 +404,9 @@ class ModelServer(RegionCalls, InferenceService):
             model = self.models.resolve(request.model_name, request.model_version)
         except (ModelAsleep, SlipstreamError):
             return None
-        if self._cache is not None and model.config.response_cache.enable:
+        if model.sequences is not None or (
+            self._cache is not None and model.config.response_cache.enable
+        ):
             return None
         return model
 
@@ -450,13 +456,16 @@ class ModelServer(RegionCalls, InferenceService):
             if request.outputs:
                 targets = self.shared_memory.output_targets(request)
             prepared = model.prepare(request)
-            outputs = await model.batcher.submit(
-                prepared.inputs,
-                prepared.rows,
-                prepared.shape_key,
-                request.priority,
-                request.timeout_us,
-            )
+            if model.sequences is not None:
+                outputs = await self._run_in_sequence(model, model.sequences, request, prepared)
+            else:
+                outputs = await model.batcher.submit(
+                    prepared.inputs,
+                    prepared.rows,
+                    prepared.shape_key,
+                    request.priority,
+                    request.timeout_us,
+                )
             response = InferResponse(
                 model_name=model.name,
                 model_version=model.version_str,
@@ -486,6 +495,23 @@ class ModelServer(RegionCalls, InferenceService):
                 inputs = {name: array.copy() for name, array in inputs.items()}
             model.tap.offer(inputs, response.outputs)
         return response
+
+    @staticmethod
+    async def _run_in_sequence(
+        model: ModelVersion, sequences: Sequences, request: InferRequest, prepared: PreparedRequest
+    ) -> dict[str, np.ndarray]:
+        """A stateful model's request, after its sequence's earlier ones, with its
+        controls and state (:mod:`slipstream.serving.sequences`)."""
+
+        def submit(
+            inputs: dict[str, np.ndarray], shapes: tuple[Any, ...]
+        ) -> Awaitable[dict[str, np.ndarray]]:
+            key = (*prepared.shape_key, *shapes)
+            return model.batcher.submit(
+                inputs, prepared.rows, key, request.priority, request.timeout_us
+            )
+
+        return await sequences.run(request, prepared.inputs, prepared.rows, submit)
 
     # -- repository ----------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from slipstream.runtime.pickles import check_pickle_trust
 from slipstream.scheduling.batcher import Batcher
 from slipstream.serving.classification import load_labels
 from slipstream.serving.reshaping import reshaping
+from slipstream.serving.sequences import Sequences
 from slipstream.serving.taps import ResponseTap
 from slipstream.types import InferRequest, ModelMetadata, TensorMetadata
 
@@ -76,7 +77,13 @@ class ModelVersion:
         self._output_names = [t.name for t in config.output]
         self._output_types = {t.name: t.data_type for t in config.output}
         self._batching = bool(config.max_batch_size)
-        self.batcher = Batcher(config, instances, self._output_names, metrics, self.stats)
+        # A stateful model's live sequences; its batches also return the states' outputs.
+        self.sequences: Sequences | None = None
+        run_outputs = self._output_names
+        if config.sequence_batching is not None:
+            self.sequences = Sequences(name, config.sequence_batching, self._batching)
+            run_outputs = run_outputs + config.sequence_batching.model_outputs()
+        self.batcher = Batcher(config, instances, run_outputs, metrics, self.stats)
         self._instances = instances
         if any(instance.cpu_threads is not None for instance in instances):
             metrics.cpu_threads = lambda: sum(instance.cpu_threads or 0 for instance in instances)
@@ -278,6 +285,8 @@ class ModelVersion:
         unknown = set(sample.inputs) - set(self._inputs)
         if unknown:
             raise ConfigError(f"model_warmup {sample.name!r}: unknown inputs {sorted(unknown)}")
+        if self.sequences is not None:
+            inputs.update(self.sequences.warmup_inputs(sample.batch_size))
         return inputs
 
 

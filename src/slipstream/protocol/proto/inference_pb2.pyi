@@ -669,6 +669,7 @@ class ModelConfig(_message.Message):
         "parameters",
         "platform",
         "response_cache",
+        "sequence_batching",
         "version_policy",
     )
     class ParametersEntry(_message.Message):
@@ -690,6 +691,7 @@ class ModelConfig(_message.Message):
     INSTANCE_GROUP_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODEL_FILENAME_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_BATCHING_FIELD_NUMBER: _ClassVar[int]
     ENSEMBLE_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_WARMUP_FIELD_NUMBER: _ClassVar[int]
@@ -705,6 +707,7 @@ class ModelConfig(_message.Message):
     instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
     default_model_filename: str
     dynamic_batching: ModelDynamicBatching
+    sequence_batching: ModelSequenceBatching
     ensemble_scheduling: ModelEnsembling
     parameters: _containers.MessageMap[str, ModelParameter]
     model_warmup: _containers.RepeatedCompositeFieldContainer[ModelWarmup]
@@ -722,12 +725,181 @@ class ModelConfig(_message.Message):
         instance_group: _Iterable[ModelInstanceGroup | _Mapping] | None = ...,
         default_model_filename: str | None = ...,
         dynamic_batching: ModelDynamicBatching | _Mapping | None = ...,
+        sequence_batching: ModelSequenceBatching | _Mapping | None = ...,
         ensemble_scheduling: ModelEnsembling | _Mapping | None = ...,
         parameters: _Mapping[str, ModelParameter] | None = ...,
         model_warmup: _Iterable[ModelWarmup | _Mapping] | None = ...,
         backend: str | None = ...,
         model_transaction_policy: ModelTransactionPolicy | _Mapping | None = ...,
         response_cache: ModelResponseCache | _Mapping | None = ...,
+    ) -> None: ...
+
+class ModelSequenceBatching(_message.Message):
+    __slots__ = (
+        "control_input",
+        "direct",
+        "iterative_sequence",
+        "max_sequence_idle_microseconds",
+        "oldest",
+        "state",
+    )
+    class Control(_message.Message):
+        __slots__ = ("bool_false_true", "data_type", "fp32_false_true", "int32_false_true", "kind")
+        class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+            __slots__ = ()
+            CONTROL_SEQUENCE_START: _ClassVar[ModelSequenceBatching.Control.Kind]
+            CONTROL_SEQUENCE_READY: _ClassVar[ModelSequenceBatching.Control.Kind]
+            CONTROL_SEQUENCE_END: _ClassVar[ModelSequenceBatching.Control.Kind]
+            CONTROL_SEQUENCE_CORRID: _ClassVar[ModelSequenceBatching.Control.Kind]
+
+        CONTROL_SEQUENCE_START: ModelSequenceBatching.Control.Kind
+        CONTROL_SEQUENCE_READY: ModelSequenceBatching.Control.Kind
+        CONTROL_SEQUENCE_END: ModelSequenceBatching.Control.Kind
+        CONTROL_SEQUENCE_CORRID: ModelSequenceBatching.Control.Kind
+        KIND_FIELD_NUMBER: _ClassVar[int]
+        INT32_FALSE_TRUE_FIELD_NUMBER: _ClassVar[int]
+        FP32_FALSE_TRUE_FIELD_NUMBER: _ClassVar[int]
+        DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+        BOOL_FALSE_TRUE_FIELD_NUMBER: _ClassVar[int]
+        kind: ModelSequenceBatching.Control.Kind
+        int32_false_true: _containers.RepeatedScalarFieldContainer[int]
+        fp32_false_true: _containers.RepeatedScalarFieldContainer[float]
+        data_type: DataType
+        bool_false_true: _containers.RepeatedScalarFieldContainer[bool]
+        def __init__(
+            self,
+            kind: ModelSequenceBatching.Control.Kind | str | None = ...,
+            int32_false_true: _Iterable[int] | None = ...,
+            fp32_false_true: _Iterable[float] | None = ...,
+            data_type: DataType | str | None = ...,
+            bool_false_true: _Iterable[bool] | None = ...,
+        ) -> None: ...
+
+    class ControlInput(_message.Message):
+        __slots__ = ("control", "name")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        CONTROL_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        control: _containers.RepeatedCompositeFieldContainer[ModelSequenceBatching.Control]
+        def __init__(
+            self,
+            name: str | None = ...,
+            control: _Iterable[ModelSequenceBatching.Control | _Mapping] | None = ...,
+        ) -> None: ...
+
+    class InitialState(_message.Message):
+        __slots__ = ("data_file", "data_type", "dims", "name", "zero_data")
+        DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+        DIMS_FIELD_NUMBER: _ClassVar[int]
+        ZERO_DATA_FIELD_NUMBER: _ClassVar[int]
+        DATA_FILE_FIELD_NUMBER: _ClassVar[int]
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        data_type: DataType
+        dims: _containers.RepeatedScalarFieldContainer[int]
+        zero_data: bool
+        data_file: str
+        name: str
+        def __init__(
+            self,
+            data_type: DataType | str | None = ...,
+            dims: _Iterable[int] | None = ...,
+            zero_data: bool | None = ...,
+            data_file: str | None = ...,
+            name: str | None = ...,
+        ) -> None: ...
+
+    class State(_message.Message):
+        __slots__ = (
+            "data_type",
+            "dims",
+            "initial_state",
+            "input_name",
+            "output_name",
+            "use_growable_memory",
+            "use_same_buffer_for_input_output",
+        )
+        INPUT_NAME_FIELD_NUMBER: _ClassVar[int]
+        OUTPUT_NAME_FIELD_NUMBER: _ClassVar[int]
+        DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+        DIMS_FIELD_NUMBER: _ClassVar[int]
+        INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
+        USE_SAME_BUFFER_FOR_INPUT_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+        USE_GROWABLE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+        input_name: str
+        output_name: str
+        data_type: DataType
+        dims: _containers.RepeatedScalarFieldContainer[int]
+        initial_state: _containers.RepeatedCompositeFieldContainer[
+            ModelSequenceBatching.InitialState
+        ]
+        use_same_buffer_for_input_output: bool
+        use_growable_memory: bool
+        def __init__(
+            self,
+            input_name: str | None = ...,
+            output_name: str | None = ...,
+            data_type: DataType | str | None = ...,
+            dims: _Iterable[int] | None = ...,
+            initial_state: _Iterable[ModelSequenceBatching.InitialState | _Mapping] | None = ...,
+            use_same_buffer_for_input_output: bool | None = ...,
+            use_growable_memory: bool | None = ...,
+        ) -> None: ...
+
+    class StrategyDirect(_message.Message):
+        __slots__ = ("max_queue_delay_microseconds", "minimum_slot_utilization")
+        MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+        MINIMUM_SLOT_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+        max_queue_delay_microseconds: int
+        minimum_slot_utilization: float
+        def __init__(
+            self,
+            max_queue_delay_microseconds: int | None = ...,
+            minimum_slot_utilization: float | None = ...,
+        ) -> None: ...
+
+    class StrategyOldest(_message.Message):
+        __slots__ = (
+            "max_candidate_sequences",
+            "max_queue_delay_microseconds",
+            "preferred_batch_size",
+            "preserve_ordering",
+        )
+        MAX_CANDIDATE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+        PREFERRED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+        MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+        PRESERVE_ORDERING_FIELD_NUMBER: _ClassVar[int]
+        max_candidate_sequences: int
+        preferred_batch_size: _containers.RepeatedScalarFieldContainer[int]
+        max_queue_delay_microseconds: int
+        preserve_ordering: bool
+        def __init__(
+            self,
+            max_candidate_sequences: int | None = ...,
+            preferred_batch_size: _Iterable[int] | None = ...,
+            max_queue_delay_microseconds: int | None = ...,
+            preserve_ordering: bool | None = ...,
+        ) -> None: ...
+
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_IDLE_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_INPUT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ITERATIVE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    direct: ModelSequenceBatching.StrategyDirect
+    oldest: ModelSequenceBatching.StrategyOldest
+    max_sequence_idle_microseconds: int
+    control_input: _containers.RepeatedCompositeFieldContainer[ModelSequenceBatching.ControlInput]
+    state: _containers.RepeatedCompositeFieldContainer[ModelSequenceBatching.State]
+    iterative_sequence: bool
+    def __init__(
+        self,
+        direct: ModelSequenceBatching.StrategyDirect | _Mapping | None = ...,
+        oldest: ModelSequenceBatching.StrategyOldest | _Mapping | None = ...,
+        max_sequence_idle_microseconds: int | None = ...,
+        control_input: _Iterable[ModelSequenceBatching.ControlInput | _Mapping] | None = ...,
+        state: _Iterable[ModelSequenceBatching.State | _Mapping] | None = ...,
+        iterative_sequence: bool | None = ...,
     ) -> None: ...
 
 class ModelEnsembling(_message.Message):
