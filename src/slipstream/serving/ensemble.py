@@ -41,6 +41,7 @@ class Ensemble:
         self.stats = ModelStatsRecorder(name, "1")
         self._plan: EnsembleConfig = config.ensemble
         self._output_names = [tensor.name for tensor in config.output]
+        self._batching = bool(config.max_batch_size)
         # Output name -> its class labels (label_filename), for classification requests.
         self.labels: dict[str, list[str]] = {}
 
@@ -69,6 +70,14 @@ class Ensemble:
             raise
         elapsed_ns = time.perf_counter_ns() - started_ns
         self.stats.record_request(ok=True, total_ns=elapsed_ns)
+        # As Triton counts an ensemble: one execution of the request's rows, computing
+        # for as long as its steps took.
+        first = next(iter(request.inputs.values()), None)
+        rows = first.shape[0] if self._batching and first is not None and first.ndim else 1
+        self.stats.record_batch(
+            batch_size=max(1, rows), num_requests=1, input_ns=0, infer_ns=elapsed_ns,
+            output_ns=0, end_ms=time.time_ns() // 1_000_000,
+        )  # fmt: skip
         self.metrics.request_success += 1
         self.metrics.request_duration.observe(elapsed_ns / 1e9)
         return InferResponse(self.name, "1", {n: tensors[n] for n in wanted}, id=request.id)
