@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-from slipstream.config import parse_model_config
+from slipstream.config import ConfigError, parse_model_config
 from slipstream.errors import InvalidRequest
 from slipstream.serving.sequences import Sequences
 from slipstream.types import InferRequest
@@ -121,3 +121,8 @@ def test_requests_that_name_no_sequence_are_refused(
     inputs = {"INPUT": np.zeros((1, 1), np.float32)}
     with pytest.raises(InvalidRequest, match=expected):
         asyncio.run(_sequences().run(request, inputs, 1, _sum))
+
+
+def test_a_stateful_model_keeps_to_one_ray_replica() -> None:
+    with pytest.raises(ConfigError, match=r"ray_serve\.max_replicas: a stateful model"):
+        parse_model_config({**CONFIG, "ray_serve": {"max_replicas": 2}}, "t")

@@ -250,6 +250,11 @@ class ModelConfig(_Strict):
     def _check_sequences(self) -> ModelConfig:
         if self.sequence_batching is not None:
             check_sequence_tensors(self.sequence_batching, self.input, self.output)
+            if self.ray_serve.max_replicas > 1:
+                raise ValueError(
+                    "ray_serve.max_replicas: a stateful model's sequences live in one "
+                    "replica (Ray routes each request anywhere); keep it at 1"
+                )
         return self
 
     @model_validator(mode="after")
