@@ -128,6 +128,26 @@ def test_variants_come_from_versions_and_the_budget_excludes_with_a_reason(
         find_variants(write_config(tmp_path, "empty", {}).parent)
 
 
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"ensemble": {"steps": [{"model": "add_sub", "input_map": {"INPUT0": "A"},
+                                  "output_map": {"OUTPUT0": "Z"}}]},
+          "input": [{"name": "A", "data_type": "FP32", "dims": [16]}],
+          "output": [{"name": "Z", "data_type": "FP32", "dims": [16]}]},
+         "an ensemble is not tuned as a whole; tune the models its steps run"),
+        ({"sequence_batching": {}}, "a stateful model is not tuned as a whole"),
+    ],
+)  # fmt: skip
+def test_models_made_of_others_or_of_sequences_are_not_tuned(
+    tmp_path: Path, config: dict[str, object], expected: str
+) -> None:
+    build_add_sub(tmp_path, "composed")
+    write_config(tmp_path, "composed", config)
+    with pytest.raises(TuneInputError, match=expected):
+        find_variants(tmp_path / "composed")
+
+
 def test_the_trial_config_keeps_the_models_other_settings() -> None:
     base = {
         "max_batch_size": 64,

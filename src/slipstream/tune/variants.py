@@ -82,6 +82,12 @@ def find_variants(model_dir: Path) -> tuple[ModelConfig, list[Variant]]:
             f"MODEL_DIR {model_dir}: backend {config.backend} is a generative model; "
             "tune measures V2 tensor models"
         )
+    made_of = "a cascade" if config.cascade else "an ensemble" if config.ensemble else ""
+    if made_of or config.sequence_batching is not None:
+        raise TuneInputError(
+            f"MODEL_DIR {model_dir}: {made_of or 'a stateful model'} is not tuned as a whole; "
+            + ("tune the models its steps run" if made_of else "its requests come in sequences")
+        )
     variants = []
     for version in directory.versions:
         version_dir = model_dir / str(version)
