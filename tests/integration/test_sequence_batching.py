@@ -36,7 +36,8 @@ sequence_batching {
     { name: "END" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] },
     { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_INT64 } ] }
   ]
-  state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+  state [ { input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_FP32 dims: [ 1 ]
+            initial_state { data_type: TYPE_FP32 dims: [ 1 ] zero_data: true name: "zero" } } ]
   oldest { max_candidate_sequences: 8 preferred_batch_size: [ 4 ]
            max_queue_delay_microseconds: 2000 }
 }
@@ -165,5 +166,7 @@ def test_the_controls_and_state_are_not_the_client_s(server: RemoteServer) -> No
         sequences = grpc.get_model_config("accumulate", as_json=True)["config"]["sequence_batching"]
         assert sequences["state"][0]["output_name"] == "STATE_OUT"
         assert sequences["control_input"][2]["control"][0]["data_type"] == "TYPE_INT64"
+        initial = sequences["state"][0]["initial_state"][0]
+        assert (initial["data_type"], initial["zero_data"]) == ("TYPE_FP32", True)
     finally:
         grpc.close()

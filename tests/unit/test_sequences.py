@@ -126,3 +126,24 @@ def test_requests_that_name_no_sequence_are_refused(
 def test_a_stateful_model_keeps_to_one_ray_replica() -> None:
     with pytest.raises(ConfigError, match=r"ray_serve\.max_replicas: a stateful model"):
         parse_model_config({**CONFIG, "ray_serve": {"max_replicas": 2}}, "t")
+
+
+def test_the_config_as_served_reads_back_as_it_was() -> None:
+    """What GET .../config answers is what a load with that config override reads."""
+    import json
+
+    from slipstream.protocol.v2_meta import model_config_json
+    from slipstream.repository.triton_config import parse_triton_json
+
+    raw = {**CONFIG}
+    raw["sequence_batching"] = {
+        **CONFIG["sequence_batching"],  # type: ignore[dict-item]
+        "state": [{"input_name": "S_IN", "output_name": "S_OUT", "data_type": "TYPE_FP32",
+                   "dims": [-1], "initial_state": [{"data_type": "TYPE_FP32", "dims": [2],
+                                                    "zero_data": True, "name": "z"}]}],
+    }  # fmt: skip
+    config = parse_model_config(raw, "t")
+    served = model_config_json(config)
+    assert served["sequence_batching"]["state"][0]["initial_state"][0]["data_type"] == "TYPE_FP32"
+    again = parse_model_config(parse_triton_json(json.dumps(served), "override"), "t")
+    assert again.sequence_batching == config.sequence_batching

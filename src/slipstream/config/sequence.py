@@ -88,8 +88,14 @@ class ControlInput(_Strict):
 class InitialState(_Strict):
     data_type: str = ""
     dims: list[int] = Field(default_factory=list)
-    zero_data: bool = True
+    # The one initial state served (a data_file is refused): zeros.
+    zero_data: Literal[True] = True
     name: str = ""
+
+    @field_validator("data_type")
+    @classmethod
+    def _normalise_datatype(cls, value: str) -> str:
+        return from_config_datatype(value) if value else value
 
 
 class StateConfig(_Strict):

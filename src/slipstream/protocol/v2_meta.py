@@ -108,6 +108,7 @@ def sequence_json(sequences: SequenceBatching) -> dict[str, Any]:
     for state in out.get("state", []):
         state["data_type"] = to_config_datatype(state["data_type"])
         for initial in state.get("initial_state", []):
+            initial["zero_data"] = True
             if initial.get("data_type"):
                 initial["data_type"] = to_config_datatype(initial["data_type"])
     return out

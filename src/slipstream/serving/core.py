@@ -60,6 +60,7 @@ EXTENSIONS = [
     "statistics",
     "schedule_policy",
     "classification",
+    "sequence",
     v2_shm.EXTENSION,
 ]
 
