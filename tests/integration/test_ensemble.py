@@ -188,3 +188,25 @@ def test_an_ensemble_whose_step_does_not_fit_its_model_fails_to_load_naming_it(
     index = {e["name"]: e for e in server.http.post("/v2/repository/index", json={}).json()}
     assert index["broken"]["state"] == "UNAVAILABLE"
     assert server.http.get("/v2/models/pipeline/ready").status_code == 200
+
+
+def test_an_ensemble_is_ready_only_while_its_models_are(server: RemoteServer) -> None:
+    def index() -> dict[str, dict[str, str]]:
+        entries = server.http.post("/v2/repository/index", json={}).json()
+        return {e["name"]: e for e in entries}
+
+    assert server.http.post("/v2/repository/models/double/unload").status_code == 200
+    assert server.http.get("/v2/models/pipeline/ready").status_code != 200
+    entry = index()["pipeline"]
+    assert entry["state"] == "UNAVAILABLE"
+    assert entry["reason"] == "model 'double', which it runs, is not loaded"
+    assert server.http.post("/v2/repository/models/double/load").status_code == 200
+    assert server.http.get("/v2/models/pipeline/ready").status_code == 200
+    # Unloaded, an ensemble is listed as Triton lists an unloaded model.
+    assert server.http.post("/v2/repository/models/pipeline/unload").status_code == 200
+    assert (index()["pipeline"]["state"], index()["pipeline"]["reason"]) == (
+        "UNAVAILABLE",
+        "unloaded",
+    )
+    assert server.http.post("/v2/repository/models/pipeline/load").status_code == 200
+    assert server.http.get("/v2/models/pipeline/ready").status_code == 200

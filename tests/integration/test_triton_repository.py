@@ -5,9 +5,11 @@ config.pbtxt reloaded in poll mode."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
@@ -80,3 +82,32 @@ def test_a_triton_repository_is_served_as_its_config_pbtxt_says(tmp_path: Path) 
         finally:
             http.close()
             grpc.close()
+
+
+@pytest.mark.parametrize("layout", [[], ["--frontends", "1"]], ids=["one", "split"])
+def test_load_model_star_loads_every_model_and_kind_gpu_is_not_run_on_the_cpu(
+    tmp_path: Path, layout: list[str]
+) -> None:
+    """Triton's `--load-model=*` in explicit mode; an instance_group that asks for a GPU
+    the backend cannot use is refused naming it, not run on the CPU without a word; a
+    version directory Triton ignores (`007/`) is ignored."""
+    repo = tmp_path / "repo"
+    build_add_sub(repo, "plain")
+    shutil.copytree(repo / "plain" / "1", repo / "plain" / "007")
+    build_add_sub(repo, "on_gpu")
+    (repo / "on_gpu" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\ninstance_group [ { count: 1 kind: KIND_GPU } ]\n'
+    )
+    args = ["--model-control-mode", "explicit", "--load-model", "*", *layout]
+    with RemoteServer(repo, args, log_dir=tmp_path, wait_for="live") as server:
+        wait_until(lambda: server.http.get("/v2/models/plain/ready").status_code == 200, "ready")
+        index = {e["name"]: e for e in server.http.post("/v2/repository/index", json={}).json()}
+        assert (index["plain"]["state"], index["plain"]["version"]) == ("READY", "1")
+        assert index["on_gpu"]["state"] == "UNAVAILABLE"
+        assert (
+            "instance_group kind KIND_GPU: the onnxruntime backend runs on the CPU"
+            in (index["on_gpu"]["reason"])
+        )
+        # Explicit mode still: models unload and load on request.
+        assert server.http.post("/v2/repository/models/plain/unload").status_code == 200
+        assert server.http.get("/v2/models/plain/ready").status_code != 200

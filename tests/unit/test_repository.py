@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +112,42 @@ def test_fixed_first_dim_means_no_batching() -> None:
 def test_config_that_contradicts_the_file_fails(given: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         complete_config(parse_model_config(given, "m"), SIGNATURE, "onnxruntime")
+
+
+@pytest.mark.parametrize(
+    ("given", "signature", "message"),
+    [
+        (
+            {"max_batch_size": 8, "dynamic_batching": {"preferred_batch_size": [4, 16]}},
+            SIGNATURE,
+            "dynamic_batching.preferred_batch_size: 16 is above max_batch_size 8",
+        ),
+        (
+            {"max_batch_size": 8, "input": [{"name": "x", "data_type": "FP32", "dims": [3]}]},
+            ModelSignature(
+                inputs=(TensorSpec("x", "FP32", (1, 3)),),
+                outputs=(TensorSpec("y", "FP32", (1, 3)),),
+            ),
+            "input 'x': max_batch_size > 0 needs a variable first dim (the batch), the model "
+            "file declares shape [1, 3]",
+        ),
+    ],
+)
+def test_what_triton_refuses_at_load_is_refused_at_load(
+    given: dict[str, object], signature: ModelSignature, message: str
+) -> None:
+    """Not at a request's run: a batch of 16 or 2 rows would only fail there."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        complete_config(parse_model_config(given, "m"), signature, "onnxruntime")
+
+
+def test_version_directories_are_read_as_triton_reads_them(tmp_path: Path) -> None:
+    from slipstream.repository.layout import read_model_directory
+
+    for name in ("1", "3", "007", "0", "v2", "²", "12"):
+        (tmp_path / "m" / name).mkdir(parents=True)
+    (tmp_path / "m" / "5").write_text("a file, not a version")
+    assert read_model_directory(tmp_path / "m").versions == (1, 3, 12)
 
 
 def test_signatureless_backend_needs_tensors_in_config() -> None:

@@ -352,7 +352,8 @@ class ServerSettings(_Strict):
         "the repository's files (added, changed, removed; the load/unload API is refused).",
     )
     load_models: list[str] = Field(
-        default_factory=list, description="Models to load at start in explicit mode."
+        default_factory=list,
+        description="Models to load at start in explicit mode ('*': every model, as Triton's).",
     )
     trust_pickle: bool = Field(
         False,
@@ -591,4 +592,4 @@ class ServerSettings(_Strict):
     @field_validator("load_models")
     @classmethod
     def _check_load_models(cls, names: list[str]) -> list[str]:
-        return [_checked_model_name(name) for name in names]
+        return [name if name == "*" else _checked_model_name(name) for name in names]

@@ -30,11 +30,17 @@ def complete_config(config: ModelConfig, signature: ModelSignature, backend: str
         else:
             done.max_batch_size = 0
     batching = done.max_batch_size > 0
+    too_large = [n for n in done.dynamic_batching.preferred_batch_size if n > done.max_batch_size]
+    if batching and too_large:
+        raise ConfigError(
+            f"dynamic_batching.preferred_batch_size: {too_large[0]} is above max_batch_size "
+            f"{done.max_batch_size}; no batch can be that large"
+        )
     if not has_signature:
         if not done.input or not done.output:
             raise ConfigError(
                 f"{config.name}: the {backend} model file does not declare its tensors; "
-                "list input and output (name, data_type, dims) in config.yaml"
+                "list input and output (name, data_type, dims) in its config"
             )
         return done
     inputs, outputs = signature.inputs, signature.outputs
@@ -77,21 +83,26 @@ def _from_spec(spec: TensorSpec, batching: bool, kind: str) -> TensorConfig:
 def _check_agrees(tensor: TensorConfig, spec: TensorSpec, batching: bool, kind: str) -> None:
     if tensor.data_type != spec.datatype:
         raise ConfigError(
-            f"{kind} {tensor.name!r}: data_type {tensor.data_type} in config.yaml but "
+            f"{kind} {tensor.name!r}: data_type {tensor.data_type} in the config but "
             f"{spec.datatype} in the model file"
+        )
+    if batching and spec.shape and spec.shape[0] != -1:
+        raise ConfigError(
+            f"{kind} {tensor.name!r}: max_batch_size > 0 needs a variable first dim (the "
+            f"batch), the model file declares shape {list(spec.shape)}; set max_batch_size: 0"
         )
     file_dims = spec.shape[1:] if batching else spec.shape
     # The model file sees the reshape, where there is one; clients see the dims.
     dims, key = (tensor.dims, "dims") if tensor.reshape is None else (tensor.reshape, "reshape")
     if spec.shape and len(file_dims) != len(dims):
         raise ConfigError(
-            f"{kind} {tensor.name!r}: {key} {dims} in config.yaml do not match the model "
+            f"{kind} {tensor.name!r}: {key} {dims} in the config do not match the model "
             f"file's shape {list(spec.shape)}"
             + (" (the batch dim is implied by max_batch_size > 0)" if batching else "")
         )
     for config_dim, file_dim in zip(dims, file_dims, strict=False):
         if file_dim != -1 and config_dim not in (-1, file_dim):
             raise ConfigError(
-                f"{kind} {tensor.name!r}: {key} {dims} in config.yaml do not match the "
+                f"{kind} {tensor.name!r}: {key} {dims} in the config do not match the "
                 f"model file's shape {list(spec.shape)}"
             )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slipstream.config import ModelConfig
-from slipstream.repository.layout import CONFIG_FILES
+from slipstream.repository.layout import CONFIG_FILES, version_number
 
 # (path relative to the model directory, size_bytes, mtime_ns, inode); the inode tells a
 # file replaced by rename (``mv`` of a finished copy) within one mtime tick. -1s when it
@@ -71,8 +71,9 @@ def fingerprint(model_dir: Path) -> ModelFingerprint:
     config = tuple(_stamp(model_dir, model_dir / name) for name in CONFIG_FILES)
     versions = []
     for entry in _list(model_dir):
-        if entry.name.isdigit() and int(entry.name) > 0 and entry.is_dir():
-            versions.append((int(entry.name), _stamp_tree(model_dir, entry)))
+        number = version_number(entry.name)
+        if number is not None and entry.is_dir():
+            versions.append((number, _stamp_tree(model_dir, entry)))
     return ModelFingerprint(
         config=tuple(stamp for stamp in config if stamp[3] != -1),
         versions=tuple(sorted(versions)),

@@ -159,11 +159,23 @@ def read_model_directory(path: Path) -> ModelDirectory:
     # Change polling stamps the files itself (repository/changes.py): reading versions
     # only, a file vanishing mid-copy cannot fail the scan of the whole repository.
     versions = [
-        int(entry.name)
+        number
         for entry in path.iterdir()
-        if entry.name.isdigit() and int(entry.name) > 0 and entry.is_dir()
+        if (number := version_number(entry.name)) is not None and entry.is_dir()
     ]
     return ModelDirectory(name=path.name, path=path, versions=tuple(sorted(versions)))
+
+
+def version_number(name: str) -> int | None:
+    """The version a directory ``name`` is, as Triton reads one: ASCII digits not starting
+    with 0 (``007/``, ``0/``, a Unicode digit: not a version, ignored); None otherwise.
+
+    >>> [version_number(n) for n in ("1", "12", "007", "0", "v1", "²")]
+    [1, 12, None, None, None, None]
+    """
+    if name.isascii() and name.isdigit() and not name.startswith("0"):
+        return int(name)
+    return None
 
 
 def read_config(model: ModelDirectory) -> ModelConfig:

@@ -40,7 +40,10 @@ def device_of(config: ModelConfig) -> str:
     >>> device_of(ModelConfig())
     'cpu'
     """
-    named = config.generation.device if config.generative else config.parameters.get("device", CPU)
+    named = config.generation.device if config.generative else config.parameters.get("device", "")
+    if not named and any(group.kind == "KIND_GPU" for group in config.instance_group):
+        named = "cuda"  # Triton's KIND_GPU: what a torch model's load makes of it
+    named = named or CPU
     match = _CUDA.fullmatch(named.strip().lower())
     if match is None:
         return CPU  # cpu, or a value the backend refuses when it loads

@@ -169,6 +169,8 @@ async def _serve_engine(
     early: list[str] = []
     if explicit:
         journaled = journal.models if journal.models is not None else settings.load_models
+        if "*" in journaled:  # Triton's --load-model=*: every model of the repository
+            journaled = _every_model(settings)
         loaded = _mine(journaled, settings, share)
         early = _tensor_models(loaded, settings, share)
         settings = settings.model_copy(
@@ -249,6 +251,13 @@ def _tensor_models(names: list[str], settings: ServerSettings, share: Share | No
     except FileNotFoundError:
         return []
     return [name for name in names if name in models]
+
+
+def _every_model(settings: ServerSettings) -> list[str]:
+    try:
+        return sorted(list_models(settings.model_repository))
+    except FileNotFoundError:
+        return []
 
 
 def _mine(names: list[str], settings: ServerSettings, share: Share | None) -> list[str]:

@@ -267,6 +267,10 @@ class Cascade:
                 message,
             )
 
+    def models(self) -> list[str]:
+        """The repository's models its local stages run."""
+        return sorted({stage.spec.model for stage in self.stages if stage.remote is None})
+
     def describe(self) -> str:
         return " -> ".join(stage.spec.name for stage in self.stages)
 

@@ -47,6 +47,8 @@ class _CascadeState:
     failure: str = ""
     # The config.yaml text the last build attempt read (poll mode rebuilds on a change).
     attempted: str | None = None
+    # Unloaded by a request (listed UNAVAILABLE, "unloaded", as Triton lists one).
+    unloaded: bool = False
 
 
 @dataclass(slots=True)
@@ -84,14 +86,26 @@ class Cascades:
 
     def index(self, ready_only: bool = False) -> list[RepositoryEntry]:
         entries = []
+        asleep = self.models.asleep()
         for name, state in sorted(self._states.items()):
-            if state.serving is not None:
+            missing = [
+                model
+                for model in (state.serving.models() if state.serving is not None else [])
+                if not self.models.serving(model) and model not in asleep
+            ]
+            if state.serving is not None and missing:
+                if not ready_only:
+                    reason = f"model {missing[0]!r}, which it runs, is not loaded"
+                    entries.append(RepositoryEntry(name, "1", "UNAVAILABLE", reason))
+            elif state.serving is not None:
                 reason = (
                     f"serving as before; reloading failed: {state.failure}"
                     if (state.failure)
                     else ""
                 )
                 entries.append(RepositoryEntry(name, "1", "READY", reason))
+            elif state.unloaded and not ready_only:
+                entries.append(RepositoryEntry(name, "1", "UNAVAILABLE", "unloaded"))
             elif not ready_only:
                 entries.append(
                     RepositoryEntry(
@@ -147,7 +161,7 @@ class Cascades:
             if not quiet:
                 raise InvalidRequest(f"failed to load cascade {name!r}: {state.failure}") from None
             return
-        old, state.serving, state.failure = state.serving, cascade, ""
+        old, state.serving, state.failure, state.unloaded = state.serving, cascade, "", False
         self._serving[name] = cascade
         self.metrics.add(cascade.metrics)
         if old is not None:
@@ -160,7 +174,7 @@ class Cascades:
             if not self.handles(name):
                 raise ModelNotFound(f"model {name!r} is not in the repository")
             return
-        cascade, state.serving, state.failure = state.serving, None, ""
+        cascade, state.serving, state.failure, state.unloaded = state.serving, None, "", True
         self._serving.pop(name, None)
         if cascade is not None:
             self.metrics.remove(cascade.metrics)

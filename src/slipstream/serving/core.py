@@ -125,6 +125,8 @@ class ModelServer(RegionCalls, InferenceService):
     async def start(self) -> None:
         """Load the models the control mode asks for; start polling in poll mode."""
         mode = self.settings.model_control_mode
+        if mode == "explicit" and "*" in self.settings.load_models:
+            mode = "none"  # Triton's --load-model=*: every model, then explicit control
         only = set(self.settings.load_models) if mode == "explicit" else None
         others = asyncio.gather(*(lane.load_all(only) for lane in self._lanes))
         if mode == "explicit":
@@ -197,8 +199,12 @@ class ModelServer(RegionCalls, InferenceService):
     async def model_ready(self, name: str, version: str = "") -> bool:
         """Loaded, or asleep (idle-unloaded) and able to load for its next request."""
         validate_model_name(name)  # a bad name is a 400, not "not ready"
-        if self.cascades.get(name) is not None:
-            return version in ("", "1")
+        if (composed := self.cascades.get(name)) is not None:
+            # Ready while every model it runs here is (or sleeps, able to wake).
+            asleep = self.models.asleep()
+            return version in ("", "1") and all(
+                self.models.serving(model) or model in asleep for model in composed.models()
+            )
         if (lane := self._lane_of(name)) is not None:  # generative: asleep and idle too
             return any(
                 entry.name == name

@@ -45,6 +45,10 @@ class Ensemble:
         # Output name -> its class labels (label_filename), for classification requests.
         self.labels: dict[str, list[str]] = {}
 
+    def models(self) -> list[str]:
+        """The repository's models its steps run."""
+        return sorted({step.model for step in self._plan.steps})
+
     def describe(self) -> str:
         return ", ".join(step.name for step in self._plan.steps)
 

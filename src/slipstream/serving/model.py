@@ -101,6 +101,7 @@ class ModelVersion:
     ) -> ModelVersion:
         """Load every instance off the event loop, complete the config, warm up."""
         backend_name = config.backend or backend_for_file(path)
+        config = _placed(config, backend_name)
         backend_cls = get_backend(backend_name)
         check_pickle_trust(name, path, backend_cls, config.trust_pickle)
         count = config.instance_count
@@ -288,6 +289,24 @@ class ModelVersion:
         if self.sequences is not None:
             inputs.update(self.sequences.warmup_inputs(sample.batch_size))
         return inputs
+
+
+def _placed(config: ModelConfig, backend: str) -> ModelConfig:
+    """``config`` with its instances where ``instance_group`` puts them: Triton's KIND_GPU
+    means a GPU, which only the torch backend runs here (``parameters.device``); elsewhere
+    it is refused rather than run on the CPU without a word."""
+    if not any(group.kind == "KIND_GPU" for group in config.instance_group):
+        return config
+    device = config.parameters.get("device", "")
+    if backend == "torch" and not device:
+        return config.model_copy(update={"parameters": {**config.parameters, "device": "cuda"}})
+    if backend == "torch" and device.strip().lower().startswith("cuda"):
+        return config
+    where = f"parameters.device {device!r}" if backend == "torch" else f"the {backend} backend"
+    raise ConfigError(
+        f"instance_group kind KIND_GPU: {where} runs on the CPU here; use KIND_CPU (or "
+        "KIND_AUTO), or serve the model with the torch backend on a GPU"
+    )
 
 
 def _configure(instances: list[Backend], config: ModelConfig) -> None:
