@@ -161,3 +161,62 @@ def test_tune_and_export_start_from_the_config_pbtxt(tmp_path: Path) -> None:
     config = raw_config(_model(tmp_path, ADD_SUB))
     assert config["max_batch_size"] == 8 and config["backend"] == "onnxruntime"
     assert config["dynamic_batching"]["preferred_batch_size"] == [4, 8]
+
+
+# What Triton's own GET .../config answers for an ONNX model: every field, defaults too.
+TRITON_WRITES = {
+    "name": "add_sub", "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+    "runtime": "", "version_policy": {"latest": {"num_versions": 1}}, "max_batch_size": 8,
+    "input": [{"name": n, "data_type": "TYPE_FP32", "format": "FORMAT_NONE", "dims": [16],
+               "is_shape_tensor": False, "allow_ragged_batch": False, "optional": False,
+               "is_non_linear_format_io": False} for n in ("INPUT0", "INPUT1")],
+    "output": [{"name": n, "data_type": "TYPE_FP32", "dims": [16], "label_filename": "",
+                "is_shape_tensor": False, "is_non_linear_format_io": False}
+               for n in ("OUTPUT0", "OUTPUT1")],
+    "batch_input": [], "batch_output": [],
+    "optimization": {"priority": "PRIORITY_DEFAULT", "input_pinned_memory": {"enable": True},
+                     "output_pinned_memory": {"enable": True},
+                     "gather_kernel_buffer_threshold": 0, "eager_batching": False},
+    "dynamic_batching": {"preferred_batch_size": [4, 8], "max_queue_delay_microseconds": 100,
+                         "preserve_ordering": False, "priority_levels": 0,
+                         "default_priority_level": 0, "priority_queue_policy": {}},
+    "instance_group": [{"name": "add_sub_0", "kind": "KIND_CPU", "count": 2, "gpus": [],
+                        "secondary_devices": [], "profile": [], "passive": False,
+                        "host_policy": ""}],
+    "default_model_filename": "model.onnx", "cc_model_filenames": {}, "metric_tags": {},
+    "parameters": {}, "model_warmup": [],
+}  # fmt: skip
+
+
+def test_a_config_as_triton_writes_it_is_read_as_a_load_override() -> None:
+    """Model Analyzer and saved Triton configs send every field, defaults included."""
+    import json
+
+    from slipstream.config import parse_model_config
+    from slipstream.repository.triton_config import parse_triton_json
+
+    config = parse_model_config(parse_triton_json(json.dumps(TRITON_WRITES), "o"), "o")
+    assert (config.max_batch_size, config.instance_count) == (8, 2)
+    assert config.dynamic_batching.preferred_batch_size == [4, 8]
+    assert [t.name for t in config.output] == ["OUTPUT0", "OUTPUT1"]
+    unbatched = parse_triton_json(json.dumps({**TRITON_WRITES, "max_batch_size": 0}), "o")
+    assert unbatched["max_batch_size"] == 0  # explicit: no batching
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"runtime": "libtorch.so"}, "runtime: not a field"),
+        ({"optimization": {"cuda": {"graphs": True}}}, "optimization: Triton's optimization"),
+        ({"batch_input": [{"kind": "BATCH_ELEMENT_COUNT"}]}, "batch_input: batch inputs"),
+    ],
+)
+def test_what_a_triton_config_says_beyond_defaults_is_still_refused(
+    change: dict[str, object], expected: str
+) -> None:
+    import json
+
+    from slipstream.repository.triton_config import parse_triton_json
+
+    with pytest.raises(ConfigError, match=expected):
+        parse_triton_json(json.dumps({**TRITON_WRITES, **change}), "o")

@@ -10,6 +10,7 @@ batcher or an ensemble would otherwise serve wrong answers.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -69,7 +70,13 @@ def parse_triton_json(text: str, source: str) -> dict[str, Any]:
     config.yaml; ConfigError naming the field."""
     message = pb.ModelConfig()
     try:
-        json_format.Parse(text, message)
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: not JSON: {exc}") from None
+    if isinstance(data, dict):
+        data = _without_unset(data, top=True)
+    try:
+        json_format.ParseDict(data, message)
     except json_format.ParseError as exc:
         unknown = _JSON_NO_FIELD.search(str(exc))
         if unknown is not None:
@@ -79,6 +86,37 @@ def parse_triton_json(text: str, source: str) -> dict[str, Any]:
         return _translate(_as_dict(message))
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+# Triton's optimization block as its GET config writes it for every model: defaults.
+_DEFAULT_OPTIMIZATION = {
+    "priority": "PRIORITY_DEFAULT",
+    "input_pinned_memory": {"enable": True},
+    "output_pinned_memory": {"enable": True},
+}
+
+
+def _without_unset(value: Any, top: bool = False) -> Any:
+    """A config as Triton's GET config writes it (every field, defaults included: ``""``,
+    ``false``, ``0``, ``[]``, ``{}``) without the fields left at their defaults, which
+    proto3 JSON reads as unset anyway: fields Slipstream does not read are then refused
+    only when they say something. ``max_batch_size`` is kept at the top (0 says no
+    batching); the default optimization block goes too."""
+    if isinstance(value, list):
+        return [_without_unset(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    kept = {}
+    for key, item in value.items():
+        item = _without_unset(item)
+        if item in ("", False, 0, [], {}, None) and not (top and key == "max_batch_size"):
+            continue
+        kept[key] = item
+    if top and kept.get("optimization") is not None:
+        optimization = kept["optimization"]
+        if all(_DEFAULT_OPTIMIZATION.get(k) == v for k, v in optimization.items()):
+            del kept["optimization"]
+    return kept
 
 
 def _explain(error: str) -> str:
