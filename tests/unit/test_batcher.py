@@ -240,6 +240,39 @@ async def test_default_timeout_comes_from_config() -> None:
     np.testing.assert_array_equal((await running)["y"], rows(0))
 
 
+@pytest.mark.parametrize(
+    ("default_us", "override", "requested_us", "waits_us"),
+    [
+        (20_000, True, 10_000_000, 20_000),  # a request cannot lengthen the default
+        (10_000_000, True, 20_000, 20_000),  # ...but may shorten it
+        (20_000, False, 10_000_000, 20_000),  # no override: the default holds
+        (10_000_000, False, 20_000, 10_000_000),  # ...even against a shorter one
+        (0, False, 20_000, 0),  # no default, no override: no timeout (Triton's)
+        (0, True, 20_000, 20_000),  # no default: the request's own (Slipstream's)
+    ],
+)
+async def test_a_request_s_timeout_applies_as_the_queue_policy_allows(
+    default_us: int, override: bool, requested_us: int, waits_us: int
+) -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher(
+        [backend], default_timeout_microseconds=default_us, allow_timeout_override=override
+    )
+    running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY))
+    await held(backend)
+    queued = asyncio.ensure_future(batcher.submit({"x": rows(1)}, 1, KEY, timeout_us=requested_us))
+    await asyncio.sleep(0.2)  # past 20 ms, well within 10 s
+    assert queued.done() == (waits_us == 20_000)
+    if waits_us == 20_000:
+        with pytest.raises(RequestTimeout):
+            queued.result()
+    backend.gate.set()
+    await running
+    if waits_us != 20_000:
+        np.testing.assert_array_equal((await queued)["y"], rows(2))  # y = 2x
+
+
 def test_a_sub_millisecond_timeout_holds_on_uvloop() -> None:
     """uvloop's timers count whole milliseconds: a 300 us queue timeout used to fire at
     the loop's next turn, before an idle batcher had dispatched the request, so every

@@ -120,6 +120,11 @@ class DynamicBatching(_Strict):
     default_timeout_microseconds: int = Field(
         0, ge=0, description="Queue timeout of requests that set none; 0 means no timeout."
     )
+    allow_timeout_override: bool = Field(
+        True,
+        description="A request's own timeout applies: shorter than the default only (a "
+        "config.pbtxt's default, as Triton's, is false: requests' timeouts are ignored)",
+    )
     priority_levels: int = Field(0, ge=0, description="Number of priority levels; 0 = off.")
     inline_execution_max_microseconds: int = Field(
         300,

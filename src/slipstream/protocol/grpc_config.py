@@ -88,8 +88,7 @@ def _dynamic_batching(batching: DynamicBatching) -> pb.ModelDynamicBatching:
         default_queue_policy=pb.ModelQueuePolicy(
             timeout_action=pb.ModelQueuePolicy.REJECT,
             default_timeout_microseconds=batching.default_timeout_microseconds,
-            # Requests may always set their own "timeout" parameter.
-            allow_timeout_override=True,
+            allow_timeout_override=batching.allow_timeout_override,
             max_queue_size=batching.max_queue_size,
         ),
     )

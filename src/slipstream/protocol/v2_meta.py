@@ -78,6 +78,7 @@ def model_config_json(config: ModelConfig) -> dict[str, Any]:
             "default_queue_policy": {
                 "max_queue_size": batching.max_queue_size,
                 "default_timeout_microseconds": batching.default_timeout_microseconds,
+                "allow_timeout_override": batching.allow_timeout_override,
             },
         },
         "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},

@@ -180,6 +180,9 @@ def _translate(config: dict[str, Any]) -> dict[str, Any]:
         config["dynamic_batching"] = _batching(config["dynamic_batching"])
     if "sequence_batching" in config:
         _sequences(config)
+    # Triton's default queue policy, with or without dynamic_batching: requests' own
+    # timeouts are ignored unless the policy allows an override.
+    config.setdefault("dynamic_batching", {}).setdefault("allow_timeout_override", False)
     for index, sample in enumerate(config.get("model_warmup", [])):
         for name, tensor in sample.get("inputs", {}).items():
             if "input_data_file" in tensor:
@@ -263,6 +266,8 @@ def _batching(batching: dict[str, Any]) -> dict[str, Any]:
         )
     if "default_timeout_microseconds" in policy:
         batching["default_timeout_microseconds"] = policy["default_timeout_microseconds"]
+    # Triton's default: a request's own timeout is ignored unless the policy allows it.
+    batching["allow_timeout_override"] = policy.get("allow_timeout_override", False)
     if policy.get("max_queue_size"):  # 0: unbounded in Triton; Slipstream's default bound
         batching["max_queue_size"] = policy["max_queue_size"]
     return batching

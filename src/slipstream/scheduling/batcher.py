@@ -142,6 +142,7 @@ class Batcher:
         self._largest_preferred = max(self._preferred, default=self._max_batch_size)
         self._max_queue_size = batching.max_queue_size
         self._default_timeout_us = batching.default_timeout_microseconds
+        self._timeout_override = batching.allow_timeout_override
         self._levels = max(1, batching.priority_levels)
         self._default_level = max(1, batching.default_priority_level) - 1
         self._queues: list[deque[_Pending]] = [deque() for _ in range(self._levels)]
@@ -245,7 +246,7 @@ class Batcher:
             enqueue_ns=self._clock_ns(),
             requests=requests,
         )
-        timeout_us = timeout_us or self._default_timeout_us
+        timeout_us = self._timeout_us(timeout_us)
         if timeout_us:
             pending.deadline_ns = pending.enqueue_ns + timeout_us * 1000
             pending.timeout_handle = loop.call_later(timeout_us / 1e6, self._expire, pending)
@@ -445,6 +446,15 @@ class Batcher:
             self._stats.record_queue(queue_ns * pending.requests, pending.requests)
 
     # -- queue housekeeping -------------------------------------------------------------
+
+    def _timeout_us(self, requested_us: int) -> int:
+        """How long a request may wait in the queue (0: no limit). As Triton's queue
+        policy: a request's own timeout applies only where the model allows an override,
+        and only to shorten a default it has; where it has none, the request's applies."""
+        default = self._default_timeout_us
+        if not requested_us or not self._timeout_override:
+            return default
+        return min(requested_us, default) if default else requested_us
 
     def _expire(self, pending: _Pending) -> None:
         pending.timeout_handle = None
