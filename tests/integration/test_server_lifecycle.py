@@ -208,8 +208,10 @@ def test_a_load_with_a_config_override_serves_that_config_until_a_load_without_o
         with pytest.raises(InferenceServerException, match="max_batch_size"):
             http.infer("identity", [tensor])  # 5 rows over the override's 4
 
-        with pytest.raises(InferenceServerException, match="sequence_batching: stateful"):
-            grpc.load_model("identity", config='{"sequence_batching": {}}')
+        with pytest.raises(InferenceServerException, match="iterative_sequence is not"):
+            grpc.load_model(
+                "identity", config='{"sequence_batching": {"iterative_sequence": true}}'
+            )
         assert http.get_model_config("identity")["max_batch_size"] == 4  # still serving
         grpc.load_model("identity", config='{"max_batch_size": 8}')
         assert grpc.get_model_config("identity", as_json=True)["config"]["max_batch_size"] == 8
