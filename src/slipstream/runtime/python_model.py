@@ -105,9 +105,14 @@ class PythonBackend(Backend):
         except python_utils.TritonError as exc:
             raise _error(exc) from None
         if not isinstance(responses, list | tuple) or len(responses) != 1:
+            what = (
+                f"{len(responses)} responses"
+                if isinstance(responses, list | tuple)
+                else f"a {type(responses).__name__}"
+            )
             raise PythonModelError(
-                f"{self._path.name}: execute returned {type(responses).__name__} for one "
-                "request; it returns a list of one InferenceResponse per request"
+                f"{self._path.name}: execute returned {what} for 1 request; it returns a "
+                "list of one InferenceResponse per request"
             )
         (response,) = responses
         if not isinstance(response, python_utils.InferenceResponse):
