@@ -92,7 +92,9 @@ def expected_http_need(template: str) -> str:
         return "open"
     if template == "/metrics" or template.startswith("/dashboard"):
         return "metrics"
-    if "/repository/" in template or template.endswith(("/config", "/stats", "/drift", "/rollout")):
+    if "/repository/" in template or template.endswith(
+        ("/config", "/stats", "/drift", "/rollout", "/logging", "/trace/setting")
+    ):
         return "admin"
     return "infer"
 
@@ -100,7 +102,12 @@ def expected_http_need(template: str) -> str:
 def expected_grpc_need(method: str) -> str:
     if method in ("ServerLive", "ServerReady", "ModelReady"):
         return "open"
-    if method.startswith("Repository") or method in ("ModelConfig", "ModelStatistics"):
+    if method.startswith("Repository") or method in (
+        "ModelConfig",
+        "ModelStatistics",
+        "LogSettings",
+        "TraceSetting",
+    ):
         return "admin"
     return "infer"
 

@@ -53,6 +53,12 @@ ROUTES |= {
 } | {("post", f"/v2/{kind}sharedmemory/region/{{region}}/register") for kind in ("system", "cuda")}
 # Asynchronous jobs (issue #17).
 ROUTES |= {("post", "/v2/jobs"), ("get", "/v2/jobs/{job}")}
+# Triton's logging and trace settings.
+ROUTES |= {
+    (method, path)
+    for path in ("/v2/logging", "/v2/trace/setting", "/v2/models/{model}/trace/setting")
+    for method in ("get", "post")
+}
 
 
 def test_every_route_is_documented_and_nothing_else() -> None:

@@ -7,6 +7,9 @@ measured about a quarter of the serving core's time per request for a small mode
 Scrapes turn the counts into metric families (:class:`_Collector`).
 
 Durations are histograms (not summaries) so p99 can be aggregated across replicas.
+Triton's per-model series (``nv_inference_*``, :class:`_TritonCollector`) come from the
+same counts, beside the ``slipstream_*`` ones, so Triton's dashboards and autoscaling
+rules read a Slipstream server unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +36,21 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # Why a request failed, as the `reason` label.
 FAILURE_REASONS = ("bad_request", "not_found", "queue_full", "timeout", "cancelled", "internal")
+
+# FAILURE_REASONS under the `reason` label of Triton's nv_inference_request_failure
+# (Triton 2.37 and later). REJECTED: refused or dropped by the scheduler before it ran
+# (queue full; timed out in the queue). CANCELED: the client went away. BACKEND: the run
+# failed (a model's error, or another fault of the server's). OTHER: the request itself
+# was wrong (a bad input, an unknown version or output). Triton counts an ensemble's
+# failures as OTHER; here an ensemble's or a cascade's fall in these four by their cause.
+TRITON_FAILURE_REASONS = {
+    "queue_full": "REJECTED",
+    "timeout": "REJECTED",
+    "cancelled": "CANCELED",
+    "internal": "BACKEND",
+    "bad_request": "OTHER",
+    "not_found": "OTHER",
+}
 
 # Why the HTTP transport closed a connection on its own, as the `reason` label.
 CONNECTION_CLOSE_REASONS = (
@@ -150,6 +168,7 @@ class ServerMetrics:
         self._generative_cache: dict[tuple[str, str], CacheCounts] = {}
         self.registry.register(_Collector(self._models))
         self.registry.register(_CacheCollector(self))
+        self.registry.register(_TritonCollector(self._models))
         if with_transport:
             self.registry.register(_TransportCollector(self.transport))
 
@@ -286,6 +305,77 @@ class _CacheCollector(Collector):
                 family.add_sample(name, dict(zip(("model", "version"), m.labels, strict=True)),
                                   getattr(m, attribute))  # fmt: skip
             yield family
+
+
+def _us(histogram: Histogram) -> int:
+    """A histogram's cumulative total in whole microseconds, as Triton counts them."""
+    return round(histogram.total * 1e6)
+
+
+# Triton's per-model series: name, help, and the count it reads. Not emitted: Triton's
+# nv_inference_compute_input_duration_us and _output_duration_us (these counts hold a
+# batch's input gather and output split only inside its compute time, which goes to
+# nv_inference_compute_infer_duration_us whole), nor the summaries and histograms of its
+# --metrics-config.
+_TRITON_SERIES: tuple[tuple[str, str, Callable[[ModelMetrics], int]], ...] = (
+    ("nv_inference_request_success",
+     "Requests answered successfully (a request of a batch of 8 counts 1).",
+     lambda m: m.request_success),
+    ("nv_inference_count",
+     "Inferences performed: a batch of 8 counts 8 (not counting response-cache hits).",
+     lambda m: m.inference_count),
+    ("nv_inference_exec_count",
+     "Batches executed (not counting response-cache hits).",
+     lambda m: m.execution_count),
+    ("nv_inference_request_duration_us",
+     "Total time of the requests answered successfully, in microseconds (with "
+     "response-cache hits).",
+     lambda m: _us(m.request_duration)),
+    ("nv_inference_queue_duration_us",
+     "Total time requests waited in the model's queue, in microseconds.",
+     lambda m: _us(m.queue_duration)),
+    # Per executed batch, input gather and output split included; Triton adds a batch's
+    # run once for each request in it, so the two agree where a batch holds one request.
+    ("nv_inference_compute_infer_duration_us",
+     "Total time batches took to execute, in microseconds (each batch counted once, "
+     "its input gather and output split included).",
+     lambda m: _us(m.compute_duration)),
+    ("nv_inference_pending_request_count",
+     "Requests waiting in the model's queue now.",
+     lambda m: m.pending_requests()),
+)  # fmt: skip
+
+
+class _TritonCollector(Collector):
+    """Triton's per-model series under Triton's names and labels (model, version).
+
+    Typed gauge, as the nv_cache_* series: Triton writes its counters without the
+    ``_total`` suffix that prometheus_client gives a counter family, and its dashboards
+    and autoscaling rules (``rate(nv_inference_request_success[1m])``,
+    ``nv_inference_queue_duration_us``) query the bare names.
+    """
+
+    def __init__(self, models: dict[tuple[str, str], ModelMetrics]) -> None:
+        self._models = models
+
+    def collect(self) -> Iterator[Metric]:
+        models = list(self._models.values())
+        labelled = [(m, {"model": m.labels[0], "version": m.labels[1]}) for m in models]
+        for name, documentation, count in _TRITON_SERIES:
+            family = Metric(name, documentation, "gauge")
+            for m, labels in labelled:
+                family.add_sample(name, labels, count(m))
+            yield family
+        name = "nv_inference_request_failure"
+        failure = Metric(name, "Requests that failed, by Triton's reason (REJECTED, "
+                         "CANCELED, BACKEND, OTHER).", "gauge")  # fmt: skip
+        for m, labels in labelled:
+            by_reason = dict.fromkeys(("REJECTED", "CANCELED", "BACKEND", "OTHER"), 0)
+            for reason, failures in m.request_failure.items():
+                by_reason[TRITON_FAILURE_REASONS[reason]] += failures
+            for reason, failures in by_reason.items():
+                failure.add_sample(name, {**labels, "reason": reason}, failures)
+        yield failure
 
 
 class _TransportCollector(Collector):

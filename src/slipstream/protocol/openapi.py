@@ -35,59 +35,24 @@ from slipstream.protocol.openapi_schemas import (
     response,
     v2_schemas,
 )
+from slipstream.protocol.openapi_settings import settings_paths
+from slipstream.protocol.openapi_statuses import (
+    OPENAI_ERROR as _OPENAI_ERROR,
+)
+from slipstream.protocol.openapi_statuses import (
+    RETRY_AFTER as _RETRY_AFTER,
+)
+from slipstream.protocol.openapi_statuses import (
+    V2_ERROR as _V2_ERROR,
+)
+from slipstream.protocol.openapi_statuses import (
+    openai_errors as _openai_errors,
+)
+from slipstream.protocol.openapi_statuses import (
+    v2_errors as _v2_errors,
+)
 
 __all__ = ["MODEL_NAME_PATTERN", "allowed_methods", "openapi_document"]
-
-# -- statuses shared by many routes --------------------------------------------------------
-
-_V2_ERROR = json_content(ref("V2Error"))
-_OPENAI_ERROR = json_content(ref("OpenAIError"))
-# What the transport answers before any route runs (V2 error shape on every route).
-_TRANSPORT = {
-    "408": response("The request's headers or body arrived too slowly", _V2_ERROR),
-    "414": response("The URL is longer than --max-header-bytes", _V2_ERROR),
-    "431": response("Request headers too large or too many", _V2_ERROR),
-}
-_TOO_LARGE = {"413": response("The body is larger than --max-request-bytes", _V2_ERROR)}
-_RETRY_AFTER = {
-    "Retry-After": {
-        "description": "Seconds to wait before retrying (queue full)",
-        "schema": {"type": "integer", "minimum": 0},
-    }
-}
-
-
-def _v2_errors(*statuses: str, body: bool = False) -> dict[str, Any]:
-    """Error responses of a V2 route: its own ``statuses``, then the transport's."""
-    meaning = {
-        "400": "Bad request: the message names the field, the value and what was expected",
-        "404": "Unknown model, version or route",
-        "503": "Not ready, queue full (with Retry-After), timed out in the queue, or the "
-        "server at --max-connections",
-    }
-    # 503 on every route: the transport refuses a connection at --max-connections.
-    out = {s: response(meaning[s], _V2_ERROR) for s in (*statuses, "503")}
-    out["503"]["headers"] = _RETRY_AFTER
-    out["500"] = response("Internal fault; the details are only in the server log", _V2_ERROR)
-    return out | _TRANSPORT | (_TOO_LARGE if body else {})
-
-
-def _openai_errors(*statuses: str, body: bool = False) -> dict[str, Any]:
-    meaning = {
-        "400": "Invalid request: error.param names the field",
-        "404": "Unknown model (error.code model_not_found) or route",
-    }
-    out = {s: response(meaning[s], _OPENAI_ERROR) for s in statuses}
-    out["500"] = response("Internal fault; the details are only in the server log", _OPENAI_ERROR)
-    either = {"anyOf": [ref("OpenAIError"), ref("V2Error")]}
-    out["503"] = response(
-        "Model not ready or its queue full (OpenAI shape, with Retry-After), or the "
-        "server at --max-connections (V2 shape)",
-        json_content(either),
-    )
-    out["503"]["headers"] = _RETRY_AFTER
-    return out | _TRANSPORT | (_TOO_LARGE if body else {})
-
 
 # -- parameters ----------------------------------------------------------------------------
 
@@ -308,6 +273,7 @@ def _v2_paths() -> dict[str, Any]:
         }
     paths |= _shared_memory_paths()
     paths |= _jobs_paths()
+    paths |= settings_paths(_MODEL)
 
     rollout = json_content(ref("RolloutStatus"))
     paths["/v2/models/{model}/rollout"] = {

@@ -77,6 +77,11 @@ HTTP_ROUTES: dict[str, Need] = {
     "/v2/cudasharedmemory/region/{region}/status": "infer",
     "/v2/cudasharedmemory/region/{region}/unregister": "infer",
     "/v2/cudasharedmemory/region/{region}/register": "infer",
+    # Triton's logging and trace settings change how the whole server logs: as its
+    # configuration (admin), reading them included.
+    "/v2/logging": "admin",
+    "/v2/trace/setting": "admin",
+    "/v2/models/{model}/trace/setting": "admin",
 }
 # The generative routes: their tokens count against a key's tokens per minute.
 GENERATIVE = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
@@ -106,6 +111,8 @@ GRPC_METHODS: dict[str, tuple[Need, str]] = {
     "CudaSharedMemoryStatus": ("infer", ""),
     "CudaSharedMemoryRegister": ("infer", ""),
     "CudaSharedMemoryUnregister": ("infer", ""),
+    "LogSettings": ("admin", ""),
+    "TraceSetting": ("admin", "model_name"),
 }
 
 

@@ -32,6 +32,7 @@ from slipstream.protocol import grpc_codec, grpc_config, v2_shm
 from slipstream.protocol.proto import inference_pb2 as pb
 from slipstream.server import grpc_stream
 from slipstream.server.grpc_front_door import KEY_MODELS, KEY_NAME, STREAM_ERRORS
+from slipstream.server.triton_settings import log_settings_grpc, trace_setting_grpc
 from slipstream.serving.service import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ class _GrpcFrontend:
             "CudaSharedMemoryStatus": self.cuda_shared_memory_status,
             "CudaSharedMemoryRegister": self.cuda_shared_memory_register,
             "CudaSharedMemoryUnregister": self.cuda_shared_memory_unregister,
+            "LogSettings": self.log_settings,
+            "TraceSetting": self.trace_setting,
         }
         handlers = {}
         # Each unary RPC <Name> takes <Name>Request and answers <Name>Response, except
@@ -317,6 +320,16 @@ class _GrpcFrontend:
     ) -> pb.CudaSharedMemoryUnregisterResponse:
         await self._service.unregister_cuda_region(request.name, KEY_NAME.get())
         return pb.CudaSharedMemoryUnregisterResponse()
+
+    # ------------------------------------------------------------ logging and trace
+
+    async def log_settings(self, request: pb.LogSettingsRequest) -> pb.LogSettingsResponse:
+        return log_settings_grpc(request)
+
+    async def trace_setting(self, request: pb.TraceSettingRequest) -> pb.TraceSettingResponse:
+        if request.model_name:  # NOT_FOUND for a model not served
+            await self._service.model_metadata(validate_model_name(request.model_name))
+        return trace_setting_grpc(request)
 
 
 def _check_repository_name(name: str) -> None:

@@ -17,7 +17,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slipstream import __version__
-from slipstream.errors import InvalidRequest, ModelNotFound, SlipstreamError
+from slipstream.errors import InvalidRequest, MethodNotAllowed, ModelNotFound, SlipstreamError
 from slipstream.jobs.queue import JobQueue
 from slipstream.names import path_model_name
 from slipstream.observability.metrics import ServerMetrics
@@ -33,6 +33,7 @@ from slipstream.server.httpd import (
 )
 from slipstream.server.jobs_rest import JobRoutes, prefers_async
 from slipstream.server.router import no_route
+from slipstream.server.triton_settings import log_settings_json, trace_settings_json
 from slipstream.serving.cascade import FAILED_STAGE_PARAMETER, STAGE_PARAMETER
 from slipstream.serving.service import InferenceService
 from slipstream.serving.shared_memory import check_region_name
@@ -139,6 +140,10 @@ class V2RestApp:
     ) -> HttpResponse:
         service = self._service
         route = "/".join(parts)
+        if route == "logging":
+            return HttpResponse(200, log_settings_json(_settings_body(method, request)))
+        if route == "trace/setting":
+            return HttpResponse(200, trace_settings_json(_settings_body(method, request)))
         if method in ("GET", "HEAD"):
             if route == "":
                 return _json(v2_meta.server_metadata_json(await service.server_metadata()))
@@ -252,6 +257,10 @@ class V2RestApp:
         service = self._service
         if method == "POST" and action == "infer":
             return await self._infer(name, version, request)
+        if rest == ["trace", "setting"] and not version:
+            changes = _settings_body(method, request)
+            await service.model_metadata(name)  # 404 for a model not served
+            return HttpResponse(200, trace_settings_json(changes, name))
         if action == "rollout" and not version and method in ("GET", "HEAD", "POST"):
             body = v2.load_json_object(request.body) if method == "POST" else None
             return _json(await service.rollout(name, body))
@@ -327,6 +336,18 @@ async def _cuda_shared_memory(
     else:
         await service.unregister_cuda_region(region, owner)
     return _empty(200)
+
+
+def _settings_body(method: str, request: HttpRequest) -> bytes | None:
+    """The changes of a POST to the logging or trace settings (b"" for none), None for a
+    read; 405 for another method."""
+    if method in ("GET", "HEAD"):
+        return None
+    if method == "POST":
+        return request.body
+    raise MethodNotAllowed(
+        f"{method} is not allowed on {request.path}; use GET or POST", ["GET", "POST"]
+    )
 
 
 def _error_reply(exc: SlipstreamError) -> HttpResponse:

@@ -61,6 +61,7 @@ EXTENSIONS = [
     "schedule_policy",
     "classification",
     "sequence",
+    "logging",
     v2_shm.EXTENSION,
 ]
 

@@ -1320,3 +1320,129 @@ class CudaSharedMemoryUnregisterRequest(_message.Message):
 class CudaSharedMemoryUnregisterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class LogSettingsRequest(_message.Message):
+    __slots__ = ("settings",)
+    class SettingValue(_message.Message):
+        __slots__ = ("bool_param", "string_param", "uint32_param")
+        BOOL_PARAM_FIELD_NUMBER: _ClassVar[int]
+        UINT32_PARAM_FIELD_NUMBER: _ClassVar[int]
+        STRING_PARAM_FIELD_NUMBER: _ClassVar[int]
+        bool_param: bool
+        uint32_param: int
+        string_param: str
+        def __init__(
+            self,
+            bool_param: bool | None = ...,
+            uint32_param: int | None = ...,
+            string_param: str | None = ...,
+        ) -> None: ...
+
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: LogSettingsRequest.SettingValue
+        def __init__(
+            self,
+            key: str | None = ...,
+            value: LogSettingsRequest.SettingValue | _Mapping | None = ...,
+        ) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    settings: _containers.MessageMap[str, LogSettingsRequest.SettingValue]
+    def __init__(
+        self, settings: _Mapping[str, LogSettingsRequest.SettingValue] | None = ...
+    ) -> None: ...
+
+class LogSettingsResponse(_message.Message):
+    __slots__ = ("settings",)
+    class SettingValue(_message.Message):
+        __slots__ = ("bool_param", "string_param", "uint32_param")
+        BOOL_PARAM_FIELD_NUMBER: _ClassVar[int]
+        UINT32_PARAM_FIELD_NUMBER: _ClassVar[int]
+        STRING_PARAM_FIELD_NUMBER: _ClassVar[int]
+        bool_param: bool
+        uint32_param: int
+        string_param: str
+        def __init__(
+            self,
+            bool_param: bool | None = ...,
+            uint32_param: int | None = ...,
+            string_param: str | None = ...,
+        ) -> None: ...
+
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: LogSettingsResponse.SettingValue
+        def __init__(
+            self,
+            key: str | None = ...,
+            value: LogSettingsResponse.SettingValue | _Mapping | None = ...,
+        ) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    settings: _containers.MessageMap[str, LogSettingsResponse.SettingValue]
+    def __init__(
+        self, settings: _Mapping[str, LogSettingsResponse.SettingValue] | None = ...
+    ) -> None: ...
+
+class TraceSettingRequest(_message.Message):
+    __slots__ = ("model_name", "settings")
+    class SettingValue(_message.Message):
+        __slots__ = ("value",)
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        value: _containers.RepeatedScalarFieldContainer[str]
+        def __init__(self, value: _Iterable[str] | None = ...) -> None: ...
+
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TraceSettingRequest.SettingValue
+        def __init__(
+            self,
+            key: str | None = ...,
+            value: TraceSettingRequest.SettingValue | _Mapping | None = ...,
+        ) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    settings: _containers.MessageMap[str, TraceSettingRequest.SettingValue]
+    model_name: str
+    def __init__(
+        self,
+        settings: _Mapping[str, TraceSettingRequest.SettingValue] | None = ...,
+        model_name: str | None = ...,
+    ) -> None: ...
+
+class TraceSettingResponse(_message.Message):
+    __slots__ = ("settings",)
+    class SettingValue(_message.Message):
+        __slots__ = ("value",)
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        value: _containers.RepeatedScalarFieldContainer[str]
+        def __init__(self, value: _Iterable[str] | None = ...) -> None: ...
+
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TraceSettingResponse.SettingValue
+        def __init__(
+            self,
+            key: str | None = ...,
+            value: TraceSettingResponse.SettingValue | _Mapping | None = ...,
+        ) -> None: ...
+
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    settings: _containers.MessageMap[str, TraceSettingResponse.SettingValue]
+    def __init__(
+        self, settings: _Mapping[str, TraceSettingResponse.SettingValue] | None = ...
+    ) -> None: ...
