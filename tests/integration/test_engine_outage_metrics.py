@@ -56,8 +56,12 @@ def test_an_engine_restart_is_counted_by_the_front_ends(split: RemoteServer) -> 
     assert samples(after, "slipstream_engine_connection_lost_total") == {(("frontend", "0"),): 1.0}
     unavailable = samples(after, "slipstream_engine_unavailable_calls_total")
     assert unavailable[(("frontend", "0"), ("when", "refused"))] >= refused
-    # The page as a whole stays valid for Prometheus.
+    # The page as a whole stays valid for Prometheus: it parses (exit 1 otherwise), and
+    # lints clean but for Triton's own names (nv_inference_count, ..._duration_us), which
+    # Triton's dashboards query as they are.
     checked = subprocess.run(
         ["promtool", "check", "metrics"], input=after, capture_output=True, text=True
     )
-    assert checked.returncode == 0, checked.stderr
+    problems = [line for line in checked.stderr.splitlines()
+                if line.strip() and not line.startswith("nv_inference_")]  # fmt: skip
+    assert checked.returncode in (0, 3) and not problems, checked.stderr

@@ -298,7 +298,8 @@ class BatcherMachine(RuleBasedStateMachine):
     )
     def arrive(self, rows: int, width: int, priority: int, timeout_us: int, poison: bool) -> None:
         rows = min(rows, self.max_batch_size)
-        timeout_s = timeout_us / 1e6 or self.default_timeout_s
+        # A request's own timeout may shorten the default, never lengthen it.
+        timeout_s = min([t for t in (timeout_us / 1e6, self.default_timeout_s) if t], default=0.0)
         now = self.loop.now_s
         default_level = max(1, self.config.dynamic_batching.default_priority_level) - 1
         level = priority - 1 if 0 < priority <= self.levels else default_level
