@@ -64,3 +64,32 @@ def test_other_failures_stay_faults() -> None:
         "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Attempting to broadcast an axis",
     ):
         assert ort_data_error(Fail(message)) is None, message
+
+
+@pytest.mark.parametrize(
+    ("shape", "words"),
+    [
+        ([-1, 3], "ConstantOfShape node: a shape computed from the request's data has a negative"),
+        ([2**40, 2**40], "ConstantOfShape node: a shape computed from the request's data is too"),
+    ],
+)
+def test_a_shape_made_from_the_request_s_data_is_the_request_s_fault(
+    shape: list[int], words: str
+) -> None:
+    """ConstantOfShape fed a negative or huge shape: ORT's FAIL, the client's 400."""
+    graph = helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["shape"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("shape", TensorProto.INT64, [None])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.RunOptions()
+    options.log_severity_level = 4
+    with pytest.raises(Fail) as raised:
+        session.run(None, {"shape": np.array(shape, np.int64)}, options)
+    refused = ort_data_error(raised.value)
+    assert refused is not None, raised.value
+    assert str(refused).startswith(f"the model refused the request's data: {words}")

@@ -47,6 +47,12 @@ _ORT_SHAPE_FAILS = re.compile(
     r"|dimension mismatch"  # MatMul
     r"|mismatched dimensions"  # Concat
 )
+# FAIL messages of ORT's own checks when a kernel computes an output shape from the
+# request's data (ConstantOfShape, Expand, Tile, Range...): in plain words, for the client.
+_ORT_DATA_SHAPES = {
+    "shape.Size() must be >= 0": "a shape computed from the request's data has a negative dim",
+    "Integer overflow": "a shape computed from the request's data is too large",
+}
 
 # What torch says when an op is handed data it cannot take. Matched against the last
 # line of the message (TorchScript puts its interpreter's traceback before it).
@@ -81,6 +87,11 @@ def ort_data_error(exc: BaseException) -> InvalidRequest | None:
         return refused(text)
     if status is not None and status[1] == "FAIL" and kernel and _ORT_SHAPE_FAILS.search(text):
         return refused(text)
+    if status is not None and status[1] == "FAIL" and kernel is not None:
+        op, node = kernel.group(1), kernel.group(2)
+        for phrase, words in _ORT_DATA_SHAPES.items():
+            if phrase in kernel.group(3):
+                return refused(f"{op} node {node!r}: {words}" if node else f"{op} node: {words}")
     return None
 
 
