@@ -17,7 +17,7 @@ from slipstream.config.base import Strict as _Strict
 from slipstream.config.cache_spec import parse_cache_spec
 from slipstream.config.cascade import CascadeConfig, CascadeStage, ConfidenceRule
 from slipstream.config.ensemble import EnsembleConfig, EnsembleStep
-from slipstream.config.reshape import reshape_problem
+from slipstream.config.reshape import dims_problem, reshape_problem
 from slipstream.config.sections import (
     GENERATIVE_BACKENDS,
     DriftSettings,
@@ -85,9 +85,8 @@ class TensorConfig(_Strict):
     @field_validator("dims")
     @classmethod
     def _check_dims(cls, dims: list[int]) -> list[int]:
-        for d in dims:
-            if d < -1 or d == 0:
-                raise ValueError(f"each dim must be -1 (variable) or > 0, got {d}")
+        if (problem := dims_problem(dims)) is not None:
+            raise ValueError(problem)
         return dims
 
     @model_validator(mode="after")

@@ -40,11 +40,18 @@ def segments(dims: Sequence[int]) -> list[int]:
     return counts
 
 
-def reshape_problem(dims: Sequence[int], reshape: Sequence[int]) -> str | None:
-    """Why ``reshape`` cannot stand for ``dims``; None when it can."""
-    for dim in reshape:
+def dims_problem(dims: Sequence[int]) -> str | None:
+    """Why ``dims`` are no tensor's dims (each -1, variable, or > 0); None when they are."""
+    for dim in dims:
         if dim < -1 or dim == 0:
             return f"each dim must be -1 (variable) or > 0, got {dim}"
+    return None
+
+
+def reshape_problem(dims: Sequence[int], reshape: Sequence[int]) -> str | None:
+    """Why ``reshape`` cannot stand for ``dims``; None when it can."""
+    if (problem := dims_problem(reshape)) is not None:
+        return problem
     if list(dims).count(-1) != list(reshape).count(-1):
         return (
             f"shape {list(reshape)} has {list(reshape).count(-1)} variable dims (-1) but "

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from slipstream.config.base import Strict as _Strict
+from slipstream.config.reshape import dims_problem
 from slipstream.datatypes import from_config_datatype
 
 ControlKind = Literal[
@@ -118,8 +119,8 @@ class StateConfig(_Strict):
     @field_validator("dims")
     @classmethod
     def _check_dims(cls, dims: list[int]) -> list[int]:
-        if any(d < -1 or d == 0 for d in dims):
-            raise ValueError(f"each dim must be -1 (variable) or > 0, got {dims}")
+        if (problem := dims_problem(dims)) is not None:
+            raise ValueError(problem)
         return dims
 
     def initial_dims(self) -> list[int]:
