@@ -98,7 +98,7 @@ def build(**options: Any) -> None:
             metric=options["metric"],
             max_drop=options["max_drop"],
             output_name=options["output_name"],
-            settings=PassSettings(int8_op_types=op_types),
+            settings=PassSettings(int8_op_types=op_types, activation_scales="run"),
             mobile_platform=options["mobile_platform"],
             ir_fp16_weights=not options["ir_fp32"],
         ),

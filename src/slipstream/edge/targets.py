@@ -52,8 +52,13 @@ class TargetOptions:
     max_drop: float | None = None
     # The output the gate compares; default the first.
     output_name: str | None = None
+    # Activation scales per run: a device answers one request at a time, and ONNX
+    # Runtime fuses them into DynamicQuantizeMatMul (a server batching the bundle runs
+    # its rows alone; see runtime.onnx).
     settings: PassSettings = field(
-        default_factory=lambda: PassSettings(int8_op_types=EDGE_INT8_OP_TYPES)
+        default_factory=lambda: PassSettings(
+            int8_op_types=EDGE_INT8_OP_TYPES, activation_scales="run"
+        )
     )
     # mobile: the platform ONNX Runtime's converter optimizes for (arm: no x86-only
     # layouts, so the file runs on phones and on x86 alike).

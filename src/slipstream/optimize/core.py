@@ -52,6 +52,7 @@ from slipstream.optimize.gate import (
     run_model,
 )
 from slipstream.optimize.passes import (
+    PRECISION_PASSES,
     PYTORCH_PASSES,
     PassContext,
     PassError,
@@ -79,6 +80,20 @@ ProgressCallback = Callable[[str, int, int], None]
 # never more than half of it, so the gate still judges rows the quantizer did not see.
 DEFAULT_CALIBRATION_ROWS = 128
 RECORD_NAME = "optimization.json"
+# Operators of a quantized ONNX model (besides QLinear*): what the int8 passes write.
+_INT8_OPS = frozenset(
+    {
+        "DynamicQuantizeLinear",
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "MatMulInteger",
+        "ConvInteger",
+        "DynamicQuantizeMatMul",
+        "MatMulIntegerToFloat",
+        "QGemm",
+        "QAttention",
+    }
+)
 
 
 class OptimizeError(ValueError):
@@ -184,6 +199,8 @@ def optimize_model(
         raise OptimizeError(str(exc)) from None
     torch_pass = names[0] if names[0] in PYTORCH_PASSES else None
     _check_source(source, torch_pass)
+    if torch_pass is None:
+        _check_precision(source, names)
     if request.max_drop is not None:
         # Before any work; the metric's own range once the metric is known (_metric).
         _check_max_drop(request.metric, request.max_drop)
@@ -246,6 +263,55 @@ def _check_source(source: Path, torch_pass: str | None) -> None:
         )
     if torch_pass is None and suffix != ".onnx":
         raise OptimizeError(f"--model: {source} is not an ONNX file (.onnx)")
+
+
+def _check_precision(source: Path, names: Sequence[str]) -> None:
+    """A precision pass needs an FP32 model: converting an int8 one to fp16 (or quantizing
+    an fp16 or int8 one) is not meaningful, and the converters fail on it with a trace."""
+    wanted = [name for name in names if name in PRECISION_PASSES]
+    reduced = _reduced_precision(source) if wanted else None
+    if reduced is None:
+        return
+    original = _fp32_version(source)
+    fix = (
+        f"pass the FP32 model instead: --model {original}"
+        if original is not None
+        else "pass the FP32 model it was made from as --model"
+    )
+    raise OptimizeError(
+        f"--passes {wanted[0]}: {source} is already {reduced}; precision passes start from "
+        f"an FP32 model, so {fix}"
+    )
+
+
+def _reduced_precision(path: Path) -> str | None:
+    """``int8`` or ``fp16`` where the ONNX model at ``path`` is already so, else None."""
+    import onnx
+
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception:  # protobuf's DecodeError and kin: _datasets names the file
+        return None
+    if any(node.op_type in _INT8_OPS or node.op_type.startswith("QLinear") for node in graph.node):
+        return "int8 (quantized)"
+    if any(init.data_type == onnx.TensorProto.FLOAT16 for init in graph.initializer):
+        return "fp16"
+    return None
+
+
+def _fp32_version(source: Path) -> Path | None:
+    """The newest version beside ``source`` (REPO/NAME/<version>/model.onnx) whose
+    model is FP32, if there is one."""
+    model_dir = source.parent.parent
+    try:
+        versions = read_model_directory(model_dir).versions
+    except (OSError, ValueError):
+        return None
+    for version in sorted(versions, reverse=True):
+        candidate = model_dir / str(version) / "model.onnx"
+        if candidate.is_file() and candidate != source and _reduced_precision(candidate) is None:
+            return candidate
+    return None
 
 
 def _run_torch_pass(

@@ -22,7 +22,7 @@ tells those apart from faults); any other exception fails the batch as an intern
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -47,6 +47,10 @@ class ModelSignature:
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    # The most rows one run of the file takes along its batch dim (a torch.export
+    # ``Dim("batch", max=N)``); None where the file sets no bound. The backend splits a
+    # larger batch into runs of at most this many rows.
+    max_batch_size: int | None = None
 
     @property
     def batch_dim_is_dynamic(self) -> bool:
@@ -66,6 +70,10 @@ class Backend(ABC):
     releases_gil: ClassVar[bool] = True
     # For pickle-based files (see loads_pickle): how to save the model without pickle.
     pickle_free_format: ClassVar[str] = "export the model to ONNX (model.onnx)"
+    # Whether a fault on the default warm-up's zero-filled request is one every request
+    # would meet (it then fails the load); False where run() is the user's own code,
+    # which may fault on zeros and serve real data.
+    warm_up_faults_are_fatal: ClassVar[bool] = True
 
     @classmethod
     def loads_pickle(cls, path: Path) -> bool:
@@ -111,6 +119,18 @@ class Backend(ABC):
 
 class BackendUnavailable(RuntimeError):
     """The backend's optional dependency is not installed; the message names the extra."""
+
+
+def check_cpu_device(backend: str, parameters: Mapping[str, str]) -> None:
+    """Refuse a ``parameters.device`` other than ``cpu`` for a backend that runs on the CPU
+    only: the key is read for every model (where its engine runs), and ``cuda`` would
+    otherwise run on the CPU without a word."""
+    device = parameters.get("device")
+    if device is not None and device.strip().lower() != "cpu":
+        raise ValueError(
+            f"parameters.device: {device!r}; the {backend} backend runs on the CPU here, so "
+            'it takes "cpu" only (serve the model with backend: torch to run it on a GPU)'
+        )
 
 
 def usable_cpu_count() -> int:

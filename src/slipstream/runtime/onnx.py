@@ -3,20 +3,60 @@
 Thread defaults favour the batcher over ORT's own parallelism: the cores this process may
 use are shared out among the model's instances, and ORT's spin-waiting is off, because a
 spinning worker steals the core the event loop needs to accept the next requests.
+
+Parameters (config.yaml ``parameters``; a key not listed here fails the load, naming it
+and the known ones):
+
+* ``intra_op_thread_count``, ``inter_op_thread_count``: whole numbers of threads (0:
+  ONNX Runtime's own default). Default: the usable cores shared out among the
+  instances, and 1.
+* ``allow_spinning``: ``"0"`` (default) or ``"1"``.
+* ``graph_optimization_level``: ``disable``, ``basic``, ``extended`` or ``all`` (default).
+* ``denormal_as_zero``: ``"1"`` / ``true`` (default: denormal floats flushed to zero) or
+  ``"0"`` / ``false``.
+* ``device``: ``cpu`` only (ONNX Runtime runs on the CPU here).
+* ``activation_scales``: ``run`` (default) or ``row``. A model quantized with one int8
+  activation scale per run (``DynamicQuantizeLinear``, ONNX Runtime's
+  ``quantize_dynamic``, ``slipstream optimize``'s default) scales a whole batch of
+  requests together, so a row's answer moves a little with its batch mates, as it does
+  in Triton. ``row`` runs such a model's batches one row at a time: answers are then
+  independent of batching (on all-MiniLM-L6-v2 at no cost, since its batches are no
+  faster than its rows on a CPU; an MLP's batch of 64 took 8x as long). Models without
+  such operators batch as usual either way; ``slipstream optimize --activation-scales
+  row`` writes per-row scales, which batch.
+
+Triton's onnxruntime backend keys, so a Triton repository loads as it is:
+``execution_mode`` (``0`` sequential, ``1`` parallel), ``enable_mem_arena`` and
+``enable_mem_pattern`` (``0``/``1``) are applied; a ``session.*`` or ``memory.*`` key is
+passed to ONNX Runtime as a session config entry; the CUDA/TensorRT provider's keys
+(``gpu_mem_limit``, ``cudnn_conv_algo_search``, ...) and ``share_session_between_instances``
+are accepted and ignored with a warning, as ONNX Runtime runs on the CPU here.
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from slipstream.errors import InvalidRequest
 from slipstream.runtime import data_errors
-from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
+from slipstream.runtime.base import (
+    Backend,
+    ModelSignature,
+    TensorSpec,
+    check_cpu_device,
+    usable_cpu_count,
+)
+
+logger = logging.getLogger(__name__)
 
 # ONNX Runtime type strings -> V2 datatypes.
 _ORT_TO_V2 = {
@@ -82,16 +122,60 @@ def _check_shared_dim(
             )
 
 
+# The config ``parameters`` this backend reads; any other key is refused, naming it.
+KNOWN_PARAMETERS = (
+    "intra_op_thread_count",
+    "inter_op_thread_count",
+    "allow_spinning",
+    "graph_optimization_level",
+    "denormal_as_zero",
+    "activation_scales",
+    "device",
+)
+# Triton's onnxruntime backend keys that configure what this CPU build does not have (the
+# CUDA and TensorRT providers, one session shared by instances): accepted, said ignored.
+IGNORED_TRITON_PARAMETERS = (
+    "arena_extend_strategy",
+    "cudnn_conv_algo_search",
+    "cudnn_conv_use_max_workspace",
+    "do_copy_in_default_stream",
+    "enable_cuda_graph",
+    "gpu_mem_limit",
+    "share_session_between_instances",
+    "trt_engine_cache_enable",
+    "trt_engine_cache_path",
+    "trt_fp16_enable",
+    "trt_int8_enable",
+    "trt_max_workspace_size",
+)
+# Triton's onnxruntime backend keys applied to the session here.
+_TRITON_SWITCHES = ("enable_mem_arena", "enable_mem_pattern")
+# Prefixes of ONNX Runtime's session config entries (session.intra_op.allow_spinning,
+# memory.enable_memory_arena_shrinkage): passed through as Triton passes them.
+_ENTRY_PREFIXES = ("session.", "memory.")
+# denormal_as_zero's spellings: Triton's "1"/"0" and YAML's true/false (read as strings).
+_SWITCHES = {"1": True, "true": True, "0": False, "false": False}
+# More threads than this is a typo, not a machine (ORT's setter takes a C int).
+_MOST_THREADS = 4096
+
+
 def session_options(parameters: dict[str, str], instance_count: int) -> ort.SessionOptions:
-    """SessionOptions from config ``parameters`` (intra_op_thread_count, ...)."""
+    """SessionOptions from config ``parameters`` (intra_op_thread_count, ...); ValueError
+    names the parameter and the values it takes."""
+    _check_keys(parameters)
+    check_cpu_device("onnxruntime", parameters)
     options = ort.SessionOptions()
+    _apply_triton_keys(options, parameters)
     default_threads = max(1, usable_cpu_count() // max(1, instance_count))
-    options.intra_op_num_threads = int(parameters.get("intra_op_thread_count", default_threads))
-    options.inter_op_num_threads = int(parameters.get("inter_op_thread_count", 1))
+    options.intra_op_num_threads = _thread_count(
+        parameters, "intra_op_thread_count", default_threads
+    )
+    options.inter_op_num_threads = _thread_count(parameters, "inter_op_thread_count", 1)
     spinning = parameters.get("allow_spinning", "0")
     if spinning not in ("0", "1"):  # ORT spins for "1" only: "yes" would silently mean no
         raise ValueError(f'parameters.allow_spinning: {spinning!r}; expected "0" or "1"')
-    options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+    if "session.intra_op.allow_spinning" not in parameters:  # given by name: set below
+        options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
     level = parameters.get("graph_optimization_level", "all")
     if level not in _GRAPH_LEVELS:
         raise ValueError(
@@ -102,9 +186,133 @@ def session_options(parameters: dict[str, str], instance_count: int) -> ort.Sess
     # Flush denormal floats to zero: masked softmax inputs (attention over padding) turn
     # into denormals, which the CPU handles about 10x slower; minilm's softmax measured
     # 8 ms instead of 0.8 ms per run. Outputs change below 1e-38 only; "0" turns it off.
-    if parameters.get("denormal_as_zero", "1") not in ("0", "false"):
+    denormal = parameters.get("denormal_as_zero", "1")
+    if denormal.strip().lower() not in _SWITCHES:
+        raise ValueError(
+            f'parameters.denormal_as_zero: {denormal!r}; expected "1" or "true" (the default: '
+            'denormal floats flushed to zero) or "0" or "false"'
+        )
+    if _SWITCHES[denormal.strip().lower()] and "session.set_denormal_as_zero" not in parameters:
         options.add_session_config_entry("session.set_denormal_as_zero", "1")
+    for key, value in parameters.items():  # last: an entry given by name wins
+        if key.startswith(_ENTRY_PREFIXES):
+            options.add_session_config_entry(key, value)
     return options
+
+
+def _check_keys(parameters: dict[str, str]) -> None:
+    """Refuse a key this backend does not know (a typo would otherwise change nothing
+    without a word); say which of Triton's keys are ignored."""
+    known = (*KNOWN_PARAMETERS, *_TRITON_SWITCHES, "execution_mode")
+    unknown = sorted(
+        key
+        for key in parameters
+        if key not in known
+        and key not in IGNORED_TRITON_PARAMETERS
+        and not key.startswith(_ENTRY_PREFIXES)
+    )
+    if unknown:
+        raise ValueError(
+            f"parameters: unknown onnxruntime backend parameter(s) {', '.join(unknown)}; "
+            f"expected {', '.join(known)}, a session.* or memory.* session config entry, "
+            f"or one of Triton's GPU keys ({', '.join(IGNORED_TRITON_PARAMETERS)})"
+        )
+    ignored = sorted(set(parameters) & set(IGNORED_TRITON_PARAMETERS))
+    if ignored:
+        logger.warning(
+            "parameters %s ignored: they configure ONNX Runtime's GPU providers or shared "
+            "sessions, and ONNX Runtime runs on the CPU here",
+            ", ".join(ignored),
+        )
+
+
+def _apply_triton_keys(options: ort.SessionOptions, parameters: dict[str, str]) -> None:
+    """Triton's execution_mode, enable_mem_arena and enable_mem_pattern, applied as
+    Triton's onnxruntime backend applies them."""
+    for key in _TRITON_SWITCHES:
+        raw = parameters.get(key)
+        if raw is None:
+            continue
+        if raw.strip().lower() not in _SWITCHES:
+            raise ValueError(f'parameters.{key}: {raw!r}; expected "0" or "1"')
+        on = _SWITCHES[raw.strip().lower()]
+        if key == "enable_mem_arena":
+            options.enable_cpu_mem_arena = on
+        else:
+            options.enable_mem_pattern = on
+    mode = parameters.get("execution_mode")
+    if mode is not None:
+        if mode.strip() not in ("0", "1"):
+            raise ValueError(
+                f'parameters.execution_mode: {mode!r}; expected "0" (sequential) or "1" (parallel)'
+            )
+        options.execution_mode = (
+            ort.ExecutionMode.ORT_PARALLEL
+            if mode.strip() == "1"
+            else ort.ExecutionMode.ORT_SEQUENTIAL
+        )
+
+
+def _thread_count(parameters: dict[str, str], key: str, default: int) -> int:
+    """A thread count parameter: a whole number, 0 leaving ONNX Runtime its own default
+    (one thread per physical core), as Triton's onnxruntime backend takes it."""
+    raw = parameters.get(key)
+    if raw is None:
+        return default
+    try:
+        count = int(raw)
+    except ValueError:
+        count = -1
+    if not 0 <= count <= _MOST_THREADS:
+        raise ValueError(
+            f"parameters.{key}: {raw!r}; expected a whole number of threads from 0 (ONNX "
+            f"Runtime's own default) to {_MOST_THREADS}"
+        )
+    return count
+
+
+# Operators that compute an int8 activation scale from the whole of a run's input: in a
+# server, from a batch of requests.
+_PER_RUN_SCALES = frozenset(
+    {"DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM"}
+)
+_PER_RUN_NAMES = re.compile(rb"DynamicQuantize(?:Linear|MatMul|LSTM)")
+
+
+def scales_per_run(path: Path) -> bool:
+    """Whether the model quantizes activations with one scale per run
+    (``DynamicQuantizeLinear``: ONNX Runtime's ``quantize_dynamic``).
+
+    Such a scale is taken over the whole batch in a server, so one request's values
+    change how every other request in its batch is quantized (and answered). The file's
+    bytes are searched for the operators' names first (a few ms for 100 MB); an ONNX
+    file that names one is read to be sure. ``slipstream optimize`` writes per-row scales
+    (:mod:`slipstream.optimize.row_scales`), which need none of this.
+    """
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if _PER_RUN_NAMES.search(data) is None:
+            return False
+    try:  # not a dependency of the server: without it, the names are all there is
+        import onnx
+    except ImportError:  # pragma: no cover
+        return True
+    if path.suffix.lower() != ".onnx":
+        return True  # ONNX Runtime's own format, which onnx cannot read
+    model = onnx.load(str(path), load_external_data=False)
+    return any(node.op_type in _PER_RUN_SCALES for node in _nodes(model.graph))
+
+
+def _nodes(graph: Any) -> Iterator[Any]:
+    """``graph``'s nodes and those of its subgraphs (If, Loop, Scan bodies)."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                yield from _nodes(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _nodes(subgraph)
 
 
 def create_session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
@@ -144,8 +352,11 @@ class OnnxBackend(Backend):
     file_extensions = (".onnx", ".ort")
     releases_gil = True
 
-    def __init__(self, session: ort.InferenceSession) -> None:
+    def __init__(self, session: ort.InferenceSession, rows_alone: bool = False) -> None:
         self._session = session
+        # The model scales its int8 activations per run: a batch runs one row at a time
+        # (see scales_per_run), where the model batches.
+        self._rows_alone = rows_alone
         self._signature = ModelSignature(
             inputs=tuple(_spec(a) for a in session.get_inputs()),
             outputs=tuple(_spec(a) for a in session.get_outputs()),
@@ -158,10 +369,33 @@ class OnnxBackend(Backend):
         # batcher, once, so the per-run log stays at FATAL.
         self._run_options.log_severity_level = 4
         self._raw_session = getattr(session, "_sess", None)
+        # Whether the first dim is the batch: the config says so (configure), else the file.
+        self._batching = self._signature.batch_dim_is_dynamic
 
     @classmethod
     def load(cls, path: Path, parameters: dict[str, str], instance_count: int) -> OnnxBackend:
-        return cls(create_session(path, session_options(parameters, instance_count)))
+        options = session_options(parameters, instance_count)
+        scales = parameters.get("activation_scales", "run")
+        if scales not in ("row", "run"):
+            raise ValueError(
+                f'parameters.activation_scales: {scales!r}; expected "run" (the default: one '
+                'run per batch) or "row" (a batch runs one row at a time where the model '
+                "scales int8 activations per run, so a row's answer does not depend on its "
+                "batch mates)"
+            )
+        rows_alone = scales == "row" and scales_per_run(path)
+        if rows_alone:
+            logger.info(
+                "%s scales its int8 activations per run (DynamicQuantizeLinear): its batches "
+                "run one row at a time, so that a row's answer does not depend on its batch "
+                "mates (activation_scales: row); slipstream optimize --passes int8-dynamic "
+                "--activation-scales row writes per-row scales, which batch",
+                path,
+            )
+        return cls(create_session(path, options), rows_alone=rows_alone)
+
+    def configure(self, config: dict[str, Any]) -> None:
+        self._batching = bool(config.get("max_batch_size"))
 
     def signature(self) -> ModelSignature:
         return self._signature
@@ -185,13 +419,26 @@ class OnnxBackend(Backend):
             _check_shared_dim(dim, places, inputs)
         names = list(output_names)
         try:
-            results = self._run(names, feed)
+            results = self._run_rows(names, feed)
         except data_errors.ORT_ERRORS as exc:
             refused = data_errors.ort_data_error(exc)
             if refused is None:
                 raise
             raise refused from exc
         return dict(zip(names, results, strict=True))
+
+    def _run_rows(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if not (self._rows_alone and self._batching):  # the common case, checked first
+            return self._run(names, feed)
+        rows = min((array.shape[0] for array in feed.values() if array.ndim), default=1)
+        if rows <= 1:
+            return self._run(names, feed)
+        # One run per row: each row's activation scale is its own, as when it runs alone.
+        parts = [
+            self._run(names, {key: array[row : row + 1] for key, array in feed.items()})
+            for row in range(rows)
+        ]
+        return [np.concatenate([part[index] for part in parts]) for index in range(len(names))]
 
     def _run(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         # The public InferenceSession.run re-checks input names and types on every call,

@@ -18,6 +18,10 @@ Parameters (config.yaml ``parameters``):
 * ``performance_hint``: ``LATENCY`` (default: one stream per instance; the batcher
   makes the batches and ``instance_group.count`` the parallelism) or ``THROUGHPUT``.
 
+``device`` may only be ``cpu``. Another key (ONNX Runtime's ``denormal_as_zero``, a
+typo) fails the model's load naming it and the keys above, as the other backends refuse
+theirs.
+
 Each instance is one compiled model and one infer request; ``run`` is called by one
 thread at a time per instance and releases the GIL while OpenVINO computes.
 
@@ -45,7 +49,13 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
-from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
+from slipstream.runtime.base import (
+    Backend,
+    ModelSignature,
+    TensorSpec,
+    check_cpu_device,
+    usable_cpu_count,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +75,12 @@ _OV_TO_V2 = {
     "f64": "FP64",
     "bf16": "BF16",
 }
+# The config ``parameters`` this backend reads; any other key is refused, naming it.
+KNOWN_PARAMETERS = ("intra_op_thread_count", "inference_precision", "performance_hint", "device")
 _PRECISIONS = ("f32", "bf16", "f16")
 _HINTS = ("LATENCY", "THROUGHPUT")
+# More threads than this is a typo, not a machine.
+_MOST_THREADS = 4096
 # File types OpenVINO reads here: its IR and ONNX.
 _SUFFIXES = (".xml", ".onnx")
 
@@ -85,23 +99,34 @@ def core() -> ov.Core:
 
 
 def compile_properties(parameters: dict[str, str], instance_count: int) -> dict[str, Any]:
-    """The CPU plugin's properties from config ``parameters``; ValueError names the key."""
+    """The CPU plugin's properties from config ``parameters``; ValueError names the key
+    and the values it takes, or the unknown key and the known ones."""
+    unknown = sorted(set(parameters) - set(KNOWN_PARAMETERS))
+    if unknown:
+        raise ValueError(
+            f"parameters: unknown openvino backend parameter(s) {', '.join(unknown)}; "
+            f"expected {', '.join(KNOWN_PARAMETERS)}"
+        )
+    check_cpu_device("openvino", parameters)
     default_threads = max(1, usable_cpu_count() // max(1, instance_count))
     threads = parameters.get("intra_op_thread_count", str(default_threads))
-    if not threads.isdigit() or int(threads) < 1:
+    if not (threads.isascii() and threads.isdigit()) or not 1 <= int(threads) <= _MOST_THREADS:
         raise ValueError(
-            f"parameters.intra_op_thread_count: {threads!r}; expected a positive integer"
+            f"parameters.intra_op_thread_count: {threads!r}; expected a whole number of "
+            f"threads from 1 to {_MOST_THREADS}"
         )
-    precision = parameters.get("inference_precision", "f32").lower()
+    raw_precision = parameters.get("inference_precision", "f32")
+    precision = raw_precision.lower()
     if precision not in _PRECISIONS:
         raise ValueError(
-            f"parameters.inference_precision: {precision!r}; expected one of "
+            f"parameters.inference_precision: {raw_precision!r}; expected one of "
             + ", ".join(_PRECISIONS)
         )
-    hint = parameters.get("performance_hint", "LATENCY").upper()
+    raw_hint = parameters.get("performance_hint", "LATENCY")
+    hint = raw_hint.upper()
     if hint not in _HINTS:
         raise ValueError(
-            f"parameters.performance_hint: {hint!r}; expected one of {', '.join(_HINTS)}"
+            f"parameters.performance_hint: {raw_hint!r}; expected one of {', '.join(_HINTS)}"
         )
     return {
         "INFERENCE_NUM_THREADS": int(threads),

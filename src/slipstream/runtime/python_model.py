@@ -50,6 +50,9 @@ class PythonBackend(Backend):
     file_extensions = (".py",)
     # execute runs Python: each instance gets a thread of its own, off the event loop.
     releases_gil: ClassVar[bool] = True
+    # execute() is the user's code: zeros may be no input it takes (Triton runs no
+    # default warm-up at all).
+    warm_up_faults_are_fatal: ClassVar[bool] = False
     pickle_free_format = "review model.py as you review code: it runs in the server"
 
     def __init__(self, model: Any, path: Path) -> None:

@@ -6,9 +6,13 @@ Where the signature comes from:
   the ``forward`` parameter names; outputs are named after the returned structure: the
   keys of a returned dict, ``output`` for a single tensor, ``output_0``, ``output_1``, ...
   for a tuple. Dims exported as dynamic (``torch.export.Dim``) are -1; export the batch
-  dim as dynamic or the model is served without batching. ``torch.export.load``
-  unpickles the weights, so a ``.pt2`` loads only with ``trust_pickle: true`` in the
-  model's config.yaml (or ``slipstream serve --trust-pickle``).
+  dim as dynamic or the model is served without batching; a bound on it
+  (``Dim("batch", max=N)``) is kept, and larger batches run in parts of N rows. A
+  bfloat16 program takes FP32 and returns FP32 (numpy has no bfloat16); its inputs are
+  cast to bfloat16 before it runs (:mod:`slipstream.runtime.torch_export`).
+  ``torch.export.load`` unpickles the weights, so a ``.pt2`` loads only with
+  ``trust_pickle: true`` in the model's config.yaml (or ``slipstream serve
+  --trust-pickle``).
 * ``.pt`` (TorchScript) carries no reliable tensor signature. A model may declare one
   by embedding ``slipstream_signature.json`` in the archive (see
   :func:`signature_to_json`)::
@@ -25,6 +29,11 @@ Where the signature comes from:
   to ``forward`` positionally in the order of the ``inputs`` dict (config order), and
   maps a returned tuple positionally onto ``output_names``, which must then list every
   output in the order ``forward`` returns them. A returned dict is matched by key.
+
+Outputs are answered in the datatypes and dims the completed config declares
+(:mod:`slipstream.runtime.declared`): a ``float64`` output of a model declared FP32 is
+cast to FP32; one of other dims, or an integer where a float is declared, fails the run
+naming the output, and so the model's load, at its warm-up.
 
 Parameters (config.yaml ``parameters``):
 
@@ -66,10 +75,7 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import warnings
-import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -77,7 +83,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, numpy_dtype, v2_datatype
+from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, numpy_dtype
 from slipstream.errors import InvalidRequest
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
 from slipstream.runtime.cpu_share import (
@@ -87,6 +93,7 @@ from slipstream.runtime.cpu_share import (
     pressure_source,
 )
 from slipstream.runtime.data_errors import torch_data_error
+from slipstream.runtime.declared import DeclaredOutputs
 from slipstream.runtime.torch_cuda import (
     CudaRunner,
     Precision,
@@ -94,6 +101,7 @@ from slipstream.runtime.torch_cuda import (
     out_of_memory_line,
     torch_dtype,
 )
+from slipstream.runtime.torch_export import Model, load_exported
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +116,6 @@ _KNOWN_PARAMETERS = (
     "cuda_graph_batch_sizes",
 )
 _PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-# A loaded ScriptModule or an exported program's module: called with positional tensors.
-_Model = Callable[..., Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,11 +232,11 @@ class TorchBackend(Backend):
 
     def __init__(
         self,
-        model: _Model,
+        model: Model,
         signature: ModelSignature,
         parameters: TorchParameters,
     ) -> None:
-        self._model: _Model | None = model
+        self._model: Model | None = model
         self._signature = signature
         self._device = parameters.device
         self._input_names = tuple(spec.name for spec in signature.inputs)
@@ -247,6 +252,9 @@ class TorchBackend(Backend):
         )
         self._cuda: CudaRunner | None = None
         self._threads = _thread_count(parameters)
+        # The config's outputs (configure() sets them); until then nothing is checked
+        # and the signature says whether the first dim is the batch.
+        self._declared = DeclaredOutputs({}, batching=signature.batch_dim_is_dynamic)
         if self._device.type == "cuda":
             if (
                 parameters.graph_batch_sizes
@@ -270,7 +278,7 @@ class TorchBackend(Backend):
         options = TorchParameters.parse(parameters, instance_count)
         try:
             if path.suffix.lower() == ".pt2":
-                model, signature = _load_exported(path, options.device)
+                model, signature = load_exported(path, options.device)
             else:
                 model, signature = _load_torchscript(path, options.device)
             if options.dtype is not None and not options.autocast:
@@ -297,13 +305,49 @@ class TorchBackend(Backend):
     def cpu_threads(self) -> int | None:
         return None if self._cuda is not None else self._threads.threads
 
+    def configure(self, config: dict[str, Any]) -> None:
+        self._declared = DeclaredOutputs.from_config(config)
+        configured = int(config.get("max_batch_size") or 0)
+        bound = self._signature.max_batch_size
+        if bound is not None and configured > bound:
+            logger.info(
+                "%s: max_batch_size %d is above the %d rows the program's batch dim takes "
+                "(its torch.export Dim max); larger batches run in parts of %d rows",
+                config.get("name", "model"), configured, bound, bound,
+            )  # fmt: skip
+
     def run(
         self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
     ) -> dict[str, np.ndarray]:
-        if self._model is None:
+        model = self._model
+        if model is None:
             raise RuntimeError("torch backend: run() called after close()")
         names = self._input_names or tuple(inputs)
         arrays = [self._array(name, inputs) for name in names]
+        bound = self._signature.max_batch_size
+        rows = arrays[0].shape[0] if arrays and arrays[0].ndim else 0
+        if bound is not None and self._declared.batching and rows > bound:
+            # The program's guard refuses more rows than its Dim's max: run it in parts.
+            parts = [
+                self._run_once(
+                    model, names, [array[start : start + bound] for array in arrays], output_names
+                )
+                for start in range(0, rows, bound)
+            ]
+            results = {
+                name: np.concatenate([part[name] for part in parts]) for name in output_names
+            }
+        else:
+            results = self._run_once(model, names, arrays, output_names)
+        return {name: self._declared.conform(name, array) for name, array in results.items()}
+
+    def _run_once(
+        self,
+        model: Model,
+        names: Sequence[str],
+        arrays: list[np.ndarray],
+        output_names: Sequence[str],
+    ) -> dict[str, np.ndarray]:
         with torch.inference_mode():
             try:
                 if self._cuda is not None:
@@ -312,7 +356,7 @@ class TorchBackend(Backend):
                 self._threads.before()
                 try:
                     named = self._precision.forward(
-                        self._model, tensors, output_names, self._name_outputs
+                        model, tensors, output_names, self._name_outputs
                     )
                 finally:
                     self._threads.after()
@@ -381,7 +425,7 @@ def _to_numpy(named: dict[str, Any], name: str) -> np.ndarray:
     return array
 
 
-def _load_torchscript(path: Path, device: torch.device) -> tuple[_Model, ModelSignature]:
+def _load_torchscript(path: Path, device: torch.device) -> tuple[Model, ModelSignature]:
     extra_files: dict[str, Any] = {SIGNATURE_FILE: ""}
     try:
         module = torch.jit.load(  # type: ignore[no-untyped-call]
@@ -401,78 +445,6 @@ def _load_torchscript(path: Path, device: torch.device) -> tuple[_Model, ModelSi
         return module, ModelSignature(inputs=(), outputs=())
     text = declared.decode() if isinstance(declared, bytes) else str(declared)
     return module, signature_from_json(text, source=f"{path.name}:{SIGNATURE_FILE}")
-
-
-def _load_exported(path: Path, device: torch.device) -> tuple[_Model, ModelSignature]:
-    try:
-        with _EXPORT_LOAD_LOCK, warnings.catch_warnings():
-            # torch 2.11's loader wraps each weight's bytes read-only and says so once per
-            # process; the tensors own those bytes, and nothing writes to them.
-            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
-            program = torch.export.load(str(path))
-    # torch.export.load falls back to the legacy zip format, whose errors are BadZipFile.
-    except (RuntimeError, zipfile.BadZipFile) as exc:
-        raise ValueError(
-            f"{path.name}: not a torch.export program ({str(exc).splitlines()[0]}); save it "
-            "with torch.export.save(torch.export.export(model, args), 'model.pt2')"
-        ) from None
-    signature = _exported_signature(program)
-    if device.type != "cpu":
-        # module().to(device) would move the weights but not the devices burnt into the
-        # graph (arange(device=cpu), ...): every request would fail on a device mismatch.
-        from torch.export.passes import move_to_device_pass
-
-        program = move_to_device_pass(program, device)
-    return program.module(), signature
-
-
-# torch.export.load keeps the program being read in a module global (two loads at once
-# fail one: "_CURRENT_DESERIALIZER is already set"), and warnings.catch_warnings swaps
-# the process's warning filters: the model manager loads a repository's models side by
-# side in threads, so one .pt2 is read at a time.
-_EXPORT_LOAD_LOCK = threading.Lock()
-
-
-def _exported_signature(program: Any) -> ModelSignature:
-    """Names, dtypes and shapes of an ExportedProgram's user inputs and outputs."""
-    nodes = {node.name: node for node in program.graph.nodes}
-    input_specs = tuple(
-        _fake_tensor_spec(name, nodes[name].meta.get("val"))
-        for name in program.graph_signature.user_inputs
-    )
-    output_node = next(node for node in program.graph.nodes if node.op == "output")
-    user_output_count = len(program.graph_signature.user_outputs)
-    # User outputs come last, after any buffer mutations the graph also returns.
-    returned = list(output_node.args[0])[-user_output_count:] if user_output_count else []
-    names = _output_names(program.call_spec.out_spec, len(returned))
-    output_specs = tuple(
-        _fake_tensor_spec(name, getattr(node, "meta", {}).get("val"))
-        for name, node in zip(names, returned, strict=True)
-    )
-    return ModelSignature(
-        inputs=tuple(s for s in input_specs if s is not None),
-        outputs=tuple(s for s in output_specs if s is not None),
-    )
-
-
-def _output_names(out_spec: Any, count: int) -> list[str]:
-    """Output names from the pytree spec of what forward() returns."""
-    if out_spec is not None and out_spec.type is dict and len(out_spec.context) == count:
-        return [str(key) for key in out_spec.context]
-    if count == 1 and out_spec is not None and out_spec.is_leaf():
-        return ["output"]
-    return [f"output_{i}" for i in range(count)]
-
-
-def _fake_tensor_spec(name: str, value: Any) -> TensorSpec | None:
-    """A TensorSpec from a node's fake tensor; symbolic dims become -1."""
-    if not isinstance(value, torch.Tensor):
-        return None  # a non-tensor input or output (int, None): not servable over V2
-    # bfloat16 has no numpy dtype; run() returns such outputs as FP32.
-    dtype = torch.float32 if value.dtype == torch.bfloat16 else value.dtype
-    numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
-    shape = tuple(dim if isinstance(dim, int) else -1 for dim in value.shape)
-    return TensorSpec(name=name, datatype=v2_datatype(numpy_dtype), shape=shape)
 
 
 def signature_to_json(signature: ModelSignature) -> str:

@@ -248,9 +248,21 @@ class ModelVersion:
     # -- warm-up -------------------------------------------------------------------------
 
     def _warm_up(self) -> None:
-        """Run the configured warm-up samples (or one zero sample) on every instance."""
+        """Run the configured warm-up samples (or one zero sample) on every instance.
+
+        A configured sample that fails fails the load. The default sample is a guess: a
+        model may refuse zero-filled inputs as data (a 400, :class:`InvalidRequest`) and
+        still serve real requests, so that only skips it; so does any failure where the
+        guess had to make up a size (a variable dim run as 1, an empty string) or the
+        model's run is user code (a Python model). Any other failure is one every request
+        would meet (a 500 each), so it fails the load too, and the model never goes READY.
+        """
         samples = self.config.model_warmup
         configured = bool(samples)
+        fatal = self._instances[0].warm_up_faults_are_fatal if self._instances else False
+        fatal = fatal and not any(
+            -1 in tensor.dims or tensor.data_type == "BYTES" for tensor in self.config.input
+        )
         if not samples:
             samples = [WarmupSample(name="default", batch_size=1)]
         for instance in self._instances:
@@ -264,7 +276,12 @@ class ModelVersion:
                         raise ConfigError(
                             f"model_warmup {sample.name!r}: the model failed on it: {exc}"
                         ) from None
-                    # A zero-filled guess may be invalid input for some models: not fatal.
+                    if fatal and not isinstance(exc, InvalidRequest):
+                        raise ConfigError(
+                            "default warm-up: the model failed on a zero-filled request of "
+                            f"batch size {sample.batch_size}, as it would on requests: {exc}; "
+                            "fix the model or its config, or list model_warmup samples it takes"
+                        ) from None
                     logger.warning("%s: default warm-up skipped (%s)", self.name, exc)
                     return
 
