@@ -13,6 +13,11 @@ several instances of a model version and hands each one batch at a time:
   ``releases_gil`` is True (ONNX Runtime, torch): those get a dedicated thread each, so
   the event loop keeps accepting requests while a batch computes.
 * ``close()`` frees what the instance holds.
+* A backend with ``takes_requests`` (Triton's Python backend) is handed a batch as its
+  requests instead, each with its own tensors and :class:`RequestContext` (id,
+  parameters, requested outputs, sequence), through ``run_requests``; ``run`` serves the
+  warm-up and ``slipstream profile``. ``attach`` gives it the server's own inference
+  call, for models that call other models.
 
 Backends raise :class:`slipstream.errors.InvalidRequest` for inputs the model refuses
 (wrong rank, out-of-range values the runtime rejects: :mod:`slipstream.runtime.data_errors`
@@ -22,12 +27,39 @@ tells those apart from faults); any other exception fails the batch as an intern
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from slipstream.types import InferRequest, InferResponse
+
+# The server's own inference call (routing, batching, statistics), for backends whose
+# models call other models.
+LocalInfer = Callable[["InferRequest"], Awaitable["InferResponse"]]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """What a backend that takes requests one by one sees of a client request besides
+    its tensors (``Backend.takes_requests``)."""
+
+    # The client's request id ("" where none was given).
+    id: str = ""
+    # The request's own parameters (a sequence's controls excluded).
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+    # The outputs the client asked for; None: every output.
+    outputs: tuple[str, ...] | None = None
+    # A stateful model's sequence id (0: none), and whether this request starts or
+    # ends its sequence.
+    correlation_id: int | str = 0
+    sequence_start: bool = False
+    sequence_end: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +106,9 @@ class Backend(ABC):
     # would meet (it then fails the load); False where run() is the user's own code,
     # which may fault on zeros and serve real data.
     warm_up_faults_are_fatal: ClassVar[bool] = True
+    # Whether the scheduler hands it each batch as its requests (run_requests), never
+    # merged, and never on the event loop's own thread.
+    takes_requests: ClassVar[bool] = False
 
     @classmethod
     def loads_pickle(cls, path: Path) -> bool:
@@ -102,6 +137,19 @@ class Backend(ABC):
         self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
     ) -> dict[str, np.ndarray]:
         """Execute one batch and return the requested outputs."""
+
+    def run_requests(
+        self,
+        requests: Sequence[tuple[dict[str, np.ndarray], RequestContext]],
+        output_names: Sequence[str],
+    ) -> list[dict[str, np.ndarray] | BaseException]:
+        """Where ``takes_requests``: execute one batch given as its requests; per request,
+        its outputs or what failed it."""
+        raise NotImplementedError(f"the {self.name} backend runs batches (run)")
+
+    def attach(self, infer: LocalInfer, loop: asyncio.AbstractEventLoop) -> None:  # noqa: B027
+        """Called at load with the server's inference call and the event loop it runs on
+        (a Python model's ``InferenceRequest.exec``); most backends need neither."""
 
     def configure(self, config: dict[str, Any]) -> None:  # noqa: B027 - most need nothing
         """Called once the model's config is completed, before warm-up, with it in

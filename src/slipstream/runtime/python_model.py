@@ -9,9 +9,16 @@ rules, most often steps of an ensemble) are served as they are::
 The model imports ``triton_python_backend_utils`` (:mod:`.python_utils`, registered under
 that name) for its tensors and responses. ``initialize(args)`` gets Triton's arguments
 (``args["model_config"]``: the completed config as Triton's JSON); ``execute(requests)``
-gets one request per batch the batcher formed (its inputs hold every row of the batch:
-a model that handles each row of its inputs, as batching models do, answers as it would
-per client request), and returns one response; ``finalize()`` runs at unload.
+gets the requests of a batch the batcher formed, each with its own tensors, id,
+parameters, requested outputs and sequence flags, and returns one response per request
+(an ``async def execute`` too, on a loop of the instance's own); ``finalize()`` runs at
+unload. A response with an error fails its request only (a 400 for ``INVALID_ARG`` and
+``NOT_FOUND``, else a 500); an exception out of ``execute`` fails the batch, whose
+requests are then run again one by one, so one request's data cannot fail another
+(except a stateful model's: its requests fail together, as in Triton, rather than be
+applied twice to their sequences' state).
+``InferenceRequest(model_name=...).exec()`` runs another model of the server
+(:mod:`.python_bls`).
 
 A ``model.py`` is code the server runs: it loads only when its model says
 ``trust_pickle: true`` (or with ``slipstream serve --trust-pickle``), as pickles do.
@@ -22,7 +29,9 @@ in numpy or in a model of another backend.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import itertools
 import json
 import sys
@@ -32,9 +41,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from slipstream.errors import InvalidRequest
-from slipstream.runtime import python_utils
-from slipstream.runtime.base import Backend, ModelSignature
+from slipstream.errors import InternalError, InvalidRequest, SlipstreamError, Unavailable
+from slipstream.runtime import python_bls, python_utils
+from slipstream.runtime.base import Backend, LocalInfer, ModelSignature, RequestContext
 
 # Triton's error codes a request's own data causes: answered 400, not 500.
 _CLIENT_CODES = {python_utils.TritonError.INVALID_ARG, python_utils.TritonError.NOT_FOUND}
@@ -53,12 +62,18 @@ class PythonBackend(Backend):
     # execute() is the user's code: zeros may be no input it takes (Triton runs no
     # default warm-up at all).
     warm_up_faults_are_fatal: ClassVar[bool] = False
+    # execute() takes the batch's requests, each with its id and parameters.
+    takes_requests: ClassVar[bool] = True
     pickle_free_format = "review model.py as you review code: it runs in the server"
 
     def __init__(self, model: Any, path: Path) -> None:
         self._model = model
         self._path = path
         self._config: dict[str, Any] = {}
+        # The server's inference call and its loop, for exec() (attach sets them).
+        self._server: tuple[LocalInfer | None, asyncio.AbstractEventLoop | None] = (None, None)
+        # The loop an async def execute runs on, made at its first call.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def loads_pickle(cls, path: Path) -> bool:
@@ -98,26 +113,88 @@ class PythonBackend(Backend):
     def signature(self) -> ModelSignature:
         return ModelSignature((), ())  # the config lists a Python model's tensors
 
+    def attach(self, infer: LocalInfer, loop: asyncio.AbstractEventLoop) -> None:
+        self._server = (infer, loop)
+
     def run(
         self, inputs: dict[str, np.ndarray], output_names: Sequence[str]
     ) -> dict[str, np.ndarray]:
-        tensors = [python_utils.Tensor(name, array) for name, array in inputs.items()]
-        request = python_utils.InferenceRequest(tensors, output_names)
+        (outcome,) = self.run_requests([(inputs, RequestContext())], output_names)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def run_requests(
+        self,
+        requests: Sequence[tuple[dict[str, np.ndarray], RequestContext]],
+        output_names: Sequence[str],
+    ) -> list[dict[str, np.ndarray] | BaseException]:
+        """One ``execute`` call for the batch's requests, each with its own tensors, id,
+        parameters, requested outputs and sequence flags, as Triton calls it."""
+        made = [
+            python_utils.InferenceRequest(
+                [python_utils.Tensor(name, array) for name, array in inputs.items()],
+                context.outputs or output_names,
+                request_id=context.id,
+                correlation_id=context.correlation_id,
+                parameters=dict(context.parameters),
+                flags=(
+                    python_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START * context.sequence_start
+                )
+                | (python_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END * context.sequence_end),
+            )
+            for inputs, context in requests
+        ]
+        responses = self._execute(made)
+        outcomes: list[dict[str, np.ndarray] | BaseException] = []
+        for response, (_, context) in zip(responses, requests, strict=True):
+            try:
+                outcomes.append(self._outputs(response, self._required(context, output_names)))
+            except (SlipstreamError, PythonModelError) as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    def _execute(self, requests: list[python_utils.InferenceRequest]) -> list[Any]:
+        """The model's ``execute`` (a coroutine function's too), with this thread bound to
+        the server for ``exec``; its list of responses, one per request."""
+        infer, loop = self._server
+        name = str(self._config.get("name", self._path.parent.parent.name))
         try:
-            responses = self._model.execute([request])
+            with python_bls.bound(infer, loop, name):
+                responses = self._model.execute(requests)
+                if inspect.isawaitable(responses):
+                    responses = self._own_loop().run_until_complete(responses)
         except python_utils.TritonError as exc:
             raise _error(exc) from None
-        if not isinstance(responses, list | tuple) or len(responses) != 1:
+        if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             what = (
                 f"{len(responses)} responses"
                 if isinstance(responses, list | tuple)
                 else f"a {type(responses).__name__}"
             )
             raise PythonModelError(
-                f"{self._path.name}: execute returned {what} for 1 request; it returns a "
-                "list of one InferenceResponse per request"
+                f"{self._path.name}: execute returned {what} for {len(requests)} requests; it "
+                "returns a list of one InferenceResponse per request, in their order"
             )
-        (response,) = responses
+        return list(responses)
+
+    def _own_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this instance's ``async def execute`` runs on (one per
+        instance, on its thread; never the server's)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    def _required(self, context: RequestContext, output_names: Sequence[str]) -> list[str]:
+        """The outputs a response must carry: the ones the client asked for (every
+        output where it named none), and any a stateful model's states need."""
+        if context.outputs is None:
+            return list(output_names)
+        declared = {str(t.get("name")) for t in self._config.get("output", [])}
+        states = [name for name in output_names if declared and name not in declared]
+        return [*context.outputs, *states]
+
+    def _outputs(self, response: Any, output_names: Sequence[str]) -> dict[str, np.ndarray]:
         if not isinstance(response, python_utils.InferenceResponse):
             raise PythonModelError(
                 f"{self._path.name}: execute returned a {type(response).__name__} where an "
@@ -156,12 +233,23 @@ class PythonBackend(Backend):
         return array.astype(dtype)
 
     def close(self) -> None:
-        finalize = getattr(self._model, "finalize", None)
-        if finalize is not None:
-            finalize()
+        try:
+            finalize = getattr(self._model, "finalize", None)
+            if finalize is not None:
+                result = finalize()
+                if inspect.isawaitable(result):
+                    self._own_loop().run_until_complete(result)
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+                self._loop = None
 
 
 def _error(error: python_utils.TritonError) -> Exception:
+    """A TritonError the model returned or raised: its message is meant for the client, as
+    Triton passes it on, with the status its code says."""
     if error.code() in _CLIENT_CODES:
         return InvalidRequest(f"the model refused the request: {error.message()}")
-    return PythonModelError(f"the model failed the request: {error.message()}")
+    if error.code() == python_utils.TritonError.UNAVAILABLE:
+        return Unavailable(f"the model cannot take the request now: {error.message()}", 1)
+    return InternalError(f"the model failed the request: {error.message()}")

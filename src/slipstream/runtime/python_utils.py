@@ -3,9 +3,9 @@
 Triton's Python backend hands a model's ``execute`` a list of requests and takes back one
 response each; these classes carry the tensors both ways, with the names and methods
 Triton's give (:mod:`slipstream.runtime.python_model` registers this module under
-Triton's name before it imports a ``model.py``). What needs Triton's own server is
-refused with an error that says so: running other models from inside one (BLS,
-``InferenceRequest.exec``) and decoupled responses.
+Triton's name before it imports a ``model.py``). ``InferenceRequest.exec`` runs another
+model of the server (:mod:`.python_bls`); decoupled responses are refused with an error
+that says so.
 """
 
 from __future__ import annotations
@@ -13,11 +13,15 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
+from slipstream.errors import ClientError, NotFound, SlipstreamError, Unavailable
+
+if TYPE_CHECKING:
+    from slipstream.types import InferResponse
 
 _log = logging.getLogger("slipstream.python_model")
 
@@ -48,6 +52,11 @@ class TritonError(Exception):
 
 class TritonModelException(Exception):
     """Raised by the utilities below on misuse, as Triton's are."""
+
+
+# InferenceRequest.flags() of a stateful model's request: its sequence's first, last.
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
 
 
 class Tensor:
@@ -85,7 +94,8 @@ class Tensor:
 
 
 class InferenceRequest:
-    """One request as a model's ``execute`` sees it."""
+    """One request as a model's ``execute`` sees it, or one a model makes to run another
+    model of the server (``exec``/``async_exec``: :mod:`.python_bls`)."""
 
     def __init__(
         self,
@@ -93,14 +103,31 @@ class InferenceRequest:
         requested_output_names: Sequence[str] = (),
         request_id: str = "",
         correlation_id: int | str = 0,
-        parameters: dict[str, Any] | None = None,
+        parameters: dict[str, Any] | str | None = None,
+        model_name: str = "",
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
         **_: Any,
     ) -> None:
         self._inputs = list(inputs)
         self._outputs = list(requested_output_names)
         self._id = request_id
         self._correlation_id = correlation_id
+        if isinstance(parameters, str):  # Triton takes a JSON object's text too
+            try:
+                parameters = json.loads(parameters) if parameters else {}
+            except json.JSONDecodeError as exc:
+                raise TritonModelException(f"parameters: not JSON ({exc})") from None
+        if parameters is not None and not isinstance(parameters, dict):
+            raise TritonModelException(
+                f"parameters: expected a dict or its JSON text, got {type(parameters).__name__}"
+            )
         self._parameters = parameters or {}
+        self._model_name = model_name
+        self._model_version = model_version
+        self._flags = flags
+        self._timeout = timeout
 
     def inputs(self) -> list[Tensor]:
         return list(self._inputs)
@@ -118,7 +145,18 @@ class InferenceRequest:
         return json.dumps(self._parameters)
 
     def flags(self) -> int:
-        return 0
+        """TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END of a stateful model's request."""
+        return self._flags
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def timeout(self) -> int:
+        """The request's queue timeout in microseconds (0: the model's default)."""
+        return self._timeout
 
     def is_cancelled(self) -> bool:
         return False
@@ -129,13 +167,24 @@ class InferenceRequest:
             "InferenceResponse per request from execute"
         )
 
-    def exec(self, *_: Any, **__: Any) -> Any:
-        raise TritonModelException(
-            "running another model from a Python model (BLS: InferenceRequest.exec) is not "
-            "supported; chain the models in an ensemble (ensemble_scheduling) instead"
-        )
+    def exec(self, decoupled: bool = False, **_: Any) -> InferenceResponse:
+        """Run this request on the model it names and wait for its answer (an error
+        response where the server refused or failed it)."""
+        from slipstream.runtime import python_bls
 
-    async_exec = exec
+        if decoupled:
+            raise TritonModelException("exec(decoupled=True): decoupled models are not supported")
+        return _response(python_bls.call(self))
+
+    async def async_exec(self, decoupled: bool = False, **_: Any) -> InferenceResponse:
+        """:meth:`exec` for an ``async def execute``."""
+        from slipstream.runtime import python_bls
+
+        if decoupled:
+            raise TritonModelException(
+                "async_exec(decoupled=True): decoupled models are not supported"
+            )
+        return _response(await python_bls.call_async(self))
 
 
 class InferenceResponse:
@@ -155,6 +204,27 @@ class InferenceResponse:
 
     def error(self) -> TritonError | None:
         return self._error
+
+
+def _response(answer: InferResponse | Exception) -> InferenceResponse:
+    """What ``exec`` returns: the answer's outputs, or an error response with the code
+    the failure's status says (Triton answers so, and never raises out of ``exec``)."""
+    from slipstream.runtime.python_bls import Refused
+
+    if not isinstance(answer, Exception):
+        return InferenceResponse([Tensor(name, array) for name, array in answer.outputs.items()])
+    if isinstance(answer, Refused):
+        code = TritonError.UNSUPPORTED
+    elif isinstance(answer, NotFound):
+        code = TritonError.NOT_FOUND
+    elif isinstance(answer, ClientError):
+        code = TritonError.INVALID_ARG
+    elif isinstance(answer, Unavailable):
+        code = TritonError.UNAVAILABLE
+    else:
+        code = TritonError.INTERNAL
+    message = str(answer) if isinstance(answer, SlipstreamError | Refused) else repr(answer)
+    return InferenceResponse(error=TritonError(message, code))
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:

@@ -8,7 +8,7 @@ driven rather than a polling task: every arrival and every finished batch calls
    queued ones after it that share its shapes, up to ``max_batch_size``; cut at the
    largest preferred batch size that they fill exactly, if any; with a queue delay and
    neither a full nor a preferred batch, wait (at most the delay) for more;
-2. execute it on the instance's own thread (:func:`_execute`: gather, run, split), or,
+2. execute it on the instance's own thread (:func:`execute`: gather, run, split), or,
    for a lone request on a model that runs in microseconds, right on the event loop,
    where two thread hand-offs would cost more than the run itself;
 3. resolve each request's future when the batch returns (:meth:`_finish`).
@@ -41,22 +41,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from slipstream.config import ModelConfig
 from slipstream.errors import (
-    InternalError,
     RequestTimeout,
-    SlipstreamError,
     Unavailable,
 )
 from slipstream.observability.metrics import ModelMetrics
 from slipstream.observability.stats import ModelStatsRecorder
-from slipstream.runtime.base import Backend
+from slipstream.runtime.base import Backend, RequestContext
+from slipstream.scheduling.execution import Arrays, BatchResult, Pending, as_served_error, execute
 
 logger = logging.getLogger(__name__)
 
-Arrays = dict[str, np.ndarray]
 
 # Queued requests of other shapes (or too many rows) that one batch looks past, per
 # priority level, before it stops growing: bounds the work of one dispatch.
@@ -67,44 +63,6 @@ _TIMER_TICK_S = 0.001
 
 def _instance_thread() -> Executor:
     return ThreadPoolExecutor(1, thread_name_prefix="slipstream-instance")
-
-
-@dataclass(slots=True, eq=False)
-class _Pending:
-    """One queued request."""
-
-    inputs: Arrays
-    # Rows this request adds to a batch (its first dim; 1 for non-batching models).
-    rows: int
-    # Non-batch shapes of the inputs: only requests with equal keys share a batch.
-    shape_key: tuple[tuple[int, ...], ...]
-    # Index into Batcher._queues (0 = highest priority).
-    level: int
-    future: asyncio.Future[Arrays]
-    enqueue_ns: int
-    timeout_handle: asyncio.TimerHandle | None = None
-    # When the request's queue timeout ends (0: none).
-    deadline_ns: int = 0
-    # Set when the request leaves the queue for an instance.
-    dispatch_ns: int = 0
-    # Client requests this submission stands for (several stacked by the serving core):
-    # each is counted in the queue and compute statistics.
-    requests: int = 1
-
-
-@dataclass(slots=True)
-class _BatchResult:
-    """What a worker thread hands back for one batch."""
-
-    # Per request: its outputs, or the exception that failed it.
-    outcomes: list[Arrays | BaseException]
-    input_ns: int = 0
-    infer_ns: int = 0
-    output_ns: int = 0
-    rows: int = 0
-    # When the batch started and ended on the instance's thread (perf_counter_ns).
-    started_ns: int = 0
-    ended_ns: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -145,14 +103,19 @@ class Batcher:
         self._timeout_override = batching.allow_timeout_override
         self._levels = max(1, batching.priority_levels)
         self._default_level = max(1, batching.default_priority_level) - 1
-        self._queues: list[deque[_Pending]] = [deque() for _ in range(self._levels)]
+        self._queues: list[deque[Pending]] = [deque() for _ in range(self._levels)]
         self._num_pending = 0
         self._pending_rows = 0
         self._instances = [_Instance(backend, executor_factory()) for backend in instances]
         self._free = list(self._instances)
         self._busy = 0
         self._outputs = list(output_names)
-        self._inline_max_ns = batching.inline_execution_max_microseconds * 1000
+        # Never inline for a backend that takes requests: its run is the user's code, which
+        # may block or call back into the server (a Python model's BLS).
+        takes_requests = any(backend.takes_requests for backend in instances)
+        self._inline_max_ns = (
+            -1 if takes_requests else batching.inline_execution_max_microseconds * 1000
+        )
         # -1 until measured: the first batch always runs on an instance thread.
         self._recent_run_ns = -1
         self._clock_ns = clock_ns
@@ -180,11 +143,14 @@ class Batcher:
         priority: int = 0,
         timeout_us: int = 0,
         requests: int = 1,
+        context: RequestContext | None = None,
     ) -> Arrays:
         """Queue one validated request and wait for its outputs (full batch-dim arrays).
         ``requests`` > 1: the inputs are that many client requests stacked, counted each
-        in the statistics (queue time, compute shares) but queued and run as one."""
+        in the statistics (queue time, compute shares) but queued and run as one.
+        ``context``: the request's id and parameters, for backends that take requests."""
         pending = self._enqueue(inputs, rows, shape_key, priority, timeout_us, requests)
+        pending.context = context
         try:
             return await pending.future
         except asyncio.CancelledError:
@@ -207,11 +173,11 @@ class Batcher:
         pending.future.add_done_callback(functools.partial(self._dropped, pending))
         return pending.future
 
-    def _dropped(self, pending: _Pending, future: asyncio.Future[Arrays]) -> None:
+    def _dropped(self, pending: Pending, future: asyncio.Future[Arrays]) -> None:
         if future.cancelled():
             self._withdraw(pending)
 
-    def _withdraw(self, pending: _Pending) -> None:
+    def _withdraw(self, pending: Pending) -> None:
         """The client went away: a request still queued is dropped, never run; queued or
         running, it counts as cancelled, as its statistics count it failed."""
         self._remove(pending)
@@ -225,7 +191,7 @@ class Batcher:
         priority: int,
         timeout_us: int,
         requests: int,
-    ) -> _Pending:
+    ) -> Pending:
         if self._closed:
             raise Unavailable("model is unloading; retry on another version", retry_after_s=1)
         if self._num_pending >= self._max_queue_size:
@@ -235,7 +201,7 @@ class Batcher:
                 retry_after_s=1,
             )
         loop = asyncio.get_running_loop()
-        pending = _Pending(
+        pending = Pending(
             inputs=inputs,
             rows=rows,
             shape_key=shape_key,
@@ -300,15 +266,15 @@ class Batcher:
                 # A lone request on a fast model: running it here saves the two thread
                 # hand-offs (~30-70 us), more than the loop is blocked for.
                 instance.ready_ns = 0
-                self._finish(instance, batch, _execute(instance.backend, batch, self._outputs))
+                self._finish(instance, batch, execute(instance.backend, batch, self._outputs))
                 continue
             loop = asyncio.get_running_loop()
             done = loop.run_in_executor(
-                instance.executor, _execute, instance.backend, batch, self._outputs
+                instance.executor, execute, instance.backend, batch, self._outputs
             )
             done.add_done_callback(functools.partial(self._on_thread_done, instance, batch))
 
-    def _runs_inline(self, batch: list[_Pending]) -> bool:
+    def _runs_inline(self, batch: list[Pending]) -> bool:
         return (
             len(batch) == 1
             and self._busy == 1
@@ -316,7 +282,7 @@ class Batcher:
             and 0 <= self._recent_run_ns <= self._inline_max_ns
         )
 
-    def _next_batch(self) -> list[_Pending]:
+    def _next_batch(self) -> list[Pending]:
         """Take the next batch off the queue, or [] with the delay timer armed to wait.
 
         A preferred batch size that the queue fills is dispatched at once, even with no
@@ -345,14 +311,14 @@ class Batcher:
                 return []
         return self._take(batch)
 
-    def _plan(self, capacity: int, enough: int) -> list[_Pending]:
+    def _plan(self, capacity: int, enough: int) -> list[Pending]:
         """The head request (highest priority, oldest) and those after it that can join.
 
         Joining means sharing the head's shapes and fitting in ``capacity`` rows; the head
         always fits (submit refused anything above max_batch_size). The plan stops growing
         at ``enough`` rows. Nothing leaves the queue here.
         """
-        batch: list[_Pending] = []
+        batch: list[Pending] = []
         rows = 0
         key: tuple[tuple[int, ...], ...] | None = None
         for queue in self._queues:
@@ -371,7 +337,7 @@ class Batcher:
                 break
         return batch
 
-    def _take(self, batch: list[_Pending]) -> list[_Pending]:
+    def _take(self, batch: list[Pending]) -> list[Pending]:
         """Move ``batch`` (from :meth:`_plan`) off the queues."""
         now_ns = self._clock_ns()
         rows = 0
@@ -394,19 +360,19 @@ class Batcher:
         return batch
 
     def _on_thread_done(
-        self, instance: _Instance, batch: list[_Pending], done: asyncio.Future[_BatchResult]
+        self, instance: _Instance, batch: list[Pending], done: asyncio.Future[BatchResult]
     ) -> None:
         try:
             result = done.result()
         except BaseException as exc:  # the worker itself failed (e.g. shut down)
-            result = _BatchResult(outcomes=[exc] * len(batch))
+            result = BatchResult(outcomes=[exc] * len(batch))
         if instance.ready_ns and result.started_ns:
             self._metrics.instance_idle.observe((result.started_ns - instance.ready_ns) / 1e9)
         self._finish(instance, batch, result)
         instance.ready_ns = result.ended_ns if self._num_pending else 0
         self._schedule()
 
-    def _finish(self, instance: _Instance, batch: list[_Pending], result: _BatchResult) -> None:
+    def _finish(self, instance: _Instance, batch: list[Pending], result: BatchResult) -> None:
         self._free.append(instance)
         self._busy -= 1
         self._record(batch, result)
@@ -414,13 +380,13 @@ class Batcher:
             if pending.future.done():  # cancelled while it ran
                 continue
             if isinstance(outcome, BaseException):
-                pending.future.set_exception(_as_served_error(outcome))
+                pending.future.set_exception(as_served_error(outcome))
             else:
                 pending.future.set_result(outcome)
         if not self._busy and not self._num_pending:
             self._idle.set()
 
-    def _record(self, batch: list[_Pending], result: _BatchResult) -> None:
+    def _record(self, batch: list[Pending], result: BatchResult) -> None:
         if not result.rows:
             return
         compute_ns = result.input_ns + result.infer_ns + result.output_ns
@@ -456,7 +422,7 @@ class Batcher:
             return default
         return min(requested_us, default) if default else requested_us
 
-    def _expire(self, pending: _Pending) -> None:
+    def _expire(self, pending: Pending) -> None:
         pending.timeout_handle = None
         early_ns = pending.deadline_ns - self._clock_ns()
         if early_ns > 0:
@@ -474,7 +440,7 @@ class Batcher:
                 RequestTimeout(f"request timed out after waiting {waited_us} us in the queue")
             )
 
-    def _remove(self, pending: _Pending) -> bool:
+    def _remove(self, pending: Pending) -> bool:
         """Drop a request that is still queued; False when it already left the queue."""
         if pending.dispatch_ns:
             return False
@@ -495,7 +461,7 @@ class Batcher:
         return (self._clock_ns() - min(heads)) / 1e9 if heads else 0.0
 
     @staticmethod
-    def _cancel_timeout(pending: _Pending) -> None:
+    def _cancel_timeout(pending: Pending) -> None:
         if pending.timeout_handle is not None:
             pending.timeout_handle.cancel()
             pending.timeout_handle = None
@@ -510,89 +476,3 @@ class Batcher:
             self._schedule()
 
         self._delay_timer = loop.call_later(wait_ns / 1e9, fire)
-
-
-def _execute(backend: Backend, batch: list[_Pending], output_names: list[str]) -> _BatchResult:
-    """Worker thread: gather the batch, run it, split the outputs back per request; the
-    result says when it started and ended."""
-    started_ns = time.perf_counter_ns()
-    result = _run(backend, batch, output_names)
-    result.started_ns, result.ended_ns = started_ns, time.perf_counter_ns()
-    return result
-
-
-def _run(backend: Backend, batch: list[_Pending], output_names: list[str]) -> _BatchResult:
-    t0 = time.perf_counter_ns()
-    if len(batch) == 1:
-        inputs = batch[0].inputs
-    else:
-        inputs = {name: np.concatenate([p.inputs[name] for p in batch]) for name in batch[0].inputs}
-    t1 = time.perf_counter_ns()
-    try:
-        outputs = backend.run(inputs, output_names)
-    except Exception as exc:
-        if len(batch) == 1:
-            return _BatchResult(outcomes=[exc])
-        # One bad request must not fail the others: rerun them one by one.
-        return _isolate_failure(backend, batch, output_names)
-    t2 = time.perf_counter_ns()
-    outcomes: list[Arrays | BaseException]
-    if len(batch) == 1:
-        outcomes = [outputs]
-    elif not _one_row_per_row(outputs, sum(p.rows for p in batch)):
-        # An output without a row per input row (a sum over the batch, say) cannot be
-        # split back: its rows would carry other clients' data. Each request alone.
-        return _isolate_failure(backend, batch, output_names)
-    else:
-        outcomes = []
-        start = 0
-        for pending in batch:
-            end = start + pending.rows
-            outcomes.append({name: array[start:end] for name, array in outputs.items()})
-            start = end
-    t3 = time.perf_counter_ns()
-    rows = sum(p.rows for p in batch)
-    return _BatchResult(outcomes, t1 - t0, t2 - t1, t3 - t2, rows)
-
-
-def _one_row_per_row(outputs: Arrays, rows: int) -> bool:
-    """Whether every output has the batch's rows as its first dimension."""
-    for name, array in outputs.items():
-        if getattr(array, "ndim", 0) == 0 or array.shape[0] != rows:
-            if name not in _UNSPLIT_WARNED:
-                _UNSPLIT_WARNED.add(name)
-                logger.warning(
-                    "output %r has shape %s for a batch of %d rows: the model does not "
-                    "answer a row per row, so batched requests run one by one; set "
-                    "max_batch_size: 0 if it does not batch", name,
-                    getattr(array, "shape", ()), rows,
-                )  # fmt: skip
-            return False
-    return True
-
-
-# Outputs already warned about by _one_row_per_row (once per process, not per batch).
-_UNSPLIT_WARNED: set[str] = set()
-
-
-def _isolate_failure(
-    backend: Backend, batch: list[_Pending], output_names: list[str]
-) -> _BatchResult:
-    outcomes: list[Arrays | BaseException] = []
-    t0 = time.perf_counter_ns()
-    for pending in batch:
-        try:
-            outcomes.append(backend.run(pending.inputs, output_names))
-        except Exception as exc:
-            outcomes.append(exc)
-    infer_ns = time.perf_counter_ns() - t0
-    rows = sum(p.rows for p in batch)
-    return _BatchResult(outcomes, 0, infer_ns, 0, rows)
-
-
-def _as_served_error(exc: BaseException) -> BaseException:
-    """Client errors pass through; anything else is logged once and answered generically."""
-    if isinstance(exc, SlipstreamError):
-        return exc
-    logger.error("model execution failed", exc_info=exc)
-    return InternalError("model execution failed; see the server log")

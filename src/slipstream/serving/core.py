@@ -94,6 +94,7 @@ class ModelServer(RegionCalls, InferenceService):
             lifecycle,
             share,
         )
+        self.models.local_infer = self.infer
         self.rollout_metrics = RolloutMetrics()
         self.metrics.registry.register(self.rollout_metrics.collector())
         # Version choice for requests that name none: weighted splits, rollouts, shadows.
@@ -412,8 +413,10 @@ class ModelServer(RegionCalls, InferenceService):
             model = self.models.resolve(request.model_name, request.model_version)
         except (ModelAsleep, SlipstreamError):
             return None
-        if model.sequences is not None or (
-            self._cache is not None and model.config.response_cache.enable
+        if (
+            model.sequences is not None
+            or model.takes_requests
+            or (self._cache is not None and model.config.response_cache.enable)
         ):
             return None
         return model
@@ -473,6 +476,7 @@ class ModelServer(RegionCalls, InferenceService):
                     prepared.shape_key,
                     request.priority,
                     request.timeout_us,
+                    context=model.context(request),
                 )
             response = InferResponse(
                 model_name=model.name,
@@ -516,7 +520,12 @@ class ModelServer(RegionCalls, InferenceService):
         ) -> Awaitable[dict[str, np.ndarray]]:
             key = (*prepared.shape_key, *shapes)
             return model.batcher.submit(
-                inputs, prepared.rows, key, request.priority, request.timeout_us
+                inputs,
+                prepared.rows,
+                key,
+                request.priority,
+                request.timeout_us,
+                context=model.context(request),
             )
 
         return await sequences.run(request, prepared.inputs, prepared.rows, submit)

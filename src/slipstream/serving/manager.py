@@ -32,7 +32,7 @@ from slipstream.repository.layout import (
     tensor_models,
 )
 from slipstream.runtime import heap
-from slipstream.runtime.base import BackendUnavailable
+from slipstream.runtime.base import BackendUnavailable, LocalInfer
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.model_state import ModelAsleep as ModelAsleep  # core.py imports it here
 from slipstream.serving.model_state import ModelState, files_unchanged, index_entries
@@ -81,6 +81,9 @@ class ModelManager:
         self._last_poll: dict[str, ModelFingerprint] = {}
         # What the engine before this one kept serving after a failed reload (fallback()).
         self._fallbacks: dict[str, list[int]] = {}
+        # The server's inference call, for models that call others (a Python model's
+        # BLS); set by the serving core.
+        self.local_infer: LocalInfer | None = None
 
     # -- routing -------------------------------------------------------------------------
 
@@ -356,7 +359,7 @@ class ModelManager:
         started = time.perf_counter()
         try:
             model = await ModelVersion.load(
-                name, version, model_file(path, config), config, metrics
+                name, version, model_file(path, config), config, metrics, self.local_infer
             )
         except (ConfigError, BackendUnavailable, ValueError, OSError) as exc:
             self.lifecycle.loaded(name, time.perf_counter() - started, ok=False)

@@ -19,7 +19,7 @@ from slipstream.observability.stats import ModelStatsRecorder
 from slipstream.protocol.v2_meta import model_config_json
 from slipstream.repository.autocomplete import complete_config
 from slipstream.runtime import backend_for_file, get_backend
-from slipstream.runtime.base import Backend
+from slipstream.runtime.base import Backend, LocalInfer, RequestContext
 from slipstream.runtime.pickles import check_pickle_trust
 from slipstream.scheduling.batcher import Batcher
 from slipstream.serving.classification import load_labels
@@ -34,6 +34,9 @@ ShapeKey = tuple[tuple[int, ...], ...]
 
 # Output datatypes that have no classes to rank (Triton's classification refuses them).
 _NOT_CLASSES = frozenset({"BYTES", "BOOL", "BF16"})
+# Request parameters that are a sequence's controls: a Python model reads them as its
+# request's correlation_id() and flags(), not among its parameters(), as in Triton.
+_SEQUENCE_KEYS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
 
 
 @dataclass(slots=True)
@@ -85,6 +88,8 @@ class ModelVersion:
             run_outputs = run_outputs + config.sequence_batching.model_outputs()
         self.batcher = Batcher(config, instances, run_outputs, metrics, self.stats)
         self._instances = instances
+        # Its backend is handed each request with its context (a Python model).
+        self.takes_requests = any(instance.takes_requests for instance in instances)
         if any(instance.cpu_threads is not None for instance in instances):
             metrics.cpu_threads = lambda: sum(instance.cpu_threads or 0 for instance in instances)
         # Watches served requests (drift); set by the manager once the version is kept.
@@ -97,9 +102,16 @@ class ModelVersion:
 
     @classmethod
     async def load(
-        cls, name: str, version: int, path: Path, config: ModelConfig, metrics: ModelMetrics
+        cls,
+        name: str,
+        version: int,
+        path: Path,
+        config: ModelConfig,
+        metrics: ModelMetrics,
+        infer: LocalInfer | None = None,
     ) -> ModelVersion:
-        """Load every instance off the event loop, complete the config, warm up."""
+        """Load every instance off the event loop, complete the config, warm up.
+        ``infer``: the server's inference call, for models that call other models."""
         backend_name = config.backend or backend_for_file(path)
         config = _placed(config, backend_name)
         backend_cls = get_backend(backend_name)
@@ -122,6 +134,10 @@ class ModelVersion:
         instances = await asyncio.to_thread(load_instances)
         try:
             completed = complete_config(config, instances[0].signature(), backend_name)
+            if infer is not None:
+                loop = asyncio.get_running_loop()
+                for instance in instances:
+                    instance.attach(infer, loop)
             await asyncio.to_thread(_configure, instances, completed)
             labels = await asyncio.to_thread(load_labels, path.parent.parent, completed)
             model = cls(name, version, completed, reshaping(instances, completed), metrics)
@@ -239,6 +255,22 @@ class ModelVersion:
         return (
             [TensorMetadata(t.name, t.data_type, lead + t.dims) for t in self.config.input],
             [TensorMetadata(t.name, t.data_type, lead + t.dims) for t in self.config.output],
+        )
+
+    def context(self, request: InferRequest) -> RequestContext | None:
+        """What a backend that takes requests sees of ``request`` besides its tensors;
+        None for the others (nothing is built on their path)."""
+        if not self.takes_requests:
+            return None
+        parameters = {k: v for k, v in request.parameters.items() if k not in _SEQUENCE_KEYS}
+        sequence = request.parameters
+        return RequestContext(
+            id=request.id,
+            parameters=parameters,
+            outputs=tuple(o.name for o in request.outputs) if request.outputs else None,
+            correlation_id=sequence.get("sequence_id", 0),
+            sequence_start=sequence.get("sequence_start") is True,
+            sequence_end=sequence.get("sequence_end") is True,
         )
 
     def metadata(self, versions: list[str]) -> ModelMetadata:

@@ -1,0 +1,178 @@
+"""A Python model's ``execute`` gets a batch as its requests (Triton's contract): each
+with its id, parameters, requested outputs, sequence id and flags; one call for the
+batch; a raise retried request by request except within sequences."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slipstream.errors import InternalError, InvalidRequest
+from slipstream.runtime.base import RequestContext
+from slipstream.runtime.python_model import PythonBackend, PythonModelError
+from slipstream.scheduling.execution import Pending, execute
+
+SOURCE = """
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+CALLS = []
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        CALLS.append(len(requests))
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            parameters = json.loads(request.parameters())
+            if parameters.get("raise"):
+                raise RuntimeError("asked to raise")
+            if parameters.get("code") is not None:
+                error = pb_utils.TritonError("refused", parameters["code"])
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
+            flags = request.flags()
+            made = {
+                "Y": x + float(parameters.get("add", 0)),
+                "META": np.array(
+                    [[f"{request.request_id()}|{request.correlation_id()}|{flags}".encode()]],
+                    dtype=object,
+                ),
+            }
+            names = request.requested_output_names()
+            tensors = [pb_utils.Tensor(n, made[n]) for n in names]
+            responses.append(pb_utils.InferenceResponse(tensors))
+        return responses
+"""
+
+ASYNC_SOURCE = """
+import asyncio
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        await asyncio.sleep(0)
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)]
+            )
+            for r in requests
+        ]
+"""
+
+CONFIG = {
+    "name": "m",
+    "max_batch_size": 4,
+    "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}],
+    "output": [
+        {"name": "Y", "data_type": "TYPE_FP32", "dims": [1]},
+        {"name": "META", "data_type": "TYPE_STRING", "dims": [1]},
+    ],
+}
+
+
+def _backend(tmp_path: Path, source: str = SOURCE) -> PythonBackend:
+    path = tmp_path / "m" / "1" / "model.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(source)
+    backend = PythonBackend.load(path, {}, 1)
+    assert isinstance(backend, PythonBackend)
+    backend.configure(CONFIG)
+    return backend
+
+
+def _x(value: float) -> dict[str, np.ndarray]:
+    return {"X": np.array([[value]], dtype=np.float32)}
+
+
+def _pending(value: float, context: RequestContext) -> Pending:
+    loop = asyncio.new_event_loop()
+    try:
+        future = loop.create_future()
+    finally:
+        loop.close()
+    return Pending(_x(value), 1, ((1,),), 0, future, 0, context=context)
+
+
+def test_each_request_comes_with_its_own_context(tmp_path: Path) -> None:
+    backend = _backend(tmp_path)
+    requests = [
+        (_x(1), RequestContext(id="a", parameters={"add": 1})),
+        (_x(1), RequestContext(id="b", parameters={"add": 5}, outputs=("Y",))),
+        (_x(2), RequestContext(correlation_id=7, sequence_start=True)),
+        (_x(3), RequestContext(correlation_id="s", sequence_end=True)),
+    ]
+    first, second, third, fourth = backend.run_requests(requests, ["Y", "META"])
+    assert isinstance(first, dict) and isinstance(second, dict)
+    assert isinstance(third, dict) and isinstance(fourth, dict)
+    np.testing.assert_array_equal(first["Y"], [[2.0]])
+    assert first["META"].tolist() == [[b"a|0|0"]]
+    assert list(second) == ["Y"]  # only what it asked for
+    np.testing.assert_array_equal(second["Y"], [[6.0]])
+    assert third["META"].tolist() == [[b"|7|1"]]  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+    assert fourth["META"].tolist() == [[b"|s|2"]]  # ..._END
+    calls = type(backend._model).execute.__globals__["CALLS"]
+    assert calls == [4]  # one execute call for the batch
+
+
+def test_error_responses_fail_their_request_only(tmp_path: Path) -> None:
+    backend = _backend(tmp_path)
+    outcomes = backend.run_requests(
+        [
+            (_x(1), RequestContext(parameters={"code": 3})),  # INVALID_ARG
+            (_x(1), RequestContext(parameters={"code": 1})),  # INTERNAL
+            (_x(1), RequestContext()),
+        ],
+        ["Y", "META"],
+    )
+    assert isinstance(outcomes[0], InvalidRequest) and "refused" in str(outcomes[0])
+    assert isinstance(outcomes[1], InternalError) and "refused" in str(outcomes[1])
+    assert isinstance(outcomes[2], dict)
+
+
+def test_a_raise_is_retried_per_request_except_in_sequences(tmp_path: Path) -> None:
+    backend = _backend(tmp_path)
+    batch = [
+        _pending(1, RequestContext(parameters={"raise": True})),
+        _pending(2, RequestContext()),
+    ]
+    result = execute(backend, batch, ["Y", "META"])
+    assert isinstance(result.outcomes[0], RuntimeError)
+    assert isinstance(result.outcomes[1], dict)
+    np.testing.assert_array_equal(result.outcomes[1]["Y"], [[2.0]])
+    # Requests of sequences are not run twice (a stateful model would count them twice).
+    sequences = [
+        _pending(1, RequestContext(parameters={"raise": True}, correlation_id=1)),
+        _pending(2, RequestContext(correlation_id=2)),
+    ]
+    result = execute(backend, sequences, ["Y", "META"])
+    assert all(isinstance(outcome, RuntimeError) for outcome in result.outcomes)
+
+
+def test_async_execute_and_a_wrong_response_count(tmp_path: Path) -> None:
+    backend = _backend(tmp_path, ASYNC_SOURCE)
+    (answer,) = backend.run_requests([(_x(3), RequestContext(outputs=("Y",)))], ["Y", "META"])
+    assert isinstance(answer, dict)
+    np.testing.assert_array_equal(answer["Y"], [[6.0]])
+    backend.close()
+    short = _backend(tmp_path / "short", SOURCE.replace("return responses", "return responses[:1]"))
+    with pytest.raises(PythonModelError, match="execute returned 1 responses for 2 requests"):
+        short.run_requests([(_x(1), RequestContext()), (_x(1), RequestContext())], ["Y", "META"])
+
+
+def test_exec_outside_a_server_is_an_error_response(tmp_path: Path) -> None:
+    from slipstream.runtime import python_utils
+
+    request = python_utils.InferenceRequest(model_name="other", inputs=[])
+    answer = request.exec()
+    assert answer.has_error()
+    error = answer.error()
+    assert error is not None and "works inside execute only" in error.message()
