@@ -132,6 +132,10 @@ async def test_concurrent_requests_are_batched_and_split_back_exactly() -> None:
     snapshot = stats.snapshot()
     assert (snapshot.execution_count, snapshot.inference_count) == (2, 7)
     assert [b.batch_size for b in snapshot.batch_stats] == [1, 6]
+    # Triton's compute time per request: the batch of three counted three times.
+    model = batcher._metrics
+    batches_ns = model.compute_duration.total * 1e9  # each batch once
+    assert batches_ns < model.compute_request_ns < 3 * batches_ns
 
 
 async def test_batches_never_exceed_max_batch_size() -> None:

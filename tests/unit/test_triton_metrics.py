@@ -37,6 +37,7 @@ def test_counts_reach_tritons_series_under_tritons_names() -> None:
     model.queue_duration.observe(0.0004, 5)
     model.compute_duration.observe(0.003)
     model.compute_duration.observe(0.002)
+    model.compute_request_ns += 3 * 3_000_000 + 2 * 2_000_000  # batches of 3 and 2 requests
     model.pending_requests = lambda: 3
     text = generate_latest(metrics.registry)
     samples = scraped(text)
@@ -46,7 +47,8 @@ def test_counts_reach_tritons_series_under_tritons_names() -> None:
     assert samples["nv_inference_exec_count"][labels] == 2
     assert samples["nv_inference_request_duration_us"][labels] == 12500  # 5 x 2.5 ms
     assert samples["nv_inference_queue_duration_us"][labels] == 2000
-    assert samples["nv_inference_compute_infer_duration_us"][labels] == 5000
+    # Each batch's run counted once for each of its requests, as Triton counts it.
+    assert samples["nv_inference_compute_infer_duration_us"][labels] == 13000
     assert samples["nv_inference_pending_request_count"][labels] == 3
     # Written as Triton writes them: no _total suffix, no _created series.
     for line in text.decode().splitlines():

@@ -106,6 +106,9 @@ class ModelMetrics:
         self.request_duration = Histogram(_LATENCY_BUCKETS_S)
         self.queue_duration = Histogram(_LATENCY_BUCKETS_S)
         self.compute_duration = Histogram(_LATENCY_BUCKETS_S)
+        # Each batch's compute time once for every client request in it, in ns (Triton's
+        # nv_inference_compute_infer_duration_us: what per-request averages divide).
+        self.compute_request_ns = 0
         self.batch_size = Histogram(_BATCH_BUCKETS)
         self.instance_idle = Histogram(_LATENCY_BUCKETS_S)
         self.model_load_duration_s = 0.0
@@ -334,12 +337,12 @@ _TRITON_SERIES: tuple[tuple[str, str, Callable[[ModelMetrics], int]], ...] = (
     ("nv_inference_queue_duration_us",
      "Total time requests waited in the model's queue, in microseconds.",
      lambda m: _us(m.queue_duration)),
-    # Per executed batch, input gather and output split included; Triton adds a batch's
-    # run once for each request in it, so the two agree where a batch holds one request.
+    # As Triton counts it: a batch's run once for each request in it, so that dividing by
+    # nv_inference_request_success gives a request's compute time.
     ("nv_inference_compute_infer_duration_us",
-     "Total time batches took to execute, in microseconds (each batch counted once, "
-     "its input gather and output split included).",
-     lambda m: _us(m.compute_duration)),
+     "Total compute time of the requests, in microseconds: a batch's run, its input "
+     "gather and output split included, counted once for each request in it.",
+     lambda m: m.compute_request_ns // 1000),
     ("nv_inference_pending_request_count",
      "Requests waiting in the model's queue now.",
      lambda m: m.pending_requests()),

@@ -393,9 +393,10 @@ class Batcher:
         # Smoothed run time decides whether the next lone batch may run inline.
         recent = self._recent_run_ns
         self._recent_run_ns = compute_ns if recent < 0 else (3 * recent + compute_ns) // 4
+        requests = sum(pending.requests for pending in batch)
         self._stats.record_batch(
             batch_size=result.rows,
-            num_requests=sum(pending.requests for pending in batch),
+            num_requests=requests,
             input_ns=result.input_ns,
             infer_ns=result.infer_ns,
             output_ns=result.output_ns,
@@ -406,6 +407,7 @@ class Batcher:
         metrics.inference_count += result.rows
         metrics.batch_size.observe(result.rows)
         metrics.compute_duration.observe(compute_ns / 1e9)
+        metrics.compute_request_ns += compute_ns * requests
         for pending in batch:
             queue_ns = pending.dispatch_ns - pending.enqueue_ns
             metrics.queue_duration.observe(queue_ns / 1e9, pending.requests)
