@@ -101,6 +101,27 @@ class TritonPythonModel:
         ]
 """
 
+AUTO_COMPLETE = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        auto_complete_model_config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [2]})
+        auto_complete_model_config.add_output({"name": "N", "data_type": "TYPE_INT64", "dims": [2]})
+        auto_complete_model_config.set_max_batch_size(4)
+        return auto_complete_model_config
+
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("N", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]
+            )
+            for r in requests
+        ]
+"""
+
 TENSOR = f'name: "X" data_type: TYPE_FP32 dims: [ {W} ]'
 BATCHING = "dynamic_batching { max_queue_delay_microseconds: 300000 preferred_batch_size: [ 4 ] }"
 
@@ -128,6 +149,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     y = f'{{ name: "Y" data_type: TYPE_FP32 dims: [ {W} ] }}'
     _model(repo, "caller", CALLER, y)
     _model(repo, "async_caller", ASYNC_CALLER, y, BATCHING)
+    # Its config says only which backend: auto_complete_config declares the rest.
+    (repo / "auto" / "1").mkdir(parents=True)
+    (repo / "auto" / "1" / "model.py").write_text(AUTO_COMPLETE)
+    (repo / "auto" / "config.pbtxt").write_text('backend: "python"\n')
     with RemoteServer(repo, ["--trust-pickle"], log_dir=root) as running:
         yield running
 
@@ -263,3 +288,17 @@ def test_exec_and_request_parameters_in_the_engine_process(tmp_path: Path) -> No
         body["id"] = "mine"
         scaled = split.http.post("/v2/models/scaled/infer", json=body).json()
         assert scaled["id"] == "mine" and scaled["outputs"][0]["data"] == [6.0] * W
+
+
+def test_auto_complete_config_fills_a_config_that_names_only_the_backend(
+    server: RemoteServer,
+) -> None:
+    metadata = server.http.get("/v2/models/auto").json()
+    assert metadata["inputs"] == [{"name": "X", "datatype": "FP32", "shape": [-1, 2]}]
+    assert metadata["outputs"] == [{"name": "N", "datatype": "INT64", "shape": [-1, 2]}]
+    config = server.http.get("/v2/models/auto/config").json()
+    assert config["max_batch_size"] == 4
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 2], "data": [1.5, 2.0]}]}
+    answer = server.http.post("/v2/models/auto/infer", json=body).json()
+    assert answer["outputs"][0]["datatype"] == "INT64"
+    assert answer["outputs"][0]["data"] == [1, 2]

@@ -15,6 +15,7 @@ import torch
 
 from slipstream.config import ConfigError, parse_model_config
 from slipstream.observability.metrics import ServerMetrics
+from slipstream.repository.autocomplete import complete_config
 from slipstream.runtime.base import TensorSpec
 from slipstream.runtime.torch import TorchBackend
 from slipstream.serving.model import ModelVersion
@@ -139,8 +140,10 @@ def test_formats_bounded_batch_dim_runs_larger_batches_in_parts(tmp_path: Path) 
     with torch.no_grad():
         expected = module(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(result["output"], expected, rtol=1e-6, atol=1e-6)
-    # The bound, for the config's completion to cap max_batch_size at.
+    # The bound, which a config that sets no max_batch_size gets as its own.
     assert backend.signature().max_batch_size == 4
+    completed = complete_config(parse_model_config({}, "m"), backend.signature(), "torch")
+    assert completed.max_batch_size == 4
 
 
 def test_formats_unbounded_batch_dim_declares_no_bound(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from slipstream.config import ConfigError
 from slipstream.errors import InternalError, InvalidRequest
 from slipstream.runtime.base import RequestContext
 from slipstream.runtime.python_model import PythonBackend, PythonModelError
@@ -176,3 +177,50 @@ def test_exec_outside_a_server_is_an_error_response(tmp_path: Path) -> None:
     assert answer.has_error()
     error = answer.error()
     assert error is not None and "works inside execute only" in error.message()
+
+
+AUTO_COMPLETE = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        config = auto_complete_model_config.as_dict()
+        have = {tensor["name"] for tensor in config["input"]}
+        x = {"name": "X", "data_type": "TYPE_FP32", "dims": [2]}
+        if "X" not in have:
+            auto_complete_model_config.add_input(x)
+        y = {"name": "Y", "data_type": "TYPE_INT64", "dims": [2]}
+        auto_complete_model_config.add_output(y)
+        auto_complete_model_config.set_max_batch_size(8)
+        auto_complete_model_config.set_dynamic_batching()
+        return auto_complete_model_config
+
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]
+            )
+            for r in requests
+        ]
+"""
+
+
+def test_auto_complete_config_declares_what_the_config_leaves_out(tmp_path: Path) -> None:
+    from slipstream.config import parse_model_config
+    from slipstream.repository.autocomplete import complete_config
+
+    path = tmp_path / "m" / "1" / "model.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(AUTO_COMPLETE)
+    backend = PythonBackend.load(path, {}, 1)
+    signature = backend.signature()
+    completed = complete_config(parse_model_config({}, "m"), signature, "python")
+    assert completed.max_batch_size == 8
+    assert [(t.name, t.data_type, t.dims) for t in completed.input] == [("X", "FP32", [2])]
+    assert [(t.name, t.data_type, t.dims) for t in completed.output] == [("Y", "INT64", [2])]
+    # A config that says otherwise is refused, naming the tensor.
+    wrong = {"input": [{"name": "X", "data_type": "TYPE_INT32", "dims": [2]}]}
+    with pytest.raises(ConfigError, match="input 'X': data_type INT32 in the config"):
+        complete_config(parse_model_config(wrong, "m"), signature, "python")

@@ -26,7 +26,10 @@ def complete_config(config: ModelConfig, signature: ModelSignature, backend: str
     if done.max_batch_size is None:
         if has_signature:
             dynamic = signature.batch_dim_is_dynamic
-            done.max_batch_size = DEFAULT_MAX_BATCH_SIZE if dynamic else 0
+            # The file's own bound (a torch.export Dim's max, a Python model's
+            # auto_complete_config) where it has one.
+            most = signature.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+            done.max_batch_size = most if dynamic else 0
         else:
             done.max_batch_size = 0
     batching = done.max_batch_size > 0

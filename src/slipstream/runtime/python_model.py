@@ -41,9 +41,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from slipstream.datatypes import from_config_datatype
 from slipstream.errors import InternalError, InvalidRequest, SlipstreamError, Unavailable
 from slipstream.runtime import python_bls, python_utils
-from slipstream.runtime.base import Backend, LocalInfer, ModelSignature, RequestContext
+from slipstream.runtime.base import (
+    Backend,
+    LocalInfer,
+    ModelSignature,
+    RequestContext,
+    TensorSpec,
+)
 
 # Triton's error codes a request's own data causes: answered 400, not 500.
 _CLIENT_CODES = {python_utils.TritonError.INVALID_ARG, python_utils.TritonError.NOT_FOUND}
@@ -111,7 +118,36 @@ class PythonBackend(Backend):
             })  # fmt: skip
 
     def signature(self) -> ModelSignature:
-        return ModelSignature((), ())  # the config lists a Python model's tensors
+        """What the model's ``auto_complete_config`` declares (its tensors, and its
+        batch size as the bound of a batch); nothing where it has none: the config lists
+        a Python model's tensors then."""
+        complete = getattr(type(self._model), "auto_complete_config", None)
+        if complete is None:
+            return ModelSignature((), ())
+        filled = python_utils.ModelConfig()
+        returned = complete(filled)
+        config = (returned if isinstance(returned, python_utils.ModelConfig) else filled).as_dict()
+        batch = int(config.get("max_batch_size") or 0)
+        lead = (-1,) if batch else ()
+
+        def specs(kind: str) -> tuple[TensorSpec, ...]:
+            return tuple(
+                TensorSpec(
+                    str(t["name"]),
+                    from_config_datatype(str(t["data_type"])),
+                    lead + tuple(int(d) for d in t["dims"]),
+                )
+                for t in config.get(kind, [])
+            )
+
+        try:
+            inputs, outputs = specs("input"), specs("output")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PythonModelError(
+                f"{self._path.name}: auto_complete_config declared a tensor Slipstream cannot "
+                f"read ({exc})"
+            ) from None
+        return ModelSignature(inputs, outputs, max_batch_size=batch or None)
 
     def attach(self, infer: LocalInfer, loop: asyncio.AbstractEventLoop) -> None:
         self._server = (infer, loop)

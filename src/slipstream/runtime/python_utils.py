@@ -227,6 +227,47 @@ def _response(answer: InferResponse | Exception) -> InferenceResponse:
     return InferenceResponse(error=TritonError(message, code))
 
 
+class ModelConfig:
+    """What a model's ``auto_complete_config(auto_complete_model_config)`` fills in: the
+    tensors and batch size its config leaves out (Triton's ``pb_utils.ModelConfig``)."""
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        self._config: dict[str, Any] = {"input": [], "output": [], "max_batch_size": 0}
+        self._config.update(config or {})
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._config
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        if not isinstance(max_batch_size, int) or max_batch_size < 0:
+            raise TritonModelException(
+                f"set_max_batch_size: expected a whole number >= 0, got {max_batch_size!r}"
+            )
+        self._config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self) -> None:
+        self._config.setdefault("dynamic_batching", {})
+
+    def add_input(self, tensor: dict[str, Any]) -> None:
+        self._add("input", tensor)
+
+    def add_output(self, tensor: dict[str, Any]) -> None:
+        self._add("output", tensor)
+
+    def set_model_transaction_policy(self, policy: dict[str, Any]) -> None:
+        self._config["model_transaction_policy"] = dict(policy)
+
+    def _add(self, kind: str, tensor: dict[str, Any]) -> None:
+        missing = [key for key in ("name", "data_type", "dims") if key not in tensor]
+        if missing:
+            raise TritonModelException(
+                f"add_{kind}: the {kind} {tensor.get('name', '')!r} has no {', '.join(missing)}"
+            )
+        if any(t["name"] == tensor["name"] for t in self._config[kind]):
+            raise TritonModelException(f"add_{kind}: {tensor['name']!r} is already there")
+        self._config[kind].append(dict(tensor))
+
+
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
     return next((tensor for tensor in request.inputs() if tensor.name() == name), None)
 
