@@ -30,9 +30,17 @@ import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
+    def initialize(self, args):
+        family = pb_utils.MetricFamily(
+            name="scaled_requests", description="Requests scaled",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        self.counted = family.Metric(labels={"model": args["model_name"]})
+
     def execute(self, requests):
         responses = []
         for request in requests:
+            self.counted.increment(1)
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
             parameters = json.loads(request.parameters())
             if parameters.get("fail"):
@@ -302,3 +310,19 @@ def test_auto_complete_config_fills_a_config_that_names_only_the_backend(
     answer = server.http.post("/v2/models/auto/infer", json=body).json()
     assert answer["outputs"][0]["datatype"] == "INT64"
     assert answer["outputs"][0]["data"] == [1, 2]
+
+
+def test_a_python_models_own_metrics_are_on_the_servers_metrics(server: RemoteServer) -> None:
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, W], "data": [1.0] * W}]}
+
+    def counted() -> float:
+        text = server.http.get("/metrics").text
+        line = next(ln for ln in text.splitlines() if ln.startswith("scaled_requests{"))
+        assert line.startswith('scaled_requests{model="scaled"} ')
+        return float(line.split()[-1])
+
+    assert server.http.post("/v2/models/scaled/infer", json=body).status_code == 200
+    before = counted()
+    for _ in range(3):
+        assert server.http.post("/v2/models/scaled/infer", json=body).status_code == 200
+    assert counted() == before + 3

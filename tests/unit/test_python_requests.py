@@ -224,3 +224,40 @@ def test_auto_complete_config_declares_what_the_config_leaves_out(tmp_path: Path
     wrong = {"input": [{"name": "X", "data_type": "TYPE_INT32", "dims": [2]}]}
     with pytest.raises(ConfigError, match="input 'X': data_type INT32 in the config"):
         complete_config(parse_model_config(wrong, "m"), signature, "python")
+
+
+def test_metric_families_follow_their_kind() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from slipstream.runtime import python_utils as pb
+    from slipstream.runtime.python_metrics import COLLECTOR, MetricError
+
+    registry = CollectorRegistry()
+    registry.register(COLLECTOR)
+    counter = pb.MetricFamily("unit_counted", "Counted", pb.MetricFamily.COUNTER)
+    one = counter.Metric(labels={"model": "m"})
+    one.increment(2)
+    # Declared again (a model loaded again): the same family and series.
+    again = pb.MetricFamily("unit_counted", "Counted", pb.MetricFamily.COUNTER)
+    again.Metric(labels={"model": "m"}).increment(1)
+    assert one.value() == 3
+    with pytest.raises(MetricError, match="a counter only goes up"):
+        one.increment(-1)
+    with pytest.raises(MetricError, match="only a gauge is set"):
+        one.set(1)
+    with pytest.raises(MetricError, match="already declared of another kind"):
+        pb.MetricFamily("unit_counted", "Counted", pb.MetricFamily.GAUGE)
+    with pytest.raises(MetricError, match="are the server's own"):
+        pb.MetricFamily("nv_inference_count", "mine", pb.MetricFamily.GAUGE)
+    histogram = pb.MetricFamily("unit_seconds", "Seconds", pb.MetricFamily.HISTOGRAM)
+    with pytest.raises(MetricError, match="needs buckets"):
+        histogram.Metric()
+    seconds = histogram.Metric(labels={"step": "a"}, buckets=[1.0, 0.1])
+    for value in (0.05, 0.5, 5.0):
+        seconds.observe(value)
+    text = generate_latest(registry).decode()
+    assert 'unit_counted{model="m"} 3.0' in text
+    assert 'unit_seconds_bucket{le="0.1",step="a"} 1.0' in text
+    assert 'unit_seconds_bucket{le="1.0",step="a"} 2.0' in text
+    assert 'unit_seconds_bucket{le="+Inf",step="a"} 3.0' in text
+    assert 'unit_seconds_sum{step="a"} 5.55' in text

@@ -19,11 +19,14 @@ import numpy as np
 
 from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
 from slipstream.errors import ClientError, NotFound, SlipstreamError, Unavailable
+from slipstream.runtime.python_metrics import MetricFamily
 
 if TYPE_CHECKING:
     from slipstream.types import InferResponse
 
 _log = logging.getLogger("slipstream.python_model")
+
+__all__ = ["MetricFamily"]  # re-exported: a model's custom metrics (python_metrics)
 
 
 class TritonError(Exception):

@@ -27,6 +27,7 @@ from slipstream.observability.rollout_metrics import RolloutMetrics
 from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
 from slipstream.repository.layout import Share, load_override
+from slipstream.runtime import python_metrics
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving import classification, together
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
@@ -94,7 +95,8 @@ class ModelServer(RegionCalls, InferenceService):
             lifecycle,
             share,
         )
-        self.models.local_infer = self.infer
+        self.models.local_infer = self.infer  # for Python models' exec()
+        self.metrics.registry.register(python_metrics.COLLECTOR)  # their MetricFamily
         self.rollout_metrics = RolloutMetrics()
         self.metrics.registry.register(self.rollout_metrics.collector())
         # Version choice for requests that name none: weighted splits, rollouts, shadows.
@@ -515,17 +517,15 @@ class ModelServer(RegionCalls, InferenceService):
         """A stateful model's request, after its sequence's earlier ones, with its
         controls and state (:mod:`slipstream.serving.sequences`)."""
 
+        context = model.context(request)
+
         def submit(
             inputs: dict[str, np.ndarray], shapes: tuple[Any, ...]
         ) -> Awaitable[dict[str, np.ndarray]]:
             key = (*prepared.shape_key, *shapes)
+            priority, timeout_us = request.priority, request.timeout_us
             return model.batcher.submit(
-                inputs,
-                prepared.rows,
-                key,
-                request.priority,
-                request.timeout_us,
-                context=model.context(request),
+                inputs, prepared.rows, key, priority, timeout_us, 1, context
             )
 
         return await sequences.run(request, prepared.inputs, prepared.rows, submit)
