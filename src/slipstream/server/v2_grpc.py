@@ -271,8 +271,8 @@ class _GrpcFrontend:
         self, request: pb.RepositoryModelUnloadRequest
     ) -> pb.RepositoryModelUnloadResponse:
         _check_repository_name(request.repository_name)
-        # Triton's only unload parameter, unload_dependents, means nothing without
-        # ensembles, so unload parameters are accepted and ignored.
+        # Unload parameters are accepted and ignored: Triton's only one, unload_dependents,
+        # would unload an ensemble's models too; here they stay loaded (unload each).
         await self._service.unload_model(validate_model_name(request.model_name))
         return pb.RepositoryModelUnloadResponse()
 
