@@ -261,3 +261,43 @@ def test_metric_families_follow_their_kind() -> None:
     assert 'unit_seconds_bucket{le="1.0",step="a"} 2.0' in text
     assert 'unit_seconds_bucket{le="+Inf",step="a"} 3.0' in text
     assert 'unit_seconds_sum{step="a"} 5.55' in text
+
+
+def test_exec_gives_up_when_the_servers_loop_stops() -> None:
+    import threading
+    import time
+
+    from slipstream.runtime import python_bls
+    from slipstream.runtime import python_utils as pb
+    from slipstream.types import InferRequest, InferResponse
+
+    loop = asyncio.new_event_loop()
+    started = asyncio.Event()
+
+    async def never(request: InferRequest) -> InferResponse:
+        started.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    runner = threading.Thread(target=loop.run_forever)
+    runner.start()
+
+    def stop_once_called() -> None:
+        while not started.is_set():
+            time.sleep(0.01)
+        loop.call_soon_threadsafe(loop.stop)
+
+    stopper = threading.Thread(target=stop_once_called)
+    stopper.start()
+    try:
+        with python_bls.bound(never, loop, "m"):
+            answer = pb.InferenceRequest(model_name="other").exec()
+    finally:
+        stopper.join()
+        runner.join()
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+    error = answer.error()
+    assert error is not None and "shutting down" in error.message()

@@ -17,6 +17,7 @@ of one ``execute``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 from collections.abc import Iterator
@@ -68,6 +69,11 @@ def bound(
         _current.server = previous
 
 
+# How often a waiting exec() checks that the server's loop still runs.
+_POLL_S = 0.5
+_STOPPED = "exec(): the server is shutting down"
+
+
 class Refused(Exception):
     """A call this module will not make (outside execute, a model calling itself)."""
 
@@ -84,7 +90,19 @@ def call(request: InferenceRequest) -> InferResponse | Exception:
         running = None
     if running is server.loop:
         return Refused("exec() cannot wait on the server's event loop; call it from execute")
-    return asyncio.run_coroutine_threadsafe(_answer(server, request), server.loop).result()
+    try:
+        future = asyncio.run_coroutine_threadsafe(_answer(server, request), server.loop)
+    except RuntimeError:  # the loop is closed
+        return Refused(_STOPPED)
+    while True:
+        try:
+            return future.result(timeout=_POLL_S)
+        except concurrent.futures.TimeoutError:
+            # A loop that stopped (the server shutting down) will never answer: the
+            # instance thread must not wait forever, or the process could not exit.
+            if server.loop.is_closed() or not server.loop.is_running():
+                future.cancel()
+                return Refused(_STOPPED)
 
 
 async def call_async(request: InferenceRequest) -> InferResponse | Exception:
