@@ -301,3 +301,18 @@ def test_exec_gives_up_when_the_servers_loop_stops() -> None:
         loop.close()
     error = answer.error()
     assert error is not None and "shutting down" in error.message()
+
+
+def test_tensors_cross_dlpack_both_ways_as_tritons_examples_pass_them() -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils.dlpack import from_dlpack, to_dlpack
+
+    from slipstream.runtime import python_utils as pb
+
+    source = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    # Triton's BLS examples: pb_utils.Tensor.from_dlpack(name, to_dlpack(tensor)).
+    tensor = pb.Tensor.from_dlpack("X", to_dlpack(source))
+    np.testing.assert_array_equal(tensor.as_numpy(), source.numpy())
+    assert pb.Tensor.from_dlpack("X", source).shape() == [2, 3]
+    back = from_dlpack(pb.Tensor("Y", np.ones((2, 2), np.float32)).to_dlpack())
+    assert back.sum().item() == 4.0

@@ -93,7 +93,34 @@ class Tensor:
 
     @classmethod
     def from_dlpack(cls, name: str, capsule: Any) -> Tensor:
-        return cls(name, np.from_dlpack(capsule))
+        """A tensor from a DLPack capsule (``torch.utils.dlpack.to_dlpack(t)``, as
+        Triton's examples pass) or an object with ``__dlpack__``; a GPU tensor's data
+        is copied to the host (instances run on the CPU here)."""
+        if hasattr(capsule, "__dlpack__"):
+            try:
+                return cls(name, np.from_dlpack(capsule))
+            except (BufferError, RuntimeError, TypeError):
+                pass  # on another device: torch below copies it to the host
+        try:
+            import torch
+        except ImportError:
+            if hasattr(capsule, "__dlpack__"):
+                raise
+            return cls(name, np.from_dlpack(_Capsule(capsule)))
+        return cls(name, torch.utils.dlpack.from_dlpack(capsule).cpu().numpy())
+
+
+class _Capsule:
+    """A bare DLPack capsule as numpy's ``from_dlpack`` takes it (a host tensor's)."""
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
 
 
 class InferenceRequest:
