@@ -74,6 +74,7 @@ class TritonPythonModel:
                 model_name=target,
                 requested_output_names=["OUTPUT0"],
                 inputs=[pb_utils.Tensor("INPUT0", x), pb_utils.Tensor("INPUT1", x)],
+                preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0),
             )
             answer = call.exec()
             if answer.has_error():

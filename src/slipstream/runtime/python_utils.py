@@ -57,6 +57,23 @@ class TritonModelException(Exception):
     """Raised by the utilities below on misuse, as Triton's are."""
 
 
+# Where a BLS call would like its outputs (InferenceRequest's preferred_memory): taken
+# and ignored, as every tensor is in host memory here.
+TRITONSERVER_MEMORY_CPU = 0
+TRITONSERVER_MEMORY_CPU_PINNED = 1
+TRITONSERVER_MEMORY_GPU = 2
+
+
+class PreferredMemory:
+    """Triton's ``pb_utils.PreferredMemory(memory_type, device_id)``."""
+
+    def __init__(
+        self, preferred_memory_type: int = TRITONSERVER_MEMORY_CPU, preferred_device_id: int = 0
+    ) -> None:
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
+
+
 # InferenceRequest.flags() of a stateful model's request: its sequence's first, last.
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
