@@ -31,6 +31,11 @@ class InvalidRequest(ClientError):
     grpc_code = "INVALID_ARGUMENT"
 
 
+class Decoupled(InvalidRequest):
+    """A decoupled model (any number of answers per request) asked for one answer: it is
+    served on gRPC ModelStreamInfer only, as in Triton."""
+
+
 class NotFound(ClientError):
     """Nothing is served at what the request names (a route, a job)."""
 

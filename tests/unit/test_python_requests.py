@@ -316,3 +316,19 @@ def test_tensors_cross_dlpack_both_ways_as_tritons_examples_pass_them() -> None:
     assert pb.Tensor.from_dlpack("X", source).shape() == [2, 3]
     back = from_dlpack(pb.Tensor("Y", np.ones((2, 2), np.float32)).to_dlpack())
     assert back.sum().item() == 4.0
+
+
+async def test_only_a_python_model_may_be_decoupled(tmp_path: Path) -> None:
+    from slipstream.config import parse_model_config
+    from slipstream.observability.metrics import ServerMetrics
+    from slipstream.repository.triton_config import parse_triton_config
+    from slipstream.serving.model import ModelVersion
+    from tests.models import build_identity
+
+    path = build_identity(tmp_path, "FP32")
+    translated = parse_triton_config("model_transaction_policy { decoupled: true }", "p")
+    assert translated["model_transaction_policy"] == {"decoupled": True}
+    config = parse_model_config(translated, "m")
+    metrics = ServerMetrics().for_model("m", "1")
+    with pytest.raises(ConfigError, match=r"only a Python model .* sends its answers itself"):
+        await ModelVersion.load("m", 1, path, config, metrics)

@@ -130,7 +130,6 @@ def test_a_config_yaml_beside_it_wins(tmp_path: Path) -> None:
         ("instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]", r"line 1: gpus: choose"),
         ('backend: "dali"', r"backend: 'dali' is not a backend Slipstream runs"),
         ('platform: "tensorrt_plan"', r"platform: 'tensorrt_plan' is not a backend"),
-        ("model_transaction_policy { decoupled: true }", r"decoupled models are not supported"),
         (
             'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ]\n'
             "          reshape { shape: [ 4, 5 ] } } ]",

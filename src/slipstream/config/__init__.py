@@ -27,6 +27,7 @@ from slipstream.config.sections import (
     ResponseCacheConfig,
     RolloutConfig,
     ShadowConfig,
+    TransactionPolicy,
 )
 from slipstream.config.sequence import SequenceBatching, check_sequence_tensors
 from slipstream.config.versions import VersionPolicy, WarmupInput, WarmupSample
@@ -209,9 +210,8 @@ class ModelConfig(_Strict):
         "the server's --idle-unload-seconds); the next request loads it again and waits "
         "for it (scale to zero inside one server)",
     )
-    pin: bool = Field(
-        False, description="Keep the model loaded however long it is idle (idle_unload_seconds)"
-    )
+    pin: bool = Field(False, description="Keep the model loaded however idle it is")
+    model_transaction_policy: TransactionPolicy = Field(default_factory=TransactionPolicy)
     trust_pickle: bool = Field(
         False,
         description="Allow loading a model file that unpickles when loaded (scikit-learn "

@@ -168,3 +168,13 @@ class RolloutConfig(_Strict):
         if weights and not sum(weights.values()) > 0:
             raise ValueError("at least one weight must be > 0")
         return weights
+
+
+class TransactionPolicy(_Strict):
+    """``model_transaction_policy:`` (Triton's name): how many answers a request gets."""
+
+    decoupled: bool = Field(
+        False,
+        description="a Python model that answers each request with any number of responses "
+        "through its response sender, streamed to gRPC ModelStreamInfer clients",
+    )

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from slipstream.config import ModelConfig
 from slipstream.engine.client import EngineClient
 from slipstream.engine.company import Company
 from slipstream.engine.groups import Group, answer_gathered, answer_group, answer_groups
-from slipstream.engine.host import Call, Gatherer
-from slipstream.engine.wire import request_fields, request_from, response_fields
+from slipstream.engine.host import Call, Gatherer, Stream
+from slipstream.engine.wire import request_fields, request_from, response_fields, response_from
 from slipstream.errors import SlipstreamError
 from slipstream.observability.stats import ModelStats
-from slipstream.serving.service import InferenceService
+from slipstream.serving.service import InferenceService, StreamItem
 from slipstream.types import (
     CudaRegionStatus,
     InferRequest,
@@ -149,6 +150,14 @@ class RemoteInferenceService(InferenceService):
                 raise
         finally:
             company.done()
+
+    async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamItem]:
+        """The engine's ``infer_stream``, item by item (a decoupled model's answers)."""
+        answers = self.engine_for(request.model_name).stream(
+            "infer_stream", request_fields(request)
+        )
+        async for fields, message, final in answers:
+            yield (None if fields is None else response_from(fields)), message, final
 
     def _end_turn(self) -> None:
         """The turn's groups leave now, but a lone request that waits for company."""
@@ -289,6 +298,16 @@ def engine_calls(service: InferenceService) -> dict[str, Call]:
 
     calls.update(infer=infer, infer_group=answer_group(service), check=check)
     return calls
+
+
+def engine_streams(service: InferenceService) -> dict[str, Stream]:
+    """The streams the engine answers for :class:`RemoteInferenceService`."""
+
+    async def infer_stream(fields: tuple[Any, ...]) -> AsyncIterator[tuple[Any, ...]]:
+        async for response, message, final in service.infer_stream(request_from(fields)):
+            yield (None if response is None else response_fields(response)), message, final
+
+    return {"infer_stream": infer_stream}
 
 
 def engine_gathered(service: InferenceService) -> dict[str, Gatherer]:

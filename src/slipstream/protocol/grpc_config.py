@@ -47,6 +47,8 @@ def encode_model_config(config: ModelConfig) -> pb.ModelConfigResponse:
     )
     for key, value in config.parameters.items():
         message.parameters[key].string_value = value
+    if config.model_transaction_policy.decoupled:
+        message.model_transaction_policy.decoupled = True
     if config.sequence_batching is not None:
         sequences = json_format.ParseDict(
             sequence_json(config.sequence_batching), pb.ModelSequenceBatching()

@@ -86,6 +86,9 @@ def model_config_json(config: ModelConfig) -> dict[str, Any]:
         # perf_analyzer reads this to report the cache's hits and misses.
         "response_cache": {"enable": config.response_cache.enable},
     }
+    if config.model_transaction_policy.decoupled:
+        # tritonclient and perf_analyzer read it to expect several answers per request.
+        out["model_transaction_policy"] = {"decoupled": True}
     if config.sequence_batching is not None:
         # One of Triton's scheduling choices (perf_analyzer sends sequences when it sees it).
         del out["dynamic_batching"]

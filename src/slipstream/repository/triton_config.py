@@ -163,7 +163,7 @@ def _one(field: FieldDescriptor, value: Any) -> Any:
 def _translate(config: dict[str, Any]) -> dict[str, Any]:
     """Triton's message (as a dict) -> Slipstream's config keys; ValueError naming a field."""
     if config.pop("model_transaction_policy", {}).get("decoupled"):
-        raise ValueError("model_transaction_policy.decoupled: decoupled models are not supported")
+        config["model_transaction_policy"] = {"decoupled": True}  # checked at load
     named = config.get("backend") or config.get("platform")
     if "ensemble_scheduling" in config or named == "ensemble":
         return _ensemble(config)

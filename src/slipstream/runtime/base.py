@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 LocalInfer = Callable[["InferRequest"], Awaitable["InferResponse"]]
 
 
+Respond = Callable[[dict[str, np.ndarray] | None, Exception | None, bool], None]
+
+
 @dataclass(frozen=True, slots=True)
 class RequestContext:
     """What a backend that takes requests one by one sees of a client request besides
@@ -60,6 +63,9 @@ class RequestContext:
     correlation_id: int | str = 0
     sequence_start: bool = False
     sequence_end: bool = False
+    # A decoupled model's way to answer, from any thread, any number of times: the
+    # outputs (None: no response), an error instead, and whether it is the last.
+    respond: Respond | None = None
 
 
 @dataclass(frozen=True, slots=True)

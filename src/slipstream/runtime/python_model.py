@@ -30,6 +30,7 @@ in numpy or in a model of another backend.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -42,13 +43,20 @@ from typing import Any, ClassVar
 import numpy as np
 
 from slipstream.datatypes import from_config_datatype
-from slipstream.errors import InternalError, InvalidRequest, SlipstreamError, Unavailable
+from slipstream.errors import (
+    Decoupled,
+    InternalError,
+    InvalidRequest,
+    SlipstreamError,
+    Unavailable,
+)
 from slipstream.runtime import python_bls, python_utils
 from slipstream.runtime.base import (
     Backend,
     LocalInfer,
     ModelSignature,
     RequestContext,
+    Respond,
     TensorSpec,
 )
 
@@ -79,6 +87,8 @@ class PythonBackend(Backend):
         self._config: dict[str, Any] = {}
         # The server's inference call and its loop, for exec() (attach sets them).
         self._server: tuple[LocalInfer | None, asyncio.AbstractEventLoop | None] = (None, None)
+        # Answers each request through a response sender (configure reads it).
+        self._decoupled = False
         # The loop an async def execute runs on, made at its first call.
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -104,6 +114,8 @@ class PythonBackend(Backend):
         """Run the model's ``initialize`` with Triton's arguments (``config`` is the
         completed model config in Triton's JSON form)."""
         self._config = config
+        policy = config.get("model_transaction_policy") or {}
+        self._decoupled = bool(policy.get("decoupled"))
         initialize = getattr(self._model, "initialize", None)
         if initialize is not None:
             version_dir = self._path.parent
@@ -181,6 +193,8 @@ class PythonBackend(Backend):
             )
             for inputs, context in requests
         ]
+        if self._decoupled:
+            return self._run_decoupled(made, requests, output_names)
         responses = self._execute(made)
         outcomes: list[dict[str, np.ndarray] | BaseException] = []
         for response, (_, context) in zip(responses, requests, strict=True):
@@ -190,18 +204,69 @@ class PythonBackend(Backend):
                 outcomes.append(exc)
         return outcomes
 
-    def _execute(self, requests: list[python_utils.InferenceRequest]) -> list[Any]:
+    def _run_decoupled(
+        self,
+        made: list[python_utils.InferenceRequest],
+        requests: Sequence[tuple[dict[str, np.ndarray], RequestContext]],
+        output_names: Sequence[str],
+    ) -> list[dict[str, np.ndarray] | BaseException]:
+        """A decoupled model's batch: each request answered through its sender, during or
+        after ``execute``, which returns None; a request's outcome here is only that
+        ``execute`` took it (empty outputs)."""
+        for request, (_, context) in zip(made, requests, strict=True):
+            respond = context.respond
+            if respond is None:
+                raise Decoupled(
+                    f"model {self._config.get('name', '')!r} is decoupled (it may answer a "
+                    "request any number of times): send its requests on gRPC ModelStreamInfer"
+                )
+            required = self._required(context, output_names)
+            request._sender = python_utils.InferenceResponseSender(  # type: ignore[attr-defined]
+                functools.partial(self._deliver, respond, required)
+            )
+        returned = self._call_execute(made)
+        if returned is not None:
+            raise PythonModelError(
+                f"{self._path.name}: execute of a decoupled model returns None (it answers "
+                f"through each request's response sender), not a {type(returned).__name__}"
+            )
+        return [{} for _ in made]
+
+    def _deliver(
+        self,
+        respond: Respond,
+        required: list[str],
+        response: python_utils.InferenceResponse | None,
+        final: bool,
+    ) -> None:
+        """One response of a decoupled model, checked and cast as ``execute``'s are."""
+        if response is None:
+            respond(None, None, final)
+            return
+        try:
+            outputs = self._outputs(response, required)
+        except (SlipstreamError, PythonModelError) as exc:
+            respond(None, exc, final)
+            return
+        respond(outputs, None, final)
+
+    def _call_execute(self, requests: list[python_utils.InferenceRequest]) -> Any:
         """The model's ``execute`` (a coroutine function's too), with this thread bound to
-        the server for ``exec``; its list of responses, one per request."""
+        the server for ``exec``; what it returned."""
         infer, loop = self._server
         name = str(self._config.get("name", self._path.parent.parent.name))
         try:
             with python_bls.bound(infer, loop, name):
-                responses = self._model.execute(requests)
-                if inspect.isawaitable(responses):
-                    responses = self._own_loop().run_until_complete(responses)
+                returned = self._model.execute(requests)
+                if inspect.isawaitable(returned):
+                    returned = self._own_loop().run_until_complete(returned)
         except python_utils.TritonError as exc:
             raise _error(exc) from None
+        return returned
+
+    def _execute(self, requests: list[python_utils.InferenceRequest]) -> list[Any]:
+        """The model's ``execute``; its list of responses, one per request."""
+        responses = self._call_execute(requests)
         if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             what = (
                 f"{len(responses)} responses"

@@ -4,15 +4,16 @@ Triton's Python backend hands a model's ``execute`` a list of requests and takes
 response each; these classes carry the tensors both ways, with the names and methods
 Triton's give (:mod:`slipstream.runtime.python_model` registers this module under
 Triton's name before it imports a ``model.py``). ``InferenceRequest.exec`` runs another
-model of the server (:mod:`.python_bls`); decoupled responses are refused with an error
-that says so.
+model of the server (:mod:`.python_bls`); a decoupled model answers through
+``InferenceRequest.get_response_sender()``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -208,11 +209,15 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return False
 
-    def get_response_sender(self) -> Any:
-        raise TritonModelException(
-            "decoupled models (get_response_sender) are not supported; return one "
-            "InferenceResponse per request from execute"
-        )
+    def get_response_sender(self) -> InferenceResponseSender:
+        sender: InferenceResponseSender | None = getattr(self, "_sender", None)
+        if sender is None:
+            raise TritonModelException(
+                "get_response_sender: the model is not decoupled; set "
+                "model_transaction_policy { decoupled: true } in its config, or return one "
+                "InferenceResponse per request from execute"
+            )
+        return sender
 
     def exec(self, decoupled: bool = False, **_: Any) -> InferenceResponse:
         """Run this request on the model it names and wait for its answer (an error
@@ -232,6 +237,38 @@ class InferenceRequest:
                 "async_exec(decoupled=True): decoupled models are not supported"
             )
         return _response(await python_bls.call_async(self))
+
+
+# InferenceResponseSender.send's flags: this is the request's last response.
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+
+class InferenceResponseSender:
+    """A decoupled model's way to answer one request any number of times, from any
+    thread, during or after ``execute``; the last ``send`` carries
+    ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``."""
+
+    def __init__(self, deliver: Callable[[InferenceResponse | None, bool], None]) -> None:
+        self._deliver = deliver
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException("send: give a response, or flags=COMPLETE_FINAL, or both")
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(
+                f"send: expected an InferenceResponse, got {type(response).__name__}"
+            )
+        with self._lock:
+            if self._closed:
+                raise TritonModelException("send: the request's final response is already sent")
+            self._closed = final
+            self._deliver(response, final)
+
+    def is_cancelled(self) -> bool:
+        return False
 
 
 class InferenceResponse:

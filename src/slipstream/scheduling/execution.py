@@ -118,14 +118,15 @@ def _run(backend: Backend, batch: list[Pending], output_names: list[str]) -> Bat
 def _run_requests(backend: Backend, batch: list[Pending], output_names: list[str]) -> BatchResult:
     """The batch as its requests: one call for all of them; where that call itself fails
     (the model raised), each request again alone, so one request's data cannot fail its
-    batch mates. Not for requests of sequences: a stateful model would apply a request
-    twice to its sequence's state, so those fail together, as in Triton."""
+    batch mates. Not for requests of sequences (a stateful model would apply a request
+    twice to its sequence's state) nor a decoupled model's (it may have sent answers
+    already): those fail together, as in Triton."""
     t0 = time.perf_counter_ns()
     requests = [(p.inputs, p.context or _NO_CONTEXT) for p in batch]
     try:
         outcomes = backend.run_requests(requests, output_names)
     except Exception as exc:
-        if len(batch) == 1 or any(context.correlation_id for _, context in requests):
+        if len(batch) == 1 or any(c.correlation_id or c.respond for _, c in requests):
             outcomes = [exc] * len(batch)
         else:
             outcomes = []

@@ -27,6 +27,7 @@ from slipstream.security.access import GRPC_METHODS
 from slipstream.security.gate import AccessRecord, Gate, request_id
 from slipstream.security.keys import ApiKey
 from slipstream.security.limits import Limiter
+from slipstream.server.grpc_stream import Done, Partial
 
 # The name of the API key of the RPC being served ("" without one). grpc.aio runs each
 # RPC in a task of its own, and the tasks a handler starts inherit its context.
@@ -37,6 +38,10 @@ KEY_MODELS: ContextVar[frozenset[str] | None] = ContextVar("slipstream_key_model
 # On ModelStreamInfer: id() of a request message whose answer is an error -> its status
 # code name. Each message's answer is one message on an OK stream, so the code is known
 # only where it was answered (v2_grpc); the access log reads it here.
+# Set by the front door's stream: a decoupled request's answers come marked (the
+# grpc_stream.Partial ones are not its last; an empty grpc_stream.Done ends one that has
+# nothing more to write), so each message's slot is kept until its last answer.
+STREAM_MARKS: ContextVar[bool] = ContextVar("slipstream_stream_marks", default=False)
 STREAM_ERRORS: ContextVar[dict[int, str] | None] = ContextVar("slipstream_stream_errors",
                                                              default=None)  # fmt: skip
 
@@ -170,8 +175,12 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 if self._gate is not None:
                     # One key for the whole stream; each message is still checked above.
                     KEY_NAME.set(self._gate.key_name(_as_bytes(authorization)))
+                STREAM_MARKS.set(True)
                 try:
                     async for answer in inner_stream(checked(), context):
+                        if isinstance(answer, Partial):  # its request is still owed more
+                            yield answer.data
+                            continue
                         if owed:
                             done = owed.popleft()
                             # Given back before the answer is written: a client that
@@ -180,7 +189,8 @@ class GrpcFrontDoor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                             status = errors.pop(id(done.request), "OK")
                             log(context, done.request, done.key, done.started, status,
                                 len(answer))  # fmt: skip
-                        yield answer
+                        if not isinstance(answer, Done):
+                            yield answer
                 finally:
                     while owed:  # the stream ended (a client that left) before these
                         done = owed.popleft()

@@ -39,7 +39,12 @@ from slipstream.engine.client import EngineClient, EngineLinkCollector
 from slipstream.engine.company import Company
 from slipstream.engine.host import Call, EngineHost
 from slipstream.engine.limit_store import engine_limit_store, limit_calls
-from slipstream.engine.remote import RemoteInferenceService, engine_calls, engine_gathered
+from slipstream.engine.remote import (
+    RemoteInferenceService,
+    engine_calls,
+    engine_gathered,
+    engine_streams,
+)
 from slipstream.engine.supervisor import (
     Supervisor,
     engine_address,
@@ -210,7 +215,8 @@ async def _serve_engine(
     calls.update(drift=drift, metrics=metrics, **limit_calls())
     _journaled_calls(calls, service, journal, loaded)
     host = EngineHost(
-        engine_address(directory, index), calls, streams={"http": forward},
+        engine_address(directory, index), calls,
+        streams={"http": forward, **engine_streams(service)},
         tells={"board": board.put},
         gathered=engine_gathered(service),
     )  # fmt: skip

@@ -26,14 +26,20 @@ from typing import Any, NoReturn
 
 import grpc
 
-from slipstream.errors import InvalidRequest, SlipstreamError, Unavailable
+from slipstream.errors import Decoupled, InvalidRequest, SlipstreamError, Unavailable
 from slipstream.names import validate_model_name
 from slipstream.protocol import grpc_codec, grpc_config, v2_shm
 from slipstream.protocol.proto import inference_pb2 as pb
 from slipstream.server import grpc_stream
-from slipstream.server.grpc_front_door import KEY_MODELS, KEY_NAME, STREAM_ERRORS
+from slipstream.server.grpc_front_door import (
+    KEY_MODELS,
+    KEY_NAME,
+    STREAM_ERRORS,
+    STREAM_MARKS,
+)
 from slipstream.server.triton_settings import log_settings_grpc, trace_setting_grpc
 from slipstream.serving.service import InferenceService
+from slipstream.types import InferRequest
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +218,7 @@ class _GrpcFrontend:
 
     async def model_stream_infer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[grpc_stream.Answer]:
         """Answer each request on the stream, in the order the requests came, as Triton.
 
         Requests run concurrently (a slow one holds back the answers after it, never
@@ -227,15 +233,21 @@ class _GrpcFrontend:
             async for item in answers:
                 yield item
 
-    async def _stream_answer(self, request: pb.ModelInferRequest, route_key: str) -> bytes:
+    async def _stream_answer(
+        self, request: pb.ModelInferRequest, route_key: str
+    ) -> bytes | grpc_stream.Answers:
         # A failed request is answered on the stream; the stream itself stays open.
         try:
             validate_model_name(request.model_name)
             decoded = grpc_codec.decode_infer_request(request)
-            decoded.parameters.pop(grpc_stream.ENABLE_EMPTY_FINAL_RESPONSE, None)
+            empty_final = decoded.parameters.pop(grpc_stream.ENABLE_EMPTY_FINAL_RESPONSE, None)
             decoded.route_key = route_key
             decoded.owner = KEY_NAME.get()
-            response = await self._service.infer(decoded)
+            try:
+                response = await self._service.infer(decoded)
+            except Decoupled:  # any number of answers: as they come
+                answers = self._decoupled_answers(request, decoded, empty_final is True)
+                return grpc_stream.Answers(answers)
             return grpc_codec.serialize_stream_infer_response(response, final=True)
         except SlipstreamError as exc:
             message, code = exc.message, exc.grpc_code
@@ -246,6 +258,31 @@ class _GrpcFrontend:
         if errors is not None:  # for the access log's line of this message
             errors[id(request)] = code
         return grpc_stream.serialize_stream_error(request, message)
+
+    async def _decoupled_answers(
+        self, request: pb.ModelInferRequest, decoded: InferRequest, empty_final: bool
+    ) -> AsyncIterator[grpc_stream.Answer]:
+        """A decoupled model's answers to ``request`` on the wire; a failure ends them
+        with its error, as a one-answer request's is answered."""
+        marked = STREAM_MARKS.get()  # the front door counts answers: mark them
+        try:
+            async for response, message, final in self._service.infer_stream(decoded):
+                if message:
+                    data = grpc_stream.serialize_stream_error(request, message, final)
+                elif response is not None:
+                    data = grpc_codec.serialize_stream_infer_response(response, final=final)
+                elif empty_final:  # the model's final flag came without a response
+                    data = grpc_stream.serialize_empty_final(request)
+                else:
+                    if final and marked:  # nothing to write, but counted
+                        yield grpc_stream.Done()
+                    continue
+                yield grpc_stream.Partial(data) if marked and not final else data
+        except SlipstreamError as exc:
+            yield grpc_stream.serialize_stream_error(request, exc.message)
+        except Exception:
+            logger.exception("gRPC ModelStreamInfer request failed")
+            yield grpc_stream.serialize_stream_error(request, _INTERNAL_MESSAGE)
 
     # ------------------------------------------------------------ repository
 

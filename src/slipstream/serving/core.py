@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from slipstream.protocol import v2_shm
 from slipstream.repository.layout import Share, load_override
 from slipstream.runtime import python_metrics
 from slipstream.runtime.pickles import trust_pickles_server_wide
-from slipstream.serving import classification, together
+from slipstream.serving import classification, decoupled, together
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
 from slipstream.serving.cascade_registry import Cascades, Composed
 from slipstream.serving.idle import IdleWatcher
@@ -40,7 +40,7 @@ from slipstream.serving.rollout import Rollouts, Route
 from slipstream.serving.rollout_analysis import counts_against_version
 from slipstream.serving.rollout_store import rollout_store
 from slipstream.serving.sequences import Sequences
-from slipstream.serving.service import InferenceService, ModelLane
+from slipstream.serving.service import InferenceService, ModelLane, StreamItem
 from slipstream.serving.shadow import run_copies
 from slipstream.serving.shared_memory import RegionCalls, SystemSharedMemory
 from slipstream.serving.taps import TapFactory
@@ -346,9 +346,7 @@ class ModelServer(RegionCalls, InferenceService):
         try:
             return self.models.resolve(request.model_name, version)
         except ModelAsleep:
-            wait_s = self.settings.load_wait_s
-            if request.timeout_us:
-                wait_s = min(wait_s, request.timeout_us / 1e6)
+            wait_s = min(self.settings.load_wait_s, request.timeout_us / 1e6 or float("inf"))
             await self.models.wake(request.model_name, wait_s)
             return self.models.resolve(request.model_name, version)
 
@@ -386,6 +384,9 @@ class ModelServer(RegionCalls, InferenceService):
         if shadow is not None and shadow.version != model.version_str and model.sequences is None:
             shadow.offer(request, response)
         return response
+
+    def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamItem]:
+        return decoupled.stream(self.infer, self._resolve, request)
 
     async def infer_group(
         self, requests: Sequence[InferRequest]

@@ -13,13 +13,13 @@ import numpy as np
 
 from slipstream.config import ConfigError, ModelConfig, TensorConfig, WarmupSample
 from slipstream.datatypes import V2_TO_NUMPY, numpy_dtype, v2_datatype
-from slipstream.errors import InvalidRequest
+from slipstream.errors import Decoupled, InvalidRequest
 from slipstream.observability.metrics import ModelMetrics
 from slipstream.observability.stats import ModelStatsRecorder
 from slipstream.protocol.v2_meta import model_config_json
 from slipstream.repository.autocomplete import complete_config
 from slipstream.runtime import backend_for_file, get_backend
-from slipstream.runtime.base import Backend, LocalInfer, RequestContext
+from slipstream.runtime.base import Backend, LocalInfer, RequestContext, Respond
 from slipstream.runtime.pickles import check_pickle_trust
 from slipstream.scheduling.batcher import Batcher
 from slipstream.serving.classification import load_labels
@@ -90,6 +90,7 @@ class ModelVersion:
         self._instances = instances
         # Its backend is handed each request with its context (a Python model).
         self.takes_requests = any(instance.takes_requests for instance in instances)
+        self.decoupled = config.model_transaction_policy.decoupled
         if any(instance.cpu_threads is not None for instance in instances):
             metrics.cpu_threads = lambda: sum(instance.cpu_threads or 0 for instance in instances)
         # Watches served requests (drift); set by the manager once the version is kept.
@@ -116,6 +117,13 @@ class ModelVersion:
         config = _placed(config, backend_name)
         backend_cls = get_backend(backend_name)
         check_pickle_trust(name, path, backend_cls, config.trust_pickle)
+        if config.model_transaction_policy.decoupled and (
+            not backend_cls.takes_requests or config.sequence_batching is not None
+        ):
+            raise ConfigError(
+                "model_transaction_policy.decoupled: only a Python model (backend: python) "
+                "without sequence_batching sends its answers itself"
+            )
         count = config.instance_count
 
         def load_instances() -> list[Backend]:
@@ -257,11 +265,21 @@ class ModelVersion:
             [TensorMetadata(t.name, t.data_type, lead + t.dims) for t in self.config.output],
         )
 
-    def context(self, request: InferRequest) -> RequestContext | None:
+    def context(
+        self, request: InferRequest, respond: Respond | None = None
+    ) -> RequestContext | None:
         """What a backend that takes requests sees of ``request`` besides its tensors;
-        None for the others (nothing is built on their path)."""
+        None for the others (nothing is built on their path). A decoupled model's
+        requests come with ``respond`` (:mod:`.decoupled`); one asked for one answer
+        is refused."""
         if not self.takes_requests:
             return None
+        if self.decoupled and respond is None:
+            raise Decoupled(
+                f"model {self.name!r} is decoupled (it may answer a request any number of "
+                "times, Triton's model_transaction_policy): send its requests on gRPC "
+                "ModelStreamInfer (tritonclient.grpc's start_stream and async_stream_infer)"
+            )
         parameters = {k: v for k, v in request.parameters.items() if k not in _SEQUENCE_KEYS}
         sequence = request.parameters
         return RequestContext(
@@ -271,6 +289,7 @@ class ModelVersion:
             correlation_id=sequence.get("sequence_id", 0),
             sequence_start=sequence.get("sequence_start") is True,
             sequence_end=sequence.get("sequence_end") is True,
+            respond=respond,
         )
 
     def metadata(self, versions: list[str]) -> ModelMetadata:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from slipstream.config import ModelConfig
@@ -26,6 +26,11 @@ from slipstream.types import (
     ServerMetadata,
     SharedMemoryRegionStatus,
 )
+
+# One answer of :meth:`InferenceService.infer_stream`: the response (None: a final flag
+# alone), the error message sent instead of a response ("" for none), and whether it is
+# the request's last.
+StreamItem = tuple[InferResponse | None, str, bool]
 
 
 class ModelLane(Protocol):
@@ -90,6 +95,12 @@ class InferenceService(ABC):
     @abstractmethod
     async def infer(self, request: InferRequest) -> InferResponse:
         """Validate, queue, batch and run one request; raise SlipstreamError on failure."""
+
+    async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamItem]:
+        """A request's answers as they come: one for most models, any number for a
+        decoupled one (:mod:`slipstream.serving.decoupled`), the last flagged final.
+        The default answers with :meth:`infer`."""
+        yield await self.infer(request), "", True
 
     async def infer_group(
         self, requests: Sequence[InferRequest]

@@ -1,0 +1,113 @@
+"""A decoupled model's answers to one request, as they come (Triton's decoupled
+transaction policy; gRPC ``ModelStreamInfer`` is where clients read them).
+
+A decoupled Python model answers each request through its response sender, any number
+of times, during ``execute`` or after it from a thread of its own, the last answer
+flagged final. The request is queued and batched as any other (its ``execute`` call may
+take other requests too); the sender's answers reach the event loop through a queue and
+are yielded here as :data:`StreamItem`: the response (None for a final flag without
+one), an error message instead where the model sent an error, and whether it is the
+last. A failure of ``execute`` itself ends the stream with the error. The request counts
+in the model's statistics once, when its final answer is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from slipstream.errors import SlipstreamError
+from slipstream.scheduling.execution import as_served_error
+from slipstream.serving.model import ModelVersion
+from slipstream.serving.outcomes import record_failure, record_success
+from slipstream.serving.service import StreamItem
+from slipstream.types import InferRequest, InferResponse
+
+
+async def answers(model: ModelVersion, request: InferRequest) -> AsyncIterator[StreamItem]:
+    """``request``'s answers from the decoupled ``model``, ending with its final one."""
+    started_ns = time.perf_counter_ns()
+    loop = asyncio.get_running_loop()
+    sent: asyncio.Queue[tuple[dict[str, np.ndarray] | None, Exception | None, bool]]
+    sent = asyncio.Queue()
+
+    def respond(
+        outputs: dict[str, np.ndarray] | None, error: Exception | None, final: bool
+    ) -> None:
+        loop.call_soon_threadsafe(sent.put_nowait, (outputs, error, final))
+
+    try:
+        prepared = model.prepare(request)
+        context = model.context(request, respond)
+        run: asyncio.Future[Any] | None = asyncio.ensure_future(
+            model.batcher.submit(
+                prepared.inputs,
+                prepared.rows,
+                prepared.shape_key,
+                request.priority,
+                request.timeout_us,
+                1,
+                context,
+            )
+        )
+    except SlipstreamError as exc:
+        record_failure(model, exc, time.perf_counter_ns() - started_ns)
+        raise
+    failed: BaseException | None = None
+    try:
+        while True:
+            next_answer = asyncio.ensure_future(sent.get())
+            waiting = {next_answer} if run is None else {next_answer, run}
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if next_answer not in done:
+                next_answer.cancel()
+                assert run is not None
+                error = run.exception()
+                if error is not None:  # execute itself failed: nothing more will come
+                    raise as_served_error(error)
+                run = None  # execute took the request; its answers may come later
+                continue
+            outputs, problem, final = next_answer.result()
+            if problem is not None:
+                failed = as_served_error(problem)
+                yield None, str(failed), final
+            else:
+                response = None
+                if outputs is not None:
+                    response = InferResponse(model.name, model.version_str, outputs, request.id)
+                yield response, "", final
+            if final:
+                break
+    except SlipstreamError as exc:
+        record_failure(model, exc, time.perf_counter_ns() - started_ns)
+        raise
+    finally:
+        if run is not None and not run.done():
+            run.cancel()  # the client left: a request still queued never runs
+    elapsed_ns = time.perf_counter_ns() - started_ns
+    if isinstance(failed, SlipstreamError):  # an answer was an error: the request failed
+        record_failure(model, failed, elapsed_ns)
+    else:
+        record_success(model, elapsed_ns)
+
+
+async def stream(
+    infer: Callable[[InferRequest], Awaitable[InferResponse]],
+    resolve: Callable[[InferRequest, str], Awaitable[ModelVersion]],
+    request: InferRequest,
+) -> AsyncIterator[StreamItem]:
+    """The serving core's ``infer_stream``: a decoupled model's :func:`answers`, any
+    other model's one answer (``infer``'s, errors raised as ``infer`` raises them)."""
+    try:
+        model = await resolve(request, request.model_version)
+    except SlipstreamError:
+        model = None  # not a plain model (a cascade, an ensemble), or none: infer says
+    if model is None or not model.decoupled:
+        yield await infer(request), "", True
+        return
+    async for item in answers(model, request):
+        yield item

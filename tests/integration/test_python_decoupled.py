@@ -1,0 +1,142 @@
+"""A decoupled Python model (Triton's ``model_transaction_policy { decoupled: true }``)
+answers each request any number of times through its response sender, from a thread of
+its own; tritonclient's gRPC stream reads the answers as they come, in one process and
+with a front end before the engine. One-answer routes refuse such a model, naming the
+stream."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from tests.utils import RemoteServer
+
+# Triton's "repeat" example, reduced: N answers I = 0..N-1 from a thread, then the final
+# flag alone; N < 0 is answered with an error response.
+REPEAT = """
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            count = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+            threading.Thread(target=self._answer, args=(sender, count)).start()
+        return None
+
+    def _answer(self, sender, count):
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if count < 0:
+            error = pb_utils.TritonError("N must be >= 0", pb_utils.TritonError.INVALID_ARG)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=final)
+            return
+        for index in range(count):
+            out = pb_utils.Tensor("I", np.array([index], dtype=np.int32))
+            sender.send(pb_utils.InferenceResponse([out]))
+        sender.send(flags=final)
+"""
+
+CONFIG = """
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "I" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+
+def build_repository(root: Path) -> Path:
+    repo = root / "repo"
+    (repo / "repeat" / "1").mkdir(parents=True)
+    (repo / "repeat" / "1" / "model.py").write_text(REPEAT)
+    (repo / "repeat" / "config.pbtxt").write_text(CONFIG)
+    return repo
+
+
+@pytest.fixture(scope="module", params=["one", "split"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RemoteServer]:
+    root = tmp_path_factory.mktemp("decoupled")
+    # Split: a front end before the engine, and the gRPC front door (its access log),
+    # which keeps a message's slot until its last answer.
+    split = ["--frontends", "1", "--access-log"] if request.param == "split" else []
+    args = ["--trust-pickle", *split]
+    with RemoteServer(build_repository(root), args, log_dir=root) as running:
+        yield running
+
+
+def _stream(server: RemoteServer, counts: dict[str, int]) -> dict[str, list[Any]]:
+    """Each request id's answers, in the order they came: I values, "final", or errors."""
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for request_id, count in counts.items():
+            tensor = grpcclient.InferInput("N", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([count], dtype=np.int32))
+            client.async_stream_infer(
+                "repeat", [tensor], request_id=request_id, enable_empty_final_response=True
+            )
+        seen: dict[str, list[Any]] = {request_id: [] for request_id in counts}
+        finals = 0
+        while finals < len(counts):
+            result, error = answers.get(timeout=30)
+            if error is not None:
+                # tritonclient gives an error answer no response: the only error here
+                # is request "bad"'s, its final answer.
+                seen["bad"].append(f"error: {error.message()}")
+                finals += 1
+                continue
+            response = result.get_response()
+            final = response.parameters["triton_final_response"].bool_param
+            if response.outputs:
+                seen[response.id].append(int(result.as_numpy("I")[0]))
+            if final:
+                seen[response.id].append("final")
+                finals += 1
+        return seen
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_a_decoupled_model_streams_each_requests_answers(server: RemoteServer) -> None:
+    seen = _stream(server, {"a": 3, "b": 2, "none": 0})
+    assert seen == {"a": [0, 1, 2, "final"], "b": [0, 1, "final"], "none": ["final"]}
+
+
+def test_an_error_answer_reaches_its_request_only(server: RemoteServer) -> None:
+    seen = _stream(server, {"bad": -1, "good": 1})
+    assert seen["good"] == [0, "final"]
+    assert len(seen["bad"]) == 1 and "N must be >= 0" in seen["bad"][0]
+
+
+def test_one_answer_routes_refuse_a_decoupled_model_naming_the_stream(
+    server: RemoteServer,
+) -> None:
+    body = {"inputs": [{"name": "N", "datatype": "INT32", "shape": [1], "data": [2]}]}
+    answer = server.http.post("/v2/models/repeat/infer", json=body)
+    assert answer.status_code == 400
+    assert "decoupled" in answer.json()["error"] and "ModelStreamInfer" in answer.json()["error"]
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    try:
+        tensor = grpcclient.InferInput("N", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([2], dtype=np.int32))
+        with pytest.raises(InferenceServerException, match="ModelStreamInfer"):
+            client.infer("repeat", [tensor])
+        config = client.get_model_config("repeat", as_json=True)["config"]
+        assert config["model_transaction_policy"] == {"decoupled": True}
+    finally:
+        client.close()
