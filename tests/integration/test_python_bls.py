@@ -311,6 +311,9 @@ def test_auto_complete_config_fills_a_config_that_names_only_the_backend(
     answer = server.http.post("/v2/models/auto/infer", json=body).json()
     assert answer["outputs"][0]["datatype"] == "INT64"
     assert answer["outputs"][0]["data"] == [1, 2]
+    # Triton's generate extension: inputs by name in a flat JSON object.
+    generated = server.http.post("/v2/models/auto/generate", json={"X": [1.5, 2.0]})
+    assert generated.json() == {"model_name": "auto", "model_version": "1", "N": [1, 2]}
 
 
 def test_a_python_models_own_metrics_are_on_the_servers_metrics(server: RemoteServer) -> None:

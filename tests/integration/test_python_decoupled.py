@@ -6,6 +6,7 @@ stream."""
 
 from __future__ import annotations
 
+import json
 import queue
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,3 +141,30 @@ def test_one_answer_routes_refuse_a_decoupled_model_naming_the_stream(
         assert config["model_transaction_policy"] == {"decoupled": True}
     finally:
         client.close()
+
+
+def test_generate_and_generate_stream_take_triton_s_flat_json(server: RemoteServer) -> None:
+    # Every answer of a decoupled model, as server-sent events.
+    with server.http.stream(
+        "POST", "/v2/models/repeat/generate_stream", json={"N": 3, "id": "g"}
+    ) as events:
+        assert events.status_code == 200
+        assert events.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in events.iter_lines() if line.startswith("data: ")]
+    answers = [json.loads(line[len("data: ") :]) for line in lines]
+    assert [a["I"] for a in answers] == [0, 1, 2]
+    assert all(a["id"] == "g" and a["model_name"] == "repeat" for a in answers)
+    # /generate answers once: a decoupled model's several answers are refused there.
+    many = server.http.post("/v2/models/repeat/generate", json={"N": 2})
+    assert many.status_code == 400 and "generate_stream" in many.json()["error"]
+    one = server.http.post("/v2/models/repeat/generate", json={"N": 1})
+    assert one.status_code == 200 and one.json()["I"] == 0
+    # An error answer mid-stream is an event; a bad field the request's own 400.
+    with server.http.stream("POST", "/v2/models/repeat/generate_stream", json={"N": -1}) as bad:
+        text = "".join(bad.iter_text())
+    assert "N must be >= 0" in text
+    unknown = server.http.post("/v2/models/repeat/generate", json={"N": 1, "text": "x"})
+    assert unknown.status_code == 400
+    assert unknown.json()["error"].startswith("text: model 'repeat' has no such input")
+    wrong = server.http.post("/v2/models/repeat/generate", json={"N": "three"})
+    assert wrong.status_code == 400 and "N: input of datatype INT32 takes numbers" in wrong.text

@@ -35,6 +35,11 @@ HTTP_ROUTES: dict[str, Need] = {
     "/v2/models/{model}/versions/{version}": "infer",
     "/v2/models/{model}/infer": "infer",
     "/v2/models/{model}/versions/{version}/infer": "infer",
+    # Triton's generate extension (server/v2_generate.py).
+    "/v2/models/{model}/generate": "infer",
+    "/v2/models/{model}/generate_stream": "infer",
+    "/v2/models/{model}/versions/{version}/generate": "infer",
+    "/v2/models/{model}/versions/{version}/generate_stream": "infer",
     "/v1/models": "infer",
     "/v1/models/{model}": "infer",
     "/v1/completions": "infer",

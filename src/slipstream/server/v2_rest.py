@@ -34,6 +34,7 @@ from slipstream.server.httpd import (
 from slipstream.server.jobs_rest import JobRoutes, prefers_async
 from slipstream.server.router import no_route
 from slipstream.server.triton_settings import log_settings_json, trace_settings_json
+from slipstream.server.v2_generate import generate
 from slipstream.serving.cascade import FAILED_STAGE_PARAMETER, STAGE_PARAMETER
 from slipstream.serving.service import InferenceService
 from slipstream.serving.shared_memory import check_region_name
@@ -97,7 +98,7 @@ class V2RestApp:
             logger.exception("unhandled error on %s %s", request.method, request.path)
             return HttpResponse(500, v2.encode_error("internal server error; see the server log"))
 
-    async def _dispatch(self, request: HttpRequest) -> HttpResponse:
+    async def _dispatch(self, request: HttpRequest) -> HttpResponse | StreamingResponse:
         method = request.method
         parts = request.path.strip("/").split("/")
         if "." in parts or ".." in parts:
@@ -248,7 +249,7 @@ class V2RestApp:
 
     async def _model_route(
         self, method: str, parts: list[str], request: HttpRequest
-    ) -> HttpResponse:
+    ) -> HttpResponse | StreamingResponse:
         # parts: <model> [versions <v>] [ready|infer|config|stats]
         name, version, rest = path_model_name(parts[0]), "", parts[1:]
         if len(rest) >= 2 and rest[0] == "versions":
@@ -257,6 +258,9 @@ class V2RestApp:
         service = self._service
         if method == "POST" and action == "infer":
             return await self._infer(name, version, request)
+        if method == "POST" and action in ("generate", "generate_stream"):
+            stream = action == "generate_stream"
+            return await generate(service, name, version, request.body, request.owner, stream)
         if rest == ["trace", "setting"] and not version:
             changes = _settings_body(method, request)
             await service.model_metadata(name)  # 404 for a model not served

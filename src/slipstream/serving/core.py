@@ -55,16 +55,9 @@ from slipstream.types import (
 logger = logging.getLogger(__name__)
 
 EXTENSIONS = [
-    "binary_tensor_data",
-    "model_configuration",
-    "model_repository",
-    "statistics",
-    "schedule_policy",
-    "classification",
-    "sequence",
-    "logging",
-    v2_shm.EXTENSION,
-]
+    "binary_tensor_data", "model_configuration", "model_repository", "statistics",
+    "schedule_policy", "classification", "sequence", "logging", "generate", v2_shm.EXTENSION,
+]  # fmt: skip
 
 
 class ModelServer(RegionCalls, InferenceService):
