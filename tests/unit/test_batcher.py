@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import uvloop
 
-from slipstream.config import parse_model_config
+from slipstream.config import ConfigError, parse_model_config
 from slipstream.errors import InternalError, InvalidRequest, RequestTimeout, Unavailable
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.stats import ModelStatsRecorder
@@ -275,6 +275,39 @@ async def test_a_request_s_timeout_applies_as_the_queue_policy_allows(
     await running
     if waits_us != 20_000:
         np.testing.assert_array_equal((await queued)["y"], rows(2))  # y = 2x
+
+
+async def test_a_priority_level_s_own_queue_policy_bounds_and_times_out_its_requests() -> None:
+    backend = FakeBackend()
+    backend.gate.clear()
+    batcher, _, _ = make_batcher(
+        [backend],
+        priority_levels=2,
+        default_priority_level=2,
+        priority_queue_policy={1: {"max_queue_size": 1, "default_timeout_microseconds": 20_000}},
+    )
+    running = asyncio.ensure_future(batcher.submit({"x": rows(0)}, 1, KEY, priority=2))
+    await held(backend)
+    urgent = asyncio.ensure_future(batcher.submit({"x": rows(1)}, 1, KEY, priority=1))
+    await asyncio.sleep(0)
+    # Level 1 holds one request at most; level 2, on the default policy, takes more.
+    with pytest.raises(Unavailable, match="queue of priority level 1 is full"):
+        await batcher.submit({"x": rows(2)}, 1, KEY, priority=1)
+    relaxed = asyncio.ensure_future(batcher.submit({"x": rows(3)}, 1, KEY, priority=2))
+    await asyncio.sleep(0.2)  # past level 1's 20 ms; level 2 has no timeout
+    with pytest.raises(RequestTimeout):
+        urgent.result()
+    assert not relaxed.done()
+    backend.gate.set()
+    await running
+    np.testing.assert_array_equal((await relaxed)["y"], rows(6))
+
+
+def test_priority_queue_policy_names_a_level_the_model_has() -> None:
+    with pytest.raises(ConfigError, match=r"priority_queue_policy: level 3 is not one"):
+        parse_model_config(
+            {"dynamic_batching": {"priority_levels": 2, "priority_queue_policy": {3: {}}}}, "m"
+        )
 
 
 def test_a_sub_millisecond_timeout_holds_on_uvloop() -> None:

@@ -219,3 +219,35 @@ def test_what_a_triton_config_says_beyond_defaults_is_still_refused(
 
     with pytest.raises(ConfigError, match=expected):
         parse_triton_json(json.dumps({**TRITON_WRITES, **change}), "o")
+
+
+def test_priority_queue_policy_is_read_and_written_back_as_triton_has_it() -> None:
+    import json
+
+    from slipstream.config import parse_model_config
+    from slipstream.protocol.grpc_config import encode_model_config
+    from slipstream.protocol.v2_meta import model_config_json
+    from slipstream.repository.triton_config import parse_triton_config, parse_triton_json
+
+    pbtxt = (
+        "dynamic_batching { priority_levels: 2 default_priority_level: 2\n"
+        "  priority_queue_policy { key: 1 value { max_queue_size: 4\n"
+        "    default_timeout_microseconds: 500 allow_timeout_override: true } } }"
+    )
+    config = parse_model_config(parse_triton_config(pbtxt, "p"), "p")
+    level = config.dynamic_batching.priority_queue_policy[1]
+    assert (level.max_queue_size, level.default_timeout_microseconds) == (4, 500)
+    assert level.allow_timeout_override
+    written = model_config_json(config)
+    assert written["dynamic_batching"]["priority_queue_policy"]["1"]["max_queue_size"] == 4
+    message = encode_model_config(config).config.dynamic_batching
+    assert message.priority_queue_policy[1].default_timeout_microseconds == 500
+    # What the server writes reads back the same (a load override, Model Analyzer's way).
+    again = parse_model_config(parse_triton_json(json.dumps(written), "o"), "o")
+    assert (
+        again.dynamic_batching.priority_queue_policy
+        == config.dynamic_batching.priority_queue_policy
+    )
+    delayed = pbtxt.replace("max_queue_size: 4", "timeout_action: DELAY")
+    with pytest.raises(ValueError, match=r"priority_queue_policy\[1\]\.timeout_action: DELAY"):
+        parse_triton_config(delayed, "p")

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from slipstream.config.base import Strict as _Strict
+from slipstream.config.batching import DynamicBatching, QueuePolicy
 from slipstream.config.cache_spec import parse_cache_spec
 from slipstream.config.cascade import CascadeConfig, CascadeStage, ConfidenceRule
 from slipstream.config.ensemble import EnsembleConfig, EnsembleStep
@@ -48,6 +49,7 @@ __all__ = [
     "InstanceGroup",
     "ModelConfig",
     "MonitoringSettings",
+    "QueuePolicy",
     "RayServeConfig",
     "ResponseCacheConfig",
     "RolloutConfig",
@@ -100,48 +102,6 @@ class TensorConfig(_Strict):
                 self.reshape = None
             elif (problem := reshape_problem(self.dims, self.reshape)) is not None:
                 raise ValueError(f"reshape: {problem}")
-        return self
-
-
-class DynamicBatching(_Strict):
-    """Queue and batching policy of one model version."""
-
-    max_queue_delay_microseconds: int = Field(
-        0,
-        ge=0,
-        description="How long the oldest request may wait for a fuller batch; 0 never waits.",
-    )
-    preferred_batch_size: list[int] = Field(
-        default_factory=list, description="Batch sizes worth waiting for (with a delay)."
-    )
-    max_queue_size: int = Field(
-        1024, ge=1, description="Requests queued beyond this are refused with 503."
-    )
-    default_timeout_microseconds: int = Field(
-        0, ge=0, description="Queue timeout of requests that set none; 0 means no timeout."
-    )
-    allow_timeout_override: bool = Field(
-        True,
-        description="A request's own timeout applies: shorter than the default only (a "
-        "config.pbtxt's default, as Triton's, is false: requests' timeouts are ignored)",
-    )
-    priority_levels: int = Field(0, ge=0, description="Number of priority levels; 0 = off.")
-    inline_execution_max_microseconds: int = Field(
-        300,
-        ge=0,
-        description="Slipstream: a lone batch of a model whose recent runs took less than "
-        "this runs on the event loop instead of its instance thread (saves the hand-off "
-        "latency); 0 always uses the thread.",
-    )
-    default_priority_level: int = Field(0, ge=0)
-
-    @model_validator(mode="after")
-    def _check_priorities(self) -> DynamicBatching:
-        if self.priority_levels and not 1 <= self.default_priority_level <= self.priority_levels:
-            if self.default_priority_level == 0:
-                self.default_priority_level = (self.priority_levels + 1) // 2
-            else:
-                raise ValueError(f"default_priority_level must be within 1..{self.priority_levels}")
         return self
 
 

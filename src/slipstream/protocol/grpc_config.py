@@ -93,6 +93,15 @@ def _dynamic_batching(batching: DynamicBatching) -> pb.ModelDynamicBatching:
             allow_timeout_override=batching.allow_timeout_override,
             max_queue_size=batching.max_queue_size,
         ),
+        priority_queue_policy={
+            level: pb.ModelQueuePolicy(
+                timeout_action=pb.ModelQueuePolicy.REJECT,
+                default_timeout_microseconds=policy.default_timeout_microseconds,
+                allow_timeout_override=policy.allow_timeout_override,
+                max_queue_size=policy.max_queue_size,
+            )
+            for level, policy in batching.priority_queue_policy.items()
+        },
     )
 
 

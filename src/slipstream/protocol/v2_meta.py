@@ -80,6 +80,10 @@ def model_config_json(config: ModelConfig) -> dict[str, Any]:
                 "default_timeout_microseconds": batching.default_timeout_microseconds,
                 "allow_timeout_override": batching.allow_timeout_override,
             },
+            "priority_queue_policy": {
+                str(level): policy.model_dump()
+                for level, policy in batching.priority_queue_policy.items()
+            },
         },
         "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},
         "model_warmup": [_warmup_json(w) for w in config.model_warmup],

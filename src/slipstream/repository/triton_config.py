@@ -257,17 +257,29 @@ def _ensemble(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _batching(batching: dict[str, Any]) -> dict[str, Any]:
-    policy = batching.pop("default_queue_policy", {})
     batching.pop("preserve_ordering", None)  # each request is answered on its own
+    batching.update(_queue_policy(batching.pop("default_queue_policy", {}), "default_queue_policy"))
+    levels = batching.pop("priority_queue_policy", {})
+    if levels:
+        batching["priority_queue_policy"] = {
+            int(level): _queue_policy(policy, f"priority_queue_policy[{level}]")
+            for level, policy in levels.items()
+        }
+    return batching
+
+
+def _queue_policy(policy: dict[str, Any], field: str) -> dict[str, Any]:
+    """A ModelQueuePolicy as Slipstream's keys; DELAY refused, naming where."""
     if policy.get("timeout_action") == "DELAY":
         raise ValueError(
-            "dynamic_batching.default_queue_policy.timeout_action: DELAY is not supported "
-            "(a request past its timeout is refused, as REJECT does)"
+            f"dynamic_batching.{field}.timeout_action: DELAY is not supported (a request "
+            "past its timeout is refused, as REJECT does)"
         )
+    keys: dict[str, Any] = {}
     if "default_timeout_microseconds" in policy:
-        batching["default_timeout_microseconds"] = policy["default_timeout_microseconds"]
+        keys["default_timeout_microseconds"] = policy["default_timeout_microseconds"]
     # Triton's default: a request's own timeout is ignored unless the policy allows it.
-    batching["allow_timeout_override"] = policy.get("allow_timeout_override", False)
+    keys["allow_timeout_override"] = policy.get("allow_timeout_override", False)
     if policy.get("max_queue_size"):  # 0: unbounded in Triton; Slipstream's default bound
-        batching["max_queue_size"] = policy["max_queue_size"]
-    return batching
+        keys["max_queue_size"] = policy["max_queue_size"]
+    return keys

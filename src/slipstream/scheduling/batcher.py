@@ -99,9 +99,17 @@ class Batcher:
         self._preferred = frozenset(s for s in batching.preferred_batch_size if s > 0)
         self._largest_preferred = max(self._preferred, default=self._max_batch_size)
         self._max_queue_size = batching.max_queue_size
-        self._default_timeout_us = batching.default_timeout_microseconds
-        self._timeout_override = batching.allow_timeout_override
         self._levels = max(1, batching.priority_levels)
+        # Per level (index 0 = priority 1): its queue's own bound (0: none), and its
+        # requests' default timeout and override; priority_queue_policy's or the default's.
+        default = (0, batching.default_timeout_microseconds, batching.allow_timeout_override)
+        self._policies = [default] * self._levels
+        for level, policy in batching.priority_queue_policy.items():
+            self._policies[level - 1] = (
+                policy.max_queue_size,
+                policy.default_timeout_microseconds,
+                policy.allow_timeout_override,
+            )
         self._default_level = max(1, batching.default_priority_level) - 1
         self._queues: list[deque[Pending]] = [deque() for _ in range(self._levels)]
         self._num_pending = 0
@@ -200,19 +208,28 @@ class Batcher:
                 f"queue is full ({self._max_queue_size} requests waiting); retry later",
                 retry_after_s=1,
             )
+        # 0, or a level the model does not have, is its default level, as in Triton: one
+        # client's priority may reach models with fewer levels (or none).
+        level = priority - 1 if 0 < priority <= self._levels else self._default_level
+        most = self._policies[level][0]
+        if most and len(self._queues[level]) >= most:
+            self._metrics.count_failure("queue_full")
+            raise Unavailable(
+                f"the queue of priority level {level + 1} is full ({most} requests waiting, "
+                "its priority_queue_policy's max_queue_size); retry later",
+                retry_after_s=1,
+            )
         loop = asyncio.get_running_loop()
         pending = Pending(
             inputs=inputs,
             rows=rows,
             shape_key=shape_key,
-            # 0, or a level the model does not have, is its default level, as in Triton:
-            # one client's priority may reach models with fewer levels (or none).
-            level=priority - 1 if 0 < priority <= self._levels else self._default_level,
+            level=level,
             future=loop.create_future(),
             enqueue_ns=self._clock_ns(),
             requests=requests,
         )
-        timeout_us = self._timeout_us(timeout_us)
+        timeout_us = self._timeout_us(timeout_us, level)
         if timeout_us:
             pending.deadline_ns = pending.enqueue_ns + timeout_us * 1000
             pending.timeout_handle = loop.call_later(timeout_us / 1e6, self._expire, pending)
@@ -415,12 +432,13 @@ class Batcher:
 
     # -- queue housekeeping -------------------------------------------------------------
 
-    def _timeout_us(self, requested_us: int) -> int:
-        """How long a request may wait in the queue (0: no limit). As Triton's queue
-        policy: a request's own timeout applies only where the model allows an override,
-        and only to shorten a default it has; where it has none, the request's applies."""
-        default = self._default_timeout_us
-        if not requested_us or not self._timeout_override:
+    def _timeout_us(self, requested_us: int, level: int) -> int:
+        """How long a request of ``level`` may wait in the queue (0: no limit). As Triton's
+        queue policy (the level's own, else the default): a request's own timeout applies
+        only where the policy allows an override, and only to shorten a default it has;
+        where it has none, the request's applies."""
+        _, default, override = self._policies[level]
+        if not requested_us or not override:
             return default
         return min(requested_us, default) if default else requested_us
 

@@ -575,19 +575,32 @@ class ModelDynamicBatching(_message.Message):
         "preferred_batch_size",
         "preserve_ordering",
         "priority_levels",
+        "priority_queue_policy",
     )
+    class PriorityQueuePolicyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: ModelQueuePolicy
+        def __init__(
+            self, key: int | None = ..., value: ModelQueuePolicy | _Mapping | None = ...
+        ) -> None: ...
+
     PREFERRED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
     PRESERVE_ORDERING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_LEVELS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_PRIORITY_LEVEL_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_QUEUE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_QUEUE_POLICY_FIELD_NUMBER: _ClassVar[int]
     preferred_batch_size: _containers.RepeatedScalarFieldContainer[int]
     max_queue_delay_microseconds: int
     preserve_ordering: bool
     priority_levels: int
     default_priority_level: int
     default_queue_policy: ModelQueuePolicy
+    priority_queue_policy: _containers.MessageMap[int, ModelQueuePolicy]
     def __init__(
         self,
         preferred_batch_size: _Iterable[int] | None = ...,
@@ -596,6 +609,7 @@ class ModelDynamicBatching(_message.Message):
         priority_levels: int | None = ...,
         default_priority_level: int | None = ...,
         default_queue_policy: ModelQueuePolicy | _Mapping | None = ...,
+        priority_queue_policy: _Mapping[int, ModelQueuePolicy] | None = ...,
     ) -> None: ...
 
 class ModelParameter(_message.Message):
