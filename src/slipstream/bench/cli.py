@@ -98,6 +98,13 @@ _FILE = click.Path(path_type=Path, dir_okay=False)
 @click.option("--batch-size", "-b", type=int, default=1, help=_help("batch_size"))
 @click.option("--shape", "shapes", multiple=True, callback=shapes_option, help=_help("shapes"))
 @click.option("--input-data", type=click.Path(path_type=Path), help=_help("input_data"))
+@click.option("--sequence-length", type=int, default=20, help=_help("sequence_length"))
+@click.option(
+    "--sequence-ids",
+    type=click.Choice(["auto", "int", "string"]),
+    default="auto",
+    help=_help("sequence_ids"),
+)
 @click.option("--warmup-s", type=float, default=1.0, help=_help("warmup_s"))
 @click.option("--window-s", type=float, default=2.0, help=_help("window_s"))
 @click.option("--stability-pct", type=float, default=10.0, help=_help("stability_pct"))
@@ -127,6 +134,8 @@ def bench(**options: Any) -> None:
       slipstream bench http://localhost:8000 -m mlp --concurrency 1,8,64
       slipstream bench localhost:8001 -m mlp --protocol grpc --request-rate 100,500 \\
           --distribution poisson --json out.json --report out.html
+      slipstream bench http://localhost:8000 -m accumulate --concurrency 4 \\
+          --sequence-length 50
       slipstream bench http://localhost:8000 -m minilm --shape input_ids:128 \\
           --shape attention_mask:128 --batch-size 8 \\
           --server-pid "$(pgrep -f 'serve.*-port 8000' | head -1)"

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
+    from slipstream.config import ModelConfig
     from slipstream.profile.results import BatchProfile, OpTime, ProfileResult
 
 _INSTALL_HINT = "pip install 'slipstream[bench]'"
@@ -39,22 +40,30 @@ def _check_report(_ctx: click.Context, _param: click.Parameter, value: Path | No
     return value
 
 
-def resolve_model(path: Path, backend: str | None) -> tuple[Path, str | None]:
-    """A model file as given, or a repository model directory's newest version's file."""
-    if not path.is_dir():
-        return path, backend
+def resolve_model(path: Path, backend: str | None) -> tuple[Path, str | None, ModelConfig | None]:
+    """A model file as given, or a repository model directory's newest version's file;
+    and its model's config where it is in a repository (``REPO/<model>/<version>/file``),
+    which the model is then loaded and configured with, as the server does."""
     from slipstream.config import ConfigError
-    from slipstream.repository.layout import model_file, read_config, read_model_directory
+    from slipstream.repository.layout import (
+        model_file,
+        read_config,
+        read_model_directory,
+        version_number,
+    )
 
+    in_repository = version_number(path.parent.name) is not None and path.is_file()
+    if not path.is_dir() and not in_repository:
+        return path, backend, None
     try:
-        directory = read_model_directory(path)
-        if not directory.versions:
+        directory = read_model_directory(path if path.is_dir() else path.parent.parent)
+        if path.is_dir() and not directory.versions:
             raise ConfigError(f"{path}: no version directories (1/, 2/, ...) with a model file")
         config = read_config(directory)
-        file = model_file(path / str(directory.versions[-1]), config)
+        file = model_file(path / str(directory.versions[-1]), config) if path.is_dir() else path
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="MODEL_FILE") from None
-    return file, backend or config.backend or None
+    return file, backend or config.backend or None, config
 
 
 def _load_npz(path: Path) -> dict[str, np.ndarray]:
@@ -124,6 +133,14 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
     show_default=True,
     help="Operators (and nodes) to list from ONNX Runtime's profiler.",
 )
+@click.option(
+    "--sequence-length",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Stateful models (sequence_batching): runs per sequence; each row of a batch is "
+    "its own sequence, with the controls and state the server gives it.",
+)
 @click.option("--no-op-profile", is_flag=True, help="Skip the ONNX Runtime operator profile.")
 @click.option(
     "--input-data",
@@ -145,6 +162,9 @@ def profile(**options: Any) -> None:
 
     No server runs: this is the raw runtime's ceiling that a server can approach.
     MODEL_FILE is a model file or a repository model directory (its newest version).
+    A model in a repository is loaded as the server loads it: its config's parameters,
+    then the completed config handed to it (a Python model's initialize; finalize at
+    the end). A stateful model's runs are sequences (--sequence-length).
     Integer inputs get random values in [0, 1000) (masks ones, token-type ids zeros);
     pass --input-data for real data.
 
@@ -155,14 +175,14 @@ def profile(**options: Any) -> None:
           --shape input_ids:128 --shape attention_mask:128 --batch-sizes 1,8,32
     """  # fmt: skip
     console, progress = _consoles()
-    path, backend = resolve_model(options["model_file"], options["backend"])
+    path, backend, config = resolve_model(options["model_file"], options["backend"])
     progress.print(
         f"Profiling {path}: batch sizes {','.join(map(str, options['batch_sizes']))}, "
         f"{options['seconds']:g} s each, {options['threads']} intra-op thread(s)",
         highlight=False,
         soft_wrap=True,
     )
-    result = _run_profile(path, backend, options, progress)
+    result = _run_profile(path, backend, config, options, progress)
     print_result(result, console)
     from slipstream.profile.results import write_csv, write_json, write_report
 
@@ -186,7 +206,11 @@ def _consoles() -> tuple[Console, Console]:
 
 
 def _run_profile(
-    path: Path, backend: str | None, options: dict[str, Any], progress: Console
+    path: Path,
+    backend: str | None,
+    config: ModelConfig | None,
+    options: dict[str, Any],
+    progress: Console,
 ) -> ProfileResult:
     from slipstream.profile.measure import ProfileError, profile_model
     from slipstream.runtime.base import BackendUnavailable
@@ -206,6 +230,8 @@ def _run_profile(
             top_ops=options["top_ops"],
             op_profile=not options["no_op_profile"],
             warmup_runs=options["warmup_runs"],
+            config=config,
+            sequence_length=options["sequence_length"],
             on_batch=lambda batch: progress.print(
                 _progress_line(batch), highlight=False, soft_wrap=True
             ),

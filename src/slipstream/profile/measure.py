@@ -1,7 +1,9 @@
 """In-process profile of one model file: the raw runtime's ceiling, per batch size.
 
-No server: the model is loaded through the server's own :class:`Backend` classes and
-run in a loop at each batch size. Warm-up runs are discarded, then runs are timed until
+No server: the model is loaded through the server's own :class:`Backend` classes, as
+the server loads it (:mod:`slipstream.profile.loading`: its config's parameters, then
+``configure``; a stateful model's runs are sequences, :mod:`slipstream.profile.sequences`)
+and run in a loop at each batch size. Warm-up runs are discarded, then runs are timed until
 the time budget is spent; the result holds median and tail latency, throughput (rows
 run / time spent running), the best batch size, the memory footprint (where there is a
 GPU, its memory too and its utilization per batch size, from NVML) and, for ONNX
@@ -28,7 +30,9 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import itertools
 import json
 import logging
 import tempfile
@@ -40,8 +44,17 @@ from typing import Any
 
 import numpy as np
 
+from slipstream.config import ModelConfig
+from slipstream.config.sequence import SequenceBatching
 from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
 from slipstream.observability.gpu import Gpus, totals
+from slipstream.profile.loading import (
+    THREAD_PARAMETERS,
+    ProfileError,
+    Run,
+    load_model,
+    thread_parameters,
+)
 from slipstream.profile.ort_trace import summarize_ort_trace
 from slipstream.profile.results import (
     BatchProfile,
@@ -51,8 +64,9 @@ from slipstream.profile.results import (
     ProfileResult,
     describe_environment,
 )
+from slipstream.profile.sequences import SequenceInputs, timed_run
 from slipstream.runtime import backend_for_file, get_backend
-from slipstream.runtime.base import Backend, BackendUnavailable, ModelSignature, TensorSpec
+from slipstream.runtime.base import Backend, ModelSignature, TensorSpec
 from slipstream.tensors import random_tensor, value_source
 
 logger = logging.getLogger(__name__)
@@ -79,16 +93,8 @@ _RSS_SAMPLE_EVERY = 32
 # sample period (1/6 s to 1 s), and a reading costs a few calls into the driver.
 _GPU_SAMPLE_S = 0.1
 _MB = 1024 * 1024
-# Backend parameters that set the intra-op threads ({} is the count); one inter-op
-# thread, as the server runs each instance.
-_THREAD_PARAMETERS = {
-    "onnxruntime": {"intra_op_thread_count": "{}", "inter_op_thread_count": "1"},
-    "torch": {"intra_op_thread_count": "{}"},
-}
-
-
-class ProfileError(ValueError):
-    """The model cannot be profiled as asked; the message names the option that fixes it."""
+# A stateful model's runs per sequence, by default (perf_analyzer's --sequence-length).
+DEFAULT_SEQUENCE_LENGTH = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +104,8 @@ class _Timing:
     seconds: float
     warmup_runs: int
     min_runs: int
+    # A stateful model's runs per sequence.
+    sequence_length: int = DEFAULT_SEQUENCE_LENGTH
 
 
 def profile_model(
@@ -116,6 +124,8 @@ def profile_model(
     min_runs: int = 3,
     on_batch: Callable[[BatchProfile], None] | None = None,
     open_gpus: Callable[[], Gpus | None] = Gpus.open,
+    config: ModelConfig | None = None,
+    sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
 ) -> ProfileResult:
     """Profile ``path`` in-process at each of ``batch_sizes``; see the module docstring.
 
@@ -125,11 +135,16 @@ def profile_model(
     loaded ``.npz``) replaces the random inputs; its rows are taken or tiled to each batch
     size. ``on_batch`` is called as each batch size finishes (for progress output).
     ``open_gpus``: this machine's GPUs, whose memory and utilization are sampled beside
-    the process's RSS (none: the GPU figures are None).
+    the process's RSS (none: the GPU figures are None). ``config``: the model's config
+    (its repository's config.pbtxt / config.yaml): the model is loaded with its
+    parameters and configured with it completed, as the server does (a Python model's
+    ``initialize``; ``finalize`` at the end); without one, as a bare file.
+    ``sequence_length``: a stateful model's runs per sequence (see
+    :mod:`slipstream.profile.sequences`).
     Raises :class:`ProfileError` when the inputs cannot be made or every batch size fails.
     """
     path = Path(path)
-    timing = _Timing(seconds=seconds, warmup_runs=warmup_runs, min_runs=min_runs)
+    timing = _Timing(seconds, warmup_runs, min_runs, sequence_length)
     _check_settings(list(batch_sizes), threads, seconds, timing, top_ops)
     backend_name = backend or backend_for_file(path)
     backend_class = get_backend(backend_name)
@@ -138,22 +153,29 @@ def profile_model(
     memory = _UsageTracker(open_gpus())
     try:
         measured = _measure(
-            backend_class, path, threads, batch_sizes, inputs, timing, memory, on_batch
+            backend_class, (path, config), threads, batch_sizes, inputs, timing, memory, on_batch
         )
     finally:
         memory.close()
     notes = list(measured.notes)
+    if measured.sequences is not None:
+        notes.append(
+            f"stateful model: each row of a batch is a sequence of {sequence_length} runs "
+            "(START on the first, END on the last, its state passed from run to run)"
+        )
     best = _best_batch(measured.batches)
     op_result = None
     if op_profile and backend_name == "onnxruntime":
         feed = {name: array[: best.batch_size] for name, array in measured.pool.items()}
+        if measured.sequences is not None:  # a sequence's first run: controls and states
+            feed = SequenceInputs(measured.sequences, feed, measured.batching).first_run()
         op_result = _ort_op_profile(path, threads, feed, measured.output_names, timing, top_ops)
     elif op_profile:
         notes.append(f"no op profile: it comes from ONNX Runtime's profiler, not {backend_name}")
     return ProfileResult(
         model_path=str(path),
         backend=backend_name,
-        threads=threads if backend_name in _THREAD_PARAMETERS else None,
+        threads=threads if backend_name in THREAD_PARAMETERS else None,
         seconds_per_batch=seconds,
         warmup_runs=warmup_runs,
         batching=measured.batching,
@@ -172,6 +194,7 @@ def profile_model(
         baseline_gpu_memory_mb=memory.gpu_baseline_mb,
         load_gpu_memory_increase_mb=_minus(measured.loaded_gpu_mb, memory.gpu_baseline_mb),
         peak_gpu_memory_mb=memory.gpu_peak_mb,
+        sequence_length=sequence_length if measured.sequences is not None else None,
     )
 
 
@@ -203,11 +226,13 @@ class _Measured:
     loaded_rss_mb: float
     loaded_gpu_mb: float | None
     notes: tuple[str, ...]
+    # A stateful model's sequence_batching (its runs are sequences); None for others.
+    sequences: SequenceBatching | None = None
 
 
 def _measure(
     backend_class: type[Backend],
-    path: Path,
+    model_files: tuple[Path, ModelConfig | None],
     threads: int,
     batch_sizes: Sequence[int],
     options: _InputOptions,
@@ -215,34 +240,54 @@ def _measure(
     memory: _UsageTracker,
     on_batch: Callable[[BatchProfile], None] | None,
 ) -> _Measured:
-    """Load the model, then time each batch size in turn."""
-    model, notes = _load_backend(backend_class, path, threads)
+    """Load the model as the server does, time each batch size in turn, then close it
+    (a Python model's finalize)."""
+    path, config = model_files
+    loaded = load_model(backend_class, path, threads, config)
+    model = loaded.backend
     loaded_rss_mb = memory.sample(read_gpu=True)
     loaded_gpu_mb = memory.gpu_now_mb
     try:
-        signature = model.signature()
-        plans, batching = plan_inputs(signature, options.shapes, options.datatypes, options.data)
+        plans, batching = plan_inputs(
+            loaded.signature, options.shapes, options.datatypes, options.data
+        )
         fixed = _fixed_batch_size(plans)
         sizes = sorted(set(batch_sizes)) if batching else sorted({*batch_sizes, fixed})
         pool = _input_pool(plans, batching, max(sizes), options.data)
-        output_names = [spec.name for spec in signature.outputs] or ["output"]
+        measured = _Measured(
+            plans, batching, (), pool, loaded.output_names, loaded_rss_mb, loaded_gpu_mb,
+            tuple(loaded.notes), loaded.sequences,
+        )  # fmt: skip
         batches = []
+        sequence_ids = itertools.count(1)
         for size in sizes:
             if not batching and size != fixed:
                 reason = f"the model's first dim is fixed at {fixed}"
                 batch = BatchProfile(batch_size=size, status="not_applicable", reason=reason)
             else:
                 feed = {name: array[:size] for name, array in pool.items()} if batching else pool
-                batch = _time_batch(model, feed, output_names, size, timing, memory)
+                run, finish = timed_run(
+                    model, feed, measured, (timing.sequence_length, sequence_ids)
+                )
+                batch = _time_batch(run, size, timing, memory)
+                finish()
             batches.append(batch)
             if on_batch is not None:
                 on_batch(batch)
     finally:
+        _close(model, path)
+    return dataclasses.replace(measured, batches=tuple(batches))
+
+
+def _close(model: Backend, path: Path) -> None:
+    """Close the instance (a Python model's finalize runs here); its failure is the
+    profile's, named."""
+    try:
         model.close()
-    return _Measured(
-        plans, batching, tuple(batches), pool, output_names, loaded_rss_mb, loaded_gpu_mb,
-        tuple(notes),
-    )  # fmt: skip
+    except Exception as exc:
+        raise ProfileError(
+            f"{path.name}: closing the model failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _check_settings(
@@ -257,36 +302,12 @@ def _check_settings(
             ("warmup_runs", timing.warmup_runs >= 0, ">= 0", timing.warmup_runs),
             ("min_runs", timing.min_runs >= 1, ">= 1", timing.min_runs),
             ("top_ops", top_ops >= 0, ">= 0", top_ops),
+            ("sequence_length", timing.sequence_length >= 1, ">= 1", timing.sequence_length),
         )
         if not ok
     ]
     if problems:
         raise ProfileError("; ".join(problems))
-
-
-def _load_backend(
-    backend_class: type[Backend], path: Path, threads: int
-) -> tuple[Backend, list[str]]:
-    notes: list[str] = []
-    parameters = _thread_parameters(backend_class.name, threads)
-    if backend_class.name not in _THREAD_PARAMETERS:
-        notes.append(
-            f"threads not applied: the {backend_class.name} backend has no thread setting "
-            "(numpy / BLAS use their own defaults)"
-        )
-    try:
-        return backend_class.load(path, parameters, 1), notes
-    except (BackendUnavailable, ProfileError):
-        raise
-    except Exception as exc:  # a file the backend cannot read: the CLI says so, no trace
-        raise ProfileError(f"{path.name}: {backend_class.name} cannot load it: {exc}") from exc
-
-
-def _thread_parameters(backend_name: str, threads: int) -> dict[str, str]:
-    return {
-        key: value.format(threads)
-        for key, value in _THREAD_PARAMETERS.get(backend_name, {}).items()
-    }
 
 
 # --- inputs -------------------------------------------------------------------------
@@ -488,9 +509,7 @@ def _run_for(
 
 
 def _time_batch(
-    model: Backend,
-    inputs: dict[str, np.ndarray],
-    output_names: list[str],
+    run: Run,
     batch_size: int,
     timing: _Timing,
     memory: _UsageTracker,
@@ -501,7 +520,7 @@ def _time_batch(
 
     memory.start_batch()
     try:
-        latencies_s = _run_for(lambda: model.run(inputs, output_names), timing, None, sample_rss)
+        latencies_s = _run_for(run, timing, None, sample_rss)
     except Exception as exc:  # a batch size the model or the memory cannot take
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         logger.debug("batch size %d failed", batch_size, exc_info=True)
@@ -551,7 +570,7 @@ def _ort_op_profile(
 
     batch_size = next(iter(inputs.values())).shape[0] if inputs else 1
     with tempfile.TemporaryDirectory(prefix="slipstream-profile-") as tmp:
-        options = session_options(_thread_parameters("onnxruntime", threads), 1)
+        options = session_options(thread_parameters("onnxruntime", threads), 1)
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / "ort")
         session = create_session(path, options)

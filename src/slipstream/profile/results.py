@@ -166,6 +166,9 @@ class ProfileResult:
     baseline_gpu_memory_mb: float | None = None
     load_gpu_memory_increase_mb: float | None = None
     peak_gpu_memory_mb: float | None = None
+    # A stateful model's (sequence_batching): the runs per sequence, each row of a batch
+    # its own sequence; None for the others.
+    sequence_length: int | None = None
 
 
 def result_to_dict(result: ProfileResult) -> dict[str, Any]:

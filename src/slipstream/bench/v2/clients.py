@@ -20,6 +20,7 @@ from slipstream.bench.core.http import (
 )
 from slipstream.bench.v2.blocking import BlockingHttpUser
 from slipstream.bench.v2.messages import EncodedRequest
+from slipstream.bench.v2.sequences import in_sequence
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 # gRPC servers commonly allow 100 concurrent streams per connection: one channel (its
@@ -47,6 +48,13 @@ class InferClient(ABC):
     @abstractmethod
     async def infer(self, index: int) -> str | None:
         """Send pre-encoded request ``index``; None on success, else the error key."""
+
+    async def infer_in_sequence(
+        self, index: int, sequence_id: int | str, start: bool, end: bool
+    ) -> str | None:
+        """Send request ``index`` as a request of sequence ``sequence_id`` (a stateful
+        model's, :mod:`.sequences`); what ``infer`` returns."""
+        raise NotImplementedError(f"{type(self).__name__} sends no sequences")
 
     @abstractmethod
     async def close(self) -> None:
@@ -99,6 +107,8 @@ class HttpClient(InferClient):
     ) -> None:
         super().__init__()
         self._endpoint = endpoint
+        self._path = path
+        self._requests = requests
         self._payloads = [http_request_bytes(endpoint, path, r) for r in requests]
         self._timeout_s = timeout_s
         self._connections = HttpConnections(endpoint, timeout_s, HttpConnection)
@@ -122,6 +132,22 @@ class HttpClient(InferClient):
             conn = await self._connections.request(self._payloads[index])
         except RequestFailed as exc:
             return self.error_examples.note(exc.key, exc.message)
+        return self._outcome(conn)
+
+    async def infer_in_sequence(
+        self, index: int, sequence_id: int | str, start: bool, end: bool
+    ) -> str | None:
+        # Encoded per request, as the id and flags change: one copy of the tensors' bytes.
+        request = in_sequence("http", self._requests[index], sequence_id, start, end)
+        try:
+            conn = await self._connections.request(
+                http_request_bytes(self._endpoint, self._path, request)
+            )
+        except RequestFailed as exc:
+            return self.error_examples.note(exc.key, exc.message)
+        return self._outcome(conn)
+
+    def _outcome(self, conn: HttpConnection) -> str | None:
         if 200 <= conn.status < 300:
             return None
         return self.error_examples.note(f"http {conn.status}", conn.error_message())
@@ -148,6 +174,7 @@ class GrpcClient(InferClient):
         import grpc
 
         self._grpc: Any = grpc
+        self._requests = requests
         self._bodies = [r.body for r in requests]
         self._timeout_s = timeout_s
         options = [
@@ -171,9 +198,18 @@ class GrpcClient(InferClient):
         self._next = 0
 
     async def infer(self, index: int) -> str | None:
+        return await self._send(self._bodies[index])
+
+    async def infer_in_sequence(
+        self, index: int, sequence_id: int | str, start: bool, end: bool
+    ) -> str | None:
+        request = in_sequence("grpc", self._requests[index], sequence_id, start, end)
+        return await self._send(request.body)
+
+    async def _send(self, body: bytes) -> str | None:
         self._next = (self._next + 1) % len(self._calls)
         try:
-            await self._calls[self._next](self._bodies[index], timeout=self._timeout_s)
+            await self._calls[self._next](body, timeout=self._timeout_s)
         except self._grpc.aio.AioRpcError as exc:
             return self.error_examples.note(f"grpc {exc.code().name}", exc.details() or "")
         return None

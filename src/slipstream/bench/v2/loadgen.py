@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from array import array
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,6 +39,7 @@ from slipstream.bench.v2.messages import (
     WorkerFailed,
     WorkerPlan,
 )
+from slipstream.bench.v2.sequences import WorkerSequences
 
 # A send later than this after its schedule counts as late.
 LATE_SEND_S = 0.001
@@ -119,6 +120,10 @@ class Worker:
         self._record_lock = threading.Lock()
         self._stops: dict[int, asyncio.Event] = {}
         self._rng = np.random.default_rng(plan.seed + 7919 * plan.worker_id)
+        # A stateful model's sequences, kept over levels so ids are never reused.
+        self._sequences = (
+            WorkerSequences(plan.sequences, plan.worker_id) if plan.sequences else None
+        )
 
     async def serve(self) -> None:
         """Run levels as the coordinator asks until Shutdown (or its pipe closes)."""
@@ -191,6 +196,8 @@ class Worker:
             index += 1
         stop.set()
         await self._drain(tasks)
+        if self._sequences is not None:
+            await self._sequences.end_open(client.infer_in_sequence)
         await client.close()
         self._conn.send(LevelDone(plan.worker_id, command.level_id))
 
@@ -198,7 +205,9 @@ class Worker:
         self, client: InferClient, command: RunLevel, stop: asyncio.Event
     ) -> tuple[LoadDriver[str | None] | None, list[asyncio.Task[None]]]:
         """The level's load loop as a task, and its driver (None: the blocking user)."""
-        user = client.blocking_user() if command.concurrency == 1 else None
+        # The blocking user sends the same bytes each time: never a sequence's requests.
+        blocking = command.concurrency == 1 and self._sequences is None
+        user = client.blocking_user() if blocking else None
         if user is not None:
             run = asyncio.to_thread(user.run, stop, self._record_locked, command.first_user)
             return None, [asyncio.create_task(run)]
@@ -223,8 +232,11 @@ class Worker:
             # corrected_latency_s, inline: this runs once per request.
             self._recorder.record(index, done_s - min(scheduled_s, sent_s), error)
 
+        send: Callable[[int], Awaitable[str | None]] = client.infer
+        if self._sequences is not None:
+            send = self._sequences.sender(client.infer_in_sequence)
         return LoadDriver(
-            client.infer,
+            send,
             record,
             requests=len(self._batch_sizes),
             first=first,

@@ -20,6 +20,7 @@ from slipstream.bench.core.levels import Distribution
 from slipstream.bench.core.schedule import SendStats
 
 Protocol = Literal["http", "http-binary", "grpc"]
+SequenceIdKind = Literal["int", "string"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,29 @@ class EncodedRequest:
     header_length: int | None
     # Inferences the request counts for (its batch size).
     batch_size: int
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """How a run's workers drive a stateful model's sequences (see
+    :mod:`slipstream.bench.v2.sequences`)."""
+
+    # Requests per sequence: sequence_start on the first, sequence_end on the last.
+    length: int
+    # Integer ids, or string ids (a model whose CORRID control is TYPE_STRING).
+    id_kind: SequenceIdKind
+    # The largest integer id the model's CORRID control holds.
+    max_id: int
+    # Drawn per run, so two runs against one server never share an id.
+    run_tag: int
+    # Worker w's k-th sequence is id run_tag + w + k * stride: more than any worker id.
+    stride: int
+
+    def sequence_id(self, worker_id: int, number: int) -> int | str:
+        """The id of worker ``worker_id``'s ``number``-th sequence (never 0)."""
+        if self.id_kind == "string":
+            return f"{self.run_tag:x}-{worker_id}-{number}"
+        return 1 + (self.run_tag + worker_id + number * self.stride) % self.max_id
 
 
 @dataclass(frozen=True)
@@ -48,6 +72,8 @@ class WorkerPlan:
     timeout_s: float
     distribution: Distribution
     seed: int
+    # A stateful model's sequences (each request in one); None for a stateless model.
+    sequences: SequencePlan | None = None
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,11 @@ def print_tables(result: BenchResult, console: Console) -> None:
     title = (
         f"{result.model} over {result.protocol} at {result.url}, batch size {result.batch_size}"
         + (f", {result.distribution} arrivals" if result.distribution else "")
+        + (
+            f", sequences of {result.sequence_length} requests ({result.sequence_ids} ids)"
+            if result.sequence_length is not None
+            else ""
+        )
     )
     console.print(level_table(title, result, _MAIN))
     breakdown = _BREAKDOWN

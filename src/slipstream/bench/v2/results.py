@@ -175,6 +175,10 @@ class BenchResult:
     warnings: list[str] = field(default_factory=list)
     # The settings as given, for the JSON record.
     settings: dict[str, Any] = field(default_factory=dict)
+    # A stateful model's: the requests per sequence each user ran, and the ids' type
+    # ("int" or "string"); None for a stateless model.
+    sequence_length: int | None = None
+    sequence_ids: str | None = None
 
 
 @dataclass(frozen=True)

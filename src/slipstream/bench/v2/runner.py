@@ -36,6 +36,7 @@ from slipstream.bench.v2.messages import (
     LevelDone,
     Message,
     RunLevel,
+    SequencePlan,
     StopLevel,
     WindowSample,
     WorkerPlan,
@@ -49,6 +50,7 @@ from slipstream.bench.v2.results import (
     level_result,
     merge_samples,
 )
+from slipstream.bench.v2.sequences import sequence_plan
 from slipstream.bench.v2.server_api import ServerApi, connect_api
 from slipstream.bench.v2.server_stats import (
     ProcessSample,
@@ -103,10 +105,18 @@ def run_bench(settings: BenchSettings, progress: ProgressListener | None = None)
     try:
         signature = api.signature()
         requests = build_requests(settings, signature)
+        sequences = sequence_plan(
+            api.model_config(),
+            settings.sequence_length,
+            settings.sequence_ids,
+            settings.workers or _MAX_AUTO_WORKERS,
+        )
         if settings.server_pid:
             # The server runs on this machine: its GPUs are this machine's.
             sampler = ProcessSampler(settings.server_pid, Gpus.open())
-        pool = WorkerPool(lambda worker_id: worker_plan(settings, endpoint, requests, worker_id))
+        pool = WorkerPool(
+            lambda worker_id: worker_plan(settings, endpoint, requests, worker_id, sequences)
+        )
         try:
             runner = LevelRunner(settings, pool, api, sampler, listener)
             levels = []
@@ -131,6 +141,8 @@ def run_bench(settings: BenchSettings, progress: ProgressListener | None = None)
         levels=levels,
         warnings=warnings,
         settings=settings.model_dump(mode="json"),
+        sequence_length=sequences.length if sequences else None,
+        sequence_ids=sequences.id_kind if sequences else None,
     )
 
 
@@ -152,7 +164,11 @@ def build_requests(settings: BenchSettings, signature: RemoteModel) -> list[Enco
 
 
 def worker_plan(
-    settings: BenchSettings, endpoint: Endpoint, requests: list[EncodedRequest], worker_id: int
+    settings: BenchSettings,
+    endpoint: Endpoint,
+    requests: list[EncodedRequest],
+    worker_id: int,
+    sequences: SequencePlan | None = None,
 ) -> WorkerPlan:
     return WorkerPlan(
         worker_id=worker_id,
@@ -163,6 +179,7 @@ def worker_plan(
         timeout_s=settings.timeout_s,
         distribution=settings.distribution,
         seed=settings.seed,
+        sequences=sequences,
     )
 
 
@@ -177,6 +194,24 @@ def _run_warnings(
         )
     if sampler is not None and sampler.sample(time.monotonic()) is None:
         warnings.append(f"--server-pid {settings.server_pid} exited during the run")
+    fields = BenchSettings.model_fields
+    sequence_options = ", ".join(
+        f"--{name.replace('_', '-')}"
+        for name in ("sequence_length", "sequence_ids")
+        if getattr(settings, name) != fields[name].default
+    )
+    config = api.model_config()
+    if sequence_options and config is None:
+        warnings.append(
+            f"{sequence_options}: not used; the server publishes no model config "
+            "(/v2/models/{m}/config or ModelConfig), so the bench cannot tell the model is "
+            "stateful"
+        )
+    elif sequence_options and config is not None and "sequence_batching" not in config:
+        warnings.append(
+            f"{sequence_options}: not used; the model's config has no sequence_batching "
+            "(it is not a stateful model)"
+        )
     return warnings
 
 

@@ -35,12 +35,23 @@ class ServerApi(ABC):
         self.timeout_s = timeout_s
         # False once the server showed it has no statistics extension: stop asking.
         self._stats_offered = True
+        # The model's config (Triton's extension), read once; None: not offered.
+        self._config_read = False
+        self._config_doc: dict[str, Any] | None = None
 
     def signature(self) -> RemoteModel:
         """The model's signature; raises BenchError when it cannot be served."""
         metadata = self._metadata()
         self._check_ready()
         return signature_from_metadata(metadata, self._max_batch_size())
+
+    def model_config(self) -> dict[str, Any] | None:
+        """The model's config in Triton's JSON form, or None when the server does not
+        publish it (read once)."""
+        if not self._config_read:
+            self._config_doc = self._config()
+            self._config_read = True
+        return self._config_doc
 
     def stats_snapshot(self) -> StatsSnapshot | None:
         """Cumulative statistics now, or None when the server does not offer them."""
@@ -61,7 +72,14 @@ class ServerApi(ABC):
     def _check_ready(self) -> None: ...
 
     @abstractmethod
-    def _max_batch_size(self) -> int | None: ...
+    def _config(self) -> dict[str, Any] | None: ...
+
+    def _max_batch_size(self) -> int | None:
+        config = self.model_config()
+        if config is None:
+            return None
+        value = config.get("max_batch_size")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     @abstractmethod
     def _stats(self) -> StatsSnapshot | None: ...
@@ -113,15 +131,15 @@ class HttpServerApi(ServerApi):
         if status != 200:
             raise BenchError(f"model {self.model!r} is not ready (GET .../ready answered {status})")
 
-    def _max_batch_size(self) -> int | None:
+    def _config(self) -> dict[str, Any] | None:
         status, body = self._get("/config")
         if status != 200:
             return None
         try:
-            value = orjson.loads(body).get("max_batch_size")
-        except (orjson.JSONDecodeError, AttributeError):
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
             return None
-        return int(value) if isinstance(value, int) else None
+        return doc if isinstance(doc, dict) else None
 
     def _stats(self) -> StatsSnapshot | None:
         status, body = self._get("/stats")
@@ -183,12 +201,16 @@ class GrpcServerApi(ServerApi):
         if not ready:
             raise BenchError(f"model {self.model!r} is not ready")
 
-    def _max_batch_size(self) -> int | None:
+    def _config(self) -> dict[str, Any] | None:
         try:
             config = self._call("Config").get("config", {})
         except self._grpc.RpcError:
             return None
-        return int(config.get("max_batch_size", 0))
+        if not isinstance(config, dict):
+            return None
+        # proto3 leaves out a field at its default: no max_batch_size is 0.
+        config.setdefault("max_batch_size", 0)
+        return config
 
     def _stats(self) -> StatsSnapshot | None:
         try:

@@ -6,6 +6,7 @@ The field descriptions are the CLI's ``--help`` text, so the two never drift apa
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -32,6 +33,18 @@ class BenchSettings(LoadSettings):
         None,
         description="Inputs from a file instead of random data: .npz arrays named like the "
         "inputs, or .json holding one V2 request or a list of them (sent in turn).",
+    )
+    sequence_length: int = Field(
+        20,
+        ge=1,
+        description="Stateful models (sequence_batching in the model's config): requests "
+        "per sequence. Each concurrent user runs its own sequences, sequence_start on the "
+        "first request and sequence_end on the last, as perf_analyzer's --sequence-length.",
+    )
+    sequence_ids: Literal["auto", "int", "string"] = Field(
+        "auto",
+        description="Stateful models: the type of the sequence ids sent; auto: strings where "
+        "the model's CORRID control is TYPE_STRING, else integers.",
     )
     warmup_s: float = Field(1.0, ge=0, description="Warm-up per load level, not measured.")
     window_s: float = Field(2.0, gt=0, description="Length of one measurement window.")
