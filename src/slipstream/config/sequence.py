@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from slipstream.config.base import Strict as _Strict
 from slipstream.config.reshape import dims_problem
-from slipstream.datatypes import from_config_datatype
+from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype
 
 ControlKind = Literal[
     "CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_READY", "CONTROL_SEQUENCE_END",
@@ -79,6 +80,13 @@ class Control(_Strict):
         if self.fp32_false_true:
             return self.fp32_false_true[flag], "FP32"
         return self.bool_false_true[flag], "BOOL"
+
+    def flag_array(self, shape: list[int], start: bool, end: bool) -> np.ndarray:
+        """A START / END / READY control's input for a request that starts (``start``) or
+        ends (``end``) its sequence (READY is always true), shaped ``shape``."""
+        flag = {"CONTROL_SEQUENCE_START": start, "CONTROL_SEQUENCE_END": end}.get(self.kind, True)
+        value, datatype = self.value(flag)
+        return np.full(shape, value, dtype=V2_TO_NUMPY[datatype])
 
 
 class ControlInput(_Strict):

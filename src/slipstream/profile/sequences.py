@@ -114,11 +114,7 @@ class SequenceInputs:
                     ids = [str(i).encode() for i in ids]
                 made[control_input.name] = np.array(ids, dtype=dtype).reshape(shape)
                 continue
-            flag = {"CONTROL_SEQUENCE_START": start, "CONTROL_SEQUENCE_END": end}.get(
-                control.kind, True
-            )
-            value, datatype = control.value(flag)
-            made[control_input.name] = np.full(shape, value, dtype=V2_TO_NUMPY[datatype])
+            made[control_input.name] = control.flag_array(shape, start, end)
         return made
 
     def _zero_states(self) -> dict[str, np.ndarray]:

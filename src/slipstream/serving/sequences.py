@@ -134,11 +134,7 @@ class Sequences:
                     value = key
                 made[control_input.name] = np.full(shape, value, dtype=dtype)
                 continue
-            flag = {"CONTROL_SEQUENCE_START": start, "CONTROL_SEQUENCE_END": end}.get(
-                control.kind, True
-            )
-            value, datatype = control.value(flag)
-            made[control_input.name] = np.full(shape, value, dtype=V2_TO_NUMPY[datatype])
+            made[control_input.name] = control.flag_array(shape, start, end)
         return made
 
     def _states(self, sequence: _Sequence, rows: int) -> dict[str, np.ndarray]:
