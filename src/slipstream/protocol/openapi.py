@@ -190,6 +190,32 @@ def _v2_model_paths(prefix: str, params: list[dict[str, Any]]) -> dict[str, Any]
                 | _v2_errors("400", "404", body=True),
             },
         },
+        **{
+            prefix + "/" + route: {
+                "parameters": params,
+                "post": {
+                    "summary": summary,
+                    "operationId": _operation_id(f"model_{route}", prefix),
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    "responses": {"200": response(answer)} | _v2_errors("400", "404", body=True),
+                },
+            }
+            for route, summary, answer in (
+                (
+                    "generate",
+                    "Inputs by name, one answer (Triton's generate extension)",
+                    "The outputs by name, in one flat JSON object",
+                ),
+                (
+                    "generate_stream",
+                    "Inputs by name, every answer as a server-sent event",
+                    "text/event-stream: one data: event per answer",
+                ),
+            )
+        },
         prefix + "/config": {
             "parameters": params,
             "get": {
