@@ -146,6 +146,19 @@ class BatcherMachine(RuleBasedStateMachine):
         max_queue_size=st.sampled_from([0, 3, 12]),
         default_timeout_us=st.sampled_from([0, 0, 500, 3000]),
         inline_us=st.sampled_from([0, 1_000_000]),
+        level_policy=st.sampled_from(
+            [
+                None,
+                None,
+                {"max_queue_size": 2},
+                {"default_timeout_microseconds": 700},
+                {
+                    "max_queue_size": 1,
+                    "default_timeout_microseconds": 300,
+                    "allow_timeout_override": False,
+                },
+            ]
+        ),
     )
     def start(
         self,
@@ -157,6 +170,7 @@ class BatcherMachine(RuleBasedStateMachine):
         max_queue_size: int,
         default_timeout_us: int,
         inline_us: int,
+        level_policy: dict[str, Any] | None,
     ) -> None:
         batching: dict[str, Any] = {
             "max_queue_delay_microseconds": delay_us,
@@ -167,6 +181,8 @@ class BatcherMachine(RuleBasedStateMachine):
         }
         if max_queue_size:
             batching["max_queue_size"] = max_queue_size
+        if levels and level_policy is not None:  # priority 1's own queue policy
+            batching["priority_queue_policy"] = {1: level_policy}
         config = parse_model_config(
             {"max_batch_size": max_batch_size, "dynamic_batching": batching}, "test"
         )
@@ -181,6 +197,14 @@ class BatcherMachine(RuleBasedStateMachine):
         self.levels = max(1, levels)
         self.max_queue_size = config.dynamic_batching.max_queue_size
         self.default_timeout_s = default_timeout_us / 1e6
+        # Per 0-based level: (its queue's own bound or 0, default timeout s, override).
+        self.policies = [(0, self.default_timeout_s, True)] * self.levels
+        for level, policy in config.dynamic_batching.priority_queue_policy.items():
+            self.policies[level - 1] = (
+                policy.max_queue_size,
+                policy.default_timeout_microseconds / 1e6,
+                policy.allow_timeout_override,
+            )
         metrics = ServerMetrics()
         # Policy violations seen at dispatch (raised there, they would only fail the batch).
         self.violations: list[str] = []
@@ -284,7 +308,7 @@ class BatcherMachine(RuleBasedStateMachine):
         elif isinstance(exc, InvalidRequest):
             assert r.poison and r.dispatched, exc
         elif isinstance(exc, Unavailable):
-            assert "queue is full" in exc.message
+            assert "is full" in exc.message
             assert r.refusable, f"request {r.rid} refused with a queue of room"
         else:
             raise AssertionError(f"request {r.rid} failed: {exc!r}")
@@ -298,11 +322,14 @@ class BatcherMachine(RuleBasedStateMachine):
     )
     def arrive(self, rows: int, width: int, priority: int, timeout_us: int, poison: bool) -> None:
         rows = min(rows, self.max_batch_size)
-        # A request's own timeout may shorten the default, never lengthen it.
-        timeout_s = min([t for t in (timeout_us / 1e6, self.default_timeout_s) if t], default=0.0)
         now = self.loop.now_s
         default_level = max(1, self.config.dynamic_batching.default_priority_level) - 1
         level = priority - 1 if 0 < priority <= self.levels else default_level
+        level_bound, default_s, override = self.policies[level]
+        # A request's own timeout may shorten its level's default (where the policy lets
+        # it), never lengthen it.
+        requested_s = timeout_us / 1e6 if override else 0.0
+        timeout_s = min([t for t in (requested_s, default_s) if t], default=0.0)
         r = Req(
             rid=next(self.ids),
             rows=rows,
@@ -312,13 +339,19 @@ class BatcherMachine(RuleBasedStateMachine):
             deadline_s=now + timeout_s if timeout_s else None,
             poison=poison,
         )
-        r.refusable = self.batcher.num_pending >= self.max_queue_size
+        r.refusable = self.batcher.num_pending >= self.max_queue_size or bool(
+            level_bound and len(self.batcher._queues[level]) >= level_bound
+        )
         self.reqs[r.rid] = r
         key = ((width,),)
         r.task = self.loop.create_task(
             self.batcher.submit({"x": r.inputs()}, rows, key, priority, timeout_us)
         )
         self.settle()
+        if r.refusable:  # a full queue (the model's, or its level's) refuses at once
+            assert r.ended and isinstance(r.task.exception(), Unavailable), (
+                f"request {r.rid} was queued past a full queue"
+            )
 
     @precondition(lambda self: any(not r.ended for r in self.reqs.values()))
     @rule(pick=st.integers(0, 1000))
@@ -345,6 +378,13 @@ class BatcherMachine(RuleBasedStateMachine):
     @invariant()
     def dispatches_follow_the_policy(self) -> None:
         assert not getattr(self, "violations", []), self.violations
+
+    @invariant()
+    def no_request_waits_past_its_deadline(self) -> None:
+        now = self.loop.now_s if hasattr(self, "loop") else 0.0
+        for r in getattr(self, "reqs", {}).values():
+            if r.deadline_s is not None and not r.dispatched and not r.ended:
+                assert now < r.deadline_s + 1e-6, f"request {r.rid} queued past its deadline"
 
     @invariant()
     def never_stalls(self) -> None:
