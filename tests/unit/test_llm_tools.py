@@ -55,6 +55,15 @@ def test_constrained_choices_read_back_their_calls() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2})]
 
 
+def test_call_arguments_keep_their_characters() -> None:
+    # Until 2026-11 "auto" and "required" escaped them ("S\\u00e3o"), a named choice not.
+    said = '{"name": "get_weather", "arguments": {"city": "São Paulo"}}'
+    _, [auto] = read_calls(f"<tool_call>{said}</tool_call>", [WEATHER], "auto")
+    _, [required] = read_calls(f"[{said}]", [WEATHER], "required")
+    _, [named] = read_calls('{"city": "São Paulo"}', [WEATHER], "get_weather")
+    assert auto.arguments == required.arguments == named.arguments == '{"city": "São Paulo"}'
+
+
 def test_the_constraint_of_each_choice() -> None:
     assert call_constraint([WEATHER], "auto", True) is None
     assert call_constraint([WEATHER], "none", True) is None

@@ -133,3 +133,15 @@ async def test_logprobs_travel_with_the_text_they_belong_to() -> None:
     deltas = [delta async for delta in stream_text(steps(), decode)]
     assert [(d.text, [lp.token_id for lp in d.logprobs]) for d in deltas] == [
         ("A", [0]), ("é", [1, 2]), ("!", [3])]  # fmt: skip
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
+def test_only_an_assistant_message_may_leave_out_its_content(role: str) -> None:
+    # Until 2026-11 a user turn without content was rendered as an empty turn, not a 400.
+    missing = chat(messages=[{"role": "user", "content": "hi"}, {"role": role}])
+    with pytest.raises(InvalidRequest, match=rf"^messages\[1\]\.content: a {role} message"):
+        missing.chat()
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    turns = chat(messages=[{"role": "user", "content": "hi"},
+                           {"role": "assistant", "tool_calls": calls}]).chat()  # fmt: skip
+    assert turns[1]["content"] == ""

@@ -234,7 +234,8 @@ def read_calls(text: str, tools: list[Tool], choice: ToolChoice) -> tuple[str, l
         return text, []
     if choice == "required":
         made = json.loads(text)
-        return "", [ToolCall(new_call_id(), c["name"], json.dumps(c["arguments"])) for c in made]
+        return "", [ToolCall(new_call_id(), c["name"], _arguments_text(c["arguments"]))
+                    for c in made]  # fmt: skip
     if choice != "auto":
         return "", [ToolCall(new_call_id(), _find(tools, choice).name, text)]
     names = {tool.name for tool in tools}
@@ -249,8 +250,14 @@ def read_calls(text: str, tools: list[Tool], choice: ToolChoice) -> tuple[str, l
         if not isinstance(call, dict) or call.get("name") not in names:
             continue
         arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append(ToolCall(new_call_id(), call["name"], json.dumps(arguments)))
+        calls.append(ToolCall(new_call_id(), call["name"], _arguments_text(arguments)))
         kept.append(text[last : match.start()])
         last = match.end()
     kept.append(text[last:])
     return "".join(kept).strip() if calls else text, calls
+
+
+def _arguments_text(arguments: Any) -> str:
+    """A call's arguments as JSON text, characters as the model wrote them (not ``\\u``
+    escapes), as a named choice's arguments come and as vLLM sends them."""
+    return json.dumps(arguments, ensure_ascii=False)

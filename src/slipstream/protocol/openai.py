@@ -303,6 +303,18 @@ class ContentPart(_Fields):
 
 
 class ChatMessage(_Fields):
+    # The document says what text() enforces: only an assistant message may leave out
+    # its content (OpenAI's rule too).
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"role": {"const": "assistant"}}},
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+            ]
+        },
+    )
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -313,6 +325,11 @@ class ChatMessage(_Fields):
     def text(self, index: int) -> str:
         content = self.content
         if content is None:
+            if self.role != "assistant":  # OpenAI's 400 too: a turn without its text
+                raise InvalidRequest(
+                    f"messages[{index}].content: a {self.role} message needs content (a"
+                    " string or text parts); only an assistant message may leave it out"
+                )
             return ""
         if isinstance(content, str):
             return content

@@ -37,6 +37,7 @@ from slipstream.server.openai_generation import (
     sse_events,
 )
 from slipstream.server.openai_responses import respond
+from slipstream.server.openai_tool_stream import auto_tool_events
 from slipstream.server.router import no_route
 from slipstream.serving.cache import ResponseCache
 from slipstream.serving.embeddings import Embedder
@@ -190,13 +191,19 @@ class OpenAIApp:
     async def _respond_with_tools(
         self, body: Any, jobs: list[Job], arrived: float, tools: list[Tool], choice: str
     ) -> Reply:
-        """Tool calls are read from the whole text, so a streamed answer is sent once it
-        is complete (its events are the ones a stream of it would carry)."""
+        """With ``auto``, a streamed answer's content is sent as it comes and its calls
+        once complete; a constrained call (``required``, a named function) is read from
+        the whole text, so that stream is sent once it is complete (its events are the
+        ones a stream of it would carry)."""
         engine = admit(self._llm, body, jobs)
         pieces = Pieces(engine) if jobs[0].params.logprobs is not None else None
         head = _head(body, True, pieces)
         prompt_tokens = len(jobs[0].prompt_ids)
-        collected = await collect(self._llm.generate(body.model, jobs, arrived), len(jobs), pieces)
+        stream = self._llm.generate(body.model, jobs, arrived)
+        if body.stream and choice == "auto":
+            events = auto_tool_events(stream, head, len(jobs), prompt_tokens, tools)
+            return StreamingResponse(200, events)
+        collected = await collect(stream, len(jobs), pieces)
         read_tool_calls(collected, tools, choice)
         if body.stream:
             return StreamingResponse(200, replay_events(collected, head, prompt_tokens))
