@@ -42,7 +42,8 @@ ROUTES = {
     (method, prefix + suffix)
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")
     for method, suffix in (("get", ""), ("get", "/ready"), ("post", "/infer"),
-                           ("get", "/config"), ("get", "/stats"), ("get", "/drift"))
+                           ("get", "/config"), ("get", "/stats"), ("get", "/drift"),
+                           ("post", "/generate"), ("post", "/generate_stream"))
 }  # fmt: skip
 # Triton's shared-memory extensions: status and unregister of all regions or one.
 ROUTES |= {

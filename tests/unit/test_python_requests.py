@@ -176,7 +176,7 @@ def test_exec_outside_a_server_is_an_error_response(tmp_path: Path) -> None:
     answer = request.exec()
     assert answer.has_error()
     error = answer.error()
-    assert error is not None and "works inside execute only" in error.message()
+    assert error is not None and "works inside initialize and execute only" in error.message()
 
 
 AUTO_COMPLETE = """

@@ -53,13 +53,20 @@ def complete_config(config: ModelConfig, signature: ModelSignature, backend: str
         kept = set(done.sequence_batching.model_outputs())
         inputs = tuple(spec for spec in inputs if spec.name not in given)
         outputs = tuple(spec for spec in outputs if spec.name not in kept)
-    done.input = _complete(done.input, inputs, batching, "input")
-    done.output = _complete(done.output, outputs, batching, "output")
+    # A Python model's auto_complete_config adds to the tensors its config lists (Triton
+    # hands it the config); another file's signature completes an empty list only.
+    extend = backend == "python"
+    done.input = _complete(done.input, inputs, batching, "input", extend)
+    done.output = _complete(done.output, outputs, batching, "output", extend)
     return done
 
 
 def _complete(
-    given: list[TensorConfig], specs: tuple[TensorSpec, ...], batching: bool, kind: str
+    given: list[TensorConfig],
+    specs: tuple[TensorSpec, ...],
+    batching: bool,
+    kind: str,
+    extend: bool = False,
 ) -> list[TensorConfig]:
     by_name = {spec.name: spec for spec in specs}
     if not given:
@@ -70,6 +77,9 @@ def _complete(
             known = ", ".join(by_name)
             raise ConfigError(f"{kind} {tensor.name!r}: not in the model file (it has {known})")
         _check_agrees(tensor, spec, batching, kind)
+    if extend:
+        listed = {tensor.name for tensor in given}
+        given = given + [_from_spec(s, batching, kind) for s in specs if s.name not in listed]
     return given
 
 

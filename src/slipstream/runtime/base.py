@@ -66,6 +66,9 @@ class RequestContext:
     # A decoupled model's way to answer, from any thread, any number of times: the
     # outputs (None: no response), an error instead, and whether it is the last.
     respond: Respond | None = None
+    # Whether the client has gone before the last answer (a decoupled request's stream
+    # closed): the model may stop making answers nobody reads. None: never.
+    cancelled: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,13 +30,16 @@ in numpy or in a model of another backend.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib.util
 import inspect
 import itertools
 import json
+import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -104,7 +107,8 @@ class PythonBackend(Backend):
         if spec is None or spec.loader is None:
             raise PythonModelError(f"{path}: not a Python file")
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        with _beside(path):
+            spec.loader.exec_module(module)
         model_class = getattr(module, "TritonPythonModel", None)
         if model_class is None:
             raise PythonModelError(f"{path.name}: defines no class TritonPythonModel")
@@ -119,15 +123,18 @@ class PythonBackend(Backend):
         initialize = getattr(self._model, "initialize", None)
         if initialize is not None:
             version_dir = self._path.parent
-            initialize({
-                "model_config": json.dumps(config),
-                "model_instance_kind": "CPU",
-                "model_instance_name": f"{config.get('name', '')}_0",
-                "model_instance_device_id": "0",
-                "model_repository": str(version_dir.parent),
-                "model_version": version_dir.name,
-                "model_name": config.get("name", version_dir.parent.name),
-            })  # fmt: skip
+            infer, loop = self._server
+            # Bound to the server: initialize may ask whether a model is ready, or load it.
+            with python_bls.bound(infer, loop, str(config.get("name", ""))):
+                initialize({
+                    "model_config": json.dumps(config),
+                    "model_instance_kind": "CPU",
+                    "model_instance_name": f"{config.get('name', '')}_0",
+                    "model_instance_device_id": "0",
+                    "model_repository": str(version_dir.parent),
+                    "model_version": version_dir.name,
+                    "model_name": config.get("name", version_dir.parent.name),
+                })  # fmt: skip
 
     def signature(self) -> ModelSignature:
         """What the model's ``auto_complete_config`` declares (its tensors, and its
@@ -136,7 +143,8 @@ class PythonBackend(Backend):
         complete = getattr(type(self._model), "auto_complete_config", None)
         if complete is None:
             return ModelSignature((), ())
-        filled = python_utils.ModelConfig()
+        # Its name as Triton's has it (models name it in their errors).
+        filled = python_utils.ModelConfig({"name": self._path.parent.parent.name})
         returned = complete(filled)
         config = (returned if isinstance(returned, python_utils.ModelConfig) else filled).as_dict()
         batch = int(config.get("max_batch_size") or 0)
@@ -195,7 +203,14 @@ class PythonBackend(Backend):
         ]
         if self._decoupled:
             return self._run_decoupled(made, requests, output_names)
-        responses = self._execute(made)
+        sent = [_OneAnswer() for _ in made]
+        for request, answer in zip(made, sent, strict=True):
+            request._sender = python_utils.InferenceResponseSender(answer)  # type: ignore[attr-defined]
+        try:
+            responses = self._execute(made, sent)
+        finally:
+            for answer in sent:
+                answer.open = False
         outcomes: list[dict[str, np.ndarray] | BaseException] = []
         for response, (_, context) in zip(responses, requests, strict=True):
             try:
@@ -222,7 +237,7 @@ class PythonBackend(Backend):
                 )
             required = self._required(context, output_names)
             request._sender = python_utils.InferenceResponseSender(  # type: ignore[attr-defined]
-                functools.partial(self._deliver, respond, required)
+                functools.partial(self._deliver, respond, required), context.cancelled
             )
         returned = self._call_execute(made)
         if returned is not None:
@@ -262,11 +277,26 @@ class PythonBackend(Backend):
                     returned = self._own_loop().run_until_complete(returned)
         except python_utils.TritonError as exc:
             raise _error(exc) from None
+        except python_utils.TritonModelException as exc:
+            # Raised on purpose (Triton's examples pass a BLS call's error on so): its
+            # message is the model's, for the client, as Triton passes it on.
+            raise InternalError(f"the model failed the request: {exc}") from None
         return returned
 
-    def _execute(self, requests: list[python_utils.InferenceRequest]) -> list[Any]:
-        """The model's ``execute``; its list of responses, one per request."""
+    def _execute(
+        self, requests: list[python_utils.InferenceRequest], sent: list[_OneAnswer]
+    ) -> list[Any]:
+        """The model's ``execute``; its list of responses, one per request (those it
+        sent through their response senders where it returned None, as Triton allows)."""
         responses = self._call_execute(requests)
+        if responses is None and all(answer.response is not None for answer in sent):
+            return [answer.response for answer in sent]
+        if responses is None and any(answer.response is not None for answer in sent):
+            raise PythonModelError(
+                f"{self._path.name}: execute returned None but sent no response for some "
+                "of its requests; send each request one response (flags="
+                "TRITONSERVER_RESPONSE_COMPLETE_FINAL) or return a list of them"
+            )
         if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             what = (
                 f"{len(responses)} responses"
@@ -344,6 +374,60 @@ class PythonBackend(Backend):
             if self._loop is not None:
                 self._loop.close()
                 self._loop = None
+
+
+class _OneAnswer:
+    """A response sender's sink for a model that is not decoupled (Triton 24.06 lets one
+    answer through it): the request's one response, sent during ``execute``."""
+
+    def __init__(self) -> None:
+        self.response: python_utils.InferenceResponse | None = None
+        # Closed when execute returns: the batch's answers are read then.
+        self.open = True
+
+    def __call__(self, response: python_utils.InferenceResponse | None, final: bool) -> None:
+        if not self.open:
+            raise python_utils.TritonModelException(
+                "send: a model that is not decoupled answers before execute returns; set "
+                "model_transaction_policy { decoupled: true } to answer later"
+            )
+        if response is not None and self.response is not None:
+            raise python_utils.TritonModelException(
+                "send: a model that is not decoupled sends one response per request; set "
+                "model_transaction_policy { decoupled: true } to send more"
+            )
+        if response is not None:
+            self.response = response
+
+
+# Names of modules imported from beside a model.py: another model's of the same name
+# must not be handed to the next model that imports its own.
+_beside_modules: set[str] = set()
+# Models load on threads side by side; sys.path and sys.modules are the process's, so
+# one model.py imports at a time.
+_import_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _beside(path: Path) -> Iterator[None]:
+    """Importing a ``model.py``: the modules beside it (in its version directory and
+    model directory, which Triton appends to ``sys.path``) import by their names, never
+    as another model's module of the same name, which is put back after."""
+    places = [str(path.parent), str(path.parent.parent)]
+    with _import_lock:
+        shadowed = {name: sys.modules.pop(name) for name in _beside_modules if name in sys.modules}
+        before = set(sys.modules)
+        sys.path.extend(places)
+        try:
+            yield
+        finally:
+            for place in places:
+                sys.path.remove(place)
+            for name in set(sys.modules) - before:
+                where = getattr(sys.modules[name], "__file__", None) or ""
+                if any(where.startswith(place + os.sep) for place in places):
+                    _beside_modules.add(name)
+            sys.modules.update(shadowed)
 
 
 def _error(error: python_utils.TritonError) -> Exception:

@@ -21,13 +21,29 @@ import numpy as np
 from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
 from slipstream.errors import ClientError, NotFound, SlipstreamError, Unavailable
 from slipstream.runtime.python_metrics import MetricFamily
+from slipstream.runtime.python_tensors import (
+    TRITON_STRING_TO_NUMPY,
+    deserialize_bytes_tensor,
+    numpy_to_triton_type,
+    serialize_byte_tensor,
+    triton_to_numpy_type,
+)
 
 if TYPE_CHECKING:
     from slipstream.types import InferResponse
 
 _log = logging.getLogger("slipstream.python_model")
 
-__all__ = ["MetricFamily"]  # re-exported: a model's custom metrics (python_metrics)
+# Re-exported: a model's custom metrics (python_metrics), Triton's datatype tables and
+# BYTES codecs (python_tensors).
+__all__ = [
+    "TRITON_STRING_TO_NUMPY",
+    "MetricFamily",
+    "deserialize_bytes_tensor",
+    "numpy_to_triton_type",
+    "serialize_byte_tensor",
+    "triton_to_numpy_type",
+]
 
 
 class TritonError(Exception):
@@ -78,6 +94,9 @@ class PreferredMemory:
 # InferenceRequest.flags() of a stateful model's request: its sequence's first, last.
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+# InferenceRequest.set_release_flags: Triton's request rescheduling, refused here.
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 
 
 class Tensor:
@@ -108,6 +127,12 @@ class Tensor:
 
     def to_dlpack(self) -> Any:
         return self._array.__dlpack__()
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        return self._array.__dlpack__()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
 
     @classmethod
     def from_dlpack(cls, name: str, capsule: Any) -> Tensor:
@@ -159,8 +184,8 @@ class InferenceRequest:
         **_: Any,
     ) -> None:
         self._inputs = list(inputs)
-        self._outputs = list(requested_output_names)
-        self._id = request_id
+        self._outputs = [_text(name) for name in requested_output_names]
+        self._id = _text(request_id)
         self._correlation_id = correlation_id
         if isinstance(parameters, str):  # Triton takes a JSON object's text too
             try:
@@ -172,7 +197,8 @@ class InferenceRequest:
                 f"parameters: expected a dict or its JSON text, got {type(parameters).__name__}"
             )
         self._parameters = parameters or {}
-        self._model_name = model_name
+        # A name read from a BYTES input (Triton's BLS example does so) is bytes.
+        self._model_name = _text(model_name)
         self._model_version = model_version
         self._flags = flags
         self._timeout = timeout
@@ -196,6 +222,19 @@ class InferenceRequest:
         """TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END of a stateful model's request."""
         return self._flags
 
+    def set_flags(self, flags: int) -> None:
+        self._flags = flags
+
+    def set_release_flags(self, flags: int) -> None:
+        """Triton's request rescheduling (``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``,
+        for iterative sequences): not supported here."""
+        if flags == TRITONSERVER_REQUEST_RELEASE_ALL:
+            return
+        raise TritonModelException(
+            "set_release_flags: Slipstream does not reschedule requests (Triton's "
+            "iterative_sequence); answer each request in the execute call that gets it"
+        )
+
     def model_name(self) -> str:
         return self._model_name
 
@@ -207,7 +246,9 @@ class InferenceRequest:
         return self._timeout
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the client has gone (a decoupled request's stream closed)."""
+        sender: InferenceResponseSender | None = getattr(self, "_sender", None)
+        return sender is not None and sender.is_cancelled()
 
     def get_response_sender(self) -> InferenceResponseSender:
         sender: InferenceResponseSender | None = getattr(self, "_sender", None)
@@ -219,24 +260,50 @@ class InferenceRequest:
             )
         return sender
 
-    def exec(self, decoupled: bool = False, **_: Any) -> InferenceResponse:
+    def exec(self, decoupled: bool = False, **_: Any) -> Any:
         """Run this request on the model it names and wait for its answer (an error
-        response where the server refused or failed it)."""
+        response where the server refused or failed it); ``decoupled=True``: a
+        :class:`ResponseIterator` over a decoupled model's answers."""
         from slipstream.runtime import python_bls
 
         if decoupled:
-            raise TritonModelException("exec(decoupled=True): decoupled models are not supported")
+            return ResponseIterator(python_bls.call_stream(self))
         return _response(python_bls.call(self))
 
-    async def async_exec(self, decoupled: bool = False, **_: Any) -> InferenceResponse:
+    async def async_exec(self, decoupled: bool = False, **_: Any) -> Any:
         """:meth:`exec` for an ``async def execute``."""
         from slipstream.runtime import python_bls
 
         if decoupled:
-            raise TritonModelException(
-                "async_exec(decoupled=True): decoupled models are not supported"
-            )
+            return ResponseIterator(python_bls.call_stream(self))
         return _response(await python_bls.call_async(self))
+
+
+class ResponseIterator:
+    """What ``exec(decoupled=True)`` returns: the called model's responses as they come,
+    the last one empty where the model sent its final flag alone (as Triton's)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream  # a python_bls.Stream, or what refused the call
+        self._done = False
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._done:
+            raise StopIteration
+        if isinstance(self._stream, Exception):
+            self._done = True
+            return _response(self._stream)
+        answer, error, self._done = self._stream.next()
+        if error is not None:
+            return _response(error)
+        return InferenceResponse() if answer is None else _response(answer)
+
+    def cancel(self) -> None:
+        if not isinstance(self._stream, Exception):
+            self._stream.cancel()
 
 
 # InferenceResponseSender.send's flags: this is the request's last response.
@@ -248,8 +315,13 @@ class InferenceResponseSender:
     thread, during or after ``execute``; the last ``send`` carries
     ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``."""
 
-    def __init__(self, deliver: Callable[[InferenceResponse | None, bool], None]) -> None:
+    def __init__(
+        self,
+        deliver: Callable[[InferenceResponse | None, bool], None],
+        cancelled: Callable[[], bool] | None = None,
+    ) -> None:
         self._deliver = deliver
+        self._cancelled = cancelled
         self._lock = threading.Lock()
         self._closed = False
 
@@ -268,17 +340,28 @@ class InferenceResponseSender:
             self._deliver(response, final)
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the client has gone before the last answer: stop making answers
+        (and still send the final flag, as Triton asks)."""
+        return self._cancelled is not None and self._cancelled()
 
 
 class InferenceResponse:
     """What a model's ``execute`` returns for one request: outputs, or an error."""
 
     def __init__(
-        self, output_tensors: Sequence[Tensor] = (), error: TritonError | None = None, **_: Any
+        self,
+        output_tensors: Sequence[Tensor] = (),
+        error: TritonError | None = None,
+        parameters: dict[str, Any] | None = None,
+        **_: Any,
     ) -> None:
         self._outputs = list(output_tensors)
         self._error = error
+        # Kept for the model's own reading; not sent to the client.
+        self._parameters = dict(parameters or {})
+
+    def parameters(self) -> str:
+        return json.dumps(self._parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return list(self._outputs)
@@ -293,11 +376,16 @@ class InferenceResponse:
 def _response(answer: InferResponse | Exception) -> InferenceResponse:
     """What ``exec`` returns: the answer's outputs, or an error response with the code
     the failure's status says (Triton answers so, and never raises out of ``exec``)."""
-    from slipstream.runtime.python_bls import Refused
+    from slipstream.runtime.python_bls import Cancelled, Refused, StreamFailed
 
     if not isinstance(answer, Exception):
-        return InferenceResponse([Tensor(name, array) for name, array in answer.outputs.items()])
-    if isinstance(answer, Refused):
+        return InferenceResponse(
+            [Tensor(name, array) for name, array in answer.outputs.items()],
+            parameters=answer.parameters,
+        )
+    if isinstance(answer, Cancelled):
+        code = TritonError.CANCELLED
+    elif isinstance(answer, Refused):
         code = TritonError.UNSUPPORTED
     elif isinstance(answer, NotFound):
         code = TritonError.NOT_FOUND
@@ -307,17 +395,19 @@ def _response(answer: InferResponse | Exception) -> InferenceResponse:
         code = TritonError.UNAVAILABLE
     else:
         code = TritonError.INTERNAL
-    message = str(answer) if isinstance(answer, SlipstreamError | Refused) else repr(answer)
+    plain = isinstance(answer, SlipstreamError | Refused | StreamFailed)
+    message = str(answer) if plain else repr(answer)
     return InferenceResponse(error=TritonError(message, code))
 
 
 class ModelConfig:
     """What a model's ``auto_complete_config(auto_complete_model_config)`` fills in: the
-    tensors and batch size its config leaves out (Triton's ``pb_utils.ModelConfig``)."""
+    tensors and batch size its config leaves out (Triton's ``pb_utils.ModelConfig``,
+    which takes the config's JSON text)."""
 
-    def __init__(self, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: dict[str, Any] | str | None = None) -> None:
         self._config: dict[str, Any] = {"input": [], "output": [], "max_batch_size": 0}
-        self._config.update(config or {})
+        self._config.update(json.loads(config) if isinstance(config, str) else config or {})
 
     def as_dict(self) -> dict[str, Any]:
         return self._config
@@ -347,8 +437,20 @@ class ModelConfig:
             raise TritonModelException(
                 f"add_{kind}: the {kind} {tensor.get('name', '')!r} has no {', '.join(missing)}"
             )
-        if any(t["name"] == tensor["name"] for t in self._config[kind]):
-            raise TritonModelException(f"add_{kind}: {tensor['name']!r} is already there")
+        for known in self._config[kind]:
+            if known["name"] != tensor["name"]:
+                continue
+            # Added again (Triton merges an equal one): only a different one is an error.
+            if (known["data_type"], list(known["dims"])) != (
+                tensor["data_type"],
+                list(tensor["dims"]),
+            ):
+                raise TritonModelException(
+                    f"add_{kind}: {tensor['name']!r} is already there as "
+                    f"{known['data_type']} {list(known['dims'])}"
+                )
+            known.update(tensor)
+            return
         self._config[kind].append(dict(tensor))
 
 
@@ -388,8 +490,64 @@ def _datatype(array: np.ndarray) -> str:
         return str(array.dtype)
 
 
+def _text(value: str | bytes) -> str:
+    """A name or id given as bytes (read from a BYTES tensor) as text."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def is_model_ready(model_name: str | bytes, model_version: str = "") -> bool:
+    """Whether a model of the server is ready (``False`` where it is unknown)."""
+    from slipstream.runtime import python_bls
+
+    name = _text(model_name)
+    ready = python_bls.manage("is_model_ready", lambda core: core.model_ready(name, model_version))
+    if isinstance(ready, Exception):
+        if isinstance(ready, python_bls.Refused):
+            raise TritonModelException(str(ready))
+        return False
+    return bool(ready)
+
+
+def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:
+    """Load (or reload) a model of the repository, with ``config`` (JSON) in place of
+    its own; the server must run with ``--model-control-mode explicit``."""
+    from slipstream.runtime import python_bls
+
+    if files:
+        raise TritonModelException(
+            "load_model: files are not supported; put the model's files in the repository"
+        )
+    done = python_bls.manage("load_model", lambda core: core.load_model(model_name, config or None))
+    if isinstance(done, Exception):
+        raise TritonModelException(f"load_model {model_name!r}: {done}")
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    """Unload a model; the server must run with ``--model-control-mode explicit``."""
+    from slipstream.runtime import python_bls
+
+    done = python_bls.manage("unload_model", lambda core: core.unload_model(model_name))
+    if isinstance(done, Exception):
+        raise TritonModelException(f"unload_model {model_name!r}: {done}")
+
+
+class _LogLevel:
+    """``pb_utils.Logger.LogLevel``: a message's level, as Python's logging levels."""
+
+    INFO = logging.INFO
+    WARNING = logging.WARNING
+    ERROR = logging.ERROR
+    VERBOSE = logging.DEBUG
+
+
 class Logger:
     """Triton's model logger: to the server's log."""
+
+    LogLevel = _LogLevel
+    INFO = _LogLevel.INFO
+    WARNING = _LogLevel.WARNING
+    ERROR = _LogLevel.ERROR
+    VERBOSE = _LogLevel.VERBOSE
 
     @staticmethod
     def log_info(message: str) -> None:
@@ -408,5 +566,5 @@ class Logger:
         _log.debug("%s", message)
 
     @staticmethod
-    def log(message: str, level: int = 0) -> None:
-        _log.info("%s", message)
+    def log(message: str, level: int = _LogLevel.INFO) -> None:
+        _log.log(level, "%s", message)

@@ -14,6 +14,7 @@ in the model's statistics once, when its final answer is sent.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -40,9 +41,12 @@ async def answers(model: ModelVersion, request: InferRequest) -> AsyncIterator[S
     ) -> None:
         loop.call_soon_threadsafe(sent.put_nowait, (outputs, error, final))
 
+    # Set when the client goes before the last answer: the model's senders say so.
+    gone = threading.Event()
+    finished = False
     try:
         prepared = model.prepare(request)
-        context = model.context(request, respond)
+        context = model.context(request, respond, gone.is_set)
         run: asyncio.Future[Any] | None = asyncio.ensure_future(
             model.batcher.submit(
                 prepared.inputs,
@@ -81,11 +85,14 @@ async def answers(model: ModelVersion, request: InferRequest) -> AsyncIterator[S
                     response = InferResponse(model.name, model.version_str, outputs, request.id)
                 yield response, "", final
             if final:
+                finished = True
                 break
     except SlipstreamError as exc:
         record_failure(model, exc, time.perf_counter_ns() - started_ns)
         raise
     finally:
+        if not finished:
+            gone.set()
         if run is not None and not run.done():
             run.cancel()  # the client left: a request still queued never runs
     elapsed_ns = time.perf_counter_ns() - started_ns

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,7 +267,10 @@ class ModelVersion:
         )
 
     def context(
-        self, request: InferRequest, respond: Respond | None = None
+        self,
+        request: InferRequest,
+        respond: Respond | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> RequestContext | None:
         """What a backend that takes requests sees of ``request`` besides its tensors;
         None for the others (nothing is built on their path). A decoupled model's
@@ -290,6 +294,7 @@ class ModelVersion:
             sequence_start=sequence.get("sequence_start") is True,
             sequence_end=sequence.get("sequence_end") is True,
             respond=respond,
+            cancelled=cancelled,
         )
 
     def metadata(self, versions: list[str]) -> ModelMetadata:
