@@ -251,3 +251,12 @@ def test_priority_queue_policy_is_read_and_written_back_as_triton_has_it() -> No
     delayed = pbtxt.replace("max_queue_size: 4", "timeout_action: DELAY")
     with pytest.raises(ValueError, match=r"priority_queue_policy\[1\]\.timeout_action: DELAY"):
         parse_triton_config(delayed, "p")
+
+
+@pytest.mark.parametrize("text", ["999999999999999999999999999999", "[]", '"x"', "null"])
+def test_a_load_override_that_is_not_a_json_object_is_the_clients_error(text: str) -> None:
+    from slipstream.repository.triton_config import parse_triton_json
+
+    # It was a TypeError deep in the parser: a 500 on POST .../load (schemathesis).
+    with pytest.raises(ConfigError, match="a model config is a JSON object"):
+        parse_triton_json(text, "o")

@@ -73,8 +73,12 @@ def parse_triton_json(text: str, source: str) -> dict[str, Any]:
         data = json.loads(text)
     except ValueError as exc:
         raise ConfigError(f"{source}: not JSON: {exc}") from None
-    if isinstance(data, dict):
-        data = _without_unset(data, top=True)
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}: a model config is a JSON object (Triton's ModelConfig), got "
+            f"{type(data).__name__}"
+        )
+    data = _without_unset(data, top=True)
     try:
         json_format.ParseDict(data, message)
     except json_format.ParseError as exc:
