@@ -311,7 +311,11 @@ def test_statistics_add_up_every_replica_of_a_model(server: RemoteServer) -> Non
                         if s["name"] == "add_sub")  # fmt: skip
             own = int(mine[0]["inference_stats"]["success"]["count"])
             settled = len(per_replica) == 2 and total == own == sum(per_replica.values())
-            if (settled and total >= sum(served.values())) or time.monotonic() > deadline:
+            # Replicas report every few seconds, each on its own clock: wait for both to
+            # have reported the requests above (the total can pass the count sent here
+            # with earlier tests' requests while one replica's report is still due).
+            reported = settled and min(per_replica.values()) >= 3
+            if (reported and total >= sum(served.values())) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         assert settled and total >= sum(served.values()), (per_replica, total, own, served)
