@@ -98,19 +98,29 @@ def call(request: InferenceRequest) -> InferResponse | Exception:
         return server
     if _on_loop(server):
         return Refused("exec() cannot wait on the server's event loop; call it from execute")
+    answer: InferResponse | Exception = _wait_on(server.loop, _answer(server, request))
+    return answer
+
+
+def _wait_on(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, Any]) -> Any:
+    """``work`` run on the server's ``loop``, waited for on this thread: its result, or
+    the exception it raised, or :class:`Refused` where the loop stops first (the server
+    shutting down never answers: the instance thread must not wait forever, or the
+    process could not exit)."""
     try:
-        future = asyncio.run_coroutine_threadsafe(_answer(server, request), server.loop)
+        future = asyncio.run_coroutine_threadsafe(work, loop)
     except RuntimeError:  # the loop is closed
+        work.close()
         return Refused(_STOPPED)
     while True:
         try:
             return future.result(timeout=_POLL_S)
         except concurrent.futures.TimeoutError:
-            # A loop that stopped (the server shutting down) will never answer: the
-            # instance thread must not wait forever, or the process could not exit.
-            if server.loop.is_closed() or not server.loop.is_running():
+            if loop.is_closed() or not loop.is_running():
                 future.cancel()
                 return Refused(_STOPPED)
+        except Exception as exc:
+            return exc
 
 
 async def call_async(request: InferenceRequest) -> InferResponse | Exception:
@@ -267,16 +277,4 @@ def manage(call: str, action: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
             f"{call}() reaches the server, so it works inside initialize and execute only "
             "(not in finalize or another thread)"
         )
-    try:
-        future = asyncio.run_coroutine_threadsafe(action(core), server.loop)
-    except RuntimeError:
-        return Refused(_STOPPED)
-    while True:
-        try:
-            return future.result(timeout=_POLL_S)
-        except concurrent.futures.TimeoutError:
-            if server.loop.is_closed() or not server.loop.is_running():
-                future.cancel()
-                return Refused(_STOPPED)
-        except Exception as exc:
-            return exc
+    return _wait_on(server.loop, action(core))
