@@ -4,7 +4,7 @@ or streamed as server-sent events, logprobs and tool calls in OpenAI's shapes.""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,7 +230,7 @@ class StreamHead:
     continuous_usage: bool = False
 
 
-async def sse_events(
+def sse_events(
     stream: AsyncIterator[tuple[int, Any]],
     head: StreamHead,
     choices: int,
@@ -239,6 +239,53 @@ async def sse_events(
 ) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed completion: role first, reason last, [DONE]
     (after an error event too)."""
+    completion_tokens = [0] * choices
+    events = _completion_events(stream, head, choices, prompt_tokens, echoes, completion_tokens)
+    kind = "chat.completion.chunk" if head.chat else "text_completion"
+    return ended(events, stream, head, kind, lambda: (prompt_tokens, sum(completion_tokens)))
+
+
+async def ended(
+    events: AsyncIterator[bytes],
+    stream: AsyncIterator[Any],
+    head: StreamHead,
+    kind: str,
+    tokens: Callable[[], tuple[int, int]],
+) -> AsyncIterator[bytes]:
+    """``events``, then what ends every streamed chat or completion: an error event
+    where the generation failed, the usage chunk (``tokens()``: prompt and completion
+    tokens) where the request asked for it, and [DONE]. The generation's ``stream`` is
+    closed however the events end (a client that left frees its sequence at once)."""
+    try:
+        async for event in events:
+            yield event
+    except SlipstreamError as exc:
+        # [DONE] still ends the stream, as vLLM ends its error streams: clients that read
+        # to [DONE] stop there (the openai SDK raises at the error event before it).
+        yield replies.error_event(exc)
+        yield replies.SSE_DONE
+        return
+    finally:
+        for closable in (events, stream):
+            aclose = getattr(closable, "aclose", None)
+            if aclose is not None:
+                await aclose()
+    if head.include_usage:
+        use = replies.usage(*tokens())
+        yield replies.usage_chunk(head.rid, head.created, head.model, kind, use)
+    yield replies.SSE_DONE
+
+
+async def _completion_events(
+    stream: AsyncIterator[tuple[int, Any]],
+    head: StreamHead,
+    choices: int,
+    prompt_tokens: int,
+    echoes: list[str] | None,
+    completion_tokens: list[int],
+) -> AsyncIterator[bytes]:
+    """:func:`sse_events`' own events, counting each choice's tokens in
+    ``completion_tokens``."""
     rid, created, model, chat, pieces = head.rid, head.created, head.model, head.chat, head.pieces
     extra: dict[str, Any] = {"usage": None} if head.include_usage else {}
     if chat:
@@ -249,41 +296,24 @@ async def sse_events(
             yield replies.sse(role | extra)
     for index, echo in enumerate(echoes or []):
         yield replies.sse(replies.completion_chunk(rid, created, model, index, echo, None) | extra)
-    completion_tokens = [0] * choices
     # Characters sent so far per choice: the legacy logprobs' text_offset counts from it.
     offsets = [len(echo) for echo in echoes] if echoes else [0] * choices
-    try:
-        async for index, delta in stream:
-            completion_tokens[index] = delta.completion_tokens
-            if head.continuous_usage:
-                extra = {"usage": replies.usage(prompt_tokens, sum(completion_tokens))}
-            entries = pieces.entries(delta.logprobs) if pieces is not None else None
-            if chat:
-                if delta.text or entries:
-                    chunk = replies.chat_chunk(rid, created, model, index, {"content": delta.text},
-                                              None, replies.chat_logprobs(entries))  # fmt: skip
-                    yield replies.sse(chunk | extra)
-                if delta.finish_reason is not None:
-                    last = replies.chat_chunk(rid, created, model, index, {}, delta.finish_reason)
-                    yield replies.sse(last | extra)
-            else:
-                logprobs = replies.completion_logprobs(entries, offsets[index])
-                offsets[index] += sum(len(text) for text, *_ in entries or [])
-                chunk = replies.completion_chunk(rid, created, model, index, delta.text,
-                                                delta.finish_reason, logprobs)  # fmt: skip
+    async for index, delta in stream:
+        completion_tokens[index] = delta.completion_tokens
+        if head.continuous_usage:
+            extra = {"usage": replies.usage(prompt_tokens, sum(completion_tokens))}
+        entries = pieces.entries(delta.logprobs) if pieces is not None else None
+        if chat:
+            if delta.text or entries:
+                chunk = replies.chat_chunk(rid, created, model, index, {"content": delta.text},
+                                          None, replies.chat_logprobs(entries))  # fmt: skip
                 yield replies.sse(chunk | extra)
-    except SlipstreamError as exc:
-        # [DONE] still ends the stream, as vLLM ends its error streams: clients that read
-        # to [DONE] stop there (the openai SDK raises at the error event before it).
-        yield replies.error_event(exc)
-        yield replies.SSE_DONE
-        return
-    finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
-    if head.include_usage:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        use = replies.usage(prompt_tokens, sum(completion_tokens))
-        yield replies.usage_chunk(rid, created, model, obj, use)
-    yield replies.SSE_DONE
+            if delta.finish_reason is not None:
+                last = replies.chat_chunk(rid, created, model, index, {}, delta.finish_reason)
+                yield replies.sse(last | extra)
+        else:
+            logprobs = replies.completion_logprobs(entries, offsets[index])
+            offsets[index] += sum(len(text) for text, *_ in entries or [])
+            chunk = replies.completion_chunk(rid, created, model, index, delta.text,
+                                            delta.finish_reason, logprobs)  # fmt: skip
+            yield replies.sse(chunk | extra)

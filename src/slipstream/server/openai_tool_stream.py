@@ -16,11 +16,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from slipstream.errors import SlipstreamError
 from slipstream.llm.text import TextDelta
 from slipstream.llm.tools import Tool, read_calls
 from slipstream.protocol import openai_replies as replies
-from slipstream.server.openai_generation import StreamHead
+from slipstream.server.openai_generation import StreamHead, ended
 
 _OPEN_TAG = "<tool_call>"
 
@@ -59,7 +58,7 @@ def finish_auto(text: str, sent: str, tools: list[Tool]) -> tuple[str, list[repl
     return "", items
 
 
-async def auto_tool_events(
+def auto_tool_events(
     stream: AsyncIterator[tuple[int, TextDelta]],
     head: StreamHead,
     choices: int,
@@ -68,6 +67,22 @@ async def auto_tool_events(
 ) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed chat offering tools with ``tool_choice:
     "auto"``: role first, content as it comes, calls and reason last, then [DONE]."""
+    completion_tokens = [0] * choices
+    events = _events(stream, head, choices, prompt_tokens, tools, completion_tokens)
+    kind = "chat.completion.chunk"
+    return ended(events, stream, head, kind, lambda: (prompt_tokens, sum(completion_tokens)))
+
+
+async def _events(
+    stream: AsyncIterator[tuple[int, TextDelta]],
+    head: StreamHead,
+    choices: int,
+    prompt_tokens: int,
+    tools: list[Tool],
+    completion_tokens: list[int],
+) -> AsyncIterator[bytes]:
+    """:func:`auto_tool_events`' own events, counting each choice's tokens in
+    ``completion_tokens``."""
     rid, created, model, pieces = head.rid, head.created, head.model, head.pieces
     extra: dict[str, Any] = {"usage": None} if head.include_usage else {}
     for index in range(choices):
@@ -77,47 +92,33 @@ async def auto_tool_events(
     sent = [0] * choices
     # Logprob entries of text not sent yet: they go with the delta that sends it.
     held: list[list[replies.LogprobEntry]] = [[] for _ in range(choices)]
-    completion_tokens = [0] * choices
-    try:
-        async for index, delta in stream:
-            completion_tokens[index] = delta.completion_tokens
-            if head.continuous_usage:
-                extra = {"usage": replies.usage(prompt_tokens, sum(completion_tokens))}
-            texts[index] += delta.text
-            if pieces is not None:
-                held[index].extend(pieces.entries(delta.logprobs))
-            text, reason = texts[index], delta.finish_reason
-            calls: list[replies.CallItem] = []
-            if reason is None:
-                end = sendable_end(text, sent[index])
-                content = text[sent[index] : end]
-                sent[index] = end
-            else:
-                content, calls = finish_auto(text, text[: sent[index]], tools)
-            entries = held[index] if pieces is not None else None
-            if content or (reason is not None and entries):
-                logprobs = replies.chat_logprobs(entries)
-                chunk = replies.chat_chunk(rid, created, model, index, {"content": content},
-                                           None, logprobs)  # fmt: skip
-                yield replies.sse(chunk | extra)
-                held[index] = []
-            if calls:
-                tool_delta: Any = {"tool_calls": replies.tool_calls(calls)}
-                chunk = replies.chat_chunk(rid, created, model, index, tool_delta, None)
-                yield replies.sse(chunk | extra)
-            if reason is not None:
-                ended = "tool_calls" if calls else reason
-                last = replies.chat_chunk(rid, created, model, index, {}, ended)
-                yield replies.sse(last | extra)
-    except SlipstreamError as exc:
-        yield replies.error_event(exc)
-        yield replies.SSE_DONE
-        return
-    finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
-    if head.include_usage:
-        use = replies.usage(prompt_tokens, sum(completion_tokens))
-        yield replies.usage_chunk(rid, created, model, "chat.completion.chunk", use)
-    yield replies.SSE_DONE
+    async for index, delta in stream:
+        completion_tokens[index] = delta.completion_tokens
+        if head.continuous_usage:
+            extra = {"usage": replies.usage(prompt_tokens, sum(completion_tokens))}
+        texts[index] += delta.text
+        if pieces is not None:
+            held[index].extend(pieces.entries(delta.logprobs))
+        text, reason = texts[index], delta.finish_reason
+        calls: list[replies.CallItem] = []
+        if reason is None:
+            end = sendable_end(text, sent[index])
+            content = text[sent[index] : end]
+            sent[index] = end
+        else:
+            content, calls = finish_auto(text, text[: sent[index]], tools)
+        entries = held[index] if pieces is not None else None
+        if content or (reason is not None and entries):
+            logprobs = replies.chat_logprobs(entries)
+            chunk = replies.chat_chunk(rid, created, model, index, {"content": content},
+                                       None, logprobs)  # fmt: skip
+            yield replies.sse(chunk | extra)
+            held[index] = []
+        if calls:
+            tool_delta: Any = {"tool_calls": replies.tool_calls(calls)}
+            chunk = replies.chat_chunk(rid, created, model, index, tool_delta, None)
+            yield replies.sse(chunk | extra)
+        if reason is not None:
+            why = "tool_calls" if calls else reason
+            last = replies.chat_chunk(rid, created, model, index, {}, why)
+            yield replies.sse(last | extra)
