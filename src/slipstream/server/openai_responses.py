@@ -125,8 +125,7 @@ async def _text_events(
             if delta.finish_reason is not None:
                 reason = delta.finish_reason
     except SlipstreamError as exc:
-        failed = response(rid, created, body, [], (prompt_tokens, generated))
-        failed |= {"status": "failed", "error": {"code": "server_error", "message": exc.message}}
+        failed = _failed(rid, created, body, (prompt_tokens, generated), exc)
         yield event("response.failed", sequence(), response=failed)
         return
     finally:
@@ -187,8 +186,7 @@ async def _auto_tool_events(
                         **where)  # fmt: skip
             sent, logprobs, held = sent + chunk, logprobs + held, []
     except SlipstreamError as exc:
-        failed = response(rid, created, body, [], (prompt_tokens, generated))
-        failed |= {"status": "failed", "error": {"code": "server_error", "message": exc.message}}
+        failed = _failed(rid, created, body, (prompt_tokens, generated), exc)
         yield event("response.failed", sequence(), response=failed)
         return
     finally:
@@ -277,3 +275,11 @@ class _Counter:
     def __call__(self) -> int:
         self._next += 1
         return self._next - 1
+
+
+def _failed(
+    rid: str, created: int, body: Any, tokens: tuple[int, int], exc: SlipstreamError
+) -> dict[str, Any]:
+    """A streamed response the generation failed: its ``response.failed`` object."""
+    failed = response(rid, created, body, [], tokens)
+    return failed | {"status": "failed", "error": {"code": "server_error", "message": exc.message}}
