@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -42,6 +43,7 @@ V2_TO_ONNX: dict[str, int] = {
     "INT32": TensorProto.INT32,
     "INT64": TensorProto.INT64,
     "FP16": TensorProto.FLOAT16,
+    "BF16": TensorProto.BFLOAT16,
     "FP32": TensorProto.FLOAT,
     "FP64": TensorProto.DOUBLE,
     "BYTES": TensorProto.STRING,
@@ -146,9 +148,48 @@ def build_add_constant(repo: Path, name: str, version: int, constant: float) -> 
 def run_onnx(path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run a model file in-process with ONNX Runtime: the reference for served outputs."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    feed = {name: _for_ort(array) for name, array in inputs.items()}
     names = [output.name for output in session.get_outputs()]
+    if any(array.dtype == ml_dtypes.bfloat16 for array in inputs.values()):
+        return _run_onnx_bf16(session, names, inputs)
+    feed = {name: _for_ort(array) for name, array in inputs.items()}
     return dict(zip(names, session.run(names, feed), strict=True))
+
+
+def _run_onnx_bf16(
+    session: ort.InferenceSession, names: list[str], inputs: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    # ORT's Python API takes and gives bfloat16 only as OrtValues; the outputs are read
+    # back through a float32 Cast run by ORT itself (cast_to_fp32.onnx below).
+    values = {
+        name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            np.ascontiguousarray(array).view(np.uint16), TensorProto.BFLOAT16
+        )
+        if array.dtype == ml_dtypes.bfloat16
+        else ort.OrtValue.ortvalue_from_numpy(array)
+        for name, array in inputs.items()
+    }
+    results = session.run_with_ort_values(names, values)
+    cast = ort.InferenceSession(_cast_to_fp32().SerializeToString())
+    out: dict[str, np.ndarray] = {}
+    for name, value in zip(names, results, strict=True):
+        if value.data_type() != "tensor(bfloat16)":
+            out[name] = value.numpy()
+            continue
+        (wide,) = cast.run_with_ort_values(["y"], {"x": value})
+        out[name] = wide.numpy().astype(ml_dtypes.bfloat16)  # exact: the values are bf16
+    return out
+
+
+def _cast_to_fp32() -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT)],
+        "cast_to_fp32",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = _model(graph)
+    model.ir_version = _IR_VERSION
+    return model
 
 
 def _for_ort(array: np.ndarray) -> np.ndarray:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import ml_dtypes
 import numpy as np
 
 from slipstream.errors import InvalidRequest
+
+# numpy has no bfloat16: ml_dtypes' is the one tritonclient (r26.06+), JAX and ONNX use,
+# so a client's BF16 array and ours are the same type. Its dtype kind is "V" (void), not
+# "f": test for floats with :func:`is_float`, never by kind alone.
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 # V2 datatype name -> numpy dtype. BYTES tensors are object arrays of bytes.
 V2_TO_NUMPY: dict[str, np.dtype[np.generic]] = {
@@ -18,6 +26,7 @@ V2_TO_NUMPY: dict[str, np.dtype[np.generic]] = {
     "INT32": np.dtype(np.int32),
     "INT64": np.dtype(np.int64),
     "FP16": np.dtype(np.float16),
+    "BF16": BF16,
     "FP32": np.dtype(np.float32),
     "FP64": np.dtype(np.float64),
     "BYTES": np.dtype(np.object_),
@@ -31,6 +40,15 @@ _STRING_KINDS = ("U", "S", "O")
 V2_ITEM_SIZE: dict[str, int] = {
     name: dt.itemsize for name, dt in V2_TO_NUMPY.items() if name != "BYTES"
 }
+
+
+def is_float(dtype: np.dtype[Any]) -> bool:
+    """Whether ``dtype`` holds floating-point numbers (bfloat16 among them).
+
+    >>> is_float(np.dtype(np.float16)), is_float(BF16), is_float(np.dtype(np.int8))
+    (True, True, False)
+    """
+    return dtype.kind == "f" or dtype == BF16
 
 
 def numpy_dtype(datatype: str, *, field: str = "datatype") -> np.dtype[np.generic]:

@@ -21,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 import orjson
 
-from slipstream.datatypes import V2_TO_NUMPY
+from slipstream.datatypes import V2_TO_NUMPY, is_float
 from slipstream.errors import InvalidRequest
 from slipstream.protocol import v2
 
@@ -112,7 +112,9 @@ def value_rule(name: str, dtype: np.dtype[Any]) -> str:
         if "token_type" in lowered or "segment" in lowered:
             return "zeros"
         return "positions" if "position" in lowered else "integers"
-    return {"f": "normal", "b": "booleans"}.get(dtype.kind, "bytes")
+    if is_float(dtype):
+        return "normal"
+    return "booleans" if dtype.kind == "b" else "bytes"
 
 
 def int_high(dtype: np.dtype[Any], high: int = INT_INPUT_HIGH) -> int:

@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 
 from tests.models import build_add_sub, write_config
 from tests.utils import RemoteServer
@@ -61,6 +64,11 @@ def _program(repo: Path, name: str, module: torch.nn.Module, example: torch.Tens
     write_config(repo, name, {"trust_pickle": True, **config})
 
 
+torch.manual_seed(1)
+# A bf16 program whose config declares BF16 on the wire (the reference for its answers).
+BF16_LINEAR = Linear().to(torch.bfloat16).eval()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     tmp = tmp_path_factory.mktemp("formats_torch")
@@ -74,6 +82,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
              torch.zeros(2, 3, dtype=torch.bfloat16), {})  # fmt: skip
     _program(repo, "bounded", Linear(), torch.zeros(2, 3),
              {"max_batch_size": 16}, max=4)  # fmt: skip
+    torch.manual_seed(1)
+    _program(repo, "bf16_wire", BF16_LINEAR, torch.zeros(2, 3, dtype=torch.bfloat16), {
+        "max_batch_size": 8,
+        "input": [{"name": "x", "data_type": "TYPE_BF16", "dims": [3]}],
+        "output": [{"name": "output", "data_type": "TYPE_BF16", "dims": [2]}],
+    })  # fmt: skip
     build_add_sub(repo)
     with RemoteServer(repo, ["--no-strict-readiness"], log_dir=tmp) as remote:
         yield remote
@@ -120,3 +134,25 @@ def test_formats_bounded_program_takes_the_batches_its_config_allows(server: Rem
     answer = _infer(server, "bounded", rows)
     assert answer.status_code == 200, answer.text
     assert answer.json()["outputs"][0]["shape"] == [10, 2]
+
+
+def test_formats_bf16_tensors_cross_the_wire_as_bf16(server: RemoteServer) -> None:
+    """A config declaring TYPE_BF16 takes and answers bfloat16 as it is (tritonclient's
+    ml_dtypes arrays, binary over HTTP, raw over gRPC): the program's own bf16 result,
+    bit for bit, no FP32 on the way."""
+    x = np.array([[0.1, -2.5, 3.0], [1.0, 2.0, 1e-3]], dtype=ml_dtypes.bfloat16)
+    with torch.inference_mode():
+        reference = BF16_LINEAR(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16))
+    expected = reference.view(torch.int16).numpy()
+    http_client = httpclient.InferenceServerClient(server.http_address)
+    grpc_client = grpcclient.InferenceServerClient(server.grpc_address)
+    try:
+        for module, client in ((httpclient, http_client), (grpcclient, grpc_client)):
+            tensor = module.InferInput("x", list(x.shape), "BF16")
+            tensor.set_data_from_numpy(x)
+            served = client.infer("bf16_wire", [tensor]).as_numpy("output")
+            assert served.dtype == ml_dtypes.bfloat16
+            np.testing.assert_array_equal(served.view(np.int16), expected)
+    finally:
+        http_client.close()
+        grpc_client.close()

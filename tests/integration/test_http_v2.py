@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ml_dtypes
 import numpy as np
 import orjson
 import pytest
@@ -392,15 +393,25 @@ def _dtype_sample(datatype: str, binary: bool) -> np.ndarray:
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
         return np.array([[info.min, 0, 1], [info.max, info.max - 1, 7]], dtype=dtype)
-    info_f = np.finfo(dtype)
+    info_f = ml_dtypes.finfo(dtype)  # numpy's finfo knows no bfloat16
     values = [info_f.min, -0.0, info_f.tiny, info_f.max, 0.1, -2.5]
     if binary:  # NaN and infinity have no JSON spelling; binary data carries them
         values[1:3] = [np.nan, -np.inf]
     return np.array(values, dtype=dtype).reshape(2, 3)
 
 
-@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
-@pytest.mark.parametrize("datatype", NUMERIC_DATATYPES)
+# tritonclient sends BF16 as binary data only (r26.06+: ml_dtypes.bfloat16 arrays);
+# test_bf16_as_json_numbers sends it as JSON.
+@pytest.mark.parametrize(
+    ("datatype", "binary"),
+    [
+        (datatype, binary)
+        for datatype in NUMERIC_DATATYPES
+        for binary in (False, True)
+        if binary or datatype != "BF16"
+    ],
+    ids=lambda value: {False: "json", True: "binary"}.get(value, value),
+)
 def test_every_datatype_round_trips(
     client: httpclient.InferenceServerClient,
     model_files: dict[str, Path],
@@ -419,8 +430,53 @@ def test_every_datatype_round_trips(
     assert result.get_output("OUTPUT0")["datatype"] == datatype
     served = result.as_numpy("OUTPUT0")
     assert served.dtype == x.dtype
-    np.testing.assert_array_equal(served, x)
-    np.testing.assert_array_equal(served, run_onnx(model_files[model], {"INPUT0": x})["OUTPUT0"])
+    assert_same(served, x)
+    assert_same(served, run_onnx(model_files[model], {"INPUT0": x})["OUTPUT0"])
+
+
+def assert_same(served: np.ndarray, expected: np.ndarray) -> None:
+    """Equal arrays, NaN at the same places; bfloat16 compared bit for bit (numpy's
+    comparison finds no NaN in it)."""
+    if expected.dtype == ml_dtypes.bfloat16:
+        served, expected = served.view(np.uint16), expected.view(np.uint16)
+    np.testing.assert_array_equal(served, expected)
+
+
+def test_bf16_as_json_numbers(http: httpx.Client, model_files: dict[str, Path]) -> None:
+    """BF16 data as JSON numbers (curl's way; tritonclient sends BF16 binary only): each
+    rounded to the nearest bfloat16 and answered as JSON numbers; bad values a 400."""
+    model = identity_name("BF16")
+    sent = [[0.1, -2.5, 3.0e38], [1.0, 65504.0, 1e-3]]
+    body = {"inputs": [{"name": "INPUT0", "shape": [2, 3], "datatype": "BF16", "data": sent}]}
+    response = http.post(f"/v2/models/{model}/infer", json=body)
+    assert response.status_code == 200, response.text
+    (output,) = response.json()["outputs"]
+    assert (output["datatype"], output["shape"]) == ("BF16", [2, 3])
+    expected = np.array(sent, np.float32).astype(ml_dtypes.bfloat16)
+    assert output["data"] == expected.astype(np.float32).ravel().tolist()
+    assert output["data"][0] != 0.1  # rounded: 0.1 has no bfloat16 of its own
+    body["inputs"][0]["data"] = [[0.1, "x", 1.0], [1.0, 2.0, 3.0]]
+    assert_error(http.post(f"/v2/models/{model}/infer", json=body), 400, "INPUT0", "BF16")
+    body["inputs"][0]["data"] = [[1e39, 0.0, 1.0], [1.0, 2.0, 3.0]]
+    assert_error(http.post(f"/v2/models/{model}/infer", json=body), 400, "out of range", "BF16")
+
+
+def test_bf16_over_grpc(server: RemoteServer, model_files: dict[str, Path]) -> None:
+    """tritonclient.grpc's BF16 (ml_dtypes.bfloat16 arrays) in raw contents, both ways;
+    the config reads back TYPE_BF16."""
+    model = identity_name("BF16")
+    x = _dtype_sample("BF16", binary=True)
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    try:
+        config = client.get_model_config(model, as_json=True)["config"]
+        assert config["input"][0]["data_type"] == "TYPE_BF16"
+        tensor = grpcclient.InferInput("INPUT0", list(x.shape), "BF16")
+        tensor.set_data_from_numpy(x)
+        served = client.infer(model, [tensor]).as_numpy("OUTPUT0")
+    finally:
+        client.close()
+    assert served.dtype == ml_dtypes.bfloat16
+    assert_same(served, x)
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])

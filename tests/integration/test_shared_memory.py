@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ml_dtypes
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -46,6 +47,7 @@ def server(
     repo = tmp / "models"
     build_add_sub(repo)
     build_identity(repo, "BYTES")
+    build_identity(repo, "BF16")
     with RemoteServer(repo, ["--allow-client-shm", *request.param], log_dir=tmp) as remote:
         yield remote
 
@@ -148,6 +150,29 @@ def test_bytes_tensor_through_a_region(
     assert result.as_numpy("OUTPUT0").tolist() == words.tolist()
     tensor.set_shared_memory("words", size - 1)  # the last element cut short
     _refused(lambda: client.infer("identity_bytes", [tensor]), "in region 'words'")
+
+
+def test_bf16_tensor_through_regions(
+    client: Client, make_region: Callable[[int], tuple[str, Any]]
+) -> None:
+    """tritonclient's bfloat16 (ml_dtypes) read from a region and answered into another
+    and in the response, bit for bit (in the split layout the engine reads the region)."""
+    mod = _module(client)
+    x = np.array([[0.1, -2.5, np.nan, 3.0e38]], np.float32).astype(ml_dtypes.bfloat16)
+    in_key, in_handle = make_region(x.nbytes)
+    out_key, out_handle = make_region(x.nbytes)
+    shm.set_shared_memory_region(in_handle, [x.view(np.uint16)])
+    client.register_system_shared_memory("bf16_in", in_key, x.nbytes)
+    client.register_system_shared_memory("bf16_out", out_key, x.nbytes)
+    tensor = mod.InferInput("INPUT0", list(x.shape), "BF16")
+    tensor.set_shared_memory("bf16_in", x.nbytes)
+    answered = client.infer("identity_bf16", [tensor]).as_numpy("OUTPUT0")
+    np.testing.assert_array_equal(answered.view(np.uint16), x.view(np.uint16))
+    output = mod.InferRequestedOutput("OUTPUT0")
+    output.set_shared_memory("bf16_out", x.nbytes)
+    client.infer("identity_bf16", [tensor], outputs=[output])
+    region = shm.get_contents_as_numpy(out_handle, np.uint16, list(x.shape))
+    np.testing.assert_array_equal(region, x.view(np.uint16))
 
 
 def test_status_and_unregister_by_name_and_all(

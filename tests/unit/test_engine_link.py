@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from slipstream.datatypes import BF16
 from slipstream.engine.channel import LARGE_BYTES, Link
 from slipstream.engine.wire import decode, encode
 
@@ -159,3 +160,23 @@ def test_every_array_crosses_with_its_dtype_shape_and_values(array: np.ndarray, 
     back = decode([bytes(memoryview(frame).cast("B")) for frame in encode([array])])[0]
     assert back.dtype == array.dtype and back.shape == array.shape
     assert back.tobytes() == array.tobytes()  # bit for bit: NaN and NaT too
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=hnp.arrays(np.uint16, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=300)),
+    order=st.sampled_from(["C", "F", "strided"]),
+)
+def test_bfloat16_arrays_cross_out_of_band_bit_for_bit(bits: np.ndarray, order: str) -> None:
+    """ml_dtypes' bfloat16 (whose dtype.str names a void type): same dtype, shape and
+    bits, NaNs included; a large one as a frame of its own, not inside the header."""
+    array = bits.view(BF16)
+    if order == "F":
+        array = np.asfortranarray(array)
+    elif order == "strided" and array.ndim:
+        array = array[::2]
+    frames = encode([array])
+    back = decode([bytes(memoryview(frame).cast("B")) for frame in frames])[0]
+    assert back.dtype == BF16 and back.shape == array.shape
+    assert back.tobytes() == array.tobytes()
+    assert (len(frames) == 2) == (array.nbytes >= 512)

@@ -116,9 +116,10 @@ def test_formats_bf16_program_takes_the_fp32_its_signature_advertises(tmp_path: 
     module = Bf16Linear().to(torch.bfloat16).eval()
     path = _export(module, tmp_path / "model.pt2", torch.zeros(2, 4, dtype=torch.bfloat16))
     backend = TorchBackend.load(path, {}, 1)
-    # numpy (so V2 here) has no bfloat16: the program is declared, and served, in FP32.
-    assert backend.signature().inputs == (TensorSpec("x", "FP32", (-1, 4)),)
-    assert backend.signature().outputs == (TensorSpec("output", "FP32", (-1, 3)),)
+    # Declared, and served, in FP32 unless a config declares BF16 (clients without
+    # bfloat16 arrays): BF16 is what a config may say instead.
+    assert backend.signature().inputs == (TensorSpec("x", "FP32", (-1, 4), also=("BF16",)),)
+    assert backend.signature().outputs == (TensorSpec("output", "FP32", (-1, 3), also=("BF16",)),)
     x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
     result = backend.run({"x": x}, ["output"])
     with torch.no_grad():

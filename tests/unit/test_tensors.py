@@ -61,7 +61,7 @@ def test_random_tensors_have_the_datatype_and_shape(datatype: str) -> None:
     assert array.shape == (4, 3) and array.dtype == V2_TO_NUMPY[datatype]
     if datatype == "BYTES":
         assert all(isinstance(item, bytes) and len(item) == 8 for item in array.flat)
-    elif datatype not in ("BOOL", "FP16", "FP32", "FP64"):
+    elif datatype not in ("BOOL", "FP16", "BF16", "FP32", "FP64"):
         assert array.min() >= 0 and array.max() < 1000
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from slipstream.config import ConfigError
+from slipstream.datatypes import is_float
 from slipstream.edge.manifest import Manifest, read_manifest
 from slipstream.repository.layout import model_file, read_config, read_model_directory
 from slipstream.runtime import get_backend
@@ -53,7 +54,7 @@ def compare_samples(
                 f"{list(want.shape)}"
             )
             continue
-        if want.dtype.kind in "fc":
+        if is_float(want.dtype) or want.dtype.kind == "c":
             close = np.allclose(got[name], want, rtol=rtol, atol=atol)
         else:
             close = bool(np.array_equal(got[name], want))

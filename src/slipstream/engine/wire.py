@@ -31,6 +31,7 @@ from typing import Any, cast
 import numpy as np
 
 from slipstream import errors
+from slipstream.datatypes import BF16
 from slipstream.errors import InternalError, SlipstreamError
 from slipstream.types import (
     InferRequest,
@@ -81,15 +82,22 @@ def _array(buffer: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def _reduce_array(array: np.ndarray) -> Any:
     dtype = array.dtype
-    if dtype.kind in "OV" or dtype.metadata is not None:
+    bf16 = dtype == BF16
+    if (dtype.kind in "OV" and not bf16) or dtype.metadata is not None:
         return array.__reduce_ex__(5)  # objects and records: numpy's own way
     if not array.flags.c_contiguous:
         # Strided: numpy's own reduction copies too (and loses a non-native byte order
         # doing it). Fortran-ordered arrays are copied here, not by numpy: rare here.
         array = array.copy(order="C")
-    # Datetimes export no buffer: their bytes do.
-    data = array.reshape(-1).view(np.uint8) if dtype.kind in "mM" else array
-    return _array, (pickle.PickleBuffer(cast(Any, data)), dtype.str, array.shape)
+    name = dtype.str
+    if bf16:
+        # Its dtype.str ("<V2") names a void type, and numpy's own reduction pickles
+        # the data in band: its 16-bit patterns travel instead, under its name.
+        data, name = array.reshape(-1).view(np.uint16), "bfloat16"
+    else:
+        # Datetimes export no buffer: their bytes do.
+        data = array.reshape(-1).view(np.uint8) if dtype.kind in "mM" else array
+    return _array, (pickle.PickleBuffer(cast(Any, data)), name, array.shape)
 
 
 def _reduce_fields(obj: Any) -> tuple[type, tuple[Any, ...]]:

@@ -35,6 +35,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from slipstream.datatypes import BF16
+
 FeatureKind = Literal["continuous", "categorical", "projected"]
 # PSI's floor for an empty bin: log(0) would make one empty bin infinite.
 _PSI_FLOOR = 1e-4
@@ -349,6 +351,8 @@ def _stats() -> Any:
 def _rows(data: np.ndarray) -> np.ndarray:
     """[samples, features]: the batch dimension first, the rest flattened."""
     array = np.asarray(data)
+    if array.dtype == BF16:  # tested as the FP32 numbers it holds (numpy's sort and
+        array = array.astype(np.float32)  # quantiles know no bfloat16)
     if array.ndim == 0:
         raise ValueError("drift needs samples along a first (batch) dimension, got a scalar")
     return array.reshape(array.shape[0], -1) if array.ndim != 2 else array

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slipstream.datatypes import V2_ITEM_SIZE
+from slipstream.datatypes import BF16, V2_ITEM_SIZE
 from slipstream.errors import InvalidRequest
 
 __all__ = [
@@ -73,6 +73,16 @@ def numeric_from_json(
         raise _count_error(where, shape, count, natural.size)
     if count == 0:
         return np.empty(0, dtype)
+    if dtype == BF16:
+        # Checked as FP32 numbers (a bfloat16 keeps FP32's range), then rounded.
+        wide = _checked_numbers(where, natural, data, datatype, np.dtype(np.float32))
+        return wide.astype(dtype)
+    return _checked_numbers(where, natural, data, datatype, dtype)
+
+
+def _checked_numbers(
+    where: str, natural: np.ndarray, data: list[Any], datatype: str, dtype: np.dtype[Any]
+) -> np.ndarray:
     kind = dtype.kind
     if kind in "iu" and natural.dtype.kind in "fO":
         # numpy infers float64 (or object) when values span int64 and uint64 ranges, as

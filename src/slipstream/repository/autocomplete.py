@@ -94,7 +94,7 @@ def _from_spec(spec: TensorSpec, batching: bool, kind: str) -> TensorConfig:
 
 
 def _check_agrees(tensor: TensorConfig, spec: TensorSpec, batching: bool, kind: str) -> None:
-    if tensor.data_type != spec.datatype:
+    if tensor.data_type != spec.datatype and tensor.data_type not in spec.also:
         raise ConfigError(
             f"{kind} {tensor.name!r}: data_type {tensor.data_type} in the config but "
             f"{spec.datatype} in the model file"

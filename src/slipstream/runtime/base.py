@@ -80,6 +80,9 @@ class TensorSpec:
     datatype: str
     # Full shape including the batch dim; -1 marks a variable dim.
     shape: tuple[int, ...]
+    # Other datatypes a config may declare for it, the backend converting (a bfloat16
+    # tensor of a torch program is FP32 by default, BF16 where the config says so).
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

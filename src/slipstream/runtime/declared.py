@@ -6,7 +6,7 @@ the config says FP32, a ``[B, 5]`` where it says ``dims: [4]``. The response enc
 writes an array's own datatype, so such an answer would carry bytes other than the
 ones the model's metadata promises, and clients decode garbage. What is done instead:
 
-* **A floating-point output of another width** (FP64 or FP16 for a declared FP32, ...)
+* **A floating-point output of another width** (FP64, FP16 or BF16 for a declared FP32, ...)
   is cast to the declared datatype, as a model returning the declared type would have
   rounded it: the client sees exactly the declared type.
 * **An integer output of another width** is cast where every value fits the declared
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype
+from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, is_float
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,7 @@ class DeclaredOutputs:
         if array.dtype == declared.dtype:
             return array
         got, wanted = array.dtype, declared.dtype
-        if got.kind == "f" and wanted.kind == "f":
+        if is_float(got) and is_float(wanted):
             return array.astype(wanted)
         if got.kind in "iu" and wanted.kind in "iu":
             return _cast_integers(name, array, declared)

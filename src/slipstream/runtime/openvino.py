@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
+from slipstream.datatypes import BF16
 from slipstream.runtime.base import (
     Backend,
     ModelSignature,
@@ -225,13 +226,35 @@ class OpenVinoBackend(Backend):
         # bytes (a gRPC raw content) is copied, any other is used in place.
         request = self._request
         for name, array in inputs.items():
-            tensor = ov.Tensor(np.require(array, requirements=("C", "W")), shared_memory=True)
+            if array.dtype == BF16:
+                tensor = _bf16_tensor(array)
+            else:
+                tensor = ov.Tensor(np.require(array, requirements=("C", "W")), shared_memory=True)
             request.set_input_tensor(self._input_index[name], tensor)
         request.infer()
         return {
-            name: request.get_output_tensor(self._output_index[name]).data.copy()
+            name: _array(request.get_output_tensor(self._output_index[name]))
             for name in output_names
         }
 
     def close(self) -> None:
         del self._request, self._compiled
+
+
+# OpenVINO's Python API knows no ml_dtypes bfloat16, and shows a bf16 tensor's data as
+# float16 (other numbers from the same bits): bfloat16 crosses as its 16-bit patterns.
+
+
+def _bf16_tensor(array: np.ndarray) -> ov.Tensor:
+    tensor = ov.Tensor(ov.Type.bf16, ov.Shape(list(array.shape)))
+    tensor.data.view(np.uint16)[...] = array.view(np.uint16)
+    return tensor
+
+
+def _array(tensor: ov.Tensor) -> np.ndarray:
+    """A copy of an output tensor's data (the request's buffer is reused)."""
+    data: np.ndarray = tensor.data
+    if tensor.element_type == ov.Type.bf16:
+        return data.view(np.uint16).copy().view(BF16)
+    copied: np.ndarray = data.copy()
+    return copied

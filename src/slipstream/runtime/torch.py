@@ -83,7 +83,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, numpy_dtype
+from slipstream.datatypes import BF16, V2_TO_NUMPY, from_config_datatype, numpy_dtype
 from slipstream.errors import InvalidRequest
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
 from slipstream.runtime.cpu_share import (
@@ -94,6 +94,7 @@ from slipstream.runtime.cpu_share import (
 )
 from slipstream.runtime.data_errors import torch_data_error
 from slipstream.runtime.declared import DeclaredOutputs
+from slipstream.runtime.torch_arrays import as_array, as_tensor
 from slipstream.runtime.torch_cuda import (
     CudaRunner,
     Precision,
@@ -339,7 +340,14 @@ class TorchBackend(Backend):
             }
         else:
             results = self._run_once(model, names, arrays, output_names)
-        return {name: self._declared.conform(name, array) for name, array in results.items()}
+        return {name: self._conform(name, array) for name, array in results.items()}
+
+    def _conform(self, name: str, array: np.ndarray) -> np.ndarray:
+        """The output in its declared datatype; bfloat16 that no config declares, as the
+        FP32 a signature advertises for it (clients without bfloat16 arrays)."""
+        if name not in self._declared.outputs and array.dtype == BF16:
+            return array.astype(np.float32)
+        return self._declared.conform(name, array)
 
     def _run_once(
         self,
@@ -352,7 +360,7 @@ class TorchBackend(Backend):
             try:
                 if self._cuda is not None:
                     return self._cuda.run(names, arrays, output_names)
-                tensors = [torch.from_numpy(_writable(array)) for array in arrays]
+                tensors = [as_tensor(_writable(array)) for array in arrays]
                 self._threads.before()
                 try:
                     named = self._precision.forward(
@@ -419,10 +427,7 @@ def _to_numpy(named: dict[str, Any], name: str) -> np.ndarray:
         raise RuntimeError(
             f"torch backend: output {name!r} is a {type(value).__name__}, not a tensor"
         )
-    if value.dtype == torch.bfloat16:  # numpy has no bfloat16
-        value = value.float()
-    array: np.ndarray = value.detach().cpu().numpy()
-    return array
+    return as_array(value.detach().cpu())
 
 
 def _load_torchscript(path: Path, device: torch.device) -> tuple[Model, ModelSignature]:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from slipstream.errors import Unavailable
+from slipstream.runtime.torch_arrays import as_array, as_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class CudaRunner:
     def _stage(self, name: str, array: np.ndarray) -> torch.Tensor:
         """``array`` copied into this input's pinned buffer, as a tensor of its shape."""
         view = self._pinned(f"in:{name}", array.nbytes, torch_dtype(array.dtype), array.shape)
-        np.copyto(view.numpy(), array, casting="no")
+        np.copyto(as_array(view), array, casting="no")
         return view
 
     def _download(self, name: str, named: dict[str, Any], rows: int) -> torch.Tensor:
@@ -259,4 +260,4 @@ def out_of_memory_line(exc: RuntimeError) -> str:
 def torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
     """The torch dtype of a numpy one (looked up once: staging asks for each input of
     every batch)."""
-    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    return as_tensor(np.empty(0, dtype=dtype)).dtype

@@ -158,9 +158,11 @@ def _fake_tensor_spec(name: str, value: Any) -> TensorSpec | None:
     """A TensorSpec from a node's fake tensor; symbolic dims become -1."""
     if not isinstance(value, torch.Tensor):
         return None  # a non-tensor input or output (int, None): not servable over V2
-    # bfloat16 has no numpy dtype: such inputs are taken as FP32 and cast (CastInputs),
-    # such outputs returned as FP32.
-    dtype = torch.float32 if value.dtype == torch.bfloat16 else value.dtype
+    # bfloat16 tensors are FP32 to clients unless the config declares them BF16: FP32
+    # inputs are cast (CastInputs), outputs returned in the declared datatype.
+    bf16 = value.dtype == torch.bfloat16
+    dtype = torch.float32 if bf16 else value.dtype
     numpy_dtype = torch.empty((), dtype=dtype).numpy().dtype
     shape = tuple(dim if isinstance(dim, int) else -1 for dim in value.shape)
-    return TensorSpec(name=name, datatype=v2_datatype(numpy_dtype), shape=shape)
+    also = ("BF16",) if bf16 else ()
+    return TensorSpec(name=name, datatype=v2_datatype(numpy_dtype), shape=shape, also=also)

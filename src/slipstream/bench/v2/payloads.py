@@ -58,8 +58,8 @@ def _json_data(name: str, array: np.ndarray, datatype: str) -> Any:
                 f"input {name!r}: BYTES elements that are not UTF-8 cannot be sent as JSON; "
                 "use --protocol http-binary or grpc"
             ) from None
-    if datatype == "FP16":
-        # orjson writes no float16; the values are exact in float32.
+    if datatype in ("FP16", "BF16"):
+        # orjson writes neither; the values are exact in float32.
         return np.ascontiguousarray(array, np.float32).ravel()
     return np.ascontiguousarray(array).ravel()
 
