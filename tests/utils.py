@@ -71,7 +71,7 @@ class RemoteServer:
 
     def __init__(
         self,
-        repository: Path,
+        repository: Path | str,  # a str for a URL (s3://...), which Path would mangle
         args: Sequence[str] = (),
         *,
         log_dir: Path,

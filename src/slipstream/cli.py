@@ -19,6 +19,7 @@ from pydantic_core import PydanticUndefined
 
 from slipstream import __version__
 from slipstream.config import ServerSettings
+from slipstream.repository.remote import is_remote
 
 
 def _help(field: str) -> str:
@@ -93,9 +94,16 @@ def main() -> None:
 @main.command()
 @click.option(
     "--model-repository",
-    type=click.Path(path_type=Path),
+    # A string, not a click.Path: "s3://bucket" would become "s3:/bucket".
+    type=str,
     required=True,
     help=_help("model_repository"),
+)
+@click.option(
+    "--repository-cache",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help=_help("repository_cache"),
 )
 @click.option("--host", default="0.0.0.0", help=_help("host"))
 @click.option("--http-port", type=int, default=8000, help=_help("http_port"))
@@ -246,19 +254,22 @@ def serve(**options: Any) -> None:
     """  # fmt: skip
     options["load_models"] = list(options["load_models"])
     on_ray = options.pop("on_ray")
+    repository = options.pop("model_repository")
     try:
-        settings = ServerSettings(**options)
+        settings = ServerSettings(model_repository=Path(repository), **options)
     except ValidationError as exc:
         raise click.UsageError(_option_problems(exc)) from None
-    if not settings.model_repository.is_dir():
-        raise click.BadParameter(
-            f"{settings.model_repository} is not a directory", param_hint="--model-repository"
-        )
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if is_remote(repository):
+        settings = _copy_remote(settings, repository, on_ray)
+    elif not settings.model_repository.is_dir():
+        raise click.BadParameter(
+            f"{settings.model_repository} is not a directory", param_hint="--model-repository"
+        )
     if on_ray:
         if settings.frontends or settings.engines != "single":
             raise click.BadParameter(
@@ -283,6 +294,25 @@ def serve(**options: Any) -> None:
     except ImportError:  # pragma: no cover - uvloop is absent on Windows
         exit_code = asyncio.run(run_server(settings))
     sys.exit(exit_code)
+
+
+def _copy_remote(settings: ServerSettings, url: str, on_ray: bool) -> ServerSettings:
+    """The settings serving the local copy of the S3 repository at ``url`` (made now,
+    followed every --repository-poll-secs unless models never change)."""
+    from slipstream.repository.remote import RepositoryError, open_mirror
+
+    if on_ray:
+        raise click.BadParameter(
+            "an s3:// repository is copied to this host only, where Ray Serve may place "
+            "replicas on others: give --ray a directory every node can read",
+            param_hint="--model-repository",
+        )
+    follow = None if settings.model_control_mode == "none" else settings.repository_poll_secs
+    try:
+        mirror = open_mirror(url, settings.repository_cache, follow)
+    except RepositoryError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model-repository") from None
+    return settings.model_copy(update={"model_repository": mirror.directory})
 
 
 def _worker_help(field: str) -> str:

@@ -305,7 +305,18 @@ def parse_model_config(data: Any, source: str) -> ModelConfig:
 class ServerSettings(_Strict):
     """Options of ``slipstream serve``; each field's description is its --help text."""
 
-    model_repository: Path = Field(description="Directory laid out as <model>/<version>/model.*")
+    model_repository: Path = Field(
+        description="Directory laid out as <model>/<version>/model.*, or an S3 repository "
+        "as Triton names one: s3://bucket/path, s3://host:port/bucket/path (a store of "
+        "one's own, over HTTP), s3://https://host:port/bucket/path. An S3 repository is "
+        "copied to --repository-cache before serving and followed every "
+        "--repository-poll-secs (but with --model-control-mode none)."
+    )
+    repository_cache: Path | None = Field(
+        None,
+        description="Where an s3:// repository is copied (kept across restarts: only "
+        "what changed is fetched again); a temporary directory removed at exit if not set.",
+    )
     host: str = Field("0.0.0.0", description="Address the HTTP and gRPC servers bind to.")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 disables HTTP).")
     grpc_port: int = Field(8001, ge=0, le=65535, description="gRPC port (0 disables gRPC).")

@@ -1,0 +1,278 @@
+"""Model repositories in S3 or an S3-compatible store (MinIO, Ceph, R2, ...), as Triton
+names them: ``--model-repository s3://bucket/path``, or ``s3://host:port/bucket/path``
+(``s3://https://host:port/bucket/path``) for a store of one's own.
+
+The repository is copied to a local directory once before the server starts (the
+models load from there, in every process layout), then brought up to date every
+``--repository-poll-secs`` unless models never change (``--model-control-mode none``):
+poll mode sees the copy change as it would a local directory (a model loads once its
+files have settled), explicit mode loads what the last copy holds. Only what changed is
+fetched (an object's ETag and size tell), each file written beside the copy and moved
+into place whole, and files whose objects are gone are removed.
+
+Credentials and the region are boto3's own (``AWS_ACCESS_KEY_ID`` / ``_SECRET_ACCESS_KEY``,
+``AWS_PROFILE``, an instance or pod role, ``AWS_DEFAULT_REGION``; ``AWS_ENDPOINT_URL``
+for a store without a host in the URL).
+
+    location = S3Location.parse("s3://127.0.0.1:9000/models/prod")
+    mirror = S3Mirror(location, Path("/var/cache/slipstream"))
+    mirror.sync()                    # the whole repository, before serving
+    mirror.directory                 # /var/cache/slipstream/repository
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SCHEMES = ("s3://", "gs://", "as://")
+# Object key -> (ETag, size) of what the copy holds, kept beside it so that a restart
+# with the same --repository-cache fetches only what changed.
+_MANIFEST = "manifest.json"
+
+
+class RepositoryError(Exception):
+    """The remote repository cannot be read (bad URL, bucket, credentials, endpoint)."""
+
+
+def is_remote(value: str) -> bool:
+    """Whether a --model-repository value names a cloud store rather than a directory."""
+    return value.startswith(SCHEMES)
+
+
+@dataclass(frozen=True, slots=True)
+class S3Location:
+    """Where an S3 repository lies."""
+
+    # The store's endpoint; None for AWS (or boto3's AWS_ENDPOINT_URL).
+    endpoint_url: str | None
+    bucket: str
+    # The key prefix of the repository's root: "" or "path/to/repo/".
+    prefix: str
+
+    @classmethod
+    def parse(cls, url: str) -> S3Location:
+        """Triton's forms of an S3 repository URL.
+
+        >>> S3Location.parse("s3://models/prod")
+        S3Location(endpoint_url=None, bucket='models', prefix='prod/')
+        >>> S3Location.parse("s3://minio:9000/models")
+        S3Location(endpoint_url='http://minio:9000', bucket='models', prefix='')
+        >>> S3Location.parse("s3://https://minio.example:443/models/a/b/")
+        S3Location(endpoint_url='https://minio.example:443', bucket='models', prefix='a/b/')
+        """
+        if url.startswith(("gs://", "as://")):
+            raise RepositoryError(
+                f"{url}: Google Cloud Storage and Azure repositories are not supported; "
+                "copy the repository to a directory (or to S3) and serve that"
+            )
+        if not url.startswith("s3://"):
+            raise RepositoryError(f"{url}: expected s3://[host:port/]bucket[/path]")
+        rest = url.removeprefix("s3://")
+        endpoint = None
+        for scheme in ("http://", "https://"):
+            if rest.startswith(scheme):
+                host, _, rest = rest.removeprefix(scheme).partition("/")
+                endpoint = scheme + host
+        if endpoint is None:
+            first, _, after = rest.partition("/")
+            if ":" in first:  # host:port of a store of one's own (Triton: plain HTTP)
+                endpoint, rest = f"http://{first}", after
+        bucket, _, path = rest.partition("/")
+        if not bucket or (endpoint is not None and endpoint.endswith("//")):
+            raise RepositoryError(f"{url}: no bucket; expected s3://[host:port/]bucket[/path]")
+        prefix = path.strip("/")
+        return cls(endpoint, bucket, f"{prefix}/" if prefix else "")
+
+    def __str__(self) -> str:
+        where = f"{self.endpoint_url}/" if self.endpoint_url else ""
+        return f"s3://{where}{self.bucket}/{self.prefix}"
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReport:
+    """What one sync changed in the copy."""
+
+    fetched: int
+    fetched_bytes: int
+    removed: int
+    # Objects left out: keys that would land outside the copy ("..", absolute parts).
+    refused: int
+
+
+class S3Mirror:
+    """A local copy of an S3 repository under ``cache`` (``cache/repository``, with the
+    files being fetched in ``cache/incoming``), brought up to date by :meth:`sync`."""
+
+    def __init__(self, location: S3Location, cache: Path, client: Any = None) -> None:
+        self.location = location
+        self.directory = cache / "repository"
+        self._incoming = cache / "incoming"
+        self._manifest_path = cache / _MANIFEST
+        self._client = client if client is not None else _client(location)
+        self._held: dict[str, tuple[str, int]] = self._read_manifest()
+        self._refused_keys: set[str] = set()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._incoming.mkdir(parents=True, exist_ok=True)
+
+    def sync(self) -> SyncReport:
+        """Fetch new and changed objects, remove files whose objects are gone.
+        RepositoryError when the store cannot be listed or a file fetched."""
+        listed = self._list()
+        fetched = fetched_bytes = refused = 0
+        wanted: dict[str, tuple[str, int]] = {}
+        for key, etag, size in listed:
+            relative = _relative(key, self.location.prefix)
+            if relative is None:
+                if key not in self._refused_keys:
+                    self._refused_keys.add(key)
+                    logger.warning("%s: object %r left out: its key leaves the repository",
+                                   self.location, key)  # fmt: skip
+                refused += 1
+                continue
+            if not relative:
+                continue  # a "directory" marker
+            wanted[relative] = (etag, size)
+            target = self.directory / relative
+            if self._held.get(relative) == (etag, size) and _has_size(target, size):
+                continue
+            self._fetch(key, target)
+            self._held[relative] = (etag, size)
+            fetched += 1
+            fetched_bytes += size
+        removed = 0
+        for relative in sorted(set(self._held) - set(wanted)):
+            _remove(self.directory, relative)
+            del self._held[relative]
+            removed += 1
+        if fetched or removed:
+            self._write_manifest()
+        return SyncReport(fetched, fetched_bytes, removed, refused)
+
+    def follow(self, interval_s: float, stop: threading.Event) -> threading.Thread:
+        """Sync every ``interval_s`` on a daemon thread until ``stop`` is set; a failed
+        sync is logged (once until it succeeds again) and retried at the next."""
+        thread = threading.Thread(
+            target=self._follow, args=(interval_s, stop), name="s3-repository", daemon=True
+        )
+        thread.start()
+        return thread
+
+    def _follow(self, interval_s: float, stop: threading.Event) -> None:
+        failing = ""
+        while not stop.wait(interval_s):
+            try:
+                report = self.sync()
+            except RepositoryError as exc:
+                if str(exc) != failing:
+                    logger.warning("%s; the local copy stays as it is until a sync succeeds", exc)
+                    failing = str(exc)
+                continue
+            if failing:
+                logger.info("%s: reachable again", self.location)
+                failing = ""
+            if report.fetched or report.removed:
+                logger.info("%s: %d file(s) fetched (%d bytes), %d removed", self.location,
+                            report.fetched, report.fetched_bytes, report.removed)  # fmt: skip
+
+    def _list(self) -> list[tuple[str, str, int]]:
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.location.bucket, Prefix=self.location.prefix
+            )
+            return [(o["Key"], str(o.get("ETag", "")), int(o["Size"]))
+                    for page in pages for o in page.get("Contents", ())]  # fmt: skip
+        except Exception as exc:  # botocore's errors: credentials, endpoint, bucket
+            raise RepositoryError(f"{self.location}: cannot list the repository: {exc}") from exc
+
+    def _fetch(self, key: str, target: Path) -> None:
+        part = self._incoming / f"{os.getpid()}-{threading.get_ident()}.part"
+        try:
+            self._client.download_file(self.location.bucket, key, str(part))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(part, target)  # whole, never half-written, in the copy
+        except Exception as exc:
+            part.unlink(missing_ok=True)
+            raise RepositoryError(f"{self.location}: cannot fetch {key!r}: {exc}") from exc
+
+    def _read_manifest(self) -> dict[str, tuple[str, int]]:
+        try:
+            held = json.loads(self._manifest_path.read_text())
+            return {str(k): (str(v[0]), int(v[1])) for k, v in held.items()}
+        except (OSError, ValueError, TypeError, IndexError, AttributeError):
+            return {}
+
+    def _write_manifest(self) -> None:
+        part = self._manifest_path.with_suffix(".part")
+        part.write_text(json.dumps({k: list(v) for k, v in self._held.items()}))
+        os.replace(part, self._manifest_path)
+
+
+def _client(location: S3Location) -> Any:
+    try:
+        import boto3
+    except ImportError:
+        raise RepositoryError(
+            f"{location}: serving an S3 repository needs boto3: pip install 'slipstream[s3]'"
+        ) from None
+    return boto3.client("s3", endpoint_url=location.endpoint_url)
+
+
+def _relative(key: str, prefix: str) -> str | None:
+    """The key's path in the copy ("" for a directory marker); None for one that would
+    land outside it (``..``, ``.``, empty or absolute parts, backslashes)."""
+    rest = key[len(prefix) :]
+    if not rest or rest.endswith("/"):
+        return ""
+    parts = rest.split("/")
+    if any(part in ("", ".", "..") or "\\" in part or "\x00" in part for part in parts):
+        return None
+    return str(PurePosixPath(*parts))
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
+
+def _remove(root: Path, relative: str) -> None:
+    """Remove a file of the copy, then the directories it leaves empty."""
+    path = root / relative
+    path.unlink(missing_ok=True)
+    parent = path.parent
+    while parent != root and parent.is_dir() and not any(parent.iterdir()):
+        parent.rmdir()
+        parent = parent.parent
+
+
+def open_mirror(url: str, cache: Path | None, poll_s: float | None) -> S3Mirror:
+    """The repository at ``url`` copied under ``cache`` (a temporary directory, removed
+    at exit, when None); followed every ``poll_s`` when given. RepositoryError (naming
+    the URL and the cause) when it cannot be read."""
+    location = S3Location.parse(url)
+    if cache is None:
+        import atexit
+        import tempfile
+
+        cache = Path(tempfile.mkdtemp(prefix="slipstream-repository-"))
+        atexit.register(shutil.rmtree, cache, True)
+    started = time.perf_counter()
+    mirror = S3Mirror(location, cache)
+    report = mirror.sync()
+    logger.info("%s: copied to %s: %d file(s), %d bytes fetched in %.1f s", location,
+                mirror.directory, report.fetched, report.fetched_bytes,
+                time.perf_counter() - started)  # fmt: skip
+    if poll_s is not None:
+        mirror.follow(poll_s, threading.Event())
+    return mirror
