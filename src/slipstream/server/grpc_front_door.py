@@ -9,6 +9,9 @@ message ends the stream with that status.
 
 The caller's key name reaches the service methods as :data:`KEY_NAME` (a context
 variable of the RPC's task, "" without keys): whose shared-memory regions it may use.
+
+:class:`MessageGuard`, installed on every gRPC server whether or not keys are, answers a
+request message that is not valid protobuf INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from slipstream.errors import SlipstreamError, TooManyRequests
 from slipstream.security.access import GRPC_METHODS
@@ -214,3 +218,92 @@ async def _abort(context: Any, exc: SlipstreamError, rid: str) -> None:
     if isinstance(exc, TooManyRequests):
         trailers += [("retry-after", str(exc.retry_after_s)), *exc.headers]
     await context.abort(grpc.StatusCode[exc.grpc_code], exc.message, tuple(trailers))
+
+
+@dataclass(frozen=True, slots=True)
+class _Malformed:
+    """What a request message that failed to parse deserialises to (see MessageGuard)."""
+
+    # The protobuf message type it should have been, e.g. "ModelInferRequest".
+    expected: str
+
+
+class MessageGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Answer a request message that is not valid protobuf INVALID_ARGUMENT, naming the
+    message type expected. grpc itself answers UNKNOWN ("Unexpected DecodeError") and
+    logs a traceback at ERROR for each: a client's mistake as a server fault, and one
+    client sending garbage could fill the log. Pass first to
+    ``build_grpc_server(interceptors=[...])``, before :class:`GrpcFrontDoor`."""
+
+    def __init__(self) -> None:
+        # Each method's handler and its wrapping: the service's handlers are the same
+        # objects on every call, so they are wrapped once, not on every ModelInfer.
+        self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        cached = self._handlers.get(details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        guarded = _guarded(handler)  # GrpcFrontDoor, after this, makes one per call
+        self._handlers[details.method] = (handler, guarded)
+        return guarded
+
+
+def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` with a deserialiser that never raises, and a refusal of what it marks."""
+    parse = handler.request_deserializer
+    expected = getattr(getattr(parse, "__self__", None), "__name__", "request message")
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError:
+            return _Malformed(expected)
+
+    if handler.unary_unary is not None:
+        inner = handler.unary_unary
+
+        async def unary(request: Any, context: Any) -> Any:
+            if isinstance(request, _Malformed):
+                await _refuse_malformed(context, request)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary,
+            request_deserializer=deserialize,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.stream_stream is not None:
+        inner_stream = handler.stream_stream
+
+        async def stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+            async def parsed() -> AsyncIterator[Any]:
+                async for request in requests:
+                    if isinstance(request, _Malformed):
+                        await _refuse_malformed(context, request)
+                    yield request
+
+            async for answer in inner_stream(parsed(), context):
+                yield answer
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream,
+            request_deserializer=deserialize,
+            response_serializer=handler.response_serializer,
+        )
+    return handler  # unary-stream and stream-unary: none served
+
+
+async def _refuse_malformed(context: Any, request: _Malformed) -> None:
+    message = (
+        f"the request message is not a valid protobuf {request.expected} (it could not be "
+        "parsed); send the message the method takes (inference.GRPCInferenceService)"
+    )
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)

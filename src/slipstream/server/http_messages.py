@@ -29,6 +29,9 @@ class HttpRequest:
     # The name of the caller's API key ("" without one); set by the front door: whose
     # shared-memory regions the request sees and uses.
     owner: str = ""
+    # "1.1" or "1.0": an HTTP/1.0 client knows no chunked responses, and keeps its
+    # connection open only when the response says ``connection: keep-alive``.
+    http_version: str = "1.1"
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of a (lower-case) header, or None."""
@@ -104,6 +107,46 @@ class BodyRefused(Exception):
         self.status, self.message = status, message
 
 
+def check_head(
+    headers: list[tuple[bytes, bytes]], max_body_bytes: int, http_version: Callable[[], str]
+) -> bool:
+    """Refuse a request, from its headers, whose body the transport cannot take; return
+    whether its client waits for ``100 Continue`` before sending the body. Raises
+    :class:`BodyRefused`. llhttp has already refused what makes the framing ambiguous
+    (Content-Length with Transfer-Encoding, two lengths, chunked not last); what it lets
+    through and is refused here: a declared length past the limit (413, before a byte of
+    the body is read), a transfer coding other than chunked (501: served as if chunked, a
+    ``gzip, chunked`` body would reach the handler still compressed; compression belongs
+    in Content-Encoding), and Transfer-Encoding in HTTP/1.0 (or 0.9), which has none (400,
+    RFC 9112 6.1). ``http_version``: the parser's, asked only when an answer depends on it."""
+    expects_continue = False
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit():
+            # Leading zeros are legal, and int() refuses more than 4,300 digits.
+            digits = value.lstrip(b"0") if len(value) > 18 else value
+            if len(digits) > 18 or int(digits or b"0") > max_body_bytes:
+                raise BodyRefused(  # llhttp refuses a length past 2^64: 20 digits at most
+                    413, f"request body of {digits.decode()} bytes exceeds the limit of "
+                    f"{max_body_bytes} bytes (--max-request-bytes)"
+                )  # fmt: skip
+        elif name == b"transfer-encoding":
+            version = http_version()
+            if version != "1.1":
+                raise BodyRefused(
+                    400, f"Transfer-Encoding is not defined in HTTP/{version}; send Content-Length"
+                )
+            if value.lower() != b"chunked":
+                coding = value.decode("latin-1")
+                raise BodyRefused(
+                    501, f"Transfer-Encoding {coding!r} is not supported; send the body "
+                    "chunked or with Content-Length, compressed with Content-Encoding"
+                )  # fmt: skip
+        elif name == b"expect" and value.lower() == b"100-continue":
+            # An HTTP/1.0 client knows no 1xx response (RFC 9110 10.1.1: ignore it).
+            expects_continue = http_version() == "1.1"
+    return expects_continue
+
+
 def decode_body(headers: list[tuple[bytes, bytes]], body: bytes, limit: int) -> bytes:
     """``body`` as it was before its Content-Encoding, removing that header (and the
     length it describes): gzip and deflate, what tritonclient's
@@ -172,15 +215,22 @@ def encode_body(accept: bytes, body: bytes, headers: list[tuple[bytes, bytes]]) 
 
 
 def response_head(
-    status: int, content_type: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
+    status: int,
+    content_type: bytes,
+    headers: list[tuple[bytes, bytes]],
+    keep_alive: bool,
+    http10: bool = False,
 ) -> list[bytes]:
-    """Status line and headers, ending with the blank line (the last item)."""
+    """Status line and headers, ending with the blank line (the last item). ``http10``:
+    the request was HTTP/1.0, whose connection stays open only if the response says so."""
     line = STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
     parts = [line, b"content-type: ", content_type, b"\r\n"]
     for name, value in headers:
         parts += (name, b": ", value, b"\r\n")
     if not keep_alive:
         parts.append(b"connection: close\r\n")
+    elif http10:
+        parts.append(b"connection: keep-alive\r\n")
     parts.append(b"\r\n")
     return parts
 

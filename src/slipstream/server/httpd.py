@@ -10,14 +10,21 @@ inference work is dropped without a watcher task per request.
 Covered: keep-alive and HTTP/1.0, pipelined requests (answered in order), chunked
 request bodies, ``Expect: 100-continue``, HEAD, write back-pressure, a graceful shutdown
 (:meth:`HttpServer.shutdown`), and streamed responses (:class:`StreamingResponse`,
-chunked) for server-sent events.
+chunked; sent as they are to an HTTP/1.0 client) for server-sent events. Framing is
+strict, as a server behind a proxy must be against request smuggling: what llhttp refuses
+(Content-Length with Transfer-Encoding, two lengths, line folding, bare LF) is a 400, a
+transfer coding other than chunked a 501 (``http_messages.check_head``); trailer fields
+are dropped, never merged into the headers; a request asking to upgrade (WebSocket, h2c)
+is answered as plain HTTP/1.1.
 
 What one client may cost is bounded (:class:`HttpLimits`): the size and count of a
 request's headers, checked on the bytes fed to the parser before it buffers them; a
 header-read timeout (slowloris), a body-stall timeout and a minimum body rate (a body
 trickled a byte at a time), a send timeout (a client that stops reading its responses)
 and the keep-alive idle timeout, all enforced by one sweeper timer; the body size,
-refused from the headers before the body is read; and the number of open connections.
+refused from the headers before the body is read; the bytes of a chunked body's framing
+and trailers (as a head's); the bodies of pipelined requests queued on one connection
+(reading pauses past the body limit); and the number of open connections.
 Unsent response bytes are bounded too: a response is written only once the transport's
 buffer has drained below its high-water mark, so one connection holds at most that plus
 one response, and for at most --send-timeout-s when its client reads nothing.

@@ -237,7 +237,7 @@ async def start_front_ends(
         logger.info("HTTP server listening on %s:%d", settings.host, settings.http_port)
         TRACE.mark("http_listening")
     if settings.grpc_port:
-        from slipstream.server.grpc_front_door import GrpcFrontDoor
+        from slipstream.server.grpc_front_door import GrpcFrontDoor, MessageGuard
         from slipstream.server.v2_grpc import build_grpc_server
 
         try:
@@ -247,7 +247,7 @@ async def start_front_ends(
                 settings.grpc_port,
                 settings.grpc_max_message_bytes or settings.max_request_bytes,
                 max_concurrent_streams=settings.grpc_max_concurrent_streams,
-                interceptors=[GrpcFrontDoor(*door)] if door else [],
+                interceptors=[MessageGuard(), *([GrpcFrontDoor(*door)] if door else [])],
                 credentials=tls.grpc_credentials,
                 reuse_port=reuse_port,
             )
