@@ -176,7 +176,7 @@ class FakeService(InferenceService):
     async def load_model(self, name: str, config: str | None = None) -> None:
         self._model(name, loaded=False).loaded = True
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._model(name, loaded=False).loaded = False
 
     async def region_status(

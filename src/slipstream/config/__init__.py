@@ -130,6 +130,13 @@ class ModelConfig(_Strict):
     input: list[TensorConfig] = Field(default_factory=list)
     output: list[TensorConfig] = Field(default_factory=list)
     dynamic_batching: DynamicBatching = Field(default_factory=DynamicBatching)
+    default_scheduler: bool = Field(
+        False,
+        description="Triton's default scheduler: the config has neither dynamic_batching "
+        "nor sequence_batching (set so when it has none). A Python model's execute then "
+        "gets one request at a time, as in Triton; other backends still run requests "
+        "queued together as one batch (never waiting for more), which changes no output",
+    )
     instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
     version_policy: VersionPolicy = Field(default_factory=VersionPolicy)
     model_warmup: list[WarmupSample] = Field(default_factory=list)
@@ -202,6 +209,13 @@ class ModelConfig(_Strict):
                 item = item["string_value"]
             flat[key] = item if isinstance(item, str) else str(item)
         return flat
+
+    @model_validator(mode="after")
+    def _default_scheduler(self) -> ModelConfig:
+        given = self.model_fields_set
+        if "dynamic_batching" not in given and "default_scheduler" not in given:
+            self.default_scheduler = self.sequence_batching is None
+        return self
 
     @model_validator(mode="after")
     def _check_input_labels(self) -> ModelConfig:

@@ -201,9 +201,9 @@ class RemoteInferenceService(InferenceService):
         await engine.call("load_model", name, config)
         await self._unload_elsewhere(name, engine)
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         engine = await self._engine_for_change(name)
-        await engine.call("unload_model", name)
+        await engine.call("unload_model", name, unload_dependents)
         await self._unload_elsewhere(name, engine)
 
     async def _unload_elsewhere(self, name: str, engine: EngineClient) -> None:

@@ -247,7 +247,14 @@ def v2_schemas() -> dict[str, Any]:
             "properties": {
                 "parameters": {
                     "type": "object",
-                    "description": "ignored (Triton's unload_dependents among them)",
+                    "properties": {
+                        "unload_dependents": {
+                            "type": "boolean",
+                            "description": "Triton's: an ensemble's (or cascade's) models "
+                            "are unloaded too, but those another loaded one still runs",
+                        }
+                    },
+                    "description": "other parameters are ignored",
                 }
             },
         },

@@ -32,6 +32,8 @@ def complete_config(config: ModelConfig, signature: ModelSignature, backend: str
             done.max_batch_size = most if dynamic else 0
         else:
             done.max_batch_size = 0
+    if signature.dynamic_batching:  # a Python model's auto_complete_config asks for it
+        done.default_scheduler = False
     batching = done.max_batch_size > 0
     too_large = [n for n in done.dynamic_batching.preferred_batch_size if n > done.max_batch_size]
     if batching and too_large:

@@ -184,6 +184,8 @@ def _translate(config: dict[str, Any]) -> dict[str, Any]:
         config["dynamic_batching"] = _batching(config["dynamic_batching"])
     if "sequence_batching" in config:
         _sequences(config)
+    # Neither: Triton's default scheduler (a Python model's execute gets one request).
+    config["default_scheduler"] = not {"dynamic_batching", "sequence_batching"} & set(config)
     # Triton's default queue policy, with or without dynamic_batching: requests' own
     # timeouts are ignored unless the policy allows an override.
     config.setdefault("dynamic_batching", {}).setdefault("allow_timeout_override", False)

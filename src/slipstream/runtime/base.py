@@ -44,7 +44,9 @@ if TYPE_CHECKING:
 LocalInfer = Callable[["InferRequest"], Awaitable["InferResponse"]]
 
 
-Respond = Callable[[dict[str, np.ndarray] | None, Exception | None, bool], None]
+# A decoupled model's answer: its outputs (None: no response), an error instead, whether
+# it is the last, and the parameters the response carries (a Python model's).
+Respond = Callable[[dict[str, np.ndarray] | None, Exception | None, bool, Mapping[str, Any]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,22 @@ class RequestContext:
     # Whether the client has gone before the last answer (a decoupled request's stream
     # closed): the model may stop making answers nobody reads. None: never.
     cancelled: Callable[[], bool] | None = None
+    # Written by the backend as it answers: the parameters its response carries (a
+    # Python model's InferenceResponse(parameters=...)), sent to the client.
+    response_parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class InstancePlace:
+    """Which instance of its model a loaded instance is, as Triton names it."""
+
+    # Triton's instance name: its group's name (by default ``<model>_<group index>``),
+    # ``_`` and its index in the group.
+    name: str
+    # Triton's instance kind: "CPU" or "GPU".
+    kind: str
+    # The device the instance runs on (0 for the CPU).
+    device_id: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +113,9 @@ class ModelSignature:
     # ``Dim("batch", max=N)``); None where the file sets no bound. The backend splits a
     # larger batch into runs of at most this many rows.
     max_batch_size: int | None = None
+    # The file asks for dynamic batching (a Python model's auto_complete_config calls
+    # set_dynamic_batching): its requests share runs even where the config has none.
+    dynamic_batching: bool = False
 
     @property
     def batch_dim_is_dynamic(self) -> bool:
@@ -163,6 +184,14 @@ class Backend(ABC):
         """Called at load with the server's inference call and the event loop it runs on
         (a Python model's ``InferenceRequest.exec``); most backends need neither."""
 
+    def place(self, place: InstancePlace) -> None:  # noqa: B027 - most need nothing
+        """Called before :meth:`configure` with which instance of its model this is."""
+
+    def is_ready(self) -> bool:
+        """Whether this loaded instance can serve now, asked (off the event loop) on each
+        model-readiness query; a Python model's own ``is_ready``. Most always can."""
+        return True
+
     def configure(self, config: dict[str, Any]) -> None:  # noqa: B027 - most need nothing
         """Called once the model's config is completed, before warm-up, with it in
         Triton's JSON form (a Python model's ``initialize`` reads it)."""
@@ -175,6 +204,25 @@ class Backend(ABC):
         """The CPU threads this instance's next run uses, where the backend follows the
         host's load (``slipstream_model_cpu_threads``); None where it does not say."""
         return None
+
+
+def instance_places(config: Mapping[str, Any]) -> list[InstancePlace]:
+    """Each instance's place, in load order, from a completed config in Triton's JSON form
+    (its ``instance_group``: groups named, kinds as Slipstream runs them)."""
+    device = str((config.get("parameters") or {}).get("device", {}).get("string_value", ""))
+    _, _, number = device.partition(":")  # "cuda:1": the GPU a torch model runs on
+    places: list[InstancePlace] = []
+    for group in config.get("instance_group", []):
+        gpu = group.get("kind") == "KIND_GPU"
+        places.extend(
+            InstancePlace(
+                f"{group['name']}_{index}",
+                "GPU" if gpu else "CPU",
+                int(number) if gpu and number.isdigit() else 0,
+            )
+            for index in range(int(group.get("count", 1)))
+        )
+    return places
 
 
 class BackendUnavailable(RuntimeError):

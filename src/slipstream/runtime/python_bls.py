@@ -224,7 +224,12 @@ class Stream:
                 self._items.put((await server.infer(request), None, True))
                 return
             async for response, message, final in answers(request):
-                self._items.put((response, StreamFailed(message) if message else None, final))
+                # The model's own error where the stream kept it (serving/decoupled.py's
+                # ErrorMessage): its TritonError code survives.
+                error = getattr(message, "error", None) or (
+                    StreamFailed(message) if message else None
+                )
+                self._items.put((response, error, final))
                 if final:
                     return
             self._items.put((None, None, True))

@@ -8,15 +8,20 @@ rules, most often steps of an ensemble) are served as they are::
 
 The model imports ``triton_python_backend_utils`` (:mod:`.python_utils`, registered under
 that name) for its tensors and responses. ``initialize(args)`` gets Triton's arguments
-(``args["model_config"]``: the completed config as Triton's JSON); ``execute(requests)``
-gets the requests of a batch the batcher formed, each with its own tensors, id,
-parameters, requested outputs and sequence flags, and returns one response per request
-(an ``async def execute`` too, on a loop of the instance's own); ``finalize()`` runs at
-unload. A response with an error fails its request only (a 400 for ``INVALID_ARG`` and
-``NOT_FOUND``, else a 500); an exception out of ``execute`` fails the batch, whose
-requests are then run again one by one, so one request's data cannot fail another
-(except a stateful model's: its requests fail together, as in Triton, rather than be
-applied twice to their sequences' state).
+(``args["model_config"]``: the completed config as Triton's JSON, and the instance's
+Triton name, kind and device); ``execute(requests)`` gets the requests of a batch the
+batcher formed (one request where the config has no dynamic_batching: Triton's default
+scheduler), each with its own tensors, id, parameters, requested outputs and sequence
+flags, and returns one response per request, whose parameters reach the client (an
+``async def execute`` too, on a loop of the instance's own; a decoupled model's
+coroutines run side by side on :mod:`.python_loop`'s); ``is_ready()``, where the model
+has one, is its readiness; ``finalize()`` runs at unload. A response with an error
+fails its request only (a 400 for ``INVALID_ARG`` and ``NOT_FOUND``, else a 500); a
+list of responses of another length fails each request of the call, naming the counts;
+an exception out of ``execute`` fails the batch, whose requests are then run again one
+by one, so one request's data cannot fail another (except a stateful model's: its
+requests fail together, as in Triton, rather than be applied twice to their sequences'
+state).
 ``InferenceRequest(model_name=...).exec()`` runs another model of the server
 (:mod:`.python_bls`).
 
@@ -30,16 +35,18 @@ in numpy or in a model of another backend.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import importlib.util
 import inspect
 import itertools
 import json
+import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -56,12 +63,16 @@ from slipstream.errors import (
 from slipstream.runtime import python_bls, python_utils
 from slipstream.runtime.base import (
     Backend,
+    InstancePlace,
     LocalInfer,
     ModelSignature,
     RequestContext,
     Respond,
     TensorSpec,
 )
+from slipstream.runtime.python_loop import ModelLoop
+
+logger = logging.getLogger(__name__)
 
 # Triton's error codes a request's own data causes: answered 400, not 500.
 _CLIENT_CODES = {python_utils.TritonError.INVALID_ARG, python_utils.TritonError.NOT_FOUND}
@@ -94,6 +105,14 @@ class PythonBackend(Backend):
         self._decoupled = False
         # The loop an async def execute runs on, made at its first call.
         self._loop: asyncio.AbstractEventLoop | None = None
+        # A decoupled model's: its coroutines run side by side there (started at the first).
+        self._model_loop: ModelLoop | None = None
+        # Which instance this is (place sets it before configure).
+        self._place = InstancePlace("", "CPU", 0)
+        # Whether the model's is_ready raised last time it was asked (logged once).
+        self._ready_failing = False
+        # Whether execute has miscounted its responses yet (logged the first time).
+        self._miscounted = False
 
     @classmethod
     def loads_pickle(cls, path: Path) -> bool:
@@ -114,6 +133,9 @@ class PythonBackend(Backend):
             raise PythonModelError(f"{path.name}: defines no class TritonPythonModel")
         return cls(model_class(), path)
 
+    def place(self, place: InstancePlace) -> None:
+        self._place = place
+
     def configure(self, config: dict[str, Any]) -> None:
         """Run the model's ``initialize`` with Triton's arguments (``config`` is the
         completed model config in Triton's JSON form)."""
@@ -128,9 +150,11 @@ class PythonBackend(Backend):
             with python_bls.bound(infer, loop, str(config.get("name", ""))):
                 initialize({
                     "model_config": json.dumps(config),
-                    "model_instance_kind": "CPU",
-                    "model_instance_name": f"{config.get('name', '')}_0",
-                    "model_instance_device_id": "0",
+                    "model_instance_kind": self._place.kind,
+                    "model_instance_name": (
+                        self._place.name or f"{config.get('name', '')}_0_0"
+                    ),
+                    "model_instance_device_id": str(self._place.device_id),
                     "model_repository": str(version_dir.parent),
                     "model_version": version_dir.name,
                     "model_name": config.get("name", version_dir.parent.name),
@@ -167,7 +191,32 @@ class PythonBackend(Backend):
                 f"{self._path.name}: auto_complete_config declared a tensor Slipstream cannot "
                 f"read ({exc})"
             ) from None
-        return ModelSignature(inputs, outputs, max_batch_size=batch or None)
+        return ModelSignature(
+            inputs, outputs, max_batch_size=batch or None,
+            dynamic_batching="dynamic_batching" in config,
+        )  # fmt: skip
+
+    def is_ready(self) -> bool:
+        """The model's own ``is_ready()`` where it has one (Triton asks it for the
+        model's readiness); one that raises says not ready, logged once until it
+        answers again."""
+        ready = getattr(self._model, "is_ready", None)
+        if ready is None:
+            return True
+        try:
+            answer = ready()
+            if inspect.isawaitable(answer):
+                answer = asyncio.run(_awaited(answer))  # this thread's own, for the call
+        except Exception:
+            if not self._ready_failing:
+                logger.exception(
+                    "model %s: is_ready raised; the model is not ready until it answers",
+                    self._config.get("name", ""),
+                )
+            self._ready_failing = True
+            return False
+        self._ready_failing = False
+        return bool(answer)
 
     def attach(self, infer: LocalInfer, loop: asyncio.AbstractEventLoop) -> None:
         self._server = (infer, loop)
@@ -208,13 +257,24 @@ class PythonBackend(Backend):
             request._sender = python_utils.InferenceResponseSender(answer)  # type: ignore[attr-defined]
         try:
             responses = self._execute(made, sent)
+        except _Miscounted as exc:
+            # The model's fault, not a request's data: each request of the call fails
+            # with it (as in Triton), never run again alone; the log says it once.
+            if not self._miscounted:
+                self._miscounted = True
+                logger.error("model %s: %s", self._name, exc)
+            return [InternalError(str(exc)) for _ in made]
         finally:
             for answer in sent:
                 answer.open = False
         outcomes: list[dict[str, np.ndarray] | BaseException] = []
         for response, (_, context) in zip(responses, requests, strict=True):
+            if isinstance(response, InternalError):  # one the model left unanswered
+                outcomes.append(response)
+                continue
             try:
                 outcomes.append(self._outputs(response, self._required(context, output_names)))
+                context.response_parameters.update(_parameters(response))
             except (SlipstreamError, PythonModelError) as exc:
                 outcomes.append(exc)
         return outcomes
@@ -228,6 +288,7 @@ class PythonBackend(Backend):
         """A decoupled model's batch: each request answered through its sender, during or
         after ``execute``, which returns None; a request's outcome here is only that
         ``execute`` took it (empty outputs)."""
+        responders = []
         for request, (_, context) in zip(made, requests, strict=True):
             respond = context.respond
             if respond is None:
@@ -239,7 +300,8 @@ class PythonBackend(Backend):
             request._sender = python_utils.InferenceResponseSender(  # type: ignore[attr-defined]
                 functools.partial(self._deliver, respond, required), context.cancelled
             )
-        returned = self._call_execute(made)
+            responders.append((request._sender, respond))  # type: ignore[attr-defined]
+        returned = self._call_execute(made, started=functools.partial(self._fail_open, responders))
         if returned is not None:
             raise PythonModelError(
                 f"{self._path.name}: execute of a decoupled model returns None (it answers "
@@ -256,56 +318,107 @@ class PythonBackend(Backend):
     ) -> None:
         """One response of a decoupled model, checked and cast as ``execute``'s are."""
         if response is None:
-            respond(None, None, final)
+            respond(None, None, final, {})
             return
         try:
             outputs = self._outputs(response, required)
         except (SlipstreamError, PythonModelError) as exc:
-            respond(None, exc, final)
+            respond(None, exc, final, {})
             return
-        respond(outputs, None, final)
+        respond(outputs, None, final, _parameters(response))
 
-    def _call_execute(self, requests: list[python_utils.InferenceRequest]) -> Any:
+    def _call_execute(
+        self,
+        requests: list[python_utils.InferenceRequest],
+        started: Callable[[concurrent.futures.Future[Any]], None] | None = None,
+    ) -> Any:
         """The model's ``execute`` (a coroutine function's too), with this thread bound to
-        the server for ``exec``; what it returned."""
+        the server for ``exec``; what it returned. ``started``: a decoupled model's
+        coroutine is not waited for but started on the instance's loop, beside the
+        ones before it, and handed over with its future (None is returned then)."""
         infer, loop = self._server
-        name = str(self._config.get("name", self._path.parent.parent.name))
         try:
-            with python_bls.bound(infer, loop, name):
+            with python_bls.bound(infer, loop, self._name):
                 returned = self._model.execute(requests)
+                if inspect.isawaitable(returned) and started is not None:
+                    started(self._coroutines().start(returned))
+                    return None
                 if inspect.isawaitable(returned):
                     returned = self._own_loop().run_until_complete(returned)
-        except python_utils.TritonError as exc:
-            raise _error(exc) from None
-        except python_utils.TritonModelException as exc:
-            # Raised on purpose (Triton's examples pass a BLS call's error on so): its
-            # message is the model's, for the client, as Triton passes it on.
-            raise InternalError(f"the model failed the request: {exc}") from None
+        except Exception as exc:
+            raise _execute_error(exc) from None
         return returned
+
+    @property
+    def _name(self) -> str:
+        return str(self._config.get("name", self._path.parent.parent.name))
+
+    def _coroutines(self) -> ModelLoop:
+        """The loop a decoupled model's coroutines run on, bound to the server as the
+        instance's thread is during ``execute``."""
+        if self._model_loop is None:
+            infer, loop = self._server
+            self._model_loop = ModelLoop(
+                self._name, functools.partial(python_bls.bound, infer, loop, self._name)
+            )
+        return self._model_loop
+
+    def _fail_open(
+        self,
+        responders: list[tuple[python_utils.InferenceResponseSender, Respond]],
+        run: concurrent.futures.Future[Any],
+    ) -> None:
+        """Once a decoupled model's coroutine ends: where it failed (or was cancelled
+        by an unload), each of its requests not yet answered in full ends with the
+        error; where it returned anything but None, likewise."""
+        run.add_done_callback(functools.partial(self._coroutine_done, responders))
+
+    def _coroutine_done(
+        self,
+        responders: list[tuple[python_utils.InferenceResponseSender, Respond]],
+        run: concurrent.futures.Future[Any],
+    ) -> None:
+        if run.cancelled():
+            error: Exception = Unavailable("the model was unloaded", 1)
+        elif isinstance(raised := run.exception(), Exception):
+            error = _execute_error(raised)
+        elif run.result() is not None:
+            error = InternalError(
+                f"{self._path.name}: execute of a decoupled model returns None (it answers "
+                f"through each request's response sender), not a {type(run.result()).__name__}"
+            )
+        else:
+            return
+        if not isinstance(error, SlipstreamError):  # the model's own bug: logged here
+            logger.error("model %s: execute failed", self._name, exc_info=error)
+            error = InternalError("model execution failed; see the server log")
+        for sender, respond in responders:
+            sender.close_with(functools.partial(respond, None, error, True, {}))
 
     def _execute(
         self, requests: list[python_utils.InferenceRequest], sent: list[_OneAnswer]
     ) -> list[Any]:
         """The model's ``execute``; its list of responses, one per request (those it
-        sent through their response senders where it returned None, as Triton allows)."""
+        sent through their response senders where it returned None, as Triton allows;
+        an error for one it left unanswered)."""
         responses = self._call_execute(requests)
-        if responses is None and all(answer.response is not None for answer in sent):
-            return [answer.response for answer in sent]
         if responses is None and any(answer.response is not None for answer in sent):
-            raise PythonModelError(
-                f"{self._path.name}: execute returned None but sent no response for some "
-                "of its requests; send each request one response (flags="
+            unanswered = InternalError(
+                f"{self._path.name}: execute returned None but sent no response for this "
+                "request; send each request one response (flags="
                 "TRITONSERVER_RESPONSE_COMPLETE_FINAL) or return a list of them"
             )
+            return [answer.response or unanswered for answer in sent]
         if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             what = (
                 f"{len(responses)} responses"
                 if isinstance(responses, list | tuple)
                 else f"a {type(responses).__name__}"
             )
-            raise PythonModelError(
-                f"{self._path.name}: execute returned {what} for {len(requests)} requests; it "
-                "returns a list of one InferenceResponse per request, in their order"
+            raise _Miscounted(
+                f"{self._path.name}: execute returned {what} for {len(requests)} "
+                "requests; it returns a list of one InferenceResponse per request, in their "
+                "order (a config without dynamic_batching hands it one request at a time)"
             )
         return list(responses)
 
@@ -364,6 +477,8 @@ class PythonBackend(Backend):
         return array.astype(dtype)
 
     def close(self) -> None:
+        if self._model_loop is not None:
+            self._model_loop.close()
         try:
             finalize = getattr(self._model, "finalize", None)
             if finalize is not None:
@@ -374,6 +489,20 @@ class PythonBackend(Backend):
             if self._loop is not None:
                 self._loop.close()
                 self._loop = None
+
+
+class _Miscounted(PythonModelError):
+    """``execute`` returned no response, or several, for some of its requests."""
+
+
+def _parameters(response: python_utils.InferenceResponse) -> dict[str, Any]:
+    """The parameters a response carries for its client (Triton 24.x's)."""
+    parameters: dict[str, Any] = json.loads(response.parameters())
+    return parameters
+
+
+async def _awaited(work: Any) -> Any:
+    return await work
 
 
 class _OneAnswer:
@@ -430,11 +559,28 @@ def _beside(path: Path) -> Iterator[None]:
             sys.modules.update(shadowed)
 
 
+def _execute_error(exc: Exception) -> Exception:
+    """What ``execute`` raised, as the request's error: a TritonError or a
+    TritonModelException carries the model's message for the client; anything else is
+    the model's bug, passed on as it is (logged where it is answered)."""
+    if isinstance(exc, python_utils.TritonError):
+        return _error(exc)
+    if isinstance(exc, python_utils.TritonModelException):
+        # Raised on purpose (Triton's examples pass a BLS call's error on so): its
+        # message is the model's, for the client, as Triton passes it on.
+        return InternalError(f"the model failed the request: {exc}")
+    return exc
+
+
 def _error(error: python_utils.TritonError) -> Exception:
     """A TritonError the model returned or raised: its message is meant for the client, as
     Triton passes it on, with the status its code says."""
+    made: Exception
     if error.code() in _CLIENT_CODES:
-        return InvalidRequest(f"the model refused the request: {error.message()}")
-    if error.code() == python_utils.TritonError.UNAVAILABLE:
-        return Unavailable(f"the model cannot take the request now: {error.message()}", 1)
-    return InternalError(f"the model failed the request: {error.message()}")
+        made = InvalidRequest(f"the model refused the request: {error.message()}")
+    elif error.code() == python_utils.TritonError.UNAVAILABLE:
+        made = Unavailable(f"the model cannot take the request now: {error.message()}", 1)
+    else:
+        made = InternalError(f"the model failed the request: {error.message()}")
+    setattr(made, python_utils.TRITON_CODE_ATTRIBUTE, error.code())
+    return made

@@ -11,7 +11,6 @@ model of the server (:mod:`.python_bls`); a decoupled model answers through
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ import numpy as np
 
 from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
 from slipstream.errors import ClientError, NotFound, SlipstreamError, Unavailable
+from slipstream.runtime.python_logger import Logger
 from slipstream.runtime.python_metrics import MetricFamily
 from slipstream.runtime.python_tensors import (
     TRITON_STRING_TO_NUMPY,
@@ -32,12 +32,11 @@ from slipstream.runtime.python_tensors import (
 if TYPE_CHECKING:
     from slipstream.types import InferResponse
 
-_log = logging.getLogger("slipstream.python_model")
-
-# Re-exported: a model's custom metrics (python_metrics), Triton's datatype tables and
-# BYTES codecs (python_tensors).
+# Re-exported: a model's logger (python_logger), custom metrics (python_metrics),
+# Triton's datatype tables and BYTES codecs (python_tensors).
 __all__ = [
     "TRITON_STRING_TO_NUMPY",
+    "Logger",
     "MetricFamily",
     "deserialize_bytes_tensor",
     "numpy_to_triton_type",
@@ -68,6 +67,11 @@ class TritonError(Exception):
 
     def code(self) -> int:
         return self._code
+
+
+# The attribute a model's error answer keeps its TritonError code in (python_model sets
+# it): a BLS call's error response gets that code back, not one guessed from the status.
+TRITON_CODE_ATTRIBUTE = "triton_error_code"
 
 
 class TritonModelException(Exception):
@@ -339,6 +343,15 @@ class InferenceResponseSender:
             self._closed = final
             self._deliver(response, final)
 
+    def close_with(self, fail: Callable[[], None]) -> None:
+        """The server's: end a request whose final response is not sent yet with
+        ``fail`` (its model's execute failed); later sends are refused."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            fail()
+
     def is_cancelled(self) -> bool:
         """Whether the client has gone before the last answer: stop making answers
         (and still send the final flag, as Triton asks)."""
@@ -357,8 +370,8 @@ class InferenceResponse:
     ) -> None:
         self._outputs = list(output_tensors)
         self._error = error
-        # Kept for the model's own reading; not sent to the client.
-        self._parameters = dict(parameters or {})
+        # Sent to the client with the response (V2's response parameters), as Triton's.
+        self._parameters = _response_parameters(parameters)
 
     def parameters(self) -> str:
         return json.dumps(self._parameters)
@@ -373,31 +386,61 @@ class InferenceResponse:
         return self._error
 
 
+def _response_parameters(parameters: dict[str, Any] | str | None) -> dict[str, Any]:
+    """A response's parameters, checked: a JSON object's text or a dict, whose keys are
+    text and values bool, int, float or text (what V2's parameters carry)."""
+    if isinstance(parameters, str):
+        try:
+            parameters = json.loads(parameters) if parameters else {}
+        except json.JSONDecodeError as exc:
+            raise TritonModelException(f"parameters: not JSON ({exc})") from None
+    if not isinstance(parameters, dict | None):
+        raise TritonModelException(
+            f"parameters: expected a dict or its JSON text, got {type(parameters).__name__}"
+        )
+    for key, value in (parameters or {}).items():
+        if not isinstance(key, str) or not isinstance(value, bool | int | float | str):
+            raise TritonModelException(
+                f"parameters: {key!r} is {type(value).__name__}; a response parameter's key "
+                "is a str and its value a bool, int, float or str"
+            )
+    return dict(parameters or {})
+
+
 def _response(answer: InferResponse | Exception) -> InferenceResponse:
     """What ``exec`` returns: the answer's outputs, or an error response with the code
     the failure's status says (Triton answers so, and never raises out of ``exec``)."""
-    from slipstream.runtime.python_bls import Cancelled, Refused, StreamFailed
+    from slipstream.runtime.python_bls import Refused, StreamFailed
 
     if not isinstance(answer, Exception):
-        return InferenceResponse(
-            [Tensor(name, array) for name, array in answer.outputs.items()],
-            parameters=answer.parameters,
-        )
-    if isinstance(answer, Cancelled):
-        code = TritonError.CANCELLED
-    elif isinstance(answer, Refused):
-        code = TritonError.UNSUPPORTED
-    elif isinstance(answer, NotFound):
-        code = TritonError.NOT_FOUND
-    elif isinstance(answer, ClientError):
-        code = TritonError.INVALID_ARG
-    elif isinstance(answer, Unavailable):
-        code = TritonError.UNAVAILABLE
-    else:
-        code = TritonError.INTERNAL
+        made = InferenceResponse([Tensor(name, array) for name, array in answer.outputs.items()])
+        # As the called model (or the server) gave them: not checked as a model's own.
+        made._parameters = dict(answer.parameters)
+        return made
     plain = isinstance(answer, SlipstreamError | Refused | StreamFailed)
     message = str(answer) if plain else repr(answer)
-    return InferenceResponse(error=TritonError(message, code))
+    return InferenceResponse(error=TritonError(message, _code(answer)))
+
+
+def _code(error: Exception) -> int:
+    """The TritonError code of an error answer: the one its model gave it, else the one
+    its status says."""
+    from slipstream.runtime.python_bls import Cancelled, Refused
+
+    given = getattr(error, TRITON_CODE_ATTRIBUTE, None)
+    if isinstance(given, int):
+        return given
+    if isinstance(error, Cancelled):
+        return TritonError.CANCELLED
+    if isinstance(error, Refused):
+        return TritonError.UNSUPPORTED
+    if isinstance(error, NotFound):
+        return TritonError.NOT_FOUND
+    if isinstance(error, ClientError):
+        return TritonError.INVALID_ARG
+    if isinstance(error, Unavailable):
+        return TritonError.UNAVAILABLE
+    return TritonError.INTERNAL
 
 
 class ModelConfig:
@@ -526,45 +569,8 @@ def unload_model(model_name: str, unload_dependents: bool = False) -> None:
     """Unload a model; the server must run with ``--model-control-mode explicit``."""
     from slipstream.runtime import python_bls
 
-    done = python_bls.manage("unload_model", lambda core: core.unload_model(model_name))
+    done = python_bls.manage(
+        "unload_model", lambda core: core.unload_model(model_name, unload_dependents)
+    )
     if isinstance(done, Exception):
         raise TritonModelException(f"unload_model {model_name!r}: {done}")
-
-
-class _LogLevel:
-    """``pb_utils.Logger.LogLevel``: a message's level, as Python's logging levels."""
-
-    INFO = logging.INFO
-    WARNING = logging.WARNING
-    ERROR = logging.ERROR
-    VERBOSE = logging.DEBUG
-
-
-class Logger:
-    """Triton's model logger: to the server's log."""
-
-    LogLevel = _LogLevel
-    INFO = _LogLevel.INFO
-    WARNING = _LogLevel.WARNING
-    ERROR = _LogLevel.ERROR
-    VERBOSE = _LogLevel.VERBOSE
-
-    @staticmethod
-    def log_info(message: str) -> None:
-        _log.info("%s", message)
-
-    @staticmethod
-    def log_warn(message: str) -> None:
-        _log.warning("%s", message)
-
-    @staticmethod
-    def log_error(message: str) -> None:
-        _log.error("%s", message)
-
-    @staticmethod
-    def log_verbose(message: str) -> None:
-        _log.debug("%s", message)
-
-    @staticmethod
-    def log(message: str, level: int = _LogLevel.INFO) -> None:
-        _log.log(level, "%s", message)

@@ -20,6 +20,9 @@ Queue policy: priority levels (1 is the highest), a per-request or default timeo
 which a queued request is failed and never run, and ``max_queue_size`` beyond which
 arrivals are refused at once (503).
 
+A Python model whose config has no dynamic_batching (Triton's default scheduler) gets
+one request per run, as Triton hands its ``execute`` one.
+
 Preferred sizes are a preference, as in Triton: a request of more rows than any of them
 (up to ``max_batch_size``) still runs, and so does a request whose shapes no other shares.
 Whenever an instance is free and a request is queued, :meth:`_next_batch` either returns
@@ -121,6 +124,11 @@ class Batcher:
         # Never inline for a backend that takes requests: its run is the user's code, which
         # may block or call back into the server (a Python model's BLS).
         takes_requests = any(backend.takes_requests for backend in instances)
+        # Triton's default scheduler (no dynamic_batching): a Python model's execute gets
+        # one request, which code written as `request = requests[0]` relies on. A model
+        # that batches rows gets requests queued together as one run all the same: its
+        # outputs are the same, and no request ever waits for another.
+        self._one_request_per_run = takes_requests and config.default_scheduler
         self._inline_max_ns = (
             -1 if takes_requests else batching.inline_execution_max_microseconds * 1000
         )
@@ -307,6 +315,8 @@ class Batcher:
         preferred size finishes more rows per second than one big batch.
         """
         capacity = self._max_batch_size if self._batches else 1
+        if self._one_request_per_run:
+            return self._take(self._plan(capacity, 1))  # the head, whatever its rows
         # No prefix past the largest preferred size can be preferred: look that far first.
         batch = self._plan(capacity, min(self._largest_preferred, capacity))
         rows = 0

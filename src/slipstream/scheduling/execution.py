@@ -25,8 +25,6 @@ from slipstream.runtime.base import Backend, RequestContext
 logger = logging.getLogger(__name__)
 
 Arrays = dict[str, np.ndarray]
-# The context of a request queued without one (warm-up, a shadow copy, an ensemble step).
-_NO_CONTEXT = RequestContext()
 
 
 @dataclass(slots=True, eq=False)
@@ -122,7 +120,9 @@ def _run_requests(backend: Backend, batch: list[Pending], output_names: list[str
     twice to its sequence's state) nor a decoupled model's (it may have sent answers
     already): those fail together, as in Triton."""
     t0 = time.perf_counter_ns()
-    requests = [(p.inputs, p.context or _NO_CONTEXT) for p in batch]
+    # A request queued without a context (warm-up, a shadow copy) gets one of its own:
+    # the backend writes its response's parameters there.
+    requests = [(p.inputs, p.context or RequestContext()) for p in batch]
     try:
         outcomes = backend.run_requests(requests, output_names)
     except Exception as exc:

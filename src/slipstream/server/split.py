@@ -304,8 +304,8 @@ def _journaled_calls(
         journal.set_override(name, config)
         journal.save()
 
-    async def unload_model(name: str) -> None:
-        await service.unload_model(name)
+    async def unload_model(name: str, unload_dependents: bool = False) -> None:
+        await service.unload_model(name, unload_dependents)
         loaded.discard(name)
         journal.models = sorted(loaded)
         journal.set_override(name, None)

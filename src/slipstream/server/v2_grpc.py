@@ -308,9 +308,12 @@ class _GrpcFrontend:
         self, request: pb.RepositoryModelUnloadRequest
     ) -> pb.RepositoryModelUnloadResponse:
         _check_repository_name(request.repository_name)
-        # Unload parameters are accepted and ignored: Triton's only one, unload_dependents,
-        # would unload an ensemble's models too; here they stay loaded (unload each).
-        await self._service.unload_model(validate_model_name(request.model_name))
+        # Triton's only unload parameter: an ensemble's models are unloaded too.
+        dependents = request.parameters.get("unload_dependents")
+        await self._service.unload_model(
+            validate_model_name(request.model_name),
+            dependents is not None and dependents.bool_param,
+        )
         return pb.RepositoryModelUnloadResponse()
 
     # ------------------------------------------------------------ shared memory

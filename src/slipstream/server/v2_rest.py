@@ -200,7 +200,17 @@ class V2RestApp:
                     )
                 await service.load_model(name, config)
             else:
-                await service.unload_model(name)
+                parameters = options.get("parameters", {})
+                dependents = (
+                    parameters.get("unload_dependents", False)
+                    if isinstance(parameters, dict)
+                    else parameters
+                )
+                if type(dependents) is not bool:
+                    raise InvalidRequest(
+                        f"parameters.unload_dependents: expected true or false, got {dependents!r}"
+                    )
+                await service.unload_model(name, dependents)
             return _empty(200)
         raise no_route("POST", f"/v2/repository/{'/'.join(parts)}")
 

@@ -168,7 +168,9 @@ class Cascades:
             await old.close()
         logger.info("%s %s is READY: %s", cascade.kind, name, cascade.describe())
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, unload_dependents: bool = False) -> None:
+        """Unload ``name``; with ``unload_dependents`` (Triton's), the models it runs
+        too, but those another loaded ensemble or cascade still runs."""
         state = self._states.get(name)
         if state is None:
             if not self.handles(name):
@@ -176,11 +178,17 @@ class Cascades:
             return
         cascade, state.serving, state.failure, state.unloaded = state.serving, None, "", True
         self._serving.pop(name, None)
-        if cascade is not None:
-            self.metrics.remove(cascade.metrics)
-            self.counts.remove(name)
-            await cascade.close()
-            logger.info("cascade %s unloaded", name)
+        if cascade is None:
+            return
+        self.metrics.remove(cascade.metrics)
+        self.counts.remove(name)
+        await cascade.close()
+        logger.info("%s %s unloaded", cascade.kind, name)
+        if unload_dependents:
+            still_run = {model for other in self._serving.values() for model in other.models()}
+            for model in cascade.models():
+                if model not in still_run and self.models.serving(model):
+                    await self.models.unload(model)
 
     async def close(self) -> None:
         for name in list(self._states):

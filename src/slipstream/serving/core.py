@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 EXTENSIONS = [
     "binary_tensor_data", "model_configuration", "model_repository", "statistics",
     "schedule_policy", "classification", "sequence", "logging", "generate", v2_shm.EXTENSION,
+    "model_repository(unload_dependents)",
 ]  # fmt: skip
 
 
@@ -212,12 +213,12 @@ class ModelServer(RegionCalls, InferenceService):
                 for entry in lane.index()
             )
         try:
-            self.models.resolve(name, version)
+            model = self.models.resolve(name, version)
         except ModelAsleep:
             return True
         except SlipstreamError:
             return False
-        return True
+        return await model.is_ready()
 
     async def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         if (cascade := self._cascade_for_metadata(name, version)) is not None:
@@ -463,22 +464,26 @@ class ModelServer(RegionCalls, InferenceService):
             if request.outputs:
                 targets = self.shared_memory.output_targets(request)
             prepared = model.prepare(request)
+            context = None
             if model.sequences is not None:
                 outputs = await self._run_in_sequence(model, model.sequences, request, prepared)
             else:
+                context = model.context(request)
                 outputs = await model.batcher.submit(
                     prepared.inputs,
                     prepared.rows,
                     prepared.shape_key,
                     request.priority,
                     request.timeout_us,
-                    context=model.context(request),
+                    context=context,
                 )
             response = InferResponse(
                 model_name=model.name,
                 model_version=model.version_str,
                 outputs={name: outputs[name] for name in prepared.output_names},
                 id=request.id,
+                # What the model's response carries (a Python model's parameters).
+                parameters=dict(context.response_parameters) if context is not None else {},
             )
             if targets:
                 self.shared_memory.write_outputs(targets, response, request.owner)
@@ -573,10 +578,10 @@ class ModelServer(RegionCalls, InferenceService):
         if failures:
             raise InvalidRequest(f"failed to load model {name!r}: {failures}")
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._check_explicit("unload")
         if self.cascades.handles(name):
-            await self.cascades.unload(name)
+            await self.cascades.unload(name, unload_dependents)
             return
         lane = self._lane_of(name)
         if lane is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -29,17 +29,39 @@ from slipstream.serving.service import StreamItem
 from slipstream.types import InferRequest, InferResponse
 
 
+class ErrorMessage(str):
+    """An error answer's message (what a stream sends), keeping the error it stands for:
+    a Python model reading the stream through BLS gets the error's own code back."""
+
+    error: Exception
+
+    def __new__(cls, error: Exception) -> ErrorMessage:
+        made = super().__new__(cls, str(error))
+        made.error = error
+        return made
+
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        # To another process (a front end) it is the message alone, as any error's.
+        return str, (str(self),)
+
+
+# One answer as the model's thread hands it over: outputs, error, final, parameters.
+_Answer = tuple[dict[str, np.ndarray] | None, Exception | None, bool, dict[str, Any]]
+
+
 async def answers(model: ModelVersion, request: InferRequest) -> AsyncIterator[StreamItem]:
     """``request``'s answers from the decoupled ``model``, ending with its final one."""
     started_ns = time.perf_counter_ns()
     loop = asyncio.get_running_loop()
-    sent: asyncio.Queue[tuple[dict[str, np.ndarray] | None, Exception | None, bool]]
-    sent = asyncio.Queue()
+    sent: asyncio.Queue[_Answer] = asyncio.Queue()
 
     def respond(
-        outputs: dict[str, np.ndarray] | None, error: Exception | None, final: bool
+        outputs: dict[str, np.ndarray] | None,
+        error: Exception | None,
+        final: bool,
+        parameters: Mapping[str, Any],
     ) -> None:
-        loop.call_soon_threadsafe(sent.put_nowait, (outputs, error, final))
+        loop.call_soon_threadsafe(sent.put_nowait, (outputs, error, final, dict(parameters)))
 
     # Set when the client goes before the last answer: the model's senders say so.
     gone = threading.Event()
@@ -75,14 +97,17 @@ async def answers(model: ModelVersion, request: InferRequest) -> AsyncIterator[S
                     raise as_served_error(error)
                 run = None  # execute took the request; its answers may come later
                 continue
-            outputs, problem, final = next_answer.result()
+            outputs, problem, final, parameters = next_answer.result()
             if problem is not None:
                 failed = as_served_error(problem)
-                yield None, str(failed), final
+                assert isinstance(failed, Exception)  # as_served_error keeps it one
+                yield None, ErrorMessage(failed), final
             else:
                 response = None
                 if outputs is not None:
-                    response = InferResponse(model.name, model.version_str, outputs, request.id)
+                    response = InferResponse(
+                        model.name, model.version_str, outputs, request.id, parameters
+                    )
                 yield response, "", final
             if final:
                 finished = True

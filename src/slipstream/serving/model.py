@@ -20,7 +20,13 @@ from slipstream.observability.stats import ModelStatsRecorder
 from slipstream.protocol.v2_meta import model_config_json
 from slipstream.repository.autocomplete import complete_config
 from slipstream.runtime import backend_for_file, get_backend
-from slipstream.runtime.base import Backend, LocalInfer, RequestContext, Respond
+from slipstream.runtime.base import (
+    Backend,
+    LocalInfer,
+    RequestContext,
+    Respond,
+    instance_places,
+)
 from slipstream.runtime.pickles import check_pickle_trust
 from slipstream.scheduling.batcher import Batcher
 from slipstream.serving.classification import load_labels
@@ -297,6 +303,13 @@ class ModelVersion:
             cancelled=cancelled,
         )
 
+    async def is_ready(self) -> bool:
+        """Whether every instance says it can serve (a Python model's ``is_ready``),
+        asked off the event loop: the model's code may take its time."""
+        if not any(type(i).is_ready is not Backend.is_ready for i in self._instances):
+            return True  # the backend's own answer is always yes: no thread hand-off
+        return await asyncio.to_thread(lambda: all(i.is_ready() for i in self._instances))
+
     def metadata(self, versions: list[str]) -> ModelMetadata:
         inputs, outputs = self.tensor_metadata()
         return ModelMetadata(self.name, versions, self.config.platform, inputs, outputs)
@@ -385,7 +398,8 @@ def _placed(config: ModelConfig, backend: str) -> ModelConfig:
 def _configure(instances: list[Backend], config: ModelConfig) -> None:
     """Hand every instance the completed config (Triton's JSON form)."""
     triton_json = model_config_json(config)
-    for instance in instances:
+    for instance, place in zip(instances, instance_places(triton_json), strict=True):
+        instance.place(place)
         instance.configure(triton_json)
 
 

@@ -145,8 +145,10 @@ class InferenceService(ABC):
         ``config``: a config override in Triton's JSON form (see ModelServer)."""
 
     @abstractmethod
-    async def unload_model(self, name: str) -> None:
-        """Unload every version of a model; ModelNotFound if it is not in the repository."""
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        """Unload every version of a model; ModelNotFound if it is not in the repository.
+        ``unload_dependents`` (Triton's): an ensemble's or cascade's models too, those no
+        other one still runs."""
 
     async def rollout(self, name: str, body: dict[str, Any] | None) -> dict[str, Any]:
         """A model's rollout: its status (``body`` None), or an action on it
