@@ -197,15 +197,16 @@ def test_a_rollout_of_a_models_only_version_is_400_naming_the_baseline(
     assert reply.json()["error"].startswith("baseline: version (none) of 'add_sub' is not")
 
 
-def test_v2_requests_for_a_generative_model_are_404_naming_the_openai_routes(
+def test_v2_requests_for_a_generative_model_take_the_vllm_backend_s_inputs(
     server: RemoteServer,
 ) -> None:
-    for reply in (
-        httpx.post(server.url("/v2/models/smollm2/infer"), json={"inputs": []}),
-        httpx.get(server.url("/v2/models/smollm2")),
-    ):
-        assert reply.status_code == 404
-        assert "/v1/completions" in reply.json()["error"]
+    """Served on V2 as Triton's vLLM backend serves a model (tests/integration/test_llm_v2.py
+    in depth; until 2026-11-29 a 404 naming the OpenAI routes)."""
+    reply = httpx.post(server.url("/v2/models/smollm2/infer"), json={"inputs": []})
+    assert reply.status_code == 400
+    assert reply.json()["error"].startswith("text_input: missing")
+    reply = httpx.get(server.url("/v2/models/smollm2"))
+    assert reply.status_code == 200 and reply.json()["platform"] == "vllm"
 
 
 @pytest.mark.parametrize(

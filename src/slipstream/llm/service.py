@@ -1,10 +1,7 @@
-"""The generative models of a repository, and text generation with metrics.
-
-Every model directory whose ``config.yaml`` names a generative backend
-(``backend: transformers``) is loaded here, beside (not inside) the V2 model manager:
-its requests are token streams, not tensor batches. One version is served per model,
-the newest the version policy selects.
-"""
+"""The generative models of a repository, and text generation with metrics: every model
+directory whose ``config.yaml`` names a generative backend (``backend: transformers``,
+``llama_cpp``) is loaded here, beside the V2 model manager (its requests are token streams,
+not tensor batches); one version per model, the newest its version policy selects."""
 
 from __future__ import annotations
 
@@ -349,6 +346,11 @@ class LlmModels(GenerationService):
             )
         served = ", ".join(self._engines) or "none"
         raise ModelNotFound(f"model: {name!r} is not a generative model here (served: {served})")
+
+    def version_of(self, name: str) -> int | None:
+        """The version of ``name`` served, or asleep (its next request loads it); None: none."""
+        engine = self._engines.get(name)
+        return self._asleep.get(name) if engine is None or engine.failure else self._versions[name]
 
     def default_max_tokens(self, name: str) -> int:
         return self._default_max_tokens.get(name, 256)

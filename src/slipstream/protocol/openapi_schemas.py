@@ -39,7 +39,8 @@ def response(description: str, content: dict[str, Any] | None = None) -> dict[st
 
 
 def v2_schemas() -> dict[str, Any]:
-    datatype = {"type": "string", "enum": sorted(V2_ITEM_SIZE)}
+    # BYTES too: text inputs and outputs (a generative model's text_input, classification).
+    datatype = {"type": "string", "enum": sorted([*V2_ITEM_SIZE, "BYTES"])}
     shape = {"type": "array", "items": {"type": "integer", "minimum": 0}}
     parameters = {"type": "object", "description": "Free-form parameters"}
     count_ns = {

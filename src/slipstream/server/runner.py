@@ -41,6 +41,7 @@ from slipstream.server.httpd import HttpLimits, HttpServer
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.router import Handler, Router
 from slipstream.server.state_metrics import ModelStateCollector
+from slipstream.server.v2_llm import GenerativeV2
 from slipstream.server.v2_rest import V2RestApp
 from slipstream.serving.core import ModelServer
 from slipstream.serving.service import InferenceService
@@ -111,8 +112,10 @@ async def serve(
         return monitors.report(model, version)
 
     try:
+        # The V2 routes serve the generative models too, as Triton's vLLM backend does.
+        v2_service = GenerativeV2(service, core.generation)
         fronts = await start_front_ends(
-            settings, service, metrics, openai_app.handle, door, tls, jobs, drift=drift
+            settings, v2_service, metrics, openai_app.handle, door, tls, jobs, drift=drift
         )
     except OSError as exc:
         logger.error("%s", exc)

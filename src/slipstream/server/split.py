@@ -79,6 +79,7 @@ from slipstream.server.runner import (
     start_front_ends,
     stop_on_signals,
 )
+from slipstream.server.v2_llm import GenerativeV2
 from slipstream.serving.core import ModelServer
 
 logger = logging.getLogger(__name__)
@@ -211,14 +212,15 @@ async def _serve_engine(
 
     journal.restore_regions(service.shared_memory)
     asleep = journal.restore_models(service.models)  # before any load: they stay asleep
-    calls = engine_calls(service)
+    v2_service = GenerativeV2(service, core.generation)  # the V2 routes' generative models
+    calls = engine_calls(v2_service)
     calls.update(drift=drift, metrics=metrics, **limit_calls())
     _journaled_calls(calls, service, journal, loaded)
     host = EngineHost(
         engine_address(directory, index), calls,
-        streams={"http": forward, **engine_streams(service)},
+        streams={"http": forward, **engine_streams(v2_service)},
         tells={"board": board.put},
-        gathered=engine_gathered(service),
+        gathered=engine_gathered(v2_service),
     )  # fmt: skip
     loads = [asyncio.create_task(service.models.load(n)) for n in early if n not in asleep]
     await asyncio.sleep(0)  # their first steps: every model of ``early`` is LOADING

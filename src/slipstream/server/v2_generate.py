@@ -11,9 +11,11 @@ parameters)::
 Each value becomes its input's tensor in the input's datatype, shaped as the input's
 dims say: a fixed shape must hold exactly the value's elements; with variable dims the
 last takes the elements (a batching model's batch dim among them), the others 1. Any
-other field is a 400 naming it and the inputs. The answer is one JSON object with
-``model_name``, ``model_version``, the ``id`` if one was sent, and each output by name:
-one element as a JSON scalar (a string for BYTES), more as a flat array.
+other field is a 400 naming it and the inputs. As in Triton, a ``parameters`` entry named
+as an input is that input (``{"parameters": {"stream": true}}`` to a vLLM-style model).
+The answer is one JSON object with ``model_name``, ``model_version``, the ``id`` if one
+was sent, and each output by name: one element as a JSON scalar (a string for BYTES),
+more as a flat array.
 
 ``/generate`` answers once: a decoupled model that answers more than once is refused
 there, naming ``generate_stream``. ``/generate_stream`` sends each answer as a
@@ -62,18 +64,25 @@ async def generate(
 async def _one_answer(
     name: str, request: InferRequest, first: StreamItem, rest: AsyncIterator[StreamItem]
 ) -> HttpResponse:
-    answers = [first]
-    async for item in rest:
-        answers.append(item)
-    errors = [message for _, message, _ in answers if message]
-    if errors:
-        return HttpResponse(400, v2.encode_error(errors[0]))
-    responses = [response for response, _, _ in answers if response is not None]
-    if len(responses) != 1:
-        raise InvalidRequest(
-            f"model {name!r} answered {len(responses)} times; /generate returns exactly "
-            "one answer: use /generate_stream"
-        )
+    responses: list[InferResponse] = []
+    item: StreamItem | None = first
+    try:
+        while item is not None:
+            response, message, _ = item
+            if message:
+                return HttpResponse(400, v2.encode_error(message))
+            if response is not None:
+                responses.append(response)
+            if len(responses) > 1:  # refused at once: the model's other answers never run
+                raise InvalidRequest(
+                    f"model {name!r} answered more than once; /generate returns exactly one "
+                    "answer: use /generate_stream"
+                )
+            item = await anext(rest, None)
+    finally:
+        await _close(rest)
+    if not responses:
+        raise InvalidRequest(f"model {name!r} sent no answer")
     return HttpResponse(200, orjson.dumps(_answer_json(request, responses[0])))
 
 
@@ -91,6 +100,14 @@ async def _events(
             item = await anext(rest, None)
     except SlipstreamError as exc:
         yield _event({"error": exc.message})
+    finally:  # a client that left stops the model's answers (an LLM's generation) now
+        await _close(rest)
+
+
+async def _close(answers: AsyncIterator[StreamItem]) -> None:
+    aclose = getattr(answers, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 def _event(document: dict[str, Any]) -> bytes:
@@ -115,6 +132,11 @@ def _request(
     parameters = document.get("parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidRequest(f"parameters: expected a JSON object, got {type(parameters).__name__}")
+    parameters = dict(parameters)
+    for field in [field for field in parameters if field in known]:
+        if field in tensors:  # a parameter named as an input is that input (Triton's)
+            raise InvalidRequest(f"parameters.{field}: input {field!r} is given twice; keep one")
+        tensors[field] = _tensor(known[field], parameters.pop(field))
     request_id = document.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidRequest(f"id: expected a string, got {type(request_id).__name__}")
