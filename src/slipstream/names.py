@@ -76,6 +76,15 @@ def validate_model_name(name: str, field: str = "model name") -> str:
     raise InvalidRequest(f"{field} {shown!r} {problem}; {MODEL_NAME_RULE}")
 
 
+def checked_model_name(name: str) -> str:
+    """``name`` unchanged when valid; else ValueError naming the rule (for a config's or
+    an option's validator, which report it under their field)."""
+    problem = model_name_problem(name)
+    if problem is not None:
+        raise ValueError(f"{name[:64]!r} {problem}; {MODEL_NAME_RULE}")
+    return name
+
+
 def path_model_name(segment: str) -> str:
     """The model name in a URL path segment: percent-decoded once, then validated.
 

@@ -320,7 +320,7 @@ def test_trace_settings_say_off_keep_what_may_be_set_and_refuse_tracing(
         with pytest.raises(InferenceServerException) as info:
             http_client.update_trace_settings(settings={"trace_level": level})
         assert info.value.status() == "400", info.value
-        assert "does not support request tracing" in str(info.value.message())
+        assert "--trace-config mode=opentelemetry" in str(info.value.message())
         with pytest.raises(InferenceServerException) as info:
             grpc_client.update_trace_settings("add_sub", {"trace_level": level})
         assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value

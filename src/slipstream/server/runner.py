@@ -22,6 +22,7 @@ import orjson
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from slipstream.config import ServerSettings
+from slipstream.config.tracing import TraceConfig
 from slipstream.llm.service import LlmModels
 from slipstream.monitor.registry import DriftMonitors
 from slipstream.observability.cost import CostTracker
@@ -29,6 +30,7 @@ from slipstream.observability.gpu import GpuCollector, Gpus
 from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.observability.startup import TRACE
+from slipstream.observability.tracing import Tracing
 from slipstream.protocol.v2 import encode_error
 from slipstream.repository.layout import Share
 from slipstream.runtime import heap
@@ -41,6 +43,7 @@ from slipstream.server.httpd import HttpLimits, HttpServer
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.router import Handler, Router
 from slipstream.server.state_metrics import ModelStateCollector
+from slipstream.server.triton_settings import TRACE_SETTINGS
 from slipstream.server.v2_llm import GenerativeV2
 from slipstream.server.v2_rest import V2RestApp
 from slipstream.serving.core import ModelServer
@@ -195,6 +198,8 @@ class FrontEnds:
 
     http: HttpServer | None = None
     grpc: Any = None  # grpc.aio.Server
+    # Request tracing (--trace-config), whose buffered spans go out at shutdown.
+    tracing: Tracing | None = None
 
     async def shutdown(self, timeout_s: float) -> None:
         """Stop accepting; let in-flight requests finish, up to ``timeout_s``."""
@@ -202,6 +207,8 @@ class FrontEnds:
             *([self.http.shutdown(timeout_s)] if self.http else []),
             *([self.grpc.stop(grace=timeout_s)] if self.grpc else []),
         )
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
 
 async def start_front_ends(
@@ -219,11 +226,19 @@ async def start_front_ends(
     """Start the HTTP (V2 and, under /v1/, ``openai``) and gRPC servers on ``service``.
     ``reuse_port``: share the ports with the other front-end processes (SO_REUSEPORT).
     OSError naming the port when one cannot be bound."""
-    fronts = FrontEnds()
+    fronts = FrontEnds(tracing=request_tracing(settings))
+    if fronts.tracing is not None:
+        from slipstream.server.traced import TracedService
+
+        service = TracedService(service, fronts.tracing)
     if settings.http_port:
         v2_app = V2RestApp(service, metrics, drift=drift, jobs=jobs, metrics_text=metrics_text)
-        router = Router(fallback=v2_app.handle, routes=[("/v1/", openai)],
-                        middleware=[HttpFrontDoor(*door)] if door else [])  # fmt: skip
+        middleware: list[Any] = [HttpFrontDoor(*door)] if door else []
+        if fronts.tracing is not None:
+            from slipstream.server.traced import TraceMiddleware
+
+            middleware.insert(0, TraceMiddleware(fronts.tracing))
+        router = Router(fallback=v2_app.handle, routes=[("/v1/", openai)], middleware=middleware)
         fronts.http = HttpServer(
             router.handle, error_body=encode_error, limits=http_limits(settings),
             metrics=metrics.transport,
@@ -241,6 +256,7 @@ async def start_front_ends(
         TRACE.mark("http_listening")
     if settings.grpc_port:
         from slipstream.server.grpc_front_door import GrpcFrontDoor, MessageGuard
+        from slipstream.server.traced import TraceInterceptor
         from slipstream.server.v2_grpc import build_grpc_server
 
         try:
@@ -250,7 +266,11 @@ async def start_front_ends(
                 settings.grpc_port,
                 settings.grpc_max_message_bytes or settings.max_request_bytes,
                 max_concurrent_streams=settings.grpc_max_concurrent_streams,
-                interceptors=[MessageGuard(), *([GrpcFrontDoor(*door)] if door else [])],
+                interceptors=[
+                    *([TraceInterceptor()] if fronts.tracing is not None else []),
+                    MessageGuard(),
+                    *([GrpcFrontDoor(*door)] if door else []),
+                ],
                 credentials=tls.grpc_credentials,
                 reuse_port=reuse_port,
             )
@@ -261,6 +281,19 @@ async def start_front_ends(
         logger.info("gRPC server listening on %s:%d", settings.host, grpc_port)
         TRACE.mark("grpc_listening")
     return fronts
+
+
+def request_tracing(settings: ServerSettings) -> Tracing | None:
+    """This process's request tracing (--trace-config), None where it is off; the trace
+    settings' defaults become the config's."""
+    config = TraceConfig.parse(settings.trace_config)
+    if not config.enabled:
+        return None
+    TRACE_SETTINGS.enable(config.level, config.rate, config.count)
+    tracing = Tracing(config, TRACE_SETTINGS.view)
+    logger.info("request tracing: spans to %s (level %s, one request in %d)",
+                config.url, config.level, config.rate)  # fmt: skip
+    return tracing
 
 
 def job_queue(settings: ServerSettings) -> JobQueue | None:

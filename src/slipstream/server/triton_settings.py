@@ -2,11 +2,13 @@
 
 Logging (HTTP ``GET/POST /v2/logging``, gRPC ``LogSettings``) changes the server's log for
 real: :mod:`slipstream.observability.log_settings`. Trace (HTTP ``GET/POST
-/v2[/models/<model>]/trace/setting``, gRPC ``TraceSetting``): Slipstream has no Triton
-request tracing, so its settings say ``trace_level: ["OFF"]``; a client may set
-``trace_rate``, ``trace_count`` and ``log_frequency`` (kept and answered back, globally or
-per model, as Triton keeps them) and ``trace_level`` to ``["OFF"]``, and any other level is
-refused saying that tracing is not supported. Both are the answering process's settings.
+/v2[/models/<model>]/trace/setting``, gRPC ``TraceSetting``): globally or per model, as
+Triton keeps them, ``trace_level``, ``trace_rate``, ``trace_count`` and ``log_frequency``.
+With ``--trace-config mode=opentelemetry`` they decide which requests are traced
+(:mod:`slipstream.observability.tracing`; ``trace_mode`` reads ``opentelemetry``, and
+``trace_level`` is ``["OFF"]`` or ``["TIMESTAMPS"]``); without it the level stays
+``["OFF"]`` and another is refused, naming the option. Both are the answering process's
+settings.
 
     reply = log_settings_json(request.body if request.method == "POST" else None)
     answer = trace_setting_grpc(request)  # after checking request.model_name is served
@@ -43,7 +45,9 @@ _NUMBERS = {
     "trace_count": (-1, 2**31 - 1),
     "log_frequency": (0, 2**32 - 1),
 }
-_NOT_SUPPORTED = "this server does not support request tracing"
+_NOT_SUPPORTED = (
+    "this server traces requests only when started with --trace-config mode=opentelemetry"
+)
 
 
 class TraceSettings:
@@ -53,15 +57,23 @@ class TraceSettings:
     def __init__(self) -> None:
         self._global: dict[str, TraceValue] = {}
         self._models: dict[str, dict[str, TraceValue]] = {}
+        self._defaults = dict(TRACE_DEFAULTS)
+
+    def enable(self, level: str, rate: int, count: int) -> None:
+        """Requests are traced (--trace-config): the defaults are the config's, and
+        ``trace_level`` may be set to OFF or TIMESTAMPS."""
+        self._defaults = {**TRACE_DEFAULTS, "trace_level": [level], "trace_rate": [str(rate)],
+                          "trace_count": [str(count)], "trace_mode": ["opentelemetry"]}  # fmt: skip
 
     def view(self, model: str = "") -> dict[str, TraceValue]:
         """Every setting that applies to ``model`` ("" for the global ones)."""
-        return {**TRACE_DEFAULTS, **self._global, **self._models.get(model, {})}
+        return {**self._defaults, **self._global, **self._models.get(model, {})}
 
     def update(self, changes: Mapping[str, TraceValue], model: str = "") -> dict[str, TraceValue]:
         """Apply ``changes`` to ``model``'s settings ("" the global ones) and return the
         settings after them; InvalidRequest naming the setting (then nothing changes)."""
-        checked = {name: _checked(name, values) for name, values in changes.items()}
+        checked = {name: _checked(name, values, self._defaults)
+                   for name, values in changes.items()}  # fmt: skip
         settings = self._models.setdefault(model, {}) if model else self._global
         for name, values in checked.items():
             if values:
@@ -73,7 +85,7 @@ class TraceSettings:
         return self.view(model)
 
 
-def _checked(name: str, values: TraceValue) -> TraceValue:
+def _checked(name: str, values: TraceValue, defaults: Mapping[str, TraceValue]) -> TraceValue:
     """A change of ``name`` as kept (numbers normalised); [] clears the setting."""
     if name not in TRACE_DEFAULTS:
         raise InvalidRequest(
@@ -81,19 +93,23 @@ def _checked(name: str, values: TraceValue) -> TraceValue:
         )
     if not values:
         return []
+    tracing = defaults["trace_mode"] == ["opentelemetry"]
     if name == "trace_level":
-        if values != ["OFF"]:
-            raise InvalidRequest(
-                f'trace_level {values}: {_NOT_SUPPORTED}; the only level is ["OFF"]'
-            )
+        values = [value.upper() for value in values]
+        allowed = [["OFF"], ["TIMESTAMPS"]] if tracing else [["OFF"]]
+        if values not in allowed:
+            levels = " or ".join(str(level) for level in allowed)
+            reason = "TENSORS and combined levels are not traced" if tracing else _NOT_SUPPORTED
+            raise InvalidRequest(f"trace_level {values}: {reason}; set {levels}")
         return values
     if len(values) != 1:
         raise InvalidRequest(f"{name}: expected one value, got {values}")
     (value,) = values
     if name in ("trace_file", "trace_mode"):
-        if value != TRACE_DEFAULTS[name][0]:
+        if value != defaults[name][0]:
             raise InvalidRequest(
-                f"{name} {value!r}: {_NOT_SUPPORTED}; leave {name} as {TRACE_DEFAULTS[name][0]!r}"
+                f"{name} {value!r}: spans are exported over OTLP (--trace-config), not "
+                f"chosen per request; leave {name} as {defaults[name][0]!r}"
             )
         return []  # nothing to keep: the default
     low, high = _NUMBERS[name]
