@@ -144,9 +144,8 @@ def test_poll_mode_follows_the_bucket(store: str, tmp_path: Path) -> None:
     [
         ("s3://{store}/no-such-bucket/x", "no-such-bucket"),
         ("s3://127.0.0.1:9/models/x", "cannot list the repository"),
-        ("gs://bucket/models", "Google Cloud Storage and Azure repositories are not supported"),
     ],
-    ids=["missing-bucket", "unreachable", "gcs"],
+    ids=["missing-bucket", "unreachable"],
 )
 def test_an_unreadable_repository_stops_the_start_naming_the_cause(
     store: str, tmp_path: Path, url: str, fragment: str

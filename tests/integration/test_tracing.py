@@ -215,12 +215,10 @@ def test_triton_trace_settings_decide_what_is_traced(
 
 
 def test_a_bad_trace_config_stops_the_start_naming_it(tmp_path: Path) -> None:
+    """(Each entry's refusal is tests/unit/test_trace_config.py's: here, the option's.)"""
     build_add_sub(tmp_path)
-    for entry, fragment in (("mode=triton", "only mode=opentelemetry"),
-                            ("level=TENSORS", "level is one of"),
-                            ("rate=often", "rate takes an integer")):  # fmt: skip
-        command = [*slipstream_command(), "serve", "--model-repository", str(tmp_path),
-                   "--trace-config", entry, "--http-port", "0", "--grpc-port", "0"]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2, done.stderr
-        assert "--trace-config" in done.stderr and fragment in done.stderr, done.stderr
+    command = [*slipstream_command(), "serve", "--model-repository", str(tmp_path),
+               "--trace-config", "mode=triton", "--http-port", "0", "--grpc-port", "0"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "--trace-config" in done.stderr and "only mode=opentelemetry" in done.stderr
