@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -57,8 +58,10 @@ class TritonPythonModel:
         return responses
 """
 
-# Ready while its flag file says so; "raise" in it makes is_ready raise.
+# Ready while its flag file says so; "raise" in it makes is_ready raise, "hang" makes it
+# wait until the flag changes. Each call of is_ready adds a line to the file "asked".
 GATED = """
+import time
 from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
@@ -71,7 +74,10 @@ class TritonPythonModel:
                                 args["model_instance_device_id"]]) + "\\n")
 
     def is_ready(self):
-        text = self.flag.read_text()
+        with (self.flag.parent / "asked").open("a") as asked:
+            asked.write("asked\\n")
+        while (text := self.flag.read_text()) == "hang":
+            time.sleep(0.05)
         if text == "raise":
             raise RuntimeError("the flag says raise")
         return text == "ready"
@@ -269,6 +275,35 @@ def test_is_ready_is_the_models_readiness(server: RemoteServer) -> None:
         http.close()
         grpc.close()
     assert server.log_text().count("is_ready raised") == 1
+
+
+def test_an_is_ready_that_hangs_is_not_ready_and_asked_once(server: RemoteServer) -> None:
+    """Readiness probes of a model whose is_ready hangs answer not ready within about a
+    second each, and share the one question in flight (no thread per probe)."""
+    flag, asked = server.repository / "gated" / "flag", server.repository / "gated" / "asked"
+    flag.write_text("hang")
+    try:
+        before = len(asked.read_text().splitlines()) if asked.exists() else 0
+        started = time.monotonic()
+        url = server.url("/v2/models/gated/ready")
+
+        def probe(_: int) -> int:  # a connection each (one httpx client across threads
+            with httpx.Client() as client:  # leaks its sockets)
+                return client.get(url, timeout=30).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(probe, range(8)))
+        assert all(status != 200 for status in answers), answers
+        assert time.monotonic() - started < 5
+        # Two instances: one question each at most, however many probes asked.
+        assert len(asked.read_text().splitlines()) - before <= 2
+    finally:
+        flag.write_text("ready")
+    wait_ready = time.monotonic() + 10
+    while server.http.get("/v2/models/gated/ready").status_code != 200:
+        assert time.monotonic() < wait_ready, "gated never ready again"
+        time.sleep(0.05)
+    assert server.log_text().count("is_ready has not answered") == 1
 
 
 def test_each_instance_has_tritons_name_kind_and_device(server: RemoteServer) -> None:

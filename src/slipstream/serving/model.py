@@ -41,6 +41,9 @@ ShapeKey = tuple[tuple[int, ...], ...]
 
 # Output datatypes that have no classes to rank (Triton's classification refuses them).
 _NOT_CLASSES = frozenset({"BYTES", "BOOL", "BF16"})
+# How long a readiness query waits for a model's is_ready(): a probe's usual timeout is
+# 1 s (Kubernetes'), and a model whose check takes longer is not ready to answer either.
+READY_TIMEOUT_S = 1.0
 # Request parameters that are a sequence's controls: a Python model reads them as its
 # request's correlation_id() and flags(), not among its parameters(), as in Triton.
 _SEQUENCE_KEYS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
@@ -107,6 +110,9 @@ class ModelVersion:
         self.cache_identity = self.version_str
         # Output name -> its class labels (label_filename), for classification requests.
         self.labels: dict[str, list[str]] = {}
+        # The model's is_ready() being asked (see is_ready), and whether it was too slow.
+        self._ready_asked: asyncio.Future[bool] | None = None
+        self._ready_late = False
 
     @classmethod
     async def load(
@@ -305,10 +311,25 @@ class ModelVersion:
 
     async def is_ready(self) -> bool:
         """Whether every instance says it can serve (a Python model's ``is_ready``),
-        asked off the event loop: the model's code may take its time."""
+        asked off the event loop: the model's code may take its time. One question is
+        in flight at a time, shared by every readiness query meanwhile (probes never
+        pile threads up behind a model that hangs), and one unanswered within
+        :data:`READY_TIMEOUT_S` means not ready (logged once until it answers)."""
         if not any(type(i).is_ready is not Backend.is_ready for i in self._instances):
             return True  # the backend's own answer is always yes: no thread hand-off
-        return await asyncio.to_thread(lambda: all(i.is_ready() for i in self._instances))
+        if self._ready_asked is None or self._ready_asked.done():
+            question = asyncio.to_thread(lambda: all(i.is_ready() for i in self._instances))
+            self._ready_asked = asyncio.ensure_future(question)
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(self._ready_asked), READY_TIMEOUT_S)
+        except TimeoutError:
+            if not self._ready_late:
+                logger.warning("model %s: is_ready has not answered in %g s; not ready "
+                               "until it does", self.name, READY_TIMEOUT_S)  # fmt: skip
+            self._ready_late = True
+            return False
+        self._ready_late = False
+        return answer
 
     def metadata(self, versions: list[str]) -> ModelMetadata:
         inputs, outputs = self.tensor_metadata()
