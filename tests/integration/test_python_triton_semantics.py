@@ -145,6 +145,18 @@ ensemble_scheduling { step [ { model_name: "extra" model_version: -1
   input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y" } } ] }
 """
 
+# A stateful model: each answer's parameters name its sequence.
+STATEFUL = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(
+                    [pb_utils.Tensor("Y", r.inputs()[0].as_numpy())],
+                    parameters={"sequence": r.correlation_id(), "flags": r.flags()})
+                for r in requests]
+"""
+
 TENSORS = """
 input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_INT32 dims: [ -1 ] } %s ]
@@ -156,6 +168,7 @@ MODELS: dict[str, tuple[str, str]] = {
     "sleeper": (SLEEPER, "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }"),
     "coded": (CODED, "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }"),
     "caller": (CALLER, "max_batch_size: 0"),
+    "stateful": (STATEFUL, "max_batch_size: 0\nsequence_batching { }"),
 }
 
 
@@ -239,6 +252,17 @@ def test_response_parameters_reach_http_and_grpc_clients(server: RemoteServer) -
     assert parameters["requests"].int64_param == 1
     assert parameters["model"].string_param == "first_only"
     assert parameters["doubled"].bool_param is True
+
+
+def test_a_stateful_model_s_response_parameters_reach_the_client(server: RemoteServer) -> None:
+    http = httpclient.InferenceServerClient(server.http_address)
+    try:
+        first = http.infer("stateful", [_x(httpclient, [1])], sequence_id=7, sequence_start=True)
+        last = http.infer("stateful", [_x(httpclient, [2])], sequence_id=7, sequence_end=True)
+    finally:
+        http.close()
+    assert first.get_response()["parameters"] == {"sequence": 7, "flags": 1}  # START
+    assert last.get_response()["parameters"] == {"sequence": 7, "flags": 2}  # END
 
 
 def test_a_miscounted_answer_fails_its_own_request_with_the_reason(server: RemoteServer) -> None:

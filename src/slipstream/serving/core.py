@@ -28,6 +28,7 @@ from slipstream.observability.stats import ModelStats
 from slipstream.protocol import v2_shm
 from slipstream.repository.layout import Share, load_override
 from slipstream.runtime import python_metrics
+from slipstream.runtime.base import RequestContext
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving import classification, decoupled, together
 from slipstream.serving.cache import ResponseCache, build_cache, request_key
@@ -311,10 +312,8 @@ class ModelServer(RegionCalls, InferenceService):
         except Unavailable:
             self._refuse_generative(request.model_name)
             if self.cascades.handles(request.model_name):
-                failure = self._cascade_failure(request.model_name)
-                raise Unavailable(
-                    f"model {request.model_name!r} is not loaded: {failure}"
-                ) from None
+                why = f"model {request.model_name!r} is not loaded: "
+                raise Unavailable(why + self._cascade_failure(request.model_name)) from None
             raise
         return await self._serve(model, request)
 
@@ -464,11 +463,12 @@ class ModelServer(RegionCalls, InferenceService):
             if request.outputs:
                 targets = self.shared_memory.output_targets(request)
             prepared = model.prepare(request)
-            context = None
+            context = model.context(request)
             if model.sequences is not None:
-                outputs = await self._run_in_sequence(model, model.sequences, request, prepared)
+                outputs = await self._run_in_sequence(
+                    model, model.sequences, request, prepared, context
+                )
             else:
-                context = model.context(request)
                 outputs = await model.batcher.submit(
                     prepared.inputs,
                     prepared.rows,
@@ -481,8 +481,7 @@ class ModelServer(RegionCalls, InferenceService):
                 model_name=model.name,
                 model_version=model.version_str,
                 outputs={name: outputs[name] for name in prepared.output_names},
-                id=request.id,
-                # What the model's response carries (a Python model's parameters).
+                id=request.id,  # and the parameters a (Python) model's response carries:
                 parameters=dict(context.response_parameters) if context is not None else {},
             )
             if targets:
@@ -511,12 +510,14 @@ class ModelServer(RegionCalls, InferenceService):
 
     @staticmethod
     async def _run_in_sequence(
-        model: ModelVersion, sequences: Sequences, request: InferRequest, prepared: PreparedRequest
+        model: ModelVersion,
+        sequences: Sequences,
+        request: InferRequest,
+        prepared: PreparedRequest,
+        context: RequestContext | None,
     ) -> dict[str, np.ndarray]:
         """A stateful model's request, after its sequence's earlier ones, with its
         controls and state (:mod:`slipstream.serving.sequences`)."""
-
-        context = model.context(request)
 
         def submit(
             inputs: dict[str, np.ndarray], shapes: tuple[Any, ...]
