@@ -69,6 +69,22 @@ torch.manual_seed(1)
 BF16_LINEAR = Linear().to(torch.bfloat16).eval()
 
 
+# BF16 as Triton's Python models handle it: through DLPack, in torch.
+BF16_PYTHON = """
+from torch.utils.dlpack import from_dlpack, to_dlpack
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        answers = []
+        for request in requests:
+            x = from_dlpack(pb_utils.get_input_tensor_by_name(request, "x").to_dlpack())
+            y = pb_utils.Tensor.from_dlpack("output", to_dlpack(x * 2))
+            answers.append(pb_utils.InferenceResponse([y]))
+        return answers
+"""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     tmp = tmp_path_factory.mktemp("formats_torch")
@@ -87,6 +103,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
         "max_batch_size": 8,
         "input": [{"name": "x", "data_type": "TYPE_BF16", "dims": [3]}],
         "output": [{"name": "output", "data_type": "TYPE_BF16", "dims": [2]}],
+    })  # fmt: skip
+    (repo / "bf16_python" / "1").mkdir(parents=True)
+    (repo / "bf16_python" / "1" / "model.py").write_text(BF16_PYTHON)
+    write_config(repo, "bf16_python", {
+        "backend": "python", "trust_pickle": True, "max_batch_size": 4,
+        "input": [{"name": "x", "data_type": "TYPE_BF16", "dims": [3]}],
+        "output": [{"name": "output", "data_type": "TYPE_BF16", "dims": [3]}],
     })  # fmt: skip
     build_add_sub(repo)
     with RemoteServer(repo, ["--no-strict-readiness"], log_dir=tmp) as remote:
@@ -153,6 +176,10 @@ def test_formats_bf16_tensors_cross_the_wire_as_bf16(server: RemoteServer) -> No
             served = client.infer("bf16_wire", [tensor]).as_numpy("output")
             assert served.dtype == ml_dtypes.bfloat16
             np.testing.assert_array_equal(served.view(np.int16), expected)
+            # A Python model reads and answers BF16 through DLPack, in torch.
+            doubled = client.infer("bf16_python", [tensor]).as_numpy("output")
+            twice = (2 * x.astype(np.float32)).astype(ml_dtypes.bfloat16)
+            np.testing.assert_array_equal(doubled.view(np.uint16), twice.view(np.uint16))
     finally:
         http_client.close()
         grpc_client.close()

@@ -158,6 +158,11 @@ class TritonPythonModel:
 """
 
 TENSORS = """
+input [ { name: "X" data_type: TYPE_BF16 dims: [ 3 ] } ]
+output [ { name: "Y" data_type: TYPE_BF16 dims: [ 3 ] } ]
+"""
+
+TENSORS = """
 input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_INT32 dims: [ -1 ] } %s ]
 """

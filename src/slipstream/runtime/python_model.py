@@ -52,7 +52,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from slipstream.datatypes import from_config_datatype
+from slipstream.datatypes import from_config_datatype, is_float
 from slipstream.errors import (
     Decoupled,
     InternalError,
@@ -469,7 +469,7 @@ class PythonBackend(Backend):
             if array.dtype.kind == "U":
                 return np.vectorize(str.encode, otypes=[object])(array)  # type: ignore[no-any-return]
             return array.astype(object)
-        if array.dtype.kind not in "biuf":
+        if not (is_float(array.dtype) or array.dtype.kind in "biu"):
             raise PythonModelError(
                 f"{self._path.name}: output {name!r} is {array.dtype}, its config says "
                 f"{declared['data_type']}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 # A config's TYPE_* name -> the numpy type a model builds its arrays with.
@@ -28,9 +29,12 @@ TRITON_STRING_TO_NUMPY: dict[str, Any] = {
     "TYPE_FP32": np.float32,
     "TYPE_FP64": np.float64,
     "TYPE_STRING": np.object_,
+    # numpy has none: ml_dtypes' (Slipstream's BF16 arrays; Triton's own shim has no
+    # numpy type for it, so a model reading BF16 there goes through DLPack).
+    "TYPE_BF16": ml_dtypes.bfloat16,
 }
 
-# TRITONSERVER_DataType's numbers, in its order (0 is INVALID, 14 BF16 has no numpy type).
+# TRITONSERVER_DataType's numbers, in its order (0 is INVALID).
 _BY_NUMBER: tuple[Any, ...] = (
     None,
     np.bool_,
@@ -46,6 +50,7 @@ _BY_NUMBER: tuple[Any, ...] = (
     np.float32,
     np.float64,
     np.object_,
+    ml_dtypes.bfloat16,
 )
 
 

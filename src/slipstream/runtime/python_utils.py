@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slipstream.datatypes import V2_TO_NUMPY, from_config_datatype, v2_datatype
+from slipstream.datatypes import BF16, V2_TO_NUMPY, from_config_datatype, v2_datatype
 from slipstream.errors import ClientError, NotFound, SlipstreamError, Unavailable
 from slipstream.runtime.python_logger import Logger
 from slipstream.runtime.python_metrics import MetricFamily
@@ -130,9 +130,13 @@ class Tensor:
         return True
 
     def to_dlpack(self) -> Any:
-        return self._array.__dlpack__()
+        return self.__dlpack__()
 
     def __dlpack__(self, stream: Any = None) -> Any:
+        if self._array.dtype == BF16:  # numpy exports no bfloat16: torch's tensor over it
+            from slipstream.runtime.torch_arrays import as_tensor
+
+            return as_tensor(np.ascontiguousarray(self._array)).__dlpack__()
         return self._array.__dlpack__()
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -154,7 +158,9 @@ class Tensor:
             if hasattr(capsule, "__dlpack__"):
                 raise
             return cls(name, np.from_dlpack(_Capsule(capsule)))
-        return cls(name, torch.utils.dlpack.from_dlpack(capsule).cpu().numpy())
+        from slipstream.runtime.torch_arrays import as_array
+
+        return cls(name, as_array(torch.utils.dlpack.from_dlpack(capsule).cpu()))
 
 
 class _Capsule:
