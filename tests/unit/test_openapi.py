@@ -120,7 +120,12 @@ def test_the_model_name_pattern_is_the_server_rule(name: str) -> None:
 )
 def test_openai_request_schemas_are_the_validating_models(model: Any) -> None:
     schema = DOC["components"]["schemas"][model.__name__]
-    assert set(schema["properties"]) == set(model.model_fields)
+    # The model's fields, and the other servers' fields it refuses by name (each with the
+    # values it accepts: null, or what the server does anyway).
+    assert set(schema["properties"]) == set(model.model_fields) | set(model.unserved)
+    for name, refused in model.unserved.items():
+        if name not in model.model_fields:
+            assert schema["properties"][name]["enum"] == [None, *refused.same]
     assert set(schema.get("required", [])) == {
         name for name, field in model.model_fields.items() if field.is_required()
     }

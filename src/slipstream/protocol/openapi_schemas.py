@@ -272,6 +272,13 @@ def openai_schemas() -> dict[str, Any]:
         schema = model.model_json_schema(ref_template=REF)
         schemas |= schema.pop("$defs", {})
         schema["properties"]["model"]["pattern"] = MODEL_NAME_PATTERN
+        # Other servers' fields refused by name (protocol/openai_fields.py): declared, so
+        # that a client (and a schema-driven fuzzer) sees the values accepted for each.
+        for name, refused in getattr(model, "unserved", {}).items():
+            schema["properties"].setdefault(name, {
+                "enum": [None, *refused.same],
+                "description": f"not served here: {refused.advice}; other values are a 400",
+            })  # fmt: skip
         schemas[model.__name__] = schema
     for schema in schemas.values():
         _bound_integers(schema)
