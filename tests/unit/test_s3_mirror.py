@@ -92,3 +92,32 @@ def test_bad_urls_are_refused_with_the_expected_form(url: str) -> None:
 
 def test_the_module_examples_hold() -> None:
     assert doctest.testmod(remote).failed == 0
+
+
+def test_following_survives_a_failing_sync_and_catches_up(s3: Any, tmp_path: Path) -> None:
+    """A sync that fails on the disk's side (here its manifest cannot be replaced) is
+    logged and retried: the thread goes on, and the copy follows once it can."""
+    import threading
+    import time
+
+    s3.put_object(Bucket=BUCKET, Key="repo/m/1/model.onnx", Body=b"one")
+    mirror = _mirror(s3, tmp_path)
+    mirror.sync()
+    manifest = tmp_path / "manifest.json"
+    manifest.unlink()
+    manifest.mkdir()  # os.replace onto a directory: every sync that changes something fails
+    stop = threading.Event()
+    s3.put_object(Bucket=BUCKET, Key="repo/m/1/two.bin", Body=b"two")
+    thread = mirror.follow(0.05, stop)
+    try:
+        time.sleep(0.3)
+        assert thread.is_alive()
+        manifest.rmdir()
+        s3.put_object(Bucket=BUCKET, Key="repo/m/1/three.bin", Body=b"three")
+        deadline = time.monotonic() + 5
+        while not (tmp_path / "repository" / "m" / "1" / "three.bin").exists():
+            assert time.monotonic() < deadline, "the copy never caught up"
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        thread.join(1)

@@ -172,9 +172,11 @@ class S3Mirror:
         while not stop.wait(interval_s):
             try:
                 report = self.sync()
-            except RepositoryError as exc:
+            except Exception as exc:  # the store's, or the disk's (full, read-only): the
+                # thread goes on, or the copy would silently stop following the bucket
                 if str(exc) != failing:
-                    logger.warning("%s; the local copy stays as it is until a sync succeeds", exc)
+                    logger.warning("%s: %s; the local copy stays as it is until a sync "
+                                   "succeeds", self.location, exc)  # fmt: skip
                     failing = str(exc)
                 continue
             if failing:
