@@ -2,7 +2,8 @@
 
 A repeated request is a hit that never reaches the batcher (the execution count does not
 move), over HTTP and gRPC alike; another input is a miss; a model whose config does not
-enable the cache is never cached; Triton's nv_cache_* metrics count it all.
+enable the cache is never cached; Triton's nv_cache_* metrics count it all. A hit answers
+the parameters the model's response carried, as the run it was stored from did.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -21,6 +23,32 @@ from onnx import TensorProto, helper
 from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config, write_graph
 from tests.utils import RemoteServer
 
+# Answers its input doubled, and in its response's parameters which run of execute
+# made the answer: a hit's parameters name the run it was stored from.
+COUNTED = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.runs = 0
+
+    def execute(self, requests):
+        self.runs += 1
+        answers = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            parameters = {"run": self.runs, "model": "counted", "cached": False}
+            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)],
+                                                      parameters=parameters))
+        return answers
+"""
+COUNTED_CONFIG = """backend: "python"
+max_batch_size: 0
+input [{ name: "X" data_type: TYPE_FP32 dims: [ 2 ] }]
+output [{ name: "Y" data_type: TYPE_FP32 dims: [ 2 ] }]
+response_cache { enable: true }
+"""
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
@@ -28,7 +56,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     build_add_sub(root / "repo", "cached")
     write_config(root / "repo", "cached", {"response_cache": {"enable": True}})
     build_add_sub(root / "repo", "plain")
-    with RemoteServer(root / "repo", ["--cache", "local:size=1MB"], log_dir=root) as running:
+    (root / "repo" / "counted" / "1").mkdir(parents=True)
+    (root / "repo" / "counted" / "1" / "model.py").write_text(COUNTED)
+    (root / "repo" / "counted" / "config.pbtxt").write_text(COUNTED_CONFIG)
+    args = ["--cache", "local:size=1MB", "--trust-pickle"]
+    with RemoteServer(root / "repo", args, log_dir=root) as running:
         yield running
 
 
@@ -113,3 +145,34 @@ def test_new_weights_under_the_same_version_are_never_answered_from_the_old_ones
             assert np.all(infer(http, httpclient, "swapped", 3.0) == 9.0)  # 3 * 3, run
         finally:
             http.close()
+
+
+def test_a_hit_answers_the_parameters_of_the_response_it_was_stored_from(
+    server: RemoteServer,
+) -> None:
+    http = httpclient.InferenceServerClient(server.http_address)
+    grpc = grpcclient.InferenceServerClient(server.grpc_address)
+
+    def ask(client: Any, module: Any, value: float) -> tuple[np.ndarray, dict[str, Any]]:
+        tensor = module.InferInput("X", [2], "FP32")
+        tensor.set_data_from_numpy(np.full(2, value, np.float32))
+        result = client.infer("counted", [tensor])
+        grpc_json = {"as_json": True} if module is grpcclient else {}
+        return result.as_numpy("Y"), result.get_response(**grpc_json).get("parameters", {})
+
+    try:
+        first, expected = ask(http, httpclient, 1.5)  # a miss: a run of execute
+        assert first.tolist() == [3.0, 3.0]
+        assert expected == {"run": expected["run"], "model": "counted", "cached": False}
+        for client, module in ((http, httpclient), (grpc, grpcclient)):
+            again, parameters = ask(client, module, 1.5)  # hits
+            assert again.tolist() == [3.0, 3.0]
+            if module is grpcclient:  # gRPC's typed parameters, as JSON
+                parameters = {key: next(iter(value.values())) for key, value in parameters.items()}
+                parameters["run"] = int(parameters["run"])
+            assert parameters == expected
+        other, parameters = ask(http, httpclient, 2.0)  # a miss: the next run
+        assert other.tolist() == [4.0, 4.0] and parameters["run"] == expected["run"] + 1
+    finally:
+        http.close()
+        grpc.close()

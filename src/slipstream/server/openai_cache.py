@@ -21,7 +21,7 @@ from slipstream.llm.engine import GREEDY_BELOW
 from slipstream.observability.metrics import CacheCounts, ServerMetrics
 from slipstream.repository.layout import read_config, read_model_directory
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
-from slipstream.serving.cache import ResponseCache
+from slipstream.serving.cache import CacheEntry, ResponseCache
 
 Reply = HttpResponse | StreamingResponse
 
@@ -57,16 +57,17 @@ class GenerationCache:
         started_ns = time.perf_counter_ns()
         stored = await self._cache.get(key)
         looked_up_ns = time.perf_counter_ns() - started_ns
-        if stored is not None and "body" in stored:
+        if stored is not None and "body" in stored.outputs:
             if counts is not None:
                 counts.cache_hits += 1
                 counts.cache_hit_us += looked_up_ns / 1e3
-            return HttpResponse(200, stored["body"].tobytes())
+            return HttpResponse(200, stored.outputs["body"].tobytes())
         reply = await compute(request)
         stored_ns = 0
         if isinstance(reply, HttpResponse) and reply.status == 200:
             started_ns = time.perf_counter_ns()
-            await self._cache.put(key, {"body": np.frombuffer(reply.body, dtype=np.uint8)})
+            body = np.frombuffer(reply.body, dtype=np.uint8)
+            await self._cache.put(key, CacheEntry({"body": body}))
             stored_ns = time.perf_counter_ns() - started_ns
         if counts is not None:
             counts.cache_misses += 1

@@ -6,13 +6,15 @@ holds one cache, ``--cache local:size=256MB`` (this process, LRU by bytes) or
 ``--cache redis://host:port[?ttl=600]`` (shared by every server using it). The key hashes
 the model name and version, every input's name, datatype, shape and bytes, the
 requested outputs and the request parameters, so a new version never answers with an
-old version's result. A Redis outage or an entry that does not decode is a miss: the
-cache never fails a request.
+old version's result. An entry keeps the outputs and the parameters the model's response
+carried (a Python model's ``InferenceResponse(parameters=...)``), so a hit answers what
+the model answered. A Redis outage or an entry that does not decode is a miss: the cache
+never fails a request.
 
 Example::
 
     cache = build_cache("local:size=64MB")
-    outputs = await cache.get(key) or run_the_model()
+    entry = await cache.get(key) or CacheEntry(run_the_model())
 """
 
 from __future__ import annotations
@@ -23,18 +25,23 @@ import struct
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
 
 from slipstream.config import parse_cache_spec
+from slipstream.datatypes import numpy_dtype, v2_datatype
+from slipstream.errors import SlipstreamError
 from slipstream.types import InferRequest
 
 logger = logging.getLogger(__name__)
 
 Outputs = dict[str, np.ndarray]
-_MAGIC = b"SSC1"
+# SSC1 entries named their arrays' types by numpy's dtype.str, which is a void type for
+# bfloat16: they are read as misses and written again.
+_MAGIC = b"SSC2"
 # After a failed Redis call, skip Redis this long: an outage costs requests one check.
 _RETRY_AFTER_FAILURE_S = 0.5
 _SOCKET_TIMEOUT_S = 0.5
@@ -70,16 +77,23 @@ def request_key(name: str, version: str, request: InferRequest) -> bytes | None:
     return digest.digest()
 
 
+class CacheEntry(NamedTuple):
+    """What a hit answers: the outputs, and the parameters the response carried."""
+
+    outputs: Outputs
+    parameters: Mapping[str, Any] = {}
+
+
 class ResponseCache(ABC):
     """Outputs by request key."""
 
     @abstractmethod
-    async def get(self, key: bytes) -> Outputs | None:
-        """The outputs stored under ``key``, or None (a miss, an outage, a bad entry)."""
+    async def get(self, key: bytes) -> CacheEntry | None:
+        """The entry stored under ``key``, or None (a miss, an outage, a bad entry)."""
 
     @abstractmethod
-    async def put(self, key: bytes, outputs: Outputs) -> None:
-        """Store ``outputs`` (never raises)."""
+    async def put(self, key: bytes, entry: CacheEntry) -> None:
+        """Store ``entry`` (never raises)."""
 
     async def close(self) -> None:  # noqa: B027 - the local cache holds nothing to release
         """Release connections."""
@@ -101,21 +115,21 @@ class LocalCache(ResponseCache):
     def __init__(self, size_bytes: int) -> None:
         self.size_bytes = size_bytes
         self.used_bytes = 0
-        self._entries: OrderedDict[bytes, tuple[Outputs, int]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[CacheEntry, int]] = OrderedDict()
 
-    async def get(self, key: bytes) -> Outputs | None:
+    async def get(self, key: bytes) -> CacheEntry | None:
         entry = self._entries.get(key)
         if entry is None:
             return None
         self._entries.move_to_end(key)
         return entry[0]
 
-    async def put(self, key: bytes, outputs: Outputs) -> None:
+    async def put(self, key: bytes, entry: CacheEntry) -> None:
         # Copies: a batch's outputs are views of one array, which an entry would keep alive.
-        kept = {name: np.array(array, copy=True) for name, array in outputs.items()}
+        kept = {name: np.array(array, copy=True) for name, array in entry.outputs.items()}
         for array in kept.values():
             array.setflags(write=False)
-        size = _nbytes(kept)
+        size = _nbytes(kept) + len(entry.parameters) * 64
         if size > self.size_bytes:
             return
         old = self._entries.pop(key, None)
@@ -124,7 +138,7 @@ class LocalCache(ResponseCache):
         while self.used_bytes + size > self.size_bytes:
             _, (_, evicted) = self._entries.popitem(last=False)
             self.used_bytes -= evicted
-        self._entries[key] = (kept, size)
+        self._entries[key] = (CacheEntry(kept, dict(entry.parameters)), size)
         self.used_bytes += size
 
 
@@ -145,12 +159,12 @@ class RedisCache(ResponseCache):
         # Entries that did not decode (a bug or a stranger's writes); each read a miss.
         self.corrupt_entries = 0
 
-    async def get(self, key: bytes) -> Outputs | None:
+    async def get(self, key: bytes) -> CacheEntry | None:
         data = await self._call("GET", b"slipstream:cache:" + key)
         if data is None:
             return None
         try:
-            return decode_outputs(data)
+            return decode_entry(data)
         except ValueError as exc:
             if not self.corrupt_entries:
                 logger.warning("response cache: an entry does not decode (%s); served as a "
@@ -158,8 +172,12 @@ class RedisCache(ResponseCache):
             self.corrupt_entries += 1
             return None
 
-    async def put(self, key: bytes, outputs: Outputs) -> None:
-        await self._call("SET", b"slipstream:cache:" + key, encode_outputs(outputs))
+    async def put(self, key: bytes, entry: CacheEntry) -> None:
+        try:
+            data = encode_entry(entry)
+        except TypeError:  # parameters JSON cannot carry: not stored
+            return
+        await self._call("SET", b"slipstream:cache:" + key, data)
 
     async def _call(self, command: str, key: bytes, value: bytes | None = None) -> Any:
         from redis.exceptions import RedisError
@@ -189,43 +207,49 @@ class RedisCache(ResponseCache):
         await self._client.aclose()
 
 
-def encode_outputs(outputs: Outputs) -> bytes:
-    """``SSC1``, the header's length, a JSON header [[name, dtype, shape, nbytes]...], data."""
+def encode_entry(entry: CacheEntry) -> bytes:
+    """``SSC2``, the header's length, a JSON header, the arrays' bytes. The header:
+    ``{"outputs": [[name, V2 datatype, shape, nbytes]...], "parameters": {...}}``;
+    TypeError when a parameter is not JSON."""
     header = []
     chunks = []
-    for name, array in outputs.items():
+    for name, array in entry.outputs.items():
         if array.dtype == object:
             items = [item if isinstance(item, bytes) else str(item).encode() for item in array.flat]
             data = b"".join(struct.pack("<I", len(item)) + item for item in items)
             header.append([name, "BYTES", list(array.shape), len(data)])
         else:
             data = np.ascontiguousarray(array).tobytes()
-            header.append([name, array.dtype.str, list(array.shape), len(data)])
+            header.append([name, v2_datatype(array.dtype), list(array.shape), len(data)])
         chunks.append(data)
-    head = orjson.dumps(header)
+    head = orjson.dumps({"outputs": header, "parameters": dict(entry.parameters)})
     return b"".join([_MAGIC, struct.pack("<I", len(head)), head, *chunks])
 
 
-def decode_outputs(data: bytes) -> Outputs:
-    """The inverse of :func:`encode_outputs`; ValueError when ``data`` is not one."""
+def decode_entry(data: bytes) -> CacheEntry:
+    """The inverse of :func:`encode_entry`; ValueError when ``data`` is not one."""
     try:
         return _decode(data)
-    except (struct.error, KeyError, TypeError, ValueError) as exc:
+    except (struct.error, KeyError, TypeError, ValueError, SlipstreamError) as exc:
         raise ValueError(f"not a valid cache entry: {exc}") from None
 
 
-def _decode(data: bytes) -> Outputs:
+def _decode(data: bytes) -> CacheEntry:
     if data[:4] != _MAGIC:
-        raise ValueError("not a Slipstream cache entry")
+        raise ValueError("not a Slipstream cache entry of this version")
     (head_length,) = struct.unpack_from("<I", data, 4)
     offset = 8 + head_length
+    head = orjson.loads(data[8:offset])
+    parameters = head["parameters"]
+    if not isinstance(parameters, dict):
+        raise ValueError("its parameters are not an object")
     outputs: Outputs = {}
-    for name, dtype, shape, nbytes in orjson.loads(data[8:offset]):
+    for name, datatype, shape, nbytes in head["outputs"]:
         chunk = data[offset : offset + nbytes]
         if len(chunk) != nbytes:
             raise ValueError(f"output {name!r} is truncated")
         offset += nbytes
-        if dtype == "BYTES":
+        if datatype == "BYTES":
             items, position = [], 0
             while position < nbytes:
                 (length,) = struct.unpack_from("<I", chunk, position)
@@ -235,10 +259,10 @@ def _decode(data: bytes) -> Outputs:
             array[:] = items
             outputs[name] = array.reshape(shape)
         else:
-            outputs[name] = np.frombuffer(chunk, dtype=np.dtype(dtype)).reshape(shape)
+            outputs[name] = np.frombuffer(chunk, dtype=numpy_dtype(datatype)).reshape(shape)
     if offset != len(data):
         raise ValueError("trailing bytes after the outputs")
-    return outputs
+    return CacheEntry(outputs, parameters)
 
 
 def build_cache(spec: str) -> ResponseCache | None:

@@ -31,7 +31,7 @@ from slipstream.runtime import python_metrics
 from slipstream.runtime.base import RequestContext
 from slipstream.runtime.pickles import trust_pickles_server_wide
 from slipstream.serving import classification, decoupled, together
-from slipstream.serving.cache import ResponseCache, build_cache, request_key
+from slipstream.serving.cache import CacheEntry, ResponseCache, build_cache, request_key
 from slipstream.serving.cascade_registry import Cascades, Composed
 from slipstream.serving.idle import IdleWatcher
 from slipstream.serving.manager import ModelAsleep, ModelManager
@@ -432,9 +432,9 @@ class ModelServer(RegionCalls, InferenceService):
         plus insertion for a miss (not the model's run)."""
         started_ns = time.perf_counter_ns()
         key = request_key(model.name, model.cache_identity, request)
-        outputs = await cache.get(key) if key is not None else None
+        entry = await cache.get(key) if key is not None else None
         metrics = model.metrics
-        if outputs is not None:
+        if entry is not None:
             elapsed_ns = time.perf_counter_ns() - started_ns
             metrics.cache_hits += 1
             metrics.cache_hit_us += elapsed_ns / 1e3
@@ -442,12 +442,13 @@ class ModelServer(RegionCalls, InferenceService):
             metrics.request_duration.observe(elapsed_ns / 1e9)
             model.stats.record_cache(hit=True, ns=elapsed_ns)
             model.stats.record_request(ok=True, total_ns=elapsed_ns)
-            return InferResponse(model.name, model.version_str, outputs, id=request.id)
+            return InferResponse(model.name, model.version_str, dict(entry.outputs),
+                                 id=request.id, parameters=dict(entry.parameters))  # fmt: skip
         lookup_ns = time.perf_counter_ns() - started_ns
         response = await self._run(model, request)
         insert_started_ns = time.perf_counter_ns()
         if key is not None:
-            await cache.put(key, response.outputs)
+            await cache.put(key, CacheEntry(response.outputs, response.parameters))
         miss_ns = lookup_ns + time.perf_counter_ns() - insert_started_ns
         metrics.cache_misses += 1
         metrics.cache_miss_us += miss_ns / 1e3
