@@ -90,17 +90,25 @@ def model_config_json(config: ModelConfig) -> dict[str, Any]:
         # perf_analyzer reads this to report the cache's hits and misses.
         "response_cache": {"enable": config.response_cache.enable},
     }
+    if config.default_scheduler and (config.backend == "python" or not config.max_batch_size):
+        # Triton's default scheduler (the config named no scheduler): such a Python model
+        # gets one request per execute, a model without batching one request per run.
+        # Other backends' queued requests still run together, as dynamic_batching {}
+        # without delay does: shown so. A config read here and loaded again (a
+        # tritonclient load_model(config=...)) keeps its scheduler.
+        del out["dynamic_batching"]
     if config.model_transaction_policy.decoupled:
         # tritonclient and perf_analyzer read it to expect several answers per request.
         out["model_transaction_policy"] = {"decoupled": True}
     if config.sequence_batching is not None:
         # One of Triton's scheduling choices (perf_analyzer sends sequences when it sees it).
-        del out["dynamic_batching"]
+        out.pop("dynamic_batching", None)
         out["sequence_batching"] = sequence_json(config.sequence_batching)
     if config.ensemble is not None:
         # Triton's scheduling is one of dynamic batching and ensemble scheduling; an
         # ensemble has no instances of its own (perf_analyzer reads the steps from here).
-        del out["dynamic_batching"], out["instance_group"]
+        out.pop("dynamic_batching", None)
+        del out["instance_group"]
         out["ensemble_scheduling"] = {"step": ensemble_steps(config.ensemble)}
     return out
 
