@@ -2,7 +2,10 @@
 server's spans, exported over OTLP/HTTP by OpenTelemetry's own exporter, are read here by
 a receiver that parses OTLP's protobuf (OpenTelemetry's own messages). V2 inference over
 HTTP and gRPC and an OpenAI chat completion, in one process and split; each span a child
-of the caller's ``traceparent``; Triton's trace settings deciding what is traced.
+of the caller's ``traceparent``; Triton's trace settings deciding what is traced; under
+a V2 inference's span, Triton's TIMESTAMPS as its model and compute spans' events (the
+engine's, in the split layout), a request held in the queue showing it, an ensemble's
+steps a model span each.
 """
 
 from __future__ import annotations
@@ -33,6 +36,44 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
 LLM = "smollm2"
+DELAYED = "delayed"
+QUEUE_DELAY_US = 300_000
+PIPELINE = "pipeline"
+# Two add_sub steps, the second on the first's outputs.
+PIPELINE_CONFIG = f"""
+name: "{PIPELINE}"
+platform: "ensemble"
+max_batch_size: 8
+input [
+  {{ name: "A" data_type: TYPE_FP32 dims: [ {ADD_SUB_WIDTH} ] }},
+  {{ name: "B" data_type: TYPE_FP32 dims: [ {ADD_SUB_WIDTH} ] }}
+]
+output [ {{ name: "SUM_OF_BOTH" data_type: TYPE_FP32 dims: [ {ADD_SUB_WIDTH} ] }} ]
+ensemble_scheduling {{
+  step [
+    {{
+      model_name: "add_sub"
+      model_version: -1
+      input_map {{ key: "INPUT0" value: "A" }}
+      input_map {{ key: "INPUT1" value: "B" }}
+      output_map {{ key: "OUTPUT0" value: "sum" }}
+      output_map {{ key: "OUTPUT1" value: "diff" }}
+    }},
+    {{
+      model_name: "add_sub"
+      model_version: -1
+      input_map {{ key: "INPUT0" value: "sum" }}
+      input_map {{ key: "INPUT1" value: "diff" }}
+      output_map {{ key: "OUTPUT0" value: "SUM_OF_BOTH" }}
+    }}
+  ]
+}}
+"""
+# Triton's TIMESTAMPS in the order they happen: the model span's and its compute span's.
+MODEL_EVENTS = ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+COMPUTE_EVENTS = ["COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END"]
+TIMELINE = [*MODEL_EVENTS[:2], *COMPUTE_EVENTS, MODEL_EVENTS[2]]
+CLOCKS_SLACK_NS = 1_000_000
 
 
 class Collector:
@@ -66,11 +107,13 @@ class Collector:
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def wait(self, count: int, timeout_s: float = 20.0) -> list[Any]:
-        """The spans once at least ``count`` have come (then those that come with them)."""
+        """The spans once at least ``count`` request spans (a request's own, the server
+        kind; its model and compute spans are internal) have come, with those that come
+        with them."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if len(self.spans) >= count:
+                if sum(span.kind == span.SPAN_KIND_SERVER for span in self.spans) >= count:
                     time.sleep(0.3)  # stragglers of the same export
                     taken, self.spans = self.spans, []
                     return taken
@@ -88,6 +131,12 @@ def traced(
 ) -> Iterator[tuple[RemoteServer, Collector]]:
     repo = tmp_path_factory.mktemp("tracing")
     build_add_sub(repo)
+    # A lone request waits out the queue delay for company: its queue time.
+    build_add_sub(repo, DELAYED)
+    write_config(repo, DELAYED, {"max_batch_size": 8, "dynamic_batching": {
+        "max_queue_delay_microseconds": QUEUE_DELAY_US}})  # fmt: skip
+    (repo / PIPELINE / "1").mkdir(parents=True)
+    (repo / PIPELINE / "config.pbtxt").write_text(PIPELINE_CONFIG)
     (repo / LLM / "1").mkdir(parents=True)
     os.link(smollm2_gguf(), repo / LLM / "1" / "model.gguf")
     write_config(repo, LLM, {"backend": "llama_cpp", "generation": {
@@ -123,6 +172,50 @@ def _child_of_the_caller(span: Any) -> bool:
     return span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
 
 
+def _requests(spans: list[Any]) -> dict[str, Any]:
+    """The V2 inferences' spans by request id."""
+    return {_attributes(s)["slipstream.request_id"]: s for s in spans if s.name == "InferRequest"}
+
+
+def _children(spans: list[Any], parent: Any) -> list[Any]:
+    children = [
+        s for s in spans if s.parent_span_id == parent.span_id and s.trace_id == parent.trace_id
+    ]
+    return sorted(children, key=lambda span: span.start_time_unix_nano)
+
+
+def _events(span: Any) -> dict[str, int]:
+    return {event.name: event.time_unix_nano for event in span.events}
+
+
+def _model_and_compute(spans: list[Any], parent: Any, model: str) -> tuple[Any, Any]:
+    """The one model span under ``parent`` (Triton's: named after the model, with its
+    name and version), and its one compute span; checked for Triton's events, in the
+    order they happened, within their spans."""
+    (span,) = _children(spans, parent)
+    assert span.name == model, span
+    assert _attributes(span)["triton.model_name"] == model
+    assert _attributes(span)["triton.model_version"] == "1"
+    (compute,) = _children(spans, span)
+    assert compute.name == "compute" and not _children(spans, compute)
+    assert [event.name for event in span.events] == MODEL_EVENTS
+    assert [event.name for event in compute.events] == COMPUTE_EVENTS
+    times = {**_events(span), **_events(compute)}
+    stamps = [times[name] for name in TIMELINE]
+    assert stamps == sorted(stamps), dict(zip(TIMELINE, stamps, strict=True))
+    # The request span's times are the wall clock's as it ran, the others monotonic ones
+    # made wall-clock times when the request was done: a clock being slewed meanwhile
+    # (NTP) moves them apart by a little.
+    for outer, inner, slack_ns in ((parent, span, CLOCKS_SLACK_NS), (span, compute, 0)):
+        assert outer.start_time_unix_nano <= inner.start_time_unix_nano + slack_ns
+        assert inner.end_time_unix_nano <= outer.end_time_unix_nano + slack_ns
+    assert span.start_time_unix_nano == times["REQUEST_START"]
+    assert span.end_time_unix_nano == times["REQUEST_END"]
+    assert compute.start_time_unix_nano == times["COMPUTE_START"]
+    assert compute.end_time_unix_nano == times["COMPUTE_END"]
+    return span, compute
+
+
 def test_v2_inference_is_a_span_under_the_caller_s_over_http_and_grpc(
     traced: tuple[RemoteServer, Collector],
 ) -> None:
@@ -141,7 +234,7 @@ def test_v2_inference_is_a_span_under_the_caller_s_over_http_and_grpc(
     finally:
         http.close()
         grpc.close()
-    spans = {_attributes(s)["slipstream.request_id"]: s for s in collector.wait(3)}
+    spans = _requests(collector.wait(3))
     for request_id, protocol in (("r-http", "http"), ("r-grpc", "grpc")):
         span = spans[request_id]
         assert span.name == "InferRequest" and _child_of_the_caller(span), span
@@ -210,8 +303,93 @@ def test_triton_trace_settings_decide_what_is_traced(
         http.infer("add_sub", _add_sub_inputs(httpclient), request_id="global-again")
     finally:
         http.close()
-    traced_ids = sorted(_attributes(span)["slipstream.request_id"] for span in collector.wait(3))
+    traced_ids = sorted(_requests(collector.wait(3)))
     assert traced_ids == ["global-again", "n0", "n2"]
+
+
+def test_a_v2_inference_s_span_holds_triton_s_timestamps_over_http_and_grpc_unary_and_streaming(
+    traced: tuple[RemoteServer, Collector],
+) -> None:
+    """Under each request's span, a model span and its compute span, with Triton's
+    TIMESTAMPS events in the order they happened (the engine's, split); a request that
+    fails before reaching a model has neither."""
+    server, collector = traced
+    http = httpclient.InferenceServerClient(server.http_address)
+    grpc = grpcclient.InferenceServerClient(server.grpc_address)
+    streamed: list[Any] = []
+    try:
+        http.infer("add_sub", _add_sub_inputs(httpclient), request_id="t-http")
+        grpc.infer("add_sub", _add_sub_inputs(grpcclient), request_id="t-grpc")
+        grpc.start_stream(callback=lambda result, error: streamed.append(error or result))
+        grpc.async_stream_infer("add_sub", _add_sub_inputs(grpcclient), request_id="t-stream")
+        grpc.stop_stream()  # after the stream's answers
+        body = {"id": "t-sse", "INPUT0": [1.0] * ADD_SUB_WIDTH, "INPUT1": [2.0] * ADD_SUB_WIDTH}
+        sse = server.http.post("/v2/models/add_sub/generate_stream", json=body, timeout=30)
+        with pytest.raises(InferenceServerException):
+            http.infer("add_sub", [_add_sub_inputs(httpclient)[0]], request_id="t-bad")
+    finally:
+        http.close()
+        grpc.close()
+    assert len(streamed) == 1 and not isinstance(streamed[0], InferenceServerException)
+    assert sse.status_code == 200 and "OUTPUT0" in sse.text, sse.text
+    spans = collector.wait(5)
+    requests = _requests(spans)
+    for request_id in ("t-http", "t-grpc", "t-stream", "t-sse"):
+        _model_and_compute(spans, requests[request_id], "add_sub")
+    assert _children(spans, requests["t-bad"]) == []
+
+
+def test_a_request_held_in_the_queue_shows_its_queue_time(
+    traced: tuple[RemoteServer, Collector],
+) -> None:
+    """A lone request on a model with a queue delay waits it out for company: its time
+    between QUEUE_START and COMPUTE_START, not in its compute span."""
+    server, collector = traced
+    http = httpclient.InferenceServerClient(server.http_address)
+    try:
+        inputs = _add_sub_inputs(httpclient)
+        http.infer(DELAYED, inputs, request_id="held", headers={"traceparent": TRACEPARENT})
+    finally:
+        http.close()
+    spans = collector.wait(1)
+    request = _requests(spans)["held"]
+    assert _child_of_the_caller(request)
+    span, compute = _model_and_compute(spans, request, DELAYED)
+    queued_ns = _events(compute)["COMPUTE_START"] - _events(span)["QUEUE_START"]
+    computed_ns = compute.end_time_unix_nano - compute.start_time_unix_nano
+    assert queued_ns >= 0.8 * QUEUE_DELAY_US * 1000, queued_ns
+    assert computed_ns < queued_ns / 3, (computed_ns, queued_ns)
+
+
+def test_an_ensemble_s_steps_are_model_spans_of_their_own(
+    traced: tuple[RemoteServer, Collector],
+) -> None:
+    """As Triton traces an ensemble: its model span, and under it a model span (with its
+    compute span) per step; the second step queued once the first was done."""
+    server, collector = traced
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    try:
+        inputs = [grpcclient.InferInput(name, [1, ADD_SUB_WIDTH], "FP32") for name in "AB"]
+        for tensor, value in zip(inputs, (3.0, 1.0), strict=True):
+            tensor.set_data_from_numpy(np.full((1, ADD_SUB_WIDTH), value, np.float32))
+        answer = client.infer(PIPELINE, inputs, request_id="ensemble")
+    finally:
+        client.close()
+    np.testing.assert_array_equal(answer.as_numpy("SUM_OF_BOTH"), np.full((1, 16), 6.0))
+    spans = collector.wait(1)
+    (ensemble,) = _children(spans, _requests(spans)["ensemble"])
+    assert ensemble.name == PIPELINE
+    assert [event.name for event in ensemble.events] == ["REQUEST_START", "REQUEST_END"]
+    first, second = _children(spans, ensemble)
+    computes = []
+    for step in (first, second):
+        assert step.name == "add_sub" and [e.name for e in step.events] == MODEL_EVENTS
+        (compute,) = _children(spans, step)
+        assert [event.name for event in compute.events] == COMPUTE_EVENTS
+        computes.append(compute)
+        assert ensemble.start_time_unix_nano <= step.start_time_unix_nano
+        assert step.end_time_unix_nano <= ensemble.end_time_unix_nano
+    assert computes[0].end_time_unix_nano <= _events(second)["QUEUE_START"]
 
 
 def test_a_bad_trace_config_stops_the_start_naming_it(tmp_path: Path) -> None:

@@ -28,9 +28,16 @@ from slipstream.engine.client import EngineClient
 from slipstream.engine.company import Company
 from slipstream.engine.groups import Group, answer_gathered, answer_group, answer_groups
 from slipstream.engine.host import Call, Gatherer, Stream
+from slipstream.engine.traced import (
+    infer_stream_traced,
+    infer_traced,
+    traced_calls,
+    traced_streams,
+)
 from slipstream.engine.wire import request_fields, request_from, response_fields, response_from
 from slipstream.errors import SlipstreamError
 from slipstream.observability.stats import ModelStats
+from slipstream.observability.timestamps import RECORDING
 from slipstream.serving.service import InferenceService, StreamItem
 from slipstream.types import (
     CudaRegionStatus,
@@ -127,7 +134,11 @@ class RemoteInferenceService(InferenceService):
         """Sent with the other requests of this turn of the loop for the same engine as
         one group (:class:`~slipstream.engine.groups.Group`); answered as the engine's
         ``infer`` answers it alone. A turn's lone request may wait for company: see
-        :mod:`slipstream.engine.company`."""
+        :mod:`slipstream.engine.company`. A traced request goes alone, to bring its
+        timestamps back (:mod:`slipstream.engine.traced`)."""
+        recording = RECORDING.get()
+        if recording is not None:
+            return await infer_traced(self.engine_for(request.model_name), request, recording)
         index = 0 if self._routing is None else self._routing.engine_of(request.model_name)
         loop = asyncio.get_running_loop()
         company = self._company
@@ -153,9 +164,16 @@ class RemoteInferenceService(InferenceService):
 
     async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamItem]:
         """The engine's ``infer_stream``, item by item (a decoupled model's answers)."""
-        answers = self.engine_for(request.model_name).stream(
-            "infer_stream", request_fields(request)
-        )
+        client = self.engine_for(request.model_name)
+        recording = RECORDING.get()
+        if recording is not None:
+            async with contextlib.aclosing(
+                infer_stream_traced(client, request, recording)
+            ) as traced:
+                async for item in traced:
+                    yield item
+            return
+        answers = client.stream("infer_stream", request_fields(request))
         async for fields, message, final in answers:
             yield (None if fields is None else response_from(fields)), message, final
 
@@ -297,6 +315,7 @@ def engine_calls(service: InferenceService) -> dict[str, Call]:
         await service.check(request_from(fields))
 
     calls.update(infer=infer, infer_group=answer_group(service), check=check)
+    calls.update(traced_calls(service))
     return calls
 
 
@@ -307,7 +326,7 @@ def engine_streams(service: InferenceService) -> dict[str, Stream]:
         async for response, message, final in service.infer_stream(request_from(fields)):
             yield (None if response is None else response_fields(response)), message, final
 
-    return {"infer_stream": infer_stream}
+    return {"infer_stream": infer_stream, **traced_streams(service)}
 
 
 def engine_gathered(service: InferenceService) -> dict[str, Gatherer]:

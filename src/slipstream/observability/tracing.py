@@ -12,7 +12,13 @@ clients read and change at ``/v2[/models/<m>]/trace/setting`` (gRPC ``TraceSetti
 ``trace_level`` OFF or TIMESTAMPS, one request in ``trace_rate``, and ``trace_count``
 traces before stopping (-1: no limit). A traced V2 inference is a span ``InferRequest``
 (Triton's name) with ``triton.model_name``/``triton.model_version``, the request id and
-the protocol, its outcome as the span's status; an OpenAI route's request is a span
+the protocol, its outcome as the span's status, and under it Triton's TIMESTAMPS as
+Triton's OpenTelemetry mode lays them out (:meth:`Tracing.add_timestamps`): a span named
+after the model with the events ``REQUEST_START``, ``QUEUE_START`` and ``REQUEST_END``,
+and its child span ``compute`` with ``COMPUTE_START``, ``COMPUTE_INPUT_END``,
+``COMPUTE_OUTPUT_START`` and ``COMPUTE_END`` (an ensemble's or cascade's model span holds
+one such model span per step), recorded by the serving core where it runs the request
+(:mod:`slipstream.observability.timestamps`); an OpenAI route's request is a span
 ``POST /v1/chat/completions`` with the model and, when answered, the token usage. A
 request that carries W3C trace context (``traceparent``, as OpenTelemetry-instrumented
 clients send it, in HTTP headers or gRPC metadata) gets its span as a child of the
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slipstream.config.tracing import TraceConfig
+from slipstream.observability.timestamps import RequestTimes, RunTimes
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +146,96 @@ class Tracing:
             raise
         self.end(span)
 
+    def add_timestamps(
+        self, span: Any, times: RequestTimes, model_name: str, model_version: str, ok: bool
+    ) -> None:
+        """Triton's TIMESTAMPS of a traced inference under its request ``span``, in
+        Triton's shape: a span named after the model (events ``REQUEST_START``,
+        ``QUEUE_START``, ``REQUEST_END``) with a child span ``compute``
+        (``COMPUTE_START``, ``COMPUTE_INPUT_END``, ``COMPUTE_OUTPUT_START``,
+        ``COMPUTE_END``); an ensemble's or a cascade's model span holds such a model span
+        per step instead. ``ok``: the request was answered (a failed one that ran no
+        model gets none). A fault here is logged, never the request's."""
+        try:
+            self._add_timestamps(span, times, model_name, model_version, ok)
+        except Exception:
+            logger.exception("request tracing: the timestamps of a request were not traced")
+
+    def _add_timestamps(
+        self, span: Any, times: RequestTimes, model_name: str, model_version: str, ok: bool
+    ) -> None:
+        runs = times.runs
+        if not runs and not ok:
+            return
+        alone = len(runs) == 1 and runs[0].model_name == model_name
+        version = model_version or (runs[0].model_version if alone else "")
+        queue_start_ns = runs[0].queue_start_ns if alone else 0
+        end_ns = times.request_end_ns
+        top = self._model_span(
+            span, model_name, version, times.request_start_ns, queue_start_ns, end_ns
+        )
+        for run in runs:
+            if alone:
+                self._compute_span(top, run, end_ns)
+                continue
+            step_end_ns = run.request_end_ns or end_ns
+            step = self._model_span(
+                top, run.model_name, run.model_version, run.request_start_ns,
+                run.queue_start_ns, step_end_ns,
+            )  # fmt: skip
+            self._compute_span(step, run, step_end_ns)
+
+    def _model_span(
+        self,
+        parent: Any,
+        name: str,
+        version: str,
+        start_ns: int,
+        queue_start_ns: int,
+        end_ns: int,
+    ) -> Any:
+        """Triton's model span: one model's part of the request (ended; its context
+        still parents the spans made after it)."""
+        attributes = {"triton.model_name": name, "triton.model_version": version}
+        span = self._past_span(name, parent, start_ns, attributes)
+        _events(span, ("REQUEST_START", start_ns), ("QUEUE_START", queue_start_ns),
+                ("REQUEST_END", end_ns))  # fmt: skip
+        span.end(end_time=end_ns)
+        return span
+
+    def _compute_span(self, parent: Any, run: RunTimes, end_ns: int) -> None:
+        """Triton's compute span: the run's batch on its instance (none where it never
+        started; ending with ``end_ns`` where its end is not known, a decoupled model's
+        run still going when its final answer was sent)."""
+        if not run.compute_start_ns:
+            return
+        span = self._past_span("compute", parent, run.compute_start_ns)
+        _events(span, ("COMPUTE_START", run.compute_start_ns),
+                ("COMPUTE_INPUT_END", run.compute_input_end_ns),
+                ("COMPUTE_OUTPUT_START", run.compute_output_start_ns),
+                ("COMPUTE_END", run.compute_end_ns))  # fmt: skip
+        span.end(end_time=run.compute_end_ns or end_ns)
+
+    def _past_span(
+        self, name: str, parent: Any, start_ns: int, attributes: Mapping[str, Any] | None = None
+    ) -> Any:
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        return self._tracer.start_span(
+            name, context=set_span_in_context(parent), kind=SpanKind.INTERNAL,
+            attributes=attributes, start_time=start_ns,
+        )  # fmt: skip
+
     def shutdown(self) -> None:
         """Export what is buffered, then stop (at the server's stop)."""
         self._provider.shutdown()
+
+
+def _events(span: Any, *events: tuple[str, int]) -> None:
+    """``events`` on ``span`` at their times, those that happened (0: did not)."""
+    for name, ns in events:
+        if ns:
+            span.add_event(name, timestamp=ns)
 
 
 def _message(exc: BaseException) -> str:

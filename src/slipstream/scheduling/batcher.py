@@ -28,6 +28,11 @@ Preferred sizes are a preference, as in Triton: a request of more rows than any 
 Whenever an instance is free and a request is queued, :meth:`_next_batch` either returns
 a batch or has the delay timer armed: the queue can never stall.
 
+A traced request (:mod:`slipstream.observability.timestamps`) gets its run's times
+recorded: queue start and end as it is submitted and answered, its batch's compute times
+when the batch is done. An untraced one costs one context-variable read in ``submit``,
+and a batch one check of an empty dict.
+
 Time comes from ``clock_ns`` (the monotonic clock the event loop also uses); timers are
 the loop's, so a test loop with a virtual clock, given the same clock, drives timeouts
 and delays without waiting.
@@ -51,6 +56,7 @@ from slipstream.errors import (
 )
 from slipstream.observability.metrics import ModelMetrics
 from slipstream.observability.stats import ModelStatsRecorder
+from slipstream.observability.timestamps import RECORDING, ModelRun
 from slipstream.runtime.base import Backend, RequestContext
 from slipstream.scheduling.execution import Arrays, BatchResult, Pending, as_served_error, execute
 
@@ -145,6 +151,9 @@ class Batcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closed = False
+        # The traced requests queued or running, and their runs (timestamps.py): empty
+        # unless a request is traced, so that a batch's only cost of tracing is one check.
+        self._runs: dict[Pending, ModelRun] = {}
 
     @property
     def num_pending(self) -> int:
@@ -164,7 +173,15 @@ class Batcher:
         """Queue one validated request and wait for its outputs (full batch-dim arrays).
         ``requests`` > 1: the inputs are that many client requests stacked, counted each
         in the statistics (queue time, compute shares) but queued and run as one.
-        ``context``: the request's id and parameters, for backends that take requests."""
+        ``context``: the request's id and parameters, for backends that take requests.
+        A traced request (:data:`RECORDING` set) gets a run of its own recorded."""
+        recording = RECORDING.get()
+        if recording is not None:
+            run = recording.run(*self._metrics.labels)
+            if run is not None:
+                return await self._submit_traced(
+                    run, inputs, rows, shape_key, priority, timeout_us, requests, context
+                )
         pending = self._enqueue(inputs, rows, shape_key, priority, timeout_us, requests)
         pending.context = context
         try:
@@ -173,6 +190,34 @@ class Batcher:
             # The client went away: a request still queued is dropped, never run.
             self._withdraw(pending)
             raise
+
+    async def _submit_traced(
+        self,
+        run: ModelRun,
+        inputs: Arrays,
+        rows: int,
+        shape_key: tuple[tuple[int, ...], ...],
+        priority: int,
+        timeout_us: int,
+        requests: int,
+        context: RequestContext | None,
+    ) -> Arrays:
+        """:meth:`submit` of a traced request: ``run`` gets its queue start and end here,
+        its compute times when its batch is done (:meth:`_stamp`)."""
+        try:
+            pending = self._enqueue(inputs, rows, shape_key, priority, timeout_us, requests)
+            run.queue_start_ns = time.monotonic_ns()
+            pending.context = context
+            self._runs[pending] = run
+            try:
+                return await pending.future
+            except asyncio.CancelledError:
+                self._withdraw(pending)
+                raise
+            finally:
+                self._runs.pop(pending, None)
+        finally:
+            run.request_end_ns = time.monotonic_ns()
 
     def enqueue(
         self,
@@ -403,6 +448,8 @@ class Batcher:
         self._free.append(instance)
         self._busy -= 1
         self._record(batch, result)
+        if self._runs:
+            self._stamp(batch, result)
         for pending, outcome in zip(batch, result.outcomes, strict=True):
             if pending.future.done():  # cancelled while it ran
                 continue
@@ -439,6 +486,18 @@ class Batcher:
             queue_ns = pending.dispatch_ns - pending.enqueue_ns
             metrics.queue_duration.observe(queue_ns / 1e9, pending.requests)
             self._stats.record_queue(queue_ns * pending.requests, pending.requests)
+
+    def _stamp(self, batch: list[Pending], result: BatchResult) -> None:
+        """The compute times of the traced requests of ``batch``: the batch's, taken on
+        the instance's thread by perf_counter_ns (the monotonic clock; timestamps.py)."""
+        for pending in batch:
+            run = self._runs.pop(pending, None)
+            if run is None or not result.started_ns:  # its worker failed: never computed
+                continue
+            run.compute_start_ns = result.started_ns
+            run.compute_input_end_ns = result.started_ns + result.input_ns
+            run.compute_output_start_ns = run.compute_input_end_ns + result.infer_ns
+            run.compute_end_ns = result.ended_ns
 
     # -- queue housekeeping -------------------------------------------------------------
 

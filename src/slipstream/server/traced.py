@@ -1,13 +1,16 @@
 """Where the front ends meet request tracing (:mod:`slipstream.observability.tracing`):
 the incoming trace context taken from HTTP headers (:class:`TraceMiddleware`) and gRPC
 metadata (:class:`TraceInterceptor`), a span per traced V2 inference
-(:class:`TracedService`, around what the V2 routes call), and a span per traced OpenAI
-route request (the middleware). All run in the process that answers the client (a front
-end in the split layout), so each trace starts where the request came in.
+(:class:`TracedService`, around what the V2 routes call) with the model and compute
+spans of the timestamps the serving core records for it (the engine's, brought back
+with the answer, in the split layout: :mod:`slipstream.engine.traced`), and a span per
+traced OpenAI route request (the middleware). All run in the process that answers the
+client (a front end in the split layout), so each trace starts where the request came in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -15,6 +18,7 @@ from typing import Any
 import grpc
 import orjson
 
+from slipstream.observability.timestamps import RECORDING, Recording, recorded
 from slipstream.observability.tracing import INCOMING, Incoming, Tracing, incoming_headers
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
 from slipstream.serving.forwarding import ForwardingService
@@ -35,7 +39,9 @@ _OPERATIONS = {
 
 class TracedService(ForwardingService):
     """``inner`` with a span ``InferRequest`` (Triton's name) around each traced V2
-    inference; see the module docstring."""
+    inference, and under it Triton's model and compute spans with the request's
+    timestamps (recorded by the serving core: :mod:`slipstream.observability.timestamps`);
+    see the module docstring."""
 
     def __init__(self, inner: InferenceService, tracing: Tracing) -> None:
         super().__init__(inner)
@@ -45,8 +51,18 @@ class TracedService(ForwardingService):
         if not self._tracing.sampled(request.model_name):
             return await self._inner.infer(request)
         with self._tracing.span("InferRequest", _attributes(request)) as span:
-            response = await self._inner.infer(request)
-            span.set_attribute("triton.model_version", response.model_version)
+            recording = Recording()
+            token = RECORDING.set(recording)
+            response = None
+            try:
+                response = await self._inner.infer(request)
+            finally:
+                RECORDING.reset(token)
+                version = response.model_version if response is not None else ""
+                self._tracing.add_timestamps(
+                    span, recording.finish(), request.model_name, version, response is not None
+                )
+            span.set_attribute("triton.model_version", version)
             return response
 
     async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamItem]:
@@ -55,12 +71,24 @@ class TracedService(ForwardingService):
                 yield item
             return
         with self._tracing.span("InferRequest", _attributes(request)) as span:
+            recording = Recording()
             answers = 0
-            async for item in super().infer_stream(request):
-                if answers == 0:
-                    span.add_event("FIRST_RESPONSE")
-                answers += 1
-                yield item
+            version = ""
+            ok = False
+            items = recorded(self._inner.infer_stream(request), recording)
+            try:
+                async with contextlib.aclosing(items):
+                    async for item in items:
+                        if answers == 0:
+                            span.add_event("FIRST_RESPONSE")
+                        answers += 1
+                        if item[0] is not None:
+                            version = item[0].model_version
+                        yield item
+                ok = True
+            finally:
+                times = recording.finish()
+                self._tracing.add_timestamps(span, times, request.model_name, version, ok)
             span.set_attribute("slipstream.responses", answers)
 
 
