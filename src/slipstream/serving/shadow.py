@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import math
 import time
@@ -164,7 +165,9 @@ class ShadowMirror:
         if request.shared_memory_inputs or any(o.shared_memory for o in request.outputs or ()):
             return  # a region's contents may change once answered; no copy writes into one
         if not self._workers:
-            self._workers = [asyncio.create_task(self._work())]
+            # A context of its own: not the request's that started it (a traced request's
+            # recording would take the shadow copies' runs as its own).
+            self._workers = [asyncio.create_task(self._work(), context=contextvars.Context())]
         copy = replace(request, model_version=self.version, id="", route_key="")
         try:
             self._queue.put_nowait((copy, response))
