@@ -11,12 +11,14 @@ OpenAI routes. A Ray cluster starts in ~5-10 s on two cores: one server serves e
 from __future__ import annotations
 
 import doctest
+import json
 import os
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -30,6 +32,7 @@ from tests.utils import RemoteServer
 
 pytest.importorskip("ray.serve")
 httpclient = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -148,9 +151,10 @@ def test_the_models_replicas_share_its_requests(server: RemoteServer) -> None:
 
 
 def test_the_deployment_options_follow_the_model_config() -> None:
-    from slipstream.rayserve import app
+    from slipstream.rayserve import app, options
 
     assert doctest.testmod(app).failed == 0
+    assert doctest.testmod(options).failed == 0
 
 
 def test_a_model_scales_from_one_replica_to_two_under_load_and_back_after(
@@ -347,14 +351,224 @@ def test_a_body_over_max_request_bytes_is_refused_413_as_the_plain_server_does(
 
 def test_errors_name_what_is_true_under_ray(server: RemoteServer) -> None:
     with httpx.Client(base_url=server.http_url, timeout=30) as http:
-        reply = http.get("/v2/models/smol")
-        assert reply.status_code == 404
-        assert reply.json()["error"] == (
-            "model 'smol' is a generative model, served on the OpenAI routes "
-            "(/v1/completions, /v1/chat/completions), not by V2"
-        )  # as the plain server words it
         reply = http.post("/v1/embeddings", json={"model": "add_sub", "input": "hi"})
         assert reply.status_code == 404
         message = reply.json()["error"]["message"]
         assert message.startswith("/v1/embeddings is not served under serve --ray")
         assert "load it with" not in message
+
+
+# -- a generative model on the V2 routes (Triton's vLLM backend's contract) --------------
+
+PROMPT = "The capital of France is"
+STEPS = 8
+
+
+def _completion(server: RemoteServer) -> str:
+    """/v1/completions' greedy text of PROMPT: what the V2 routes must answer too."""
+    body = {"model": "smol", "prompt": PROMPT, "max_tokens": STEPS, "temperature": 0}
+    reply = server.http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    text: str = reply.json()["choices"][0]["text"]
+    assert text
+    return text
+
+
+def _text_inputs(stream: bool) -> list[Any]:
+    sampling = {"temperature": 0, "max_tokens": STEPS}
+    values = {"text_input": (np.array([PROMPT.encode()], dtype=object), "BYTES"),
+              "stream": (np.array([stream]), "BOOL"),
+              "sampling_parameters": (np.array([json.dumps(sampling).encode()], dtype=object),
+                                      "BYTES"),
+              "exclude_input_in_output": (np.array([True]), "BOOL")}  # fmt: skip
+    inputs = []
+    for name, (array, datatype) in values.items():
+        tensor = httpclient.InferInput(name, [1], datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def test_a_generative_model_has_the_v2_routes_of_a_vllm_backend_model(
+    server: RemoteServer,
+) -> None:
+    completion = _completion(server)
+    client = httpclient.InferenceServerClient(server.http_address, network_timeout=60)
+    try:
+        assert client.is_model_ready("smol")
+        metadata = client.get_model_metadata("smol")
+        assert metadata["platform"] == "vllm" and metadata["versions"] == ["1"]
+        inputs = {t["name"]: (t["datatype"], t["shape"]) for t in metadata["inputs"]}
+        assert inputs["text_input"] == ("BYTES", [1]) and inputs["stream"] == ("BOOL", [1])
+        config = client.get_model_config("smol")
+        assert config["backend"] == "vllm"
+        assert config["model_transaction_policy"] == {"decoupled": True}
+        assert config["parameters"]["slipstream_backend"] == {"string_value": "llama_cpp"}
+        result = client.infer("smol", _text_inputs(stream=False), request_id="u")
+        assert result.as_numpy("text_output").tolist() == [completion.encode()]
+        assert result.get_response()["id"] == "u"
+        with pytest.raises(InferenceServerException) as info:  # a stream has many answers
+            client.infer("smol", _text_inputs(stream=True))
+        assert "generate_stream" in info.value.message()
+    finally:
+        client.close()
+
+
+def test_generate_and_generate_stream_answer_as_on_the_plain_server(
+    server: RemoteServer,
+) -> None:
+    completion = _completion(server)
+    body = {"text_input": PROMPT, "parameters": {"temperature": 0, "max_tokens": STEPS}}
+    reply = server.http.post("/v2/models/smol/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["text_output"] == PROMPT + completion  # the prompt first, as vLLM's
+    streamed = {**body, "parameters": {**body["parameters"], "stream": True}}
+    with server.http.stream("POST", "/v2/models/smol/generate_stream", json=streamed) as answer:
+        assert answer.status_code == 200
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[5:]) for line in answer.iter_lines() if line.startswith("data:")]
+    assert len(events) > 1 and all(event["model_name"] == "smol" for event in events)
+    assert "".join(event["text_output"] for event in events) == completion
+    refused = server.http.post("/v2/models/smol/generate", json=streamed)
+    assert refused.status_code == 400 and "generate_stream" in refused.json()["error"]
+    unknown = server.http.post("/v2/models/smol/versions/7/generate", json=body)
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == "model 'smol' has no version '7'; version 1 is served"
+
+
+def test_a_client_leaving_generate_stream_stops_its_generation_under_ray(
+    server: RemoteServer,
+) -> None:
+    body = {"text_input": "Tell me a long story about", "parameters": {
+        "stream": True, "max_tokens": 400, "ignore_eos": True}}  # fmt: skip
+    before = _settled_tokens(server)
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", server.url("/v2/models/smol/generate_stream"), json=body) as answer,
+    ):
+        events = (line for line in answer.iter_lines() if line.startswith("data:"))
+        for _ in range(3):
+            next(events)
+    # Tokens are counted when the sequence ends, and reach /metrics with its replica's
+    # next report: 400 if the generation ran on after the client left.
+    deadline = time.monotonic() + 60
+    while (after := _generated_tokens(server)) == before:
+        assert time.monotonic() < deadline, "the sequence never ended"
+        time.sleep(0.2)
+    assert 3 <= after - before < 80, (before, after)
+
+
+def _generated_tokens(server: RemoteServer) -> float:
+    text = server.http.get("/metrics").text
+    pattern = r'^slipstream_llm_generation_tokens_total\{model="smol",[^}]*\} (\S+)'
+    return sum(float(count) for count in re.findall(pattern, text, re.M))
+
+
+def _settled_tokens(server: RemoteServer) -> float:
+    """The count once the earlier tests' tokens are all in: unchanged over a report
+    interval (2 s), so that the next change is the next sequence's alone."""
+    last = _generated_tokens(server)
+    while True:
+        time.sleep(2.5)
+        now = _generated_tokens(server)
+        if now == last:
+            return now
+        last = now
+
+
+def test_statistics_count_a_generative_models_v2_requests(server: RemoteServer) -> None:
+    def own() -> int:
+        stats = server.http.get("/v2/models/smol/stats").json()["model_stats"]
+        return int(stats[0]["inference_stats"]["success"]["count"])
+
+    before = own()
+    body = {"text_input": PROMPT, "parameters": {"max_tokens": 2}}
+    assert server.http.post("/v2/models/smol/generate", json=body).status_code == 200
+    assert own() == before + 1
+    deadline = time.monotonic() + 30
+    while True:  # the server's statistics: as its replica last reported them
+        every = server.http.get("/v2/models/stats").json()["model_stats"]
+        counted = [int(s["inference_stats"]["success"]["count"]) for s in every
+                   if s["name"] == "smol"]  # fmt: skip
+        if (counted and counted[0] > before) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert counted == [before + 1], every
+
+
+def test_shared_memory_registration_is_refused_naming_ray_serve(server: RemoteServer) -> None:
+    client = httpclient.InferenceServerClient(server.http_address, network_timeout=60)
+    try:
+        client.unregister_system_shared_memory()  # cleaning up first works, as on Triton
+        assert client.get_system_shared_memory_status() == []
+        with pytest.raises(InferenceServerException) as info:
+            client.register_system_shared_memory("inputs", "/inputs", 64)
+        assert info.value.status() == "400"
+        assert "shared memory is not served under serve --ray" in info.value.message()
+        extensions = client.get_server_metadata()["extensions"]
+        assert "system_shared_memory" not in extensions and "generate" in extensions
+    finally:
+        client.close()
+
+
+def test_changes_a_replica_would_keep_to_itself_and_drift_are_refused_naming_ray(
+    server: RemoteServer,
+) -> None:
+    client = httpclient.InferenceServerClient(server.http_address, network_timeout=60)
+    try:
+        assert client.get_log_settings()["log_info"] is True  # reading answers
+        with pytest.raises(InferenceServerException, match="not served under serve --ray"):
+            client.update_log_settings({"log_verbose_level": 1})
+        for model in ("", "add_sub", "smol"):  # the server's, a model's, a relayed one's
+            assert client.get_trace_settings(model)["trace_level"] == ["OFF"]
+            with pytest.raises(InferenceServerException) as info:
+                client.update_trace_settings(model, {"trace_rate": "5"})
+            assert info.value.status() == "400"
+            assert "trace settings is not served under serve --ray" in info.value.message()
+    finally:
+        client.close()
+    for model in ("add_sub", "smol"):
+        reply = server.http.get(f"/v2/models/{model}/drift")
+        assert reply.status_code == 404
+        assert reply.json()["error"].startswith("drift monitoring is not served under serve --ray")
+    assert server.http.get("/v2/models/add_sub/rollout").status_code == 200  # reading answers
+    reply = server.http.post("/v2/models/add_sub/rollout", json={"candidate": "1"})
+    assert reply.status_code == 400
+    assert reply.json()["error"].startswith("progressive rollouts are not served under serve --ray")
+
+
+def test_the_log_holds_the_replicas_lines_and_says_grpc_is_not_served(
+    server: RemoteServer,
+) -> None:
+    log = server.log_text()
+    assert "gRPC is not served under --ray" in log
+    # Each replica's slipstream log, in slipstream serve's format, through Ray's driver.
+    assert re.search(r"\(ServeReplica:add_sub:add_sub pid=\d+\).* INFO slipstream\.serving\."
+                     r"manager: model add_sub version 1 is READY", log)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("auth_file", "keys.yaml"), ("jobs_redis", "redis://localhost:6379"),
+     ("tls_cert", "cert.pem"), ("trace_config", ["mode=opentelemetry"]),
+     ("access_log", True), ("allow_client_shm", True), ("price_per_hour", 2.5),
+     ("trace_startup", "start.json")],
+)  # fmt: skip
+def test_options_ray_serve_would_ignore_are_refused_before_ray_starts(
+    option: str, value: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    import ray
+
+    from slipstream.config import ServerSettings
+    from slipstream.rayserve.app import run
+
+    def no_cluster(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("Ray was started: the option was not refused")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    extra = {"tls_key": "key.pem"} if option == "tls_cert" else {}
+    settings = ServerSettings(model_repository=tmp_path, **{option: value, **extra})
+    assert run(settings) == 1
+    flag = "--" + option.replace("_", "-")
+    assert f"{flag} is not served under --ray" in caplog.text

@@ -17,11 +17,15 @@ model scale by its config.yaml's ``ray_serve:`` section (Ray Serve's autoscaling
     RAY_ADDRESS=ray://head:10001 slipstream serve --ray ...     # an existing cluster
 
 The generative models are one more application at ``/v1`` (the OpenAI routes: Ray routes
-by path, and an OpenAI request names its model in its body). ``/metrics`` at the root
-answers every replica's metrics, with the server's names and a ``replica`` label
-(:mod:`slipstream.rayserve.metrics`). Not served under Ray yet: gRPC, /v1/embeddings (its
-embedding model is a V2 application of its own), asynchronous jobs, API keys; model
-load and unload are Ray Serve's (the repository and ``ray_serve:``, read at start): 400.
+by path, and an OpenAI request names its model in its body); their V2 routes (Triton's
+vLLM backend's contract) reach the root, which relays them to that application's
+replicas (:mod:`slipstream.rayserve.relay`). ``/metrics`` at the root answers every
+replica's metrics, with the server's names and a ``replica`` label
+(:mod:`slipstream.rayserve.metrics`). Not served under Ray: gRPC, /v1/embeddings (its
+embedding model is a V2 application of its own), client shared memory; the options
+that would need them (API keys, jobs, TLS...) are refused at start
+(:mod:`slipstream.rayserve.options`). Model load and unload are Ray Serve's (the
+repository and ``ray_serve:``, read at start): 400.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -49,11 +54,14 @@ from slipstream.rayserve.metrics import (
     merged_text,
     snapshot,
 )
+from slipstream.rayserve.options import NO_GRPC, refused_options
+from slipstream.rayserve.relay import GenerativeRelay, RelayedHead, relayed
 from slipstream.repository.layout import is_generative, list_models, read_config
 from slipstream.server.http_messages import BodyRefused
 from slipstream.server.httpd import HttpRequest, StreamingResponse
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.router import Handler, Router
+from slipstream.server.v2_llm import GenerativeV2
 from slipstream.server.v2_rest import V2RestApp
 from slipstream.serving.core import ModelServer
 
@@ -63,6 +71,10 @@ logger = logging.getLogger(__name__)
 _ROOT_APP = "slipstream"
 _OPENAI_APP = "openai"
 _REPLICA_HEADER = b"x-slipstream-replica"
+# The root relays the generative models' V2 requests, streams that last a generation
+# among them: more at once than Ray's default of 5 per replica, so that health probes
+# and /metrics never queue behind them (each costs the root a coroutine, no CPU).
+_ROOT_MAX_ONGOING_REQUESTS = 1000
 # How often the driver looks at the replicas (to log what autoscaling did): a status
 # call to the controller, a few ms, twice a second.
 _STATUS_INTERVAL_S = 0.5
@@ -95,27 +107,42 @@ def deployment_options(config: RayServeConfig) -> dict[str, Any]:
 
 class V2Replica:
     """One Ray Serve replica: a serving core on ``models`` behind the V2 REST routes, and
-    with ``generative`` the LLM lane on them behind the OpenAI routes (``/v1/``)."""
+    with ``generative`` the LLM lane on them behind the OpenAI routes (``/v1/``) and the
+    V2 routes too (as Triton's vLLM backend shows a model). The root replica (no
+    ``models``) relays the V2 requests of the ``relayed_models`` (the generative ones)
+    to the generative application."""
 
     # Ray runs an async __init__ to its end before the replica takes requests.
     async def __init__(  # type: ignore[misc]
-        self, settings: dict[str, Any], models: list[str], generative: bool = False
+        self,
+        settings: dict[str, Any],
+        models: list[str],
+        generative: bool = False,
+        relayed_models: Sequence[str] = (),
     ) -> None:
         import ray
 
         explicit = ServerSettings(
             **{**settings, "model_control_mode": "explicit", "load_models": models}
         )
+        # A Ray worker's root logger has no handler (Ray Serve logs on its own loggers):
+        # the replica's log goes to its stderr, which Ray copies to the driver's, with
+        # slipstream serve's level and format.
+        logging.basicConfig(level=explicit.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
         self._max_request_bytes = explicit.max_request_bytes
         self._models = models
         self._metrics = ServerMetrics()
-        # The root holds a generative lane that loads nothing: the V2 routes it answers
-        # for a generative model then say where that model is served (the OpenAI routes).
+        # The root holds a generative lane that loads nothing: the repository index lists
+        # the generative models it knows.
         lanes: list[LlmModels] = []
         if generative or not models:
-            lanes.append(LlmModels(explicit.model_repository, self._metrics.registry))
+            lanes.append(LlmModels(explicit.model_repository, self._metrics.registry,
+                                   explicit.idle_unload_seconds, explicit.load_wait_s))  # fmt: skip
         self._service = ModelServer(explicit, self._metrics, lanes=lanes)
-        v2_app = V2RestApp(self._service, self._metrics)
+        # The V2 routes' service: a generative model's requests run on its lane.
+        self._v2 = GenerativeV2(self._service, lanes[0]) if generative else self._service
+        v2_app = V2RestApp(self._v2, self._metrics, drift=control.no_drift)
         self._board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
         actor = ray.get_runtime_context().get_actor_id() or str(os.getpid())
         self._replica_id = f"{models[0] if models else 'root'}-{actor[:8]}"
@@ -123,15 +150,16 @@ class V2Replica:
         if generative:
             openai_app = OpenAIApp(lanes[0], self._service, explicit.model_repository)
             routes.append(("/v1/", openai_app.handle))
-        elif models:
-            stats = control.ModelStatsRoute(models[0], self._replica_id, self._board,
-                                            v2_app.handle)  # fmt: skip
-            routes.append((f"/v2/models/{models[0]}/", stats.handle))
-        else:
-            routes.append(
-                ("/v2/", control.RootRoutes(self._service, self._board, v2_app.handle).handle)
-            )
-        self._handle = Router(fallback=v2_app.handle, routes=routes).handle
+        for model in models:
+            stats = control.ModelStatsRoute(model, self._replica_id, self._board, v2_app.handle)
+            routes.append((f"/v2/models/{model}/", stats.handle))
+        if not models:
+            root = control.RootRoutes(self._service, self._board, v2_app.handle).handle
+            if relayed_models:
+                root = GenerativeRelay(relayed_models, _generative_handle, root).handle
+            routes.append(("/v2", root))  # GET /v2 (server metadata) among them
+        self._handle = Router(fallback=v2_app.handle, routes=routes,
+                              middleware=[control.refuse_per_process_changes]).handle  # fmt: skip
         self._replica = str(os.getpid()).encode()
         # The root application (no models) answers /metrics for every replica.
         self._gathers_metrics = not models
@@ -141,7 +169,7 @@ class V2Replica:
 
     async def _push_reports(self) -> None:
         while True:
-            stats = v2_meta.model_stats_json(await self._service.model_statistics())
+            stats = v2_meta.model_stats_json(await self._v2.model_statistics())
             index = v2_meta.repository_index_json(await self._service.repository_index())
             report = ReplicaReport(
                 snapshot(self._metrics.registry),
@@ -172,10 +200,17 @@ class V2Replica:
             return Response(text, 200, media_type=CONTENT_TYPE_LATEST)
         reply = await self._handle(http)
         headers_out = {k.decode("latin-1"): v.decode("latin-1") for k, v in reply.headers}
-        headers_out[_REPLICA_HEADER.decode()] = self._replica.decode()
+        # A relayed answer names the replica that made it.
+        headers_out.setdefault(_REPLICA_HEADER.decode(), self._replica.decode())
         if isinstance(reply, StreamingResponse):  # server-sent events of a generation
             return Streamed(reply.chunks, reply.status, headers_out, reply.content_type.decode())
         return Response(reply.body, reply.status, headers_out, reply.content_type.decode())
+
+    async def relay(self, request: HttpRequest) -> AsyncIterator[RelayedHead | bytes]:
+        """A V2 request of a generative model, relayed by the root replica (over a Ray
+        Serve handle): its answer in parts (:mod:`slipstream.rayserve.relay`)."""
+        async for part in relayed(self._handle, request, [(_REPLICA_HEADER, self._replica)]):
+            yield part
 
     def check_health(self) -> None:
         """Ray replaces a replica whose check raises."""
@@ -206,6 +241,8 @@ def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
     generative: dict[str, ModelConfig] = {}
     for name, directory in list_models(settings.model_repository).items():
         config: ModelConfig = read_config(directory)
+        if config.monitoring.drift.enable:
+            logger.warning("model %s: %s", name, control.DRIFT_UNDER_RAY)
         if is_generative(directory):
             generative[name] = config
             continue
@@ -216,9 +253,17 @@ def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
         options = deployment_options(next(iter(generative.values())).ray_serve)
         bound = replica.options(name=_OPENAI_APP, **options).bind(plain, list(generative), True)
         apps[_OPENAI_APP] = ("/v1", bound)
-    root = replica.options(name=_ROOT_APP, num_replicas=1, ray_actor_options={"num_cpus": 0})
-    apps[_ROOT_APP] = ("/", root.bind(plain, []))
+    root = replica.options(name=_ROOT_APP, num_replicas=1, ray_actor_options={"num_cpus": 0},
+                           max_ongoing_requests=_ROOT_MAX_ONGOING_REQUESTS)  # fmt: skip
+    apps[_ROOT_APP] = ("/", root.bind(plain, [], False, list(generative)))
     return apps
+
+
+def _generative_handle() -> Any:
+    """The generative application's deployment handle (the root relays to it)."""
+    from ray import serve
+
+    return serve.get_deployment_handle(_OPENAI_APP, app_name=_OPENAI_APP)
 
 
 def _log_replica_changes(status: Any, before: dict[str, int]) -> dict[str, int]:
@@ -235,7 +280,15 @@ def _log_replica_changes(status: Any, before: dict[str, int]) -> dict[str, int]:
 
 
 def run(settings: ServerSettings, address: str = "") -> int:
-    """Deploy every application, wait for SIGTERM/SIGINT, shut them down; the exit code."""
+    """Deploy every application, wait for SIGTERM/SIGINT, shut them down; the exit code
+    (1 at once for an option Ray Serve would not honour)."""
+    refused = refused_options(settings)
+    if refused:
+        for problem in refused:
+            logger.error("%s", problem)
+        return 1
+    if settings.grpc_port:
+        logger.warning("%s", NO_GRPC)
     import ray
     from ray import serve
 

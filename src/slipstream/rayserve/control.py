@@ -12,6 +12,16 @@ for the whole server are answered here from what every replica reports to the bo
 - ``POST /v2/repository/models/<model>/load|unload``: 400. Ray Serve runs every model of
   the repository as an application: what runs, and on how many replicas, is the
   repository and each model's ``ray_serve:`` config, read at start.
+- ``POST /v2/systemsharedmemory/.../register`` (and CUDA's): 400. A model's replicas run
+  in processes of their own, on any Ray node; status and unregister answer (none is
+  registered), so a client's clean-up works. ``GET /v2`` lists neither extension.
+- ``POST /v2/logging`` and ``.../trace/setting`` with changes, ``POST
+  /v2/models/<model>/rollout``: 400. Each replica is a process of its own, with its own
+  settings and rollout controller, and the request would change one of them (no request
+  is traced either: --trace-config is refused under Ray). Reading them answers, as the
+  plain server (without --trace-config) does: :func:`refuse_per_process_changes`, every
+  replica's middleware.
+- ``GET /v2/models/<model>/drift``: 404 naming Ray (no replica runs drift monitors).
 - ``/v1/embeddings``: 404 naming why: its embedding model is a V2 application of its own.
 - A request body over ``--max-request-bytes``: 413, as the plain server answers it.
 
@@ -30,7 +40,7 @@ import orjson
 
 from slipstream.config import ConfigError
 from slipstream.errors import InvalidRequest, NotFound, SlipstreamError
-from slipstream.protocol import openai_replies, v2, v2_meta
+from slipstream.protocol import openai_replies, v2, v2_meta, v2_shm
 from slipstream.repository.layout import list_models, read_config
 from slipstream.server.http_messages import BodyRefused, decode_body, error_reply
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
@@ -45,6 +55,34 @@ MODEL_CONTROL_UNDER_RAY = (
     "runs, change the model repository (and its config.yaml's ray_serve: section for the "
     "replicas) and restart slipstream serve --ray"
 )
+SHARED_MEMORY_UNDER_RAY = (
+    "shared memory is not served under serve --ray: a model's replicas run in Ray worker "
+    "processes of their own, on any node of the cluster, where a client's region is not; "
+    "send the tensors in the request (binary tensors cost no JSON), or use slipstream "
+    "serve without --ray for shared memory"
+)
+LOGGING_UNDER_RAY = (
+    "changing the log settings is not served under serve --ray: each replica logs in a "
+    "Ray worker process of its own and this request reaches one of them; start slipstream "
+    "serve --ray with the --log-level wanted (Ray keeps the replicas' logs in its session "
+    "logs directory)"
+)
+TRACE_UNDER_RAY = (
+    "changing the trace settings is not served under serve --ray: no request is traced "
+    "there (--trace-config is not served under --ray), and each replica would keep its "
+    "own; trace requests with slipstream serve without --ray"
+)
+ROLLOUT_UNDER_RAY = (
+    "progressive rollouts are not served under serve --ray: each replica of a model runs "
+    "its own rollout controller, so one replica would route by the rollout and the others "
+    "not; give the versions static weights in the model's config.yaml rollout: section "
+    "(every replica follows it), or run the rollout on slipstream serve without --ray"
+)
+DRIFT_UNDER_RAY = (
+    "drift monitoring is not served under serve --ray: a model's requests are spread over "
+    "its replicas, and no replica runs a drift monitor; monitor drift with slipstream "
+    "serve without --ray"
+)
 EMBEDDINGS_UNDER_RAY = (
     "/v1/embeddings is not served under serve --ray: each embedding model is a V2 "
     "application of its own (POST /v2/models/<model>/infer takes its token ids); serve "
@@ -53,6 +91,8 @@ EMBEDDINGS_UNDER_RAY = (
 _INFER_STATS = ("success", "fail", "queue", "compute_input", "compute_infer",
                 "compute_output", "cache_hit", "cache_miss")  # fmt: skip
 _BATCH_STATS = ("compute_input", "compute_infer", "compute_output")
+_SHARED_MEMORY = ("systemsharedmemory", "cudasharedmemory")
+_SHARED_MEMORY_EXTENSIONS = (v2_shm.EXTENSION, v2_shm.CUDA_EXTENSION)
 
 
 async def read_body(request: Any, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
@@ -74,6 +114,42 @@ async def read_body(request: Any, headers: list[tuple[bytes, bytes]], limit: int
             )
         chunks.append(chunk)
     return decode_body(headers, b"".join(chunks), limit)
+
+
+async def refuse_per_process_changes(request: HttpRequest, call_next: Handler) -> Reply:
+    """Middleware of every replica: a change that would reach one replica's process of
+    many (log or trace settings, a rollout) is refused, naming why; a read, or a body
+    that is not JSON, goes on to its route."""
+    refusal = _refusal(request)
+    if refusal is None:
+        return await call_next(request)
+    exc = InvalidRequest(refusal)
+    return error_reply(exc, v2.encode_error(exc.message))
+
+
+def _refusal(request: HttpRequest) -> str | None:
+    parts = request.path.strip("/").split("/")
+    if request.method != "POST" or parts[0] != "v2":
+        return None
+    model_route = parts[3:] if len(parts) >= 4 and parts[1] == "models" else []
+    if model_route == ["rollout"]:
+        return ROLLOUT_UNDER_RAY
+    if parts[1:] == ["logging"]:
+        refusal = LOGGING_UNDER_RAY
+    elif parts[1:] == ["trace", "setting"] or model_route == ["trace", "setting"]:
+        refusal = TRACE_UNDER_RAY
+    else:
+        return None
+    try:
+        changes = v2.load_json_object(request.body) if request.body else {}
+    except InvalidRequest:  # the route's own answer names the problem
+        return None
+    return refusal if changes else None
+
+
+async def no_drift(model: str, version: str) -> dict[str, Any]:
+    """The drift report of a model under Ray: none (V2RestApp checked the model)."""
+    raise NotFound(DRIFT_UNDER_RAY)
 
 
 async def no_embeddings(request: HttpRequest) -> Reply:
@@ -166,11 +242,21 @@ class RootRoutes:
 
     async def _dispatch(self, request: HttpRequest) -> Reply:
         parts = request.path.strip("/").split("/")
-        if request.method in ("GET", "HEAD") and parts == ["v2", "models", "stats"]:
+        reads = request.method in ("GET", "HEAD")
+        if reads and parts == ["v2", "models", "stats"]:
             reports = await self._board.reports.remote()
             stats = merge_stats(s for report in reports.values() for s in report.model_stats)
             return HttpResponse(200, orjson.dumps({"model_stats": stats}))
-        if request.method != "POST" or parts[:2] != ["v2", "repository"]:
+        if reads and parts == ["v2"]:
+            metadata = v2_meta.server_metadata_json(await self._service.server_metadata())
+            metadata["extensions"] = [extension for extension in metadata["extensions"]
+                                      if extension not in _SHARED_MEMORY_EXTENSIONS]  # fmt: skip
+            return HttpResponse(200, orjson.dumps(metadata))
+        if request.method != "POST":
+            return await self._fallback(request)
+        if len(parts) >= 3 and parts[1] in _SHARED_MEMORY and parts[-1] == "register":
+            raise InvalidRequest(SHARED_MEMORY_UNDER_RAY)
+        if parts[:2] != ["v2", "repository"]:
             return await self._fallback(request)
         if parts[2:] == ["index"]:
             options = v2.load_json_object(request.body) if request.body else {}
