@@ -10,6 +10,7 @@ OpenAI routes. A Ray cluster starts in ~5-10 s on two cores: one server serves e
 
 from __future__ import annotations
 
+import asyncio
 import doctest
 import json
 import os
@@ -106,6 +107,12 @@ def server(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "min_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 1,
         "upscale_delay_s": 0, "downscale_delay_s": 1, "look_back_period_s": 1, "num_cpus": 0.25,
     }})  # fmt: skip
+    # Batches of more than Ray's default 5 requests per replica (max_ongoing_requests).
+    build_add_sub(repo, "batched")
+    write_config(repo, "batched", {
+        "max_batch_size": 32, "dynamic_batching": {"max_queue_delay_microseconds": 200_000},
+        "ray_serve": {"num_cpus": 0.25},
+    })  # fmt: skip
     log_dir = tmp_path_factory.mktemp("ray_logs")
     # A small --max-request-bytes: a body over it is cheap to send (#2 of the audit).
     with RemoteServer(repo, ["--ray", "--max-request-bytes", str(MAX_REQUEST_BYTES)],
@@ -572,3 +579,21 @@ def test_options_ray_serve_would_ignore_are_refused_before_ray_starts(
     assert run(settings) == 1
     flag = "--" + option.replace("_", "-")
     assert f"{flag} is not served under --ray" in caplog.text
+
+
+def test_a_replica_takes_a_whole_batch_of_requests_at_once(server: RemoteServer) -> None:
+    """Ray's default max_ongoing_requests (5) would cap every batch at 5 requests."""
+    row = {"datatype": "FP32", "shape": [1, ADD_SUB_WIDTH], "data": [1.0] * ADD_SUB_WIDTH}
+    body = {"inputs": [{"name": name, **row} for name in ("INPUT0", "INPUT1")]}
+
+    async def together(count: int) -> list[int]:
+        async with httpx.AsyncClient(base_url=server.http_url, timeout=60) as client:
+            replies = await asyncio.gather(
+                *(client.post("/v2/models/batched/infer", json=body) for _ in range(count))
+            )
+        return [reply.status_code for reply in replies]
+
+    assert asyncio.run(together(16)) == [200] * 16
+    stats = server.http.get("/v2/models/batched/stats").json()["model_stats"][0]
+    sizes = [entry["batch_size"] for entry in stats["batch_stats"]]
+    assert max(sizes) > 5, stats["batch_stats"]

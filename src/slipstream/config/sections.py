@@ -136,6 +136,11 @@ class RayServeConfig(_Strict):
     downscale_delay_s: float = Field(600.0, ge=0, description="idle this long removes one")
     look_back_period_s: float = Field(30.0, gt=0, description="load averaged over this long")
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per replica")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="requests a replica takes at once (Ray's default is 5, "
+        "which caps a batch at 5 requests); unset: what the model can run together "
+        "(twice its max_batch_size per instance; a generative model's max_num_seqs)",
+    )  # fmt: skip
 
 
 class ShadowConfig(_Strict):

@@ -80,15 +80,24 @@ _ROOT_MAX_ONGOING_REQUESTS = 1000
 _STATUS_INTERVAL_S = 0.5
 
 
-def deployment_options(config: RayServeConfig) -> dict[str, Any]:
-    """Ray Serve deployment options of one model from its ``ray_serve:`` config.
+def deployment_options(config: RayServeConfig, together: int = 5) -> dict[str, Any]:
+    """Ray Serve deployment options of one model from its ``ray_serve:`` config;
+    ``together``: the requests its replica can run at once (when the config leaves
+    ``max_ongoing_requests`` out; Ray's own default, 5, would cap every batch at 5).
 
     >>> deployment_options(RayServeConfig(min_replicas=2, max_replicas=2))["num_replicas"]
     2
     >>> deployment_options(RayServeConfig(max_replicas=4))["autoscaling_config"]["max_replicas"]
     4
+    >>> deployment_options(RayServeConfig(), together=64)["max_ongoing_requests"]
+    64
+    >>> deployment_options(RayServeConfig(max_ongoing_requests=8), 64)["max_ongoing_requests"]
+    8
     """
-    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": config.num_cpus}}
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": config.num_cpus},
+        "max_ongoing_requests": config.max_ongoing_requests or max(5, together),
+    }
     if config.min_replicas == config.max_replicas:
         options["num_replicas"] = config.max_replicas
         return options
@@ -103,6 +112,13 @@ def deployment_options(config: RayServeConfig) -> dict[str, Any]:
         "metrics_interval_s": min(10.0, config.look_back_period_s / 2),
     }
     return options
+
+
+def runs_together(config: ModelConfig) -> int:
+    """The requests a replica of a (tensor) model can run at once: twice its batch per
+    instance (one batch running, the next one forming)."""
+    instances = sum(group.count for group in config.instance_group)
+    return 2 * max(1, config.max_batch_size or 1) * max(1, instances)
 
 
 class V2Replica:
@@ -246,11 +262,12 @@ def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
         if is_generative(directory):
             generative[name] = config
             continue
-        options = deployment_options(config.ray_serve)
+        options = deployment_options(config.ray_serve, runs_together(config))
         apps[name] = (f"/v2/models/{name}",
                       replica.options(name=name, **options).bind(plain, [name]))  # fmt: skip
     if generative:
-        options = deployment_options(next(iter(generative.values())).ray_serve)
+        first = next(iter(generative.values()))
+        options = deployment_options(first.ray_serve, first.generation.max_num_seqs)
         bound = replica.options(name=_OPENAI_APP, **options).bind(plain, list(generative), True)
         apps[_OPENAI_APP] = ("/v1", bound)
     root = replica.options(name=_ROOT_APP, num_replicas=1, ray_actor_options={"num_cpus": 0},
