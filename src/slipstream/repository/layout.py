@@ -26,7 +26,7 @@ from slipstream.repository.triton_config import (
     parse_triton_config,
     parse_triton_json,
 )
-from slipstream.runtime import MODEL_EXTENSIONS
+from slipstream.runtime import MODEL_EXTENSIONS, own_model_file
 
 logger = logging.getLogger(__name__)
 
@@ -329,6 +329,10 @@ def model_file(version_dir: Path, config: ModelConfig) -> Path:
     named = named_model_file(version_dir, config)
     if named is not None:
         return named
+    # A backend's own file names (Triton FIL's xgboost.json, model.txt, ...).
+    own = own_model_file(version_dir, config.backend, config.parameters)
+    if own is not None:
+        return own
     candidates = [
         p
         for p in sorted(version_dir.iterdir())

@@ -31,6 +31,8 @@ _BACKENDS = {
     "pytorch": "torch",
     "openvino": "openvino",
     "python": "python",
+    # Triton's FIL backend: XGBoost and LightGBM trees (runtime/fil.py).
+    "fil": "fil",
 }
 
 # Triton settings Slipstream has no counterpart for, and what to do instead.

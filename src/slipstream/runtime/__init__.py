@@ -1,11 +1,13 @@
 """Backends that execute a model: ONNX Runtime (default), torch, scikit-learn, OpenVINO,
-Python (Triton's model.py)."""
+Python (Triton's model.py), fil (XGBoost and LightGBM trees, as Triton's FIL backend)."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
 
+from slipstream.runtime import fil_files
 from slipstream.runtime.base import Backend, BackendUnavailable
 
 # backend name -> (module, class, pip extra that provides its dependency)
@@ -16,6 +18,8 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "openvino": ("slipstream.runtime.openvino", "OpenVinoBackend", "openvino"),
     # Triton's Python backend: a model.py (code the server runs; trust_pickle opts in).
     "python": ("slipstream.runtime.python_model", "PythonBackend", ""),
+    # Triton's FIL backend's models: XGBoost and LightGBM files, run by their libraries.
+    "fil": ("slipstream.runtime.fil", "FilBackend", "trees"),
 }
 
 # model file extension -> default backend name
@@ -30,6 +34,8 @@ _BY_EXTENSION: dict[str, str] = {
     # OpenVINO IR: model.xml, its weights in model.bin beside it.
     ".xml": "openvino",
     ".py": "python",
+    # XGBoost's JSON and UBJSON, LightGBM's text (model.json, model.ubj, model.txt).
+    **{extension: "fil" for extension in fil_files.EXTENSIONS},
 }
 
 BACKEND_NAMES = tuple(_BACKENDS)
@@ -54,6 +60,16 @@ def model_files(path: Path) -> list[Path]:
     if path.suffix.lower() == ".xml":
         return [path, path.with_suffix(".bin")]
     return [path]
+
+
+def own_model_file(version_dir: Path, backend: str, parameters: Mapping[str, str]) -> Path | None:
+    """The model file a backend finds by names of its own, where it has them: Triton FIL's
+    ``xgboost.json``, ``model.txt``, ... by ``parameters.model_type``. None where the
+    backend has none (the repository then looks for ``model.<ext>``); ConfigError where
+    the backend's file is missing."""
+    if backend == "fil":
+        return fil_files.own_model_file(version_dir, parameters)
+    return None
 
 
 def register_backend(name: str, module: str, class_name: str) -> None:
