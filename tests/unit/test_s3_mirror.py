@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from slipstream.repository import remote
-from slipstream.repository.remote import RepositoryError, S3Location, S3Mirror
+from slipstream.repository import remote, stores
+from slipstream.repository.remote import RepositoryError, RepositoryMirror
+from slipstream.repository.stores import S3Location, S3Store
 
 boto3 = pytest.importorskip("boto3")
 moto = pytest.importorskip("moto")
@@ -30,8 +31,8 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         yield client
 
 
-def _mirror(s3: Any, cache: Path, prefix: str = "repo") -> S3Mirror:
-    return S3Mirror(S3Location(None, BUCKET, f"{prefix}/"), cache, client=s3)
+def _mirror(s3: Any, cache: Path, prefix: str = "repo") -> RepositoryMirror:
+    return RepositoryMirror(S3Store(S3Location(None, BUCKET, f"{prefix}/"), client=s3), cache)
 
 
 def test_a_sync_fetches_only_what_changed_and_removes_what_is_gone(s3: Any, tmp_path: Path) -> None:
@@ -77,21 +78,23 @@ def test_keys_leaving_the_copy_are_left_out(s3: Any, tmp_path: Path, key: str) -
 
 
 def test_a_missing_bucket_is_a_repository_error_naming_it(s3: Any, tmp_path: Path) -> None:
-    mirror = S3Mirror(S3Location(None, "no-such-bucket", ""), tmp_path, client=s3)
+    mirror = RepositoryMirror(S3Store(S3Location(None, "no-such-bucket", ""), client=s3), tmp_path)
     with pytest.raises(RepositoryError, match="no-such-bucket"):
         mirror.sync()
 
 
 @pytest.mark.parametrize(
-    "url", ["s3://", "s3:///path", "s3://host:9000/", "https://x/y", "gs://b/p", "as://a/b"]
-)
+    "url", ["s3://", "s3:///path", "s3://host:9000/", "https://x/y", "gs://", "gs:///p",
+            "as://a", "as://a/", "as:///c/p"],
+)  # fmt: skip
 def test_bad_urls_are_refused_with_the_expected_form(url: str) -> None:
-    with pytest.raises(RepositoryError):
-        S3Location.parse(url)
+    with pytest.raises(RepositoryError, match="expected"):
+        stores.open_store(url)
 
 
 def test_the_module_examples_hold() -> None:
     assert doctest.testmod(remote).failed == 0
+    assert doctest.testmod(stores).failed == 0
 
 
 def test_following_survives_a_failing_sync_and_catches_up(s3: Any, tmp_path: Path) -> None:

@@ -16,15 +16,16 @@ class ServerSettings(_Strict):
     """Options of ``slipstream serve``; each field's description is its --help text."""
 
     model_repository: Path = Field(
-        description="Directory laid out as <model>/<version>/model.*, or an S3 repository "
-        "as Triton names one: s3://bucket/path, s3://host:port/bucket/path (a store of "
-        "one's own, over HTTP), s3://https://host:port/bucket/path. An S3 repository is "
-        "copied to --repository-cache before serving and followed every "
+        description="Directory laid out as <model>/<version>/model.*, or a repository in "
+        "an object store as Triton names one: s3://bucket/path, s3://host:port/bucket/path "
+        "(a store of one's own, over HTTP), s3://https://host:port/bucket/path, "
+        "gs://bucket/path (Google Cloud Storage), as://account/container/path (Azure Blob "
+        "Storage). It is copied to --repository-cache before serving and followed every "
         "--repository-poll-secs (but with --model-control-mode none)."
     )
     repository_cache: Path | None = Field(
         None,
-        description="Where an s3:// repository is copied (kept across restarts: only "
+        description="Where an object store's repository is copied (kept across restarts: only "
         "what changed is fetched again); a temporary directory removed at exit if not set.",
     )
     host: str = Field("0.0.0.0", description="Address the HTTP and gRPC servers bind to.")

@@ -1,23 +1,18 @@
-"""Model repositories in S3 or an S3-compatible store (MinIO, Ceph, R2, ...), as Triton
-names them: ``--model-repository s3://bucket/path``, or ``s3://host:port/bucket/path``
-(``s3://https://host:port/bucket/path``) for a store of one's own.
+"""Model repositories in an object store, as Triton names them: ``s3://`` (S3 and
+S3-compatible stores), ``gs://`` (Google Cloud Storage), ``as://`` (Azure Blob Storage);
+:mod:`.stores` reads each.
 
 The repository is copied to a local directory once before the server starts (the
 models load from there, in every process layout), then brought up to date every
 ``--repository-poll-secs`` unless models never change (``--model-control-mode none``):
 poll mode sees the copy change as it would a local directory (a model loads once its
 files have settled), explicit mode loads what the last copy holds. Only what changed is
-fetched (an object's ETag and size tell), each file written beside the copy and moved
-into place whole, and files whose objects are gone are removed.
+fetched (an object's ETag or generation, and its size, tell), each file written beside
+the copy and moved into place whole, and files whose objects are gone are removed.
 
-Credentials and the region are boto3's own (``AWS_ACCESS_KEY_ID`` / ``_SECRET_ACCESS_KEY``,
-``AWS_PROFILE``, an instance or pod role, ``AWS_DEFAULT_REGION``; ``AWS_ENDPOINT_URL``
-for a store without a host in the URL).
-
-    location = S3Location.parse("s3://127.0.0.1:9000/models/prod")
-    mirror = S3Mirror(location, Path("/var/cache/slipstream"))
-    mirror.sync()                    # the whole repository, before serving
+    mirror = open_mirror("s3://127.0.0.1:9000/models/prod", Path("/var/cache/slipstream"), None)
     mirror.directory                 # /var/cache/slipstream/repository
+    mirror.sync()                    # what changed since
 """
 
 from __future__ import annotations
@@ -30,72 +25,21 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+
+from slipstream.repository.stores import SCHEMES, RepositoryError, Store, open_store
+
+__all__ = ["RepositoryError", "RepositoryMirror", "SyncReport", "is_remote", "open_mirror"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMES = ("s3://", "gs://", "as://")
 # Object key -> (ETag, size) of what the copy holds, kept beside it so that a restart
 # with the same --repository-cache fetches only what changed.
 _MANIFEST = "manifest.json"
 
 
-class RepositoryError(Exception):
-    """The remote repository cannot be read (bad URL, bucket, credentials, endpoint)."""
-
-
 def is_remote(value: str) -> bool:
     """Whether a --model-repository value names a cloud store rather than a directory."""
     return value.startswith(SCHEMES)
-
-
-@dataclass(frozen=True, slots=True)
-class S3Location:
-    """Where an S3 repository lies."""
-
-    # The store's endpoint; None for AWS (or boto3's AWS_ENDPOINT_URL).
-    endpoint_url: str | None
-    bucket: str
-    # The key prefix of the repository's root: "" or "path/to/repo/".
-    prefix: str
-
-    @classmethod
-    def parse(cls, url: str) -> S3Location:
-        """Triton's forms of an S3 repository URL.
-
-        >>> S3Location.parse("s3://models/prod")
-        S3Location(endpoint_url=None, bucket='models', prefix='prod/')
-        >>> S3Location.parse("s3://minio:9000/models")
-        S3Location(endpoint_url='http://minio:9000', bucket='models', prefix='')
-        >>> S3Location.parse("s3://https://minio.example:443/models/a/b/")
-        S3Location(endpoint_url='https://minio.example:443', bucket='models', prefix='a/b/')
-        """
-        if url.startswith(("gs://", "as://")):
-            raise RepositoryError(
-                f"{url}: Google Cloud Storage and Azure repositories are not supported; "
-                "copy the repository to a directory (or to S3) and serve that"
-            )
-        if not url.startswith("s3://"):
-            raise RepositoryError(f"{url}: expected s3://[host:port/]bucket[/path]")
-        rest = url.removeprefix("s3://")
-        endpoint = None
-        for scheme in ("http://", "https://"):
-            if rest.startswith(scheme):
-                host, _, rest = rest.removeprefix(scheme).partition("/")
-                endpoint = scheme + host
-        if endpoint is None:
-            first, _, after = rest.partition("/")
-            if ":" in first:  # host:port of a store of one's own (Triton: plain HTTP)
-                endpoint, rest = f"http://{first}", after
-        bucket, _, path = rest.partition("/")
-        if not bucket or (endpoint is not None and endpoint.endswith("//")):
-            raise RepositoryError(f"{url}: no bucket; expected s3://[host:port/]bucket[/path]")
-        prefix = path.strip("/")
-        return cls(endpoint, bucket, f"{prefix}/" if prefix else "")
-
-    def __str__(self) -> str:
-        where = f"{self.endpoint_url}/" if self.endpoint_url else ""
-        return f"s3://{where}{self.bucket}/{self.prefix}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,16 +53,16 @@ class SyncReport:
     refused: int
 
 
-class S3Mirror:
-    """A local copy of an S3 repository under ``cache`` (``cache/repository``, with the
-    files being fetched in ``cache/incoming``), brought up to date by :meth:`sync`."""
+class RepositoryMirror:
+    """A local copy of a repository in an object store under ``cache``
+    (``cache/repository``, with the files being fetched in ``cache/incoming``), brought up
+    to date by :meth:`sync`."""
 
-    def __init__(self, location: S3Location, cache: Path, client: Any = None) -> None:
-        self.location = location
+    def __init__(self, store: Store, cache: Path) -> None:
+        self._store = store
         self.directory = cache / "repository"
         self._incoming = cache / "incoming"
         self._manifest_path = cache / _MANIFEST
-        self._client = client if client is not None else _client(location)
         self._held: dict[str, tuple[str, int]] = self._read_manifest()
         self._refused_keys: set[str] = set()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -127,16 +71,16 @@ class S3Mirror:
     def sync(self) -> SyncReport:
         """Fetch new and changed objects, remove files whose objects are gone.
         RepositoryError when the store cannot be listed or a file fetched."""
-        listed = self._list()
+        listed = self._store.list()
         fetched = fetched_bytes = refused = 0
         wanted: dict[str, tuple[str, int]] = {}
         for key, etag, size in listed:
-            relative = _relative(key, self.location.prefix)
+            relative = _relative(key, self._store.prefix)
             if relative is None:
                 if key not in self._refused_keys:
                     self._refused_keys.add(key)
                     logger.warning("%s: object %r left out: its key leaves the repository",
-                                   self.location, key)  # fmt: skip
+                                   self._store, key)  # fmt: skip
                 refused += 1
                 continue
             if not relative:
@@ -162,7 +106,7 @@ class S3Mirror:
         """Sync every ``interval_s`` on a daemon thread until ``stop`` is set; a failed
         sync is logged (once until it succeeds again) and retried at the next."""
         thread = threading.Thread(
-            target=self._follow, args=(interval_s, stop), name="s3-repository", daemon=True
+            target=self._follow, args=(interval_s, stop), name="repository-mirror", daemon=True
         )
         thread.start()
         return thread
@@ -176,35 +120,25 @@ class S3Mirror:
                 # thread goes on, or the copy would silently stop following the bucket
                 if str(exc) != failing:
                     logger.warning("%s: %s; the local copy stays as it is until a sync "
-                                   "succeeds", self.location, exc)  # fmt: skip
+                                   "succeeds", self._store, exc)  # fmt: skip
                     failing = str(exc)
                 continue
             if failing:
-                logger.info("%s: reachable again", self.location)
+                logger.info("%s: reachable again", self._store)
                 failing = ""
             if report.fetched or report.removed:
-                logger.info("%s: %d file(s) fetched (%d bytes), %d removed", self.location,
+                logger.info("%s: %d file(s) fetched (%d bytes), %d removed", self._store,
                             report.fetched, report.fetched_bytes, report.removed)  # fmt: skip
-
-    def _list(self) -> list[tuple[str, str, int]]:
-        try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.location.bucket, Prefix=self.location.prefix
-            )
-            return [(o["Key"], str(o.get("ETag", "")), int(o["Size"]))
-                    for page in pages for o in page.get("Contents", ())]  # fmt: skip
-        except Exception as exc:  # botocore's errors: credentials, endpoint, bucket
-            raise RepositoryError(f"{self.location}: cannot list the repository: {exc}") from exc
 
     def _fetch(self, key: str, target: Path) -> None:
         part = self._incoming / f"{os.getpid()}-{threading.get_ident()}.part"
         try:
-            self._client.download_file(self.location.bucket, key, str(part))
+            self._store.fetch(key, part)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(part, target)  # whole, never half-written, in the copy
         except Exception as exc:
             part.unlink(missing_ok=True)
-            raise RepositoryError(f"{self.location}: cannot fetch {key!r}: {exc}") from exc
+            raise RepositoryError(f"{self._store}: cannot fetch {key!r}: {exc}") from exc
 
     def _read_manifest(self) -> dict[str, tuple[str, int]]:
         try:
@@ -217,16 +151,6 @@ class S3Mirror:
         part = self._manifest_path.with_suffix(".part")
         part.write_text(json.dumps({k: list(v) for k, v in self._held.items()}))
         os.replace(part, self._manifest_path)
-
-
-def _client(location: S3Location) -> Any:
-    try:
-        import boto3
-    except ImportError:
-        raise RepositoryError(
-            f"{location}: serving an S3 repository needs boto3: pip install 'slipstream[s3]'"
-        ) from None
-    return boto3.client("s3", endpoint_url=location.endpoint_url)
 
 
 def _relative(key: str, prefix: str) -> str | None:
@@ -258,11 +182,11 @@ def _remove(root: Path, relative: str) -> None:
         parent = parent.parent
 
 
-def open_mirror(url: str, cache: Path | None, poll_s: float | None) -> S3Mirror:
+def open_mirror(url: str, cache: Path | None, poll_s: float | None) -> RepositoryMirror:
     """The repository at ``url`` copied under ``cache`` (a temporary directory, removed
     at exit, when None); followed every ``poll_s`` when given. RepositoryError (naming
     the URL and the cause) when it cannot be read."""
-    location = S3Location.parse(url)
+    store = open_store(url)
     if cache is None:
         import atexit
         import tempfile
@@ -270,9 +194,9 @@ def open_mirror(url: str, cache: Path | None, poll_s: float | None) -> S3Mirror:
         cache = Path(tempfile.mkdtemp(prefix="slipstream-repository-"))
         atexit.register(shutil.rmtree, cache, True)
     started = time.perf_counter()
-    mirror = S3Mirror(location, cache)
+    mirror = RepositoryMirror(store, cache)
     report = mirror.sync()
-    logger.info("%s: copied to %s: %d file(s), %d bytes fetched in %.1f s", location,
+    logger.info("%s: copied to %s: %d file(s), %d bytes fetched in %.1f s", store,
                 mirror.directory, report.fetched, report.fetched_bytes,
                 time.perf_counter() - started)  # fmt: skip
     if poll_s is not None:
