@@ -144,6 +144,16 @@ def _model(repo: Path, name: str, source: str, outputs: str, extra: str = "") ->
     )
 
 
+SCALING = f"""
+platform: "ensemble"
+max_batch_size: 8
+input [ {{ {TENSOR} }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ {W} ] }} ]
+ensemble_scheduling {{ step [ {{ model_name: "scaled" model_version: -1
+  input_map {{ key: "X" value: "X" }} output_map {{ key: "Y" value: "Y" }} }} ] }}
+"""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     root = tmp_path_factory.mktemp("python_bls")
@@ -158,6 +168,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     y = f'{{ name: "Y" data_type: TYPE_FP32 dims: [ {W} ] }}'
     _model(repo, "caller", CALLER, y)
     _model(repo, "async_caller", ASYNC_CALLER, y, BATCHING)
+    (repo / "scaling" / "1").mkdir(parents=True)  # an ensemble of one step: scaled
+    (repo / "scaling" / "config.pbtxt").write_text(SCALING)
     # Its config says only which backend: auto_complete_config declares the rest.
     (repo / "auto" / "1").mkdir(parents=True)
     (repo / "auto" / "1" / "model.py").write_text(AUTO_COMPLETE)
@@ -330,3 +342,17 @@ def test_a_python_models_own_metrics_are_on_the_servers_metrics(server: RemoteSe
     for _ in range(3):
         assert server.http.post("/v2/models/scaled/infer", json=body).status_code == 200
     assert counted() == before + 3
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_an_ensemble_hands_its_request_parameters_to_its_steps(
+    server: RemoteServer, module: object
+) -> None:
+    """As Triton does (core#262): a step's model reads the ensemble request's parameters."""
+    address = server.http_address if module is httpclient else server.grpc_address
+    client = module.InferenceServerClient(address)  # type: ignore[attr-defined]
+    try:
+        result = client.infer("scaling", [_input(module, _x(1.5))], parameters={"scale": 4})
+        np.testing.assert_array_equal(result.as_numpy("Y"), _x(6.0))
+    finally:
+        client.close()

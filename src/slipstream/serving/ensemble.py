@@ -150,6 +150,8 @@ class Ensemble:
             outputs=[RequestedOutput(name) for name in step.output_map],
             priority=request.priority,
             timeout_us=request.timeout_us,
+            # As Triton does: each step's model reads the ensemble request's parameters.
+            parameters=dict(request.parameters),
         )
         try:
             answer = await local(call)
