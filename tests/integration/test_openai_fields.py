@@ -134,8 +134,7 @@ def test_a_schema_that_does_not_compile_is_named_by_its_own_field(client: openai
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("min_p", 0.1), ("min_tokens", 3), ("stop_token_ids", [2]),
-     ("include_stop_str_in_output", True), ("use_beam_search", True),
+    [("use_beam_search", True), ("skip_special_tokens", False), ("bad_words", ["x"]),
      ("chat_template", "{{ messages }}"), ("truncate_prompt_tokens", 4)],
 )  # fmt: skip
 def test_vllm_fields_this_server_does_not_implement_are_refused(
@@ -147,7 +146,8 @@ def test_vllm_fields_this_server_does_not_implement_are_refused(
     # Their no-op values, the implemented extensions and unknown fields are accepted.
     client.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=2,
-        extra_body={"min_p": 0, "skip_special_tokens": True, "top_k": 4, "vendor_x": 1},
+        extra_body={"use_beam_search": False, "skip_special_tokens": True, "top_k": 4,
+                    "min_p": 0.1, "vendor_x": 1},
     )  # fmt: skip
 
 

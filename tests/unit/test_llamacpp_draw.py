@@ -1,8 +1,11 @@
 """The llama.cpp engine's numpy sampling (llm/llamacpp_sampling.draw): the same cuts as a
-whole-vocabulary sort would make, draws in proportion to the probabilities, and a draw
-that depends only on the seed. No model needed: rows of logits are made here."""
+whole-vocabulary sort would make, vLLM's min_p as llama.cpp's own min_p sampler cuts,
+draws in proportion to the probabilities, and a draw that depends only on the seed. No
+model needed: rows of logits are made here."""
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from slipstream.llm.engine import SamplingParams
-from slipstream.llm.llamacpp_sampling import _draw_all, _top_k, draw, nucleus
+from slipstream.llm.llamacpp_sampling import _draw_all, _top_k, cuts, draw, nucleus
 
 
 def params(**given: float) -> SamplingParams:
@@ -130,3 +133,60 @@ def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
         }
         assert chosen == {int(np.argmax(logits))}
     assert not params(temperature=2e-5).greedy
+
+
+# -- vLLM's min_p, against llama.cpp's own samplers ---------------------------------------
+
+
+def llama_cpp_kept(
+    logits: np.ndarray, temperature: float, min_p: float, top_k: int, top_p: float
+) -> set[int]:
+    """The tokens llama.cpp's sampler chain temp -> top_k -> min_p -> top_p leaves: vLLM's
+    order (min_p after temperature, before top-p), its samplers' own rules."""
+    lib = pytest.importorskip("llama_cpp", reason="the llama extra is not installed")
+    chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+    try:
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(temperature))
+        if top_k:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(top_k))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(min_p, 1))
+        if top_p < 1.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(top_p, 1))
+        data = (lib.llama_token_data * logits.size)(
+            *(lib.llama_token_data(i, float(value), 0.0) for i, value in enumerate(logits))
+        )
+        candidates = lib.llama_token_data_array(data, logits.size, -1, False)
+        lib.llama_sampler_apply(chain, ctypes.byref(candidates))
+        return {int(candidates.data[i].id) for i in range(candidates.size)}
+    finally:
+        lib.llama_sampler_free(chain)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(
+    ("temperature", "min_p", "top_k", "top_p"),
+    [(1.0, 0.05, 0, 1.0), (1.0, 0.5, 0, 1.0), (0.7, 0.1, 0, 1.0), (2.0, 0.02, 0, 0.9),
+     (1.3, 0.2, 5, 1.0), (1.0, 0.01, 40, 0.8), (1.0, 1.0, 0, 1.0)],
+)  # fmt: skip
+def test_min_p_keeps_what_llama_cpp_s_min_p_sampler_keeps(
+    seed: int, temperature: float, min_p: float, top_k: int, top_p: float
+) -> None:
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(50, 3000))
+    scale = float(rng.choice([1.0, 3.0, 8.0]))
+    logits = (rng.standard_normal(size) * scale + np.arange(size) * 1e-4).astype(np.float32)
+    logits = rng.permutation(logits)
+    chosen = params(temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p)
+    kept = cuts(weights_of(logits, temperature), chosen)
+    assert kept is not None
+    assert {int(i) for i in kept} == llama_cpp_kept(logits, temperature, min_p, top_k, top_p)
+    # And every draw lands among them.
+    assert {draw(logits, chosen, rng) for _ in range(30)} <= {int(i) for i in kept}
+
+
+def test_min_p_of_one_always_draws_the_most_likely_token() -> None:
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal(49_152).astype(np.float32)
+    for temperature in (0.5, 1.0, 2.0):
+        drawn = {draw(logits, params(temperature=temperature, min_p=1.0), rng) for _ in range(20)}
+        assert drawn == {int(np.argmax(logits))}

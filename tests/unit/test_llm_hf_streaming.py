@@ -184,3 +184,24 @@ def test_a_temperature_is_applied_to_the_rows_that_set_it_only() -> None:
     scores = torch.ones(2, 4)
     out = temperature(scores, arg)
     assert torch.equal(out[0], torch.ones(4)) and torch.equal(out[1], torch.full((4,), 2.0))
+
+
+def test_min_p_cuts_what_transformers_min_p_warper_cuts_after_temperature() -> None:
+    """vLLM's min_p, after temperature: row by row the same cut as transformers'
+    MinPLogitsWarper on the tempered scores; a row without min_p is left whole."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    steps = {type(p).__name__: p for p in _processors()}
+    temperature, min_p = steps["_Temperature"], steps["_MinP"]
+    kwargs = [sampling.sampling_kwargs(False, 1.5, 0, 1.0, None, min_p=0.2),
+              sampling.sampling_kwargs(False, 0.7, 0, 1.0, None, min_p=0.05),
+              sampling.sampling_kwargs(False, 1.0, 0, 1.0, None)]  # fmt: skip
+    requests = _rows(*kwargs)
+    scores = torch.randn(3, 400, generator=torch.Generator().manual_seed(4)) * 3
+    tempered = temperature(scores.clone(), temperature.prepare_tensor_args(requests))
+    out = min_p(tempered.clone(), min_p.prepare_tensor_args(requests))
+    for row, value in ((0, 0.2), (1, 0.05)):
+        expected = MinPLogitsWarper(value)(None, tempered[row : row + 1].clone())[0]
+        assert torch.equal(out[row] == -math.inf, expected == -math.inf)
+        assert 1 < int((out[row] > -math.inf).sum()) < 400  # the cut does cut, not all
+    assert torch.equal(out[2], tempered[2])

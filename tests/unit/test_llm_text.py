@@ -1,8 +1,10 @@
-"""Token ids to text deltas: stop strings, partial UTF-8, cancellation on stop."""
+"""Token ids to text deltas: stop strings, partial UTF-8, cancellation on stop, and
+vLLM's stop rules (include_stop_str_in_output, stop_token_ids, min_tokens)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -71,8 +73,11 @@ async def test_text_that_may_start_a_stop_string_waits_for_the_next_token() -> N
 
 def test_stop_matcher() -> None:
     matcher = StopMatcher(["END", "\n\n"])
-    assert matcher.find("abc END", 0) == 4
-    assert matcher.find("abc", 0) == -1
+    assert matcher.find("abc END", 0) == (4, 7)
+    assert matcher.find("abc", 0) == (-1, -1)
+    # Past ``after`` characters only: the first END ends at 3, the second at 7.
+    assert matcher.find("END END", 0, after=3) == (4, 7)
+    assert matcher.find("END END", 0, after=2) == (0, 3)
     assert matcher.safe_end("text EN") == len("text ")
     assert matcher.safe_end("text\n") == len("text")
     assert StopMatcher([]).safe_end("anything") == len("anything")
@@ -132,3 +137,77 @@ def test_incremental_text_holds_a_window_open_until_its_character_is_whole() -> 
     assert text.extend([0]) == "the"
     assert text.extend([6]) == "the\ufffd"
     assert text.extend([7, 1]) == "theñ cat"
+
+
+# -- vLLM's stop rules, as its V1 detokenizer applies them ------------------------------
+
+# vLLM's case (tests/detokenizer/test_min_tokens.py) in words: token i is WORDS[i].
+WORDS = [" is", " Lee", ",", " and", " I", "'m", " a", " stud", "ent"]
+
+
+def words(ids: Sequence[int]) -> str:
+    return "".join(WORDS[i] for i in ids)
+
+
+def letters(ids: Sequence[int]) -> str:
+    """vLLM's detokenizer test vocabulary: token i is the character chr(i)."""
+    return "".join(chr(i) for i in ids)
+
+
+async def rules(
+    ids: list[int],
+    reason: str = "length",
+    stops: Sequence[str] = (),
+    decoder: Any = letters,
+    **given: Any,
+) -> list[TextDelta]:
+    steps = Steps(ids, reason)
+    return [d async for d in stream_text(steps.run(), decoder, stops, **given)]
+
+
+@pytest.mark.parametrize(
+    ("min_tokens", "stop", "truth"),
+    [(0, None, " is Lee, and I'm a student"), (0, "e", " is L"),
+     (5, "e", " is Lee, and I'm a stud")],
+)  # fmt: skip
+async def test_min_tokens_keeps_stop_strings_out_of_its_text(
+    min_tokens: int, stop: str | None, truth: str
+) -> None:
+    """vLLM's own cases: a stop string counts only once it ends past the text of the
+    first min_tokens tokens."""
+    deltas = await rules(list(range(len(WORDS))), stops=[stop] if stop else [],
+                         decoder=words, min_tokens=min_tokens)  # fmt: skip
+    assert "".join(d.text for d in deltas) == truth
+    assert deltas[-1].finish_reason == ("stop" if stop else "length")
+
+
+def chars(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+async def test_a_stop_string_may_begin_inside_the_min_tokens_text() -> None:
+    # "ab" at tokens 2-3: past min_tokens 2 it ends, so it stops; with 3 it does not.
+    deltas = await rules(chars("xabyab"), stops=["ab"], min_tokens=2)
+    assert "".join(d.text for d in deltas) == "x"
+    deltas = await rules(chars("xabyab"), stops=["ab"], min_tokens=3)
+    assert "".join(d.text for d in deltas) == "xaby"
+
+
+async def test_include_stop_str_in_output_ends_the_text_after_the_stop_string() -> None:
+    deltas = await rules(chars("Hello world!"), stops=["wor", "!"], include_stop=True)
+    assert "".join(d.text for d in deltas) == "Hello wor"
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].completion_tokens == 9
+    # Nothing is held back: each letter is sent as it comes.
+    assert [d.text for d in deltas] == list("Hello wor")
+
+
+async def test_a_stop_token_id_s_text_is_left_out_unless_asked_for() -> None:
+    stop = ord("!")
+    deltas = await rules(chars("Hi!"), "stop", stop_token_ids={stop})
+    assert "".join(d.text for d in deltas) == "Hi"
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].completion_tokens == 3
+    kept = await rules(chars("Hi!"), "stop", stop_token_ids={stop}, include_stop=True)
+    assert "".join(d.text for d in kept) == "Hi!"
+    # Cut by max_tokens on it, it is ordinary text.
+    cut = await rules(chars("Hi!"), "length", stop_token_ids={stop})
+    assert "".join(d.text for d in cut) == "Hi!"

@@ -1,6 +1,6 @@
 """The OpenAI request schemas' shared field rules: ``null`` is an optional field's
-default, vLLM's extensions this server does not implement are refused naming them, and
-the Responses API takes its own names only."""
+default, vLLM's extensions this server implements are read and checked, those it does
+not are refused naming them, and the Responses API takes its own names only."""
 
 from __future__ import annotations
 
@@ -94,10 +94,6 @@ def test_the_documented_schema_says_optional_fields_take_null() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "advice"),
     [
-        ("min_p", 0.1, "top_p"),
-        ("min_tokens", 4, "ignore_eos"),
-        ("stop_token_ids", [2], "stop"),
-        ("include_stop_str_in_output", True, "never part of the text"),
         ("skip_special_tokens", False, "only true"),
         ("truncate_prompt_tokens", 10, "shorten it"),
         ("use_beam_search", True, "beam search"),
@@ -106,7 +102,6 @@ def test_the_documented_schema_says_optional_fields_take_null() -> None:
         ("allowed_token_ids", [1, 2], "logit_bias"),
         ("prompt_logprobs", 1, "generated tokens"),
         ("chat_template", "{{ x }}", "own chat template"),
-        ("chat_template_kwargs", {"enable_thinking": False}, "not supported"),
         ("add_generation_prompt", False, "only true"),
         ("continue_final_message", True, "not supported"),
         ("structured_outputs", {"regex": "a+"}, "guided_regex"),
@@ -121,15 +116,67 @@ def test_vllm_extensions_not_implemented_are_refused_naming_them(
 
 
 def test_vllm_values_that_ask_for_what_the_server_does_are_accepted() -> None:
-    same = {"min_p": 0, "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True,
-            "use_beam_search": False, "include_stop_str_in_output": False,
+    same = {"skip_special_tokens": True, "use_beam_search": False,
             "add_generation_prompt": True, "continue_final_message": False, "priority": 0,
             "length_penalty": 1.0, "truncate_prompt_tokens": None, "chat_template": None,
             # Changes no text, and a field nobody defines: ignored.
             "guided_decoding_backend": "xgrammar", "vendor_thing": {"x": 1}}  # fmt: skip
     parse(openai.ChatRequest, {**MINIMAL[openai.ChatRequest], **same})
-    # A bool is not a number: skip_special_tokens 1 is not true, min_p false is not 0.
-    assert refused(openai.ChatRequest, {**MINIMAL[openai.ChatRequest], "min_p": False})
+    # A bool is not a number: use_beam_search 0 is not false, length_penalty true not 1.
+    for field, value in (("use_beam_search", 0), ("length_penalty", True)):
+        assert refused(openai.ChatRequest, {**MINIMAL[openai.ChatRequest], field: value})
+
+
+@pytest.mark.parametrize("schema", [openai.CompletionRequest, openai.ChatRequest,
+                                    ResponsesRequest])  # fmt: skip
+def test_vllm_s_sampling_extensions_are_read(schema: type[Any]) -> None:
+    body = {**MINIMAL[schema], "min_p": 0.25, "min_tokens": 3, "stop_token_ids": [7, 9],
+            "include_stop_str_in_output": True}  # fmt: skip
+    request = parse(schema, body)
+    assert (request.min_p, request.min_tokens, request.stop_token_ids) == (0.25, 3, [7, 9])
+    assert request.include_stop_str_in_output is True
+    plain = parse(schema, MINIMAL[schema])
+    assert (plain.min_p, plain.min_tokens, plain.stop_token_ids) == (0.0, 0, None)
+    assert plain.include_stop_str_in_output is False
+
+
+@pytest.mark.parametrize(
+    ("schema", "extra", "named"),
+    [
+        (openai.ChatRequest, {"min_p": 1.5}, "min_p: Input should be less than or equal to 1"),
+        (openai.ChatRequest, {"min_p": -0.1}, "min_p: Input should be greater than or equal"),
+        (openai.CompletionRequest, {"min_tokens": -1}, "min_tokens: Input should be greater"),
+        (openai.CompletionRequest, {"min_tokens": 5, "max_tokens": 4},
+         "min_tokens: 5 cannot be combined with max_tokens 4"),
+        (openai.ChatRequest, {"min_tokens": 9, "max_tokens": 20, "max_completion_tokens": 8},
+         "min_tokens: 9 cannot be combined with max_completion_tokens 8"),
+        (ResponsesRequest, {"min_tokens": 3, "max_output_tokens": 2},
+         "min_tokens: 3 cannot be combined with max_output_tokens 2"),
+        (openai.ChatRequest, {"stop_token_ids": [-1]}, "stop_token_ids.0: Input should be greater"),
+        (openai.ChatRequest, {"stop_token_ids": 5}, "stop_token_ids: Input should be a valid list"),
+        (openai.ChatRequest, {"include_stop_str_in_output": "maybe"},
+         "include_stop_str_in_output: Input should be a valid boolean"),
+        (openai.ChatRequest, {"chat_template_kwargs": ["enable_thinking"]},
+         "chat_template_kwargs: Input should be a valid dictionary"),
+        (openai.ChatRequest, {"chat_template_kwargs": {"messages": []}},
+         "chat_template_kwargs.messages: a name this server sets itself"),
+        (ResponsesRequest, {"chat_template_kwargs": {"add_generation_prompt": False}},
+         "chat_template_kwargs.add_generation_prompt: "),
+    ],
+)  # fmt: skip
+def test_bad_vllm_sampling_values_are_400s_naming_the_field(
+    schema: type[Any], extra: dict[str, Any], named: str
+) -> None:
+    assert refused(schema, {**MINIMAL[schema], **extra}).startswith(named)
+
+
+def test_min_tokens_up_to_the_maximum_and_template_variables_are_accepted() -> None:
+    parse(openai.CompletionRequest, {**MINIMAL[openai.CompletionRequest], "min_tokens": 4,
+                                     "max_tokens": 4})  # fmt: skip
+    body = {**MINIMAL[openai.ChatRequest], "min_tokens": 8, "max_completion_tokens": 8,
+            "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    chat = parse(openai.ChatRequest, body)
+    assert chat.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_the_extensions_this_server_implements_still_work() -> None:
@@ -159,7 +206,7 @@ def test_the_extensions_this_server_implements_still_work() -> None:
         ("truncation", "auto", "disabled"),
         ("conversation", "conv_1", "whole conversation"),
         ("include", ["nonsense"], "is not one of"),
-        ("min_p", 0.2, "top_p"),
+        ("use_beam_search", True, "beam search"),
     ],
 )
 def test_responses_refuses_what_it_does_not_implement(field: str, value: Any, advice: str) -> None:
@@ -292,3 +339,22 @@ def test_a_tool_schema_that_does_not_compile_is_named_by_its_field(choice: str) 
     ]
     with pytest.raises(InvalidRequest, match=r"^tools\[1\]\.parameters: does not compile"):
         call_constraint(tools, choice, True)
+
+
+@pytest.mark.parametrize("schema", ["CompletionRequest", "ChatRequest", "ResponsesRequest"])
+def test_the_vllm_fields_served_are_documented_with_their_bounds(schema: str) -> None:
+    """Documented as fields (types, bounds, defaults), no longer as refused values."""
+    properties = openapi_document("0")["components"]["schemas"][schema]["properties"]
+    for name in ("min_p", "min_tokens", "stop_token_ids", "include_stop_str_in_output"):
+        assert "not served here" not in properties[name].get("description", ""), name
+    min_p = properties["min_p"]["anyOf"][0]
+    assert (min_p["type"], min_p["minimum"], min_p["maximum"]) == ("number", 0.0, 1.0)
+    min_tokens = properties["min_tokens"]["anyOf"][0]
+    assert (min_tokens["type"], min_tokens["minimum"]) == ("integer", 0)
+    items = properties["stop_token_ids"]["anyOf"][0]["items"]
+    assert (items["type"], items["minimum"], items["maximum"]) == ("integer", 0, 2**31 - 1)
+    assert properties["include_stop_str_in_output"]["default"] is False
+    if schema != "CompletionRequest":
+        kwargs = properties["chat_template_kwargs"]["anyOf"][0]
+        assert kwargs["type"] == "object"
+        assert "messages" in kwargs["propertyNames"]["not"]["enum"]

@@ -57,7 +57,11 @@ def test_vllm_s_defaults_are_accepted_and_other_values_named() -> None:
     plain = {"min_p": 0.0, "skip_special_tokens": True, "n": 1, "logprobs": None}
     assert read_text_request(_request(plain, text_input="x")).max_tokens == DEFAULT_MAX_TOKENS
     for parameters, named in [
-        ({"min_p": 0.1}, "parameters.min_p: 0.1 is not supported"),
+        ({"skip_special_tokens": False}, "parameters.skip_special_tokens: False is not"),
+        ({"min_p": 1.5}, "parameters.min_p: "),
+        ({"min_tokens": 17}, "parameters.min_tokens: 17 cannot be combined with the default"),
+        ({"min_tokens": 5, "max_tokens": 4}, "parameters.min_tokens: 5 cannot be combined"),
+        ({"stop_token_ids": [-3]}, "parameters.stop_token_ids.0: "),
         ({"n": 2}, "parameters.n: only 1"),
         ({"temprature": 1}, "parameters.temprature: not a sampling parameter"),
         ({"top_k": "many"}, "parameters.top_k: "),
@@ -66,6 +70,15 @@ def test_vllm_s_defaults_are_accepted_and_other_values_named() -> None:
         with pytest.raises(InvalidRequest) as info:
             read_text_request(_request(parameters, text_input="x"))
         assert info.value.message.startswith(named), info.value.message
+
+
+def test_vllm_s_min_p_min_tokens_and_stop_token_ids_are_served() -> None:
+    values = {"min_p": 0.3, "min_tokens": 16, "stop_token_ids": [4, 2],
+              "include_stop_str_in_output": True}  # fmt: skip
+    text = read_text_request(_request(values, text_input="x"))
+    sampling = text.sampling
+    assert (sampling.min_p, sampling.min_tokens, sampling.stop_token_ids) == (0.3, 16, [4, 2])
+    assert sampling.include_stop_str_in_output and text.max_tokens == DEFAULT_MAX_TOKENS
 
 
 @pytest.mark.parametrize(

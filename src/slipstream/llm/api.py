@@ -18,11 +18,11 @@ fit, :class:`~slipstream.errors.Unavailable` (503) for one that does not fit now
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from slipstream.llm.engine import Engine, SamplingParams
-from slipstream.llm.text import TextDelta
+from slipstream.llm.engine import Engine, EngineStep, SamplingParams
+from slipstream.llm.text import TextDelta, stream_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,17 @@ class Job:
     params: SamplingParams
     # Stop strings: generation ends before the first one that appears.
     stops: Sequence[str] = ()
+    # vLLM's include_stop_str_in_output: the text ends after the stop string instead, and
+    # keeps the text of a stop token id that ended it.
+    include_stop: bool = False
+
+    def text(
+        self, steps: AsyncIterator[EngineStep], decode: Callable[[Sequence[int]], str]
+    ) -> AsyncIterator[TextDelta]:
+        """The job's text deltas from its engine's ``steps``, its stop rules applied."""
+        params = self.params
+        return stream_text(steps, decode, self.stops, self.include_stop, params.min_tokens,
+                           params.stop_token_ids)  # fmt: skip
 
 
 class GenerationService(ABC):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -39,17 +40,19 @@ class ChatTemplate:
         return cls(source.decode("utf-8", errors="replace"), bos, eos)
 
     def render(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
+        """The prompt text of ``messages``, ready to answer. ``variables``: more of the
+        template's variables (vLLM's ``chat_template_kwargs``); the ones set here win."""
         return str(
-            self._template.render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=True,
-                bos_token=self._bos,
-                eos_token=self._eos,
-            )
-        )
+            self._template.render({
+                **(variables or {}), "messages": messages, "tools": tools,
+                "add_generation_prompt": True, "bos_token": self._bos, "eos_token": self._eos,
+            })
+        )  # fmt: skip
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:

@@ -10,7 +10,7 @@ llama.cpp engine only has to implement this module's :class:`Engine`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -112,6 +112,15 @@ class SamplingParams:
     logprobs: int | None = None
     # Set: only texts of this language can be generated.
     constraint: Constraint | None = None
+    # vLLM's extensions, as its SamplingParams defines them. min_p: a sampled token's
+    # probability is at least min_p times the most likely one's, after temperature (0:
+    # no cut; greedy steps are unchanged).
+    min_p: float = 0.0
+    # min_tokens: until this many tokens are generated, the end-of-sequence tokens (unless
+    # ignore_eos) and stop_token_ids cannot be, and no stop string matches (llm/text.py).
+    min_tokens: int = 0
+    # stop_token_ids: generating one of them ends the sequence (finish_reason "stop").
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -195,12 +204,17 @@ class Engine(ABC):
 
     @abstractmethod
     def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat, rendered by the model's chat template, ready to answer.
 
         ``tools`` (OpenAI's tool dicts) go to the template's ``tools`` variable; pass them
-        only when :attr:`template_knows_tools`.
+        only when :attr:`template_knows_tools`. ``variables`` are more of the template's
+        variables (vLLM's ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``):
+        none of them may be a name the rendering sets itself (``messages``, ``tools``...).
         """
 
     @property
@@ -223,13 +237,19 @@ class Engine(ABC):
         return self.decode([token_id]).encode()
 
     def check_features(self, params: SamplingParams) -> None:
-        """400 for what ``params`` asks that this model cannot give: a logit bias or a
-        logprobs count beyond the vocabulary, a constraint that does not compile (checked
-        before anything streams)."""
+        """400 for what ``params`` asks that this model cannot give: a logit bias, a stop
+        token id or a logprobs count beyond the vocabulary, a constraint that does not
+        compile (checked before anything streams)."""
         for token, _bias in params.logit_bias:
             if not 0 <= token < self.vocab_size:
                 raise InvalidRequest(
                     f"logit_bias: token id {token} is outside the model's vocabulary "
+                    f"(ids 0 to {self.vocab_size - 1})"
+                )
+        for token in params.stop_token_ids:
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequest(
+                    f"stop_token_ids: token id {token} is outside the model's vocabulary "
                     f"(ids 0 to {self.vocab_size - 1})"
                 )
         if params.logprobs is not None and params.logprobs > self.vocab_size:

@@ -4,8 +4,9 @@ It drives the ``ContinuousBatchingManager`` and ``PagedAttentionCache`` that
 transformers ships (iteration-level scheduling, fixed-size cache blocks with per-sequence
 block tables, preemption by recompute when blocks run out) rather than re-implementing
 them. What this module adds is what a server needs around it: admission control with a
-bounded waiting queue, per-request sampling settings (greedy, temperature, top-p, top-k,
-seed) on one shared batch, asyncio streaming, cancellation, and cache statistics.
+bounded waiting queue, per-request sampling settings (greedy, temperature, min-p, top-p,
+top-k, seed, vLLM's min_tokens and stop token ids) on one shared batch, asyncio
+streaming, cancellation, and cache statistics.
 
 The model, its paged cache and the batching run on ``generation.device`` (``cpu``,
 ``cuda``, ``cuda:N``) in ``generation.dtype``; ``generation.load_format: dummy`` builds
@@ -18,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import inspect
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,15 +97,27 @@ class TransformersEngine(Engine):
         return "tools" in (getattr(self._tokenizer, "chat_template", None) or "")
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         if not getattr(self._tokenizer, "chat_template", None):
             raise InvalidRequest(
                 "messages: this model has no chat template; use /v1/completions with a prompt"
             )
+        # apply_chat_template passes its other keyword arguments to the template; one of
+        # its own parameters (padding, return_dict...) would change the call instead.
+        own = inspect.signature(self._tokenizer.apply_chat_template).parameters
+        for name in variables or {}:
+            if name in own:
+                raise InvalidRequest(
+                    f"chat_template_kwargs.{name}: a parameter of the template's rendering, "
+                    "not a variable a request may set; leave it out"
+                )
         try:
             encoded = self._tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True
+                messages, tools=tools, add_generation_prompt=True, **(variables or {})
             )
         except Exception as exc:  # jinja raises for roles or orders a template refuses
             raise InvalidRequest(f"messages: the chat template refused them: {exc}") from exc
@@ -151,11 +165,13 @@ class TransformersEngine(Engine):
         # as waiting (the first step of _steps): requests that passed the check together
         # before an await could overfill the queue.
         self._check_queue()
-        extras = sampling.RequestExtras(params, prompt_ids, matcher)
+        extras = sampling.RequestExtras(params, prompt_ids, matcher, self.eos_token_ids)
         extras_id = self._extras.add(extras) if extras.needed else 0
         request_id = uuid.uuid4().hex
         mailbox = _Mailbox()
         manager = self._manager
+        # The tokens that end the sequence: EOS unless ignore_eos, and the stop token ids.
+        ends = {*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)}
         self._add_handler(request_id, mailbox.put)
         try:
             submitted = manager.add_request(
@@ -163,9 +179,14 @@ class TransformersEngine(Engine):
                 request_id=request_id,
                 max_new_tokens=params.max_tokens,
                 streaming=True,
-                eos_token_id=-1 if params.ignore_eos else sorted(self.eos_token_ids) or -1,
+                eos_token_id=sorted(ends) or -1,
                 **sampling.sampling_kwargs(
-                    params.greedy, params.temperature, params.top_k, params.top_p, params.seed
+                    params.greedy,
+                    params.temperature,
+                    params.top_k,
+                    params.top_p,
+                    params.seed,
+                    min_p=params.min_p,
                 ),
                 **({"extras": extras_id} if extras_id else {}),
             )
@@ -209,8 +230,7 @@ class TransformersEngine(Engine):
                 logprobs = extras.take_logprobs(len(new)) if params.logprobs is not None else None
                 if output.is_finished():
                     finished = True
-                    reason: FinishReason = "length" if sent >= params.max_tokens else "stop"
-                    yield EngineStep(new, reason, logprobs)
+                    yield EngineStep(new, self._finish_reason(tokens, params), logprobs)
                     return
                 if new:
                     yield EngineStep(new, None, logprobs)
@@ -220,6 +240,15 @@ class TransformersEngine(Engine):
             if not finished:
                 # The client went away or a stop string matched: free the blocks now.
                 self._manager.cancel_request(request_id)
+
+    def _finish_reason(self, tokens: Sequence[int], params: SamplingParams) -> FinishReason:
+        """The reason ``tokens`` ended: "stop" on an end or stop token (at max_tokens too,
+        as the llama.cpp engine and vLLM say) or short of max_tokens, else "length"."""
+        last = tokens[-1] if tokens else -1
+        ended = last in params.stop_token_ids or (
+            not params.ignore_eos and last in self.eos_token_ids
+        )
+        return "stop" if ended or len(tokens) < params.max_tokens else "length"
 
     def _build_lltokenizer(self) -> Any:
         from llguidance.hf import from_tokenizer

@@ -34,9 +34,10 @@ only the sequence's own stream: at 16 sequences a step took 47-51 ms instead of 
   the idle slot beside running ones: llama.cpp runs each run of consecutive sequence ids
   in a step as a forward pass of its own, so the step's batch also goes in id order;
 * **sampling**, one sampler per sequence: llama.cpp's penalties and logit bias, then
-  greedy, or temperature, top-k, top-p and a draw from one numpy generator per seed;
-  logprobs and llguidance constraints (structured outputs, required tool calls) only for
-  the sequences that ask (:mod:`slipstream.llm.llamacpp_sampling`).
+  greedy, or temperature, min-p, top-k, top-p and a draw from one numpy generator per
+  seed; logprobs, llguidance constraints (structured outputs, required tool calls) and
+  min_tokens' hold on the end and stop tokens only for the sequences that ask
+  (:mod:`slipstream.llm.llamacpp_sampling`).
 
 Text: tokens and chat templates come from the GGUF file itself (the Jinja template in
 ``tokenizer.chat_template``, rendered in a sandbox as transformers renders it).
@@ -48,7 +49,7 @@ import asyncio
 import ctypes
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +133,10 @@ class LlamaCppEngine(Engine):
         self._template = ChatTemplate.from_model(lib, model, self._vocab)
         self._add_bos = bool(lib.llama_vocab_get_add_bos(self._vocab))
         self._matchers = Matchers(lambda: build_tokenizer(lib, self._vocab))
+        # The vocabulary's end-of-generation tokens, for min_tokens to hold back (found
+        # here, on the loading thread: ~35 ms for SmolLM2's 49k tokens).
+        is_eog = lib.llama_vocab_is_eog
+        self._end_tokens = [t for t in range(self.vocab_size) if is_eog(self._vocab, t)]
         governor = None
         if adaptive and threads > 1:
             stalled_us = pressure_source()
@@ -173,14 +178,17 @@ class LlamaCppEngine(Engine):
         return self._tokenize(text, add_special=True)
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         if self._template is None:
             raise InvalidRequest(
                 "messages: this model has no chat template; use /v1/completions with a prompt"
             )
         try:
-            text = self._template.render(messages, tools)
+            text = self._template.render(messages, tools, variables)
         except Exception as exc:  # the template raised for roles or orders it refuses
             raise InvalidRequest(f"messages: the chat template refused them: {exc}") from exc
         # The template writes the special tokens it wants (BOS included) as text.
@@ -255,7 +263,8 @@ class LlamaCppEngine(Engine):
         self._check_queue()
         if self._scheduler.stopping:
             raise Unavailable("the generation engine is stopping", retry_after_s=5)
-        sampler = SequenceSampler(self._lib, self._vocab, params, prompt_ids, matcher)
+        blocked = self._min_tokens_blocked(params) if params.min_tokens else None
+        sampler = SequenceSampler(self._lib, self._vocab, params, prompt_ids, matcher, blocked)
         sequence = LlamaSequence(list(prompt_ids), params, loop, asyncio.Queue(), sampler=sampler)
         self._scheduler.submit(sequence)
         finished = False
@@ -274,6 +283,12 @@ class LlamaCppEngine(Engine):
             if not finished:
                 # The client went away or a stop string matched: free the slot now.
                 self._scheduler.cancel(sequence)
+
+    def _min_tokens_blocked(self, params: SamplingParams) -> list[int]:
+        """The tokens min_tokens holds back: the stop token ids, and every end-of-generation
+        token unless ignore_eos (vLLM's: EOS is then no stop, so nothing to hold back)."""
+        ends = [] if params.ignore_eos else self._end_tokens
+        return sorted({*ends, *params.stop_token_ids})
 
     # -- state ---------------------------------------------------------------------------
 

@@ -2,11 +2,12 @@
 
 One :class:`SequenceSampler` per sequence. The token is always chosen by the same code,
 :func:`draw`, from the sequence's final logits: greedy is an argmax; a draw takes the
-tempered softmax's exact top-k and top-p sets (llama.cpp's order and rules) with a numpy
-generator seeded by the request's seed, all 64 bits of it. So one seed is one random
-stream, whatever else the request asks: logprobs, or a logit bias that changes nothing,
-never change the sampled text (until 2026-12, a sequence with either drew from
-llama.cpp's ``dist`` sampler instead, another stream, seeded with the low 32 bits).
+tempered softmax's exact min-p (vLLM's), top-k and top-p sets (llama.cpp's order and
+rules for the last two) with a numpy generator seeded by the request's seed, all 64
+bits of it. So one seed is one random stream, whatever else the request asks:
+logprobs, or a logit bias that changes nothing, never change the sampled text (until
+2026-12, a sequence with either drew from llama.cpp's ``dist`` sampler instead, another
+stream, seeded with the low 32 bits).
 
 What comes before the draw runs only for the sequences that ask. The repetition
 penalty (over prompt and output), the frequency and presence penalties (over the
@@ -17,6 +18,10 @@ the way llama-server checks its grammars: on the token drawn alone first (one to
 through the matcher, cheap); only when the matcher refuses it is the vocabulary masked
 (llguidance's bitmask) and the token drawn again. Logprobs are a log-softmax of the
 logits after the penalties, bias and temperature, in numpy.
+
+``min_tokens`` holds the end-of-generation and stop tokens back by cutting them from a
+copy of the row, as a constraint's refusals are cut (logprobs are of the row before
+either cut).
 
 A plain sequence draws straight from the context's row (no copy). Through llama.cpp's
 own chain a token of SmolLM2 (a 49k vocabulary) cost 0.84 ms drawn from the whole
@@ -59,12 +64,16 @@ class SequenceSampler:
         params: SamplingParams,
         prompt: list[int],
         matcher: Any = None,
+        blocked: list[int] | None = None,
     ) -> None:
+        """``blocked``: the tokens that cannot be drawn until ``params.min_tokens`` are."""
         self._lib = lib
         self._params = params
         self.n_vocab = int(lib.llama_vocab_n_tokens(vocab))
         # An llguidance LLMatcher when the output is constrained.
         self._matcher = matcher
+        self._blocked = np.array(blocked or [], dtype=np.int64)
+        self._drawn = 0
         # numpy takes only non-negative seeds: a negative one as its two's complement.
         seed = None if params.seed is None else params.seed % 2**64
         self._rng = np.random.default_rng(seed)
@@ -114,11 +123,22 @@ class SequenceSampler:
         logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(context, index), (self.n_vocab,))
         if self.chain is not None:
             logits = self._processed(logits)
-        token = draw(logits, params, self._rng)
+        # min_tokens: the blocked tokens are cut like a constraint's refusals (logprobs
+        # are of the distribution before either cut).
+        held = logits
+        if self._drawn < params.min_tokens and self._blocked.size:
+            held = logits.copy()
+            held[self._blocked] = -np.inf
+        self._drawn += 1
+        token = draw(held, params, self._rng)
         if matcher is not None:
             if matcher.validate_tokens([token]) != 1:
                 allowed = allowed_tokens(matcher, self.n_vocab)
-                token = draw(np.where(allowed, logits, -np.inf), params, self._rng)
+                masked = np.where(allowed, held, -np.inf)
+                if held is not logits and not np.isfinite(masked).any():
+                    # The grammar allows only what min_tokens holds back (its end): it ends.
+                    masked = np.where(allowed, logits, -np.inf)
+                token = draw(masked, params, self._rng)
             if not matcher.consume_token(token):
                 raise _unfollowable(params, matcher)
         if self.chain is not None:
@@ -165,8 +185,9 @@ def _logprob(logits: np.ndarray, token: int, params: SamplingParams) -> TokenLog
 def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """The next token from one row of logits ([n_vocab], float32, read only): the first
     argmax when greedy; else a draw from the softmax of ``logits / temperature`` cut to
-    its ``top_k`` most likely tokens, then to the smallest set of most likely tokens
-    whose probability reaches ``top_p`` (llama.cpp's order and rules).
+    the tokens at least ``min_p`` times as likely as the most likely one (vLLM's min_p,
+    after temperature), to its ``top_k`` most likely tokens, then to the smallest set of
+    most likely tokens whose probability reaches ``top_p`` (llama.cpp's order and rules).
 
     A whole vocabulary is never sorted, partitioned or summed cumulatively (numpy takes
     ~0.3-1 ms for each on 49k tokens): the tokens above a fraction of the largest weight
@@ -177,16 +198,28 @@ def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -
     if params.temperature != 1.0:
         weights *= np.float32(1.0 / params.temperature)
     np.exp(weights, out=weights)  # the largest 1.0
-    chosen: np.ndarray | None = None  # indices into the row; None: all of it
-    if 0 < params.top_k < weights.size:
-        chosen = _top_k(weights, params.top_k)
-    if params.top_p < 1.0:
-        chosen = nucleus(weights, chosen, params.top_p)
+    chosen = cuts(weights, params)
     if chosen is None:
         return _draw_all(weights, rng)
     cumulative = np.cumsum(weights[chosen], dtype=np.float64)
     pick = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
     return int(chosen[min(pick, chosen.size - 1)])
+
+
+def cuts(weights: np.ndarray, params: SamplingParams) -> np.ndarray | None:
+    """Indices of the tokens a draw chooses among (None: all of them), from ``weights``,
+    each token's probability over the most likely one's (that one's weight is 1.0): the
+    min_p, top_k and top_p cuts of :func:`draw`."""
+    chosen: np.ndarray | None = None
+    if params.min_p > 0.0:
+        # The tokens kept are a prefix of the sorted order, as top_k's are: the shorter
+        # of the two is both.
+        chosen = np.flatnonzero(weights >= params.min_p)
+    if 0 < params.top_k < weights.size and (chosen is None or chosen.size > params.top_k):
+        chosen = _top_k(weights, params.top_k)
+    if params.top_p < 1.0:
+        chosen = nucleus(weights, chosen, params.top_p)
+    return chosen
 
 
 # Tokens a block when drawing from a whole vocabulary (see _draw_all).

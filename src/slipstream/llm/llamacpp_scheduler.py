@@ -476,12 +476,13 @@ class Scheduler:
                 self._finish(sequence)
                 continue
             sequence.generated += 1
+            params = sequence.params
             reason: FinishReason | None = None
-            if not sequence.params.ignore_eos and (
-                engine.is_end(token) or sequence.sampler.finished
-            ):
+            if (
+                not params.ignore_eos and (engine.is_end(token) or sequence.sampler.finished)
+            ) or token in params.stop_token_ids:
                 reason = "stop"
-            elif sequence.generated >= sequence.params.max_tokens:
+            elif sequence.generated >= params.max_tokens:
                 reason = "length"
             deliveries.append(
                 (sequence, EngineStep((token,), reason, None if logprob is None else (logprob,)))

@@ -9,6 +9,7 @@ each row needs, and pick the token themselves, so the engine runs with
 
 - greedy rows (temperature 0 or top_k 1): an argmax;
 - temperature: a division, only when some row's temperature is not 1;
+- min_p (vLLM's): a softmax of the rows that set it, after temperature;
 - top-k: ``torch.topk`` on the rows that set it, never a full sort;
 - top-p: a sort of the rows that set it, only;
 - seeded rows: the Gumbel-max trick with noise from a generator seeded by the request's
@@ -37,12 +38,19 @@ _NO_ARGS = torch.empty(0, dtype=torch.int32)
 
 
 def sampling_kwargs(
-    greedy: bool, temperature: float, top_k: int, top_p: float, seed: int | None
+    greedy: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    min_p: float = 0.0,
 ) -> dict[str, Any]:
     """The per-request kwargs these processors read (passed to ``add_request``)."""
     if greedy:
         return {"pick": _GREEDY}
     kwargs: dict[str, Any] = {"pick": _SAMPLE, "temperature": float(temperature)}
+    if min_p > 0.0:
+        kwargs["min_p"] = float(min_p)
     if top_k > 0:
         kwargs["top_k"] = int(top_k)
     if top_p < 1.0:
@@ -88,6 +96,36 @@ class _Temperature(_Step):
         if self.active:
             temperatures = tensor_arg[: scores.size(0)].view(torch.float32)
             scores.div_(temperatures.clamp(min=1e-6).unsqueeze(-1))
+        return scores
+
+
+class _MinP(_Step):
+    """vLLM's min_p, after temperature: a token stays when its probability is at least
+    min_p times the most likely token's."""
+
+    supported_kwargs = {"min_p": float}  # noqa: RUF012
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.fill_(0)  # the bits of float32 0.0
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+        values = [r.state.logit_processor_kwargs.get("min_p", 0.0) for r in requests_with_new_token]
+        self.active = any(value > 0.0 for value in values)
+        if not self.active:
+            return _NO_ARGS
+        return torch.tensor(values, dtype=torch.float32).view(torch.int32)
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return scores
+        ps = tensor_arg[: scores.size(0)].view(torch.float32)
+        rows = torch.nonzero(ps > 0.0).flatten()
+        if rows.numel():
+            selected = scores[rows]
+            probs = selected.softmax(dim=-1)
+            floor = probs.max(dim=-1, keepdim=True).values * ps[rows].unsqueeze(-1)
+            scores[rows] = selected.masked_fill(probs < floor, -math.inf)
         return scores
 
 
@@ -198,7 +236,7 @@ def install(manager: Any, registry: ExtrasRegistry) -> None:
     processors = manager.logit_processor
     steps: list[ContinuousBatchingLogitsProcessor] = [
         _Penalties(registry), _Temperature(), _Logprobs(registry), _Mask(registry),
-        _TopK(), _TopP(), _Pick(), _Record(registry),
+        _MinP(), _TopK(), _TopP(), _Pick(), _Record(registry),
     ]  # fmt: skip
     for processor in steps:
         processors.logits_processor.append(processor)
@@ -217,14 +255,24 @@ def _step_key(seed: int, step: int) -> int:
 
 
 class RequestExtras:
-    """One request's penalties, logit bias, logprobs and constraint, and what they need
-    to remember across steps. The processors below find it by the id the request's
-    ``extras`` kwarg carries (0: none), so the cost falls on the rows that ask only."""
+    """One request's penalties, logit bias, logprobs, constraint and min_tokens, and what
+    they need to remember across steps. The processors below find it by the id the
+    request's ``extras`` kwarg carries (0: none), so the cost falls on the rows that ask
+    only. ``ends``: the model's end-of-sequence tokens (min_tokens holds them back)."""
 
-    def __init__(self, params: SamplingParams, prompt: list[int], matcher: Any = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt: list[int],
+        matcher: Any = None,
+        ends: frozenset[int] = frozenset(),
+    ) -> None:
         self.params = params
         self.prompt = torch.tensor(sorted(set(prompt)), dtype=torch.int64)
         self.matcher = matcher
+        # What min_tokens holds back: the stop token ids, and the ends unless ignore_eos.
+        held = {*params.stop_token_ids, *(() if params.ignore_eos else ends)}
+        self.held = torch.tensor(sorted(held) if params.min_tokens else [], dtype=torch.int64)
         self.generated: list[int] = []
         # Written by the generation thread, taken by the request's coroutine.
         self.logprobs: list[TokenLogprob] = []
@@ -235,8 +283,18 @@ class RequestExtras:
     def needed(self) -> bool:
         params = self.params
         return bool(
-            params.penalized or params.logit_bias or params.logprobs is not None or self.matcher
+            params.penalized
+            or params.logit_bias
+            or params.logprobs is not None
+            or self.matcher
+            or self.held.numel()
         )
+
+    def held_now(self) -> torch.Tensor | None:
+        """The token ids min_tokens holds back at this step, or None."""
+        if self.held.numel() and len(self.generated) < self.params.min_tokens:
+            return self.held
+        return None
 
     def penalize(self, row: torch.Tensor) -> None:
         params = self.params
@@ -333,14 +391,24 @@ class _Logprobs(_ExtrasStep):
 
 
 class _Mask(_ExtrasStep):
-    """Constrained rows: every token the grammar refuses is cut (llguidance's bitmask)."""
+    """Constrained rows: every token the grammar refuses is cut (llguidance's bitmask).
+    Rows short of their min_tokens: the end and stop tokens are cut too, unless the
+    grammar allows nothing else (it is complete: the text ends)."""
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         for row, extras in self.rows(tensor_arg, scores.size(0)):
+            values = scores[row]  # [vocab], a view: cut in place
+            held = extras.held_now()
+            if held is not None:
+                held = held.to(scores.device)
+                kept = values[held].clone()
+                values[held] = -math.inf
             if extras.matcher is not None:
                 allowed = allowed_tokens(extras.matcher, scores.size(1))
                 refused = ~torch.from_numpy(allowed).to(scores.device)
-                scores[row].masked_fill_(refused, -math.inf)
+                values.masked_fill_(refused, -math.inf)
+                if held is not None and not bool(torch.isfinite(values).any()):
+                    values[held] = kept.masked_fill(refused[held], -math.inf)
         return scores
 
 

@@ -23,7 +23,7 @@ from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
 from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.engine import CacheStats, Engine
 from slipstream.llm.metrics import LlmMetrics
-from slipstream.llm.text import TextDelta, stream_text
+from slipstream.llm.text import TextDelta
 from slipstream.observability.lifecycle import LifecycleMetrics
 from slipstream.observability.startup import TRACE
 from slipstream.repository.layout import (
@@ -455,7 +455,7 @@ class LlmModels(GenerationService):
         # once, and the engine checks its queue and queues the job without awaiting.
         unstarted.release(1)
         try:
-            async for delta in stream_text(steps, engine.decode, job.stops):
+            async for delta in job.text(steps, engine.decode):
                 now = time.perf_counter()
                 new = delta.completion_tokens - previous_tokens
                 if new > 0:

@@ -1,11 +1,16 @@
 """From token ids to text deltas: incremental detokenization and stop strings.
 
-Engine-independent, so every engine streams text the same way.
+Engine-independent, so every engine streams text the same way. The stop rules are
+vLLM's (its V1 detokenizer): a stop string ends the text before it, or after it with
+``include_stop_str_in_output``; a sequence that ends on one of its ``stop_token_ids``
+leaves that token's text out unless ``include_stop_str_in_output``; with ``min_tokens``,
+a stop string counts only when it ends in the text of the tokens after the first
+``min_tokens`` (the engines hold the end and stop tokens back until then).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from slipstream.llm.engine import EngineStep, FinishReason, TokenLogprob
@@ -37,14 +42,15 @@ class StopMatcher:
         """Whether there is any stop string to look for."""
         return bool(self._stops)
 
-    def find(self, text: str, start: int) -> int:
-        """Index of the earliest stop string that ends at or after ``start``, or -1."""
-        best = -1
+    def find(self, text: str, start: int, after: int = 0) -> tuple[int, int]:
+        """(start, end) of the earliest stop string that ends at or after ``start`` and
+        past ``after`` characters, or (-1, -1)."""
+        best = (-1, -1)
         begin = max(0, start - self._longest + 1)
         for stop in self._stops:
-            at = text.find(stop, begin)
-            if at != -1 and (best == -1 or at < best):
-                best = at
+            at = text.find(stop, max(begin, after - len(stop) + 1))
+            if at != -1 and (best[0] == -1 or at < best[0]):
+                best = (at, at + len(stop))
         return best
 
     def safe_end(self, text: str) -> int:
@@ -95,26 +101,48 @@ async def stream_text(
     steps: AsyncIterator[EngineStep],
     decode: Callable[[Sequence[int]], str],
     stops: Sequence[str] = (),
+    include_stop: bool = False,
+    min_tokens: int = 0,
+    stop_token_ids: Collection[int] = (),
 ) -> AsyncIterator[TextDelta]:
     """Turn engine steps into text deltas, ending at EOS, max_tokens or a stop string.
 
     The completion's text grows by :class:`IncrementalText`; the text sent is held back
-    while it ends in a partial UTF-8 character or a possible stop-string prefix. A stop
-    string is not sent; generation is cancelled as soon as it appears.
+    while it ends in a partial UTF-8 character or (unless ``include_stop``) a possible
+    stop-string prefix. Generation is cancelled as soon as a stop string appears; the
+    stop rules are the module docstring's.
     """
     matcher = StopMatcher(stops)
     incremental = IncrementalText(decode)
     count = 0
     logprobs: list[TokenLogprob] = []
     sent = 0
+    # A stop string must end past this many characters: the first min_tokens tokens' text.
+    protected = 0
+    text = ""
     try:
         async for step in steps:
-            count += len(step.token_ids)
+            tokens = step.token_ids
             if step.logprobs:
                 logprobs.extend(step.logprobs)
-            text = incremental.extend(step.token_ids)
-            cut = matcher.find(text, sent) if matcher else -1
-            if cut != -1:
+            shown = tokens
+            if (
+                step.finish_reason == "stop" and not include_stop and tokens
+                and tokens[-1] in stop_token_ids
+            ):  # fmt: skip
+                shown = tokens[:-1]  # counted, not shown
+            if count < min_tokens:
+                head = min_tokens - count
+                text = incremental.extend(shown[:head])
+                protected = len(text)
+                if len(shown) > head:
+                    text = incremental.extend(shown[head:])
+            elif shown:
+                text = incremental.extend(shown)
+            count += len(tokens)
+            start, end = matcher.find(text, sent, protected) if matcher else (-1, -1)
+            if start != -1:
+                cut = end if include_stop else max(start, sent)
                 yield TextDelta(text[sent:cut], count, "stop", tuple(logprobs))
                 return
             if step.finish_reason is not None:
@@ -123,7 +151,7 @@ async def stream_text(
             end = len(text)
             while end > sent and text[end - 1] == _PARTIAL:
                 end -= 1
-            if matcher:
+            if matcher and not include_stop:
                 end = sent + matcher.safe_end(text[sent:end])
             if end > sent:
                 yield TextDelta(text[sent:end], count, None, tuple(logprobs))

@@ -6,10 +6,12 @@ Pure codec, no I/O. Fields OpenAI defines but Slipstream does not implement
 silently ignored, and so are vLLM's extensions it does not implement
 (:mod:`slipstream.protocol.openai_fields`); unknown extra fields are ignored as
 OpenAI-compatible servers do. ``null`` for an optional field means its default.
-``top_k``, ``ignore_eos``, ``repetition_penalty`` and the ``guided_json`` /
-``guided_choice`` / ``guided_regex`` / ``guided_grammar`` constraints are accepted as the
-vLLM extensions of the same names, ``grammar`` and ``json_schema`` as llama.cpp's server
-has them.
+``top_k``, ``min_p``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``ignore_eos``, ``repetition_penalty``, chat's ``chat_template_kwargs`` and the
+``guided_json`` / ``guided_choice`` / ``guided_regex`` / ``guided_grammar`` constraints
+are accepted as the vLLM extensions of the same names (with vLLM's semantics, see
+:class:`slipstream.llm.engine.SamplingParams`), ``grammar`` and ``json_schema`` as
+llama.cpp's server has them.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from slipstream.errors import InvalidRequest
 from slipstream.names import validate_model_name
 from slipstream.protocol.openai_base import _Request
 from slipstream.protocol.openai_fields import (
+    TEMPLATE_KWARGS,
     VLLM_CHAT,
     VLLM_COMPLETION,
     VLLM_EMBEDDING,
     VLLM_SAMPLING,
     Unserved,
     _Fields,
+    check_template_kwargs,
 )
 from slipstream.protocol.openai_tools import (
     MAX_TOOLS,
@@ -101,6 +105,20 @@ class _Sampling(_Fields):
               _NULL, note="token id -> bias in [-100, 100]; ids beyond the vocabulary: 400"),
     ] = None  # fmt: skip
     user: str | None = None
+    # vLLM's sampling extensions (its SamplingParams' meanings: llm/engine.py).
+    # fmt: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "vLLM's: a sampled token is at least min_p times as likely as the most likely one "
+        "(after temperature); 0: no cut"))
+    min_tokens: int = Field(0, ge=0, description=(
+        "vLLM's: no end, stop token or stop string before this many tokens; at most the "
+        "request's maximum (max_tokens...), more is a 400"))
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        None, description=("vLLM's: token ids that end the text (finish_reason stop); ids "
+                           "beyond the vocabulary: 400"))
+    include_stop_str_in_output: bool = Field(False, description=(
+        "vLLM's: the stop string, or the stop token's text, ends the text"))
+    # fmt: on
     # Structured outputs: the route's own field (_formats), and the extensions users know.
     # One constraint a request; a grammar, regex or schema that does not compile is a 400.
     guided_json: dict[str, Any] | str | None = None
@@ -123,6 +141,17 @@ class _Sampling(_Fields):
     def check_supported(self) -> None:
         self.bias()
         self.constraint()
+        sent = self.maximum()
+        if sent is not None and self.min_tokens > sent[1]:
+            raise InvalidRequest(
+                f"min_tokens: {self.min_tokens} cannot be combined with {sent[0]} {sent[1]} "
+                f"(a text of at least {self.min_tokens} tokens and at most {sent[1]}); send "
+                f"a min_tokens of at most {sent[0]}"
+            )
+
+    def maximum(self) -> tuple[str, int] | None:
+        """(field, value) of the maximum completion length the request sent, if any."""
+        return None
 
     def bias(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs."""
@@ -193,6 +222,9 @@ class _Classic(_Sampling):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options: only allowed when stream is true")
         super().check_supported()
+
+    def maximum(self) -> tuple[str, int] | None:
+        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
 
     def _formats(self) -> list[tuple[str, Constraint]]:
         if self.response_format is not None:
@@ -362,9 +394,12 @@ class ChatRequest(_Classic):
     # A latency hint: the text is the same without it, so it is accepted and not used.
     prediction: dict[str, Any] | None = None
     service_tier: Literal["auto", "default"] | None = None
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking...).
+    chat_template_kwargs: Annotated[dict[str, Any] | None, TEMPLATE_KWARGS] = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_template_kwargs(self.chat_template_kwargs)
         for field, use in (("functions", "tools"), ("function_call", "tool_choice")):
             if getattr(self, field) is not None:
                 raise InvalidRequest(
@@ -405,6 +440,11 @@ class ChatRequest(_Classic):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def maximum(self) -> tuple[str, int] | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().maximum()
 
     def chat(self) -> list[dict[str, Any]]:
         """The conversation as chat templates take it (OpenAI's message dicts)."""

@@ -3,11 +3,14 @@
 - ``null`` for an optional field means its default, here as in the nested objects
   (:mod:`slipstream.protocol.openai_base`); a required field (``model``, ``messages``,
   ``prompt``, ``input``) stays required, so ``null`` there is a 400.
+- ``chat_template_kwargs`` (vLLM's) may not name what the template's rendering sets
+  itself (``messages``, ``tools``...): a 400 naming the key.
 - The known extensions of other servers (vLLM's sampling and chat fields) that this
   server does not implement are refused with a 400 naming the field and what to send
-  instead, unless the value asks for what the server does anyway (``min_p: 0``,
-  ``skip_special_tokens: true``): a client that set one would otherwise get a different
-  text than it asked for, silently. Fields nobody defines stay ignored.
+  instead, unless the value asks for what the server does anyway
+  (``use_beam_search: false``, ``skip_special_tokens: true``): a client that set one
+  would otherwise get a different text than it asked for, silently. Fields nobody
+  defines stay ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import model_validator
+from pydantic import WithJsonSchema, model_validator
 
 from slipstream.errors import InvalidRequest
 from slipstream.protocol.openai_base import _Request
@@ -41,18 +44,11 @@ class Unserved:
 
 
 # vLLM's sampling extensions (its SamplingParams and request fields) that Slipstream does
-# not implement; top_k, repetition_penalty, ignore_eos, seed and the guided_* constraints
-# it does. guided_decoding_backend changes no text (every constraint runs on llguidance):
-# it is ignored like any unknown field.
+# not implement; top_k, min_p, min_tokens, stop_token_ids, include_stop_str_in_output,
+# repetition_penalty, ignore_eos, seed and the guided_* constraints it does.
+# guided_decoding_backend changes no text (every constraint runs on llguidance): it is
+# ignored like any unknown field.
 VLLM_SAMPLING: Mapping[str, Unserved] = {
-    "min_p": Unserved("not supported; use top_p or top_k", (0, 0.0)),
-    "min_tokens": Unserved(
-        "not supported; use ignore_eos with max_tokens for a fixed length", (0,)
-    ),
-    "stop_token_ids": Unserved("not supported; send the tokens' text in stop", ([],)),
-    "include_stop_str_in_output": Unserved(
-        "not supported: a stop sequence is never part of the text", (False,)
-    ),
     "skip_special_tokens": Unserved(
         "only true is supported: special tokens are never part of the text", (True,)
     ),
@@ -91,10 +87,9 @@ VLLM_SAMPLING: Mapping[str, Unserved] = {
     "mm_processor_kwargs": Unserved("not supported: this server serves text only"),
 }
 
-# vLLM's chat-only extensions.
+# vLLM's chat-only extensions (chat_template_kwargs is served).
 VLLM_CHAT: Mapping[str, Unserved] = {
     "chat_template": Unserved("not supported: the model's own chat template is applied"),
-    "chat_template_kwargs": Unserved("not supported", ({},)),
     "add_generation_prompt": Unserved("only true is supported", (True,)),
     "continue_final_message": Unserved("not supported", (False,)),
     "echo": Unserved("not supported on chat; use /v1/completions with echo", (False,)),
@@ -114,6 +109,37 @@ VLLM_EMBEDDING: Mapping[str, Unserved] = {
     "add_special_tokens": VLLM_SAMPLING["add_special_tokens"],
     "priority": VLLM_SAMPLING["priority"],
 }
+
+
+# Names the chat template's rendering sets itself, and transformers' apply_chat_template
+# parameters (vLLM refuses chat_template and tokenize): none may be a chat_template_kwargs
+# key, which would change how the prompt is made instead of passing a variable.
+TEMPLATE_OWN_NAMES = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "chat_template", "tokenize", "bos_token", "eos_token",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})  # fmt: skip
+
+# The documented schema of chat_template_kwargs (chat and responses).
+TEMPLATE_KWARGS = WithJsonSchema({
+    "anyOf": [{"type": "object",
+               "propertyNames": {"not": {"enum": sorted(TEMPLATE_OWN_NAMES)}}},
+              {"type": "null"}],
+    "description": 'more variables of the chat template (vLLM\'s; e.g. {"enable_thinking": '
+                   "false}); the names the rendering sets itself are a 400",
+})  # fmt: skip
+
+
+def check_template_kwargs(variables: Mapping[str, Any] | None) -> None:
+    """A 400 naming a ``chat_template_kwargs`` key the rendering sets itself."""
+    for key in variables or {}:
+        if key in TEMPLATE_OWN_NAMES:
+            raise InvalidRequest(
+                f"chat_template_kwargs.{key}: a name this server sets itself when it renders "
+                "the chat template, not a variable a request may set; send the request's own "
+                "field (messages, tools...) instead, or leave it out"
+            )
 
 
 class _Fields(_Request):

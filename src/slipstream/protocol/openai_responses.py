@@ -10,7 +10,9 @@ It takes the Responses API's own names (``max_output_tokens``, ``text.format``,
 ``include`` / ``top_logprobs``); chat's names for the same things, and Responses fields
 this server does not implement (``reasoning``, ``background``, ...), are a 400 naming the
 field and what to send instead. The sampling extensions chat takes (``top_k``, ``seed``,
-``stop``, the penalties, ``logit_bias``, the ``guided_*`` constraints) apply here too.
+``stop``, the penalties, ``logit_bias``, vLLM's ``min_p``, ``min_tokens``,
+``stop_token_ids`` and ``include_stop_str_in_output``, the ``guided_*`` constraints) and
+its ``chat_template_kwargs`` apply here too.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from slipstream.protocol.openai import (
     _response_format,
     _Sampling,
 )
-from slipstream.protocol.openai_fields import VLLM_SAMPLING, Unserved, _Fields
+from slipstream.protocol.openai_fields import (
+    TEMPLATE_KWARGS,
+    VLLM_SAMPLING,
+    Unserved,
+    _Fields,
+    check_template_kwargs,
+)
 from slipstream.protocol.openai_replies import CallItem
 from slipstream.protocol.openai_tools import MAX_TOOLS
 from slipstream.types import Constraint
@@ -148,9 +156,12 @@ class ResponsesRequest(_Sampling):
         str | None, _only(_NULL, note="stateless: send the whole conversation in input")
     ] = None
     metadata: dict[str, str] | None = None
+    # As chat's (vLLM's own Responses route sets it from reasoning; this one takes it).
+    chat_template_kwargs: Annotated[dict[str, Any] | None, TEMPLATE_KWARGS] = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_template_kwargs(self.chat_template_kwargs)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options: only allowed when stream is true")
         for value in self.include or []:
@@ -174,6 +185,11 @@ class ResponsesRequest(_Sampling):
                 "tool_choice: a required tool call cannot be combined with text.format "
                 "or another constraint"
             )
+
+    def maximum(self) -> tuple[str, int] | None:
+        if self.max_output_tokens is None:
+            return None
+        return "max_output_tokens", self.max_output_tokens
 
     def choice(self) -> str:
         choice = self.tool_choice

@@ -13,9 +13,11 @@ answers are built where generation runs (``server/v2_llm.py``).
 As the backend does: a request that does not stream answers once, its text preceded by
 the prompt unless ``exclude_input_in_output`` is true; a streaming one answers each new
 piece of text (the prompt never, ``exclude_input_in_output: false`` refused).
-``max_tokens`` defaults to vLLM's 16. Sampling parameters take the OpenAI lane's
-validation and ranges; vLLM's parameters that this server does not implement are
-accepted at their default values only, anything else named in a 400.
+``max_tokens`` defaults to vLLM's 16 (a ``min_tokens`` above it is a 400, as in vLLM).
+Sampling parameters take the OpenAI lane's validation, ranges and semantics (``min_p``,
+``min_tokens``, ``stop_token_ids`` and ``include_stop_str_in_output`` as vLLM defines
+them); vLLM's parameters that this server does not implement are accepted at their
+default values only, anything else named in a 400.
 """
 
 from __future__ import annotations
@@ -62,21 +64,18 @@ _INPUT_NAMES = tuple(tensor.name for tensor in INPUTS)
 # vLLM sampling parameters served here: they become the OpenAI lane's fields of the
 # same names (n and best_of at 1 only).
 _SERVED = frozenset({
-    "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "ignore_eos",
+    "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
+    "stop_token_ids", "include_stop_str_in_output", "seed", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n",
     "best_of",
 })  # fmt: skip
 # vLLM sampling parameters accepted at these values only (None is the default too).
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "min_p": (0, 0.0),
-    "min_tokens": (0,),
     "logprobs": (),
     "prompt_logprobs": (),
     "detokenize": (True,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,),
-    "stop_token_ids": ([],),
     "bad_words": ([],),
     "allowed_token_ids": (),
     "truncate_prompt_tokens": (),
@@ -179,6 +178,12 @@ def sampling_settings(model: str, values: dict[str, Any], source: str) -> openai
         settings: openai.CompletionRequest = openai.parse(body, openai.CompletionRequest)
     except InvalidRequest as exc:
         raise InvalidRequest(f"{source}.{exc.message}") from None
+    if settings.max_tokens is None and settings.min_tokens > DEFAULT_MAX_TOKENS:
+        raise InvalidRequest(
+            f"{source}.min_tokens: {settings.min_tokens} cannot be combined with the default "
+            f"max_tokens {DEFAULT_MAX_TOKENS} (vLLM's); send a max_tokens of at least "
+            "min_tokens"
+        )
     return settings
 
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from slipstream.errors import SlipstreamError
+from slipstream.errors import InvalidRequest, SlipstreamError
 from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.engine import ContextLengthExceeded, Engine, SamplingParams, TokenLogprob
 from slipstream.llm.text import TextDelta
@@ -37,6 +37,7 @@ def build_jobs(
     """One job per prompt and choice (``n``), with the request's sampling settings."""
     stops = body.stops()
     bias = body.bias()
+    stop_token_ids = tuple(body.stop_token_ids or ())
     jobs: list[Job] = []
     for prompt in prompts:
         limit = max_tokens
@@ -44,6 +45,9 @@ def build_jobs(
             # One sequence's room: with a KV stream per sequence it is less than the cache.
             room = min(engine.max_model_len, engine.sequence_tokens) - len(prompt)
             limit = max(1, min(default_max_tokens, room))
+            if body.min_tokens > limit:  # at least min_tokens, as vLLM's default allows
+                _check_room(engine, body.min_tokens, len(prompt), room)
+                limit = body.min_tokens
         for _ in range(body.n):
             seed = None if body.seed is None else body.seed + len(jobs)
             params = SamplingParams(
@@ -59,9 +63,22 @@ def build_jobs(
                 logit_bias=bias,
                 logprobs=logprobs,
                 constraint=constraint,
+                min_p=body.min_p,
+                min_tokens=body.min_tokens,
+                stop_token_ids=stop_token_ids,
             )
-            jobs.append(Job(len(jobs), prompt, params, stops))
+            jobs.append(Job(len(jobs), prompt, params, stops, body.include_stop_str_in_output))
     return jobs
+
+
+def _check_room(engine: Engine, min_tokens: int, prompt_tokens: int, room: int) -> None:
+    """A 400 naming min_tokens when that many tokens cannot follow the prompt."""
+    if min_tokens > room:
+        raise InvalidRequest(
+            f"min_tokens: {min_tokens} tokens after the prompt's {prompt_tokens} exceed this "
+            f"model's context length of {room + prompt_tokens} tokens; send a smaller "
+            "min_tokens or a shorter prompt"
+        )
 
 
 # The fields that can set a request's maximum completion length, and its prompt, per
@@ -98,19 +115,21 @@ def chat_with_tools(
     choice: ToolChoice,
     parallel: bool,
     constraint: Constraint | None,
+    variables: dict[str, Any] | None = None,
 ) -> tuple[list[int], Constraint | None]:
     """The prompt of a chat offering ``tools`` (rendered by the chat template when it knows
     tools, else put in the system message), and the constraint to decode under: a call
-    when ``choice`` requires one, else ``constraint``."""
+    when ``choice`` requires one, else ``constraint``. ``variables``: the request's
+    ``chat_template_kwargs``, more of the template's variables."""
     if engine.template_knows_tools:
         specs = [
             {"type": "function", "function": {"name": t.name, "description": t.description,
                                               "parameters": t.parameters}}
             for t in tools
         ] or None  # fmt: skip
-        prompt = engine.chat_prompt(template_messages(messages), specs)
+        prompt = engine.chat_prompt(template_messages(messages), specs, variables)
     else:
-        prompt = engine.chat_prompt(plain_messages(messages, tools))
+        prompt = engine.chat_prompt(plain_messages(messages, tools), None, variables)
     if tools:
         constraint = call_constraint(tools, choice, parallel) or constraint
     return prompt, constraint

@@ -60,8 +60,9 @@ async def respond(
     # (text.format), not by the response_format the request never sent.
     own = checked(*found) if found is not None else None
     prompt, constraint = chat_with_tools(
-        engine, body.chat(), tools, choice, body.parallel_tool_calls, own
-    )
+        engine, body.chat(), tools, choice, body.parallel_tool_calls, own,
+        body.chat_template_kwargs,
+    )  # fmt: skip
     jobs = build_jobs(engine, body, [prompt], body.max_output_tokens,
                       llm.default_max_tokens(body.model), body.wanted_logprobs(),
                       constraint)  # fmt: skip

@@ -156,8 +156,9 @@ class OpenAIApp:
         tools = [Tool(t.function.name, t.function.description, t.function.parameters)
                  for t in offered]  # fmt: skip
         prompt, constraint = chat_with_tools(
-            engine, body.chat(), tools, choice, body.parallel_tool_calls, own_constraint(body)
-        )
+            engine, body.chat(), tools, choice, body.parallel_tool_calls, own_constraint(body),
+            body.chat_template_kwargs,
+        )  # fmt: skip
         jobs = build_jobs(engine, body, [prompt], body.limit(),
                           self._llm.default_max_tokens(body.model), body.wanted_logprobs(),
                           constraint)  # fmt: skip

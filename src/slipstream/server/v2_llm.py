@@ -256,6 +256,10 @@ class GenerativeV2(ForwardingService):
             self._llm.admit(name, jobs)
         except ContextLengthExceeded as exc:
             raise exc.naming(f"{text.sampling_source}.max_tokens", "text_input") from None
+        except InvalidRequest as exc:  # a token id beyond the vocabulary: named where sent
+            if exc.message.startswith(("logit_bias:", "stop_token_ids:")):
+                raise InvalidRequest(f"{text.sampling_source}.{exc.message}") from None
+            raise
         answer = _Answer(name, version, request.id, wanted, len(prompt_ids))
         deltas = self._llm.generate(name, jobs, arrived)
         pieces: list[str] = [text.prompt] if text.prepend_input else []
