@@ -168,3 +168,24 @@ def test_generate_and_generate_stream_take_triton_s_flat_json(server: RemoteServ
     assert unknown.json()["error"].startswith("text: model 'repeat' has no such input")
     wrong = server.http.post("/v2/models/repeat/generate", json={"N": "three"})
     assert wrong.status_code == 400 and "N: input of datatype INT32 takes numbers" in wrong.text
+
+
+def test_streamed_requests_count_as_successes_never_as_failures(server: RemoteServer) -> None:
+    """ModelStreamInfer asks for one answer first, then streams a decoupled model's: the
+    refusal of the first must not count as the request's failure."""
+
+    def failures() -> list[str]:
+        return [
+            line for line in server.http.get("/metrics").text.splitlines()
+            if line.startswith("nv_inference_request_failure{") and 'model="repeat"' in line
+        ]  # fmt: skip
+
+    before = server.http.get("/v2/models/repeat/stats").json()["model_stats"][0]
+    failed_before = failures()
+    seen = _stream(server, {"c": 2, "d": 1})
+    assert seen == {"c": [0, 1, "final"], "d": [0, "final"]}
+    after = server.http.get("/v2/models/repeat/stats").json()["model_stats"][0]
+    stats, old = after["inference_stats"], before["inference_stats"]
+    assert stats["fail"]["count"] == old["fail"]["count"]
+    assert stats["success"]["count"] == old["success"]["count"] + 2
+    assert failed_before and failures() == failed_before

@@ -119,12 +119,21 @@ async def answers(model: ModelVersion, request: InferRequest) -> AsyncIterator[S
         if not finished:
             gone.set()
         if run is not None and not run.done():
-            run.cancel()  # the client left: a request still queued never runs
+            if finished:  # the final answer came before execute returned: it may return
+                run.add_done_callback(_retrieved)
+            else:
+                run.cancel()  # the client left: a request still queued never runs
     elapsed_ns = time.perf_counter_ns() - started_ns
     if isinstance(failed, SlipstreamError):  # an answer was an error: the request failed
         record_failure(model, failed, elapsed_ns)
     else:
         record_success(model, elapsed_ns)
+
+
+def _retrieved(run: asyncio.Future[Any]) -> None:
+    """Its outcome read (an error after the last answer reaches no one): no warning."""
+    if not run.cancelled():
+        run.exception()
 
 
 async def stream(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slipstream.errors import ClientError, NotFound, SlipstreamError, Unavailable
+from slipstream.errors import ClientError, Decoupled, NotFound, SlipstreamError, Unavailable
 from slipstream.observability.metrics import ModelMetrics
 from slipstream.serving.model import ModelVersion
 
@@ -15,6 +15,10 @@ def record_success(model: ModelVersion, elapsed_ns: int, count: int = 1) -> None
 
 
 def record_failure(model: ModelVersion, exc: SlipstreamError, elapsed_ns: int) -> None:
+    if isinstance(exc, Decoupled):
+        # One answer asked of a decoupled model: refused before it ran, as Triton's front
+        # ends refuse it (gRPC's ModelStreamInfer asks so first, then streams the answers).
+        return
     model.stats.record_request(ok=False, total_ns=elapsed_ns)
     count_failure(model.metrics, exc)
 
