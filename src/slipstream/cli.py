@@ -125,6 +125,9 @@ def main() -> None:
 @click.option(
     "--max-request-bytes", type=int, default=64 * 1024 * 1024, help=_help("max_request_bytes")
 )
+@click.option(
+    "--max-buffered-body-bytes", type=int, default=None, help=_help("max_buffered_body_bytes")
+)
 @click.option("--shutdown-timeout-s", type=float, default=30.0, help=_help("shutdown_timeout_s"))
 @click.option(
     "--idle-unload-seconds",

@@ -23,6 +23,7 @@ SERVE_OPTIONS = [
     "--load-model",
     "--repository-poll-secs",
     "--max-request-bytes",
+    "--max-buffered-body-bytes",
     "--shutdown-timeout-s",
     "--max-header-bytes",
     "--max-header-count",

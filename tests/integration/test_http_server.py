@@ -113,6 +113,27 @@ async def test_expect_continue_head_and_http10(server: tuple) -> None:
     assert old.endswith(b"GET /old 0")  # HTTP/1.0 without keep-alive: closed after reply
 
 
+async def test_a_request_without_host_or_with_two_is_refused_400(server: tuple) -> None:
+    """RFC 9112 3.2: an HTTP/1.1 request without Host, or any request with two Host
+    lines (a proxy may route by one, the server read the other), gets 400."""
+    _, _, port = server
+    missing = await exchange(port, b"GET /h HTTP/1.1\r\nAccept: */*\r\n\r\n", True)
+    assert missing.startswith(b"HTTP/1.1 400") and b"needs a Host header" in missing, missing
+    assert b"connection: close" in missing
+    two = await exchange(port, b"GET /h HTTP/1.1\r\nHost: a\r\nHOST: b\r\n\r\n", True)
+    assert two.startswith(b"HTTP/1.1 400") and b"2 Host header lines" in two, two
+    two_old = await exchange(port, b"GET /h HTTP/1.0\r\nHost: a\r\nHost: b\r\n\r\n", True)
+    assert two_old.startswith(b"HTTP/1.1 400"), two_old
+    # The request before a refused one is answered first.
+    both = await exchange(port, b"GET /a HTTP/1.1\r\nHost: t\r\n\r\nGET /b HTTP/1.1\r\n\r\n", True)
+    assert both.startswith(b"HTTP/1.1 200") and both.index(b"GET /a 0") < both.index(b" 400 ")
+    # Still served: HTTP/1.0 without Host, and an empty Host (a target with no authority).
+    old = await exchange(port, b"GET /old HTTP/1.0\r\n\r\n", read_until_close=True)
+    assert old.startswith(b"HTTP/1.1 200") and old.endswith(b"GET /old 0"), old
+    empty = await exchange(port, b"GET /e HTTP/1.1\r\nHost:\r\n\r\n")
+    assert empty.startswith(b"HTTP/1.1 200") and empty.endswith(b"GET /e 0"), empty
+
+
 async def test_oversized_and_malformed_requests_are_refused(server: tuple) -> None:
     _, _, port = server
     big = await exchange(
@@ -373,10 +394,10 @@ async def test_each_413_for_body_size_is_counted_as_a_limit_close(limited: tuple
 
 async def test_too_many_headers_are_refused(limited: tuple) -> None:
     _, _, _, port = limited
-    headers = b"".join(b"X-%d: v\r\n" % i for i in range(11))
+    headers = b"Host: t\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(10))  # 11 lines
     reply = await exchange(port, b"GET / HTTP/1.1\r\n" + headers + b"\r\n", True)
     assert reply.startswith(b"HTTP/1.1 431") and b"--max-header-count" in reply
-    ten = b"".join(b"X-%d: v\r\n" % i for i in range(10))
+    ten = b"Host: t\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(9))
     assert (await exchange(port, b"GET / HTTP/1.1\r\n" + ten + b"\r\n")).startswith(b"HTTP/1.1 200")
 
 

@@ -72,6 +72,16 @@ class ServerSettings(_Strict):
     max_request_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Larger request bodies are refused with 413."
     )
+    max_buffered_body_bytes: int | None = Field(
+        None,
+        ge=1024,
+        description="Most HTTP request-body bytes one server process holds at once, over "
+        "all connections (bodies being received, queued, or with their model). Past it, "
+        "connections still sending a body are read no further until bodies are released "
+        "(TCP back-pressure: no request is refused for it); a body larger than this alone "
+        "is still taken, up to --max-request-bytes. With --frontends N each front end has "
+        "its own. Default: 8 x --max-request-bytes.",
+    )
     shutdown_timeout_s: float = Field(
         30.0,
         ge=0,

@@ -1,8 +1,9 @@
 """One HTTP/1.1 client connection of :class:`~slipstream.server.httpd.HttpServer`: it
 parses requests with httptools, runs the handler on them in order, writes the replies,
-and takes its part in a shutdown (drain, expire); what the connection may cost, and how
-it closes, is :class:`~slipstream.server.http_guard.ConnectionGuard`'s. The server owns
-what spans connections: listening, admission, the sweeper, the discard budget, and when
+answers what a half-closed client sent, and takes its part in a shutdown (drain,
+expire); what the connection may cost, and how it closes, is
+:class:`~slipstream.server.http_guard.ConnectionGuard`'s. The server owns what spans
+connections: listening, admission, the sweeper, the discard and body budgets, and when
 a shutdown drains and expires.
 """
 
@@ -25,13 +26,16 @@ from slipstream.server.http_guard import (
     GuardOwner,
 )
 from slipstream.server.http_messages import (
+    INLINE_DECODED_BYTES,
     BodyRefused,
     Handler,
     HttpRequest,
     HttpResponse,
+    PendingDecode,
     StreamingResponse,
+    begin_decoding,
     check_head,
-    decode_body,
+    closing_reply,
     response_head,
 )
 
@@ -43,6 +47,9 @@ logger = logging.getLogger(__name__)
 _MAX_PIPELINED = 16
 # Space and tab as the ints bytes indexing gives (half endswith's cost, per header).
 _BLANKS = frozenset(b" \t")
+# Header names on_header notes as they pass (one set lookup a header), so that a request
+# without them skips the passes over its headers that would look for them.
+_NOTED = frozenset((b"host", b"content-encoding"))
 
 
 class ConnectionOwner(GuardOwner, Protocol):
@@ -104,6 +111,8 @@ class Connection(ConnectionGuard):
             self._reply_and_close(400, message)
         if self._input_closed:
             self._release()
+        elif self._phase == BODY and self._body_size != self._body_charged:
+            self._charge_partial_body()  # the read ended inside a body
 
     def _feed(self, view: memoryview) -> None:
         """Feed the parser at most the head's remaining room at a time.
@@ -161,8 +170,17 @@ class Connection(ConnectionGuard):
         # The client is gone: cancel its in-flight request (queued inference is dropped).
         if self._worker is not None and not self._worker.done():
             self._worker.cancel()
+        if self._eof_probe is not None:
+            self._eof_probe.cancel()
         self._requests.clear()
-        self._release()
+        self._release()  # the body being received, out of the budget
+        # The bodies received whole: queued, and the one with the handler.
+        answering = self._answering
+        held = self._queued_bytes + (len(answering.body) if answering is not None else 0)
+        self._queued_bytes, self._answering = 0, None
+        if held:
+            self._budget.held_bytes -= held
+            self._budget.rebalance()
         self._lost = True
         self._wake_writer()
         if self._finished is not None and not self._finished.done():
@@ -185,6 +203,8 @@ class Connection(ConnectionGuard):
         self._url = b""
         self._headers = []
         self._known_head_bytes = 0
+        self._host_lines = 0
+        self._encoded = False
         self._body = []
         self._body_size = 0
 
@@ -202,9 +222,16 @@ class Connection(ConnectionGuard):
             return
         if value and value[-1] in _BLANKS:  # llhttp keeps trailing whitespace; it is no
             value = value.rstrip(b" \t")  # part of the value (RFC 9110 5.5)
-        self._headers.append((name.lower(), value))
+        name = name.lower()
+        if name in _NOTED:
+            if name == b"host":
+                self._host_lines += 1
+            else:
+                self._encoded = True
+        headers = self._headers
+        headers.append((name, value))
         self._known_head_bytes += len(name) + len(value) + 4  # ": " and CRLF
-        if len(self._headers) > self._limits.max_header_count:
+        if len(headers) > self._limits.max_header_count:
             self._server.metrics.count_close("too_many_headers")
             limit = self._limits.max_header_count
             self._reply_and_close(431, f"more than {limit} header lines (--max-header-count)")
@@ -217,6 +244,19 @@ class Connection(ConnectionGuard):
         if self._drain_admits is not None and self._begun > self._drain_admits:
             # Begun after the drain started (a client pipelining): a new request, refused.
             self._reply_and_close(503, SHUTTING_DOWN, RETRY_AFTER)
+            return
+        hosts = self._host_lines
+        if hosts != 1 and (hosts or self._parser.get_http_version() == "1.1"):
+            # RFC 9112 3.2: a server MUST answer 400 to an HTTP/1.1 request without Host
+            # and to any request with more than one (which a proxy may route by one and
+            # this server read by another).
+            if hosts:
+                self._reply_and_close(400, f"{hosts} Host header lines; send one (RFC 9112 3.2)")
+            else:
+                self._reply_and_close(
+                    400, "an HTTP/1.1 request needs a Host header (RFC 9112 3.2); send "
+                    "Host: <host>[:<port>] naming the server"
+                )  # fmt: skip
             return
         try:
             limit = self._limits.max_body_bytes
@@ -257,23 +297,38 @@ class Connection(ConnectionGuard):
             target = self._url[:200].decode("latin-1")
             self._reply_and_close(400, f"malformed request target {target!r}")
             return
-        body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
-        try:
-            body = decode_body(self._headers, body, self._limits.max_body_bytes)
-        except BodyRefused as refused:
-            self._refuse(refused)
-            return
+        body = decoded = b"".join(self._body) if len(self._body) != 1 else self._body[0]
+        pending = None
+        limit = self._limits.max_body_bytes
+        if self._encoded:
+            try:
+                decoding = begin_decoding(self._headers, body, limit, INLINE_DECODED_BYTES)
+            except BodyRefused as refused:
+                self._refuse(refused)
+                return
+            if isinstance(decoding, PendingDecode):
+                pending = decoding  # inflated in the request's turn, off the loop
+            else:
+                decoded = decoding
         request = HttpRequest(
             method=method.decode("ascii"),
             path=parsed.path.decode("latin-1"),
             headers=self._headers,
-            body=body,
+            body=decoded,
             query=parsed.query or b"",
             http_version=self._parser.get_http_version(),
         )
-        self._requests.append((request, self._parser.should_keep_alive()))
-        self._queued_bytes += len(body)
-        if self._queue_full() and self._transport is not None:
+        self._requests.append((request, self._parser.should_keep_alive(), pending))
+        size = len(decoded)
+        self._queued_bytes += size
+        if size:  # held (at its decoded size) until its handler returns
+            self._budget.held_bytes += size
+        if self._body_charged:
+            self._body_arrived()  # no longer counted as a body part-received
+        # _queue_full(), spelled out: a call a request saved.
+        if (
+            len(self._requests) >= _MAX_PIPELINED or self._queued_bytes > limit
+        ) and self._transport is not None:
             # Bodies are buffered whole: without the byte bound, 16 pipelined requests
             # of --max-request-bytes each (1 GiB at the default) sat in one connection.
             self._transport.pause_reading()
@@ -285,9 +340,21 @@ class Connection(ConnectionGuard):
 
     async def _serve_queued(self) -> None:
         while self._requests and not self._closing:
-            request, keep_alive = self._requests.pop(0)
-            self._queued_bytes -= len(request.body)
+            request, keep_alive, pending = self._requests.pop(0)
+            size = len(request.body)
+            self._queued_bytes -= size
+            self._answering = request
+            if pending is not None:
+                if not await self._inflate(request, pending):
+                    break  # refused: the reply is _final_reply, sent below
+                size = len(request.body)
             response = await self._respond(request)
+            self._answering = None
+            if size:  # the body is done with: out of the budget
+                budget = self._budget
+                budget.held_bytes -= size
+                if budget.waiters:
+                    budget.rebalance()
             if isinstance(response, StreamingResponse):
                 stays_open = await self._write_stream(request, response, keep_alive)
             else:
@@ -300,6 +367,8 @@ class Connection(ConnectionGuard):
         self._last_active = self._loop.time()
         if self._final_reply is not None and not self._closing:
             self._send_final(self._final_reply)
+        elif self._eof and not self._closing:
+            self._close()  # half-closed: all it sent is answered
         elif self._phase != IDLE or self._input_closed:
             return
         elif self._drain_admits is not None:
@@ -307,6 +376,37 @@ class Connection(ConnectionGuard):
             self._close()
         else:
             self._server.mark_idle(self)
+
+    async def _inflate(self, request: HttpRequest, pending: PendingDecode) -> bool:
+        """Inflate a large compressed body in a worker thread, in the request's turn (so
+        other clients are served meanwhile); False when it is refused. A refusal ends
+        the connection as one found on arrival does: it is the last reply (sent by
+        _serve_queued), and the requests pipelined behind it are dropped."""
+        try:
+            body = await asyncio.to_thread(pending.run)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self._expired or self._lost or task is None:
+                raise
+            task.uncancel()
+            return True  # --shutdown-timeout-s ran out: _respond answers 503
+        except BodyRefused as refused:
+            if refused.status == 413:
+                self._server.metrics.count_close("body_too_large")
+            dropped = len(request.body) + self._queued_bytes  # it, and those behind it
+            self._answering = None
+            self._requests.clear()
+            self._queued_bytes = 0
+            self._budget.held_bytes -= dropped
+            self._input_closed = True
+            self._release()
+            self._final_reply = closing_reply(
+                refused.status, self._server.error_body(refused.message)
+            )
+            return False
+        self._budget.held_bytes += len(body) - len(request.body)
+        request.body = body
+        return True
 
     def _queue_full(self) -> bool:
         """Whether reading pauses: enough pipelined requests (or bytes of them) queued."""
@@ -351,18 +451,21 @@ class Connection(ConnectionGuard):
         unfed, self._unfed = self._unfed, b""
         if unfed:
             self.data_received(unfed)  # which may fill the queue again
-        if self._transport is not None and not self._reading_paused:
+        if self._transport is not None and not (self._reading_paused or self._budget_paused):
             self._transport.resume_reading()
 
     async def _write(self, request: HttpRequest, response: HttpResponse, keep_alive: bool) -> bool:
         """Send a response; False when the connection is to close (or has) after it."""
         if self._transport is None or self._closing:
             return False
-        await self._until_writable()
-        if self._transport is None or self._closing:
-            return False
-        # Decided at the last moment: a drain may have begun while the handler ran.
-        keep_alive = self._keeps_alive(keep_alive)
+        if self._writable is not None:  # (a coroutine made only then: 0.1 us a response)
+            await self._until_writable()
+            if self._transport is None or self._closing:
+                return False
+        # Decided at the last moment: a drain may have begun while the handler ran (the
+        # call only then: it cost as much as the budget's count of a body).
+        if self._drain_admits is not None:
+            keep_alive = self._keeps_alive(keep_alive)
         http10 = request.http_version == "1.0"
         parts = response_head(
             response.status, response.content_type, response.headers, keep_alive, http10

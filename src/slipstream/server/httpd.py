@@ -5,17 +5,22 @@ and message dicts, a task per receive, two socket writes per response) cost as m
 the whole decode-batch-encode path. This server hands the handler one
 :class:`HttpRequest` with the full body and writes each :class:`HttpResponse` in one
 ``write``. A client that disconnects cancels its in-flight handler directly, so queued
-inference work is dropped without a watcher task per request.
+inference work is dropped without a watcher task per request (a close, whose FIN reads
+as a half-close, once a probe draws its reset: ``ConnectionGuard._probe_client``).
 
 Covered: keep-alive and HTTP/1.0, pipelined requests (answered in order), chunked
-request bodies, ``Expect: 100-continue``, HEAD, write back-pressure, a graceful shutdown
+request bodies, gzip and deflate request bodies (a large one inflated in a worker thread,
+``http_messages.PendingDecode``), ``Expect: 100-continue``, HEAD, write back-pressure, a
+client that half-closes after its requests (they are answered, then the connection
+closes; ``http_guard.ConnectionGuard.eof_received``), a graceful shutdown
 (:meth:`HttpServer.shutdown`), and streamed responses (:class:`StreamingResponse`,
 chunked; sent as they are to an HTTP/1.0 client) for server-sent events. Framing is
 strict, as a server behind a proxy must be against request smuggling: what llhttp refuses
 (Content-Length with Transfer-Encoding, two lengths, line folding, bare LF) is a 400, a
-transfer coding other than chunked a 501 (``http_messages.check_head``); trailer fields
-are dropped, never merged into the headers; a request asking to upgrade (WebSocket, h2c)
-is answered as plain HTTP/1.1.
+transfer coding other than chunked a 501 (``http_messages.check_head``), an HTTP/1.1
+request without Host or any with two a 400 (RFC 9112 3.2); trailer fields are dropped,
+never merged into the headers; a request asking to upgrade (WebSocket, h2c) is answered
+as plain HTTP/1.1.
 
 What one client may cost is bounded (:class:`HttpLimits`): the size and count of a
 request's headers, checked on the bytes fed to the parser before it buffers them; a
@@ -24,7 +29,11 @@ trickled a byte at a time), a send timeout (a client that stops reading its resp
 and the keep-alive idle timeout, all enforced by one sweeper timer; the body size,
 refused from the headers before the body is read; the bytes of a chunked body's framing
 and trailers (as a head's); the bodies of pipelined requests queued on one connection
-(reading pauses past the body limit); and the number of open connections.
+(reading pauses past the body limit); and the number of open connections. What all
+clients together may cost is bounded too: the bodies held at once
+(--max-buffered-body-bytes; past it, connections receiving a body stop being read until
+bodies are released, :class:`~slipstream.server.http_guard.BodyBudget`), and the bytes
+lingering connections discard.
 Unsent response bytes are bounded too: a response is written only once the transport's
 buffer has drained below its high-water mark, so one connection holds at most that plus
 one response, and for at most --send-timeout-s when its client reads nothing.
@@ -40,6 +49,7 @@ from ssl import SSLContext
 from slipstream.observability.metrics import TransportMetrics
 from slipstream.runtime import heap
 from slipstream.server.http_connection import Connection
+from slipstream.server.http_guard import BodyBudget
 from slipstream.server.http_messages import (
     ErrorBody,
     Handler,
@@ -102,6 +112,7 @@ class HttpServer:
         self.error_body = error_body
         self.limits = limits or HttpLimits()
         self.metrics = metrics or TransportMetrics()
+        self.body_budget = BodyBudget(self.limits.buffered_body_bytes)
         self.metrics.open_connections = lambda: len(self._connections)
         self._connections: set[Connection] = set()
         # Connections waiting for a request, longest-waiting first (dicts keep order):
@@ -150,6 +161,8 @@ class HttpServer:
             limits.send_timeout_s,
         )
         self._sweeper = loop.call_later(interval, self._sweep)
+        # Connections resumed by the body budget that sent nothing leave room unused.
+        self.body_budget.rebalance()
         self._sweep_slice(list(self._connections), 0)
 
     def _sweep_slice(self, connections: list[Connection], start: int) -> None:

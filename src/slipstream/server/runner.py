@@ -445,6 +445,7 @@ def http_limits(settings: ServerSettings) -> HttpLimits:
         send_timeout_s=settings.send_timeout_s,
         keep_alive_timeout_s=settings.keep_alive_timeout_s,
         max_connections=settings.max_connections,
+        max_buffered_body_bytes=settings.max_buffered_body_bytes,
     )
 
 
