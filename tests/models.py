@@ -373,3 +373,24 @@ def add_sub_region_inputs(name: str, a: np.ndarray, b: np.ndarray) -> list[Any]:
     inputs[0].set_shared_memory(name, a.nbytes)
     inputs[1].set_shared_memory(name, b.nbytes, offset=a.nbytes)
     return inputs
+
+
+def assert_add_sub_answers(http_address: str, model_file: Path) -> None:
+    """The server at ``http_address`` answers add_sub (tritonclient, HTTP) as ONNX
+    Runtime runs ``model_file``, bit for bit."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(http_address)
+    try:
+        rng = np.random.default_rng(3)
+        a, b = (rng.standard_normal((2, ADD_SUB_WIDTH)).astype(np.float32) for _ in range(2))
+        inputs = [httpclient.InferInput("INPUT0", [2, ADD_SUB_WIDTH], "FP32"),
+                  httpclient.InferInput("INPUT1", [2, ADD_SUB_WIDTH], "FP32")]  # fmt: skip
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(b)
+        result = client.infer("add_sub", inputs)
+        expected = run_onnx(model_file, {"INPUT0": a, "INPUT1": b})
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), expected["OUTPUT0"])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), expected["OUTPUT1"])
+    finally:
+        client.close()

@@ -14,14 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import tritonclient.http as httpclient
 
 from slipstream.repository.remote import RepositoryError, RepositoryMirror
 from slipstream.repository.stores import open_store
 from tests.gated import wait_until
-from tests.models import ADD_SUB_WIDTH, build_add_constant, build_add_sub, run_onnx
+from tests.models import (
+    assert_add_sub_answers,
+    build_add_constant,
+    build_add_sub,
+)
 from tests.object_stores import AZURE_ACCOUNT, BUCKET, Azurite, GcsEmulator
 from tests.utils import RemoteServer, slipstream_command
 
@@ -110,22 +112,6 @@ def test_a_missing_bucket_is_a_repository_error_naming_it(bucket: Bucket) -> Non
         open_store(url).list()
 
 
-def _add_sub_answers(server: RemoteServer, model_file: Path) -> None:
-    client = httpclient.InferenceServerClient(server.http_address)
-    try:
-        rng = np.random.default_rng(3)
-        a, b = (rng.standard_normal((2, ADD_SUB_WIDTH)).astype(np.float32) for _ in range(2))
-        inputs = [httpclient.InferInput("INPUT0", [2, ADD_SUB_WIDTH], "FP32"),
-                  httpclient.InferInput("INPUT1", [2, ADD_SUB_WIDTH], "FP32")]  # fmt: skip
-        inputs[0].set_data_from_numpy(a)
-        inputs[1].set_data_from_numpy(b)
-        result = client.infer("add_sub", inputs)
-        expected = run_onnx(model_file, {"INPUT0": a, "INPUT1": b})
-        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), expected["OUTPUT0"])
-    finally:
-        client.close()
-
-
 def test_the_repository_is_served_and_followed_in_poll_mode(bucket: Bucket, tmp_path: Path) -> None:
     local = tmp_path / "local"
     model_file = build_add_sub(local)
@@ -133,7 +119,7 @@ def test_the_repository_is_served_and_followed_in_poll_mode(bucket: Bucket, tmp_
     args = ["--model-control-mode", "poll", "--repository-poll-secs", "0.3",
             "--repository-cache", str(tmp_path / "cache")]  # fmt: skip
     with RemoteServer(bucket.url("served"), args, log_dir=tmp_path, env=bucket.env) as server:
-        _add_sub_answers(server, model_file)
+        assert_add_sub_answers(server.http_address, model_file)
         build_add_constant(tmp_path / "v1", "plus", 1, 2.0)
         bucket.upload(tmp_path / "v1", "served")
         wait_until(

@@ -15,12 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import tritonclient.http as httpclient
 
 from tests.gated import wait_until
-from tests.models import ADD_SUB_WIDTH, build_add_constant, build_add_sub, run_onnx
+from tests.models import (
+    assert_add_sub_answers,
+    build_add_constant,
+    build_add_sub,
+)
 from tests.utils import RemoteServer, slipstream_command
 
 boto3 = pytest.importorskip("boto3")
@@ -66,23 +68,6 @@ def _delete(address: str, prefix: str) -> None:
         client.delete_object(Bucket=BUCKET, Key=item["Key"])
 
 
-def _add_sub_answers(server: RemoteServer, model_file: Path) -> None:
-    client = httpclient.InferenceServerClient(server.http_address)
-    try:
-        rng = np.random.default_rng(3)
-        a, b = (rng.standard_normal((2, ADD_SUB_WIDTH)).astype(np.float32) for _ in range(2))
-        inputs = [httpclient.InferInput("INPUT0", [2, ADD_SUB_WIDTH], "FP32"),
-                  httpclient.InferInput("INPUT1", [2, ADD_SUB_WIDTH], "FP32")]  # fmt: skip
-        inputs[0].set_data_from_numpy(a)
-        inputs[1].set_data_from_numpy(b)
-        result = client.infer("add_sub", inputs)
-        expected = run_onnx(model_file, {"INPUT0": a, "INPUT1": b})
-        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), expected["OUTPUT0"])
-        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), expected["OUTPUT1"])
-    finally:
-        client.close()
-
-
 @pytest.mark.parametrize("layout", [[], ["--frontends", "1"]], ids=["one-process", "split"])
 def test_an_s3_repository_is_served_as_a_directory_would_be(
     store: str, tmp_path: Path, layout: list[str]
@@ -97,7 +82,7 @@ def test_an_s3_repository_is_served_as_a_directory_would_be(
     url = f"s3://{store}/{BUCKET}/{prefix}"
     args = ["--repository-cache", str(cache), *layout]
     with RemoteServer(url, args, log_dir=tmp_path, env=CREDENTIALS) as server:
-        _add_sub_answers(server, model_file)
+        assert_add_sub_answers(server.http_address, model_file)
         index = server.http.post("/v2/repository/index", json={}).json()
         assert [(e["name"], e["state"]) for e in index] == [("add_sub", "READY")]
     assert (cache / "repository" / "add_sub" / "1" / "model.onnx").read_bytes() == (
@@ -116,7 +101,7 @@ def test_poll_mode_follows_the_bucket(store: str, tmp_path: Path) -> None:
     url = f"s3://{store}/{BUCKET}/polled"
     args = ["--model-control-mode", "poll", "--repository-poll-secs", "0.3"]
     with RemoteServer(url, args, log_dir=tmp_path, env=CREDENTIALS) as server:
-        _add_sub_answers(server, model_file)
+        assert_add_sub_answers(server.http_address, model_file)
         build_add_constant(tmp_path / "v2", "plus", 2, 2.0)
         _upload(store, tmp_path / "v2", "polled")
 
