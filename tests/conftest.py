@@ -50,7 +50,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each item's share of its node id's recorded time, for pytest-split (`make test`'s
-    halves). schemathesis makes one item per API operation under one node id, whose
+    parts). schemathesis makes one item per API operation under one node id, whose
     recorded time is the sum of them all: the split counted each of those ~50 items at
     the whole module's 27 s, and cut the first half right after them (it ran ~100 s
     longer than the second)."""
