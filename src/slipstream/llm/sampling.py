@@ -75,6 +75,15 @@ class _Step(ContinuousBatchingLogitsProcessor):
     # True until a batch is prepared: a call without one processes every row.
     active = True
 
+    def _floats(self, requests: list[Any], key: str, default: float) -> torch.Tensor:
+        """Each request's float ``key`` (``default`` where unset) as int32 bits, the
+        manager's argument layout; none, and inactive, when every one is the default."""
+        values = [r.state.logit_processor_kwargs.get(key, default) for r in requests]
+        self.active = any(value != default for value in values)
+        if not self.active:
+            return _NO_ARGS
+        return torch.tensor(values, dtype=torch.float32).view(torch.int32)
+
 
 class _Temperature(_Step):
     supported_kwargs = {"temperature": float}  # noqa: RUF012 - transformers' class layout
@@ -84,13 +93,7 @@ class _Temperature(_Step):
         int32_tensor.copy_(torch.ones_like(int32_tensor, dtype=torch.float32).view(torch.int32))
 
     def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
-        values = [
-            r.state.logit_processor_kwargs.get("temperature", 1.0) for r in requests_with_new_token
-        ]
-        self.active = any(value != 1.0 for value in values)
-        if not self.active:
-            return _NO_ARGS
-        return torch.tensor(values, dtype=torch.float32).view(torch.int32)
+        return self._floats(requests_with_new_token, "temperature", 1.0)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         if self.active:
@@ -110,11 +113,7 @@ class _MinP(_Step):
         int32_tensor.fill_(0)  # the bits of float32 0.0
 
     def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
-        values = [r.state.logit_processor_kwargs.get("min_p", 0.0) for r in requests_with_new_token]
-        self.active = any(value > 0.0 for value in values)
-        if not self.active:
-            return _NO_ARGS
-        return torch.tensor(values, dtype=torch.float32).view(torch.int32)
+        return self._floats(requests_with_new_token, "min_p", 0.0)  # in [0, 1]
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         if not self.active:
@@ -165,11 +164,7 @@ class _TopP(_Step):
         int32_tensor.copy_(torch.ones_like(int32_tensor, dtype=torch.float32).view(torch.int32))
 
     def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
-        values = [r.state.logit_processor_kwargs.get("top_p", 1.0) for r in requests_with_new_token]
-        self.active = any(value < 1.0 for value in values)
-        if not self.active:
-            return _NO_ARGS
-        return torch.tensor(values, dtype=torch.float32).view(torch.int32)
+        return self._floats(requests_with_new_token, "top_p", 1.0)  # in (0, 1]
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         if not self.active:
