@@ -29,7 +29,8 @@ same cores; ``<rung> / cap_grpc`` shows what grpcio leaves for each layer (issue
 cap_grpc_coded,cap_grpc_model --concurrency 16 --rounds 3
 
 ``--layouts`` measures the same Slipstream cases against each process layout in turn (one
-server at a time): ``one`` (everything in one process, the default layout), and
+server at a time; with ``--rounds``, whole rounds alternate the layouts, forwards then
+backwards, a fresh server each): ``one`` (everything in one process, the default layout), and
 ``split<N>`` (``--frontends N``: N front-end processes and one engine process, under
 SCHED_BATCH, the default ``--cpu-scheduling``; ``split<N>-default`` under the normal
 policy). A layout may name its own cores as ``split2@0,1``; otherwise it runs on
@@ -187,19 +188,22 @@ def run(args: argparse.Namespace) -> None:
     trees = [str(Path(tree).resolve()) for tree in args.src.split(",") if tree]
     with tempfile.TemporaryDirectory() as tmp:
         repo = args.repo or build_mlp(Path(tmp) / "models")
-        if len(trees) < 2:
+        if len(trees) < 2 and len(layouts) < 2:
             env = {"PYTHONPATH": trees[0]} if trees else {}
             measure_layouts(tool, cases, levels, layouts, args, repo, Path(tmp), env, "",
                             results, cpu)  # fmt: skip
         else:
-            # Whole rounds alternate the trees (a server each), so drift touches both alike.
+            # Whole rounds alternate the trees and the layouts (a server each), in turn
+            # forwards and backwards, so drift touches every one alike.
+            servers = [(tree, layout) for tree in trees or [""] for layout in layouts]
             rounds, args.rounds = args.rounds, 1
             for index in range(rounds):
-                for tree in trees if index % 2 == 0 else trees[::-1]:
-                    print(f"== round {index + 1}, {tree}")
-                    measure_layouts(tool, cases, levels, layouts, args, repo, Path(tmp),
-                                    {"PYTHONPATH": tree}, _tree_label(tree, trees),
-                                    results, cpu)  # fmt: skip
+                for tree, layout in servers if index % 2 == 0 else servers[::-1]:
+                    print(f"== round {index + 1}" + (f", {tree}" if tree else ""))
+                    measure_layouts(tool, cases, levels, [layout], args, repo, Path(tmp),
+                                    {"PYTHONPATH": tree} if tree else {},
+                                    _tree_label(tree, trees) if len(trees) > 1 else "",
+                                    results, cpu, with_caps=layout == layouts[0])  # fmt: skip
             args.rounds = rounds
     report(results, cpu, levels, args, tool is not None, layouts, trees)
 
@@ -220,12 +224,13 @@ def measure_layouts(
     label: str,
     results: dict[str, dict[int, list[float | None]]],
     cpu: dict[str, dict[int, list[float | None]]],
+    with_caps: bool = True,
 ) -> None:
     """Every layout in turn, a server each, its figures added to ``results`` and ``cpu``
-    under the case's name, ``[layout]`` and ``label``."""
+    under the case's name, ``[layout]`` and ``label``; the caps (with ``with_caps``) beside the
+    first layout only: they do not depend on the layout."""
     for layout_index, (layout, frontends, cores) in enumerate(layouts):
-        # The caps do not depend on the layout: measured beside the first one only.
-        wanted_here = [c for c in cases if not (c.cap and layout_index)]
+        wanted_here = [c for c in cases if not (c.cap and (layout_index or not with_caps))]
         handlers = sorted({c.cap for c in wanted_here if c.cap})
         http_port, grpc_port, *cap_ports = free_ports(2 + len(handlers))
         ports = {"http": http_port, "grpc": grpc_port}
@@ -468,7 +473,7 @@ def report(
         bases = sorted({key.removesuffix(first) for key in medians if key.endswith(first)})
         pairs = labelled + [(base + _tree_label(t, trees), base + first)
                             for base in bases for t in trees[1:]]  # fmt: skip
-    ratios = _print_ratios(pairs, medians, levels, "")
+    ratios = _print_ratios(pairs, medians, levels, "", results)
     cpu_medians = {
         name: {n: _median(values) for n, values in by_level.items()}
         for name, by_level in cpu.items()
@@ -482,7 +487,7 @@ def report(
     # By CPU: the layout's inferences per CPU-second over one process's (a capacity ratio):
     # b's CPU per inference over a's.
     flipped = [(b, a) for a, b in pairs]
-    by_cpu = _print_ratios(flipped, cpu_medians, levels, " by CPU", swap_names=True)
+    by_cpu = _print_ratios(flipped, cpu_medians, levels, " by CPU", cpu, swap_names=True)
     labels = [_tree_label(t, trees) for t in trees] if len(trees) > 1 else [""]
     ceilings = _print_ceilings(medians, cpu_medians, levels, args, layouts, labels)
     if args.json:
@@ -564,18 +569,29 @@ def _print_ratios(
     table: dict[str, dict[int, float | None]],
     levels: list[int],
     suffix: str,
+    rounds: dict[str, dict[int, list[float | None]]],
     swap_names: bool = False,
 ) -> dict[str, dict[int, float | None]]:
     """``table[a] / table[b]`` per level for each pair both sides of which were measured,
-    printed and returned by name ("a / b" + suffix; ``swap_names``: named "b / a")."""
+    printed and returned by name ("a / b" + suffix; ``swap_names``: named "b / a"). With
+    several rounds, each level's line also gives the ratio round by round (``rounds``, the
+    values in round order): their median and range, in brackets; where the rounds
+    alternate the servers, the pairs are side by side in time, so drift blurs them less
+    than the medians' ratio."""
     ratios: dict[str, dict[int, float | None]] = {}
     for a, b in pairs:
         if a in table and b in table:
             key = (f"{b} / {a}" if swap_names else f"{a} / {b}") + suffix
             ratios[key] = {n: _ratio(table[a][n], table[b][n]) for n in levels}
-            print(f"{key:28s}" + "".join(
-                f"{'n/a' if r is None else f'{r:.2f}':>10s}" for r in ratios[key].values()
-            ))  # fmt: skip
+            cells = []
+            for n, r in ratios[key].items():
+                cell = "n/a" if r is None else f"{r:.2f}"
+                paired = [_ratio(x, y) for x, y in zip(rounds[a][n], rounds[b][n], strict=False)]
+                known = sorted(p for p in paired if p is not None)
+                if len(known) > 1:
+                    cell += f" [{_median(list(known)):.2f}: {known[0]:.2f}-{known[-1]:.2f}]"
+                cells.append(f"{cell:>10s}")
+            print(f"{key:28s}" + "".join(cells))
     return ratios
 
 
