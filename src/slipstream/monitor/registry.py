@@ -63,6 +63,10 @@ class DriftMonitors(Collector):
             )
         return monitor.to_json()
 
+    def reports(self) -> list[dict[str, Any]]:
+        """Every monitored version's report, by model and version."""
+        return [monitor.to_json() for _, monitor in sorted(self._monitors.items())]
+
     def collect(self) -> Iterator[Metric]:
         labels = ["model", "version", "tensor", "feature"]
         p_value = GaugeMetricFamily(

@@ -21,11 +21,13 @@ by path, and an OpenAI request names its model in its body); their V2 routes (Tr
 vLLM backend's contract) reach the root, which relays them to that application's
 replicas (:mod:`slipstream.rayserve.relay`). ``/metrics`` at the root answers every
 replica's metrics, with the server's names and a ``replica`` label
-(:mod:`slipstream.rayserve.metrics`). Not served under Ray: gRPC, /v1/embeddings (its
-embedding model is a V2 application of its own), client shared memory; the options
-that would need them (API keys, jobs, TLS...) are refused at start
-(:mod:`slipstream.rayserve.options`). Model load and unload are Ray Serve's (the
-repository and ``ray_serve:``, read at start): 400.
+(:mod:`slipstream.rayserve.metrics`); each replica monitors drift on the requests it
+answers (:class:`slipstream.rayserve.control.ReplicaDrift`). ``--tls-cert/--tls-key``
+make Ray's proxy serve HTTPS (:func:`http_options`). Not served under Ray: gRPC,
+/v1/embeddings (its embedding model is a V2 application of its own), client shared
+memory; the options that would need them (API keys, jobs, client certificates...) are
+refused at start (:mod:`slipstream.rayserve.options`). Model load and unload are Ray
+Serve's (the repository and ``ray_serve:``, read at start): 400.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -42,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from slipstream.config import ModelConfig, RayServeConfig, ServerSettings
 from slipstream.llm.service import LlmModels
+from slipstream.monitor.registry import DriftMonitors
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta
 from slipstream.rayserve import control
@@ -149,21 +153,29 @@ class V2Replica:
         self._max_request_bytes = explicit.max_request_bytes
         self._models = models
         self._metrics = ServerMetrics()
+        # The drift of the requests this replica answers, in its /metrics and reports.
+        self._monitors = DriftMonitors()
+        self._metrics.registry.register(self._monitors)
         # The root holds a generative lane that loads nothing: the repository index lists
         # the generative models it knows.
         lanes: list[LlmModels] = []
         if generative or not models:
             lanes.append(LlmModels(explicit.model_repository, self._metrics.registry,
                                    explicit.idle_unload_seconds, explicit.load_wait_s))  # fmt: skip
-        self._service = ModelServer(explicit, self._metrics, lanes=lanes)
+        self._service = ModelServer(explicit, self._metrics, lanes=lanes,
+                                    tap_factory=self._monitors.tap_for)  # fmt: skip
         # The V2 routes' service: a generative model's requests run on its lane.
         self._v2 = GenerativeV2(self._service, lanes[0]) if generative else self._service
-        v2_app = V2RestApp(self._v2, self._metrics, drift=control.no_drift)
         self._board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
         actor = ray.get_runtime_context().get_actor_id() or str(os.getpid())
         self._replica_id = f"{models[0] if models else 'root'}-{actor[:8]}"
+        drift = control.ReplicaDrift(self._monitors, self._replica_id, self._board)
+        v2_app = V2RestApp(self._v2, self._metrics, drift=drift.report)
         routes: list[tuple[str, Handler]] = [("/v1/embeddings", control.no_embeddings)]
-        if generative:
+        if generative or not models:
+            # The root answers /v1/ where no generative application is (Ray routes /v1
+            # to that one when it is): its lane and core hold no model, so it lists
+            # none, as the plain server's OpenAI routes list none without one.
             openai_app = OpenAIApp(lanes[0], self._service, explicit.model_repository)
             routes.append(("/v1/", openai_app.handle))
         for model in models:
@@ -191,6 +203,7 @@ class V2Replica:
                 snapshot(self._metrics.registry),
                 [s for s in stats["model_stats"] if s["name"] in self._models],
                 [entry for entry in index if entry["name"] in self._models],
+                self._monitors.reports(),
             )
             self._board.put.remote(self._replica_id, report)
             await asyncio.sleep(PUSH_INTERVAL_S)
@@ -257,8 +270,6 @@ def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
     generative: dict[str, ModelConfig] = {}
     for name, directory in list_models(settings.model_repository).items():
         config: ModelConfig = read_config(directory)
-        if config.monitoring.drift.enable:
-            logger.warning("model %s: %s", name, control.DRIFT_UNDER_RAY)
         if is_generative(directory):
             generative[name] = config
             continue
@@ -274,6 +285,26 @@ def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
                            max_ongoing_requests=_ROOT_MAX_ONGOING_REQUESTS)  # fmt: skip
     apps[_ROOT_APP] = ("/", root.bind(plain, [], False, list(generative)))
     return apps
+
+
+def http_options(settings: ServerSettings) -> dict[str, Any]:
+    """Ray Serve's HTTP proxy options: the address, and with ``--tls-cert/--tls-key`` the
+    PEM files it serves HTTPS with, checked here first as the plain server checks them
+    (OSError or ssl.SSLError naming the option). Every node's proxy reads them at the
+    same path, as it reads the repository.
+
+    >>> from pathlib import Path
+    >>> http_options(ServerSettings(model_repository=Path("."), http_port=8000))
+    {'host': '0.0.0.0', 'port': 8000}
+    """
+    options: dict[str, Any] = {"host": settings.host, "port": settings.http_port}
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        from slipstream.security.tls import http_context
+
+        http_context(settings.tls_cert, settings.tls_key)
+        options["ssl_certfile"] = str(settings.tls_cert.resolve())
+        options["ssl_keyfile"] = str(settings.tls_key.resolve())
+    return options
 
 
 def _generative_handle() -> Any:
@@ -304,6 +335,11 @@ def run(settings: ServerSettings, address: str = "") -> int:
         for problem in refused:
             logger.error("%s", problem)
         return 1
+    try:
+        proxy_options = http_options(settings)
+    except (OSError, ssl.SSLError) as exc:
+        logger.error("%s", exc)
+        return 1
     if settings.grpc_port:
         logger.warning("%s", NO_GRPC)
     import ray
@@ -317,7 +353,7 @@ def run(settings: ServerSettings, address: str = "") -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": settings.host, "port": settings.http_port})
+        serve.start(http_options=proxy_options)
         apps = applications(settings)
         root = apps.pop(_ROOT_APP)
         # The models together; the root (health) only once they run, so ready means ready.
@@ -325,7 +361,8 @@ def run(settings: ServerSettings, address: str = "") -> int:
             serve.run_many([serve.RunTarget(app, name=name, route_prefix=prefix)
                             for name, (prefix, app) in apps.items()])  # fmt: skip
         serve.run(root[1], name=_ROOT_APP, route_prefix=root[0])
-        logger.info("Slipstream on Ray Serve is ready: HTTP port %d", settings.http_port)
+        scheme = "HTTPS" if "ssl_certfile" in proxy_options else "HTTP"
+        logger.info("Slipstream on Ray Serve is ready: %s port %d", scheme, settings.http_port)
         counts: dict[str, int] = {}
         while not stop.wait(_STATUS_INTERVAL_S):
             counts = _log_replica_changes(serve.status(), counts)

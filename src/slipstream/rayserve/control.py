@@ -11,7 +11,8 @@ for the whole server are answered here from what every replica reports to the bo
   model's own ``.../stats`` route adds the other replicas' figures to its replica's own.
 - ``POST /v2/repository/models/<model>/load|unload``: 400. Ray Serve runs every model of
   the repository as an application: what runs, and on how many replicas, is the
-  repository and each model's ``ray_serve:`` config, read at start.
+  repository and each model's ``ray_serve:`` config, read at start. ``GET /v2`` lists
+  no ``model_repository(unload_dependents)``.
 - ``POST /v2/systemsharedmemory/.../register`` (and CUDA's): 400. A model's replicas run
   in processes of their own, on any Ray node; status and unregister answer (none is
   registered), so a client's clean-up works. ``GET /v2`` lists neither extension.
@@ -21,7 +22,9 @@ for the whole server are answered here from what every replica reports to the bo
   is traced either: --trace-config is refused under Ray). Reading them answers, as the
   plain server (without --trace-config) does: :func:`refuse_per_process_changes`, every
   replica's middleware.
-- ``GET /v2/models/<model>/drift``: 404 naming Ray (no replica runs drift monitors).
+- ``GET /v2/models/<model>/drift``: the answering replica's monitor, as the plain
+  server's, naming that replica, with the reports the model's other replicas last sent
+  (each replica tests the windows of the requests it answers): :class:`ReplicaDrift`.
 - ``/v1/embeddings``: 404 naming why: its embedding model is a V2 application of its own.
 - A request body over ``--max-request-bytes``: 413, as the plain server answers it.
 
@@ -40,6 +43,7 @@ import orjson
 
 from slipstream.config import ConfigError
 from slipstream.errors import InvalidRequest, NotFound, SlipstreamError
+from slipstream.monitor.registry import DriftMonitors
 from slipstream.protocol import openai_replies, v2, v2_meta, v2_shm
 from slipstream.repository.layout import list_models, read_config
 from slipstream.server.http_messages import BodyRefused, decode_body, error_reply
@@ -78,11 +82,6 @@ ROLLOUT_UNDER_RAY = (
     "not; give the versions static weights in the model's config.yaml rollout: section "
     "(every replica follows it), or run the rollout on slipstream serve without --ray"
 )
-DRIFT_UNDER_RAY = (
-    "drift monitoring is not served under serve --ray: a model's requests are spread over "
-    "its replicas, and no replica runs a drift monitor; monitor drift with slipstream "
-    "serve without --ray"
-)
 EMBEDDINGS_UNDER_RAY = (
     "/v1/embeddings is not served under serve --ray: each embedding model is a V2 "
     "application of its own (POST /v2/models/<model>/infer takes its token ids); serve "
@@ -92,7 +91,9 @@ _INFER_STATS = ("success", "fail", "queue", "compute_input", "compute_infer",
                 "compute_output", "cache_hit", "cache_miss")  # fmt: skip
 _BATCH_STATS = ("compute_input", "compute_infer", "compute_output")
 _SHARED_MEMORY = ("systemsharedmemory", "cudasharedmemory")
-_SHARED_MEMORY_EXTENSIONS = (v2_shm.EXTENSION, v2_shm.CUDA_EXTENSION)
+# GET /v2 extensions whose routes Ray answers 400 (see the module doc).
+_REFUSED_EXTENSIONS = (v2_shm.EXTENSION, v2_shm.CUDA_EXTENSION,
+                       "model_repository(unload_dependents)")  # fmt: skip
 
 
 async def read_body(request: Any, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
@@ -147,9 +148,28 @@ def _refusal(request: HttpRequest) -> str | None:
     return refusal if changes else None
 
 
-async def no_drift(model: str, version: str) -> dict[str, Any]:
-    """The drift report of a model under Ray: none (V2RestApp checked the model)."""
-    raise NotFound(DRIFT_UNDER_RAY)
+class ReplicaDrift:
+    """A replica's ``GET /v2/models/<model>[/versions/<v>]/drift``: its own monitor's
+    report (404 as the plain server's without one), with ``replica`` naming it and
+    ``other_replicas`` holding each other replica's report of the same version, as last
+    sent to the board (up to ``PUSH_INTERVAL_S`` old)."""
+
+    def __init__(self, monitors: DriftMonitors, replica_id: str, board: Any) -> None:
+        self._monitors = monitors
+        self._replica_id = replica_id
+        self._board = board
+
+    async def report(self, model: str, version: str) -> dict[str, Any]:
+        own = self._monitors.report(model, version)
+        reports = await self._board.reports.remote()
+        others = {
+            replica: entry
+            for replica, report in sorted(reports.items())
+            if replica != self._replica_id
+            for entry in report.drift
+            if (entry["model"], entry["version"]) == (own["model"], own["version"])
+        }
+        return {**own, "replica": self._replica_id, "other_replicas": others}
 
 
 async def no_embeddings(request: HttpRequest) -> Reply:
@@ -250,7 +270,7 @@ class RootRoutes:
         if reads and parts == ["v2"]:
             metadata = v2_meta.server_metadata_json(await self._service.server_metadata())
             metadata["extensions"] = [extension for extension in metadata["extensions"]
-                                      if extension not in _SHARED_MEMORY_EXTENSIONS]  # fmt: skip
+                                      if extension not in _REFUSED_EXTENSIONS]  # fmt: skip
             return HttpResponse(200, orjson.dumps(metadata))
         if request.method != "POST":
             return await self._fallback(request)

@@ -7,10 +7,11 @@ root application answers the latest snapshot of every live replica, each series 
 ``replica`` label, so one scrape of the Service sees every replica (the figures of a
 replica that stopped reporting drop out after ``STALE_AFTER_S``). The same report
 carries the replica's V2 statistics and repository index entries, which the root's
-``/v2/models/stats`` and ``/v2/repository/index`` add up (:mod:`slipstream.rayserve.control`).
+``/v2/models/stats`` and ``/v2/repository/index`` add up, and its drift reports, which a
+model's ``/drift`` answers beside its own (:mod:`slipstream.rayserve.control`).
 
     # replica                                   # the root application's /metrics
-    board.put.remote(replica_id, ReplicaReport(snapshot(registry), stats, index))
+    board.put.remote(replica_id, ReplicaReport(snapshot(registry), stats, index, drift))
                                                 text = merged_text(await board.all.remote())
 """
 
@@ -51,6 +52,8 @@ class ReplicaReport:
     model_stats: list[dict[str, Any]] = field(default_factory=list)
     # Its models' repository index entries, as POST /v2/repository/index lists them.
     index: list[dict[str, str]] = field(default_factory=list)
+    # Its drift monitors' reports, as GET /v2/models/<model>/drift answers each.
+    drift: list[dict[str, Any]] = field(default_factory=list)
 
 
 class MetricsBoard:

@@ -1,11 +1,12 @@
 """The ``slipstream serve`` options that ``--ray`` does not honour, refused at start.
 
 Under Ray, requests reach the replicas through Ray Serve's HTTP proxy, not Slipstream's
-front end: what that front end adds (API keys, TLS, the access log, request tracing,
-asynchronous jobs) is not there, and a replica may run on another host than the client's
-shared memory. Starting anyway would serve without what the option asked for (an open
-server where keys were asked for, plain HTTP where TLS was), so each such option given
-is an error naming what to do instead:
+front end: what that front end adds (API keys, client certificates, the access log,
+request tracing, asynchronous jobs) is not there, and a replica may run on another host
+than the client's shared memory. Starting anyway would serve without what the option
+asked for (an open server where keys were asked for, any client where certificates
+were), so each such option given is an error naming what to do instead. TLS itself
+(``--tls-cert/--tls-key``) is the proxy's: :func:`slipstream.rayserve.app.http_options`.
 
     >>> from pathlib import Path
     >>> from slipstream.config import ServerSettings
@@ -31,10 +32,11 @@ _REFUSED: dict[str, tuple[Callable[[ServerSettings], bool], str]] = {
         "Ray Serve's HTTP proxy checks no API key, so every route would be open; put an "
         "authenticating proxy in front of Ray Serve, or serve without --ray",
     ),
-    "--tls-cert": (
-        lambda s: s.tls_cert is not None,
-        "Ray Serve's HTTP proxy would serve plain HTTP; terminate TLS in front of it (an "
-        "ingress or load balancer), or serve without --ray",
+    "--tls-client-ca": (
+        lambda s: s.tls_client_ca is not None,
+        "Ray Serve's HTTP proxy serves TLS (--tls-cert/--tls-key) but asks no client for a "
+        "certificate, so every client would be let in; check client certificates in front "
+        "of it (an ingress or load balancer), or serve without --ray",
     ),
     "--jobs-redis": (
         lambda s: bool(s.jobs_redis),

@@ -71,7 +71,7 @@ def known_routes() -> list[tuple[str, str]]:
 def no_route(method: str, path: str) -> ClientError:
     """What a request that no route answers gets: 405 (with Allow) when the path names a
     route of other methods, else 404 (also for a route of the API that this server does
-    not mount, e.g. the OpenAI routes under Ray with no generative model)."""
+    not mount)."""
     allow = allowed_methods(path)
     if allow and method not in allow:
         return MethodNotAllowed(f"{method} is not allowed on {path}; use {', '.join(allow)}", allow)
