@@ -323,6 +323,42 @@ def test_statistics_count_the_v2_requests(server: RemoteServer) -> None:
     assert MODEL in [entry["name"] for entry in everything]
 
 
+def test_statistics_count_each_streamed_answer_at_its_index(server: RemoteServer) -> None:
+    def responses() -> dict[str, Any]:
+        reply = server.http.get(f"/v2/models/{MODEL}/stats")
+        found: dict[str, Any] = reply.json()["model_stats"][0]["response_stats"]
+        return found
+
+    def added(before: dict[str, Any], after: dict[str, Any], name: str) -> dict[str, int]:
+        return {index: figures[name]["count"] - before.get(index, {}).get(name, {}).get("count", 0)
+                for index, figures in after.items()}  # fmt: skip
+
+    before = responses()
+    with server.http.stream(
+        "POST", f"/v2/models/{MODEL}/generate_stream", json=_generate_body(stream=True)
+    ) as reply:
+        events = [line for line in reply.iter_lines() if line.startswith("data:")]
+    after = responses()
+    sent = {str(index): 1 for index in range(len(events))}
+    assert {i: n for i, n in added(before, after, "success").items() if n} == sent
+    assert after["0"]["compute_output"]["ns"] > 0  # the answer made from the engine's text
+    # A client leaving mid-stream: the answer it never read counts as cancelled.
+    body = {"text_input": PROMPT, "parameters": {"stream": True, "max_tokens": 400,
+                                                 "ignore_eos": True}}  # fmt: skip
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", server.url(f"/v2/models/{MODEL}/generate_stream"), json=body) as answer,
+    ):
+        lines = (line for line in answer.iter_lines() if line.startswith("data:"))
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 10
+    while not any(added(after, later := responses(), "cancel").values()):
+        assert time.monotonic() < deadline, "the stream's cancellation was never counted"
+        time.sleep(0.05)
+    assert sum(added(after, later, "cancel").values()) == 1
+
+
 def test_an_asleep_model_keeps_its_metadata_and_its_next_request_loads_it(
     server: RemoteServer,
 ) -> None:

@@ -12,7 +12,14 @@ from tritonclient.grpc import InferResult, model_config_pb2, service_pb2
 
 from slipstream.config import parse_model_config
 from slipstream.errors import InvalidRequest
-from slipstream.observability.stats import BatchStats, InferStats, ModelStats, StatDuration
+from slipstream.observability.stats import (
+    BatchStats,
+    InferStats,
+    MemoryUsage,
+    ModelStats,
+    StatDuration,
+    add_response,
+)
 from slipstream.protocol import grpc_codec, grpc_config
 from slipstream.protocol.proto import inference_pb2 as pb
 from slipstream.types import (
@@ -493,6 +500,26 @@ def test_statistics_decode_in_tritonclient() -> None:
     assert stats.inference_stats.compute_infer.ns == 200
     assert stats.batch_stats[0].batch_size == 4
     assert stats.batch_stats[0].compute_infer.ns == 100
+
+
+def test_response_stats_and_memory_usage_decode_in_tritonclient() -> None:
+    snapshot = ModelStats(name="m", version="1")
+    add_response(snapshot.response_stats, 0, outcome="success", start_ns=10,
+                 output_start_ns=40, end_ns=50)  # fmt: skip
+    add_response(snapshot.response_stats, 1, outcome="cancel", start_ns=60, end_ns=65)
+    snapshot.memory_usage = [MemoryUsage("CPU", 0, 4096), MemoryUsage("GPU", 1, 1 << 33)]
+    encoded = grpc_codec.encode_model_statistics([snapshot])
+    triton = service_pb2.ModelStatisticsResponse.FromString(encoded.SerializeToString())
+    stats = triton.model_stats[0]
+    first = stats.response_stats["0"]
+    assert (first.compute_infer.count, first.compute_infer.ns) == (1, 30)
+    assert (first.compute_output.count, first.compute_output.ns) == (1, 10)
+    assert (first.success.count, first.success.ns) == (1, 40)
+    assert stats.response_stats["1"].cancel.ns == 5
+    assert stats.response_stats["1"].success.count == 0
+    assert [(m.type, m.id, m.byte_size) for m in stats.memory_usage] == [
+        ("CPU", 0, 4096), ("GPU", 1, 1 << 33)
+    ]  # fmt: skip
 
 
 def test_repository_index_encodes_entries() -> None:

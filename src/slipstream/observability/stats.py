@@ -2,12 +2,24 @@
 
 The scheduler records into a :class:`ModelStatsRecorder` at the end of each batch; the
 HTTP ``/v2/models/{m}/stats`` endpoint and the ModelStatistics RPC read snapshots.
+
+Two parts are kept as Triton keeps them:
+
+* ``response_stats``: per response index ("0": each request's first response, "1" its
+  second, ...), what its responses took. As in Triton, where only backends that report
+  them (decoupled ones) fill it, a decoupled model's responses are recorded
+  (:mod:`slipstream.serving.decoupled`, a generative model's on the V2 routes); a model
+  that answers each request once leaves it empty.
+* ``memory_usage``: what the version's instances hold, summed per memory kind and device,
+  as each backend can say when it loads (:meth:`slipstream.runtime.base.Backend.memory_usage`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(slots=True)
@@ -47,6 +59,85 @@ class BatchStats:
 
 
 @dataclass(slots=True)
+class ResponseStats:
+    """One response index's figures over every request (Triton's InferResponseStatistics)."""
+
+    # From the response's start (its request's execution starting, or its previous
+    # response sent) to its outputs computed; an empty or failed one: to its end.
+    compute_infer: StatDuration = field(default_factory=StatDuration)
+    # From its outputs computed to the response handed to the front end.
+    compute_output: StatDuration = field(default_factory=StatDuration)
+    # Responses with outputs, start to end.
+    success: StatDuration = field(default_factory=StatDuration)
+    # Responses that were errors, start to end.
+    fail: StatDuration = field(default_factory=StatDuration)
+    # Responses with neither outputs nor an error (a final flag alone), start to end.
+    empty_response: StatDuration = field(default_factory=StatDuration)
+    # Requests whose client left before this response: the time to clean up after it.
+    cancel: StatDuration = field(default_factory=StatDuration)
+
+
+# How one response ended; "cancel": its client left before it.
+ResponseOutcome = Literal["success", "fail", "empty", "cancel"]
+
+# Triton's memory kinds (TRITONSERVER_MemoryTypeString), in Triton's order.
+MEMORY_TYPES = ("CPU", "CPU_PINNED", "GPU")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryUsage:
+    """Memory of one kind on one device that a model version's instances hold."""
+
+    # "CPU", "CPU_PINNED" or "GPU" (Triton's names).
+    type: str
+    # The device: 0 for host memory, the GPU's index.
+    id: int
+    byte_size: int
+
+
+def total_memory(usages: Iterable[MemoryUsage]) -> list[MemoryUsage]:
+    """``usages`` summed per kind and device, in Triton's order (kind, then device)."""
+    totals: dict[tuple[str, int], int] = {}
+    for usage in usages:
+        totals[usage.type, usage.id] = totals.get((usage.type, usage.id), 0) + usage.byte_size
+    order = sorted(totals, key=lambda key: (MEMORY_TYPES.index(key[0]), key[1]))
+    return [MemoryUsage(kind, device, totals[kind, device]) for kind, device in order]
+
+
+def add_response(
+    responses: dict[str, ResponseStats],
+    index: int,
+    *,
+    outcome: ResponseOutcome,
+    start_ns: int,
+    end_ns: int,
+    output_start_ns: int = 0,
+) -> None:
+    """Response ``index`` of a request (0: its first) into ``responses``, as Triton's
+    backends report one: started at ``start_ns``, its outputs computed at
+    ``output_start_ns`` (0: it has none), handed over at ``end_ns``. A ``cancel`` spans
+    the clean-up after its client left."""
+    entry = responses.get(str(index))
+    if entry is None:
+        entry = responses[str(index)] = ResponseStats()
+    total_ns = max(0, end_ns - start_ns)
+    if outcome == "cancel":
+        entry.cancel.add(total_ns)
+        return
+    if output_start_ns:
+        entry.compute_infer.add(max(0, output_start_ns - start_ns))
+        entry.compute_output.add(max(0, end_ns - output_start_ns))
+    else:
+        entry.compute_infer.add(total_ns)
+    if outcome == "success":
+        entry.success.add(total_ns)
+    elif outcome == "fail":
+        entry.fail.add(total_ns)
+    else:
+        entry.empty_response.add(total_ns)
+
+
+@dataclass(slots=True)
 class ModelStats:
     """Snapshot of one model version's statistics."""
 
@@ -60,6 +151,10 @@ class ModelStats:
     execution_count: int = 0
     inference_stats: InferStats = field(default_factory=InferStats)
     batch_stats: list[BatchStats] = field(default_factory=list)
+    # Response index ("0", "1", ...) -> its figures; a decoupled model's (see above).
+    response_stats: dict[str, ResponseStats] = field(default_factory=dict)
+    # What the instances hold, per kind and device; empty where the backend cannot say.
+    memory_usage: list[MemoryUsage] = field(default_factory=list)
 
 
 class ModelStatsRecorder:
@@ -68,6 +163,31 @@ class ModelStatsRecorder:
     def __init__(self, name: str, version: str) -> None:
         self._stats = ModelStats(name=name, version=version)
         self._by_batch: dict[int, BatchStats] = {}
+        self._responses: dict[str, ResponseStats] = {}
+        self._memory: list[MemoryUsage] = []
+
+    def set_memory_usage(self, usages: Iterable[MemoryUsage]) -> None:
+        """What the version's instances hold once loaded (summed per kind and device)."""
+        self._memory = total_memory(usages)
+
+    def record_response(
+        self,
+        index: int,
+        *,
+        outcome: ResponseOutcome,
+        start_ns: int,
+        end_ns: int,
+        output_start_ns: int = 0,
+    ) -> None:
+        """One response of a decoupled model's request; see :func:`add_response`."""
+        add_response(
+            self._responses,
+            index,
+            outcome=outcome,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            output_start_ns=output_start_ns,
+        )
 
     def record_batch(
         self,
@@ -134,8 +254,15 @@ class ModelStatsRecorder:
             )
             for _, b in sorted(self._by_batch.items())
         ]
+        copy.response_stats = {
+            index: ResponseStats(
+                **{name: StatDuration(d.count, d.ns) for name, d in _fields(entry).items()}
+            )
+            for index, entry in self._responses.items()
+        }
+        copy.memory_usage = list(self._memory)
         return copy
 
 
-def _fields(stats: InferStats) -> dict[str, StatDuration]:
+def _fields(stats: InferStats | ResponseStats) -> dict[str, StatDuration]:
     return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}

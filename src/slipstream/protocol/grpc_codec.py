@@ -513,6 +513,20 @@ def _model_statistics(stats: ModelStats) -> pb.ModelStatistics:
             )
             for b in stats.batch_stats
         ],
+        memory_usage=[
+            pb.MemoryUsage(type=m.type, id=m.id, byte_size=m.byte_size) for m in stats.memory_usage
+        ],
+        response_stats={
+            index: pb.InferResponseStatistics(
+                compute_infer=_duration(entry.compute_infer),
+                compute_output=_duration(entry.compute_output),
+                success=_duration(entry.success),
+                fail=_duration(entry.fail),
+                empty_response=_duration(entry.empty_response),
+                cancel=_duration(entry.cancel),
+            )
+            for index, entry in stats.response_stats.items()
+        },
     )
 
 

@@ -199,7 +199,26 @@ def v2_schemas() -> dict[str, Any]:
                                 "type": "object",
                                 "additionalProperties": count_ns,
                             },
+                            "response_stats": {
+                                "type": "object",
+                                "additionalProperties": {
+                                    "type": "object",
+                                    "additionalProperties": count_ns,
+                                },
+                            },
                             "batch_stats": {"type": "array", "items": {"type": "object"}},
+                            "memory_usage": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "properties": {
+                                        "type": {"enum": ["CPU", "CPU_PINNED", "GPU"]},
+                                        "id": {"type": "integer"},
+                                        "byte_size": {"type": "integer"},
+                                    },
+                                    "required": ["type", "id", "byte_size"],
+                                },
+                            },
                         },
                         "required": ["name", "version", "inference_stats"],
                     },

@@ -11,7 +11,7 @@ from typing import Any
 from slipstream.config import EnsembleConfig, ModelConfig, TensorConfig, WarmupSample
 from slipstream.config.sequence import SequenceBatching
 from slipstream.datatypes import to_config_datatype
-from slipstream.observability.stats import ModelStats, StatDuration
+from slipstream.observability.stats import ModelStats, ResponseStats, StatDuration
 from slipstream.types import ModelMetadata, RepositoryEntry, ServerMetadata, TensorMetadata
 
 
@@ -161,7 +161,18 @@ def _duration(d: StatDuration) -> dict[str, int]:
     return {"count": d.count, "ns": d.ns}
 
 
+_RESPONSE_STAT_NAMES = (
+    "compute_infer", "compute_output", "success", "fail", "empty_response", "cancel",
+)  # fmt: skip
+
+
+def _response(entry: ResponseStats) -> dict[str, dict[str, int]]:
+    return {name: _duration(getattr(entry, name)) for name in _RESPONSE_STAT_NAMES}
+
+
 def model_stats_json(stats: list[ModelStats]) -> dict[str, Any]:
+    """Triton's statistics extension's ``$stats_model_response``, its fields in Triton's
+    order."""
     out = []
     for s in stats:
         infer = s.inference_stats
@@ -175,6 +186,9 @@ def model_stats_json(stats: list[ModelStats]) -> dict[str, Any]:
                 "inference_stats": {
                     name: _duration(getattr(infer, name)) for name in _INFER_STAT_NAMES
                 },
+                "response_stats": {
+                    index: _response(entry) for index, entry in s.response_stats.items()
+                },
                 "batch_stats": [
                     {
                         "batch_size": b.batch_size,
@@ -183,6 +197,9 @@ def model_stats_json(stats: list[ModelStats]) -> dict[str, Any]:
                         "compute_output": _duration(b.compute_output),
                     }
                     for b in s.batch_stats
+                ],
+                "memory_usage": [
+                    {"type": m.type, "id": m.id, "byte_size": m.byte_size} for m in s.memory_usage
                 ],
             }
         )

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from slipstream.observability.stats import MemoryUsage
+
 if TYPE_CHECKING:
     import asyncio
 
@@ -74,6 +76,9 @@ class RequestContext:
     # Written by the backend as it answers: the parameters its response carries (a
     # Python model's InferenceResponse(parameters=...)), sent to the client.
     response_parameters: dict[str, Any] = field(default_factory=dict)
+    # Called on the instance's thread as execute takes a decoupled request: its first
+    # response is timed from here (Triton's response statistics). None: not asked.
+    started: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +203,12 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - most backends hold nothing to free explicitly
         """Free what this instance holds."""
+
+    def memory_usage(self) -> list[MemoryUsage]:
+        """What this loaded instance holds, where the backend can say (Triton's
+        ``memory_usage`` statistics): ONNX Runtime its model's initializers, torch its
+        module's parameters and buffers. Empty where nothing honest can be said."""
+        return []
 
     @property
     def cpu_threads(self) -> int | None:

@@ -50,6 +50,7 @@ import onnxruntime as ort
 
 from slipstream.datatypes import BF16
 from slipstream.errors import InvalidRequest
+from slipstream.observability.stats import MemoryUsage
 from slipstream.runtime import data_errors
 from slipstream.runtime.base import (
     Backend,
@@ -58,6 +59,7 @@ from slipstream.runtime.base import (
     check_cpu_device,
     usable_cpu_count,
 )
+from slipstream.runtime.onnx_weights import initializer_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -356,8 +358,15 @@ class OnnxBackend(Backend):
     file_extensions = (".onnx", ".ort")
     releases_gil = True
 
-    def __init__(self, session: ort.InferenceSession, rows_alone: bool = False) -> None:
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        rows_alone: bool = False,
+        weight_bytes: int | None = None,
+    ) -> None:
         self._session = session
+        # The model's initializers' bytes (onnx_weights); None: unknown.
+        self._weight_bytes = weight_bytes
         # The model scales its int8 activations per run: a batch runs one row at a time
         # (see scales_per_run), where the model batches.
         self._rows_alone = rows_alone
@@ -401,7 +410,8 @@ class OnnxBackend(Backend):
                 "--activation-scales row writes per-row scales, which batch",
                 path,
             )
-        return cls(create_session(path, options), rows_alone=rows_alone)
+        session = create_session(path, options)
+        return cls(session, rows_alone=rows_alone, weight_bytes=initializer_bytes(path))
 
     def configure(self, config: dict[str, Any]) -> None:
         self._batching = bool(config.get("max_batch_size"))
@@ -458,6 +468,13 @@ class OnnxBackend(Backend):
         if self._raw_session is None:  # pragma: no cover - an ORT without the attribute
             return list(self._session.run(names, feed))
         return list(self._raw_session.run(names, feed, self._run_options))
+
+    def memory_usage(self) -> list[MemoryUsage]:
+        """The model's initializers, which the session holds on the CPU (see
+        :mod:`.onnx_weights`: a floor, the session's arena not counted)."""
+        if self._weight_bytes is None:
+            return []
+        return [MemoryUsage("CPU", 0, self._weight_bytes)]
 
     def close(self) -> None:
         del self._session, self._raw_session

@@ -296,6 +296,8 @@ class PythonBackend(Backend):
                     f"model {self._config.get('name', '')!r} is decoupled (it may answer a "
                     "request any number of times): send its requests on gRPC ModelStreamInfer"
                 )
+            if context.started is not None:
+                context.started()
             required = self._required(context, output_names)
             request._sender = python_utils.InferenceResponseSender(  # type: ignore[attr-defined]
                 functools.partial(self._deliver, respond, required), context.cancelled

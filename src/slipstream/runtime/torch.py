@@ -85,6 +85,7 @@ import torch
 
 from slipstream.datatypes import BF16, V2_TO_NUMPY, from_config_datatype, numpy_dtype
 from slipstream.errors import InvalidRequest
+from slipstream.observability.stats import MemoryUsage, total_memory
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
 from slipstream.runtime.cpu_share import (
     AppliedThreads,
@@ -102,7 +103,7 @@ from slipstream.runtime.torch_cuda import (
     out_of_memory_line,
     torch_dtype,
 )
-from slipstream.runtime.torch_export import Model, load_exported
+from slipstream.runtime.torch_export import CastInputs, Model, load_exported
 
 logger = logging.getLogger(__name__)
 
@@ -374,6 +375,28 @@ class TorchBackend(Backend):
                     raise
                 raise refused from exc
             return {name: _to_numpy(named, name) for name in output_names}
+
+    def memory_usage(self) -> list[MemoryUsage]:
+        """The module's parameters and buffers, each storage once, per device (what its
+        weights hold; activations and CUDA graphs' pools are not counted)."""
+        model = self._model.module if isinstance(self._model, CastInputs) else self._model
+        if not isinstance(model, torch.nn.Module):
+            return []
+        storages: dict[tuple[str, int, int], int] = {}
+        for tensor in (*model.parameters(), *model.buffers()):
+            device = tensor.device
+            if device.type == "cpu":
+                kind, index = "CPU", 0
+            elif device.type == "cuda":
+                kind = "GPU"
+                index = device.index if device.index is not None else torch.cuda.current_device()
+            else:  # meta tensors hold nothing; other devices have no Triton name
+                continue
+            storage = tensor.untyped_storage()
+            storages[kind, index, storage.data_ptr()] = storage.nbytes()
+        return total_memory(
+            MemoryUsage(kind, index, size) for (kind, index, _), size in storages.items()
+        )
 
     def close(self) -> None:
         self._model = None

@@ -49,6 +49,11 @@ class CastInputs:
         # Per positional input: the dtype it is cast to; None leaves it as it comes.
         self._dtypes = tuple(dtypes)
 
+    @property
+    def module(self) -> Any:
+        """The program's module (its weights)."""
+        return self._module
+
     def __call__(self, *tensors: torch.Tensor) -> Any:
         cast = [
             t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t

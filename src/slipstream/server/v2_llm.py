@@ -41,7 +41,7 @@ from slipstream.errors import (
 )
 from slipstream.llm.engine import ContextLengthExceeded
 from slipstream.llm.service import LlmModels
-from slipstream.observability.stats import ModelStats
+from slipstream.observability.stats import ModelStats, ResponseOutcome, add_response
 from slipstream.protocol.vllm_requests import INPUTS, OUTPUTS, TextRequest, read_text_request
 from slipstream.repository.layout import model_path, read_config, read_model_directory
 from slipstream.server.openai_generation import build_jobs
@@ -158,15 +158,24 @@ class GenerativeV2(ForwardingService):
         version = self._served_version(request.model_name, request.model_version)
         text = read_text_request(request)
         started_ns = time.perf_counter_ns()
+        clock = _ResponseClock(self._stats_of(request.model_name, version), started_ns)
         generated = self._generate(request, text, version)
+        final, left_ns = False, 0
         try:
-            async for response, final in generated:
+            async for response, final, arrived_ns in generated:
+                clock.answered("success", arrived_ns)
                 yield response, "", final
         except SlipstreamError:
+            clock.answered("fail")
             self._count(request.model_name, version, started_ns, ok=False)
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            left_ns = 0 if final else time.perf_counter_ns()  # the client left mid-stream
             raise
         finally:
             await generated.aclose()
+            if left_ns:
+                clock.cancelled(left_ns)
         self._count(request.model_name, version, started_ns, ok=True)
 
     async def infer_group(
@@ -222,26 +231,31 @@ class GenerativeV2(ForwardingService):
                 f"/v2/models/{request.model_name}/generate_stream (or send stream false)"
             )
         started_ns = time.perf_counter_ns()
+        clock = _ResponseClock(self._stats_of(request.model_name, version), started_ns)
         generated = self._generate(request, text, version)
         answer: InferResponse | None = None
+        arrived_ns = 0  # when the whole text was there
         try:
-            async for response, _final in generated:
-                answer = response  # one answer: the whole text
+            async for response, _final, text_ns in generated:
+                answer, arrived_ns = response, text_ns  # one answer: the whole text
         except SlipstreamError:
+            clock.answered("fail")
             self._count(request.model_name, version, started_ns, ok=False)
             raise
         finally:
             await generated.aclose()
         if answer is None:  # a generation always ends with its finish reason
             raise InternalError("the generation ended without an answer; see the server log")
+        clock.answered("success", arrived_ns)
         self._count(request.model_name, version, started_ns, ok=True)
         return answer
 
     async def _generate(
         self, request: InferRequest, text: TextRequest, version: str
-    ) -> AsyncGenerator[tuple[InferResponse, bool], None]:
-        """The request's answers and whether each is the last: one per new piece of text
-        when it streams, else one with the whole text. Closing it cancels the sequence."""
+    ) -> AsyncGenerator[tuple[InferResponse, bool, int], None]:
+        """The request's answers, whether each is the last, and when its text came from
+        the engine (perf_counter_ns): one per new piece of text when it streams, else one
+        with the whole text. Closing it cancels the sequence."""
         arrived = time.perf_counter()
         name = request.model_name
         wanted = _wanted_outputs(request, text)
@@ -265,23 +279,30 @@ class GenerativeV2(ForwardingService):
         pieces: list[str] = [text.prompt] if text.prepend_input else []
         try:
             async for _, delta in deltas:
+                arrived_ns = time.perf_counter_ns()
                 final = delta.finish_reason is not None
                 if text.stream:
-                    yield answer.of(delta.text, delta.finish_reason, delta.completion_tokens), final
+                    made = answer.of(delta.text, delta.finish_reason, delta.completion_tokens)
+                    yield made, final, arrived_ns
                     continue
                 pieces.append(delta.text)
                 if final:
                     whole = "".join(pieces)
-                    yield answer.of(whole, delta.finish_reason, delta.completion_tokens), True
+                    made = answer.of(whole, delta.finish_reason, delta.completion_tokens)
+                    yield made, True, arrived_ns
         finally:
             aclose = getattr(deltas, "aclose", None)
             if aclose is not None:
                 await aclose()
 
-    def _count(self, name: str, version: str, started_ns: int, ok: bool) -> None:
+    def _stats_of(self, name: str, version: str) -> ModelStats:
         stats = self._stats.get((name, version))
         if stats is None:
             stats = self._stats[name, version] = ModelStats(name, version)
+        return stats
+
+    def _count(self, name: str, version: str, started_ns: int, ok: bool) -> None:
+        stats = self._stats_of(name, version)
         elapsed_ns = time.perf_counter_ns() - started_ns
         if ok:
             stats.inference_stats.success.add(elapsed_ns)
@@ -291,6 +312,29 @@ class GenerativeV2(ForwardingService):
             stats.last_inference_ms = int(time.time() * 1000)
         else:
             stats.inference_stats.fail.add(elapsed_ns)
+
+
+class _ResponseClock:
+    """Times one request's answers into its model's ``response_stats``, as Triton's
+    decoupled backends report them: each from the request's start (then the previous
+    answer) to its text from the engine, then to the answer made and handed over."""
+
+    def __init__(self, stats: ModelStats, started_ns: int) -> None:
+        self._responses = stats.response_stats
+        self._begun_ns = started_ns
+        self._index = 0
+
+    def answered(self, outcome: ResponseOutcome, output_start_ns: int = 0) -> None:
+        end_ns = time.perf_counter_ns()
+        add_response(self._responses, self._index, outcome=outcome, start_ns=self._begun_ns,
+                     output_start_ns=output_start_ns, end_ns=end_ns)  # fmt: skip
+        self._index += 1
+        self._begun_ns = end_ns
+
+    def cancelled(self, left_ns: int) -> None:
+        """The client left at ``left_ns``; the generation is cancelled now."""
+        add_response(self._responses, self._index, outcome="cancel", start_ns=left_ns,
+                     end_ns=time.perf_counter_ns())  # fmt: skip
 
 
 class _Answer:

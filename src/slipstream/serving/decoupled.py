@@ -8,7 +8,11 @@ take other requests too); the sender's answers reach the event loop through a qu
 are yielded here as :data:`StreamItem`: the response (None for a final flag without
 one), an error message instead where the model sent an error, and whether it is the
 last. A failure of ``execute`` itself ends the stream with the error. The request counts
-in the model's statistics once, when its final answer is sent.
+in the model's statistics once, when its final answer is sent; each answer counts in its
+index's ``response_stats`` as it is handed to the front end (Triton's response
+statistics: computed from ``execute`` taking the request, or the previous answer, to the
+model sending it; its outputs then handed over), and a client that leaves before the
+final answer counts a ``cancel`` at the index of the answer it never read.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from slipstream.errors import SlipstreamError
+from slipstream.observability.stats import ResponseOutcome
 from slipstream.scheduling.execution import as_served_error
 from slipstream.serving.model import ModelVersion
 from slipstream.serving.outcomes import record_failure, record_success
@@ -45,8 +50,9 @@ class ErrorMessage(str):
         return str, (str(self),)
 
 
-# One answer as the model's thread hands it over: outputs, error, final, parameters.
-_Answer = tuple[dict[str, np.ndarray] | None, Exception | None, bool, dict[str, Any]]
+# One answer as the model's thread hands it over: outputs, error, final, parameters, and
+# when it was sent (perf_counter_ns).
+_Answer = tuple[dict[str, np.ndarray] | None, Exception | None, bool, dict[str, Any], int]
 
 
 async def answers(model: ModelVersion, request: InferRequest) -> AsyncIterator[StreamItem]:
@@ -61,14 +67,23 @@ async def answers(model: ModelVersion, request: InferRequest) -> AsyncIterator[S
         final: bool,
         parameters: Mapping[str, Any],
     ) -> None:
-        loop.call_soon_threadsafe(sent.put_nowait, (outputs, error, final, dict(parameters)))
+        answer = (outputs, error, final, dict(parameters), time.perf_counter_ns())
+        loop.call_soon_threadsafe(sent.put_nowait, answer)
+
+    # When the answer awaited began: execute taking the request, then each answer sent.
+    begun_ns = started_ns
+
+    def taken() -> None:
+        nonlocal begun_ns
+        begun_ns = time.perf_counter_ns()
 
     # Set when the client goes before the last answer: the model's senders say so.
     gone = threading.Event()
     finished = False
+    index = 0  # the next answer's index in the model's response_stats
     try:
         prepared = model.prepare(request)
-        context = model.context(request, respond, gone.is_set)
+        context = model.context(request, respond, gone.is_set, taken)
         run: asyncio.Future[Any] | None = asyncio.ensure_future(
             model.batcher.submit(
                 prepared.inputs,
@@ -94,26 +109,49 @@ async def answers(model: ModelVersion, request: InferRequest) -> AsyncIterator[S
                 assert run is not None
                 error = run.exception()
                 if error is not None:  # execute itself failed: nothing more will come
+                    end_ns = time.perf_counter_ns()
+                    model.stats.record_response(
+                        index, outcome="fail", start_ns=begun_ns, end_ns=end_ns
+                    )
                     raise as_served_error(error)
                 run = None  # execute took the request; its answers may come later
                 continue
-            outputs, problem, final, parameters = next_answer.result()
+            outputs, problem, final, parameters, sent_ns = next_answer.result()
             if problem is not None:
                 failed = as_served_error(problem)
                 assert isinstance(failed, Exception)  # as_served_error keeps it one
-                yield None, ErrorMessage(failed), final
+                item: StreamItem = (None, ErrorMessage(failed), final)
             else:
                 response = None
                 if outputs is not None:
                     response = InferResponse(
                         model.name, model.version_str, outputs, request.id, parameters
                     )
-                yield response, "", final
-            if final:
-                finished = True
+                item = (response, "", final)
+            # An empty answer: a final flag alone.
+            outcome: ResponseOutcome = (
+                "fail" if problem is not None else "empty" if outputs is None else "success"
+            )
+            handed_ns = time.perf_counter_ns()
+            model.stats.record_response(
+                index,
+                outcome=outcome,
+                start_ns=begun_ns,
+                output_start_ns=sent_ns if outcome == "success" else 0,
+                end_ns=handed_ns,
+            )
+            index += 1
+            begun_ns = handed_ns
+            finished = final  # before the yield: the client may close the stream on it
+            yield item
+            if finished:
                 break
     except SlipstreamError as exc:
         record_failure(model, exc, time.perf_counter_ns() - started_ns)
+        raise
+    except (GeneratorExit, asyncio.CancelledError):
+        if not finished:
+            _cancelled(model, index, gone, run)
         raise
     finally:
         if not finished:
@@ -128,6 +166,20 @@ async def answers(model: ModelVersion, request: InferRequest) -> AsyncIterator[S
         record_failure(model, failed, elapsed_ns)
     else:
         record_success(model, elapsed_ns)
+
+
+def _cancelled(
+    model: ModelVersion, index: int, gone: threading.Event, run: asyncio.Future[Any] | None
+) -> None:
+    """The client left before answer ``index``: the model's senders are told, a request
+    still queued is dropped, and the clean-up counts as that answer's ``cancel``."""
+    started_ns = time.perf_counter_ns()
+    gone.set()
+    if run is not None and not run.done():
+        run.cancel()
+    model.stats.record_response(
+        index, outcome="cancel", start_ns=started_ns, end_ns=time.perf_counter_ns()
+    )
 
 
 def _retrieved(run: asyncio.Future[Any]) -> None:

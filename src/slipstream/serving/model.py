@@ -163,6 +163,9 @@ class ModelVersion:
             labels = await asyncio.to_thread(load_labels, path.parent.parent, completed)
             model = cls(name, version, completed, reshaping(instances, completed), metrics)
             model.labels = labels
+            model.stats.set_memory_usage(
+                usage for instance in instances for usage in instance.memory_usage()
+            )
             model.cache_identity = await asyncio.to_thread(files_identity, path, completed)
             warm_up_started = time.perf_counter()
             await asyncio.to_thread(model._warm_up)
@@ -283,11 +286,12 @@ class ModelVersion:
         request: InferRequest,
         respond: Respond | None = None,
         cancelled: Callable[[], bool] | None = None,
+        started: Callable[[], None] | None = None,
     ) -> RequestContext | None:
         """What a backend that takes requests sees of ``request`` besides its tensors;
         None for the others (nothing is built on their path). A decoupled model's
-        requests come with ``respond`` (:mod:`.decoupled`); one asked for one answer
-        is refused."""
+        requests come with ``respond`` and ``started`` (:mod:`.decoupled`); one asked for
+        one answer is refused."""
         if not self.takes_requests:
             return None
         if self.decoupled and respond is None:
@@ -307,6 +311,7 @@ class ModelVersion:
             sequence_end=sequence.get("sequence_end") is True,
             respond=respond,
             cancelled=cancelled,
+            started=started,
         )
 
     async def is_ready(self) -> bool:

@@ -1038,6 +1038,42 @@ class InferBatchStatistics(_message.Message):
         compute_output: StatisticDuration | _Mapping | None = ...,
     ) -> None: ...
 
+class InferResponseStatistics(_message.Message):
+    __slots__ = ("cancel", "compute_infer", "compute_output", "empty_response", "fail", "success")
+    COMPUTE_INFER_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    FAIL_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    compute_infer: StatisticDuration
+    compute_output: StatisticDuration
+    success: StatisticDuration
+    fail: StatisticDuration
+    empty_response: StatisticDuration
+    cancel: StatisticDuration
+    def __init__(
+        self,
+        compute_infer: StatisticDuration | _Mapping | None = ...,
+        compute_output: StatisticDuration | _Mapping | None = ...,
+        success: StatisticDuration | _Mapping | None = ...,
+        fail: StatisticDuration | _Mapping | None = ...,
+        empty_response: StatisticDuration | _Mapping | None = ...,
+        cancel: StatisticDuration | _Mapping | None = ...,
+    ) -> None: ...
+
+class MemoryUsage(_message.Message):
+    __slots__ = ("byte_size", "id", "type")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    id: int
+    byte_size: int
+    def __init__(
+        self, type: str | None = ..., id: int | None = ..., byte_size: int | None = ...
+    ) -> None: ...
+
 class ModelStatistics(_message.Message):
     __slots__ = (
         "batch_stats",
@@ -1045,9 +1081,21 @@ class ModelStatistics(_message.Message):
         "inference_count",
         "inference_stats",
         "last_inference",
+        "memory_usage",
         "name",
+        "response_stats",
         "version",
     )
+    class ResponseStatsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: InferResponseStatistics
+        def __init__(
+            self, key: str | None = ..., value: InferResponseStatistics | _Mapping | None = ...
+        ) -> None: ...
+
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_INFERENCE_FIELD_NUMBER: _ClassVar[int]
@@ -1055,6 +1103,8 @@ class ModelStatistics(_message.Message):
     EXECUTION_COUNT_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_STATS_FIELD_NUMBER: _ClassVar[int]
     BATCH_STATS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_STATS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     last_inference: int
@@ -1062,6 +1112,8 @@ class ModelStatistics(_message.Message):
     execution_count: int
     inference_stats: InferStatistics
     batch_stats: _containers.RepeatedCompositeFieldContainer[InferBatchStatistics]
+    memory_usage: _containers.RepeatedCompositeFieldContainer[MemoryUsage]
+    response_stats: _containers.MessageMap[str, InferResponseStatistics]
     def __init__(
         self,
         name: str | None = ...,
@@ -1071,6 +1123,8 @@ class ModelStatistics(_message.Message):
         execution_count: int | None = ...,
         inference_stats: InferStatistics | _Mapping | None = ...,
         batch_stats: _Iterable[InferBatchStatistics | _Mapping] | None = ...,
+        memory_usage: _Iterable[MemoryUsage | _Mapping] | None = ...,
+        response_stats: _Mapping[str, InferResponseStatistics] | None = ...,
     ) -> None: ...
 
 class ModelStatisticsResponse(_message.Message):
