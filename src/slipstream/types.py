@@ -7,6 +7,7 @@ are numpy arrays throughout (BYTES tensors are ``dtype=object`` arrays of ``byte
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -189,3 +190,27 @@ class Constraint:
     choices: tuple[str, ...] = ()
     # json_schema: OpenAI's strict mode (no properties beyond those an object lists).
     strict: bool = False
+
+
+# Triton's memory kinds (TRITONSERVER_MemoryTypeString), in Triton's order.
+MEMORY_TYPES = ("CPU", "CPU_PINNED", "GPU")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryUsage:
+    """Memory of one kind on one device that a model version's instances hold."""
+
+    # "CPU", "CPU_PINNED" or "GPU" (Triton's names).
+    type: str
+    # The device: 0 for host memory, the GPU's index.
+    id: int
+    byte_size: int
+
+
+def total_memory(usages: Iterable[MemoryUsage]) -> list[MemoryUsage]:
+    """``usages`` summed per kind and device, in Triton's order (kind, then device)."""
+    totals: dict[tuple[str, int], int] = {}
+    for usage in usages:
+        totals[usage.type, usage.id] = totals.get((usage.type, usage.id), 0) + usage.byte_size
+    order = sorted(totals, key=lambda key: (MEMORY_TYPES.index(key[0]), key[1]))
+    return [MemoryUsage(kind, device, totals[kind, device]) for kind, device in order]

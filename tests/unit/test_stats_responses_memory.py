@@ -10,15 +10,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from slipstream.observability.stats import (
-    MemoryUsage,
-    ModelStatsRecorder,
-    ResponseStats,
-    StatDuration,
-    total_memory,
-)
+from slipstream.observability.stats import ModelStatsRecorder, ResponseStats, StatDuration
 from slipstream.runtime.onnx import OnnxBackend
 from slipstream.runtime.onnx_weights import initializer_bytes
+from slipstream.types import MemoryUsage, total_memory
 
 
 def _recorded() -> dict[str, ResponseStats]:

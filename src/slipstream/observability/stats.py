@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from slipstream.types import MemoryUsage, total_memory
+
 
 @dataclass(slots=True)
 class StatDuration:
@@ -79,29 +81,6 @@ class ResponseStats:
 
 # How one response ended; "cancel": its client left before it.
 ResponseOutcome = Literal["success", "fail", "empty", "cancel"]
-
-# Triton's memory kinds (TRITONSERVER_MemoryTypeString), in Triton's order.
-MEMORY_TYPES = ("CPU", "CPU_PINNED", "GPU")
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryUsage:
-    """Memory of one kind on one device that a model version's instances hold."""
-
-    # "CPU", "CPU_PINNED" or "GPU" (Triton's names).
-    type: str
-    # The device: 0 for host memory, the GPU's index.
-    id: int
-    byte_size: int
-
-
-def total_memory(usages: Iterable[MemoryUsage]) -> list[MemoryUsage]:
-    """``usages`` summed per kind and device, in Triton's order (kind, then device)."""
-    totals: dict[tuple[str, int], int] = {}
-    for usage in usages:
-        totals[usage.type, usage.id] = totals.get((usage.type, usage.id), 0) + usage.byte_size
-    order = sorted(totals, key=lambda key: (MEMORY_TYPES.index(key[0]), key[1]))
-    return [MemoryUsage(kind, device, totals[kind, device]) for kind, device in order]
 
 
 def add_response(

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from slipstream.observability.stats import MemoryUsage
+from slipstream.types import MemoryUsage
 
 if TYPE_CHECKING:
     import asyncio

@@ -50,7 +50,6 @@ import onnxruntime as ort
 
 from slipstream.datatypes import BF16
 from slipstream.errors import InvalidRequest
-from slipstream.observability.stats import MemoryUsage
 from slipstream.runtime import data_errors
 from slipstream.runtime.base import (
     Backend,
@@ -60,6 +59,7 @@ from slipstream.runtime.base import (
     usable_cpu_count,
 )
 from slipstream.runtime.onnx_weights import initializer_bytes
+from slipstream.types import MemoryUsage
 
 logger = logging.getLogger(__name__)
 

@@ -85,7 +85,6 @@ import torch
 
 from slipstream.datatypes import BF16, V2_TO_NUMPY, from_config_datatype, numpy_dtype
 from slipstream.errors import InvalidRequest
-from slipstream.observability.stats import MemoryUsage, total_memory
 from slipstream.runtime.base import Backend, ModelSignature, TensorSpec, usable_cpu_count
 from slipstream.runtime.cpu_share import (
     AppliedThreads,
@@ -104,6 +103,7 @@ from slipstream.runtime.torch_cuda import (
     torch_dtype,
 )
 from slipstream.runtime.torch_export import CastInputs, Model, load_exported
+from slipstream.types import MemoryUsage, total_memory
 
 logger = logging.getLogger(__name__)
 
