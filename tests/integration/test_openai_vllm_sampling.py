@@ -325,6 +325,104 @@ def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(
     assert ended.output_text == said[: said.find(stop) + 1]
 
 
+# -- stop_reason ----------------------------------------------------------------------------
+
+
+def chat(client: openai.OpenAI, model: str, max_tokens: int = 8, **extra: Any) -> Any:
+    """A chat reply to MESSAGES past any end (ignore_eos, unless ``extra`` says)."""
+    names = ("temperature", "seed", "logprobs", "stream", "n", "stop", "logit_bias")
+    standard = {key: extra.pop(key) for key in names if key in extra}
+    return client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=max_tokens,
+                                          extra_body={"ignore_eos": True, **extra},
+                                          **standard)  # fmt: skip
+
+
+def ends_of(chunks: Any) -> dict[int, tuple[str, Any]]:
+    """Per choice index: (finish_reason, stop_reason) of the chunk that ends the choice."""
+    ends = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.finish_reason is not None:
+                assert choice.index not in ends, "a choice finished twice"
+                ends[choice.index] = (choice.finish_reason, choice.model_extra["stop_reason"])
+    return ends
+
+
+def two_endings(
+    vocab: Vocab, first: tuple[str, list[str]], second: tuple[str, list[str]]
+) -> tuple[int, str]:
+    """For two seeded draws ((text, token pieces) each): a token id the first draws (past
+    its first token, its text new and one id's alone) and the second never does, and a
+    stop string the second's text holds and the first's never does."""
+    (text, pieces), (other, others) = first, second
+    token = next(
+        token for k in range(1, len(pieces))
+        if pieces[k] not in pieces[:k] and pieces[k] not in others
+        and (token := vocab.only_id(pieces[k])) is not None
+    )  # fmt: skip
+    stop = next(
+        stop for i in range(len(other) - 1)
+        if (stop := other[i : i + 2]).isascii() and stop.isprintable() and stop not in text
+    )  # fmt: skip
+    return token, stop
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_stop_reason_names_the_stop_token_id_or_string_that_ended_each_choice(
+    client: openai.OpenAI, vocabs: dict[str, Vocab], model: str
+) -> None:
+    """vLLM's stop_reason, each of n=2 choices its own (choice i draws with seed 7 + i,
+    as one choice with that seed does): the first ends on a stop token id (the int), the
+    second on a stop string (the str); completions and chat, streamed and not."""
+    draws = [complete(client, model, 10, logprobs=0, temperature=1.0, seed=seed).choices[0]
+             for seed in (7, 8)]  # fmt: skip
+    token, stop = two_endings(vocabs[model], *((d.text, d.logprobs.tokens) for d in draws))
+    ended: Any = {"temperature": 1.0, "seed": 7, "n": 2, "stop": [stop],
+                  "stop_token_ids": [token]}  # fmt: skip
+    reply = complete(client, model, 10, **ended)
+    choices = sorted(reply.choices, key=lambda choice: choice.index)
+    assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in choices] == [
+        ("stop", token), ("stop", stop)
+    ]  # fmt: skip
+    assert choices[1].text == draws[1].text[: draws[1].text.find(stop)]
+    expected = {0: ("stop", token), 1: ("stop", stop)}
+    assert ends_of(complete(client, model, 10, stream=True, **ended)) == expected
+    # Chat: its own draws, from its own prompt.
+    said = [chat(client, model, 10, logprobs=True, temperature=1.0, seed=seed).choices[0]
+            for seed in (7, 8)]  # fmt: skip
+    token, stop = two_endings(vocabs[model], *(
+        (s.message.content, [item.token for item in s.logprobs.content]) for s in said
+    ))  # fmt: skip
+    ended |= {"stop": [stop], "stop_token_ids": [token]}
+    reply = chat(client, model, 10, **ended)
+    choices = sorted(reply.choices, key=lambda choice: choice.index)
+    assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in choices] == [
+        ("stop", token), ("stop", stop)
+    ]  # fmt: skip
+    expected = {0: ("stop", token), 1: ("stop", stop)}
+    assert ends_of(chat(client, model, 10, stream=True, **ended)) == expected
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_stop_reason_is_null_at_the_end_of_sequence_and_at_max_tokens(
+    client: openai.OpenAI, vocabs: dict[str, Vocab], model: str
+) -> None:
+    """An end-of-sequence token (forced by logit_bias) and max_tokens end a choice with
+    ``stop_reason: null``, sent on the chunk that carries finish_reason and only there."""
+    forced: Any = {"temperature": 0, "ignore_eos": False,
+                   "logit_bias": {str(vocabs[model].ends[0]): 100}}  # fmt: skip
+    for reply, reason in ((complete(client, model, **forced), "stop"),
+                          (complete(client, model, 4, temperature=0), "length"),
+                          (chat(client, model, 4, **forced), "stop")):  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == reason
+        assert "stop_reason" in choice.model_extra and choice.model_extra["stop_reason"] is None
+    chunks = list(chat(client, model, 4, temperature=0, stream=True))
+    assert ends_of(chunks) == {0: ("length", None)}
+    assert all("stop_reason" not in c.model_extra for chunk in chunks[:-1] for c in chunk.choices)
+    assert ends_of(complete(client, model, 4, temperature=0, stream=True)) == {0: ("length", None)}
+
+
 # -- chat_template_kwargs -------------------------------------------------------------------
 
 

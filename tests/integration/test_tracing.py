@@ -10,7 +10,9 @@ steps a model span each.
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import subprocess
 import threading
 import time
@@ -39,6 +41,36 @@ LLM = "smollm2"
 DELAYED = "delayed"
 QUEUE_DELAY_US = 300_000
 PIPELINE = "pipeline"
+REPEAT = "repeat"
+# A decoupled Python model: N answers I = 0..N-1 from a thread, then the final flag alone.
+REPEAT_MODEL = """
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            count = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+            threading.Thread(target=self._answer, args=(sender, count)).start()
+        return None
+
+    def _answer(self, sender, count):
+        for index in range(count):
+            out = pb_utils.Tensor("I", np.array([index], dtype=np.int32))
+            sender.send(pb_utils.InferenceResponse([out]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+REPEAT_CONFIG = """
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "I" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
 # Two add_sub steps, the second on the first's outputs.
 PIPELINE_CONFIG = f"""
 name: "{PIPELINE}"
@@ -137,6 +169,9 @@ def traced(
         "max_queue_delay_microseconds": QUEUE_DELAY_US}})  # fmt: skip
     (repo / PIPELINE / "1").mkdir(parents=True)
     (repo / PIPELINE / "config.pbtxt").write_text(PIPELINE_CONFIG)
+    (repo / REPEAT / "1").mkdir(parents=True)
+    (repo / REPEAT / "1" / "model.py").write_text(REPEAT_MODEL)
+    (repo / REPEAT / "config.pbtxt").write_text(REPEAT_CONFIG)
     (repo / LLM / "1").mkdir(parents=True)
     os.link(smollm2_gguf(), repo / LLM / "1" / "model.gguf")
     write_config(repo, LLM, {"backend": "llama_cpp", "generation": {
@@ -144,7 +179,7 @@ def traced(
     collector = Collector()
     args = ["--trace-config", "mode=opentelemetry", "--trace-config", "rate=1",
             "--trace-config", f"opentelemetry,url={collector.url}",
-            "--trace-config", "opentelemetry,resource=deployment=test",
+            "--trace-config", "opentelemetry,resource=deployment=test", "--trust-pickle",
             *(["--frontends", "1"] if request.param == "split" else [])]  # fmt: skip
     # The SDK's batch processor exports every 5 s by default; 50 ms keeps the tests short.
     env = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
@@ -305,6 +340,69 @@ def test_triton_trace_settings_decide_what_is_traced(
         http.close()
     traced_ids = sorted(_requests(collector.wait(3)))
     assert traced_ids == ["global-again", "n0", "n2"]
+
+
+def _decoupled_inputs(model: str) -> list[Any]:
+    """A request that streams: three answers from repeat, two tokens' text from the LLM."""
+    if model == REPEAT:
+        values = {"N": (np.array([3], dtype=np.int32), "INT32")}
+    else:
+        values = {
+            "text_input": (np.array([b"Hello"], dtype=object), "BYTES"),
+            "stream": (np.array([True]), "BOOL"),
+            "sampling_parameters": (np.array([json.dumps({"max_tokens": 2}).encode()],
+                                             dtype=object), "BYTES"),
+        }  # fmt: skip
+    tensors = []
+    for name, (array, datatype) in values.items():
+        tensor = grpcclient.InferInput(name, [1], datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+@pytest.mark.parametrize("model", [REPEAT, LLM])
+def test_a_decoupled_model_s_streamed_request_is_one_span_and_one_count(
+    traced: tuple[RemoteServer, Collector], model: str
+) -> None:
+    """On gRPC ModelStreamInfer a decoupled model's request goes straight to its stream
+    of answers: one InferRequest span each, none failed, and trace_count 2 of 3 requests
+    traces the first two (the third's span never comes)."""
+    server, collector = traced
+    http = httpclient.InferenceServerClient(server.http_address)
+    grpc = grpcclient.InferenceServerClient(server.grpc_address)
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    try:
+        http.update_trace_settings(model, {"trace_rate": "1", "trace_count": "2"})
+        grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for index in range(3):
+            grpc.async_stream_infer(model, _decoupled_inputs(model), request_id=f"d{index}",
+                                    enable_empty_final_response=True)  # fmt: skip
+        finals: list[str] = []
+        while len(finals) < 3:
+            result, error = answers.get(timeout=30)
+            assert error is None, error
+            response = result.get_response()
+            if response.parameters["triton_final_response"].bool_param:
+                finals.append(response.id)
+        grpc.stop_stream()
+        spans = collector.wait(2)
+        # A request after them: the spans still to come are its own.
+        http.infer("add_sub", _add_sub_inputs(httpclient), request_id="after")
+        later = collector.wait(1)
+    finally:
+        http.update_trace_settings(model, {"trace_rate": None, "trace_count": None})
+        http.close()
+        grpc.close()
+    assert sorted(finals) == ["d0", "d1", "d2"]
+    requests = [span for span in spans if span.name == "InferRequest"]
+    assert sorted(_attributes(span)["slipstream.request_id"] for span in requests) == ["d0", "d1"]
+    for span in requests:
+        assert span.status.code != span.status.STATUS_CODE_ERROR, span.status.message
+        assert _attributes(span)["triton.model_name"] == model
+        assert [event.name for event in span.events][:1] == ["FIRST_RESPONSE"]
+    assert [_attributes(span)["slipstream.request_id"] for span in later
+            if span.name == "InferRequest"] == ["after"]  # fmt: skip
 
 
 def test_a_v2_inference_s_span_holds_triton_s_timestamps_over_http_and_grpc_unary_and_streaming(

@@ -211,3 +211,22 @@ async def test_a_stop_token_id_s_text_is_left_out_unless_asked_for() -> None:
     # Cut by max_tokens on it, it is ordinary text.
     cut = await rules(chars("Hi!"), "length", stop_token_ids={stop})
     assert "".join(d.text for d in cut) == "Hi!"
+
+
+@pytest.mark.parametrize(
+    ("reason", "given", "stop_reason"),
+    [("stop", {"stop_token_ids": {ord("!")}}, ord("!")),
+     ("stop", {"stop_token_ids": {ord("!")}, "include_stop": True}, ord("!")),
+     ("stop", {"stops": ["lo", "l"]}, "l"),  # the stop string that matched first
+     ("stop", {"stops": ["lo"], "include_stop": True}, "lo"),
+     ("stop", {"stop_token_ids": {ord("?")}}, None),  # an end-of-sequence token
+     ("length", {"stop_token_ids": {ord("!")}}, None)],
+)  # fmt: skip
+async def test_the_last_delta_names_the_stop_string_or_token_id_that_ended_it(
+    reason: str, given: dict[str, Any], stop_reason: str | int | None
+) -> None:
+    """vLLM's stop_reason: the stop string (str) or stop_token_ids entry (int) that ended
+    the text, None for anything else; on the last delta only."""
+    deltas = await rules(chars("Hello!"), reason, **given)
+    assert deltas[-1].stop_reason == stop_reason and deltas[-1].finish_reason == reason
+    assert all(d.stop_reason is None for d in deltas[:-1])

@@ -29,6 +29,10 @@ class TextDelta:
     # Logprobs of the tokens generated since the last delta (when the request asked):
     # the text they stand for may still be held back, or fall after a stop string.
     logprobs: tuple[TokenLogprob, ...] = ()
+    # vLLM's stop_reason, on the last delta: the stop string that matched, or the
+    # stop_token_ids entry that ended the sequence; None for an end-of-sequence token,
+    # max_tokens or a finished constraint.
+    stop_reason: str | int | None = None
 
 
 class StopMatcher:
@@ -126,10 +130,11 @@ async def stream_text(
             if step.logprobs:
                 logprobs.extend(step.logprobs)
             shown = tokens
-            if (
-                step.finish_reason == "stop" and not include_stop and tokens
-                and tokens[-1] in stop_token_ids
-            ):  # fmt: skip
+            stop_token = (
+                tokens[-1] if step.finish_reason == "stop" and tokens
+                and tokens[-1] in stop_token_ids else None
+            )  # fmt: skip
+            if stop_token is not None and not include_stop:
                 shown = tokens[:-1]  # counted, not shown
             if count < min_tokens:
                 head = min_tokens - count
@@ -143,10 +148,11 @@ async def stream_text(
             start, end = matcher.find(text, sent, protected) if matcher else (-1, -1)
             if start != -1:
                 cut = end if include_stop else max(start, sent)
-                yield TextDelta(text[sent:cut], count, "stop", tuple(logprobs))
+                yield TextDelta(text[sent:cut], count, "stop", tuple(logprobs), text[start:end])
                 return
             if step.finish_reason is not None:
-                yield TextDelta(text[sent:], count, step.finish_reason, tuple(logprobs))
+                yield TextDelta(text[sent:], count, step.finish_reason, tuple(logprobs),
+                                stop_token)  # fmt: skip
                 return
             end = len(text)
             while end > sent and text[end - 1] == _PARTIAL:

@@ -69,8 +69,11 @@ def completion_logprobs(entries: list[LogprobEntry] | None, offset: int) -> dict
     }
 
 
-# A choice as the routes hand it over: (text, finish_reason, logprob entries or None).
-Choice = tuple[str, str, "list[LogprobEntry] | None"]
+# vLLM's stop_reason: the stop string or stop token id that ended a choice, else None.
+StopReason = str | int | None
+# A choice as the routes hand it over: (text, finish_reason, stop_reason, logprob entries
+# or None).
+Choice = tuple[str, str, StopReason, "list[LogprobEntry] | None"]
 
 
 def completion(
@@ -79,8 +82,8 @@ def completion(
     """A text_completion, one choice per item of ``texts``."""
     choices = [
         {"index": i, "text": text, "logprobs": completion_logprobs(entries, 0),
-         "finish_reason": reason}
-        for i, (text, reason, entries) in enumerate(texts)
+         "finish_reason": reason, "stop_reason": stop_reason}
+        for i, (text, reason, stop_reason, entries) in enumerate(texts)
     ]  # fmt: skip
     return orjson.dumps({"id": rid, "object": "text_completion", "created": created,
                          "model": model, "choices": choices, "usage": use})  # fmt: skip
@@ -104,7 +107,7 @@ def chat_completion(
     calls: list[list[CallItem]] | None = None,
 ) -> bytes:  # fmt: skip
     choices = []
-    for i, (text, reason, entries) in enumerate(texts):
+    for i, (text, reason, stop_reason, entries) in enumerate(texts):
         message: dict[str, Any] = {"role": "assistant", "content": text}
         made = calls[i] if calls else []
         if made:
@@ -114,7 +117,7 @@ def chat_completion(
                 for call in tool_calls(made)
             ]
         choices.append({"index": i, "message": message, "logprobs": chat_logprobs(entries),
-                        "finish_reason": reason})  # fmt: skip
+                        "finish_reason": reason, "stop_reason": stop_reason})  # fmt: skip
     return orjson.dumps({"id": rid, "object": "chat.completion", "created": created,
                          "model": model, "choices": choices, "usage": use})  # fmt: skip
 
@@ -129,20 +132,28 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def completion_chunk(
     rid: str, created: int, model: str, index: int, text: str, reason: str | None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None, stop_reason: StopReason = None,
 ) -> dict[str, Any]:  # fmt: skip
+    """A text_completion chunk; the one carrying ``reason`` carries ``stop_reason`` too."""
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                              "finish_reason": reason}  # fmt: skip
+    if reason is not None:
+        choice["stop_reason"] = stop_reason
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                         "finish_reason": reason}]}  # fmt: skip
+            "choices": [choice]}  # fmt: skip
 
 
 def chat_chunk(
     rid: str, created: int, model: str, index: int, delta: dict[str, str], reason: str | None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None, stop_reason: StopReason = None,
 ) -> dict[str, Any]:  # fmt: skip
+    """A chat.completion.chunk; the one carrying ``reason`` carries ``stop_reason`` too."""
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": reason}  # fmt: skip
+    if reason is not None:
+        choice["stop_reason"] = stop_reason
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                         "finish_reason": reason}]}  # fmt: skip
+            "choices": [choice]}  # fmt: skip
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, int]) -> bytes:

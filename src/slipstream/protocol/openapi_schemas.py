@@ -310,6 +310,9 @@ def openai_schemas() -> dict[str, Any]:
         "required": ["prompt_tokens", "total_tokens"],
     }
     reason = {"type": ["string", "null"]}
+    stop_reason = {"type": ["string", "integer", "null"],
+                   "description": "vLLM's: the stop string or stop token id that ended the "
+                   "text; null for end-of-sequence or length"}  # fmt: skip
 
     def listing(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
         whole = _chunk(obj, choice)
@@ -323,6 +326,7 @@ def openai_schemas() -> dict[str, Any]:
             "index": {"type": "integer"},
             "text": {"type": "string"},
             "finish_reason": reason,
+            "stop_reason": stop_reason,
         },
         "required": ["index", "text", "finish_reason"],
     }
@@ -349,6 +353,7 @@ def openai_schemas() -> dict[str, Any]:
             "index": {"type": "integer"},
             "message": message,
             "finish_reason": reason,
+            "stop_reason": stop_reason,
             "logprobs": logprobs,
         },
         "required": ["index", "message", "finish_reason"],
@@ -363,7 +368,12 @@ def openai_schemas() -> dict[str, Any]:
     }
     delta_choice = {
         "type": "object",
-        "properties": {"index": {"type": "integer"}, "delta": delta, "finish_reason": reason},
+        "properties": {
+            "index": {"type": "integer"},
+            "delta": delta,
+            "finish_reason": reason,
+            "stop_reason": stop_reason,
+        },
         "required": ["index", "delta", "finish_reason"],
     }
     card = {

@@ -141,6 +141,8 @@ class Collected:
 
     texts: list[str]
     reasons: list[str]
+    # vLLM's stop_reason: the stop string or stop token id that ended the choice, or None.
+    stop_reasons: list[replies.StopReason]
     completion_tokens: list[int]
     # Per choice: logprob entries, or None when the request asked for none.
     entries: list[list[replies.LogprobEntry] | None]
@@ -148,7 +150,7 @@ class Collected:
     calls: list[list[replies.CallItem]] = field(default_factory=list)
 
     def choices(self) -> list[replies.Choice]:
-        return list(zip(self.texts, self.reasons, self.entries, strict=True))
+        return list(zip(self.texts, self.reasons, self.stop_reasons, self.entries, strict=True))
 
 
 async def collect(
@@ -160,6 +162,7 @@ async def collect(
     """Run a generation to its end and gather each choice's text, reason and logprobs."""
     texts = [[echo] for echo in echoes] if echoes else [[""] for _ in range(choices)]
     reasons = ["stop"] * choices
+    stop_reasons: list[replies.StopReason] = [None] * choices
     completion_tokens = [0] * choices
     entries: list[list[replies.LogprobEntry] | None] = [
         [] if pieces is not None else None for _ in range(choices)
@@ -171,7 +174,9 @@ async def collect(
             entries[index] = [*(entries[index] or []), *pieces.entries(delta.logprobs)]
         if delta.finish_reason is not None:
             reasons[index] = delta.finish_reason
-    return Collected(["".join(parts) for parts in texts], reasons, completion_tokens, entries)
+            stop_reasons[index] = delta.stop_reason
+    return Collected(["".join(parts) for parts in texts], reasons, stop_reasons,
+                     completion_tokens, entries)  # fmt: skip
 
 
 def read_tool_calls(collected: Collected, tools: list[Tool], choice: ToolChoice) -> None:
@@ -204,7 +209,8 @@ async def replay_events(
         if collected.calls[index]:
             delta: Any = {"tool_calls": replies.tool_calls(collected.calls[index])}
             yield replies.sse(replies.chat_chunk(rid, created, model, index, delta, None) | extra)
-        last = replies.chat_chunk(rid, created, model, index, {}, collected.reasons[index])
+        last = replies.chat_chunk(rid, created, model, index, {}, collected.reasons[index],
+                                  stop_reason=collected.stop_reasons[index])  # fmt: skip
         yield replies.sse(last | extra)
     if head.include_usage:
         use = replies.usage(prompt_tokens, sum(collected.completion_tokens))
@@ -328,11 +334,13 @@ async def _completion_events(
                                           None, replies.chat_logprobs(entries))  # fmt: skip
                 yield replies.sse(chunk | extra)
             if delta.finish_reason is not None:
-                last = replies.chat_chunk(rid, created, model, index, {}, delta.finish_reason)
+                last = replies.chat_chunk(rid, created, model, index, {}, delta.finish_reason,
+                                          stop_reason=delta.stop_reason)  # fmt: skip
                 yield replies.sse(last | extra)
         else:
             logprobs = replies.completion_logprobs(entries, offsets[index])
             offsets[index] += sum(len(text) for text, *_ in entries or [])
             chunk = replies.completion_chunk(rid, created, model, index, delta.text,
-                                            delta.finish_reason, logprobs)  # fmt: skip
+                                            delta.finish_reason, logprobs,
+                                            delta.stop_reason)  # fmt: skip
             yield replies.sse(chunk | extra)

@@ -120,5 +120,6 @@ async def _events(
             yield replies.sse(chunk | extra)
         if reason is not None:
             why = "tool_calls" if calls else reason
-            last = replies.chat_chunk(rid, created, model, index, {}, why)
+            last = replies.chat_chunk(rid, created, model, index, {}, why,
+                                      stop_reason=delta.stop_reason)  # fmt: skip
             yield replies.sse(last | extra)

@@ -126,6 +126,10 @@ class _GrpcFrontend:
 
     def __init__(self, service: InferenceService) -> None:
         self._service = service
+        # Model name -> whether its config is decoupled (Triton's transaction policy is
+        # the model's, every version's): a streamed request goes straight to the path it
+        # takes, looked up once per model (a model that is not there is not remembered).
+        self._decoupled: dict[str, bool] = {}
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         unary: dict[str, _Unary] = {
@@ -243,12 +247,19 @@ class _GrpcFrontend:
             empty_final = decoded.parameters.pop(grpc_stream.ENABLE_EMPTY_FINAL_RESPONSE, None)
             decoded.route_key = route_key
             decoded.owner = KEY_NAME.get()
-            try:
-                response = await self._service.infer(decoded)
-            except Decoupled:  # any number of answers: as they come
-                answers = self._decoupled_answers(request, decoded, empty_final is True)
-                return grpc_stream.Answers(answers)
-            return grpc_codec.serialize_stream_infer_response(response, final=True)
+            decoupled = self._decoupled.get(decoded.model_name)
+            if decoupled is None:
+                decoupled = await self._is_decoupled(decoded.model_name)
+            if not decoupled:
+                try:
+                    response = await self._service.infer(decoded)
+                    return grpc_codec.serialize_stream_infer_response(response, final=True)
+                except Decoupled:  # reloaded as a decoupled model since it was looked up
+                    self._decoupled[decoded.model_name] = True
+            # Any number of answers, as they come (one, where a model reloaded since is
+            # no longer decoupled: infer_stream answers any model).
+            answers = self._decoupled_answers(request, decoded, empty_final is True)
+            return grpc_stream.Answers(answers)
         except SlipstreamError as exc:
             message, code = exc.message, exc.grpc_code
         except Exception:
@@ -258,6 +269,16 @@ class _GrpcFrontend:
         if errors is not None:  # for the access log's line of this message
             errors[id(request)] = code
         return grpc_stream.serialize_stream_error(request, message)
+
+    async def _is_decoupled(self, name: str) -> bool:
+        """Whether model ``name`` is decoupled, remembered where it is known; False for
+        a model not there (``infer`` answers why)."""
+        try:
+            config = await self._service.model_config(name)
+        except SlipstreamError:
+            return False
+        decoupled = self._decoupled[name] = config.model_transaction_policy.decoupled
+        return decoupled
 
     async def _decoupled_answers(
         self, request: pb.ModelInferRequest, decoded: InferRequest, empty_final: bool
