@@ -99,6 +99,9 @@ schema.hook(flatmap_case)
 MODEL_DEPENDENT = (
     "context length", "can never fit the KV cache", "outside the model's vocabulary",
     "must contain at least one token", "is not an embedding model", "max_request_tokens",
+    # Scores: of a generative model; a truncation shorter than the tokenizer's special
+    # tokens, or longer than its file's.
+    "is a generative model", "leaves no room for text", "its tokenizer file's truncation",
 )  # fmt: skip
 
 
@@ -110,6 +113,8 @@ MODEL_DEPENDENT = (
 CONTENT_DEPENDENT = (
     "does not compile", "cannot follow it", "set one constraint", "needs tools", "no tool named",
     "only allowed when", "not supported together with", "cannot be combined with",
+    # Scores pair one text_1 with each text_2, or as many of each.
+    "expected 1:1, 1:N or N:N",
     # A rollout's plan: steps in increasing order, a candidate that is loaded, a baseline
     # other than it, no rollout active already, an action its state allows.
     "expected increasing percentages", "is not loaded", "is not a loaded version",
@@ -149,7 +154,7 @@ def test_every_route_conforms_and_never_answers_5xx(case: Any, server: RemoteSer
     if case.path.endswith("/unload") and case.path_parameters.get("model") in SERVED:
         return
     excluded = []
-    if case.path.endswith(("/infer", "/ready", "/generate", "/generate_stream")):
+    if case.path.endswith(("/infer", "/ready", "/generate", "/generate_stream", ":predict")):
         # Whether a schema-valid inference request is valid depends on the model's
         # signature, and /ready answers 400 for a model that is not ready (Triton's
         # answer): such 400s are checked against the document, not called wrong.

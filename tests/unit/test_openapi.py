@@ -54,6 +54,11 @@ ROUTES |= {
 } | {("post", f"/v2/{kind}sharedmemory/region/{{region}}/register") for kind in ("system", "cuda")}
 # Asynchronous jobs (issue #17).
 ROUTES |= {("post", "/v2/jobs"), ("get", "/v2/jobs/{job}")}
+# vLLM's scoring routes, rerank at each path vLLM answers it at.
+ROUTES |= {("post", path) for path in ("/v1/score", "/v1/rerank", "/rerank", "/v2/rerank")}
+# KServe's V1 protocol.
+ROUTES |= {("post", "/v1/models/{model}:predict"),
+           ("post", "/v1/models/{model}/versions/{version}:predict")}  # fmt: skip
 # Triton's logging and trace settings.
 ROUTES |= {
     (method, path)
@@ -135,7 +140,9 @@ def test_every_operation_documents_the_front_doors_refusals() -> None:
     document = openapi_document("test")
     assert document["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
     for template, item in document["paths"].items():
-        shape = "OpenAIError" if template.startswith("/v1/") else "V2Error"
+        # KServe V1's :predict answers in its own shape, V2's.
+        openai_shape = template.startswith("/v1/") and not template.endswith(":predict")
+        shape = "OpenAIError" if openai_shape else "V2Error"
         for method, operation in item.items():
             if method == "parameters":
                 continue

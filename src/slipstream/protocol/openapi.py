@@ -2,7 +2,8 @@
 
 Every route the HTTP front end answers, with every status it can answer: the V2 REST
 routes (the Open Inference Protocol, Triton's binary tensor extension, its model config,
-statistics and repository extensions), ``/metrics``, and the OpenAI routes. The OpenAI
+statistics and repository extensions), ``/metrics``, KServe's V1 ``:predict`` routes
+(:mod:`.openapi_kserve_v1`), and the OpenAI routes. The OpenAI
 request schemas are generated from the pydantic models that validate those requests
 (:mod:`slipstream.protocol.openai`), so the document cannot drift from what the server
 accepts; the V2 schemas follow KServe's published ``rest_predict_v2.yaml`` in shape, with
@@ -25,6 +26,7 @@ from functools import cache
 from typing import Any
 
 from slipstream.names import JOB_ID_PATTERN
+from slipstream.protocol.openapi_kserve_v1 import kserve_v1_schemas, with_kserve_v1
 from slipstream.protocol.openapi_schemas import (
     JSON,
     MODEL_NAME_PATTERN,
@@ -35,22 +37,15 @@ from slipstream.protocol.openapi_schemas import (
     response,
     v2_schemas,
 )
+from slipstream.protocol.openapi_score import score_paths, score_schemas
 from slipstream.protocol.openapi_settings import settings_paths
-from slipstream.protocol.openapi_statuses import (
-    OPENAI_ERROR as _OPENAI_ERROR,
-)
-from slipstream.protocol.openapi_statuses import (
-    RETRY_AFTER as _RETRY_AFTER,
-)
-from slipstream.protocol.openapi_statuses import (
-    V2_ERROR as _V2_ERROR,
-)
 from slipstream.protocol.openapi_statuses import (
     openai_errors as _openai_errors,
 )
 from slipstream.protocol.openapi_statuses import (
     v2_errors as _v2_errors,
 )
+from slipstream.protocol.openapi_statuses import with_front_door
 
 __all__ = ["MODEL_NAME_PATTERN", "allowed_methods", "openapi_document"]
 
@@ -512,14 +507,20 @@ def openapi_document(version: str) -> dict[str, Any]:
             "title": "Slipstream",
             "version": version,
             "description": "Open Inference Protocol (V2) REST with Triton's extensions, "
-            'Prometheus metrics, and the OpenAI-compatible API. Errors: {"error": '
-            'message} on V2 routes and the transport, OpenAI\'s {"error": {message, '
-            "type, param, code}} on /v1 routes.",
+            "KServe's V1 protocol, Prometheus metrics, and the OpenAI-compatible API. "
+            'Errors: {"error": message} on V2 routes, KServe V1\'s :predict and the '
+            'transport, OpenAI\'s {"error": {message, type, param, code}} on other /v1 routes.',
             "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
         },
-        "paths": _with_front_door(_v2_paths() | _openai_paths()),
+        "paths": with_front_door(
+            with_kserve_v1(_v2_paths() | _openai_paths() | score_paths(), _MODEL, _VERSION)
+        ),
         "components": {
-            "schemas": v2_schemas() | job_schemas() | openai_schemas(),
+            "schemas": v2_schemas()
+            | job_schemas()
+            | openai_schemas()
+            | score_schemas()
+            | kserve_v1_schemas(),
             "securitySchemes": {
                 "apiKey": {
                     "type": "http",
@@ -532,37 +533,6 @@ def openapi_document(version: str) -> dict[str, Any]:
         # No key, or a key: a server without --auth-file asks for none.
         "security": [{}, {"apiKey": []}],
     }
-
-
-_RATE_LIMIT_HEADERS = _RETRY_AFTER | {
-    "RateLimit-Policy": {
-        "description": 'The limit that refused the request, e.g. "requests";q=10;w=1 '
-        "(draft-ietf-httpapi-ratelimit-headers)",
-        "schema": {"type": "string"},
-    },
-    "RateLimit": {
-        "description": 'What is left of it, e.g. "requests";r=0;t=1',
-        "schema": {"type": "string"},
-    },
-}
-
-
-def _with_front_door(paths: dict[str, Any]) -> dict[str, Any]:
-    """Every operation's answers of the front door (servers with --auth-file; which
-    routes need which role: security/access.py), in its route's error shape."""
-    for template, item in paths.items():
-        shape = _OPENAI_ERROR if template.startswith("/v1/") else _V2_ERROR
-        for method, operation in item.items():
-            if method not in ("get", "post", "put", "delete", "patch"):
-                continue  # the path's shared parameters
-            limited = response("Over a rate limit of the key", shape)
-            limited["headers"] = _RATE_LIMIT_HEADERS
-            operation["responses"] |= {
-                "401": response("No API key, or one this server does not know", shape),
-                "403": response("The key's role or models do not allow this", shape),
-                "429": limited,
-            }
-    return paths
 
 
 @cache

@@ -54,3 +54,35 @@ def openai_errors(*statuses: str, body: bool = False) -> dict[str, Any]:
     )
     out["503"]["headers"] = RETRY_AFTER
     return out | TRANSPORT | (TOO_LARGE if body else {})
+
+
+_RATE_LIMIT_HEADERS = RETRY_AFTER | {
+    "RateLimit-Policy": {
+        "description": 'The limit that refused the request, e.g. "requests";q=10;w=1 '
+        "(draft-ietf-httpapi-ratelimit-headers)",
+        "schema": {"type": "string"},
+    },
+    "RateLimit": {
+        "description": 'What is left of it, e.g. "requests";r=0;t=1',
+        "schema": {"type": "string"},
+    },
+}
+
+
+def with_front_door(paths: dict[str, Any]) -> dict[str, Any]:
+    """Every operation's answers of the front door (servers with --auth-file; which
+    routes need which role: security/access.py), in its route's error shape."""
+    for template, item in paths.items():
+        openai_shape = template.startswith("/v1/") and not template.endswith(":predict")
+        shape = OPENAI_ERROR if openai_shape else V2_ERROR
+        for method, operation in item.items():
+            if method not in ("get", "post", "put", "delete", "patch"):
+                continue  # the path's shared parameters
+            limited = response("Over a rate limit of the key", shape)
+            limited["headers"] = _RATE_LIMIT_HEADERS
+            operation["responses"] |= {
+                "401": response("No API key, or one this server does not know", shape),
+                "403": response("The key's role or models do not allow this", shape),
+                "429": limited,
+            }
+    return paths

@@ -42,10 +42,18 @@ HTTP_ROUTES: dict[str, Need] = {
     "/v2/models/{model}/versions/{version}/generate_stream": "infer",
     "/v1/models": "infer",
     "/v1/models/{model}": "infer",
+    # KServe's V1 protocol (server/kserve_v1_rest.py): inference, as V2's infer.
+    "/v1/models/{model}:predict": "infer",
+    "/v1/models/{model}/versions/{version}:predict": "infer",
     "/v1/completions": "infer",
     "/v1/chat/completions": "infer",
     "/v1/responses": "infer",
     "/v1/embeddings": "infer",
+    # vLLM's scoring routes (rerank at all three of its paths).
+    "/v1/score": "infer",
+    "/v1/rerank": "infer",
+    "/rerank": "infer",
+    "/v2/rerank": "infer",
     # Asynchronous jobs: submitting one is inference; its status is its result. A job
     # names no model in its path: a key limited to some models may read any job whose
     # id it knows (the server's ids are 128 random bits).
@@ -91,9 +99,10 @@ HTTP_ROUTES: dict[str, Need] = {
 # The generative routes: their tokens count against a key's tokens per minute.
 GENERATIVE = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
 # OpenAI routes whose model is the body's "model" field.
-MODEL_IN_BODY = frozenset(
-    ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v2/jobs")
-)
+MODEL_IN_BODY = frozenset((
+    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v2/jobs",
+    "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank",
+))  # fmt: skip
 
 # gRPC method of inference.GRPCInferenceService -> (role, the request field naming the
 # model, or "" when it names none).
@@ -149,8 +158,9 @@ _MAX_CACHED = 4096
 @cache
 def _patterns() -> tuple[tuple[re.Pattern[str], str], ...]:
     templates = list(openapi_document("")["paths"])
-    # Literal templates first: /v2/models/stats is not the model "stats".
-    templates.sort(key=lambda t: "{" in t)
+    # Literal templates first: /v2/models/stats is not the model "stats"; then those with
+    # a verb: /v1/models/m:predict is not the model "m:predict".
+    templates.sort(key=lambda t: ("{" in t, ":" not in t))
     compiled = []
     for template in templates:
         pattern = re.sub(r"\\\{([a-z_]+)\\\}", r"(?P<\1>[^/]+)", re.escape(template))

@@ -2,7 +2,8 @@
 limits, request ids and the access log (the checks live in :mod:`slipstream.security`).
 
 Installed only when one of them is configured, so a server without them pays nothing.
-Refusals are answered in the route's error shape: OpenAI's on ``/v1/``, V2's elsewhere.
+Refusals are answered in the route's error shape: OpenAI's on ``/v1/`` (but for KServe V1's
+``:predict``), V2's elsewhere.
 
 Example::
 
@@ -20,6 +21,7 @@ import orjson
 from slipstream.errors import SlipstreamError, TooManyRequests, Unauthenticated
 from slipstream.protocol import openai_replies as replies
 from slipstream.protocol import v2
+from slipstream.protocol.kserve_v1 import is_predict_path
 from slipstream.security.access import HttpAccess, RouteAccess
 from slipstream.security.gate import AccessRecord, Gate, body_model, request_id
 from slipstream.security.keys import ApiKey
@@ -222,7 +224,8 @@ async def _ready(reply: Reply) -> Reply:
 
 
 def _refusal(exc: SlipstreamError, path: str) -> HttpResponse:
-    body = replies.error(exc) if path.startswith("/v1/") else v2.encode_error(exc.message)
+    openai_shape = path.startswith("/v1/") and not is_predict_path(path)  # KServe V1: V2's
+    body = replies.error(exc) if openai_shape else v2.encode_error(exc.message)
     reply = error_reply(exc, body)
     if isinstance(exc, Unauthenticated):  # RFC 7235: a 401 names the scheme it wants
         reply.headers.append((b"www-authenticate", b'Bearer realm="slipstream"'))

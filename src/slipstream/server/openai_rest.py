@@ -1,7 +1,9 @@
-"""The OpenAI-compatible REST routes: /v1/models, completions, chat, responses, embeddings.
+"""The OpenAI-compatible REST routes: /v1/models, completions, chat, responses, embeddings,
+and vLLM's /v1/score and /v1/rerank (also at /rerank and /v2/rerank, as vLLM answers it).
 
-Generation runs on :class:`~slipstream.llm.service.GenerationService`; embeddings run on any V2
-model whose config.yaml names a ``tokenizer``, through the same batcher as V2 requests.
+Generation runs on :class:`~slipstream.llm.service.GenerationService`; embeddings and scores
+run on any V2 model whose config.yaml names a ``tokenizer``, through the same batcher as V2
+requests.
 Every failure is answered in OpenAI's error shape. A streamed response checks the
 request completely (400/404/503) before its first byte; a failure after that ends the
 stream with an error event.
@@ -20,7 +22,7 @@ from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.tools import Tool
 from slipstream.names import path_model_name
 from slipstream.observability.metrics import ServerMetrics
-from slipstream.protocol import openai
+from slipstream.protocol import openai, openai_score
 from slipstream.protocol import openai_replies as replies
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.server.openai_cache import GenerationCache
@@ -41,11 +43,15 @@ from slipstream.server.openai_tool_stream import auto_tool_events
 from slipstream.server.router import no_route
 from slipstream.serving.cache import ResponseCache
 from slipstream.serving.embeddings import Embedder
+from slipstream.serving.scoring import Scorer
 from slipstream.serving.service import InferenceService
 
 logger = logging.getLogger(__name__)
 
 Reply = HttpResponse | StreamingResponse
+
+# vLLM answers its rerank route at all three paths (Jina's and Cohere's clients differ).
+RERANK_ROUTES = frozenset(("/v1/rerank", "/rerank", "/v2/rerank"))
 
 
 class OpenAIApp:
@@ -66,6 +72,7 @@ class OpenAIApp:
         self._service = service
         self._repository = repository
         self._embedder = Embedder(service, repository)
+        self._scorer = Scorer(self._embedder, service)
         self._cached = (
             GenerationCache(cache, llm, repository, metrics) if cache is not None else None
         )
@@ -106,6 +113,10 @@ class OpenAIApp:
                 return await self._chat(request)
             if route == "/v1/embeddings":
                 return await self._embeddings(request)
+            if route == "/v1/score":
+                return await self._score(request)
+            if route in RERANK_ROUTES:
+                return await self._rerank(request)
             if route == "/v1/responses":
                 return await respond(self._llm, request.body, time.perf_counter())
         raise no_route(request.method, request.path)
@@ -217,13 +228,45 @@ class OpenAIApp:
 
     async def _embeddings(self, request: HttpRequest) -> Reply:
         body: openai.EmbeddingRequest = openai.parse(request.body, openai.EmbeddingRequest)
-        route_key = request.header(b"x-slipstream-route-key")
-        key = route_key.decode("latin-1") if route_key else (body.user or "")
         vectors, prompt_tokens = await self._embedder.embed(
-            body.model, body.inputs(), key, check_width=body.check_dimensions
-        )
+            body.model, body.inputs(), _route_key(request, body.user),
+            check_width=body.check_dimensions,
+        )  # fmt: skip
         reply = replies.embeddings(body.model, vectors, body.encoding_format, prompt_tokens)
         return HttpResponse(200, reply)
+
+    async def _score(self, request: HttpRequest) -> Reply:
+        body: openai_score.ScoreRequest = openai_score.parse(
+            request.body, openai_score.ScoreRequest
+        )
+        firsts, seconds = body.pairs()
+        scores = await self._scorer.score(
+            body.model, firsts, seconds, truncate=body.truncation(),
+            activation=body.activated(), route_key=_route_key(request), field="text_2",
+        )  # fmt: skip
+        reply = openai_score.score_list(body.model, scores.values, scores.prompt_tokens)
+        return HttpResponse(200, reply)
+
+    async def _rerank(self, request: HttpRequest) -> Reply:
+        body: openai_score.RerankRequest = openai_score.parse(
+            request.body, openai_score.RerankRequest
+        )
+        documents, top_n = body.texts(), body.top()
+        scores = await self._scorer.score(
+            body.model, [body.query], documents, truncate=body.truncation(),
+            activation=body.activated(), route_key=_route_key(request), field="documents",
+        )  # fmt: skip
+        shown = documents if body.return_documents else None
+        reply = openai_score.rerank_list(
+            body.model, scores.values, shown, top_n, scores.prompt_tokens
+        )
+        return HttpResponse(200, reply)
+
+
+def _route_key(request: HttpRequest, user: str | None = None) -> str:
+    """The sticky-routing key: the X-Slipstream-Route-Key header, else OpenAI's ``user``."""
+    given = request.header(b"x-slipstream-route-key")
+    return given.decode("latin-1") if given else (user or "")
 
 
 def _head(body: Any, chat: bool, pieces: Pieces | None) -> StreamHead:

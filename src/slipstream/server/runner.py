@@ -40,6 +40,7 @@ from slipstream.security.limits import Limiter, LimitStore, MemoryStore
 from slipstream.security.metrics import FrontDoorMetrics
 from slipstream.server.front_door import HttpFrontDoor
 from slipstream.server.httpd import HttpLimits, HttpServer
+from slipstream.server.kserve_v1_rest import KServeV1App
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.router import Handler, Router
 from slipstream.server.state_metrics import ModelStateCollector
@@ -238,7 +239,11 @@ async def start_front_ends(
             from slipstream.server.traced import TraceMiddleware
 
             middleware.insert(0, TraceMiddleware(fronts.tracing))
-        router = Router(fallback=v2_app.handle, routes=[("/v1/", openai)], middleware=middleware)
+        # vLLM answers rerank outside /v1/ too (/rerank, /v2/rerank): the OpenAI app's.
+        routes = [("/v1/", openai), ("/rerank", openai), ("/v2/rerank", openai)]
+        # KServe V1 shares /v1/models with the OpenAI routes, and hands them what is theirs.
+        routes.insert(0, ("/v1/models", KServeV1App(service, openai).handle))
+        router = Router(fallback=v2_app.handle, routes=routes, middleware=middleware)
         fronts.http = HttpServer(
             router.handle, error_body=encode_error, limits=http_limits(settings),
             metrics=metrics.transport,

@@ -6,7 +6,8 @@ directory) embeds text: the texts are tokenized (token id lists, which LangChain
 are taken as they are, cut where the tokenizer cuts text) and padded into pieces of at
 most ``max_batch_size`` rows, each piece is a V2 request on the model's batcher (so the
 pieces batch with other traffic and use every instance), and the model's first output
-is the vectors. The OpenAI ``/v1/embeddings`` route is a thin caller of this.
+is the vectors. The OpenAI ``/v1/embeddings`` route is a thin caller of this;
+:mod:`slipstream.serving.scoring` runs its pairs through :meth:`Embedder.run`.
 
     embedder = Embedder(service, repository)
     vectors, prompt_tokens = await embedder.embed("minilm", ["a cat", [101, 3899, 102]])
@@ -99,19 +100,44 @@ class Embedder:
             raise InvalidRequest(
                 f"model: {model!r} is not an embedding model (its config.yaml names no tokenizer)"
             )
-        tokenizer = self._tokenizer(model, config.tokenizer)
+        tokenizer = self.tokenizer(model, config.tokenizer)
         width = config.output[0].dims[-1] if config.output and config.output[0].dims else -1
         if check_width is not None and width > 0:
             check_width(width)
         # Tokenizing up to 2,048 texts takes milliseconds: off the event loop.
         ids = await asyncio.to_thread(_token_ids, tokenizer, inputs)
+        joined, prompt_tokens = await self.run(model, config, ids, route_key)
+        if check_width is not None and width <= 0:
+            check_width(int(joined.shape[-1]))
+        return joined, prompt_tokens
+
+    async def run(
+        self,
+        model: str,
+        config: ModelConfig,
+        rows: list[list[int]],
+        route_key: str = "",
+        type_rows: list[list[int]] | None = None,
+        field: str = "input",
+    ) -> tuple[np.ndarray, int]:
+        """The model's first output for the token id ``rows`` ([len(rows), ...]) and how
+        many tokens they took, run in pieces of at most ``max_batch_size`` rows on the
+        model's queue. ``type_rows``: each row's token type ids (a cross-encoder's
+        segments), fed as ``token_type_ids`` where the model takes them (zeros without).
+
+        InvalidRequest (400, naming ``field``) when the rows take more than the model's
+        ``max_request_tokens``. ``route_key`` as :meth:`embed` takes it.
+        """
         step = config.max_batch_size or 1
-        pad_id = int((tokenizer.padding or {}).get("pad_id", 0))
-        pieces = [_pad(ids[i : i + step], pad_id) for i in range(0, len(ids), step)]
-        prompt_tokens = sum(int(mask.sum()) for _, mask in pieces)
+        pad_id = int((self.tokenizer(model, config.tokenizer).padding or {}).get("pad_id", 0))
+        pieces = [
+            _pad(rows[i : i + step], pad_id, type_rows[i : i + step] if type_rows else None)
+            for i in range(0, len(rows), step)
+        ]
+        prompt_tokens = sum(int(piece[1].sum()) for piece in pieces)
         if prompt_tokens > config.max_request_tokens:
             raise InvalidRequest(
-                f"input: {prompt_tokens} tokens in all; model {model!r} takes at most "
+                f"{field}: {prompt_tokens} tokens in all; model {model!r} takes at most "
                 f"{config.max_request_tokens} in one request (max_request_tokens in its "
                 "config.yaml); send fewer or shorter inputs"
             )
@@ -121,20 +147,23 @@ class Embedder:
             asyncio.ensure_future(self._run(model, config, route_key, *piece)) for piece in pieces
         ]
         try:
-            vectors = await asyncio.gather(*runs)
+            outputs = await asyncio.gather(*runs)
         finally:
             for run in runs:
                 run.cancel()
-        joined = np.concatenate(vectors)
-        if check_width is not None and width <= 0:
-            check_width(int(joined.shape[-1]))
-        return joined, prompt_tokens
+        return np.concatenate(outputs), prompt_tokens
 
     async def _run(
-        self, model: str, config: ModelConfig, route_key: str, ids: np.ndarray, mask: np.ndarray
+        self,
+        model: str,
+        config: ModelConfig,
+        route_key: str,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        types: np.ndarray,
     ) -> np.ndarray:
-        """One piece through the model's V2 queue: [rows, width]."""
-        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+        """One piece through the model's V2 queue: [rows, ...]."""
+        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         inputs = {t.name: feeds[t.name] for t in config.input if t.name in feeds}
         if not config.max_batch_size:
             inputs = {name: array[0] for name, array in inputs.items()}
@@ -142,7 +171,7 @@ class Embedder:
         output: np.ndarray = next(iter(response.outputs.values()))
         return output if config.max_batch_size else output[None]
 
-    def _tokenizer(self, model: str, name: str) -> Any:
+    def tokenizer(self, model: str, name: str) -> Any:
         """The model's tokenizer, loaded once: resolving its path (symlinks and all, to
         keep it inside the model's directory) costs file-system calls, not per request."""
         key = (model, name)
@@ -177,7 +206,7 @@ def _token_ids(tokenizer: Any, inputs: list[str | list[int]]) -> list[list[int]]
     ids: list[list[int]] = []
     for index, item in enumerate(inputs):
         if isinstance(item, str):
-            ids.append(list(next(encoded).ids))
+            ids.append(unpadded(next(encoded))[0])
             continue
         largest = max(item)
         if largest >= vocab:
@@ -192,12 +221,26 @@ def _token_ids(tokenizer: Any, inputs: list[str | list[int]]) -> list[list[int]]
     return ids
 
 
-def _pad(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and attention mask, padded to the piece's longest row."""
+def unpadded(encoding: Any) -> tuple[list[int], list[int]]:
+    """An encoding's token ids and type ids without the padding its tokenizer file asks for
+    (make run's minilm pads a batch to its longest text): that padding would be masked
+    in, as if it were text; the rows are padded, and masked out, per piece."""
+    kept = [i for i, mask in enumerate(encoding.attention_mask) if mask]
+    return [encoding.ids[i] for i in kept], [encoding.type_ids[i] for i in kept]
+
+
+def _pad(
+    rows: list[list[int]], pad_id: int, type_rows: list[list[int]] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token ids, attention mask and token type ids (zeros without ``type_rows``), padded
+    to the piece's longest row: [rows, longest] each."""
     longest = max(len(row) for row in rows)
     ids = np.full((len(rows), longest), pad_id, dtype=np.int64)
     mask = np.zeros((len(rows), longest), dtype=np.int64)
+    types = np.zeros((len(rows), longest), dtype=np.int64)
     for index, row in enumerate(rows):
         ids[index, : len(row)] = row
         mask[index, : len(row)] = 1
-    return ids, mask
+        if type_rows is not None:
+            types[index, : len(row)] = type_rows[index]
+    return ids, mask, types
