@@ -394,3 +394,50 @@ def assert_add_sub_answers(http_address: str, model_file: Path) -> None:
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), expected["OUTPUT1"])
     finally:
         client.close()
+
+
+# Triton's "repeat" example, reduced: a decoupled Python model answering N with the
+# answers I = 0..N-1 from a thread, then the final flag alone; N < 0 is answered with an
+# error response.
+REPEAT_MODEL = """
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            count = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+            threading.Thread(target=self._answer, args=(sender, count)).start()
+        return None
+
+    def _answer(self, sender, count):
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if count < 0:
+            error = pb_utils.TritonError("N must be >= 0", pb_utils.TritonError.INVALID_ARG)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=final)
+            return
+        for index in range(count):
+            out = pb_utils.Tensor("I", np.array([index], dtype=np.int32))
+            sender.send(pb_utils.InferenceResponse([out]))
+        sender.send(flags=final)
+"""
+REPEAT_CONFIG = """
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "I" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+
+def build_repeat(repo: Path, name: str = "repeat") -> Path:
+    """The decoupled :data:`REPEAT_MODEL` as ``name`` in ``repo`` (serve it with
+    ``--trust-pickle``); the model's directory."""
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(REPEAT_MODEL)
+    (repo / name / "config.pbtxt").write_text(REPEAT_CONFIG)
+    return repo / name

@@ -17,51 +17,13 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tests.models import build_repeat
 from tests.utils import RemoteServer
-
-# Triton's "repeat" example, reduced: N answers I = 0..N-1 from a thread, then the final
-# flag alone; N < 0 is answered with an error response.
-REPEAT = """
-import threading
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        for request in requests:
-            count = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
-            sender = request.get_response_sender()
-            threading.Thread(target=self._answer, args=(sender, count)).start()
-        return None
-
-    def _answer(self, sender, count):
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if count < 0:
-            error = pb_utils.TritonError("N must be >= 0", pb_utils.TritonError.INVALID_ARG)
-            sender.send(pb_utils.InferenceResponse(error=error), flags=final)
-            return
-        for index in range(count):
-            out = pb_utils.Tensor("I", np.array([index], dtype=np.int32))
-            sender.send(pb_utils.InferenceResponse([out]))
-        sender.send(flags=final)
-"""
-
-CONFIG = """
-backend: "python"
-max_batch_size: 0
-model_transaction_policy { decoupled: true }
-input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "I" data_type: TYPE_INT32 dims: [ 1 ] } ]
-"""
 
 
 def build_repository(root: Path) -> Path:
     repo = root / "repo"
-    (repo / "repeat" / "1").mkdir(parents=True)
-    (repo / "repeat" / "1" / "model.py").write_text(REPEAT)
-    (repo / "repeat" / "config.pbtxt").write_text(CONFIG)
+    build_repeat(repo)
     return repo
 
 

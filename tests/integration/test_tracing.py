@@ -28,7 +28,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.llm_models import smollm2_gguf
-from tests.models import ADD_SUB_WIDTH, build_add_sub, write_config
+from tests.models import ADD_SUB_WIDTH, build_add_sub, build_repeat, write_config
 from tests.utils import RemoteServer, slipstream_command
 
 trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
@@ -42,35 +42,6 @@ DELAYED = "delayed"
 QUEUE_DELAY_US = 300_000
 PIPELINE = "pipeline"
 REPEAT = "repeat"
-# A decoupled Python model: N answers I = 0..N-1 from a thread, then the final flag alone.
-REPEAT_MODEL = """
-import threading
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        for request in requests:
-            count = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
-            sender = request.get_response_sender()
-            threading.Thread(target=self._answer, args=(sender, count)).start()
-        return None
-
-    def _answer(self, sender, count):
-        for index in range(count):
-            out = pb_utils.Tensor("I", np.array([index], dtype=np.int32))
-            sender.send(pb_utils.InferenceResponse([out]))
-        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-"""
-REPEAT_CONFIG = """
-backend: "python"
-max_batch_size: 0
-model_transaction_policy { decoupled: true }
-input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "I" data_type: TYPE_INT32 dims: [ 1 ] } ]
-"""
 # Two add_sub steps, the second on the first's outputs.
 PIPELINE_CONFIG = f"""
 name: "{PIPELINE}"
@@ -169,9 +140,7 @@ def traced(
         "max_queue_delay_microseconds": QUEUE_DELAY_US}})  # fmt: skip
     (repo / PIPELINE / "1").mkdir(parents=True)
     (repo / PIPELINE / "config.pbtxt").write_text(PIPELINE_CONFIG)
-    (repo / REPEAT / "1").mkdir(parents=True)
-    (repo / REPEAT / "1" / "model.py").write_text(REPEAT_MODEL)
-    (repo / REPEAT / "config.pbtxt").write_text(REPEAT_CONFIG)
+    build_repeat(repo, REPEAT)
     (repo / LLM / "1").mkdir(parents=True)
     os.link(smollm2_gguf(), repo / LLM / "1" / "model.gguf")
     write_config(repo, LLM, {"backend": "llama_cpp", "generation": {
