@@ -316,6 +316,14 @@ def test_models_that_do_not_score_are_refused_naming_model(server: RemoteServer)
     post(server, "/v1/score", {"model": "reranker", "text_1": "a", "text_2": "b"})
 
 
+def test_embeddings_of_a_cross_encoder_are_refused_naming_the_scoring_routes(
+    server: RemoteServer,
+) -> None:
+    """A cross-encoder's one logit per text is no embedding."""
+    error = refused(server, "/v1/embeddings", {"model": "reranker", "input": "a cat"})
+    assert error["param"] == "model" and "/v1/rerank" in error["message"], error
+
+
 # -- the split layout ----------------------------------------------------------------------
 
 

@@ -100,6 +100,11 @@ class Embedder:
             raise InvalidRequest(
                 f"model: {model!r} is not an embedding model (its config.yaml names no tokenizer)"
             )
+        if is_cross_encoder(config):
+            raise InvalidRequest(
+                f"model: {model!r} is a cross-encoder (one logit per pair of texts), not an "
+                "embedding model: score pairs with /v1/score or /v1/rerank"
+            )
         tokenizer = self.tokenizer(model, config.tokenizer)
         width = config.output[0].dims[-1] if config.output and config.output[0].dims else -1
         if check_width is not None and width > 0:
@@ -219,6 +224,11 @@ def _token_ids(tokenizer: Any, inputs: list[str | list[int]]) -> list[list[int]]
             item = item[-longest:] if from_left else item[:longest]
         ids.append(item)
     return ids
+
+
+def is_cross_encoder(config: ModelConfig) -> bool:
+    """Whether the model answers one logit per row: its first output's last dimension is 1."""
+    return bool(config.output and config.output[0].dims and config.output[0].dims[-1] == 1)
 
 
 def unpadded(encoding: Any) -> tuple[list[int], list[int]]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from slipstream.config import ModelConfig
 from slipstream.errors import GenerativeModel, InvalidRequest, ModelNotFound
-from slipstream.serving.embeddings import Embedder, unpadded
+from slipstream.serving.embeddings import Embedder, is_cross_encoder, unpadded
 from slipstream.serving.service import InferenceService
 
 # Tokenizers kept per (model, tokenizer file, truncation): a copy costs ~30 ms to make
@@ -47,11 +47,6 @@ class Scores:
     # Tokens the model ran: each pair's for a cross-encoder, each text's once for an
     # embedding model.
     prompt_tokens: int
-
-
-def is_cross_encoder(config: ModelConfig) -> bool:
-    """Whether the model answers one logit per row: its first output's last dimension is 1."""
-    return bool(config.output and config.output[0].dims and config.output[0].dims[-1] == 1)
 
 
 class Scorer:
