@@ -15,8 +15,9 @@ engine that really runs the model is the config's ``slipstream_backend`` paramet
 
 In the split layout this wraps the engine process's core, so the front ends reach it
 through the engine's calls unchanged. A request that streams (``stream: true``) raises
-``Decoupled`` from :meth:`infer` as any decoupled model's does: gRPC ModelStreamInfer
-and /generate_stream then read its answers from :meth:`infer_stream`.
+``Decoupled`` from :meth:`infer` as any decoupled model's does; gRPC ModelStreamInfer
+(which sends a decoupled model's requests straight to :meth:`infer_stream`) and
+/generate_stream read its answers from :meth:`infer_stream`.
 """
 
 from __future__ import annotations
