@@ -220,7 +220,8 @@ def main() -> None:
     is_flag=True,
     default=False,
     help="Serve each model as a Ray Serve application (ray_serve: in its config.yaml "
-    "scales it) on a local Ray cluster, or RAY_ADDRESS's; HTTP V2 routes only.",
+    "scales it) on a local Ray cluster, or RAY_ADDRESS's: over HTTP(S) only (V2, KServe V1, "
+    "and OpenAI's generation routes; no gRPC, embeddings or scoring: docs/scale-out.md).",
 )
 @click.option("--jobs-redis", default="", help=_help("jobs_redis"))
 @click.option("--jobs-max-pending", type=int, default=_default("jobs_max_pending"),

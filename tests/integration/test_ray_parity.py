@@ -1,8 +1,11 @@
 """``slipstream serve --ray`` answering as ``slipstream serve`` does, on a repository with
 no generative model: HTTPS from ``--tls-cert/--tls-key`` (Ray Serve's proxy serves it),
-``GET /v1/models`` and ``GET /v2`` as the plain server answers them (less the extensions
-Ray refuses), and drift monitored in each replica of a model, its windows in ``/drift``
-and in ``/metrics`` per replica. One Ray cluster serves every case (~10 s to start).
+``GET /v1/models`` (with KServe's ``models``), KServe V1's readiness and ``:predict``
+(run by the model's replicas) and ``GET /v2`` as the plain server answers them (less the
+extensions Ray refuses), vLLM's scoring routes refused naming why, and drift monitored
+in each replica of a model, its windows in ``/drift`` and in ``/metrics`` per replica.
+One Ray cluster serves every case (~10 s to start); a stateful model on more than one
+replica is refused before Ray starts.
 """
 
 from __future__ import annotations
@@ -99,10 +102,11 @@ def test_the_proxy_serves_https_from_tls_cert_and_key(https: httpx.Client) -> No
 def test_v1_models_and_v2_answer_as_on_the_plain_server(
     https: httpx.Client, plain: RemoteServer
 ) -> None:
-    for path in ("/v1/models", "/v1/models/watched"):
+    for path in ("/v1/models", "/v1/models/watched", "/v1/models/nothing"):
         mine, theirs = https.get(path), plain.http.get(path)
         assert (mine.status_code, mine.json()) == (theirs.status_code, theirs.json()), path
-    assert https.get("/v1/models").json() == {"object": "list", "data": []}
+    assert https.get("/v1/models").json() == {"object": "list", "data": [], "models": ["watched"]}
+    assert https.get("/v1/models/watched").json() == {"name": "watched", "ready": True}
     completion = {"model": "watched", "prompt": "hi"}
     mine = https.post("/v1/completions", json=completion)
     theirs = plain.http.post("/v1/completions", json=completion)
@@ -113,6 +117,46 @@ def test_v1_models_and_v2_answer_as_on_the_plain_server(
                "cuda_shared_memory"}  # fmt: skip
     assert served == [e for e in plain.http.get("/v2").json()["extensions"] if e not in refused]
     assert "model_repository" in served and "model_repository(unload_dependents)" not in served
+
+
+def test_kserve_v1_predictions_run_on_the_models_replicas_as_on_the_plain_server(
+    https: httpx.Client, plain: RemoteServer
+) -> None:
+    rows = [[float(i + j) for j in range(ADD_SUB_WIDTH)] for i in range(3)]
+    row = {"instances": [{"INPUT0": r, "INPUT1": r} for r in rows]}
+    columnar = {"inputs": {"INPUT0": rows, "INPUT1": rows}}
+    before = _inference_count(https)
+    for path, body in [("/v1/models/watched:predict", row),
+                       ("/v1/models/watched/versions/1:predict", columnar),
+                       ("/v1/models/watched:predict", {"instances": [[1.0]]}),  # 400
+                       ("/v1/models/nothing:predict", row),  # 404
+                       ("/v1/models/watched:explain", row)]:  # fmt: skip
+        mine, theirs = https.post(path, json=body), plain.http.post(path, json=body)
+        assert (mine.status_code, mine.json()) == (theirs.status_code, theirs.json()), path
+    predicted = https.post("/v1/models/watched:predict", json=row)
+    assert predicted.json()["predictions"][1]["OUTPUT0"] == [2 * x for x in rows[1]]
+    # Answered by a replica of the model's application, whose statistics count the rows.
+    root = https.get("/v2").headers["x-slipstream-replica"]
+    assert predicted.headers["x-slipstream-replica"] != root
+    deadline = time.monotonic() + 30
+    while _inference_count(https) < before + 3 * len(rows):
+        assert time.monotonic() < deadline, _inference_count(https)
+        time.sleep(0.5)
+
+
+def _inference_count(https: httpx.Client) -> int:
+    stats = https.get("/v2/models/stats").json()["model_stats"]
+    return sum(entry["inference_count"] for entry in stats if entry["name"] == "watched")
+
+
+@pytest.mark.parametrize("route", ["/v1/score", "/v1/rerank", "/rerank", "/v2/rerank"])
+def test_scoring_routes_answer_404_naming_why(https: httpx.Client, route: str) -> None:
+    body = {"model": "watched", "query": "q", "documents": ["d"], "text_1": "a", "text_2": "b"}
+    reply = https.post(route, json=body)
+    assert reply.status_code == 404, reply.text
+    message = reply.json()["error"]["message"]
+    assert message.startswith(f"{route} is not served under serve --ray"), message
+    assert "without --ray" in message
 
 
 def _send(https: httpx.Client, rng: np.random.Generator) -> None:
@@ -153,6 +197,30 @@ def test_each_replica_monitors_drift_and_both_are_reported(https: httpx.Client) 
         time.sleep(0.5)
     unknown = https.get("/v2/models/watched/versions/7/drift")
     assert unknown.status_code == 404, unknown.text
+
+
+def test_a_stateful_model_on_more_than_one_replica_stops_the_start_before_ray(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    from slipstream.config import ServerSettings
+    from slipstream.rayserve.app import run
+
+    def no_cluster(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("Ray was started for a stateful model on two replicas")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    build_add_sub(tmp_path, "counter")
+    replicas = {"min_replicas": 1, "max_replicas": 2}
+    write_config(tmp_path, "counter", {"max_batch_size": 8, "sequence_batching": {},
+                                       "ray_serve": replicas})  # fmt: skip
+    build_add_sub(tmp_path, "fine")
+    assert run(ServerSettings(model_repository=tmp_path)) == 1
+    [problem] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert problem.startswith("model 'counter' cannot be deployed: "), problem
+    assert "a stateful model's sequences live in one replica" in problem
+    assert "keep it at 1" in problem
 
 
 def test_tls_files_that_do_not_load_stop_the_start_naming_them(

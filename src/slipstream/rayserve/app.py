@@ -23,11 +23,14 @@ replicas (:mod:`slipstream.rayserve.relay`). ``/metrics`` at the root answers ev
 replica's metrics, with the server's names and a ``replica`` label
 (:mod:`slipstream.rayserve.metrics`); each replica monitors drift on the requests it
 answers (:class:`slipstream.rayserve.control.ReplicaDrift`). ``--tls-cert/--tls-key``
-make Ray's proxy serve HTTPS (:func:`http_options`). Not served under Ray: gRPC,
-/v1/embeddings (its embedding model is a V2 application of its own), client shared
-memory; the options that would need them (API keys, jobs, client certificates...) are
-refused at start (:mod:`slipstream.rayserve.options`). Model load and unload are Ray
-Serve's (the repository and ``ray_serve:``, read at start): 400.
+make Ray's proxy serve HTTPS (:func:`http_options`). KServe V1's routes are the front's
+(Ray routes ``/v1`` to the generative application, else the root), which relays a
+``:predict`` to the model's application (:mod:`slipstream.rayserve.kserve`). Not served
+under Ray: gRPC, /v1/embeddings and vLLM's scoring routes (their model is a V2
+application of its own), client shared memory; the options that would need them (API
+keys, jobs, client certificates...) are refused at start, as is a repository with a
+config that does not read (:mod:`slipstream.rayserve.options`). Model load and unload
+are Ray Serve's (the repository and ``ray_serve:``, read at start): 400.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from slipstream.monitor.registry import DriftMonitors
 from slipstream.observability.metrics import ServerMetrics
 from slipstream.protocol import v2, v2_meta
 from slipstream.rayserve import control
+from slipstream.rayserve.kserve import KServeFront, TensorApplications, predictions_only
 from slipstream.rayserve.metrics import (
     BOARD_NAME,
     BOARD_NAMESPACE,
@@ -58,11 +62,12 @@ from slipstream.rayserve.metrics import (
     merged_text,
     snapshot,
 )
-from slipstream.rayserve.options import NO_GRPC, refused_options
+from slipstream.rayserve.options import NO_GRPC, refused_options, unreadable_configs
 from slipstream.rayserve.relay import GenerativeRelay, RelayedHead, relayed
 from slipstream.repository.layout import is_generative, list_models, read_config
 from slipstream.server.http_messages import BodyRefused
 from slipstream.server.httpd import HttpRequest, StreamingResponse
+from slipstream.server.kserve_v1_rest import KServeV1App
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.router import Handler, Router
 from slipstream.server.v2_llm import GenerativeV2
@@ -130,7 +135,9 @@ class V2Replica:
     with ``generative`` the LLM lane on them behind the OpenAI routes (``/v1/``) and the
     V2 routes too (as Triton's vLLM backend shows a model). The root replica (no
     ``models``) relays the V2 requests of the ``relayed_models`` (the generative ones)
-    to the generative application."""
+    to the generative application. The root and the generative replicas (Ray routes
+    ``/v1`` to one of them) relay KServe V1 predictions of the ``tensor_applications``
+    to those models' replicas (:mod:`slipstream.rayserve.kserve`)."""
 
     # Ray runs an async __init__ to its end before the replica takes requests.
     async def __init__(  # type: ignore[misc]
@@ -139,6 +146,7 @@ class V2Replica:
         models: list[str],
         generative: bool = False,
         relayed_models: Sequence[str] = (),
+        tensor_applications: TensorApplications | None = None,
     ) -> None:
         import ray
 
@@ -171,13 +179,20 @@ class V2Replica:
         self._replica_id = f"{models[0] if models else 'root'}-{actor[:8]}"
         drift = control.ReplicaDrift(self._monitors, self._replica_id, self._board)
         v2_app = V2RestApp(self._v2, self._metrics, drift=drift.report)
-        routes: list[tuple[str, Handler]] = [("/v1/embeddings", control.no_embeddings)]
+        routes: list[tuple[str, Handler]] = [
+            (route, control.no_embeddings_or_scoring) for route in control.NOT_ON_RAY_ROUTES
+        ]
         if generative or not models:
             # The root answers /v1/ where no generative application is (Ray routes /v1
             # to that one when it is): its lane and core hold no model, so it lists
             # none, as the plain server's OpenAI routes list none without one.
             openai_app = OpenAIApp(lanes[0], self._service, explicit.model_repository)
-            routes.append(("/v1/", openai_app.handle))
+            v1 = KServeV1App(self._v2, openai_app.handle)
+            front = KServeFront(tensor_applications or TensorApplications(), self._board,
+                                _model_handle, v1.handle, openai_app.handle)  # fmt: skip
+            routes += [("/v1/models", front.handle), ("/v1/", openai_app.handle)]
+        else:  # the predictions a front relays here (slipstream.rayserve.kserve)
+            routes.append(("/v1/models", KServeV1App(self._v2, predictions_only).handle))
         for model in models:
             stats = control.ModelStatsRoute(model, self._replica_id, self._board, v2_app.handle)
             routes.append((f"/v2/models/{model}/", stats.handle))
@@ -268,22 +283,29 @@ def applications(settings: ServerSettings) -> dict[str, tuple[str, Any]]:
     plain = settings.model_dump(mode="json")
     apps: dict[str, tuple[str, Any]] = {}
     generative: dict[str, ModelConfig] = {}
+    scaled_to_zero: set[str] = set()
     for name, directory in list_models(settings.model_repository).items():
         config: ModelConfig = read_config(directory)
         if is_generative(directory):
             generative[name] = config
             continue
+        if config.ray_serve.min_replicas == 0:
+            scaled_to_zero.add(name)
         options = deployment_options(config.ray_serve, runs_together(config))
         apps[name] = (f"/v2/models/{name}",
                       replica.options(name=name, **options).bind(plain, [name]))  # fmt: skip
+    # What the front replicas (Ray routes /v1 to one) relay KServe V1 predictions to.
+    tensor = TensorApplications(frozenset(apps), frozenset(scaled_to_zero))
     if generative:
         first = next(iter(generative.values()))
         options = deployment_options(first.ray_serve, first.generation.max_num_seqs)
-        bound = replica.options(name=_OPENAI_APP, **options).bind(plain, list(generative), True)
+        bound = replica.options(name=_OPENAI_APP, **options).bind(
+            plain, list(generative), True, (), tensor
+        )
         apps[_OPENAI_APP] = ("/v1", bound)
     root = replica.options(name=_ROOT_APP, num_replicas=1, ray_actor_options={"num_cpus": 0},
                            max_ongoing_requests=_ROOT_MAX_ONGOING_REQUESTS)  # fmt: skip
-    apps[_ROOT_APP] = ("/", root.bind(plain, [], False, list(generative)))
+    apps[_ROOT_APP] = ("/", root.bind(plain, [], False, list(generative), tensor))
     return apps
 
 
@@ -314,6 +336,13 @@ def _generative_handle() -> Any:
     return serve.get_deployment_handle(_OPENAI_APP, app_name=_OPENAI_APP)
 
 
+def _model_handle(model: str) -> Any:
+    """The deployment handle of a tensor model's application (a front relays to it)."""
+    from ray import serve
+
+    return serve.get_deployment_handle(model, app_name=model)
+
+
 def _log_replica_changes(status: Any, before: dict[str, int]) -> dict[str, int]:
     """Log each model whose count of running replicas changed (autoscaling at work)."""
     now = {}
@@ -329,8 +358,8 @@ def _log_replica_changes(status: Any, before: dict[str, int]) -> dict[str, int]:
 
 def run(settings: ServerSettings, address: str = "") -> int:
     """Deploy every application, wait for SIGTERM/SIGINT, shut them down; the exit code
-    (1 at once for an option Ray Serve would not honour)."""
-    refused = refused_options(settings)
+    (1 at once for an option Ray Serve would not honour, or a config that does not read)."""
+    refused = [*refused_options(settings), *unreadable_configs(settings)]
     if refused:
         for problem in refused:
             logger.error("%s", problem)

@@ -25,7 +25,9 @@ for the whole server are answered here from what every replica reports to the bo
 - ``GET /v2/models/<model>/drift``: the answering replica's monitor, as the plain
   server's, naming that replica, with the reports the model's other replicas last sent
   (each replica tests the windows of the requests it answers): :class:`ReplicaDrift`.
-- ``/v1/embeddings``: 404 naming why: its embedding model is a V2 application of its own.
+- ``/v1/embeddings``, and vLLM's scoring routes (``/v1/score``, ``/v1/rerank``,
+  ``/rerank``, ``/v2/rerank``): 404 naming why: their model is a V2 application of its
+  own (:func:`no_embeddings_or_scoring`).
 - A request body over ``--max-request-bytes``: 413, as the plain server answers it.
 
     root = RootRoutes(service, board, fallback=v2_app.handle)
@@ -48,7 +50,10 @@ from slipstream.protocol import openai_replies, v2, v2_meta, v2_shm
 from slipstream.repository.layout import list_models, read_config
 from slipstream.server.http_messages import BodyRefused, decode_body, error_reply
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse
+from slipstream.server.openai_rest import RERANK_ROUTES
+from slipstream.server.router import no_route
 from slipstream.serving.core import ModelServer
+from slipstream.types import MemoryUsage, total_memory
 
 Reply = HttpResponse | StreamingResponse
 Handler = Callable[[HttpRequest], Awaitable[Reply]]
@@ -87,9 +92,18 @@ EMBEDDINGS_UNDER_RAY = (
     "application of its own (POST /v2/models/<model>/infer takes its token ids); serve "
     "it with slipstream serve, without --ray, for /v1/embeddings"
 )
+SCORING_UNDER_RAY = (
+    "{route} is not served under serve --ray: each cross-encoder or embedding model is a "
+    "V2 application of its own (POST /v2/models/<model>/infer takes its token ids); serve "
+    "it with slipstream serve, without --ray, for /v1/score and /v1/rerank"
+)
+# The OpenAI routes whose model would be a V2 application of its own: POST -> 404 why.
+NOT_ON_RAY_ROUTES = ("/v1/embeddings", "/v1/score", *sorted(RERANK_ROUTES))
 _INFER_STATS = ("success", "fail", "queue", "compute_input", "compute_infer",
                 "compute_output", "cache_hit", "cache_miss")  # fmt: skip
 _BATCH_STATS = ("compute_input", "compute_infer", "compute_output")
+_RESPONSE_STATS = ("compute_infer", "compute_output", "success", "fail", "empty_response",
+                   "cancel")  # fmt: skip
 _SHARED_MEMORY = ("systemsharedmemory", "cudasharedmemory")
 # GET /v2 extensions whose routes Ray answers 400 (see the module doc).
 _REFUSED_EXTENSIONS = (v2_shm.EXTENSION, v2_shm.CUDA_EXTENSION,
@@ -172,15 +186,26 @@ class ReplicaDrift:
         return {**own, "replica": self._replica_id, "other_replicas": others}
 
 
-async def no_embeddings(request: HttpRequest) -> Reply:
-    """/v1/embeddings under Ray: 404 in the OpenAI error format, naming why."""
-    exc = NotFound(EMBEDDINGS_UNDER_RAY)
+async def no_embeddings_or_scoring(request: HttpRequest) -> Reply:
+    """``/v1/embeddings`` and the scoring routes (:data:`NOT_ON_RAY_ROUTES`) under Ray:
+    a POST is 404 in the OpenAI error format, naming why; another method or path is
+    answered as the plain server's OpenAI routes answer it (405, 404)."""
+    route = request.path.rstrip("/")
+    exc: SlipstreamError
+    if request.method != "POST" or route not in NOT_ON_RAY_ROUTES:
+        exc = no_route(request.method, request.path)
+    elif route == "/v1/embeddings":
+        exc = NotFound(EMBEDDINGS_UNDER_RAY)
+    else:
+        exc = NotFound(SCORING_UNDER_RAY.format(route=route))
     return error_reply(exc, openai_replies.error(exc))
 
 
 def merge_stats(stats: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """V2 statistics entries (``model_stats`` items) of several replicas, summed per
-    model version: counts and times add up, ``last_inference`` is the latest."""
+    model version: counts and times add up (per batch size and per response index too),
+    as does ``memory_usage`` per kind and device (what every replica holds);
+    ``last_inference`` is the latest."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
     for entry in stats:
         key = (entry["name"], entry["version"])
@@ -199,6 +224,14 @@ def merge_stats(stats: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 total["batch_stats"].append(orjson.loads(orjson.dumps(batch)))
         total["batch_stats"].sort(key=lambda batch: batch["batch_size"])
+        responses = total.setdefault("response_stats", {})
+        for index, figures in entry.get("response_stats", {}).items():
+            _add_durations(responses.setdefault(index, {}), figures, _RESPONSE_STATS)
+        usages = [*total.get("memory_usage", []), *entry.get("memory_usage", [])]
+        total["memory_usage"] = [
+            {"type": m.type, "id": m.id, "byte_size": m.byte_size}
+            for m in total_memory(MemoryUsage(u["type"], u["id"], u["byte_size"]) for u in usages)
+        ]
     return [merged[key] for key in sorted(merged)]
 
 

@@ -7,6 +7,8 @@ than the client's shared memory. Starting anyway would serve without what the op
 asked for (an open server where keys were asked for, any client where certificates
 were), so each such option given is an error naming what to do instead. TLS itself
 (``--tls-cert/--tls-key``) is the proxy's: :func:`slipstream.rayserve.app.http_options`.
+A model whose config does not read stops the start before Ray starts
+(:func:`unreadable_configs`): a stateful model on more than one replica among them.
 
     >>> from pathlib import Path
     >>> from slipstream.config import ServerSettings
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from slipstream.config import ServerSettings
+from slipstream.config import ConfigError, ServerSettings
+from slipstream.repository.layout import list_models, read_config
 
 NO_GRPC = (
     "gRPC is not served under --ray (Ray Serve's gRPC proxy routes by an application "
@@ -65,6 +68,21 @@ _REFUSED: dict[str, tuple[Callable[[ServerSettings], bool], str]] = {
         "each replica starts in a Ray worker of its own; trace a start without --ray",
     ),
 }
+
+
+def unreadable_configs(settings: ServerSettings) -> list[str]:
+    """One message for each model whose config does not read (none: []): ``serve --ray``
+    deploys every model of the repository at start, and one it cannot would stop it once
+    Ray had started. A stateful model (``sequence_batching:``) on more than one replica
+    is one (:class:`slipstream.config.ModelConfig`'s check): Ray Serve routes each
+    request on its own, not by the sequence id in its body."""
+    problems = []
+    for name, directory in list_models(settings.model_repository).items():
+        try:
+            read_config(directory)
+        except (ConfigError, OSError) as exc:
+            problems.append(f"model {name!r} cannot be deployed: {exc}")
+    return problems
 
 
 def refused_options(settings: ServerSettings) -> list[str]:

@@ -112,23 +112,36 @@ class GenerativeRelay:
         if not self.relays(request.path):
             return await self._fallback(request)
         if self._handle is None:
-            self._handle = self._open_handle().options(method_name=RELAY_METHOD, stream=True)
-        answers = self._handle.remote(request)
-        try:
-            head: RelayedHead = await anext(answers)
-        except asyncio.CancelledError:  # the client left: so does the replica's work
-            answers.cancel()
-            raise
-        except Exception:  # the replica's fault, not the request's: logged here only
-            logger.exception("relaying %s %s to the generative application failed",
-                             request.method, request.path)  # fmt: skip
-            answers.cancel()
-            exc = InternalError("the generative model's replica did not answer; see the server log")
-            return error_reply(exc, v2.encode_error(exc.message))
-        if head.body is not None:
-            return HttpResponse(head.status, head.body, head.content_type, head.headers)
-        return StreamingResponse(head.status, _chunks(answers, request.path), head.content_type,
-                                 head.headers)  # fmt: skip
+            self._handle = relay_handle(self._open_handle())
+        return await relay(self._handle, request, "the generative model's")
+
+
+def relay_handle(handle: Any) -> Any:
+    """``handle`` (a Ray Serve DeploymentHandle of ``V2Replica`` replicas) set to call
+    their ``relay`` method, for :func:`relay`."""
+    return handle.options(method_name=RELAY_METHOD, stream=True)
+
+
+async def relay(handle: Any, request: HttpRequest, whose: str) -> Reply:
+    """``request`` answered by a replica of ``handle``'s application (a
+    :func:`relay_handle`), as that replica's routes answer it; 500 naming ``whose``
+    replica ("the generative model's") where it did not answer."""
+    answers = handle.remote(request)
+    try:
+        head: RelayedHead = await anext(answers)
+    except asyncio.CancelledError:  # the client left: so does the replica's work
+        answers.cancel()
+        raise
+    except Exception:  # the replica's fault, not the request's: logged here only
+        logger.exception("relaying %s %s to %s replica failed", request.method, request.path,
+                         whose)  # fmt: skip
+        answers.cancel()
+        exc = InternalError(f"{whose} replica did not answer; see the server log")
+        return error_reply(exc, v2.encode_error(exc.message))
+    if head.body is not None:
+        return HttpResponse(head.status, head.body, head.content_type, head.headers)
+    return StreamingResponse(head.status, _chunks(answers, request.path), head.content_type,
+                             head.headers)  # fmt: skip
 
 
 async def _chunks(answers: Any, path: str) -> AsyncIterator[bytes]:
