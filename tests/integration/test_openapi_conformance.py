@@ -102,6 +102,8 @@ MODEL_DEPENDENT = (
     # Scores: of a generative model; a truncation shorter than the tokenizer's special
     # tokens, or longer than its file's.
     "is a generative model", "leaves no room for text", "its tokenizer file's truncation",
+    # Classes: of a model that is no classifier (an embedding model, a V2 model).
+    "is not a classifier",
 )  # fmt: skip
 
 

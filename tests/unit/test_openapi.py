@@ -56,6 +56,8 @@ ROUTES |= {
 ROUTES |= {("post", "/v2/jobs"), ("get", "/v2/jobs/{job}")}
 # vLLM's scoring routes, rerank at each path vLLM answers it at.
 ROUTES |= {("post", path) for path in ("/v1/score", "/v1/rerank", "/rerank", "/v2/rerank")}
+# vLLM's classification route, which it answers outside /v1/ only.
+ROUTES |= {("post", "/classify")}
 # KServe's V1 protocol.
 ROUTES |= {("post", "/v1/models/{model}:predict"),
            ("post", "/v1/models/{model}/versions/{version}:predict")}  # fmt: skip

@@ -26,6 +26,7 @@ from functools import cache
 from typing import Any
 
 from slipstream.names import JOB_ID_PATTERN
+from slipstream.protocol.openapi_classify import classify_paths, classify_schemas
 from slipstream.protocol.openapi_kserve_v1 import kserve_v1_schemas, with_kserve_v1
 from slipstream.protocol.openapi_schemas import (
     JSON,
@@ -513,13 +514,16 @@ def openapi_document(version: str) -> dict[str, Any]:
             "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
         },
         "paths": with_front_door(
-            with_kserve_v1(_v2_paths() | _openai_paths() | score_paths(), _MODEL, _VERSION)
+            with_kserve_v1(
+                _v2_paths() | _openai_paths() | score_paths() | classify_paths(), _MODEL, _VERSION
+            )
         ),
         "components": {
             "schemas": v2_schemas()
             | job_schemas()
             | openai_schemas()
             | score_schemas()
+            | classify_schemas()
             | kserve_v1_schemas(),
             "securitySchemes": {
                 "apiKey": {

@@ -54,6 +54,8 @@ HTTP_ROUTES: dict[str, Need] = {
     "/v1/rerank": "infer",
     "/rerank": "infer",
     "/v2/rerank": "infer",
+    # vLLM's classification route (outside /v1/, as vLLM answers it).
+    "/classify": "infer",
     # Asynchronous jobs: submitting one is inference; its status is its result. A job
     # names no model in its path: a key limited to some models may read any job whose
     # id it knows (the server's ids are 128 random bits).
@@ -101,7 +103,7 @@ GENERATIVE = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/response
 # OpenAI routes whose model is the body's "model" field.
 MODEL_IN_BODY = frozenset((
     "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v2/jobs",
-    "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank",
+    "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify",
 ))  # fmt: skip
 
 # gRPC method of inference.GRPCInferenceService -> (role, the request field naming the

@@ -1,9 +1,10 @@
 """The OpenAI-compatible REST routes: /v1/models, completions, chat, responses, embeddings,
-and vLLM's /v1/score and /v1/rerank (also at /rerank and /v2/rerank, as vLLM answers it).
+vLLM's /v1/score and /v1/rerank (also at /rerank and /v2/rerank, as vLLM answers it), and
+vLLM's /classify.
 
-Generation runs on :class:`~slipstream.llm.service.GenerationService`; embeddings and scores
-run on any V2 model whose config.yaml names a ``tokenizer``, through the same batcher as V2
-requests.
+Generation runs on :class:`~slipstream.llm.service.GenerationService`; embeddings, scores
+and classes run on any V2 model whose config.yaml names a ``tokenizer``, through the same
+batcher as V2 requests.
 Every failure is answered in OpenAI's error shape. A streamed response checks the
 request completely (400/404/503) before its first byte; a failure after that ends the
 stream with an error event.
@@ -22,7 +23,7 @@ from slipstream.llm.api import GenerationService, Job
 from slipstream.llm.tools import Tool
 from slipstream.names import path_model_name
 from slipstream.observability.metrics import ServerMetrics
-from slipstream.protocol import openai, openai_score
+from slipstream.protocol import openai, openai_classify, openai_score
 from slipstream.protocol import openai_replies as replies
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.server.openai_cache import GenerationCache
@@ -45,6 +46,7 @@ from slipstream.serving.cache import ResponseCache
 from slipstream.serving.embeddings import Embedder
 from slipstream.serving.scoring import Scorer
 from slipstream.serving.service import InferenceService
+from slipstream.serving.text_classification import Classifier
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class OpenAIApp:
         self._repository = repository
         self._embedder = Embedder(service, repository)
         self._scorer = Scorer(self._embedder, service)
+        self._classifier = Classifier(self._embedder, self._scorer, service, repository)
         self._cached = (
             GenerationCache(cache, llm, repository, metrics) if cache is not None else None
         )
@@ -117,6 +120,8 @@ class OpenAIApp:
                 return await self._score(request)
             if route in RERANK_ROUTES:
                 return await self._rerank(request)
+            if route == "/classify":
+                return await self._classify(request)
             if route == "/v1/responses":
                 return await respond(self._llm, request.body, time.perf_counter())
         raise no_route(request.method, request.path)
@@ -259,6 +264,18 @@ class OpenAIApp:
         shown = documents if body.return_documents else None
         reply = openai_score.rerank_list(
             body.model, scores.values, shown, top_n, scores.prompt_tokens
+        )
+        return HttpResponse(200, reply)
+
+    async def _classify(self, request: HttpRequest) -> Reply:
+        body = openai_classify.parse(request.body)
+        inputs, truncate = body.inputs(), body.truncation()
+        found = await self._classifier.classify(
+            body.model, inputs, truncate=truncate, activation=body.activated(),
+            route_key=_route_key(request, body.user),
+        )  # fmt: skip
+        reply = openai_classify.classify_list(
+            body.model, found.probs.tolist(), found.labels, found.prompt_tokens
         )
         return HttpResponse(200, reply)
 

@@ -239,8 +239,10 @@ async def start_front_ends(
             from slipstream.server.traced import TraceMiddleware
 
             middleware.insert(0, TraceMiddleware(fronts.tracing))
-        # vLLM answers rerank outside /v1/ too (/rerank, /v2/rerank): the OpenAI app's.
-        routes = [("/v1/", openai), ("/rerank", openai), ("/v2/rerank", openai)]
+        # vLLM answers rerank outside /v1/ too (/rerank, /v2/rerank), and classify only
+        # there (/classify): the OpenAI app's.
+        routes = [("/v1/", openai), ("/rerank", openai), ("/v2/rerank", openai),
+                  ("/classify", openai)]  # fmt: skip
         # KServe V1 shares /v1/models with the OpenAI routes, and hands them what is theirs.
         routes.insert(0, ("/v1/models", KServeV1App(service, openai).handle))
         router = Router(fallback=v2_app.handle, routes=routes, middleware=middleware)

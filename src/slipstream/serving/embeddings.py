@@ -110,7 +110,7 @@ class Embedder:
         if check_width is not None and width > 0:
             check_width(width)
         # Tokenizing up to 2,048 texts takes milliseconds: off the event loop.
-        ids = await asyncio.to_thread(_token_ids, tokenizer, inputs)
+        ids = await asyncio.to_thread(token_ids, tokenizer, inputs)
         joined, prompt_tokens = await self.run(model, config, ids, route_key)
         if check_width is not None and width <= 0:
             check_width(int(joined.shape[-1]))
@@ -199,7 +199,7 @@ class Embedder:
         return tokenizer
 
 
-def _token_ids(tokenizer: Any, inputs: list[str | list[int]]) -> list[list[int]]:
+def token_ids(tokenizer: Any, inputs: list[str | list[int]]) -> list[list[int]]:
     """Each input's token ids: texts tokenized (in one batch), id lists checked against
     the vocabulary and cut to the length the tokenizer cuts texts to."""
     texts = [item for item in inputs if isinstance(item, str)]

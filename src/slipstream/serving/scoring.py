@@ -81,7 +81,7 @@ class Scorer:
         """
         config = await self._config(model)
         cross = is_cross_encoder(config)
-        tokenizer = await self._tokenizer(model, config, truncate, pair=cross)
+        tokenizer = await self.tokenizer(model, config, truncate, pair=cross)
         if cross:
             paired = firsts * len(seconds) if len(firsts) == 1 else firsts
             pairs = list(zip(paired, seconds, strict=True))
@@ -118,10 +118,12 @@ class Scorer:
             )
         return config
 
-    async def _tokenizer(
+    async def tokenizer(
         self, model: str, config: ModelConfig, truncate: int | None, pair: bool
     ) -> Any:
-        """The model's tokenizer, padding nothing and truncating at ``truncate`` tokens."""
+        """The model's tokenizer, padding nothing and truncating at ``truncate`` tokens
+        (None: where its file does); a 400 naming ``truncate_prompt_tokens`` for a length
+        the model cannot take. :mod:`slipstream.serving.text_classification` shares it."""
         base = self._embedder.tokenizer(model, config.tokenizer)
         limit = int((base.truncation or {}).get("max_length", 0))
         if truncate == -1:
