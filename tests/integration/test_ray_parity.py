@@ -149,9 +149,10 @@ def _inference_count(https: httpx.Client) -> int:
     return sum(entry["inference_count"] for entry in stats if entry["name"] == "watched")
 
 
-@pytest.mark.parametrize("route", ["/v1/score", "/v1/rerank", "/rerank", "/v2/rerank"])
+@pytest.mark.parametrize("route", ["/v1/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify"])
 def test_scoring_routes_answer_404_naming_why(https: httpx.Client, route: str) -> None:
-    body = {"model": "watched", "query": "q", "documents": ["d"], "text_1": "a", "text_2": "b"}
+    body = {"model": "watched", "query": "q", "documents": ["d"], "text_1": "a", "text_2": "b",
+            "input": "a"}  # fmt: skip
     reply = https.post(route, json=body)
     assert reply.status_code == 404, reply.text
     message = reply.json()["error"]["message"]

@@ -25,9 +25,9 @@ for the whole server are answered here from what every replica reports to the bo
 - ``GET /v2/models/<model>/drift``: the answering replica's monitor, as the plain
   server's, naming that replica, with the reports the model's other replicas last sent
   (each replica tests the windows of the requests it answers): :class:`ReplicaDrift`.
-- ``/v1/embeddings``, and vLLM's scoring routes (``/v1/score``, ``/v1/rerank``,
-  ``/rerank``, ``/v2/rerank``): 404 naming why: their model is a V2 application of its
-  own (:func:`no_embeddings_or_scoring`).
+- ``/v1/embeddings``, vLLM's scoring routes (``/v1/score``, ``/v1/rerank``, ``/rerank``,
+  ``/v2/rerank``) and ``/classify``: 404 naming why: their model is a V2 application of
+  its own (:func:`no_embeddings_or_scoring`).
 - A request body over ``--max-request-bytes``: 413, as the plain server answers it.
 
     root = RootRoutes(service, board, fallback=v2_app.handle)
@@ -93,12 +93,13 @@ EMBEDDINGS_UNDER_RAY = (
     "it with slipstream serve, without --ray, for /v1/embeddings"
 )
 SCORING_UNDER_RAY = (
-    "{route} is not served under serve --ray: each cross-encoder or embedding model is a "
-    "V2 application of its own (POST /v2/models/<model>/infer takes its token ids); serve "
-    "it with slipstream serve, without --ray, for /v1/score and /v1/rerank"
+    "{route} is not served under serve --ray: each cross-encoder, classifier or embedding "
+    "model is a V2 application of its own (POST /v2/models/<model>/infer takes its token "
+    "ids); serve it with slipstream serve, without --ray, for /v1/score, /v1/rerank and "
+    "/classify"
 )
 # The OpenAI routes whose model would be a V2 application of its own: POST -> 404 why.
-NOT_ON_RAY_ROUTES = ("/v1/embeddings", "/v1/score", *sorted(RERANK_ROUTES))
+NOT_ON_RAY_ROUTES = ("/v1/embeddings", "/v1/score", *sorted(RERANK_ROUTES), "/classify")
 _INFER_STATS = ("success", "fail", "queue", "compute_input", "compute_infer",
                 "compute_output", "cache_hit", "cache_miss")  # fmt: skip
 _BATCH_STATS = ("compute_input", "compute_infer", "compute_output")
