@@ -3,7 +3,7 @@ of ``_worth_packing``: on a CPU a step's cost grows with its tokens)."""
 
 from __future__ import annotations
 
-from slipstream.llm.llamacpp_scheduler import _worth_packing
+from slipstream.llm.llamacpp_step import _worth_packing
 
 
 def test_a_long_prompt_waits_for_the_next_step() -> None:

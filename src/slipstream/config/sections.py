@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from slipstream.config.base import Strict as _Strict
+from slipstream.names import checked_model_name
 
 # Backends served by the OpenAI lane (slipstream.llm) rather than the V2 tensor lane.
 GENERATIVE_BACKENDS = ("transformers", "llama_cpp")
@@ -72,6 +73,21 @@ class GenerationSettings(_Strict):
         "device (benchmark a model shape without its weights; the tokenizer still loads "
         "from the directory)",
     )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="llama_cpp: LoRA adapters (GGUF files, paths inside the model's "
+        "directory), each served as a model of its own name, e.g. {sql: adapters/sql.gguf} "
+        "(vLLM's --lora-modules); requests naming the model itself run without adapters",
+    )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _check_lora_modules(cls, modules: dict[str, str]) -> dict[str, str]:
+        for name, path in modules.items():
+            checked_model_name(name)
+            if not path.strip():
+                raise ValueError(f"{name}: expected the adapter's GGUF file, got {path!r}")
+        return modules
 
 
 class DriftSettings(_Strict):

@@ -47,6 +47,16 @@ class Job:
                            params.stop_token_ids)  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterCard:
+    """A LoRA adapter served as a model of its own name (vLLM's ``--lora-modules``)."""
+
+    # The generative model it runs on (its ``config.yaml`` names the adapter).
+    parent: str
+    # The adapter's file as ``generation.lora_modules`` names it (vLLM lists its path).
+    root: str
+
+
 class GenerationService(ABC):
     """The repository's generative models; see the module docstring."""
 
@@ -69,6 +79,10 @@ class GenerationService(ABC):
     @abstractmethod
     def models(self) -> list[tuple[str, int]]:
         """(name, created unix time) of every ready model."""
+
+    def adapters(self) -> dict[str, AdapterCard]:
+        """The LoRA adapters among :meth:`models`, by name (none unless a lane has them)."""
+        return {}
 
     async def wake(self, name: str) -> None:  # noqa: B027 - most lanes never sleep
         """Load ``name`` again if it was unloaded for being idle, waiting for it (503 past

@@ -294,8 +294,11 @@ class Engine(ABC):
         """Raise :class:`~slipstream.errors.Unavailable` when no more sequences may wait."""
 
     @abstractmethod
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[EngineStep]:
-        """Stream the completion of one prompt.
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[EngineStep]:
+        """Stream the completion of one prompt; ``adapter``: the LoRA adapter (by its
+        ``generation.lora_modules`` name) to run the model with, None for none.
 
         Raises :class:`~slipstream.errors.Unavailable` at once when the waiting queue
         is full. Closing the iterator early cancels the sequence and frees its cache.

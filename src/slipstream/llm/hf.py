@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slipstream.config import ConfigError
-from slipstream.errors import InternalError, InvalidRequest, Unavailable
+from slipstream.errors import InternalError, InvalidRequest, ModelNotFound, Unavailable
 from slipstream.llm import sampling
 from slipstream.llm.constraints import Matchers
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, FinishReason, SamplingParams
@@ -158,8 +158,10 @@ class TransformersEngine(Engine):
             )
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[EngineStep]:
+        if adapter is not None:  # the loader refuses generation.lora_modules here
+            raise ModelNotFound(f"model: {adapter!r}: this engine serves no LoRA adapter")
         matcher = None if params.constraint is None else await self._matchers.new(params.constraint)
         # Checked after the matcher's await, with nothing awaited until the sequence counts
         # as waiting (the first step of _steps): requests that passed the check together

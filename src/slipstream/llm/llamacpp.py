@@ -33,6 +33,12 @@ only the sequence's own stream: at 16 sequences a step took 47-51 ms instead of 
   stream per sequence a prefix under 16 tokens is not reused, and a new sequence takes
   the idle slot beside running ones: llama.cpp runs each run of consecutive sequence ids
   in a step as a forward pass of its own, so the step's batch also goes in id order;
+* **LoRA adapters** (``generation.lora_modules``): loaded once with the model, each
+  request runs with at most one. llama.cpp applies a context's adapters to a whole
+  ``llama_decode``, so each step decodes its sequences in one batch per adapter (the
+  base model's included), setting the context's adapters before each; every group runs
+  every step, in an order that rotates. A cached prefix is reused only by a sequence of
+  the adapter that computed it;
 * **sampling**, one sampler per sequence: llama.cpp's penalties and logit bias, then
   greedy, or temperature, min-p, top-k, top-p and a draw from one numpy generator per
   seed; logprobs, llguidance constraints (structured outputs, required tool calls) and
@@ -50,15 +56,17 @@ import ctypes
 import logging
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slipstream.errors import InvalidRequest, Unavailable
+from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
 from slipstream.llm.chat_template import ChatTemplate
 from slipstream.llm.constraints import Matchers
 from slipstream.llm.engine import CacheStats, Engine, EngineStep, SamplingParams
 from slipstream.llm.llamacpp_sampling import SequenceSampler, build_tokenizer
-from slipstream.llm.llamacpp_scheduler import LlamaRuntime, LlamaSequence, Scheduler
+from slipstream.llm.llamacpp_scheduler import LlamaRuntime, Scheduler
+from slipstream.llm.llamacpp_step import LlamaSequence
 from slipstream.runtime.cpu_share import ThreadGovernor, pressure_source
 
 if TYPE_CHECKING:
@@ -78,7 +86,12 @@ class LlamaCppEngine(Engine):
     """A GGUF model on llama.cpp; see the module docstring."""
 
     def __init__(
-        self, path: Path, settings: GenerationSettings, threads: int, adaptive: bool = False
+        self,
+        path: Path,
+        settings: GenerationSettings,
+        threads: int,
+        adaptive: bool = False,
+        adapters: Mapping[str, Path] | None = None,
     ) -> None:
         import llama_cpp as lib
 
@@ -91,10 +104,21 @@ class LlamaCppEngine(Engine):
         if not model:
             raise ValueError(f"{path}: llama.cpp could not load this GGUF file (see the log)")
         self._model = model
+        with ExitStack() as on_failure:
+            on_failure.callback(lib.llama_model_free, model)
+            self._adapters = _load_adapters(lib, model, adapters or {}, on_failure)
+            self._init_context(path, settings, threads, adaptive)
+            on_failure.pop_all()
+        # Request names -> LlamaSequence.adapter (0 is the base model).
+        self._adapter_ids = {name: index + 1 for index, name in enumerate(adapters or {})}
+
+    def _init_context(
+        self, path: Path, settings: GenerationSettings, threads: int, adaptive: bool
+    ) -> None:
+        lib, model = self._lib, self._model
         self._vocab = lib.llama_model_get_vocab(model)
         trained = int(lib.llama_model_n_ctx_train(model))
         if settings.max_model_len > trained:
-            lib.llama_model_free(model)
             raise ValueError(
                 f"{path}: generation.max_model_len {settings.max_model_len} exceeds the "
                 f"{trained} tokens of context this model was trained for"
@@ -117,7 +141,6 @@ class LlamaCppEngine(Engine):
         context_params.no_perf = True
         context = lib.llama_init_from_model(model, context_params)
         if not context:
-            lib.llama_model_free(model)
             raise ValueError(
                 f"{path}: llama.cpp could not create a context of {self.cache_tokens} tokens "
                 "(generation.num_blocks x generation.block_size); see the log"
@@ -157,6 +180,7 @@ class LlamaCppEngine(Engine):
             per_sequence,
             threads,
             governor,
+            tuple(self._adapters),
         )
         self._scheduler = Scheduler(runtime)
         self._thread = threading.Thread(
@@ -165,11 +189,11 @@ class LlamaCppEngine(Engine):
         self._thread.start()
         logger.info(
             "llama.cpp engine: %s, %d threads%s, KV cache %d tokens (%s), %d sequences at "
-            "once, %d-token steps",
+            "once, %d-token steps, %d LoRA adapters",
             path.name, threads, " (fewer while the CPU is crowded)" if governor else "",
             self.cache_tokens,
             f"a stream of {self.sequence_tokens} per sequence" if per_sequence else "shared",
-            self.slots, settings.max_batch_tokens,
+            self.slots, settings.max_batch_tokens, len(self._adapters),
         )  # fmt: skip
 
     # -- text ----------------------------------------------------------------------------
@@ -251,9 +275,12 @@ class LlamaCppEngine(Engine):
             )
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> AsyncIterator[EngineStep]:
         loop = asyncio.get_running_loop()
+        adapter_id = 0 if adapter is None else self._adapter_ids.get(adapter)
+        if adapter_id is None:  # the model was reloaded without it
+            raise ModelNotFound(f"model: {adapter!r} is no LoRA adapter of this model now")
         matcher = None
         if params.constraint is not None:
             matcher = await self._matchers.new(params.constraint)
@@ -265,7 +292,8 @@ class LlamaCppEngine(Engine):
             raise Unavailable("the generation engine is stopping", retry_after_s=5)
         blocked = self._min_tokens_blocked(params) if params.min_tokens else None
         sampler = SequenceSampler(self._lib, self._vocab, params, prompt_ids, matcher, blocked)
-        sequence = LlamaSequence(list(prompt_ids), params, loop, asyncio.Queue(), sampler=sampler)
+        sequence = LlamaSequence(list(prompt_ids), params, loop, asyncio.Queue(), sampler=sampler,
+                                 adapter=adapter_id)  # fmt: skip
         self._scheduler.submit(sequence)
         finished = False
         try:
@@ -318,6 +346,8 @@ class LlamaCppEngine(Engine):
         self._scheduler.free_samplers()
         lib.llama_batch_free(self._batch)
         lib.llama_free(self._context)
+        for adapter in self._adapters:
+            lib.llama_adapter_lora_free(adapter)
         lib.llama_model_free(self._model)
 
 
@@ -362,12 +392,47 @@ def _init_backend(lib: Any) -> None:
         _backend_ready = True
 
 
+def _load_adapters(
+    lib: Any, model: Any, adapters: Mapping[str, Path], on_failure: ExitStack
+) -> list[Any]:
+    """Each LoRA adapter of ``adapters`` (name -> GGUF file) loaded for ``model``; each
+    freed by ``on_failure`` unless the load goes through. ValueError naming the adapter
+    llama.cpp refuses (the log says why: another architecture, a tensor's shape...)."""
+    loaded = []
+    for name, path in adapters.items():
+        field = f"generation.lora_modules.{name}"
+        _check_gguf(path, field)
+        adapter = lib.llama_adapter_lora_init(model, str(path).encode())
+        if not adapter:
+            raise ValueError(
+                f"{field}: llama.cpp could not load {path} as a LoRA adapter of this model "
+                "(see the server log: an adapter of another model, or not a LoRA GGUF)"
+            )
+        on_failure.callback(lib.llama_adapter_lora_free, adapter)
+        loaded.append(adapter)
+    return loaded
+
+
+def _check_gguf(path: Path, what: str) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"{what}: {path}: no such GGUF file")
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ValueError(f"{what}: {path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+
+
 def load_llama_cpp_engine(
-    path: Path, settings: GenerationSettings, threads: int, adaptive: bool = False
+    path: Path,
+    settings: GenerationSettings,
+    threads: int,
+    adaptive: bool = False,
+    adapters: Mapping[str, Path] | None = None,
 ) -> Engine:
-    """Load a ``.gguf`` file with llama.cpp. Blocking; clear errors for what is not one.
-    ``adaptive``: ``threads`` is the most its forward passes use, fewer while the host's
-    cores are crowded (:mod:`slipstream.runtime.cpu_share`)."""
+    """Load a ``.gguf`` file with llama.cpp, and its LoRA ``adapters`` (name -> GGUF
+    file). Blocking; clear errors for what is not one. ``adaptive``: ``threads`` is the
+    most its forward passes use, fewer while the host's cores are crowded
+    (:mod:`slipstream.runtime.cpu_share`)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     with path.open("rb") as handle:
@@ -381,4 +446,4 @@ def load_llama_cpp_engine(
             "backend: llama_cpp needs llama-cpp-python: pip install 'slipstream[llama]' "
             "(make install builds it)"
         ) from exc
-    return LlamaCppEngine(path, settings, threads, adaptive)
+    return LlamaCppEngine(path, settings, threads, adaptive, adapters)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -17,8 +18,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from slipstream.errors import InternalError, SlipstreamError, Unavailable
-from slipstream.llm.engine import CacheStats, EngineStep, FinishReason, SamplingParams
-from slipstream.llm.llamacpp_sampling import SequenceSampler
+from slipstream.llm.engine import CacheStats, EngineStep, FinishReason
+from slipstream.llm.llamacpp_step import (
+    LlamaSequence,
+    Output,
+    Read,
+    adapter_groups,
+    fill_batch,
+    plan_reads,
+)
 
 if TYPE_CHECKING:
     from slipstream.config import GenerationSettings
@@ -26,10 +34,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A step's cost besides its tokens, in tokens' worth (see _worth_packing): measured ~1.3
-# for SmolLM2 on llama.cpp's CPU kernels; rounded up, so prompts of a token or two more
-# than a step's decodes still pack.
-_STEP_COST_TOKENS = 2
 # With a KV stream per sequence, the shortest cached prefix worth reusing: a shorter one
 # costs more than reading it again (a copy of the whole stream, or a slot away from the
 # running sequences' ids: see Scheduler._stream_rank).
@@ -64,26 +68,9 @@ class LlamaRuntime:
     threads: int = 1
     # Sets the forward passes' thread count as the host's load changes (None: fixed).
     governor: ThreadGovernor | None = None
-
-
-@dataclass(eq=False)
-class LlamaSequence:
-    """One request's sequence, from submission to its last token."""
-
-    prompt: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[EngineStep | BaseException]
-    slot: int = -1
-    # Tokens whose keys and values are in the cache under this slot.
-    cached: list[int] = field(default_factory=list)
-    # The sampled token not yet fed back (its KV is written by the next step).
-    pending: int = -1
-    generated: int = 0
-    sampler: SequenceSampler | None = None
-    cancelled: bool = False
-    # Counted in Scheduler.waiting_count(): submitted, not yet given a slot nor cancelled.
-    queued: bool = False
+    # The model's LoRA adapters (llama_adapter_lora pointers): LlamaSequence.adapter i
+    # runs with adapters[i - 1], 0 with none.
+    adapters: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -93,6 +80,9 @@ class _Slot:
     index: int
     tokens: list[int] = field(default_factory=list)
     sequence: LlamaSequence | None = None
+    # The LoRA adapter its cells were computed with: only a sequence of the same one may
+    # reuse them (keys and values differ wherever an adapter changes a layer's input).
+    adapter: int = 0
     # For least-recently-used eviction of idle slots.
     released_at: float = 0.0
     # The engine's tokens run when the slot went idle (see _IDLE_PREFIX_TOKENS).
@@ -120,6 +110,15 @@ class Scheduler:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._tokens_run = 0
+        # The adapter set on the context, the steps run (whose count rotates the order of
+        # a step's adapter groups), and each adapter's llama_set_adapters_lora arguments.
+        self._adapter = 0
+        self._turn = 0
+        lib = engine.lib
+        self._adapter_args: list[tuple[Any, int, Any]] = [(None, 0, None)]
+        for handle in engine.adapters:
+            handles = (lib.llama_adapter_lora_p_ctypes * 1)(handle)
+            self._adapter_args.append((handles, 1, (ctypes.c_float * 1)(1.0)))
 
     # -- called from the event loop ------------------------------------------------------
 
@@ -279,6 +278,8 @@ class Scheduler:
         # prompt token: that one is read again for the logits of the first new token.
         source, common = None, 0
         for slot in self._slots if self._engine.settings.prefix_caching else ():
+            if slot.adapter != sequence.adapter:
+                continue
             shared = _common_prefix(slot.tokens, prompt, len(prompt) - 1)
             if shared > common:
                 source, common = slot, shared
@@ -304,6 +305,7 @@ class Scheduler:
         self._prefix_hits += common
         target.tokens = prompt[:common]
         target.sequence = sequence
+        target.adapter = sequence.adapter
         sequence.slot = target.index
         sequence.cached = target.tokens
         return True
@@ -411,66 +413,46 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------
 
     def _step(self, deliveries: list[tuple[LlamaSequence, EngineStep | BaseException]]) -> None:
-        engine, lib = self._engine, self._lib
-        batch = engine.batch
-        budget = engine.settings.max_batch_tokens
-        # What each sequence reads this step, as (sequence, first, end) of its prompt; a
-        # decoding sequence's one token (its pending one) is (sequence, -1, -1).
-        # Decoding sequences first (one token each), then prompt chunks in arrival order.
-        reads: list[tuple[LlamaSequence, int, int]] = []
-        for sequence in self._running:
-            if sequence.pending >= 0 and len(reads) < budget:
-                reads.append((sequence, -1, -1))
-        count = decodes = len(reads)
-        finishing = 0
-        for sequence in self._running:
-            if count >= budget:
-                break
-            if sequence.pending >= 0 or sequence.generated:
-                continue
-            start = len(sequence.cached)
-            if finishing and not _worth_packing(
-                len(sequence.prompt) - start, budget - count, finishing, decodes
-            ):
-                break
-            end = min(len(sequence.prompt), start + budget - count)
-            finishing += end == len(sequence.prompt)
-            reads.append((sequence, start, end))
-            count += end - start
-        # Into the batch in sequence-id order: with a KV stream per sequence, llama.cpp
-        # splits a batch into one forward pass per run of consecutive ids (in batch order),
-        # each reading every weight again; a shared cache takes the batch whole either way.
-        reads.sort(key=lambda read: read[0].slot)
-        outputs: list[tuple[LlamaSequence, int]] = []
-        count = 0
-        for sequence, start, end in reads:
-            if start < 0:
-                _add(batch, count, sequence.pending, len(sequence.cached), sequence.slot, True)
-                sequence.cached.append(sequence.pending)
-                sequence.pending = -1
-                outputs.append((sequence, count))
-                count += 1
-                continue
-            for position in range(start, end):
-                last = position == len(sequence.prompt) - 1
-                _add(batch, count, sequence.prompt[position], position, sequence.slot, last)
-                if last:
-                    outputs.append((sequence, count))
-                count += 1
-            sequence.cached.extend(sequence.prompt[start:end])
-        batch.n_tokens = count
-        if count == 0:
+        """One step: every sequence's reads, decoded in one batch per LoRA adapter."""
+        reads = plan_reads(self._running, self._engine.settings.max_batch_tokens)
+        self._turn += 1
+        for group in adapter_groups(reads, self._turn):
+            self._use_adapter(group[0].sequence.adapter)
+            self._sample(self._decode(group), deliveries)
+
+    def _use_adapter(self, adapter: int) -> None:
+        """Set the context's LoRA adapters to ``adapter``'s (0: none) for the next decode."""
+        if adapter == self._adapter:
             return
-        self._tokens_run += count
+        handles, count, scales = self._adapter_args[adapter]
+        status = self._lib.llama_set_adapters_lora(self._engine.context, handles, count, scales)
+        if status != 0:
+            raise RuntimeError(f"llama_set_adapters_lora returned {status}")
+        self._adapter = adapter
+
+    def _decode(self, reads: list[Read]) -> list[Output]:
+        engine = self._engine
+        outputs = fill_batch(engine.batch, reads)
+        self._tokens_run += engine.batch.n_tokens
         if not engine.per_sequence:
             self._drop_stale_prefixes()
-        status = lib.llama_decode(engine.context, batch)
+        status = self._lib.llama_decode(engine.context, engine.batch)
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
-        for sequence, index in outputs:
+        return outputs
+
+    def _sample(
+        self,
+        outputs: list[Output],
+        deliveries: list[tuple[LlamaSequence, EngineStep | BaseException]],
+    ) -> None:
+        """Each output's next token, from the logits of the decode just run."""
+        engine = self._engine
+        for output in outputs:
+            sequence = output.sequence
             assert sequence.sampler is not None  # freed only once the sequence is done
             try:
-                token, logprob = sequence.sampler.sample(engine.context, index)
+                token, logprob = sequence.sampler.sample(engine.context, output.index)
             except SlipstreamError as exc:  # this request's constraint: it alone ends
                 deliveries.append((sequence, exc))
                 self._finish(sequence)
@@ -491,33 +473,6 @@ class Scheduler:
                 sequence.pending = token
             else:
                 self._finish(sequence)
-
-
-def _worth_packing(remaining: int, room: int, finishing: int, decodes: int) -> bool:
-    """Whether a step that already ends ``finishing`` prompts should read the whole rest
-    of another (``remaining`` tokens) as well, or leave it to the next step.
-
-    On a CPU a step costs about ``a + b * tokens``: the per-token cost ``b`` dominates
-    (SmolLM2 on this machine: ~5.6 ms a prompt token, ~7 ms a step besides, so
-    ``a / b`` is about 1.3 tokens). Packing delays the first tokens of the prompts ending
-    in this step by ``b * remaining`` each; waiting delays the other prompt's by the next
-    step's own cost, ``a + b * (its decodes)``. So a short prompt joins (many short chats
-    arriving together read in one step), a long one waits, and its first token comes one
-    short step later instead of holding the others' back. A part of a prompt is never
-    read after another prompt ends in the step: its own first token would come no sooner.
-    """
-    if remaining > room:
-        return False
-    next_decodes = decodes + finishing  # the step's decodes go on, and the prompts ending
-    return finishing * remaining < _STEP_COST_TOKENS + next_decodes
-
-
-def _add(batch: Any, index: int, token: int, position: int, slot: int, logits: bool) -> None:
-    batch.token[index] = token
-    batch.pos[index] = position
-    batch.n_seq_id[index] = 1
-    batch.seq_id[index][0] = slot
-    batch.logits[index] = logits
 
 
 def _common_prefix(cached: list[int], prompt: list[int], limit: int) -> int:

@@ -9,19 +9,26 @@ import asyncio
 import contextlib
 import logging
 import math
-import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
 from slipstream.config import ConfigError, ModelConfig
 from slipstream.errors import InvalidRequest, ModelNotFound, Unavailable
-from slipstream.llm.api import GenerationService, Job
+from slipstream.llm.api import AdapterCard, GenerationService, Job
 from slipstream.llm.engine import CacheStats, Engine
+from slipstream.llm.loading import (
+    adapter_files,
+    config_backend,
+    drain_and_close,
+    in_own_thread,
+    llama_threads,
+    load_engine,
+    model_source,
+)
 from slipstream.llm.metrics import LlmMetrics
 from slipstream.llm.text import TextDelta
 from slipstream.observability.lifecycle import LifecycleMetrics
@@ -31,17 +38,12 @@ from slipstream.repository.layout import (
     is_generative,
     list_models,
     model_path,
-    named_model_file,
     read_config,
     read_model_directory,
 )
-from slipstream.runtime import heap
-from slipstream.runtime.base import usable_cpu_count
 from slipstream.types import RepositoryEntry
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class LlmModels(GenerationService):
@@ -74,6 +76,9 @@ class LlmModels(GenerationService):
         self._unloading: set[str] = set()
         self._failures: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # The LoRA adapters of the loaded models (kept while their model sleeps: a request
+        # naming one wakes it), by the name they are served as.
+        self._adapters: dict[str, AdapterCard] = {}
         self.metrics = LlmMetrics(registry, self.cache_stats)
         self._lifecycle = lifecycle or LifecycleMetrics()
         # Scale to zero: each model's idle delay (0: never), its requests admitted (the
@@ -107,7 +112,7 @@ class LlmModels(GenerationService):
             if config.generative and (only is None or name in only):
                 wanted.append((name, directory.path, list(directory.versions), config))
         self._loading.update(name for name, *_ in wanted)
-        threads = _llama_threads(sum(config.backend == "llama_cpp" for *_, config in wanted))
+        threads = llama_threads(sum(config.backend == "llama_cpp" for *_, config in wanted))
         await asyncio.gather(*(self._load(*item, threads) for item in wanted))
         if self._idle_task is None:
             self._idle_task = asyncio.create_task(self._unload_idle_forever())
@@ -121,9 +126,11 @@ class LlmModels(GenerationService):
             if not selected:
                 raise ConfigError(f"{name}: no version directory to serve (found {versions})")
             version = max(selected)
-            source = _model_source(path / str(version), config)
+            source = model_source(path / str(version), config)
+            adapters = adapter_files(path, config)
+            self._check_adapter_names(name, adapters)
             started = time.perf_counter()
-            engine = await _in_own_thread(_load_engine, source, config, threads)
+            engine = await in_own_thread(load_engine, source, config, threads, adapters)
             TRACE.model_loaded(name, time.perf_counter() - started, 0.0)
             self._lifecycle.loaded(name, time.perf_counter() - started, ok=True)
         except Exception as exc:
@@ -146,9 +153,12 @@ class LlmModels(GenerationService):
             self._default_max_tokens[name] = config.generation.default_max_tokens
             self._queue_limit[name] = config.generation.max_queue_size
             self._failures.pop(name, None)
+            self._drop_adapters(name)
+            for adapter, file in config.generation.lora_modules.items():
+                self._adapters[adapter] = AdapterCard(parent=name, root=file)
             logger.info("generative model %s is READY (%s)", name, source)
             if previous is not None:
-                await _drain_and_close(previous)
+                await drain_and_close(previous)
             return True
         finally:
             self._loading.discard(name)
@@ -169,10 +179,10 @@ class LlmModels(GenerationService):
             config = read_config(directory)
             self._loading.add(name)
             others = sum(
-                _config_backend(self.repository, other) == "llama_cpp"
+                config_backend(self.repository, other) == "llama_cpp"
                 for other in set(self._engines) - {name}
             )
-            threads = _llama_threads(others + 1)
+            threads = llama_threads(others + 1)
             versions = list(directory.versions)
             if not await self._load(name, directory.path, versions, config, threads):
                 raise InvalidRequest(f"failed to load model {name!r}: {self._failures[name]}")
@@ -186,12 +196,13 @@ class LlmModels(GenerationService):
             engine = self._engines.pop(name, None)
             self._created.pop(name, None)
             self._failures.pop(name, None)
+            self._drop_adapters(name)
             if engine is None:
                 return
             self._lifecycle.unloads[name, "request"] += 1
             self._unloading.add(name)
             try:
-                await _drain_and_close(engine)
+                await drain_and_close(engine)
             finally:
                 self._unloading.discard(name)
             logger.info("generative model %s is unloaded", name)
@@ -273,12 +284,13 @@ class LlmModels(GenerationService):
             self._asleep[name] = self._versions.pop(name)
             self._seen.pop(name, None)
             self._lifecycle.unloads[name, "idle"] += 1
-            await _drain_and_close(engine)
+            await drain_and_close(engine)
         logger.info("generative model %s: unloaded after being idle; its next request "
                     "loads it again", name)  # fmt: skip
         return True
 
     async def wake(self, name: str) -> None:
+        name = self._base(name)
         if name not in self._asleep:
             return
         wait = self._retry_at.get(name, 0.0) - time.monotonic()
@@ -317,19 +329,50 @@ class LlmModels(GenerationService):
     # -- lookup --------------------------------------------------------------------------
 
     def models(self) -> list[tuple[str, int]]:
-        """(name, created unix time) of every ready model."""
+        """(name, created unix time) of every ready model and its LoRA adapters."""
         engines = self._engines
-        return sorted(
-            (name, created)
+        listed = {
+            name: created
             for name, created in self._created.items()
             if name not in engines or engines[name].failure is None
-        )
+        }
+        for adapter, card in self._adapters.items():
+            if card.parent in listed:
+                listed.setdefault(adapter, listed[card.parent])
+        return sorted(listed.items())
+
+    def adapters(self) -> dict[str, AdapterCard]:
+        served = dict(self.models())
+        return {name: card for name, card in self._adapters.items() if name in served}
+
+    def _base(self, name: str) -> str:
+        """The model that runs ``name``: its parent for a LoRA adapter, else ``name``."""
+        card = self._adapters.get(name)
+        return name if card is None else card.parent
+
+    def _drop_adapters(self, parent: str) -> None:
+        for name in [name for name, card in self._adapters.items() if card.parent == parent]:
+            del self._adapters[name]
+
+    def _check_adapter_names(self, name: str, adapters: Mapping[str, Path]) -> None:
+        """ConfigError for an adapter named as a model of the repository, or as another
+        model's adapter: requests name either by the same field."""
+        for adapter in adapters:
+            field = f"generation.lora_modules.{adapter}"
+            if adapter == name or (self.repository / adapter).is_dir():
+                raise ConfigError(f"{field}: the repository has a model of that name; give "
+                                  "the adapter a name of its own")  # fmt: skip
+            card = self._adapters.get(adapter)
+            if card is not None and card.parent != name:
+                raise ConfigError(f"{field}: model {card.parent!r} serves an adapter of that "
+                                  "name; give this one a name of its own")  # fmt: skip
 
     def is_ready(self) -> bool:
         # A model loading again for a request after being idle keeps the server ready.
         return not self._loading.difference(self._asleep)
 
     def engine(self, name: str) -> Engine:
+        name = self._base(name)
         engine = self._engines.get(name)
         if engine is not None:
             return engine
@@ -353,7 +396,7 @@ class LlmModels(GenerationService):
         return self._asleep.get(name) if engine is None or engine.failure else self._versions[name]
 
     def default_max_tokens(self, name: str) -> int:
-        return self._default_max_tokens.get(name, 256)
+        return self._default_max_tokens.get(self._base(name), 256)
 
     def cache_stats(self) -> dict[str, CacheStats]:
         return {name: engine.cache_stats() for name, engine in self._engines.items()}
@@ -370,6 +413,7 @@ class LlmModels(GenerationService):
         room counts the jobs of requests admitted, not yet queued by their engine (see
         :meth:`generate`, called right after this with nothing awaited between)."""
         engine = self.engine(model)
+        model = self._base(model)  # an adapter's requests queue in its model's engine
         self._admitted[model] = self._admitted.get(model, 0) + 1
         if jobs:  # the jobs of one request share everything the engine checks here
             engine.check_features(jobs[0].params)
@@ -398,25 +442,27 @@ class LlmModels(GenerationService):
         counts them, or the iterator ends or is dropped unstarted.
         """
         engine = self.engine(model)
-        unstarted = _Unstarted(self._unstarted, model, len(jobs))
-        stream = self._generate(model, engine, jobs, arrived, unstarted)
+        base = self._base(model)
+        unstarted = _Unstarted(self._unstarted, base, len(jobs))
+        adapter = None if base == model else model
+        stream = self._generate(model, engine, jobs, arrived, unstarted, adapter)
         weakref.finalize(stream, unstarted.release_all)
         return stream
 
     async def _generate(
         self, model: str, engine: Engine, jobs: Sequence[Job], arrived: float,
-        unstarted: _Unstarted,
+        unstarted: _Unstarted, adapter: str | None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:  # fmt: skip
         if len(jobs) == 1:
             job = jobs[0]
-            async for delta in self._one(model, engine, job, arrived, unstarted):
+            async for delta in self._one(model, engine, job, arrived, unstarted, adapter):
                 yield job.index, delta
             return
         merged: asyncio.Queue[tuple[int, TextDelta] | BaseException | None] = asyncio.Queue()
 
         async def pump(job: Job) -> None:
             try:
-                async for delta in self._one(model, engine, job, arrived, unstarted):
+                async for delta in self._one(model, engine, job, arrived, unstarted, adapter):
                     merged.put_nowait((job.index, delta))
             except Exception as exc:
                 merged.put_nowait(exc)
@@ -442,12 +488,13 @@ class LlmModels(GenerationService):
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _one(
-        self, model: str, engine: Engine, job: Job, arrived: float, unstarted: _Unstarted
-    ) -> AsyncIterator[TextDelta]:
+        self, model: str, engine: Engine, job: Job, arrived: float, unstarted: _Unstarted,
+        adapter: str | None,
+    ) -> AsyncIterator[TextDelta]:  # fmt: skip
         metrics = self.metrics
         metrics.prompt_tokens.labels(model).inc(len(job.prompt_ids))
         per_model = metrics.of(model)
-        steps = engine.generate(job.prompt_ids, job.params)
+        steps = engine.generate(job.prompt_ids, job.params, adapter)
         previous_tokens = 0
         previous_at = arrived
         outcome = "cancelled"
@@ -505,96 +552,3 @@ def _too_many(jobs: Sequence[Job], limit: int) -> InvalidRequest:
         f"the KV cache at once (generation.max_queue_size {limit}); send at most {limit} "
         "per request"
     )
-
-
-async def _in_own_thread(function: Callable[..., T], *args: Any) -> T:
-    """Run ``function`` on a new thread that exits when it returns.
-
-    Not the event loop's executor: a torch model run on a thread that stays alive
-    leaves an OpenMP worker pool behind it. With the generation thread's own pool that
-    makes more OpenMP threads than cores, and libgomp then puts its workers to sleep
-    between parallel regions: the same decode measured 13-15 instead of 18-28 tokens/s
-    on two cores.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def run() -> None:
-        try:
-            result = function(*args)
-        except BaseException as exc:  # handed to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, future, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
-
-    threading.Thread(target=run, name="slipstream-llm-load", daemon=True).start()
-    return await future
-
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _model_source(version_dir: Path, config: ModelConfig) -> Path:
-    """The GGUF file or Hugging Face directory inside a version directory."""
-    named = named_model_file(version_dir, config)
-    if named is not None:
-        return named
-    if (version_dir / "config.json").is_file():
-        return version_dir
-    ggufs = sorted(version_dir.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return ggufs[0]
-    found = ", ".join(p.name for p in sorted(version_dir.iterdir())) or "nothing"
-    raise ConfigError(
-        f"{version_dir}: expected one .gguf file or a Hugging Face model directory "
-        f"(config.json + weights); found {found}"
-    )
-
-
-def _config_backend(repository: Path, name: str) -> str:
-    try:
-        return read_config(read_model_directory(model_path(repository, name))).backend
-    except (ConfigError, OSError):
-        return ""
-
-
-async def _drain_and_close(engine: Engine, timeout_s: float = 30.0) -> None:
-    """Close ``engine`` once its running and waiting sequences are done (or after
-    ``timeout_s``: those still running then end with a 503)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = engine.cache_stats()
-        if not (stats.running or stats.waiting):
-            break
-        await asyncio.sleep(0.05)
-    await engine.close()
-    heap.reclaim_soon()
-
-
-def _llama_threads(models: int) -> int:
-    """Threads of one llama.cpp model when ``models`` of them share this process's cores.
-
-    Each llama.cpp context runs its own thread pool; two models both using every core
-    would oversubscribe them, and a decode step waits for its slowest thread.
-    """
-    return max(1, usable_cpu_count() // max(1, models))
-
-
-def _load_engine(source: Path, config: ModelConfig, threads: int) -> Engine:
-    if config.backend == "llama_cpp":
-        from slipstream.llm.llamacpp import load_llama_cpp_engine
-
-        # Set by the config: that many throughout; automatic: fewer while the CPU is crowded.
-        fixed = config.generation.threads
-        return load_llama_cpp_engine(source, config.generation, fixed or threads, not fixed)
-    if config.backend == "transformers":
-        from slipstream.llm.hf import load_transformers_engine
-
-        return load_transformers_engine(source, config.generation)
-    raise ConfigError(f"backend: {config.backend!r} is not a generative backend")

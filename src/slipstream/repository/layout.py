@@ -193,8 +193,7 @@ def read_config(model: ModelDirectory) -> ModelConfig:
             f"{source}: name: {config.name!r} must match the directory name "
             f"{model.name!r} (or be left out)"
         )
-    if config.tokenizer:
-        contained_file(model.path, config.tokenizer, "tokenizer")
+    _check_named_files(model.path, config)
     config.name = model.name
     return config
 
@@ -209,12 +208,20 @@ def load_override(repository: Path, name: str, text: str) -> ModelConfig:
         config = parse_model_config(parse_triton_json(text, source), source)
         if config.name and config.name != name:
             raise ConfigError(f"{source}: name: {config.name!r} must be {name!r} (or be left out)")
-        if config.tokenizer:
-            contained_file(path, config.tokenizer, "tokenizer")
+        _check_named_files(path, config)
     except ConfigError as exc:
         raise InvalidRequest(str(exc)) from None
     config.name = name
     return config
+
+
+def _check_named_files(path: Path, config: ModelConfig) -> None:
+    """ConfigError when a file the config names (relative to the model directory
+    ``path``) lies outside it."""
+    if config.tokenizer:
+        contained_file(path, config.tokenizer, "tokenizer")
+    for name, adapter in config.generation.lora_modules.items():
+        contained_file(path, adapter, f"generation.lora_modules.{name}")
 
 
 def raw_config(path: Path, filename: str | None = None) -> Any:

@@ -98,12 +98,13 @@ class OpenAIApp:
                 listed = await self._model_list()
                 if request.models is not None:  # only what the caller's key may use
                     listed = [entry for entry in listed if entry[0] in request.models]
-                return HttpResponse(200, replies.models_list(listed))
+                return HttpResponse(200, replies.models_list(listed, self._lineage()))
             if route.startswith("/v1/models/"):
                 name = path_model_name(route.removeprefix("/v1/models/"))
                 for entry, created in await self._model_list():
                     if entry == name:
-                        return HttpResponse(200, replies.model_card(name, created))
+                        return HttpResponse(200, replies.model_card(name, created,
+                                                                    self._lineage()))  # fmt: skip
                 raise ModelNotFound(f"model: {name!r} is not served here")
         if request.method == "POST":
             if route == "/v1/completions":
@@ -125,6 +126,11 @@ class OpenAIApp:
             if route == "/v1/responses":
                 return await respond(self._llm, request.body, time.perf_counter())
         raise no_route(request.method, request.path)
+
+    def _lineage(self) -> replies.Lineage:
+        """vLLM's ``root`` (its file) and ``parent`` (its model) of each LoRA adapter."""
+        adapters = self._llm.adapters()
+        return {name: {"root": card.root, "parent": card.parent} for name, card in adapters.items()}
 
     async def _model_list(self) -> list[tuple[str, int]]:
         """(name, created) of the generative and embedding models served. An embedding
