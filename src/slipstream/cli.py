@@ -226,6 +226,9 @@ def main() -> None:
 @click.option("--jobs-redis", default="", help=_help("jobs_redis"))
 @click.option("--jobs-max-pending", type=int, default=_default("jobs_max_pending"),
               help=_help("jobs_max_pending"))  # fmt: skip
+@click.option("--files-dir", type=click.Path(path_type=Path), default=None, help=_help("files_dir"))
+@click.option("--batch-concurrency", type=int, default=_default("batch_concurrency"),
+              help=_help("batch_concurrency"))  # fmt: skip
 @click.option("--tls-cert", type=click.Path(path_type=Path), default=None, help=_help("tls_cert"))
 @click.option("--tls-key", type=click.Path(path_type=Path), default=None, help=_help("tls_key"))
 @click.option(

@@ -160,6 +160,17 @@ def test_scoring_routes_answer_404_naming_why(https: httpx.Client, route: str) -
     assert "without --ray" in message
 
 
+@pytest.mark.parametrize(("method", "route"), [("POST", "/v1/files"), ("GET", "/v1/batches"),
+                                              ("POST", "/v1/batches/batch-1/cancel")])  # fmt: skip
+def test_files_and_batches_answer_404_naming_why(
+    https: httpx.Client, method: str, route: str
+) -> None:
+    reply = https.request(method, route, json={})
+    assert reply.status_code == 404, reply.text
+    message = reply.json()["error"]["message"]
+    assert " is not served under serve --ray" in message and "without --ray" in message
+
+
 def _send(https: httpx.Client, rng: np.random.Generator) -> None:
     rows = rng.normal(size=(ROWS, ADD_SUB_WIDTH)).round(3).tolist()
     body = {"inputs": [{"name": name, "datatype": "FP32", "shape": [ROWS, ADD_SUB_WIDTH],

@@ -61,6 +61,11 @@ ROUTES |= {("post", "/classify")}
 # KServe's V1 protocol.
 ROUTES |= {("post", "/v1/models/{model}:predict"),
            ("post", "/v1/models/{model}/versions/{version}:predict")}  # fmt: skip
+# OpenAI's files and batches (DELETE /v1/files/{file_id} too).
+ROUTES |= {("post", "/v1/files"), ("get", "/v1/files"), ("get", "/v1/files/{file_id}"),
+           ("get", "/v1/files/{file_id}/content"), ("post", "/v1/batches"),
+           ("get", "/v1/batches"), ("get", "/v1/batches/{batch_id}"),
+           ("post", "/v1/batches/{batch_id}/cancel")}  # fmt: skip
 # Triton's logging and trace settings.
 ROUTES |= {
     (method, path)

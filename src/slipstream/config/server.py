@@ -259,6 +259,18 @@ class ServerSettings(_Strict):
     jobs_max_pending: int = Field(
         100_000, ge=1, description="Unfinished jobs the stream holds before submissions get 503."
     )
+    files_dir: Path | None = Field(
+        None,
+        description="Where OpenAI's files and batches (POST /v1/files, /v1/batches) are "
+        "kept, and from where a restarted server resumes its batches; one server per "
+        "directory. Default: $XDG_STATE_HOME/slipstream/files (~/.local/state/...).",
+    )
+    batch_concurrency: int = Field(
+        4,
+        ge=1,
+        description="Requests of all OpenAI batches in flight at once; live "
+        "requests keep the rest of the batchers.",
+    )
     tls_cert: Path | None = Field(None, description="PEM certificate: serve HTTPS and gRPC TLS.")
     tls_key: Path | None = Field(None, description="PEM private key of --tls-cert.")
     tls_client_ca: Path | None = Field(

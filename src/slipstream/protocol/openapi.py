@@ -26,6 +26,7 @@ from functools import cache
 from typing import Any
 
 from slipstream.names import JOB_ID_PATTERN
+from slipstream.protocol.openapi_batch import batch_paths, batch_schemas
 from slipstream.protocol.openapi_classify import classify_paths, classify_schemas
 from slipstream.protocol.openapi_kserve_v1 import kserve_v1_schemas, with_kserve_v1
 from slipstream.protocol.openapi_schemas import (
@@ -515,7 +516,9 @@ def openapi_document(version: str) -> dict[str, Any]:
         },
         "paths": with_front_door(
             with_kserve_v1(
-                _v2_paths() | _openai_paths() | score_paths() | classify_paths(), _MODEL, _VERSION
+                _v2_paths() | _openai_paths() | score_paths() | classify_paths() | batch_paths(),
+                _MODEL,
+                _VERSION,
             )
         ),
         "components": {
@@ -524,6 +527,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             | openai_schemas()
             | score_schemas()
             | classify_schemas()
+            | batch_schemas()
             | kserve_v1_schemas(),
             "securitySchemes": {
                 "apiKey": {
@@ -543,7 +547,7 @@ def openapi_document(version: str) -> dict[str, Any]:
 def _route_patterns() -> tuple[tuple[re.Pattern[str], tuple[str, ...]], ...]:
     routes = []
     for template, item in openapi_document("")["paths"].items():
-        methods = [m.upper() for m in item if m in ("get", "post")]
+        methods = [m.upper() for m in item if m in ("get", "post", "delete")]
         if "GET" in methods:
             methods.append("HEAD")
         pattern = re.sub(r"\\\{[a-z_]+\\\}", "[^/]+", re.escape(template))

@@ -182,6 +182,7 @@ class V2Replica:
         routes: list[tuple[str, Handler]] = [
             (route, control.no_embeddings_or_scoring) for route in control.NOT_ON_RAY_ROUTES
         ]
+        routes += [(route, control.no_files_or_batches) for route in control.FILES_AND_BATCHES]
         if generative or not models:
             # The root answers /v1/ where no generative application is (Ray routes /v1
             # to that one when it is): its lane and core hold no model, so it lists

@@ -28,6 +28,8 @@ for the whole server are answered here from what every replica reports to the bo
 - ``/v1/embeddings``, vLLM's scoring routes (``/v1/score``, ``/v1/rerank``, ``/rerank``,
   ``/v2/rerank``) and ``/classify``: 404 naming why: their model is a V2 application of
   its own (:func:`no_embeddings_or_scoring`).
+- OpenAI's files and batches (``/v1/files``, ``/v1/batches``): 404 naming why: one
+  server process keeps them and runs their requests (:func:`no_files_or_batches`).
 - A request body over ``--max-request-bytes``: 413, as the plain server answers it.
 
     root = RootRoutes(service, board, fallback=v2_app.handle)
@@ -98,6 +100,14 @@ SCORING_UNDER_RAY = (
     "ids); serve it with slipstream serve, without --ray, for /v1/score, /v1/rerank and "
     "/classify"
 )
+BATCHES_UNDER_RAY = (
+    "{route} is not served under serve --ray: OpenAI's files and batches are kept by one "
+    "server process, which runs each batch's requests and resumes them after a restart, "
+    "where Ray spreads the models over replicas on any node; run batches on slipstream "
+    "serve without --ray (--frontends N too)"
+)
+# OpenAI's Files and Batch APIs: any request under them -> 404 why.
+FILES_AND_BATCHES = ("/v1/files", "/v1/batches")
 # The OpenAI routes whose model would be a V2 application of its own: POST -> 404 why.
 NOT_ON_RAY_ROUTES = ("/v1/embeddings", "/v1/score", *sorted(RERANK_ROUTES), "/classify")
 _INFER_STATS = ("success", "fail", "queue", "compute_input", "compute_infer",
@@ -199,6 +209,16 @@ async def no_embeddings_or_scoring(request: HttpRequest) -> Reply:
         exc = NotFound(EMBEDDINGS_UNDER_RAY)
     else:
         exc = NotFound(SCORING_UNDER_RAY.format(route=route))
+    return error_reply(exc, openai_replies.error(exc))
+
+
+async def no_files_or_batches(request: HttpRequest) -> Reply:
+    """OpenAI's files and batches (:data:`FILES_AND_BATCHES`) under Ray: 404 in the OpenAI
+    error format, naming why (another path sharing the prefix: as the plain server)."""
+    route = request.path.rstrip("/")
+    kind = next((p for p in FILES_AND_BATCHES if route == p or route.startswith(p + "/")), "")
+    exc = NotFound(BATCHES_UNDER_RAY.format(route=kind)) if kind else no_route(
+        request.method, request.path)  # fmt: skip
     return error_reply(exc, openai_replies.error(exc))
 
 

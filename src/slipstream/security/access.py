@@ -56,6 +56,14 @@ HTTP_ROUTES: dict[str, Need] = {
     "/v2/rerank": "infer",
     # vLLM's classification route (outside /v1/, as vLLM answers it).
     "/classify": "infer",
+    # OpenAI's files and batches: each key sees and uses its own (an admin key all); a
+    # batch's requests are checked against its key's models as they run.
+    "/v1/files": "infer",
+    "/v1/files/{file_id}": "infer",
+    "/v1/files/{file_id}/content": "infer",
+    "/v1/batches": "infer",
+    "/v1/batches/{batch_id}": "infer",
+    "/v1/batches/{batch_id}/cancel": "infer",
     # Asynchronous jobs: submitting one is inference; its status is its result. A job
     # names no model in its path: a key limited to some models may read any job whose
     # id it knows (the server's ids are 128 random bits).

@@ -272,6 +272,15 @@ class Limiter:
         if not self._local:
             self.store.leave(self._plans[key.name].in_flight)
 
+    async def tokens_wait_s(self, key: ApiKey) -> float:
+        """Seconds until ``key``'s tokens per minute admit a generative request (0: now),
+        neither refusing nor counting: for work that waits its turn (a batch's requests)."""
+        tpm = key.limits.tokens_per_minute
+        if not tpm:
+            return 0.0
+        verdict = await self._ask(f"tok:{key.name}", tpm / 60.0, tpm, 0)
+        return 0.0 if verdict.allowed else verdict.retry_after_s
+
     async def charge_tokens(self, key: ApiKey, tokens: int) -> None:
         tpm = key.limits.tokens_per_minute
         if tpm and tokens > 0:

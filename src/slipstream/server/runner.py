@@ -41,6 +41,7 @@ from slipstream.security.metrics import FrontDoorMetrics
 from slipstream.server.front_door import HttpFrontDoor
 from slipstream.server.httpd import HttpLimits, HttpServer
 from slipstream.server.kserve_v1_rest import KServeV1App
+from slipstream.server.openai_batch_rest import batch_routes
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.router import Handler, Router
 from slipstream.server.state_metrics import ModelStateCollector
@@ -111,6 +112,8 @@ async def serve(
         cache=service.response_cache,
         metrics=core.metrics,
     )
+    batches = batch_routes(openai_app.handle, settings.files_dir, settings.batch_concurrency,
+                           settings.auth_file, door[1] if door else None)  # fmt: skip
 
     async def drift(model: str, version: str) -> dict[str, Any]:
         return monitors.report(model, version)
@@ -119,7 +122,7 @@ async def serve(
         # The V2 routes serve the generative models too, as Triton's vLLM backend does.
         v2_service = GenerativeV2(service, core.generation)
         fronts = await start_front_ends(
-            settings, v2_service, metrics, openai_app.handle, door, tls, jobs, drift=drift
+            settings, v2_service, metrics, batches.handle, door, tls, jobs, drift=drift
         )
     except OSError as exc:
         logger.error("%s", exc)
@@ -132,6 +135,7 @@ async def serve(
 
     def start_companions() -> None:
         background.extend(asyncio.create_task(run(service)) for run in companions)
+        batches.start()  # unfinished batches resume once the models are ready
 
     exit_code = await run_until_stopped(start_task, stop_task, settings, start_companions, service)
     logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
@@ -139,6 +143,7 @@ async def serve(
     for task in (start_task, stop_task, *background):
         task.cancel()
     await fronts.shutdown(settings.shutdown_timeout_s)
+    await batches.stop()
     await service.stop()
     await close_parts(jobs, door)
     logger.info("shutdown complete")

@@ -63,8 +63,10 @@ from slipstream.repository.placement import CPU, Routing, Share, engine_devices
 from slipstream.runtime import heap
 from slipstream.security.gate import body_model
 from slipstream.security.keys import KeysFileError
+from slipstream.security.shared_store import LocalBackend
 from slipstream.server.httpd import HttpRequest, HttpResponse, StreamingResponse, error_reply
 from slipstream.server.journal import EngineJournal
+from slipstream.server.openai_batch_rest import batch_routes, engine_limiter
 from slipstream.server.openai_rest import OpenAIApp
 from slipstream.server.ports import Port, claim_ports
 from slipstream.server.runner import (
@@ -191,6 +193,13 @@ async def _serve_engine(
         cache=service.response_cache,
         metrics=core.metrics,
     )
+    limits = LocalBackend()  # the front ends' rate limits, which batches spend too
+    # The first engine owns OpenAI's files and batches (front ends send them all there).
+    batches = None if index else batch_routes(
+        openai_app.handle, settings.files_dir, settings.batch_concurrency, settings.auth_file,
+        engine_limiter(settings.auth_file, settings.rate_limit_store, limits),
+    )  # fmt: skip
+    handle = openai_app.handle if batches is None else batches.handle
     board = _FrontEndBoard()
 
     async def drift(model: str, version: str) -> dict[str, Any]:
@@ -202,7 +211,7 @@ async def _serve_engine(
     async def forward(request: HttpRequest) -> AsyncIterator[Any]:
         """An OpenAI request run here: its whole response, or a stream's head and then
         its chunks."""
-        reply = await openai_app.handle(request)
+        reply = await handle(request)
         if isinstance(reply, HttpResponse):
             yield reply
             return
@@ -214,7 +223,7 @@ async def _serve_engine(
     asleep = journal.restore_models(service.models)  # before any load: they stay asleep
     v2_service = GenerativeV2(service, core.generation)  # the V2 routes' generative models
     calls = engine_calls(v2_service)
-    calls.update(drift=drift, metrics=metrics, **limit_calls())
+    calls.update(drift=drift, metrics=metrics, **limit_calls(limits))
     _journaled_calls(calls, service, journal, loaded)
     host = EngineHost(
         engine_address(directory, index), calls,
@@ -229,13 +238,21 @@ async def _serve_engine(
     await host.start()
     background = background_tasks(settings, core, None)
     stop_task = asyncio.create_task(stop.wait())
+
+    def on_ready() -> None:
+        ready.set()
+        if batches is not None:
+            batches.start()  # unfinished batches resume once the models are ready
+
     exit_code = await run_until_stopped(
-        start_task, stop_task, settings, on_ready=ready.set, service=service
+        start_task, stop_task, settings, on_ready=on_ready, service=service
     )
     logger.info("engine stopping")
     for task in (start_task, stop_task, parent, watch, *background):
         task.cancel()
     await host.close()
+    if batches is not None:
+        await batches.stop()
     await service.stop()
     logger.info("engine stopped")
     return exit_code
@@ -485,6 +502,8 @@ class OpenAIForwarder:
         if len(self._clients) == 1:
             return await self._forward(self._clients[0], request)
         route = request.path.rstrip("/")
+        if route.startswith(("/v1/files", "/v1/batches")):  # the first engine owns these
+            return await self._forward(self._clients[0], request)
         if request.method in ("GET", "HEAD") and route == "/v1/models":
             return await self._models(request)
         if route.startswith("/v1/models/"):
