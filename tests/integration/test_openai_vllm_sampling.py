@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -498,6 +499,27 @@ def test_bad_values_are_400s_naming_the_field(
                                     extra_body=body)  # fmt: skip
     assert refused.value.param == param, refused.value.body
     assert says in refused.value.message
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cut", [{"min_p": 0.1}, {"top_p": 0.5}, {}])
+def test_a_tiny_repetition_penalty_harms_no_request_beside_it(
+    client: openai.OpenAI, model: str, cut: dict[str, float]
+) -> None:
+    """repetition_penalty 1e-40 divides logits past float32's range (schemathesis found
+    it): llama.cpp's step failed every sequence in it, transformers' loop stopped and the
+    model answered 503 from then on. Now that request is answered, and so is a greedy
+    request decoding beside it, with the text it has alone."""
+    alone = complete(client, model, max_tokens=12, temperature=0).choices[0].text
+    with ThreadPoolExecutor(2) as pool:
+        # Unseeded: transformers draws those rows with torch.multinomial, which the NaN
+        # stopped (a seeded row takes the Gumbel noise's argmax).
+        odd = pool.submit(complete, client, model, max_tokens=12, temperature=0.8,
+                          repetition_penalty=1e-40, **cut)  # fmt: skip
+        beside = pool.submit(complete, client, model, max_tokens=12, temperature=0)
+        assert odd.result().choices[0].finish_reason == "length"
+        assert beside.result().choices[0].text == alone
+    assert complete(client, model, max_tokens=12, temperature=0).choices[0].text == alone
 
 
 # -- the V2 generate route (Triton's vLLM backend takes vLLM's SamplingParams names) -------

@@ -190,3 +190,16 @@ def test_min_p_of_one_always_draws_the_most_likely_token() -> None:
     for temperature in (0.5, 1.0, 2.0):
         drawn = {draw(logits, params(temperature=temperature, min_p=1.0), rng) for _ in range(20)}
         assert drawn == {int(np.argmax(logits))}
+
+
+@pytest.mark.parametrize("cut", [{}, {"min_p": 0.1}, {"top_p": 0.5}, {"top_k": 5}])
+def test_logits_past_float32_s_range_still_draw_a_token(cut: dict[str, float]) -> None:
+    """A tiny repetition penalty divides logits to +inf (the penalized row is made finite
+    first); a row left with no finite logit at all draws its argmax instead of failing."""
+    rng = np.random.default_rng(0)
+    logits = np.random.default_rng(1).normal(size=1000).astype(np.float32)
+    logits[[3, 7]] = np.inf
+    settings_ = params(temperature=0.8, **cut)
+    assert 0 <= draw(logits.copy(), settings_, rng) < logits.size
+    for hopeless in (np.full(1000, -np.inf, np.float32), np.full(1000, np.nan, np.float32)):
+        assert draw(hopeless, settings_, rng) == 0

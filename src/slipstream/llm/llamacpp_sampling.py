@@ -41,6 +41,8 @@ from slipstream.errors import InvalidRequest
 from slipstream.llm.constraints import allowed_tokens, constraint_field
 from slipstream.llm.engine import SamplingParams, TokenLogprob
 
+_FLT_MAX = float(np.finfo(np.float32).max)
+
 # llama_token_data as numpy sees it: id, logit, p.
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
@@ -162,7 +164,9 @@ class SequenceSampler:
         size = int(candidates.size)
         logits = np.full(self.n_vocab, -np.inf, np.float32)
         logits[data["id"][:size]] = data["logit"][:size]
-        return logits
+        # A tiny repetition penalty divides logits past float32's range: +inf would make
+        # every weight NaN (inf - inf), so it is the largest finite value (NaN: -inf).
+        return np.nan_to_num(logits, copy=False, nan=-np.inf, posinf=_FLT_MAX, neginf=-np.inf)
 
 
 def _logprob(logits: np.ndarray, token: int, params: SamplingParams) -> TokenLogprob:
@@ -194,7 +198,10 @@ def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -
     are a prefix of the sorted order, so the cuts look among those first."""
     if params.greedy:
         return int(np.argmax(logits))
-    weights = logits - logits.max()  # [n_vocab] float32, the largest 0
+    top = logits.max()
+    if not np.isfinite(top):  # nothing drawable is left (all -inf), or NaN: the argmax
+        return int(np.argmax(np.nan_to_num(logits, nan=-np.inf)))
+    weights = logits - top  # [n_vocab] float32, the largest 0
     if params.temperature != 1.0:
         weights *= np.float32(1.0 / params.temperature)
     np.exp(weights, out=weights)  # the largest 1.0

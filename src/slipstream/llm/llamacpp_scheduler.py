@@ -457,6 +457,11 @@ class Scheduler:
                 deliveries.append((sequence, exc))
                 self._finish(sequence)
                 continue
+            except Exception as exc:  # a fault in one sequence's choice: it alone fails
+                logger.exception("llama.cpp sampling failed for one sequence")
+                deliveries.append((sequence, InternalError(f"generation failed: {exc}")))
+                self._finish(sequence)
+                continue
             sequence.generated += 1
             params = sequence.params
             reason: FinishReason | None = None

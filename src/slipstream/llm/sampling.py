@@ -307,6 +307,12 @@ class RequestExtras:
             row[ids.to(row.device)] -= penalty + params.presence_penalty
         for token, bias in params.logit_bias:
             row[token] += bias
+        if params.repetition_penalty < 1.0:
+            # A tiny penalty multiplies logits past the dtype's range; kept where the
+            # temperature's division (by at least 1e-6) stays finite, or the softmax of
+            # a batch's draw is NaN and the manager's loop stops for every request.
+            limit = torch.finfo(row.dtype).max * 1e-6 if row.dtype != torch.float16 else 6e4
+            row.nan_to_num_(nan=-math.inf, posinf=limit, neginf=-math.inf).clamp_(max=limit)
 
     def take_logprobs(self, count: int) -> list[TokenLogprob]:
         taken, self.logprobs = self.logprobs[:count], self.logprobs[count:]
