@@ -30,7 +30,7 @@ import numpy as np
 
 from slipstream.config import ModelConfig
 from slipstream.errors import GenerativeModel, InvalidRequest, ModelNotFound
-from slipstream.serving.embeddings import Embedder, is_cross_encoder, unpadded
+from slipstream.serving.embeddings import Embedder, is_cross_encoder, tokenize, unpadded
 from slipstream.serving.service import InferenceService
 
 # Tokenizers kept per (model, tokenizer file, truncation): a copy costs ~30 ms to make
@@ -85,13 +85,15 @@ class Scorer:
         if cross:
             paired = firsts * len(seconds) if len(firsts) == 1 else firsts
             pairs = list(zip(paired, seconds, strict=True))
-            rows, types = await asyncio.to_thread(_encode, tokenizer, pairs)
+            size = sum(len(first) + len(second) for first, second in pairs)
+            rows, types = await tokenize(size, _encode, tokenizer, pairs)
             logits, tokens = await self._embedder.run(model, config, rows, route_key, types, field)
             values = np.asarray(logits, dtype=np.float64).reshape(len(rows))
             if activation:  # the sigmoid, without exp's overflow for large logits
                 values = 0.5 * (1.0 + np.tanh(0.5 * values))
             return Scores([float(v) for v in values], tokens)
-        rows, _ = await asyncio.to_thread(_encode, tokenizer, [*firsts, *seconds])
+        texts = [*firsts, *seconds]
+        rows, _ = await tokenize(sum(map(len, texts)), _encode, tokenizer, texts)
         vectors, tokens = await self._embedder.run(model, config, rows, route_key, field=field)
         if vectors.ndim != 2:
             raise InvalidRequest(
