@@ -158,6 +158,7 @@ class Reference:
     def __init__(self, adapters: dict[str, Path]) -> None:
         self._adapters = adapters
         self._models: dict[str | None, Any] = {}
+        self._texts: dict[tuple[str | None, str], str] = {}
 
     def model(self, adapter: str | None) -> Any:
         model = self._models.get(adapter)
@@ -174,7 +175,13 @@ class Reference:
                                                           special=True)]  # fmt: skip
 
     def text(self, adapter: str | None, prompt: str) -> str:
-        """The greedy completion of ``prompt``."""
+        """The greedy completion of ``prompt`` (computed once)."""
+        known = self._texts.get((adapter, prompt))
+        if known is None:
+            known = self._texts[adapter, prompt] = self._text(adapter, prompt)
+        return known
+
+    def _text(self, adapter: str | None, prompt: str) -> str:
         model = self.model(adapter)
         model.reset()
         out: list[int] = []

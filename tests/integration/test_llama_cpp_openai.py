@@ -491,8 +491,9 @@ TOOL_SETS: list[tuple[str, list[dict[str, Any]]]] = [
 
 
 def test_required_tool_calls_always_validate(server: RemoteServer) -> None:
-    """tool_choice required, ten tool sets at once: every reply is a call of one of the
-    offered functions whose arguments validate against its schema."""
+    """tool_choice required, six tool sets at once (a string pattern, enums, integers with
+    bounds, several functions, one without parameters): every reply is a call of one of
+    the offered functions whose arguments validate against its schema."""
 
     async def ask(http: httpx.AsyncClient, question: str, tools: list[dict[str, Any]]) -> Any:
         body = {"model": "smol", "temperature": 0, "max_tokens": 120, "tools": tools,
@@ -504,9 +505,10 @@ def test_required_tool_calls_always_validate(server: RemoteServer) -> None:
 
     async def run() -> list[Any]:
         async with httpx.AsyncClient(timeout=180) as http:
-            return await asyncio.gather(*(ask(http, q, tools) for q, tools in TOOL_SETS))
+            return await asyncio.gather(*(ask(http, q, tools) for q, tools in asked))
 
-    for (question, tools), choice in zip(TOOL_SETS, asyncio.run(run()), strict=True):
+    asked = TOOL_SETS[:3] + TOOL_SETS[-3:]
+    for (question, tools), choice in zip(asked, asyncio.run(run()), strict=True):
         assert choice["finish_reason"] == "tool_calls", (question, choice)
         [call] = choice["message"]["tool_calls"]
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
