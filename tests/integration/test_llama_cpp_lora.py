@@ -38,8 +38,6 @@ MAX_TOKENS = 12
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village,",
-    "The best way to learn a language is",
-    "Water boils at a temperature of",
 ]
 
 
@@ -267,12 +265,12 @@ def test_base_and_adapters_side_by_side_keep_their_own_outputs(
     batch), started together and staggered into each other's decoding; the same prompt
     to each, so a prefix reused across adapters would show too."""
     server, keys = served
-    for prompt in PROMPTS[1:3]:
-        for stagger_s in (0.0, 0.05):
-            jobs = [(model, prompt) for model, _, _ in models]
-            texts = asyncio.run(_complete_all(server, keys["all"], jobs, stagger_s))
-            for (_, adapter, exact), text in zip(models, texts, strict=True):
-                reference.check(adapter, prompt, text, exact)
+    prompt = PROMPTS[1]
+    for stagger_s in (0.0, 0.05):
+        jobs = [(model, prompt) for model, _, _ in models]
+        texts = asyncio.run(_complete_all(server, keys["all"], jobs, stagger_s))
+        for (_, adapter, exact), text in zip(models, texts, strict=True):
+            reference.check(adapter, prompt, text, exact)
 
 
 @pytest.mark.parametrize("models", [SHARED, STREAMS], ids=["shared", "streams"])
