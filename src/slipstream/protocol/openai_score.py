@@ -57,19 +57,10 @@ class _Scoring(_Fields):
     activation: bool | None = Field(None, description="vLLM's older name of use_activation")
 
     def activated(self) -> bool:
-        for value in (self.use_activation, self.softmax, self.activation):
-            if value is not None:
-                return value
-        return True
+        return activated(self.use_activation, self.softmax, self.activation)
 
     def truncation(self) -> int | None:
-        value = self.truncate_prompt_tokens
-        if value is not None and value != -1 and value < 1:
-            raise InvalidRequest(
-                f"truncate_prompt_tokens: {value} is not a length; send a number of tokens "
-                "(at least 1), or -1 for the model's own length"
-            )
-        return value
+        return truncation(self.truncate_prompt_tokens)
 
 
 class ScoreRequest(_Scoring):
@@ -176,3 +167,22 @@ def rerank_list(
     return orjson.dumps({"id": new_id("rerank"), "model": model, "results": results,
                          "usage": {"prompt_tokens": prompt_tokens,
                                    "total_tokens": prompt_tokens}})  # fmt: skip
+
+
+def activated(use_activation: bool | None, softmax: bool | None, activation: bool | None) -> bool:
+    """Whether to apply the model's activation: ``use_activation``, else vLLM's older
+    names for it (``softmax``, ``activation``), else yes."""
+    for value in (use_activation, softmax, activation):
+        if value is not None:
+            return value
+    return True
+
+
+def truncation(value: int | None) -> int | None:
+    """``truncate_prompt_tokens`` checked: None, -1 (the model's own length) or >= 1."""
+    if value is not None and value != -1 and value < 1:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens: {value} is not a length; send a number of tokens "
+            "(at least 1), or -1 for the model's own length"
+        )
+    return value
