@@ -35,12 +35,22 @@ CHAT = {"max_tokens": 6, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def repo(tmp_path_factory: pytest.TempPathFactory, embed_repo: Path) -> Path:
     root = tmp_path_factory.mktemp("batch-repo")
     tiny = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf")
     shutil.copytree(tiny, root / "tiny" / "1")
     write_config(root, "tiny", {"backend": "transformers",
                                 "generation": {"num_blocks": 64, "block_size": 16}})  # fmt: skip
+    shutil.copytree(embed_repo / "embed", root / "embed")
+    return root
+
+
+@pytest.fixture(scope="module")
+def embed_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedding model alone: the servers of the tests that run no chat start without
+    loading the generative model."""
+    root = tmp_path_factory.mktemp("batch-embed-repo")
+    tiny = build_tiny_llama(tmp_path_factory.mktemp("tiny-tokenizer") / "hf")
     table = np.random.default_rng(0).standard_normal((512, 8)).astype(np.float32)
     build_mean_embedding(root, "embed", table)
     shutil.copy(tiny / "tokenizer.json", root / "embed" / "tokenizer.json")
@@ -253,25 +263,25 @@ def test_bad_uploads_are_400_naming_the_line_and_field(
     assert refused.value.body["param"] == message.split(":")[0]  # type: ignore[index]
 
 
-def test_an_upload_past_the_request_limit_is_413(tmp_path: Path, repo: Path) -> None:
+def test_an_upload_past_the_request_limit_is_413(tmp_path: Path, embed_repo: Path) -> None:
     big = _jsonl([_line(f"{i}", "/v1/embeddings", {"model": "embed", "input": "x" * 100})
                   for i in range(20)])  # fmt: skip
     args = ["--max-request-bytes", "1024", "--files-dir", str(tmp_path / "files")]
-    with RemoteServer(repo, args, log_dir=tmp_path) as running:
+    with RemoteServer(embed_repo, args, log_dir=tmp_path) as running:
         reply = running.http.post("/v1/files", files={"file": ("b.jsonl", big)},
                                   data={"purpose": "batch"})  # fmt: skip
         assert reply.status_code == 413
 
 
 def test_a_restarted_server_resumes_without_running_answered_requests_again(
-    tmp_path: Path, repo: Path
+    tmp_path: Path, embed_repo: Path
 ) -> None:
     files = tmp_path / "files"
     args = ["--files-dir", str(files), "--batch-concurrency", "1"]
     total = 1500
     lines = [_line(f"r{i}", "/v1/embeddings", {"model": "embed", "input": f"t {i}"})
              for i in range(total)]  # fmt: skip
-    with RemoteServer(repo, args, log_dir=tmp_path) as first:
+    with RemoteServer(embed_repo, args, log_dir=tmp_path) as first:
         client = first.openai()
         uploaded = client.files.create(file=("r.jsonl", io.BytesIO(_jsonl(lines))),
                                        purpose="batch")  # fmt: skip
@@ -286,7 +296,7 @@ def test_a_restarted_server_resumes_without_running_answered_requests_again(
     assert 0 < answered < total, answered
     # The rest may run side by side (they batch together): what is resumed is the same.
     args[-1] = "8"
-    with RemoteServer(repo, args, log_dir=tmp_path) as second:
+    with RemoteServer(embed_repo, args, log_dir=tmp_path) as second:
         client = second.openai()
         done = _wait(client, batch.id)
         assert done.status == "completed"
@@ -298,9 +308,9 @@ def test_a_restarted_server_resumes_without_running_answered_requests_again(
         assert stats["inference_count"] == total - answered
 
 
-def test_the_split_layout_runs_batches_in_its_engine(tmp_path: Path, repo: Path) -> None:
+def test_the_split_layout_runs_batches_in_its_engine(tmp_path: Path, embed_repo: Path) -> None:
     args = ["--frontends", "1", "--files-dir", str(tmp_path / "files")]
-    with RemoteServer(repo, args, log_dir=tmp_path) as running:
+    with RemoteServer(embed_repo, args, log_dir=tmp_path) as running:
         client = running.openai()
         lines = [_line(f"s{i}", "/v1/embeddings", {"model": "embed", "input": f"s {i}"})
                  for i in range(4)]  # fmt: skip
