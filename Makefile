@@ -153,7 +153,7 @@ LOWEST_TESTS := tests/unit/test_protocol_v2.py tests/unit/test_grpc_codec.py \
   tests/unit/test_batcher.py tests/unit/test_batcher_states.py tests/unit/test_repository.py \
   tests/unit/test_metrics.py tests/integration/test_http_v2.py \
   tests/integration/test_grpc_frontend.py tests/integration/test_http_server.py \
-  tests/integration/test_server_lifecycle.py
+  tests/integration/test_server_lifecycle.py tests/unit/test_openai_batch_form.py
 
 $(LOWEST_VENV)/.installed: $(LOWEST) $(VENV)/.installed
 	rm -rf $(LOWEST_VENV)

@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
 from slipstream.errors import InvalidRequest
 
@@ -73,55 +75,73 @@ class FormPart:
 
 
 def parse_form(content_type: bytes | None, body: bytes) -> dict[str, FormPart]:
-    """The parts of a multipart/form-data ``body`` (RFC 7578) by name; InvalidRequest
-    naming what is wrong. Written with bytes.find: the standard library's email parser
-    took 0.68 s for a 33 MB upload (a line-by-line feed parser), this takes a copy."""
-    kind, _, params = (content_type or b"").decode("latin-1").partition(";")
-    if kind.strip().lower() != "multipart/form-data":
+    """The parts of a multipart/form-data ``body`` (RFC 7578) by name, the first of a name
+    kept; InvalidRequest naming what is wrong. Parsed by python-multipart (Starlette's
+    parser): ~25 ms for a 33 MB upload here (the standard library's email parser: 0.68 s)."""
+    kind, params = parse_options_header(content_type)
+    if kind != b"multipart/form-data":
         raise InvalidRequest(
             "Content-Type: expected multipart/form-data with the fields file and purpose, "
-            f"got {kind.strip() or 'none'!r}"
+            f"got {kind.decode('latin-1') or 'none'!r}"
         )
-    boundary = _param(params, "boundary")
+    boundary = params.get(b"boundary")
     if not boundary:
         raise InvalidRequest("Content-Type: multipart/form-data needs a boundary parameter")
-    delimiter = b"--" + boundary.encode("latin-1")
-    parts: dict[str, FormPart] = {}
-    start = body.find(delimiter)
-    if start < 0:
-        raise InvalidRequest("body: no multipart boundary found; send the file as form data")
-    position = start + len(delimiter)
-    while not body.startswith(b"--", position):
-        head_end = body.find(b"\r\n\r\n", position)
-        end = body.find(b"\r\n" + delimiter, head_end + 4)
-        if head_end < 0 or end < 0:
-            raise InvalidRequest("body: a multipart part is not terminated by its boundary")
-        part = _part(body[position:head_end].decode("latin-1"), body[head_end + 4 : end])
-        if part is not None:
-            parts.setdefault(part.name, part)
-        position = end + 2 + len(delimiter)
-    return parts
+    form = _Form()
+    parser = MultipartParser(boundary, form.callbacks())
+    try:
+        parser.write(body)
+    except MultipartParseError as exc:
+        raise InvalidRequest(
+            f"body: not the multipart form its boundary delimits ({exc})"
+        ) from None
+    if parser.state != MultipartState.END:
+        raise InvalidRequest("body: the multipart form does not end with its closing boundary")
+    return form.parts
 
 
-def _part(head: str, data: bytes) -> FormPart | None:
-    for line in head.split("\r\n"):
-        name, _, value = line.partition(":")
-        if name.strip().lower() == "content-disposition":
-            field = _param(value, "name")
-            return None if field is None else FormPart(field, _param(value, "filename"), data)
-    return None
+class _Form:
+    """What python-multipart's callbacks report, gathered into parts."""
 
+    def __init__(self) -> None:
+        self.parts: dict[str, FormPart] = {}
+        self._headers: dict[bytes, bytes] = {}
+        self._field = bytearray()
+        self._value = bytearray()
+        self._data: list[bytes] = []
 
-def _param(header: str, wanted: str) -> str | None:
-    """A parameter of a header value (``name="file"``), unquoted."""
-    for item in header.split(";"):
-        key, eq, value = item.strip().partition("=")
-        if eq and key.strip().lower() == wanted:
-            value = value.strip()
-            if len(value) >= 2 and value[0] == value[-1] == '"':
-                value = value[1:-1].replace('\\"', '"')
-            return value
-    return None
+    def callbacks(self) -> Any:
+        return {
+            "on_part_begin": self._begin,
+            "on_header_field": lambda data, start, end: self._field.extend(data[start:end]),
+            "on_header_value": lambda data, start, end: self._value.extend(data[start:end]),
+            "on_header_end": self._header_end,
+            "on_part_data": lambda data, start, end: self._data.append(data[start:end]),
+            "on_part_end": self._end,
+        }
+
+    def _begin(self) -> None:
+        self._headers.clear()
+        self._data.clear()
+
+    def _header_end(self) -> None:
+        self._headers[bytes(self._field).strip().lower()] = bytes(self._value).strip()
+        self._field.clear()
+        self._value.clear()
+
+    def _end(self) -> None:
+        disposition = self._headers.get(b"content-disposition")
+        if disposition is None:
+            return
+        _, options = parse_options_header(disposition)
+        name = options.get(b"name")
+        if name is None:
+            return
+        filename = options.get(b"filename")
+        key = name.decode("utf-8", "replace")
+        part = FormPart(key, None if filename is None else filename.decode("utf-8", "replace"),
+                        b"".join(self._data))  # fmt: skip
+        self.parts.setdefault(key, part)
 
 
 def upload_parts(content_type: bytes | None, body: bytes) -> tuple[FormPart, str]:
