@@ -119,11 +119,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if settle:
             self._settle()
 
-    @precondition(lambda self: any(not t.done() for t, _ in self.tasks.values()))
+    # Any sequence submitted, finished or not: which ones the engine's thread has finished
+    # by now is timing, and hypothesis needs each rule's draws and preconditions to be the
+    # same when it replays a case (a finished one's cancel changes nothing).
+    @precondition(lambda self: bool(self.tasks))
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
-        running = sorted(i for i, (t, _) in self.tasks.items() if not t.done())
-        ident = data.draw(st.sampled_from(running))
+        ident = data.draw(st.sampled_from(sorted(self.tasks)))
         self.tasks[ident][0].cancel()
         self.cancelled.add(ident)
         self.loop.run_until_complete(asyncio.sleep(0.01))
