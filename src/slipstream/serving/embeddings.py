@@ -244,6 +244,26 @@ def token_ids(tokenizer: Any, inputs: list[str | list[int]]) -> list[list[int]]:
     return ids
 
 
+async def text_model_config(
+    service: InferenceService, model: str, serves: str, no_tokenizer: str
+) -> ModelConfig:
+    """The config of a V2 text model for a scoring or classifying route: a generative
+    model is a 400 saying where it is served and ``serves`` (what the route takes), an
+    unknown one a 404 naming ``model``, one without a tokenizer the 400 ``no_tokenizer``."""
+    try:
+        config = await service.model_config(model)
+    except GenerativeModel:
+        raise InvalidRequest(
+            f"model: {model!r} is a generative model, served on /v1/completions and "
+            f"/v1/chat/completions; {serves} (a V2 model whose config.yaml names a tokenizer)"
+        ) from None
+    except ModelNotFound as exc:
+        raise ModelNotFound(f"model: {exc.message}") from None
+    if not config.tokenizer:
+        raise InvalidRequest(no_tokenizer)
+    return config
+
+
 def is_cross_encoder(config: ModelConfig) -> bool:
     """Whether the model answers one logit per row: its first output's last dimension is 1."""
     return bool(config.output and config.output[0].dims and config.output[0].dims[-1] == 1)

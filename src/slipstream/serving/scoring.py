@@ -29,8 +29,14 @@ from typing import Any
 import numpy as np
 
 from slipstream.config import ModelConfig
-from slipstream.errors import GenerativeModel, InvalidRequest, ModelNotFound
-from slipstream.serving.embeddings import Embedder, is_cross_encoder, tokenize, unpadded
+from slipstream.errors import InvalidRequest
+from slipstream.serving.embeddings import (
+    Embedder,
+    is_cross_encoder,
+    text_model_config,
+    tokenize,
+    unpadded,
+)
 from slipstream.serving.service import InferenceService
 
 # Tokenizers kept per (model, tokenizer file, truncation): a copy costs ~30 ms to make
@@ -103,22 +109,12 @@ class Scorer:
         return Scores(_cosines(vectors[: len(firsts)], vectors[len(firsts) :]), tokens)
 
     async def _config(self, model: str) -> ModelConfig:
-        try:
-            config = await self._service.model_config(model)
-        except GenerativeModel:
-            raise InvalidRequest(
-                f"model: {model!r} is a generative model, served on /v1/completions and "
-                "/v1/chat/completions; scores come from a cross-encoder or an embedding "
-                "model (a V2 model whose config.yaml names a tokenizer)"
-            ) from None
-        except ModelNotFound as exc:
-            raise ModelNotFound(f"model: {exc.message}") from None
-        if not config.tokenizer:
-            raise InvalidRequest(
-                f"model: {model!r} is not an embedding model or a cross-encoder (its "
-                "config.yaml names no tokenizer)"
-            )
-        return config
+        return await text_model_config(
+            self._service, model,
+            "scores come from a cross-encoder or an embedding model",
+            f"model: {model!r} is not an embedding model or a cross-encoder (its config.yaml "
+            "names no tokenizer)",
+        )  # fmt: skip
 
     async def tokenizer(
         self, model: str, config: ModelConfig, truncate: int | None, pair: bool

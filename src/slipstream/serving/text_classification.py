@@ -38,9 +38,15 @@ import numpy as np
 import orjson
 
 from slipstream.config import ConfigError, ModelConfig
-from slipstream.errors import GenerativeModel, InvalidRequest, ModelNotFound, SlipstreamError
+from slipstream.errors import InvalidRequest, SlipstreamError
 from slipstream.repository.layout import contained_file, model_path
-from slipstream.serving.embeddings import Embedder, is_cross_encoder, token_ids, tokenize
+from slipstream.serving.embeddings import (
+    Embedder,
+    is_cross_encoder,
+    text_model_config,
+    token_ids,
+    tokenize,
+)
 from slipstream.serving.scoring import Scorer
 from slipstream.serving.service import InferenceService
 
@@ -132,20 +138,10 @@ class Classifier:
         return Classified(probs, labels, tokens)
 
     async def _config(self, model: str) -> ModelConfig:
-        try:
-            config = await self._service.model_config(model)
-        except GenerativeModel:
-            raise InvalidRequest(
-                f"model: {model!r} is a generative model, served on /v1/completions and "
-                "/v1/chat/completions; /classify serves text classifiers (a V2 model whose "
-                "config.yaml names a tokenizer)"
-            ) from None
-        except ModelNotFound as exc:
-            raise ModelNotFound(f"model: {exc.message}") from None
-        if not config.tokenizer:
-            raise InvalidRequest(
-                f"model: {model!r} is not a classifier: its config.yaml names no tokenizer"
-            )
+        config = await text_model_config(
+            self._service, model, "/classify serves text classifiers",
+            f"model: {model!r} is not a classifier: its config.yaml names no tokenizer",
+        )  # fmt: skip
         if not config.output:
             raise InvalidRequest(f"model: {model!r} is not a classifier: it has no output")
         return config
